@@ -1,0 +1,332 @@
+//! HuggingFace `config.json` → [`ModelConfig`], the validated runtime description of a model.
+//! Owns: parsing and checking model hyper-parameters. Must not touch weights or tokenizers.
+
+use crate::error::{Error, Result};
+use serde::Deserialize;
+use std::path::Path;
+
+/// The decoder families gridlm runs. They share one forward pass; they differ in details
+/// recorded in [`ModelConfig`] (QKV bias, sliding window).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// How RoPE frequencies are scaled for long context.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1 frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on q/k/v projections (Qwen2).
+    pub qkv_bias: bool,
+    /// Attend to at most this many previous positions (Mistral); `None` = full causal.
+    pub sliding_window: Option<usize>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
+#[derive(Deserialize)]
+struct HfConfig {
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    hidden_act: Option<String>,
+    bos_token_id: Option<serde_json::Value>,
+    eos_token_id: Option<serde_json::Value>,
+}
+
+/// Token ids appear as a number, a list of numbers, or null.
+fn token_ids(v: &Option<serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl ModelConfig {
+    /// Reads `DIR/config.json` and, when present, the EOS ids of `DIR/generation_config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let mut cfg = Self::from_json(&path, &text)?;
+        let gen_path = dir.join("generation_config.json");
+        if let Ok(gen_text) = std::fs::read_to_string(&gen_path) {
+            let gen: serde_json::Value = serde_json::from_str(&gen_text)
+                .map_err(|e| Error::file(&gen_path, format!("invalid JSON: {e}")))?;
+            for id in token_ids(&gen.get("eos_token_id").cloned()) {
+                if !cfg.eos_token_ids.contains(&id) {
+                    cfg.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// Parses and validates config text; `path` is only used in error messages.
+    pub fn from_json(path: &Path, text: &str) -> Result<Self> {
+        let bad = |msg: String| Error::file(path, msg);
+        let raw: HfConfig =
+            serde_json::from_str(text).map_err(|e| bad(format!("invalid config: {e}")))?;
+        let model_type = raw.model_type.clone().ok_or_else(|| {
+            bad("missing field `model_type` (expected one of llama, mistral, qwen2)".into())
+        })?;
+        let arch = match model_type.as_str() {
+            "llama" => Arch::Llama,
+            "mistral" => Arch::Mistral,
+            "qwen2" => Arch::Qwen2,
+            other => {
+                return Err(bad(format!(
+                    "unsupported model_type `{other}` (expected one of llama, mistral, qwen2)"
+                )))
+            }
+        };
+        if let Some(act) = &raw.hidden_act {
+            if act != "silu" {
+                return Err(bad(format!(
+                    "unsupported hidden_act `{act}` (expected silu)"
+                )));
+            }
+        }
+        let n_heads = raw.num_attention_heads;
+        let n_kv_heads = raw.num_key_value_heads.unwrap_or(n_heads);
+        let positive = [
+            ("hidden_size", raw.hidden_size),
+            ("intermediate_size", raw.intermediate_size),
+            ("num_hidden_layers", raw.num_hidden_layers),
+            ("num_attention_heads", n_heads),
+            ("num_key_value_heads", n_kv_heads),
+            ("vocab_size", raw.vocab_size),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(bad(format!("`{name}` is 0 (expected a positive number)")));
+            }
+        }
+        if n_heads % n_kv_heads != 0 {
+            return Err(bad(format!(
+                "num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv_heads})"
+            )));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None => {
+                if raw.hidden_size % n_heads != 0 {
+                    return Err(bad(format!(
+                        "hidden_size ({}) is not a multiple of num_attention_heads ({n_heads}) and no head_dim is given",
+                        raw.hidden_size
+                    )));
+                }
+                raw.hidden_size / n_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(bad(format!(
+                "head_dim {head_dim} must be even and positive (RoPE rotates pairs)"
+            )));
+        }
+        let rope_scaling = match &raw.rope_scaling {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
+        };
+        let sliding_window = match (arch, raw.use_sliding_window) {
+            (Arch::Qwen2, Some(true)) => {
+                return Err(bad(
+                    "use_sliding_window = true is not supported for qwen2".into()
+                ));
+            }
+            (Arch::Mistral, _) => raw.sliding_window,
+            _ => None,
+        };
+        let eos_token_ids = token_ids(&raw.eos_token_id);
+        Ok(ModelConfig {
+            arch,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            n_layers: raw.num_hidden_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab_size: raw.vocab_size,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta: raw.rope_theta.unwrap_or(10000.0),
+            rope_scaling,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
+            sliding_window,
+            bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
+            eos_token_ids,
+        })
+    }
+
+    /// RoPE inverse frequencies, one per rotated pair, with any scaling applied.
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim as f64;
+        (0..self.head_dim / 2)
+            .map(|i| {
+                let f = 1.0 / self.rope_theta.powf(2.0 * i as f64 / d);
+                match &self.rope_scaling {
+                    None => f,
+                    Some(RopeScaling::Linear { factor }) => f / factor,
+                    Some(RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position_embeddings: old,
+                    }) => {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < old / high_freq_factor {
+                            f
+                        } else if wavelen > old / low_freq_factor {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    }
+                }
+            })
+            .collect()
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling, String> {
+    let kind = v
+        .get("rope_type")
+        .or_else(|| v.get("type"))
+        .and_then(|t| t.as_str())
+        .ok_or("rope_scaling has no `rope_type`")?;
+    let num = |k: &str| {
+        v.get(k).and_then(|x| x.as_f64()).ok_or(format!(
+            "rope_scaling of type `{kind}` lacks the number `{k}`"
+        ))
+    };
+    match kind {
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        }),
+        other => Err(format!(
+            "unsupported rope_scaling type `{other}` (expected linear or llama3)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json(Path::new("config.json"), text)
+    }
+
+    const BASE: &str = r#"{"model_type":"llama","hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100}"#;
+
+    #[test]
+    fn defaults_and_head_dim() {
+        let c = parse(BASE).unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.rope_theta, 10000.0);
+        assert!(!c.tie_word_embeddings);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = parse(r#"{"model_type":"gpt9","hidden_size":1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hidden_size") || e.contains("gpt9"), "{e}");
+        let e = parse(&BASE.replace("llama", "bert"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unsupported model_type `bert`"), "{e}");
+        let e = parse(&BASE.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3"))
+            .unwrap_err();
+        assert!(e.to_string().contains("not a multiple"), "{e}");
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_freqs() {
+        let text = BASE.replace(
+            "\"vocab_size\":100",
+            r#""vocab_size":100,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+               "high_freq_factor":4.0,"original_max_position_embeddings":8192}"#,
+        );
+        let c = parse(&text).unwrap();
+        let f = c.rope_inv_freq();
+        assert_eq!(f[0], 1.0);
+        let unscaled = 1.0 / 10000f64.powf(2.0 * 7.0 / 16.0);
+        assert!((f[7] - unscaled / 8.0).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,172 @@
+//! The rank grid: world rank → (stage, tp rank), and which layers, heads, FFN columns and
+//! vocabulary rows each rank holds. Pure arithmetic; knows nothing about MPI or weights.
+//!
+//! ```text
+//! world ranks (pp=2, tp=2)          stage = rank / tp, tp_rank = rank % tp
+//!   stage 0:  rank 0 (driver)  rank 1      embedding (vocab-split), layers [0, L/2)
+//!               |  send/recv     |
+//!   stage 1:  rank 2           rank 3      layers [L/2, L), final norm, lm_head (vocab-split)
+//! ```
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use std::ops::Range;
+
+/// FFN column ranges are multiples of this (the widest SIMD register in f32 lanes).
+pub const FFN_ALIGN: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grid {
+    pub pp: usize,
+    pub tp: usize,
+    pub rank: usize,
+}
+
+impl Grid {
+    pub fn new(pp: usize, tp: usize, rank: usize, world_size: usize) -> Result<Self> {
+        if pp == 0 || tp == 0 {
+            return Err(Error::Input(format!(
+                "invalid grid --pp {pp} --tp {tp}: both must be at least 1"
+            )));
+        }
+        if pp * tp != world_size {
+            return Err(Error::Input(format!(
+                "invalid grid: --pp {pp} × --tp {tp} = {} ranks, but the job has {world_size} ranks",
+                pp * tp
+            )));
+        }
+        Ok(Grid { pp, tp, rank })
+    }
+    pub fn single() -> Self {
+        Grid {
+            pp: 1,
+            tp: 1,
+            rank: 0,
+        }
+    }
+    pub fn stage(&self) -> usize {
+        self.rank / self.tp
+    }
+    pub fn tp_rank(&self) -> usize {
+        self.rank % self.tp
+    }
+    pub fn is_first_stage(&self) -> bool {
+        self.stage() == 0
+    }
+    pub fn is_last_stage(&self) -> bool {
+        self.stage() + 1 == self.pp
+    }
+    /// World rank of (stage, tp_rank).
+    pub fn rank_of(&self, stage: usize, tp_rank: usize) -> usize {
+        stage * self.tp + tp_rank
+    }
+}
+
+/// Part `i` of `n` items split into `parts` contiguous ranges as evenly as possible; the first
+/// `n % parts` ranges get one more.
+pub fn split_even(n: usize, parts: usize, i: usize) -> Range<usize> {
+    let base = n / parts;
+    let extra = n % parts;
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+/// Like [`split_even`] but in whole blocks of `align` (the last block may be short).
+pub fn split_aligned(n: usize, parts: usize, i: usize, align: usize) -> Range<usize> {
+    let blocks = split_even(n.div_ceil(align), parts, i);
+    (blocks.start * align).min(n)..(blocks.end * align).min(n)
+}
+
+/// Everything one rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPlan {
+    pub layers: Range<usize>,
+    pub q_heads: Range<usize>,
+    pub kv_heads: Range<usize>,
+    pub ffn: Range<usize>,
+    pub vocab: Range<usize>,
+    pub first_stage: bool,
+    pub last_stage: bool,
+}
+
+impl ShardPlan {
+    /// `layer_split`: explicit layers per stage (must sum to the layer count), else even.
+    pub fn new(cfg: &ModelConfig, grid: &Grid, layer_split: Option<&[usize]>) -> Result<Self> {
+        if grid.tp > cfg.n_heads {
+            return Err(Error::Input(format!(
+                "invalid grid: --tp {} exceeds the model's {} attention heads",
+                grid.tp, cfg.n_heads
+            )));
+        }
+        if grid.pp > cfg.n_layers {
+            return Err(Error::Input(format!(
+                "invalid grid: --pp {} exceeds the model's {} layers",
+                grid.pp, cfg.n_layers
+            )));
+        }
+        let stage = grid.stage();
+        let layers = match layer_split {
+            Some(split) => {
+                if split.len() != grid.pp
+                    || split.iter().sum::<usize>() != cfg.n_layers
+                    || split.contains(&0)
+                {
+                    return Err(Error::Input(format!(
+                        "invalid --layers {split:?}: expected {} positive counts summing to {} layers",
+                        grid.pp, cfg.n_layers
+                    )));
+                }
+                let start: usize = split[..stage].iter().sum();
+                start..start + split[stage]
+            }
+            None => split_even(cfg.n_layers, grid.pp, stage),
+        };
+        let t = grid.tp_rank();
+        let q_heads = split_even(cfg.n_heads, grid.tp, t);
+        let group = cfg.n_heads / cfg.n_kv_heads;
+        let kv_heads = q_heads.start / group..(q_heads.end - 1) / group + 1;
+        Ok(ShardPlan {
+            layers,
+            q_heads,
+            kv_heads,
+            ffn: split_aligned(cfg.intermediate_size, grid.tp, t, FFN_ALIGN),
+            vocab: split_aligned(cfg.vocab_size, grid.tp, t, FFN_ALIGN),
+            first_stage: grid.is_first_stage(),
+            last_stage: grid.is_last_stage(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_and_uneven_splits() {
+        assert_eq!(split_even(9, 2, 0), 0..5);
+        assert_eq!(split_even(9, 2, 1), 5..9);
+        assert_eq!(split_even(30, 3, 2), 20..30);
+        assert_eq!(split_aligned(1536, 3, 2, 16), 1024..1536);
+        assert_eq!(split_aligned(100, 2, 1, 16), 64..100);
+        let covered: usize = (0..7).map(|i| split_aligned(49152, 7, i, 16).len()).sum();
+        assert_eq!(covered, 49152);
+    }
+
+    #[test]
+    fn kv_heads_follow_q_heads() {
+        let cfg = crate::config::ModelConfig::from_json(
+            std::path::Path::new("c"),
+            r#"{"model_type":"llama","hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,
+                "num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152}"#,
+        )
+        .unwrap();
+        let p0 = ShardPlan::new(&cfg, &Grid::new(1, 2, 0, 2).unwrap(), None).unwrap();
+        let p1 = ShardPlan::new(&cfg, &Grid::new(1, 2, 1, 2).unwrap(), None).unwrap();
+        assert_eq!((p0.q_heads.clone(), p0.kv_heads.clone()), (0..5, 0..2));
+        assert_eq!((p1.q_heads.clone(), p1.kv_heads.clone()), (5..9, 1..3));
+        assert!(Grid::new(2, 2, 0, 3).is_err());
+        assert!(ShardPlan::new(&cfg, &Grid::new(1, 10, 0, 10).unwrap(), None).is_err());
+        let split = ShardPlan::new(&cfg, &Grid::new(2, 1, 1, 2).unwrap(), Some(&[16, 14])).unwrap();
+        assert_eq!(split.layers, 16..30);
+    }
+}

@@ -1,0 +1,361 @@
+//! Compute kernels: pure functions on slices. Owns: arithmetic of one rank. Must not know about
+//! MPI, the grid or the model's structure. Parallel kernels use the rayon pool they are called
+//! from (the engine runs each whole step inside one pool).
+
+pub mod dot;
+
+use crate::weights::{Data, Mat};
+use rayon::prelude::*;
+
+/// A pointer that may be shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every user writes a disjoint set of indices, so no element is written twice at once.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+impl SharedOut {
+    fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
+/// `[n_tok, w.rows]`. Parallel over blocks of rows, so each weight row is read once per call.
+pub fn matmul(w: &Mat, x: &[f32], n_tok: usize, out: &mut [f32]) {
+    assert_eq!(x.len(), n_tok * w.cols, "matmul: input length");
+    assert_eq!(out.len(), n_tok * w.rows, "matmul: output length");
+    match &w.data {
+        Data::F32(d) => matmul_t(d, w.rows, w.cols, x, n_tok, out),
+        Data::BF16(d) => matmul_t(d, w.rows, w.cols, x, n_tok, out),
+        Data::F16(d) => matmul_t(d, w.rows, w.cols, x, n_tok, out),
+    }
+}
+
+fn matmul_t<T: dot::Elem + dot::Avx2Load>(
+    w: &[T],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tok: usize,
+    out: &mut [f32],
+) {
+    let isa = dot::detect();
+    let threads = rayon::current_num_threads().max(1);
+    // Blocks of rows, a multiple of 4, about 8 per thread, no fewer than 16 rows.
+    let block = (rows.div_ceil(threads * 8)).next_multiple_of(4).max(16);
+    let n_blocks = rows.div_ceil(block);
+    let shared = SharedOut(out.as_mut_ptr());
+    let run = |b: usize| {
+        let r0 = b * block;
+        let r1 = (r0 + block).min(rows);
+        let mut tmp = [0.0f32; 64];
+        for t in 0..n_tok {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let mut r = r0;
+            while r < r1 {
+                let n = (r1 - r).min(tmp.len());
+                dot::dot_rows(&w[r * cols..(r + n) * cols], cols, xt, &mut tmp[..n], isa);
+                // SAFETY: rows [r, r+n) of token t belong to this block only, and t*rows + r + n
+                // <= n_tok*rows = out.len().
+                unsafe {
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), shared.ptr().add(t * rows + r), n);
+                }
+                r += n;
+            }
+        }
+    };
+    if n_blocks == 1 {
+        run(0);
+    } else {
+        (0..n_blocks).into_par_iter().for_each(run);
+    }
+}
+
+/// RMSNorm of each `w.len()`-sized row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+            *o = v * inv * g;
+        }
+    }
+}
+
+/// Rotates each head of `x` (`n_heads × head_dim`) in place by the HF "rotate half" rule:
+/// pairs are `(i, i + head_dim/2)`, with `cos`/`sin` of length `head_dim/2` for this position.
+pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for h in x.chunks_exact_mut(head_dim) {
+        let (a, b) = h.split_at_mut(half);
+        for i in 0..half {
+            let (x0, x1) = (a[i], b[i]);
+            a[i] = x0 * cos[i] - x1 * sin[i];
+            b[i] = x1 * cos[i] + x0 * sin[i];
+        }
+    }
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// In-place softmax.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Attention of one query head over `n_keys` cached keys/values (each `head_dim` long,
+/// contiguous): `out = softmax(q·Kᵀ · scale) · V`. `scores` is scratch of at least `n_keys`.
+pub fn attend(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    n_keys: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let isa = dot::detect();
+    let s = &mut scores[..n_keys];
+    dot::dot_rows(&keys[..n_keys * hd], hd, q, s, isa);
+    s.iter_mut().for_each(|v| *v *= scale);
+    softmax(s);
+    out.fill(0.0);
+    for (p, &a) in s.iter().enumerate() {
+        let v = &values[p * hd..(p + 1) * hd];
+        for (o, &vv) in out.iter_mut().zip(v) {
+            *o += a * vv;
+        }
+    }
+}
+
+/// Index and value of the largest element; the lowest index wins a tie. NaN never wins.
+pub fn argmax(x: &[f32]) -> (usize, f32) {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, &v) in x.iter().enumerate() {
+        if v > best.1 {
+            best = (i, v);
+        }
+    }
+    best
+}
+
+/// A mutable slice that parallel tasks may write through, each to its own disjoint ranges.
+pub struct SharedSlice {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: users promise (via the unsafe `range`) that concurrent ranges are disjoint.
+unsafe impl Send for SharedSlice {}
+unsafe impl Sync for SharedSlice {}
+
+impl SharedSlice {
+    pub fn new(s: &mut [f32]) -> Self {
+        SharedSlice {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
+    }
+    /// # Safety
+    /// No other live reference may overlap `start..start+len`.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn range(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start + len <= self.len, "SharedSlice range out of bounds");
+        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::DType;
+    use half::{bf16, f16};
+
+    /// Deterministic pseudo-random values in [-1, 1).
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn naive_matmul(w: &[f64], rows: usize, cols: usize, x: &[f32], n_tok: usize) -> Vec<f64> {
+        let mut out = vec![0.0; n_tok * rows];
+        for t in 0..n_tok {
+            for r in 0..rows {
+                out[t * rows + r] = (0..cols)
+                    .map(|c| w[r * cols + c] * x[t * cols + c] as f64)
+                    .sum();
+            }
+        }
+        out
+    }
+
+    fn check_matmul(dtype: DType, rows: usize, cols: usize, n_tok: usize) {
+        let wf = rand_vec(rows * cols, (rows * 31 + cols) as u64);
+        let data = Data::F32(wf).cast(dtype);
+        let w64: Vec<f64> = data.to_f32_vec().iter().map(|&v| v as f64).collect();
+        let w = Mat { rows, cols, data };
+        let x = rand_vec(n_tok * cols, 7);
+        let want = naive_matmul(&w64, rows, cols, &x, n_tok);
+        let mut got = vec![0.0; n_tok * rows];
+        matmul(&w, &x, n_tok, &mut got);
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            let tol = 1e-5 * (cols as f64).sqrt() + 1e-6 * e.abs();
+            assert!(
+                (*g as f64 - e).abs() <= tol,
+                "{dtype:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn matmul_all_dtypes_odd_sizes() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                for &(rows, cols) in &[
+                    (1, 1),
+                    (3, 7),
+                    (5, 8),
+                    (17, 33),
+                    (64, 64),
+                    (130, 577),
+                    (1000, 96),
+                ] {
+                    for n_tok in [1, 3] {
+                        check_matmul(dtype, rows, cols, n_tok);
+                    }
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn portable_and_simd_agree_bitwise_close() {
+        let cols = 203;
+        let w: Vec<bf16> = rand_vec(4 * cols, 3)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let h: Vec<f16> = rand_vec(4 * cols, 4)
+            .into_iter()
+            .map(f16::from_f32)
+            .collect();
+        let x = rand_vec(cols, 5);
+        for isa in [dot::Isa::Portable, dot::detect()] {
+            let mut a = [0.0; 4];
+            dot::dot_rows(&w, cols, &x, &mut a, isa);
+            let mut b = [0.0; 4];
+            dot::dot_rows(&h, cols, &x, &mut b, isa);
+            for r in 0..4 {
+                let ea: f64 = (0..cols)
+                    .map(|c| w[r * cols + c].to_f64() * x[c] as f64)
+                    .sum();
+                let eb: f64 = (0..cols)
+                    .map(|c| h[r * cols + c].to_f64() * x[c] as f64)
+                    .sum();
+                assert!((a[r] as f64 - ea).abs() < 1e-4, "{isa:?} bf16 row {r}");
+                assert!((b[r] as f64 - eb).abs() < 1e-4, "{isa:?} f16 row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn rmsnorm_matches_reference() {
+        for d in [1, 7, 64, 577] {
+            let x = rand_vec(2 * d, d as u64);
+            let w = rand_vec(d, 9);
+            let mut out = vec![0.0; 2 * d];
+            rmsnorm(&x, &w, 1e-5, &mut out);
+            for t in 0..2 {
+                let xr = &x[t * d..(t + 1) * d];
+                let ms: f64 = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
+                for i in 0..d {
+                    let e = xr[i] as f64 / (ms + 1e-5).sqrt() * w[i] as f64;
+                    assert!((out[t * d + i] as f64 - e).abs() < 1e-5 * (1.0 + e.abs()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rope_rotates_half_pairs() {
+        let hd = 6;
+        let mut x = rand_vec(2 * hd, 11);
+        let orig = x.clone();
+        let angles = [0.3f64, 1.1, -2.0];
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
+        rope(&mut x, hd, &cos, &sin);
+        for h in 0..2 {
+            for i in 0..3 {
+                let (a, b) = (orig[h * hd + i] as f64, orig[h * hd + i + 3] as f64);
+                let (c, s) = (angles[i].cos(), angles[i].sin());
+                assert!((x[h * hd + i] as f64 - (a * c - b * s)).abs() < 1e-6);
+                assert!((x[h * hd + i + 3] as f64 - (b * c + a * s)).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn attend_matches_reference() {
+        for (hd, n) in [(8, 1), (64, 5), (17, 33)] {
+            let q = rand_vec(hd, 1);
+            let k = rand_vec(n * hd, 2);
+            let v = rand_vec(n * hd, 3);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let mut scores = vec![0.0; n];
+            let mut out = vec![0.0; hd];
+            attend(&q, &k, &v, n, scale, &mut scores, &mut out);
+            let s: Vec<f64> = (0..n)
+                .map(|p| {
+                    (0..hd)
+                        .map(|i| q[i] as f64 * k[p * hd + i] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for i in 0..hd {
+                let want: f64 = (0..n).map(|p| e[p] / z * v[p * hd + i] as f64).sum();
+                assert!((out[i] as f64 - want).abs() < 1e-5, "hd={hd} n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn silu_and_argmax() {
+        let mut g = vec![-2.0f32, 0.0, 3.0];
+        silu_mul(&mut g, &[1.0, 5.0, 2.0]);
+        for (got, x, u) in [(g[0], -2.0f64, 1.0), (g[1], 0.0, 5.0), (g[2], 3.0, 2.0)] {
+            assert!((got as f64 - x / (1.0 + (-x).exp()) * u).abs() < 1e-6);
+        }
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN, -1.0]), (1, 3.0));
+    }
+}

@@ -1,0 +1,138 @@
+//! Text ↔ token ids: the HF `tokenizer.json` through the `tokenizers` crate, the chat template
+//! from `tokenizer_config.json` rendered with minijinja, and streaming decode that never splits
+//! a UTF-8 character. Only the driver rank uses this.
+
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+/// A special token in tokenizer_config.json: a string or `{"content": "..."}`.
+fn token_str(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Err(Error::file(
+                &path,
+                "not found: the model folder needs a tokenizer.json",
+            ));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::file(&path, format!("invalid tokenizer: {e}")))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| Error::file(&cfg_path, format!("invalid JSON: {e}")))?,
+            Err(_) => serde_json::Value::Null,
+        };
+        Ok(Tokenizer {
+            inner,
+            path,
+            chat_template: cfg
+                .get("chat_template")
+                .and_then(|v| v.as_str())
+                .map(String::from),
+            bos_token: token_str(cfg.get("bos_token")),
+            eos_token: token_str(cfg.get("eos_token")),
+        })
+    }
+
+    /// Ids of `text`; `add_special` lets the tokenizer add BOS etc. as configured.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special)
+            .map_err(|e| Error::file(&self.path, format!("cannot encode the prompt: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::file(&self.path, format!("cannot decode tokens: {e}")))
+    }
+
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Id of the EOS token named in tokenizer_config.json.
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos_token.as_deref().and_then(|t| self.token_id(t))
+    }
+
+    /// The prompt as one user message through the model's chat template, ready for generation.
+    pub fn apply_chat_template(&self, user: &str) -> Result<String> {
+        let cfg_path = self.path.with_file_name("tokenizer_config.json");
+        let tpl = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::file(&cfg_path, "no `chat_template`: --chat needs one"))?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        let bad = |e: minijinja::Error| Error::file(&cfg_path, format!("chat_template: {e}"));
+        env.add_template("chat", tpl).map_err(bad)?;
+        let t = env.get_template("chat").map_err(bad)?;
+        t.render(minijinja::context! {
+            messages => vec![minijinja::context! { role => "user", content => user }],
+            add_generation_prompt => true,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        })
+        .map_err(bad)
+    }
+}
+
+/// Incremental detokenizer: emits text only once it forms whole characters, re-decoding a
+/// short window so byte-level tokens that split a character are joined first.
+#[derive(Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder {
+    /// Adds a token; returns the new text it completes, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            let piece = if now.starts_with(&before) {
+                now[before.len()..].to_string()
+            } else {
+                now.clone()
+            };
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(Some(piece))
+        } else {
+            Ok(None)
+        }
+    }
+}

@@ -1,0 +1,426 @@
+//! `gridlm convert`: a GGUF file → a HuggingFace-layout folder (`config.json`,
+//! `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`).
+//! The folder is written beside its destination and renamed into place at the end, so a failed
+//! conversion never leaves a half-written model behind.
+
+use super::gguf::{Gguf, Value};
+use super::DType;
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::path::Path;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
+
+/// What `convert` did, for the CLI to report.
+pub struct Summary {
+    pub n_tensors: usize,
+    pub bytes: usize,
+}
+
+pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
+    if out.exists() {
+        return Err(Error::file(
+            out,
+            "already exists; remove it or choose another --out",
+        ));
+    }
+    let g = Gguf::open(gguf_path)?;
+    let arch = meta_str(&g, "general.architecture")?.to_string();
+    if arch != "llama" && arch != "qwen2" {
+        return Err(Error::file(
+            gguf_path,
+            format!("unsupported architecture `{arch}` (expected llama or qwen2)"),
+        ));
+    }
+    let key = |k: &str| format!("{arch}.{k}");
+    let n_layers = meta_usize(&g, &key("block_count"))?;
+    let hidden = meta_usize(&g, &key("embedding_length"))?;
+    let n_heads = meta_usize(&g, &key("attention.head_count"))?;
+    let n_kv_heads = g
+        .get(&key("attention.head_count_kv"))
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+        .unwrap_or(n_heads);
+    let tokens = meta_array(&g, "tokenizer.ggml.tokens")?;
+    let vocab_size = tokens.len();
+    let head_dim = g
+        .get(&key("attention.key_length"))
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+        .unwrap_or(hidden / n_heads);
+    let embd = g.tensor("token_embd.weight").ok_or_else(|| {
+        Error::tensor(gguf_path, "token_embd.weight", "missing from the GGUF file")
+    })?;
+    if embd.shape() != [vocab_size, hidden] {
+        return Err(Error::tensor(
+            gguf_path,
+            "token_embd.weight",
+            format!("shape {:?} disagrees with the vocabulary ({vocab_size}) and embedding_length ({hidden})", embd.shape()),
+        ));
+    }
+    let tied = g.tensor("output.weight").is_none();
+    let bos = g
+        .get("tokenizer.ggml.bos_token_id")
+        .and_then(|v| v.as_u64());
+    let eos = g
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(|v| v.as_u64());
+
+    let mut config = serde_json::json!({
+        "architectures": [if arch == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": meta_usize(&g, &key("feed_forward_length"))?,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "rms_norm_eps": g.get(&key("attention.layer_norm_rms_epsilon")).and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32 as f64,
+        "rope_theta": g.get(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0),
+        "max_position_embeddings": g.get(&key("context_length")).and_then(|v| v.as_u64()).unwrap_or(2048),
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "attention_bias": arch == "qwen2",
+        "torch_dtype": match dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
+        "rope_scaling": null,
+    });
+    if let Some(b) = bos {
+        config["bos_token_id"] = b.into();
+    }
+    if let Some(e) = eos {
+        config["eos_token_id"] = e.into();
+    }
+
+    // Tensors, renamed to HF names; Q/K rows of llama GGUFs un-permuted (llama.cpp interleaves
+    // the two halves of each head for its RoPE; HF rotates halves).
+    let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for t in &g.tensors {
+        let Some(hf) = hf_name(&t.name) else {
+            if t.name == "rope_freqs.weight" {
+                return Err(Error::tensor(
+                    gguf_path,
+                    &t.name,
+                    "RoPE frequency factors are not supported",
+                ));
+            }
+            continue; // e.g. rope tables some converters add; not weights
+        };
+        let shape = t.shape();
+        let mut v = g.dequantize(t);
+        if arch == "llama" {
+            if t.name.ends_with("attn_q.weight") {
+                v = unpermute_rows(&v, n_heads, shape[1]);
+            } else if t.name.ends_with("attn_k.weight") {
+                v = unpermute_rows(&v, n_kv_heads, shape[1]);
+            }
+        }
+        // Norms and biases stay f32: tiny, and precision matters there.
+        let dt = if shape.len() == 1 { DType::F32 } else { dtype };
+        named.push((hf, shape, encode(&v, dt)));
+    }
+    let n_tensors = named.len();
+    let bytes: usize = named.iter().map(|(_, _, b)| b.len()).sum();
+
+    let tmp = out.with_file_name(format!(
+        ".{}.partial-{}",
+        out.file_name().and_then(|s| s.to_str()).unwrap_or("model"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let result = (|| -> Result<()> {
+        let views: Vec<(String, safetensors::tensor::TensorView)> = named
+            .iter()
+            .map(|(n, shape, b)| {
+                let dt = match b.len() / shape.iter().product::<usize>() {
+                    4 => safetensors::Dtype::F32,
+                    _ if dtype == DType::F16 => safetensors::Dtype::F16,
+                    _ => safetensors::Dtype::BF16,
+                };
+                let dt = if shape.len() == 1 {
+                    safetensors::Dtype::F32
+                } else {
+                    dt
+                };
+                let view = safetensors::tensor::TensorView::new(dt, shape.clone(), b)
+                    .map_err(|e| Error::tensor(gguf_path, n, format!("cannot encode: {e:?}")))?;
+                Ok((n.clone(), view))
+            })
+            .collect::<Result<_>>()?;
+        let st_path = tmp.join("model.safetensors");
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        safetensors::serialize_to_file(views, Some(meta), &st_path)
+            .map_err(|e| Error::file(&st_path, format!("cannot write: {e:?}")))?;
+        write_json(&tmp.join("config.json"), &config)?;
+        let mut gen = serde_json::json!({});
+        if let Some(b) = bos {
+            gen["bos_token_id"] = b.into();
+        }
+        if let Some(e) = eos {
+            gen["eos_token_id"] = e.into();
+        }
+        write_json(&tmp.join("generation_config.json"), &gen)?;
+        write_tokenizer(&g, &tmp)?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
+    Ok(Summary { n_tensors, bytes })
+}
+
+fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(v).map_err(|e| Error::file(path, e.to_string()))?;
+    std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+}
+
+fn meta_str<'a>(g: &'a Gguf, key: &str) -> Result<&'a str> {
+    g.get(key)
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| Error::file(&g.path, format!("missing metadata string `{key}`")))
+}
+
+fn meta_usize(g: &Gguf, key: &str) -> Result<usize> {
+    g.get(key)
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+        .ok_or_else(|| Error::file(&g.path, format!("missing metadata integer `{key}`")))
+}
+
+fn meta_array<'a>(g: &'a Gguf, key: &str) -> Result<&'a [Value]> {
+    g.get(key)
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| Error::file(&g.path, format!("missing metadata array `{key}`")))
+}
+
+/// GGUF tensor name → HF name.
+pub fn hf_name(gguf: &str) -> Option<String> {
+    match gguf {
+        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, name) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let hf = match name {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_q.bias" => "self_attn.q_proj.bias",
+        "attn_k.bias" => "self_attn.k_proj.bias",
+        "attn_v.bias" => "self_attn.v_proj.bias",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// Undoes llama.cpp's Q/K permutation. Within each head of `head_dim` rows, GGUF row `2i + j`
+/// holds HF row `j * head_dim/2 + i`.
+pub fn unpermute_rows(v: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
+    let rows = v.len() / cols;
+    let head_dim = rows / n_heads;
+    let half = head_dim / 2;
+    let mut out = vec![0.0; v.len()];
+    for h in 0..n_heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let src = h * head_dim + 2 * i + j;
+                let dst = h * head_dim + j * half + i;
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&v[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Pre-tokenizers for llama.cpp's `tokenizer.ggml.pre` names.
+fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
+    let split = |re: &str| -> Result<PreTokenizerWrapper> {
+        let s = Split::new(
+            SplitPattern::Regex(re.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| Error::file(path, format!("cannot build pre-tokenizer `{pre}`: {e}")))?;
+        Ok(Sequence::new(vec![s.into(), ByteLevel::new(false, false, false).into()]).into())
+    };
+    match pre {
+        "smollm" | "starcoder" | "refact" => {
+            Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
+        }
+        "gpt-2" | "gpt2" | "default" => Ok(ByteLevel::new(false, true, true).into()),
+        "llama-bpe" | "llama3" => split(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ),
+        "qwen2" => split(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ),
+        other => Err(Error::file(
+            path,
+            format!("unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, llama-bpe, qwen2)"),
+        )),
+    }
+}
+
+/// Builds `tokenizer.json` and `tokenizer_config.json` from the GGUF vocabulary and merges.
+fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
+    let path = &g.path;
+    let model = meta_str(g, "tokenizer.ggml.model")?;
+    if model != "gpt2" {
+        return Err(Error::file(
+            path,
+            format!("unsupported tokenizer model `{model}` (expected gpt2, a byte-level BPE)"),
+        ));
+    }
+    let tokens: Vec<&str> = meta_array(g, "tokenizer.ggml.tokens")?
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| Error::file(path, "tokenizer.ggml.tokens holds a non-string"))
+        })
+        .collect::<Result<_>>()?;
+    let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .and_then(|s| s.split_once(' '))
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| {
+                    Error::file(
+                        path,
+                        "tokenizer.ggml.merges holds an entry that is not `a b`",
+                    )
+                })
+        })
+        .collect::<Result<_>>()?;
+    let types: Vec<i64> = match g
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.as_array())
+    {
+        Some(a) => a
+            .iter()
+            .map(|v| {
+                if let Value::I64(x) = v {
+                    *x
+                } else {
+                    v.as_u64().unwrap_or(1) as i64
+                }
+            })
+            .collect(),
+        None => vec![1; tokens.len()],
+    };
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| Error::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
+    let mut tok = Tokenizer::new(bpe);
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    tok.with_pre_tokenizer(Some(pre_tokenizer(pre, path)?));
+    tok.with_decoder(Some(ByteLevel::default()));
+    tok.with_post_processor(Some(ByteLevel::new(true, false, true)));
+    // Control (3) and user-defined (4) tokens are matched whole before BPE runs.
+    let added: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|(_, &t)| t == 3 || t == 4)
+        .map(|(s, &t)| AddedToken::from(s.to_string(), t == 3))
+        .collect();
+    tok.add_special_tokens(&added);
+    let tok_path = dir.join("tokenizer.json");
+    tok.save(&tok_path, false)
+        .map_err(|e| Error::file(&tok_path, format!("cannot write: {e}")))?;
+
+    let name_of = |key: &str| {
+        g.get(key)
+            .and_then(|v| v.as_u64())
+            .and_then(|i| tokens.get(i as usize))
+            .map(|s| serde_json::Value::String(s.to_string()))
+            .unwrap_or(serde_json::Value::Null)
+    };
+    let mut cfg = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name_of("tokenizer.ggml.bos_token_id"),
+        "eos_token": name_of("tokenizer.ggml.eos_token_id"),
+        "unk_token": name_of("tokenizer.ggml.unknown_token_id"),
+        "pad_token": name_of("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+        "model_max_length": g.get(&format!("{}.context_length", meta_str(g, "general.architecture")?)).and_then(|v| v.as_u64()).unwrap_or(2048),
+    });
+    if let Some(t) = g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
+        cfg["chat_template"] = t.into();
+    }
+    write_json(&dir.join("tokenizer_config.json"), &cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permutation() {
+        // llama.cpp: reshape(n_head, 2, hd/2, cols).swapaxes(1, 2)
+        let (n_heads, hd, cols) = (3, 8, 2);
+        let hf: Vec<f32> = (0..n_heads * hd * cols).map(|x| x as f32).collect();
+        let mut gg = vec![0.0; hf.len()];
+        for h in 0..n_heads {
+            for j in 0..2 {
+                for i in 0..hd / 2 {
+                    let src = h * hd + j * hd / 2 + i;
+                    let dst = h * hd + i * 2 + j;
+                    gg[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                }
+            }
+        }
+        assert_eq!(unpermute_rows(&gg, n_heads, cols), hf);
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(
+            hf_name("blk.12.ffn_down.weight").unwrap(),
+            "model.layers.12.mlp.down_proj.weight"
+        );
+        assert_eq!(hf_name("output_norm.weight").unwrap(), "model.norm.weight");
+        assert!(hf_name("blk.x.attn_q.weight").is_none());
+    }
+}

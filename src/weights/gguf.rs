@@ -1,0 +1,399 @@
+//! A reader for GGUF files (llama.cpp's format): metadata, tensor directory, and dequantization
+//! of F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors to f32.
+
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    U64(u64),
+    I64(i64),
+    F64(f64),
+    Bool(bool),
+    Str(String),
+    Array(Vec<Value>),
+}
+
+impl Value {
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::U64(v) => Some(*v),
+            Value::I64(v) if *v >= 0 => Some(*v as u64),
+            _ => None,
+        }
+    }
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Value::F64(v) => Some(*v),
+            Value::U64(v) => Some(*v as f64),
+            Value::I64(v) => Some(*v as f64),
+            _ => None,
+        }
+    }
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Value::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// GGML tensor types gridlm can read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgmlType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl GgmlType {
+    fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+    /// (elements per block, bytes per block)
+    fn block(self) -> (usize, usize) {
+        match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::BF16 => (1, 2),
+            GgmlType::Q4_0 => (32, 18),
+            GgmlType::Q4_1 => (32, 20),
+            GgmlType::Q8_0 => (32, 34),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TensorEntry {
+    pub name: String,
+    /// GGML order: `dims[0]` is the contiguous (column) dimension.
+    pub dims: Vec<usize>,
+    pub ty: GgmlType,
+    /// Absolute byte offset in the file.
+    pub offset: usize,
+    pub n_bytes: usize,
+}
+
+impl TensorEntry {
+    pub fn n_elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+    /// Shape in row-major (HF) order: reversed GGML dims.
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().copied().collect()
+    }
+}
+
+pub struct Gguf {
+    pub path: PathBuf,
+    pub meta: HashMap<String, Value>,
+    pub tensors: Vec<TensorEntry>,
+    bytes: Vec<u8>,
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| {
+                Error::file(
+                    self.path,
+                    format!(
+                        "truncated GGUF: needs {n} bytes at offset {} of {}",
+                        self.pos,
+                        self.buf.len()
+                    ),
+                )
+            })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn len(&mut self, what: &str) -> Result<usize> {
+        let n = self.u64()?;
+        if n as usize > self.buf.len() {
+            return Err(Error::file(
+                self.path,
+                format!("corrupt GGUF: {what} length {n} exceeds the file size"),
+            ));
+        }
+        Ok(n as usize)
+    }
+    fn string(&mut self) -> Result<String> {
+        let n = self.len("string")?;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec())
+            .map_err(|_| Error::file(self.path, "corrupt GGUF: a string is not UTF-8"))
+    }
+    fn value(&mut self, ty: u32) -> Result<Value> {
+        Ok(match ty {
+            0 => Value::U64(self.take(1)?[0] as u64),
+            1 => Value::I64(self.take(1)?[0] as i8 as i64),
+            2 => {
+                let b = self.take(2)?;
+                Value::U64(u16::from_le_bytes([b[0], b[1]]) as u64)
+            }
+            3 => {
+                let b = self.take(2)?;
+                Value::I64(i16::from_le_bytes([b[0], b[1]]) as i64)
+            }
+            4 => Value::U64(self.u32()? as u64),
+            5 => Value::I64(self.u32()? as i32 as i64),
+            6 => Value::F64(f32::from_bits(self.u32()?) as f64),
+            7 => Value::Bool(self.take(1)?[0] != 0),
+            8 => Value::Str(self.string()?),
+            9 => {
+                let elem_ty = self.u32()?;
+                let n = self.len("array")?;
+                let mut v = Vec::with_capacity(n.min(1 << 20));
+                for _ in 0..n {
+                    v.push(self.value(elem_ty)?);
+                }
+                Value::Array(v)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(self.u64()? as i64),
+            12 => Value::F64(f64::from_bits(self.u64()?)),
+            other => {
+                return Err(Error::file(
+                    self.path,
+                    format!("corrupt GGUF: unknown value type {other}"),
+                ))
+            }
+        })
+    }
+}
+
+impl Gguf {
+    pub fn open(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let mut c = Cursor {
+            buf: &bytes,
+            pos: 0,
+            path,
+        };
+        if c.take(4)? != b"GGUF" {
+            return Err(Error::file(
+                path,
+                "not a GGUF file (magic bytes are not `GGUF`)",
+            ));
+        }
+        let version = c.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(Error::file(
+                path,
+                format!("unsupported GGUF version {version} (expected 2 or 3)"),
+            ));
+        }
+        let n_tensors = c.len("tensor count")?;
+        let n_kv = c.len("metadata count")?;
+        let mut meta = HashMap::new();
+        for _ in 0..n_kv {
+            let key = c.string()?;
+            let ty = c.u32()?;
+            let v = c.value(ty)?;
+            meta.insert(key, v);
+        }
+        let mut raw = Vec::with_capacity(n_tensors);
+        for _ in 0..n_tensors {
+            let name = c.string()?;
+            let n_dims = c.u32()? as usize;
+            if n_dims > 4 {
+                return Err(Error::file(
+                    path,
+                    format!("corrupt GGUF: tensor `{name}` has {n_dims} dimensions"),
+                ));
+            }
+            let mut dims = Vec::with_capacity(n_dims);
+            for _ in 0..n_dims {
+                dims.push(c.len("dimension")?);
+            }
+            let ty_id = c.u32()?;
+            let offset = c.u64()? as usize;
+            raw.push((name, dims, ty_id, offset));
+        }
+        let alignment = meta
+            .get("general.alignment")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(32) as usize;
+        let data_start = c.pos.div_ceil(alignment) * alignment;
+        let mut tensors = Vec::with_capacity(raw.len());
+        for (name, dims, ty_id, offset) in raw {
+            let ty = GgmlType::from_id(ty_id).ok_or_else(|| {
+                Error::tensor(
+                    path,
+                    &name,
+                    format!("unsupported GGML type {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"),
+                )
+            })?;
+            let n: usize = dims.iter().product();
+            let (block, block_bytes) = ty.block();
+            if n % block != 0 {
+                return Err(Error::tensor(
+                    path,
+                    &name,
+                    format!("{n} elements is not a multiple of the block size {block}"),
+                ));
+            }
+            let n_bytes = n / block * block_bytes;
+            let offset = data_start + offset;
+            if offset + n_bytes > bytes.len() {
+                return Err(Error::tensor(
+                    path,
+                    &name,
+                    format!(
+                        "data ends at byte {} beyond the end of the file ({} bytes): truncated",
+                        offset + n_bytes,
+                        bytes.len()
+                    ),
+                ));
+            }
+            tensors.push(TensorEntry {
+                name,
+                dims,
+                ty,
+                offset,
+                n_bytes,
+            });
+        }
+        Ok(Gguf {
+            path: path.to_path_buf(),
+            meta,
+            tensors,
+            bytes,
+        })
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.meta.get(key)
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Dequantizes a tensor to f32, row-major in HF order.
+    pub fn dequantize(&self, t: &TensorEntry) -> Vec<f32> {
+        dequantize(t.ty, &self.bytes[t.offset..t.offset + t.n_bytes])
+    }
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+/// Dequantizes raw GGML blocks of type `ty` to f32.
+pub fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
+    let (block, block_bytes) = ty.block();
+    let mut out = Vec::with_capacity(raw.len() / block_bytes * block);
+    match ty {
+        GgmlType::F32 => out.extend(
+            raw.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
+        GgmlType::F16 => out.extend(raw.chunks_exact(2).map(|b| f16_at(b, 0))),
+        GgmlType::BF16 => out.extend(
+            raw.chunks_exact(2)
+                .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
+        ),
+        GgmlType::Q8_0 => {
+            for b in raw.chunks_exact(block_bytes) {
+                let d = f16_at(b, 0);
+                out.extend(b[2..34].iter().map(|&q| q as i8 as f32 * d));
+            }
+        }
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            for b in raw.chunks_exact(block_bytes) {
+                let d = f16_at(b, 0);
+                let (m, qs) = if ty == GgmlType::Q4_1 {
+                    (f16_at(b, 2), &b[4..20])
+                } else {
+                    (-8.0 * d, &b[2..18])
+                };
+                // Low nibbles are elements 0..16, high nibbles 16..32.
+                out.extend(qs.iter().map(|&q| (q & 0x0F) as f32 * d + m));
+                out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f16_bytes(x: f32) -> [u8; 2] {
+        f16::from_f32(x).to_bits().to_le_bytes()
+    }
+
+    #[test]
+    fn q4_1_block_layout() {
+        let mut b = Vec::new();
+        b.extend(f16_bytes(0.5));
+        b.extend(f16_bytes(-1.0));
+        b.extend((0..16u8).map(|i| (15 - i) << 4 | i));
+        let v = dequantize(GgmlType::Q4_1, &b);
+        assert_eq!(v.len(), 32);
+        assert_eq!(v[0], -1.0);
+        assert_eq!(v[3], 0.5);
+        assert_eq!(v[16], 15.0 * 0.5 - 1.0);
+        assert_eq!(v[31], -1.0);
+    }
+
+    #[test]
+    fn q4_0_and_q8_0() {
+        let mut b = Vec::new();
+        b.extend(f16_bytes(2.0));
+        b.extend([0x8Fu8; 16]);
+        let v = dequantize(GgmlType::Q4_0, &b);
+        assert_eq!((v[0], v[16]), ((15.0 - 8.0) * 2.0, 0.0));
+        let mut b = Vec::new();
+        b.extend(f16_bytes(0.25));
+        b.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let v = dequantize(GgmlType::Q8_0, &b);
+        assert_eq!((v[0], v[31]), (-4.0, 15.0 * 0.25));
+    }
+}

@@ -1,0 +1,384 @@
+//! gridlm against an independent implementation (candle-transformers) on the real
+//! SmolLM2-135M-Instruct weights and on a random-weight Qwen2-style model.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::{llama, qwen2};
+use gridlm_reference::{argmax, generate, max_abs_diff, smollm2, Run};
+use std::path::Path;
+
+const N_TOKENS: usize = 32;
+const LOGIT_TOL: f32 = 1e-3;
+
+/// The prompts every parity check runs: plain text, code, and a chat-templated question.
+const PROMPTS: &[(&str, &[&str])] = &[
+    (
+        "plain",
+        &["--prompt", "The history of the Roman Empire began when"],
+    ),
+    (
+        "code",
+        &[
+            "--prompt",
+            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        ],
+    ),
+    (
+        "chat",
+        &[
+            "--chat",
+            "--prompt",
+            "What is the tallest mountain in the world?",
+        ],
+    ),
+];
+
+/// candle's Llama on the f32 folder: last-position logits of the prompt and `n` greedy tokens.
+fn candle_llama(dir: &Path, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Vec<Vec<f32>>) {
+    let dev = Device::Cpu;
+    let cfg: llama::LlamaConfig =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = cfg.into_config(false);
+    // SAFETY (test): the file is not modified while mapped.
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev)
+    }
+    .unwrap();
+    let model = llama::Llama::load(vb, &cfg).unwrap();
+    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+    let input = Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap();
+    let mut logits: Vec<f32> = model
+        .forward(&input, 0, &mut cache)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let prompt_logits = logits.clone();
+    let mut tokens = Vec::new();
+    let mut all = Vec::new();
+    for i in 0..n {
+        let next = argmax(&logits);
+        tokens.push(next);
+        all.push(logits.clone());
+        if i + 1 == n {
+            break;
+        }
+        let input = Tensor::new(&[next], &dev).unwrap().unsqueeze(0).unwrap();
+        logits = model
+            .forward(&input, prompt.len() + i, &mut cache)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+    }
+    (prompt_logits, tokens, all)
+}
+
+#[test]
+fn smollm2_f32_matches_candle() {
+    let dir = smollm2("f32");
+    let n = N_TOKENS.to_string();
+    for (name, args) in PROMPTS {
+        let mut a = args.to_vec();
+        a.extend(["--max-tokens", &n]);
+        let ours: Run = generate(&dir, &a);
+        let (ref_logits, ref_tokens, _) = candle_llama(&dir, &ours.prompt_ids, N_TOKENS);
+        let d = max_abs_diff(&ours.logits, &ref_logits);
+        eprintln!(
+            "{name}: {} prompt tokens, max |Δ logits| = {d:.2e}",
+            ours.prompt_ids.len()
+        );
+        assert!(
+            d <= LOGIT_TOL,
+            "{name}: last-position logits differ from candle by {d} (> {LOGIT_TOL})"
+        );
+        assert_eq!(
+            ours.token_ids, ref_tokens,
+            "{name}: greedy tokens differ from candle"
+        );
+        assert_eq!(ours.token_ids.len(), N_TOKENS);
+    }
+}
+
+#[test]
+fn smollm2_bf16_same_greedy_tokens_as_f32() {
+    let f32_dir = smollm2("f32");
+    let bf16_dir = smollm2("bf16");
+    let n = N_TOKENS.to_string();
+    for (name, args) in PROMPTS {
+        let mut a = args.to_vec();
+        a.extend(["--max-tokens", &n]);
+        let full = generate(&f32_dir, &a);
+        let half = generate(&bf16_dir, &a);
+        assert_eq!(full.prompt_ids, half.prompt_ids);
+        assert_eq!(half.json["weight_dtype"], "bf16");
+        if full.token_ids == half.token_ids {
+            continue;
+        }
+        // A divergence is acceptable only where f32 itself nearly ties: the bf16 choice must be
+        // within a small margin of the f32 winner at the first differing position.
+        let i = full
+            .token_ids
+            .iter()
+            .zip(&half.token_ids)
+            .position(|(a, b)| a != b)
+            .unwrap();
+        let (_, _, steps) = candle_llama(&f32_dir, &full.prompt_ids, i + 1);
+        let l = &steps[i];
+        let gap = l[full.token_ids[i] as usize] - l[half.token_ids[i] as usize];
+        eprintln!(
+            "{name}: bf16 diverges at token {i}; f32 logit gap between the two choices = {gap:.4}"
+        );
+        assert!(gap < 0.1, "{name}: bf16 diverges at token {i} where f32 prefers its token by {gap} (not a near-tie)");
+    }
+}
+
+/// Every tensor of the converted folder equals candle's own dequantization of the GGUF
+/// (after applying llama.cpp's Q/K row permutation to ours).
+#[test]
+fn gguf_conversion_matches_candle_dequantization() {
+    use candle_core::quantized::gguf_file;
+    let dir = smollm2("f32");
+    let gguf_path = dir
+        .parent()
+        .unwrap()
+        .join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let mut f = std::fs::File::open(&gguf_path).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let dev = Device::Cpu;
+    let ours = candle_core::safetensors::load(dir.join("model.safetensors"), &dev).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let n_heads = cfg["num_attention_heads"].as_u64().unwrap() as usize;
+    let n_kv = cfg["num_key_value_heads"].as_u64().unwrap() as usize;
+    let mut checked = 0;
+    for name in content.tensor_infos.keys() {
+        let hf = gridlm_name(name);
+        let theirs = content
+            .tensor(&mut f, name, &dev)
+            .unwrap()
+            .dequantize(&dev)
+            .unwrap();
+        let mut mine = ours
+            .get(&hf)
+            .unwrap_or_else(|| panic!("{hf} missing"))
+            .clone();
+        if name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight") {
+            let heads = if name.ends_with("attn_q.weight") {
+                n_heads
+            } else {
+                n_kv
+            };
+            let (rows, cols) = mine.dims2().unwrap();
+            // llama.cpp: reshape(heads, 2, hd/2, cols).swapaxes(1, 2)
+            mine = mine
+                .reshape((heads, 2, rows / heads / 2, cols))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((rows, cols))
+                .unwrap();
+        }
+        let a: Vec<f32> = mine.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = theirs.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(
+            max_abs_diff(&a, &b) <= 1e-6,
+            "{name} → {hf} differs from candle's dequantization"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 272);
+}
+
+fn gridlm_name(gguf: &str) -> String {
+    let fixed = [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+    ];
+    if let Some((_, hf)) = fixed.iter().find(|(g, _)| *g == gguf) {
+        return hf.to_string();
+    }
+    let rest = gguf.strip_prefix("blk.").unwrap();
+    let (layer, t) = rest.split_once('.').unwrap();
+    let hf = match t {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        other => panic!("unexpected tensor {other}"),
+    };
+    format!("model.layers.{layer}.{hf}")
+}
+
+/// Deterministic values in [-scale, scale).
+fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// Writes a small Qwen2-style model (QKV bias, untied lm_head, GQA) with random weights, a
+/// word-level tokenizer over `t0 … t{vocab-1}`, and the config both implementations read.
+pub fn write_random_qwen2(dir: &Path) {
+    let (vocab, hidden, inter, layers, heads, kv) =
+        (320usize, 64usize, 200usize, 3usize, 4usize, 2usize);
+    let hd = hidden / heads;
+    let cfg = serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "max_position_embeddings": 256, "sliding_window": 256, "max_window_layers": layers,
+        "use_sliding_window": false, "tie_word_embeddings": false, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "bos_token_id": null, "eos_token_id": 0,
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let mut seed = 1;
+    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+        seed += 1;
+        let n = shape.iter().product();
+        let v = rand_vec(n, seed, scale)
+            .into_iter()
+            .map(|x| x + offset)
+            .collect();
+        tensors.push((name, shape, v));
+    };
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![vocab, hidden],
+        1.0,
+        0.0,
+    );
+    add("lm_head.weight".into(), vec![vocab, hidden], 0.5, 0.0);
+    add("model.norm.weight".into(), vec![hidden], 0.2, 1.0);
+    for l in 0..layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let w = 1.0 / (hidden as f32).sqrt();
+        add(p("input_layernorm.weight"), vec![hidden], 0.2, 1.0);
+        add(p("post_attention_layernorm.weight"), vec![hidden], 0.2, 1.0);
+        add(
+            p("self_attn.q_proj.weight"),
+            vec![heads * hd, hidden],
+            2.0 * w,
+            0.0,
+        );
+        add(
+            p("self_attn.k_proj.weight"),
+            vec![kv * hd, hidden],
+            2.0 * w,
+            0.0,
+        );
+        add(p("self_attn.v_proj.weight"), vec![kv * hd, hidden], w, 0.0);
+        add(p("self_attn.q_proj.bias"), vec![heads * hd], 0.5, 0.0);
+        add(p("self_attn.k_proj.bias"), vec![kv * hd], 0.5, 0.0);
+        add(p("self_attn.v_proj.bias"), vec![kv * hd], 0.5, 0.0);
+        add(
+            p("self_attn.o_proj.weight"),
+            vec![hidden, heads * hd],
+            w,
+            0.0,
+        );
+        add(p("mlp.gate_proj.weight"), vec![inter, hidden], w, 0.0);
+        add(p("mlp.up_proj.weight"), vec![inter, hidden], w, 0.0);
+        add(
+            p("mlp.down_proj.weight"),
+            vec![hidden, inter],
+            1.0 / (inter as f32).sqrt(),
+            0.0,
+        );
+    }
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let vocab_map: serde_json::Map<String, serde_json::Value> = (0..vocab)
+        .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
+        .collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t1"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+}
+
+#[test]
+fn random_qwen2_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    write_random_qwen2(dir);
+    let ours = generate(
+        dir,
+        &[
+            "--prompt",
+            "t5 t17 t42 t3 t99 t250 t7",
+            "--max-tokens",
+            "32",
+        ],
+    );
+    assert_eq!(ours.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
+
+    let dev = Device::Cpu;
+    let cfg: qwen2::Config =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    // SAFETY (test): the file is not modified while mapped.
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev)
+    }
+    .unwrap();
+    let mut model = qwen2::ModelForCausalLM::new(&cfg, vb).unwrap();
+    let run = |model: &mut qwen2::ModelForCausalLM, ids: &[u32], pos: usize| -> Vec<f32> {
+        let input = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
+        model
+            .forward(&input, pos)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let mut logits = run(&mut model, &ours.prompt_ids, 0);
+    let d = max_abs_diff(&ours.logits, &logits);
+    eprintln!("random qwen2: max |Δ logits| = {d:.2e}");
+    assert!(
+        d <= LOGIT_TOL,
+        "random qwen2: logits differ from candle by {d}"
+    );
+    let mut tokens = Vec::new();
+    for i in 0..32 {
+        let next = argmax(&logits);
+        tokens.push(next);
+        if i < 31 {
+            logits = run(&mut model, &[next], ours.prompt_ids.len() + i);
+        }
+    }
+    assert_eq!(
+        ours.token_ids, tokens,
+        "random qwen2: greedy tokens differ from candle"
+    );
+}
