@@ -122,3 +122,189 @@ pub fn argmax(v: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// Deterministic values in [-scale, scale).
+pub fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// A small random-weight model written as a HuggingFace folder: `config.json`,
+/// `model.safetensors` (f32) and a word-level `tokenizer.json` over `t0 … t{vocab-1}`.
+#[derive(Clone, Debug)]
+pub struct TinyModel {
+    pub model_type: &'static str,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub tied: bool,
+    pub max_pos: usize,
+}
+
+impl TinyModel {
+    /// Qwen2-style: QKV bias, untied lm_head, GQA, an FFN width that is no multiple of 16.
+    pub fn qwen2() -> Self {
+        TinyModel {
+            model_type: "qwen2",
+            vocab: 320,
+            hidden: 64,
+            inter: 200,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            tied: false,
+            max_pos: 256,
+        }
+    }
+    /// Llama-style with tied embeddings and uneven heads (6 heads, 3 KV heads).
+    pub fn llama() -> Self {
+        TinyModel {
+            model_type: "llama",
+            vocab: 300,
+            hidden: 48,
+            inter: 100,
+            layers: 4,
+            heads: 6,
+            kv_heads: 3,
+            tied: true,
+            max_pos: 128,
+        }
+    }
+
+    pub fn config(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": [if self.model_type == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.inter,
+            "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "max_position_embeddings": self.max_pos,
+            "sliding_window": self.max_pos, "max_window_layers": self.layers, "use_sliding_window": false,
+            "tie_word_embeddings": self.tied, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+            "hidden_act": "silu", "bos_token_id": null, "eos_token_id": 0,
+        })
+    }
+
+    /// Tensors by HF name: (name, shape, values).
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let (h, hd) = (self.hidden, self.hidden / self.heads);
+        let mut out = Vec::new();
+        let mut seed = 1;
+        let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+            seed += 1;
+            let n = shape.iter().product();
+            let v = rand_vec(n, seed, scale)
+                .into_iter()
+                .map(|x| x + offset)
+                .collect();
+            out.push((name, shape, v));
+        };
+        add(
+            "model.embed_tokens.weight".into(),
+            vec![self.vocab, h],
+            1.0,
+            0.0,
+        );
+        if !self.tied {
+            add("lm_head.weight".into(), vec![self.vocab, h], 0.5, 0.0);
+        }
+        add("model.norm.weight".into(), vec![h], 0.2, 1.0);
+        let w = 1.0 / (h as f32).sqrt();
+        for l in 0..self.layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            add(p("input_layernorm.weight"), vec![h], 0.2, 1.0);
+            add(p("post_attention_layernorm.weight"), vec![h], 0.2, 1.0);
+            add(
+                p("self_attn.q_proj.weight"),
+                vec![self.heads * hd, h],
+                2.0 * w,
+                0.0,
+            );
+            add(
+                p("self_attn.k_proj.weight"),
+                vec![self.kv_heads * hd, h],
+                2.0 * w,
+                0.0,
+            );
+            add(
+                p("self_attn.v_proj.weight"),
+                vec![self.kv_heads * hd, h],
+                w,
+                0.0,
+            );
+            if self.model_type == "qwen2" {
+                add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
+                add(
+                    p("self_attn.k_proj.bias"),
+                    vec![self.kv_heads * hd],
+                    0.5,
+                    0.0,
+                );
+                add(
+                    p("self_attn.v_proj.bias"),
+                    vec![self.kv_heads * hd],
+                    0.5,
+                    0.0,
+                );
+            }
+            add(
+                p("self_attn.o_proj.weight"),
+                vec![h, self.heads * hd],
+                w,
+                0.0,
+            );
+            add(p("mlp.gate_proj.weight"), vec![self.inter, h], w, 0.0);
+            add(p("mlp.up_proj.weight"), vec![self.inter, h], w, 0.0);
+            add(
+                p("mlp.down_proj.weight"),
+                vec![h, self.inter],
+                1.0 / (self.inter as f32).sqrt(),
+                0.0,
+            );
+        }
+        out
+    }
+
+    /// Writes the whole folder into `dir`.
+    pub fn write(&self, dir: &Path) {
+        std::fs::write(dir.join("config.json"), self.config().to_string())
+            .expect("write config.json");
+        write_safetensors(&dir.join("model.safetensors"), &self.tensors());
+        let vocab_map: serde_json::Map<String, serde_json::Value> = (0..self.vocab)
+            .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
+            .collect();
+        let tok = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t1"},
+        });
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
+    }
+}
+
+/// Writes f32 tensors to a safetensors file.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .expect("tensor view");
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("write safetensors");
+}

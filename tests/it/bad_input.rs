@@ -1,0 +1,242 @@
+//! Bad input: one clear error line naming the file or tensor and what was expected, exit 1.
+
+use super::*;
+
+fn generate_on(dir: &Path, prompt: &str) -> Output {
+    gridlm(&[
+        "generate",
+        "--model",
+        path_str(dir),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        "2",
+    ])
+}
+
+#[test]
+fn missing_config() {
+    let (_t, dir) = tiny_llama();
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    assert_one_line_error(&generate_on(&dir, "t1"), &["config.json", "No such file"]);
+}
+
+#[test]
+fn malformed_config() {
+    let (_t, dir) = tiny_llama();
+    std::fs::write(
+        dir.join("config.json"),
+        "{\"model_type\": \"llama\", \"hidden_size\": 4,",
+    )
+    .unwrap();
+    assert_one_line_error(&generate_on(&dir, "t1"), &["config.json", "invalid config"]);
+    let mut cfg = gridlm_reference::TinyModel::llama().config();
+    cfg.as_object_mut().unwrap().remove("num_attention_heads");
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &["config.json", "missing field `num_attention_heads`"],
+    );
+}
+
+#[test]
+fn unknown_model_type() {
+    let (_t, dir) = tiny_llama();
+    let mut cfg = gridlm_reference::TinyModel::llama().config();
+    cfg["model_type"] = "gpt_neox".into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &[
+            "config.json",
+            "unsupported model_type `gpt_neox`",
+            "llama, mistral, qwen2",
+        ],
+    );
+}
+
+#[test]
+fn truncated_safetensors() {
+    let (_t, dir) = tiny_llama();
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 1000]).unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &["model.safetensors", "truncated or corrupt"],
+    );
+}
+
+#[test]
+fn corrupt_safetensors_header() {
+    let (_t, dir) = tiny_llama();
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[8..40].copy_from_slice(&[b'#'; 32]);
+    std::fs::write(&path, &bytes).unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &["model.safetensors", "truncated or corrupt"],
+    );
+    // A header length larger than the file.
+    bytes[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &["model.safetensors", "truncated or corrupt"],
+    );
+}
+
+#[test]
+fn tensor_shape_disagrees_with_config() {
+    let (_t, dir) = tiny_llama();
+    let mut cfg = gridlm_reference::TinyModel::llama().config();
+    cfg["intermediate_size"] = 112.into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &[
+            "model.safetensors",
+            "tensor `model.layers.0.mlp.gate_proj.weight`",
+            "[100, 48]",
+            "expected [112, 48]",
+        ],
+    );
+}
+
+#[test]
+fn missing_tensor() {
+    let (_t, dir) = tiny_llama();
+    let tensors: Vec<_> = gridlm_reference::TinyModel::llama()
+        .tensors()
+        .into_iter()
+        .filter(|(n, _, _)| n != "model.layers.2.self_attn.v_proj.weight")
+        .collect();
+    gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &tensors);
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &[
+            "model.safetensors",
+            "tensor `model.layers.2.self_attn.v_proj.weight`",
+            "missing",
+        ],
+    );
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let (_t, dir) = tiny_llama();
+    let prompt: Vec<String> = (0..130).map(|i| format!("t{}", i % 300)).collect();
+    assert_one_line_error(
+        &generate_on(&dir, &prompt.join(" ")),
+        &[
+            "prompt has 130 tokens",
+            "context holds 128",
+            "max_position_embeddings",
+        ],
+    );
+}
+
+#[test]
+fn missing_tokenizer() {
+    let (_t, dir) = tiny_llama();
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    assert_one_line_error(&generate_on(&dir, "t1"), &["tokenizer.json", "not found"]);
+}
+
+#[test]
+fn corrupt_tokenizer() {
+    let (_t, dir) = tiny_llama();
+    std::fs::write(dir.join("tokenizer.json"), "{\"model\": 5}").unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &["tokenizer.json", "invalid tokenizer"],
+    );
+}
+
+#[test]
+fn chat_without_template() {
+    let (_t, dir) = tiny_llama();
+    let out = gridlm(&[
+        "generate",
+        "--model",
+        path_str(&dir),
+        "--prompt",
+        "t1",
+        "--chat",
+    ]);
+    assert_one_line_error(&out, &["tokenizer_config.json", "chat_template"]);
+}
+
+#[test]
+fn missing_model_folder() {
+    let out = gridlm(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt",
+        "hi",
+    ]);
+    assert_one_line_error(&out, &["/nonexistent/model/config.json"]);
+}
+
+#[test]
+fn convert_rejects_non_gguf_and_leaves_nothing() {
+    let (tmp, dir) = tiny_llama();
+    let out_dir = tmp.path().join("converted");
+    let out = gridlm(&[
+        "convert",
+        "--gguf",
+        path_str(&dir.join("config.json")),
+        "--out",
+        path_str(&out_dir),
+    ]);
+    assert_one_line_error(&out, &["config.json", "not a GGUF file"]);
+    assert!(!out_dir.exists());
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .collect();
+    assert_eq!(
+        leftovers.len(),
+        1,
+        "convert left files behind: {leftovers:?}"
+    );
+}
+
+#[test]
+fn convert_truncated_gguf() {
+    let gguf = smollm2("f32")
+        .parent()
+        .unwrap()
+        .join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    let cut = tmp.path().join("cut.gguf");
+    let bytes = std::fs::read(&gguf).unwrap();
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let out_dir = tmp.path().join("out");
+    let out = gridlm(&[
+        "convert",
+        "--gguf",
+        path_str(&cut),
+        "--out",
+        path_str(&out_dir),
+    ]);
+    assert_one_line_error(&out, &["cut.gguf", "truncated"]);
+    assert!(!out_dir.exists());
+}
+
+#[test]
+fn zero_threads() {
+    let (_t, dir) = tiny_llama();
+    let out = gridlm(&[
+        "generate",
+        "--model",
+        path_str(&dir),
+        "--prompt",
+        "t1",
+        "--threads",
+        "0",
+    ]);
+    assert_one_line_error(&out, &["--threads"]);
+}

@@ -1,0 +1,116 @@
+//! `gridlm generate` as a user sees it: streamed text, JSON output, EOS handling.
+
+use super::*;
+
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "gridlm failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
+}
+
+#[test]
+fn json_output_has_the_documented_keys() {
+    let (_t, dir) = tiny_llama();
+    let out = gridlm(&[
+        "generate",
+        "--model",
+        path_str(&dir),
+        "--prompt",
+        "t3 t4 t5",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
+    ]);
+    let j = json_of(&out);
+    for key in [
+        "prompt_token_ids",
+        "token_ids",
+        "text",
+        "prefill_ms",
+        "decode_tokens_per_s",
+        "ranks",
+    ] {
+        assert!(j.get(key).is_some(), "missing key {key} in {j}");
+    }
+    assert_eq!(j["prompt_token_ids"], serde_json::json!([3, 4, 5]));
+    assert_eq!(j["token_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(j["finish_reason"], "length");
+    assert!(j["ranks"][0]["weight_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn streamed_text_equals_json_text() {
+    let dir = smollm2("bf16");
+    let args = [
+        "generate",
+        "--model",
+        path_str(&dir),
+        "--prompt",
+        "Write a haiku about the sea.",
+        "--chat",
+        "--max-tokens",
+        "24",
+    ];
+    let streamed = gridlm(&args);
+    assert!(
+        streamed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&streamed.stderr)
+    );
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    let j = json_of(&gridlm(&with_json));
+    let text = String::from_utf8(streamed.stdout).unwrap();
+    assert_eq!(text.trim_end_matches('\n'), j["text"].as_str().unwrap());
+    assert!(!j["text"].as_str().unwrap().is_empty());
+}
+
+#[test]
+fn eos_stops_unless_ignored() {
+    let dir = smollm2("bf16");
+    // The chat model answers briefly and ends its turn with <|im_end|> (id 2).
+    let base = [
+        "generate",
+        "--model",
+        path_str(&dir),
+        "--prompt",
+        "Say hello.",
+        "--chat",
+        "--max-tokens",
+        "200",
+        "--json",
+    ];
+    let j = json_of(&gridlm(&base));
+    let ids = j["token_ids"].as_array().unwrap();
+    assert_eq!(j["finish_reason"], "eos");
+    assert_eq!(ids.last().unwrap(), 2);
+    assert!(ids.len() < 200);
+    let mut ignore = base.to_vec();
+    ignore.push("--ignore-eos");
+    let j = json_of(&gridlm(&ignore));
+    assert_eq!(j["token_ids"].as_array().unwrap().len(), 200);
+    assert_eq!(j["finish_reason"], "length");
+}
+
+#[test]
+fn streaming_decode_keeps_multibyte_characters_whole() {
+    use gridlm::tokenizer::{StreamDecoder, Tokenizer};
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let text = "naïve café — 世界你好 🎉🚀 ok";
+    let ids = tok.encode(text, false).unwrap();
+    assert!(ids.len() > 8);
+    let mut s = StreamDecoder::default();
+    let mut pieces = Vec::new();
+    for id in ids {
+        if let Some(p) = s.push(&tok, id).unwrap() {
+            assert!(!p.contains('\u{FFFD}'), "a piece split a character: {p:?}");
+            pieces.push(p);
+        }
+    }
+    assert_eq!(pieces.concat(), text);
+}

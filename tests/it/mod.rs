@@ -1,0 +1,54 @@
+mod bad_input;
+mod generate;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gridlm"))
+}
+
+pub fn gridlm(args: &[&str]) -> Output {
+    Command::new(bin()).args(args).output().expect("run gridlm")
+}
+
+/// Asserts a failed run reported exactly one `error:` line containing every fragment, with a
+/// non-zero exit and no panic.
+#[track_caller]
+pub fn assert_one_line_error(out: &Output, fragments: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr:\n{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(1), "exit code; stderr:\n{stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "panic instead of an error:\n{stderr}"
+    );
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    for f in fragments {
+        assert!(lines[0].contains(f), "error line lacks `{f}`:\n{stderr}");
+    }
+}
+
+/// A fresh tiny Llama folder in a temp dir.
+pub fn tiny_llama() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    gridlm_reference::TinyModel::llama().write(&dir);
+    (tmp, dir)
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// The real SmolLM2 folder in `dtype`, fetched and converted on first use.
+pub fn smollm2(dtype: &str) -> PathBuf {
+    std::env::set_var("GRIDLM_BIN", bin());
+    gridlm_reference::smollm2(dtype)
+}
