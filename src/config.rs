@@ -30,12 +30,7 @@ pub enum RopeScaling {
     /// Positions divided by `factor`.
     Linear { factor: f64 },
     /// Llama 3.1 frequency-dependent scaling.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: f64,
-    },
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
 }
 
 #[derive(Debug, Clone)]
@@ -88,14 +83,8 @@ struct HfConfig {
 /// Token ids appear as a number, a list of numbers, or null.
 fn token_ids(v: &Option<serde_json::Value>) -> Vec<u32> {
     match v {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-        }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
         _ => Vec::new(),
     }
 }
@@ -122,8 +111,7 @@ impl ModelConfig {
     /// Parses and validates config text; `path` is only used in error messages.
     pub fn from_json(path: &Path, text: &str) -> Result<Self> {
         let bad = |msg: String| Error::file(path, msg);
-        let raw: HfConfig =
-            serde_json::from_str(text).map_err(|e| bad(format!("invalid config: {e}")))?;
+        let raw: HfConfig = serde_json::from_str(text).map_err(|e| bad(format!("invalid config: {e}")))?;
         let model_type = raw.model_type.clone().ok_or_else(|| {
             bad("missing field `model_type` (expected one of llama, mistral, qwen2)".into())
         })?;
@@ -139,9 +127,7 @@ impl ModelConfig {
         };
         if let Some(act) = &raw.hidden_act {
             if act != "silu" {
-                return Err(bad(format!(
-                    "unsupported hidden_act `{act}` (expected silu)"
-                )));
+                return Err(bad(format!("unsupported hidden_act `{act}` (expected silu)")));
             }
         }
         let n_heads = raw.num_attention_heads;
@@ -177,9 +163,7 @@ impl ModelConfig {
             }
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(bad(format!(
-                "head_dim {head_dim} must be even and positive (RoPE rotates pairs)"
-            )));
+            return Err(bad(format!("head_dim {head_dim} must be even and positive (RoPE rotates pairs)")));
         }
         let rope_scaling = match &raw.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
@@ -187,9 +171,7 @@ impl ModelConfig {
         };
         let sliding_window = match (arch, raw.use_sliding_window) {
             (Arch::Qwen2, Some(true)) => {
-                return Err(bad(
-                    "use_sliding_window = true is not supported for qwen2".into()
-                ));
+                return Err(bad("use_sliding_window = true is not supported for qwen2".into()));
             }
             (Arch::Mistral, _) => raw.sliding_window,
             _ => None,
@@ -237,8 +219,8 @@ impl ModelConfig {
                         } else if wavelen > old / low_freq_factor {
                             f / factor
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
+                            let smooth =
+                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     }
@@ -262,23 +244,19 @@ fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling,
         .and_then(|t| t.as_str())
         .ok_or("rope_scaling has no `rope_type`")?;
     let num = |k: &str| {
-        v.get(k).and_then(|x| x.as_f64()).ok_or(format!(
-            "rope_scaling of type `{kind}` lacks the number `{k}`"
-        ))
+        v.get(k)
+            .and_then(|x| x.as_f64())
+            .ok_or(format!("rope_scaling of type `{kind}` lacks the number `{k}`"))
     };
     match kind {
-        "linear" => Ok(RopeScaling::Linear {
-            factor: num("factor")?,
-        }),
+        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         }),
-        other => Err(format!(
-            "unsupported rope_scaling type `{other}` (expected linear or llama3)"
-        )),
+        other => Err(format!("unsupported rope_scaling type `{other}` (expected linear or llama3)")),
     }
 }
 
@@ -303,16 +281,11 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let e = parse(r#"{"model_type":"llama","hidden_size":1}"#)
-            .unwrap_err()
-            .to_string();
+        let e = parse(r#"{"model_type":"llama","hidden_size":1}"#).unwrap_err().to_string();
         assert!(e.contains("missing field `intermediate_size`"), "{e}");
-        let e = parse(&BASE.replace("llama", "bert"))
-            .unwrap_err()
-            .to_string();
+        let e = parse(&BASE.replace("llama", "bert")).unwrap_err().to_string();
         assert!(e.contains("unsupported model_type `bert`"), "{e}");
-        let e = parse(&BASE.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3"))
-            .unwrap_err();
+        let e = parse(&BASE.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3")).unwrap_err();
         assert!(e.to_string().contains("not a multiple"), "{e}");
     }
 

@@ -6,20 +6,13 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     /// A file exists but its content is wrong (bad JSON, missing field, unsupported value).
     #[error("{}: {msg}", path.display())]
     File { path: PathBuf, msg: String },
     /// A tensor is missing, has the wrong shape or dtype, or its bytes are out of range.
     #[error("{}: tensor `{tensor}`: {msg}", path.display())]
-    Tensor {
-        path: PathBuf,
-        tensor: String,
-        msg: String,
-    },
+    Tensor { path: PathBuf, tensor: String, msg: String },
     /// Bad user input that is not a file: flags, prompts, layouts.
     #[error("{0}")]
     Input(String),
@@ -32,22 +25,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.to_path_buf(),
-            source,
-        }
+        Error::Io { path: path.to_path_buf(), source }
     }
     pub fn file(path: &Path, msg: impl Into<String>) -> Self {
-        Error::File {
-            path: path.to_path_buf(),
-            msg: msg.into(),
-        }
+        Error::File { path: path.to_path_buf(), msg: msg.into() }
     }
     pub fn tensor(path: &Path, tensor: &str, msg: impl Into<String>) -> Self {
-        Error::Tensor {
-            path: path.to_path_buf(),
-            tensor: tensor.to_string(),
-            msg: msg.into(),
-        }
+        Error::Tensor { path: path.to_path_buf(), tensor: tensor.to_string(), msg: msg.into() }
     }
 }

@@ -25,9 +25,7 @@ pub struct Grid {
 impl Grid {
     pub fn new(pp: usize, tp: usize, rank: usize, world_size: usize) -> Result<Self> {
         if pp == 0 || tp == 0 {
-            return Err(Error::Input(format!(
-                "invalid grid --pp {pp} --tp {tp}: both must be at least 1"
-            )));
+            return Err(Error::Input(format!("invalid grid --pp {pp} --tp {tp}: both must be at least 1")));
         }
         if pp * tp != world_size {
             return Err(Error::Input(format!(
@@ -38,11 +36,7 @@ impl Grid {
         Ok(Grid { pp, tp, rank })
     }
     pub fn single() -> Self {
-        Grid {
-            pp: 1,
-            tp: 1,
-            rank: 0,
-        }
+        Grid { pp: 1, tp: 1, rank: 0 }
     }
     pub fn stage(&self) -> usize {
         self.rank / self.tp
@@ -107,9 +101,7 @@ impl ShardPlan {
         let stage = grid.stage();
         let layers = match layer_split {
             Some(split) => {
-                if split.len() != grid.pp
-                    || split.iter().sum::<usize>() != cfg.n_layers
-                    || split.contains(&0)
+                if split.len() != grid.pp || split.iter().sum::<usize>() != cfg.n_layers || split.contains(&0)
                 {
                     return Err(Error::Input(format!(
                         "invalid --layers {split:?}: expected {} positive counts summing to {} layers",

@@ -3,9 +3,10 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use gridlm::comm::Single;
+use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
+use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
-use gridlm::engine::{Engine, GenerateOptions};
+use gridlm::engine::{check_prompt, Engine, GenerateOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::model::Shard;
 use gridlm::tokenizer::{StreamDecoder, Tokenizer};
@@ -15,11 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(
-    name = "gridlm",
-    version,
-    about = "Run HuggingFace LLMs on CPUs over a grid of MPI ranks"
-)]
+#[command(name = "gridlm", version, about = "Run HuggingFace LLMs on CPUs over a grid of MPI ranks")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -56,6 +53,15 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// Pipeline stages (default 1).
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Tensor-parallel ranks per stage (default: the number of ranks / pp).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Layers per stage, e.g. `16,14` (default: as even as possible).
+    #[arg(long, value_delimiter = ',')]
+    layers: Option<Vec<usize>>,
     /// Write the logits of the last prompt position (f32, little-endian) to this file.
     #[arg(long, hide = true)]
     logits_out: Option<PathBuf>,
@@ -87,11 +93,19 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let _ = std::io::stdout().flush();
-            eprintln!("error: {e:#}");
+            if e.downcast_ref::<Reported>().is_none() {
+                let _ = std::io::stdout().flush();
+                error_line(&format!("{e:#}"));
+            }
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints `error: MSG` as one write, so lines from several ranks never interleave.
+fn error_line(msg: &str) {
+    let line = format!("error: {}\n", msg.replace('\n', " "));
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 fn run_convert(a: ConvertArgs) -> Result<()> {
@@ -106,11 +120,32 @@ fn run_convert(a: ConvertArgs) -> Result<()> {
     Ok(())
 }
 
-/// Cores this process may run on (its affinity mask).
+/// Kernel threads for this rank: the cores in its affinity mask when the launcher bound it to
+/// a subset, else the machine's cores shared among the ranks on this node.
 fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    let mask = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let online = std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|s| count_cpu_list(s.trim()))
+        .unwrap_or(mask);
+    if mask < online {
+        return mask;
+    }
+    let local_ranks = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(1);
+    (mask / local_ranks.max(1)).max(1)
+}
+
+/// Number of CPUs in a list such as `0-3,8,10-11`.
+fn count_cpu_list(s: &str) -> Option<usize> {
+    s.split(',')
+        .map(|part| match part.split_once('-') {
+            Some((a, b)) => Some(b.parse::<usize>().ok()? + 1 - a.parse::<usize>().ok()?),
+            None => part.parse::<usize>().ok().map(|_| 1),
+        })
+        .sum()
 }
 
 /// Resident set size of this process, from /proc.
@@ -134,30 +169,118 @@ fn write_f32_file(path: &Path, v: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// An error every rank already knows about (agreed collectively), so ranks can exit
+/// normally; any other error in a multi-rank job aborts the job so no rank waits forever.
+#[derive(Debug)]
+struct Agreed(String);
+impl std::fmt::Display for Agreed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for Agreed {}
+
+/// Collective: every rank learns whether any rank failed this phase.
+fn agree<T>(link: &dyn Link, r: gridlm::Result<T>) -> Result<T> {
+    let outcome = r.as_ref().map(|_| ()).map_err(|e| e.to_string());
+    match link.agree(outcome) {
+        Ok(()) => Ok(r.expect("agree returned Ok only when every rank, this one included, succeeded")),
+        Err(msg) => Err(Agreed(msg).into()),
+    }
+}
+
 fn generate(a: GenerateArgs) -> Result<()> {
-    let threads = a.threads.unwrap_or_else(default_threads);
-    if threads == 0 {
+    if a.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
-    let cfg = ModelConfig::from_dir(&a.model)?;
-    let tok = Tokenizer::from_dir(&a.model)?;
-    let text = if a.chat {
-        tok.apply_chat_template(&a.prompt)?
-    } else {
-        a.prompt.clone()
+    if !launched_by_mpirun() {
+        let grid = Grid::new(a.pp.unwrap_or(1), a.tp.unwrap_or(1), 0, 1)?;
+        return run_generate(&a, grid, &Single, &Single);
+    }
+    let job = MpiJob::init()?;
+    let (rank, size) = (job.rank(), job.size());
+    let pp = a.pp.unwrap_or(1);
+    let tp = a.tp.unwrap_or((size / pp.max(1)).max(1));
+    // The same arguments reach every rank, so every rank reaches the same verdict here.
+    let result = match Grid::new(pp, tp, rank, size) {
+        Ok(grid) => {
+            let (stage, link) = job.split(grid.stage(), grid.tp_rank());
+            run_generate(&a, grid, &stage, &link)
+        }
+        Err(e) => Err(Agreed(e.to_string()).into()),
     };
-    let prompt_ids = tok.encode(&text, !a.chat)?;
-    let grid = Grid::single();
-    let plan = ShardPlan::new(&cfg, &grid, None)?;
+    match result {
+        Ok(()) => Ok(()),
+        Err(e) if e.downcast_ref::<Agreed>().is_some() => {
+            // Every rank has this error: each prints it, and none exits before all have, so
+            // the launcher's clean-up cannot cut a rank off mid-message.
+            let _ = std::io::stdout().flush();
+            error_line(&format!("{e:#}"));
+            job.barrier();
+            Err(Reported.into())
+        }
+        Err(e) => {
+            let _ = std::io::stdout().flush();
+            error_line(&format!("rank {rank}: {e:#}"));
+            job.abort(1)
+        }
+    }
+}
+
+/// An error already printed by this rank.
+#[derive(Debug)]
+struct Reported;
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("reported")
+    }
+}
+impl std::error::Error for Reported {}
+
+fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+    let driver = grid.rank == 0;
+    let threads = a.threads.unwrap_or_else(default_threads);
+    // Phase 1: configuration, layout, and (driver) tokenizer and prompt.
+    let setup = (|| -> gridlm::Result<_> {
+        let cfg = ModelConfig::from_dir(&a.model)?;
+        let plan = ShardPlan::new(&cfg, &grid, a.layers.as_deref())?;
+        let prompt = if driver {
+            let tok = Tokenizer::from_dir(&a.model)?;
+            let text = if a.chat { tok.apply_chat_template(&a.prompt)? } else { a.prompt.clone() };
+            let ids = tok.encode(&text, !a.chat)?;
+            check_prompt(ids.len(), cfg.max_position_embeddings)?;
+            Some((tok, ids))
+        } else {
+            None
+        };
+        Ok((cfg, plan, prompt))
+    })();
+    let (cfg, plan, prompt) = agree(link, setup)?;
+    // Phase 2: this rank's shard. The RSS growth over loading is the memory its weights take.
+    let rss_before = rss_bytes();
     let mut eos_ids = cfg.eos_token_ids.clone();
+    let engine = Shard::load(&a.model, cfg, plan).and_then(|shard| Engine::new(shard, grid, threads));
+    let mut engine = agree(link, engine)?;
+    let weight_rss = rss_bytes().saturating_sub(rss_before);
+    let weight_bytes = engine.shard.weight_bytes();
+
+    let Some((tok, prompt_ids)) = prompt else {
+        engine.follow(comm, link)?;
+        let mine = [
+            grid.stage() as u64,
+            grid.tp_rank() as u64,
+            weight_bytes as u64,
+            rss_bytes() as u64,
+            weight_rss as u64,
+        ];
+        link.allgather_u64(&mine, &mut vec![0; 5 * link.world_size()]);
+        return Ok(());
+    };
     if let Some(id) = tok.eos_id() {
         if !eos_ids.contains(&id) {
             eos_ids.push(id);
         }
     }
-    let shard = Shard::load(&a.model, cfg, plan)?;
-    let weight_bytes = shard.weight_bytes();
-    let mut engine = Engine::new(shard, threads)?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         ignore_eos: a.ignore_eos,
@@ -167,7 +290,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut stream = StreamDecoder::default();
     let mut stdout = std::io::stdout().lock();
     let stream_text = !a.json;
-    let g = engine.generate(&prompt_ids, &opts, &Single, |id| {
+    let generated = engine.generate(&prompt_ids, &opts, comm, link, |id| {
         if stream_text {
             if let Some(piece) = stream.push(&tok, id)? {
                 let _ = stdout.write_all(piece.as_bytes());
@@ -175,12 +298,32 @@ fn generate(a: GenerateArgs) -> Result<()> {
             }
         }
         Ok(())
-    })?;
+    });
+    // Whatever happened, release the other ranks, then collect their memory figures.
+    engine.finish(comm, link)?;
+    let mine = [
+        grid.stage() as u64,
+        grid.tp_rank() as u64,
+        weight_bytes as u64,
+        rss_bytes() as u64,
+        weight_rss as u64,
+    ];
+    let mut all = vec![0; 5 * link.world_size()];
+    link.allgather_u64(&mine, &mut all);
+    let g = generated?;
     if let (Some(path), Some(l)) = (&a.logits_out, &g.prompt_logits) {
         write_f32_file(path, l)?;
     }
     let text = tok.decode(&g.token_ids)?;
     if a.json {
+        let ranks: Vec<serde_json::Value> = all
+            .chunks_exact(5)
+            .enumerate()
+            .map(|(r, v)| {
+                serde_json::json!({"rank": r, "stage": v[0], "tp": v[1], "weight_bytes": v[2],
+                    "rss_bytes": v[3], "weight_rss_bytes": v[4]})
+            })
+            .collect();
         let out = serde_json::json!({
             "prompt_token_ids": prompt_ids,
             "token_ids": g.token_ids,
@@ -188,24 +331,25 @@ fn generate(a: GenerateArgs) -> Result<()> {
             "finish_reason": g.finish,
             "prefill_ms": g.prefill_ms,
             "decode_tokens_per_s": g.decode_tokens_per_s(),
+            "pp": grid.pp,
+            "tp": grid.tp,
             "threads": engine.threads(),
             "weight_dtype": engine.shard.weight_dtype(),
-            "ranks": [{
-                "rank": 0, "stage": 0, "tp": 0,
-                "weight_bytes": weight_bytes,
-                "rss_bytes": rss_bytes(),
-            }],
+            "ranks": ranks,
         });
         writeln!(stdout, "{out}")?;
     } else {
         writeln!(stdout)?;
         eprintln!(
-            "[{} prompt tokens, {} new tokens ({:?}), prefill {:.1} ms, decode {:.1} tokens/s]",
+            "[{} prompt tokens, {} new tokens ({:?}), prefill {:.1} ms, decode {:.1} tokens/s, {} ranks ({}x{})]",
             prompt_ids.len(),
             g.token_ids.len(),
             g.finish,
             g.prefill_ms,
-            g.decode_tokens_per_s()
+            g.decode_tokens_per_s(),
+            grid.pp * grid.tp,
+            grid.pp,
+            grid.tp
         );
     }
     Ok(())

@@ -26,10 +26,7 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
-            return Err(Error::file(
-                &path,
-                "not found: the model folder needs a tokenizer.json",
-            ));
+            return Err(Error::file(&path, "not found: the model folder needs a tokenizer.json"));
         }
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::file(&path, format!("invalid tokenizer: {e}")))?;
@@ -42,10 +39,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             path,
-            chat_template: cfg
-                .get("chat_template")
-                .and_then(|v| v.as_str())
-                .map(String::from),
+            chat_template: cfg.get("chat_template").and_then(|v| v.as_str()).map(String::from),
             bos_token: token_str(cfg.get("bos_token")),
             eos_token: token_str(cfg.get("eos_token")),
         })
@@ -85,15 +79,9 @@ impl Tokenizer {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
         let bad = |e: minijinja::Error| Error::file(&cfg_path, format!("chat_template: {e}"));
         env.add_template("chat", tpl).map_err(bad)?;
         let t = env.get_template("chat").map_err(bad)?;
@@ -123,11 +111,7 @@ impl StreamDecoder {
         let before = tok.decode(&self.ids[self.prefix..self.read])?;
         let now = tok.decode(&self.ids[self.prefix..])?;
         if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
-            let piece = if now.starts_with(&before) {
-                now[before.len()..].to_string()
-            } else {
-                now.clone()
-            };
+            let piece = if now.starts_with(&before) { now[before.len()..].to_string() } else { now.clone() };
             self.prefix = self.read;
             self.read = self.ids.len();
             Ok(Some(piece))

@@ -1,8 +1,11 @@
-//! The communication layer seen by the model and engine. Owns: the [`Comm`] trait and its
-//! single-rank implementation. Callers never see MPI types.
+//! The communication layer seen by the model and engine. Owns: the [`Comm`] trait (collectives
+//! inside one stage), the [`Link`] trait (messages between stages, job-wide agreement), their
+//! single-rank implementation [`Single`] and the MPI one in [`mpi`]. Callers never see MPI types.
+//! Every call is made from the main thread.
 
-/// Collective operations inside one group of ranks (a stage's tensor-parallel ranks), plus
-/// point-to-point messages on the whole job. All calls are made from the main thread.
+pub mod mpi;
+
+/// Collective operations inside one group of ranks (a stage's tensor-parallel ranks).
 pub trait Comm {
     /// Rank inside this group.
     fn rank(&self) -> usize;
@@ -11,9 +14,37 @@ pub trait Comm {
     fn allreduce_sum(&self, buf: &mut [f32]);
     /// Every rank contributes `mine` (same length everywhere); `out` gets them in rank order.
     fn allgather(&self, mine: &[f32], out: &mut [f32]);
+    /// Rank `i` contributes `counts[i]` values; `out` gets them concatenated in rank order.
+    fn allgatherv(&self, mine: &[f32], counts: &[usize], out: &mut [f32]);
+    /// `buf` of rank 0 is copied to every rank of the group (others' length adjusts).
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>);
 }
 
-/// A group of one rank: every collective is the identity.
+/// Message kinds between ranks, so a message can never be taken for another.
+#[derive(Debug, Clone, Copy)]
+pub enum Tag {
+    Plan = 1,
+    Hidden = 2,
+    Result = 3,
+}
+
+/// Job-wide operations: point-to-point messages between world ranks and agreement on errors.
+pub trait Link {
+    fn world_rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    fn send_bytes(&self, dest: usize, tag: Tag, data: &[u8]);
+    fn recv_bytes(&self, src: usize, tag: Tag) -> Vec<u8>;
+    fn send_f32(&self, dest: usize, tag: Tag, data: &[f32]);
+    fn recv_f32(&self, src: usize, tag: Tag, out: &mut [f32]);
+    /// Every rank contributes `mine` (same length); `out` gets all of them in world-rank order.
+    fn allgather_u64(&self, mine: &[u64], out: &mut [u64]);
+    /// Collective: every rank passes its own outcome of a phase and every rank gets the same
+    /// answer — the error of the lowest failing rank (prefixed with that rank when there are
+    /// several), or `Ok`. No rank is left waiting on one that failed.
+    fn agree(&self, outcome: Result<(), String>) -> Result<(), String>;
+}
+
+/// A job of one rank: every collective is the identity.
 pub struct Single;
 
 impl Comm for Single {
@@ -26,5 +57,36 @@ impl Comm for Single {
     fn allreduce_sum(&self, _buf: &mut [f32]) {}
     fn allgather(&self, mine: &[f32], out: &mut [f32]) {
         out.copy_from_slice(mine);
+    }
+    fn allgatherv(&self, mine: &[f32], _counts: &[usize], out: &mut [f32]) {
+        out.copy_from_slice(mine);
+    }
+    fn broadcast_bytes(&self, _buf: &mut Vec<u8>) {}
+}
+
+impl Link for Single {
+    fn world_rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn send_bytes(&self, dest: usize, _tag: Tag, _data: &[u8]) {
+        unreachable!("a single-rank job sends to no rank (asked for {dest})")
+    }
+    fn recv_bytes(&self, src: usize, _tag: Tag) -> Vec<u8> {
+        unreachable!("a single-rank job receives from no rank (asked for {src})")
+    }
+    fn send_f32(&self, dest: usize, _tag: Tag, _data: &[f32]) {
+        unreachable!("a single-rank job sends to no rank (asked for {dest})")
+    }
+    fn recv_f32(&self, src: usize, _tag: Tag, _out: &mut [f32]) {
+        unreachable!("a single-rank job receives from no rank (asked for {src})")
+    }
+    fn allgather_u64(&self, mine: &[u64], out: &mut [u64]) {
+        out.copy_from_slice(mine);
+    }
+    fn agree(&self, outcome: Result<(), String>) -> Result<(), String> {
+        outcome
     }
 }

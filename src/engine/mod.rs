@@ -1,14 +1,25 @@
-//! The generation loop. Owns: the thread pool, the KV cache and scratch of this rank, and the
-//! greedy choice of the next token across a stage's vocabulary shards. Knows nothing about SIMD.
+//! The generation loop over the grid. Owns: the thread pool, this rank's KV cache and buffers,
+//! the step plans the driver sends, the pipeline hand-off between stages, and the greedy choice
+//! of the next token across a stage's vocabulary shards. Knows nothing about SIMD or MPI types.
+//!
+//! ```text
+//! driver (world rank 0)            every rank of stage 0         stage s > 0, rank (s, t)
+//!   plan = Step{tokens, pos0} ──►  broadcast in stage ──►        recv plan + hidden from (s-1, t)
+//!                                  embed, layers,                layers, then either send to
+//!                                  send plan + hidden ──────►    (s+1, t), or (last stage) logits,
+//!   token ◄───────────────────────────────────────────────────── argmax, allgather, token to rank 0
+//! ```
 
-use crate::comm::Comm;
+use crate::comm::{Comm, Link, Tag};
 use crate::error::{Error, Result};
+use crate::grid::{split_aligned, Grid, FFN_ALIGN};
 use crate::kernels;
 use crate::model::{KvCache, Scratch, Shard};
+use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 /// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Finish {
     /// An end-of-sequence token was produced.
@@ -17,6 +28,25 @@ pub enum Finish {
     Length,
     /// The model's context is full.
     Context,
+}
+
+/// What every rank does next; made by the driver, encoded with bincode, passed down the grid.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Plan {
+    /// A new sequence: reset the KV cache to this many positions.
+    Begin { capacity: usize },
+    /// Run `tokens` at positions `pos0..`; the last stage returns the greedy next token (and the
+    /// full logits when `want_logits`).
+    Step { tokens: Vec<u32>, pos0: usize, want_logits: bool },
+    /// The job is over.
+    End,
+}
+
+/// What the last stage sends back to the driver after a step.
+#[derive(Debug, Serialize, Deserialize)]
+struct StepResult {
+    token: u32,
+    logits: Option<Vec<f32>>,
 }
 
 pub struct GenerateOptions {
@@ -48,20 +78,38 @@ impl Generation {
     }
 }
 
-/// One rank's engine: its shard, buffers and thread pool.
+/// Checks that a prompt leaves room to generate in the model's context.
+pub fn check_prompt(n_tokens: usize, max_context: usize) -> Result<()> {
+    if n_tokens == 0 {
+        return Err(Error::Input("the prompt is empty (it encodes to no tokens)".into()));
+    }
+    if n_tokens >= max_context {
+        return Err(Error::Input(format!(
+            "the prompt has {n_tokens} tokens but the model's context holds {max_context} (max_position_embeddings in config.json), leaving no room to generate"
+        )));
+    }
+    Ok(())
+}
+
+/// One rank's engine: its shard, place in the grid, buffers and thread pool.
 pub struct Engine {
     pub shard: Shard,
+    pub grid: Grid,
     pool: rayon::ThreadPool,
     scratch: Scratch,
+    cache: Option<KvCache>,
     hidden: Vec<f32>,
     logits: Vec<f32>,
     candidates: Vec<f32>,
+    /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step.
+    exit_at: Option<(usize, usize)>,
+    steps: usize,
 }
 
 impl Engine {
     /// `threads`: size of the kernel pool; the calling (main) thread is one of its workers, so
-    /// communication inside a step stays on the main thread.
-    pub fn new(shard: Shard, threads: usize) -> Result<Self> {
+    /// kernels start without crossing threads and every MPI call stays on the main thread.
+    pub fn new(shard: Shard, grid: Grid, threads: usize) -> Result<Self> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .use_current_thread()
@@ -69,13 +117,21 @@ impl Engine {
             .build()
             .map_err(|e| Error::Input(format!("cannot start {threads} kernel threads: {e}")))?;
         let vocab_local = shard.vocab_range().len();
+        let exit_at = std::env::var("GRIDLM_TEST_EXIT_AT").ok().and_then(|v| {
+            let (r, s) = v.split_once(':')?;
+            Some((r.parse().ok()?, s.parse().ok()?))
+        });
         Ok(Engine {
             shard,
+            grid,
             pool,
             scratch: Scratch::default(),
+            cache: None,
             hidden: Vec::new(),
             logits: vec![0.0; vocab_local],
             candidates: Vec::new(),
+            exit_at,
+            steps: 0,
         })
     }
 
@@ -88,62 +144,139 @@ impl Engine {
         self.shard.cfg.max_position_embeddings
     }
 
-    /// Runs `tokens` at positions `pos0..` through the whole (single-stage) model and returns
-    /// the greedy next token, agreed by every rank of the stage.
-    fn step(&mut self, tokens: &[u32], pos0: usize, cache: &mut KvCache, comm: &dyn Comm) -> u32 {
+    /// Every rank: obtains the next plan (the driver passes its own) and forwards it down the
+    /// pipeline to the same tp rank of the next stage.
+    fn next_plan(&self, own: Option<&Plan>, comm: &dyn Comm, link: &dyn Link) -> Result<Plan> {
+        let g = self.grid;
+        let mut bytes = match own {
+            Some(p) => {
+                bincode::serialize(p).map_err(|e| Error::Comm(format!("cannot encode a plan: {e}")))?
+            }
+            None => Vec::new(),
+        };
+        if g.is_first_stage() {
+            comm.broadcast_bytes(&mut bytes);
+        } else {
+            bytes = link.recv_bytes(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Plan);
+        }
+        if !g.is_last_stage() {
+            link.send_bytes(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Plan, &bytes);
+        }
+        bincode::deserialize(&bytes).map_err(|e| Error::Comm(format!("cannot decode a plan: {e}")))
+    }
+
+    /// Every rank: carries out its part of `plan`. The driver gets the step's result.
+    fn execute(&mut self, plan: &Plan, comm: &dyn Comm, link: &dyn Link) -> Result<Option<StepResult>> {
+        let (tokens, pos0, want_logits) = match plan {
+            Plan::Begin { capacity } => {
+                self.cache = Some(self.shard.new_cache(*capacity));
+                return Ok(None);
+            }
+            Plan::End => return Ok(None),
+            Plan::Step { tokens, pos0, want_logits } => (tokens, *pos0, *want_logits),
+        };
+        self.steps += 1;
+        if let Some((rank, step)) = self.exit_at {
+            if rank == self.grid.rank && step == self.steps {
+                let line = format!("error: rank {rank}: exiting at step {step} (GRIDLM_TEST_EXIT_AT)\n");
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+                std::process::exit(3);
+            }
+        }
+        // The pool was built with this thread as worker 0, so kernels' parallel loops run here.
+        debug_assert_eq!(rayon::current_thread_index(), Some(0), "step called off the engine's thread");
+        let g = self.grid;
         let h = self.shard.cfg.hidden_size;
         let n = tokens.len();
         if self.hidden.len() < n * h {
             self.hidden.resize(n * h, 0.0);
         }
-        // The pool was built with this thread as worker 0, so the kernels' parallel loops below
-        // run on it without entering from outside, and every MPI call stays on this thread.
-        debug_assert_eq!(
-            rayon::current_thread_index(),
-            Some(0),
-            "step called off the engine's thread"
-        );
-        let Engine {
-            shard,
-            scratch,
-            hidden,
-            logits,
-            candidates,
-            ..
-        } = self;
-        shard.embed(tokens, hidden, comm);
-        shard.forward(hidden, n, pos0, cache, scratch, comm);
-        shard.logits(&hidden[(n - 1) * h..n * h], scratch, logits);
-        greedy_pick(logits, shard.vocab_range().start, candidates, comm)
+        let cache = self.cache.as_mut().ok_or_else(|| Error::Comm("a step arrived before Begin".into()))?;
+        let Engine { shard, scratch, hidden, logits, candidates, .. } = self;
+        let x = &mut hidden[..n * h];
+        if g.is_first_stage() {
+            shard.embed(tokens, x, comm);
+        } else {
+            link.recv_f32(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Hidden, x);
+        }
+        shard.forward(x, n, pos0, cache, scratch, comm);
+        let last_stage_rank0 = g.rank_of(g.pp - 1, 0);
+        if !g.is_last_stage() {
+            link.send_f32(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Hidden, x);
+        } else {
+            shard.logits(&x[(n - 1) * h..], scratch, logits);
+            let token = greedy_pick(logits, shard.vocab_range().start, candidates, comm);
+            let full = want_logits.then(|| {
+                let vocab = shard.cfg.vocab_size;
+                let counts: Vec<usize> =
+                    (0..g.tp).map(|t| split_aligned(vocab, g.tp, t, FFN_ALIGN).len()).collect();
+                let mut full = vec![0.0; vocab];
+                comm.allgatherv(logits, &counts, &mut full);
+                full
+            });
+            let result = StepResult { token, logits: full };
+            if g.rank == 0 {
+                return Ok(Some(result));
+            }
+            if g.rank == last_stage_rank0 {
+                let bytes = bincode::serialize(&result)
+                    .map_err(|e| Error::Comm(format!("cannot encode a result: {e}")))?;
+                link.send_bytes(0, Tag::Result, &bytes);
+            }
+        }
+        if g.rank == 0 {
+            let bytes = link.recv_bytes(last_stage_rank0, Tag::Result);
+            let r = bincode::deserialize(&bytes)
+                .map_err(|e| Error::Comm(format!("cannot decode a result: {e}")))?;
+            return Ok(Some(r));
+        }
+        Ok(None)
     }
 
-    /// Greedy generation for one prompt on a single stage.
+    /// Driver: runs a plan on the whole grid.
+    fn drive(&mut self, plan: Plan, comm: &dyn Comm, link: &dyn Link) -> Result<Option<StepResult>> {
+        let plan = self.next_plan(Some(&plan), comm, link)?;
+        self.execute(&plan, comm, link)
+    }
+
+    /// Ranks other than the driver: follow plans until `End`.
+    pub fn follow(&mut self, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+        loop {
+            let plan = self.next_plan(None, comm, link)?;
+            self.execute(&plan, comm, link)?;
+            if matches!(plan, Plan::End) {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Driver: tells every rank the job is over.
+    pub fn finish(&mut self, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+        self.drive(Plan::End, comm, link).map(|_| ())
+    }
+
+    /// Driver: greedy generation for one prompt over the whole grid. Call [`Engine::finish`]
+    /// afterwards (also after an error) so the other ranks stop.
     pub fn generate(
         &mut self,
         prompt: &[u32],
         opts: &GenerateOptions,
         comm: &dyn Comm,
+        link: &dyn Link,
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Generation> {
         let max_ctx = self.max_context();
-        if prompt.is_empty() {
-            return Err(Error::Input(
-                "the prompt is empty (it encodes to no tokens)".into(),
-            ));
-        }
-        if prompt.len() >= max_ctx {
-            return Err(Error::Input(format!(
-                "the prompt has {} tokens but the model's context holds {max_ctx} (max_position_embeddings in config.json), leaving no room to generate",
-                prompt.len()
-            )));
-        }
+        check_prompt(prompt.len(), max_ctx)?;
         let capacity = (prompt.len() + opts.max_tokens).min(max_ctx);
-        let mut cache = self.shard.new_cache(capacity);
+        self.drive(Plan::Begin { capacity }, comm, link)?;
         let mut out = Vec::with_capacity(opts.max_tokens);
         let t0 = Instant::now();
-        let mut next = self.step(prompt, 0, &mut cache, comm);
-        let prompt_logits = opts.keep_prompt_logits.then(|| self.logits.clone());
+        let step = Plan::Step { tokens: prompt.to_vec(), pos0: 0, want_logits: opts.keep_prompt_logits };
+        let first =
+            self.drive(step, comm, link)?.ok_or_else(|| Error::Comm("no result for the prompt".into()))?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let prompt_logits = first.logits;
+        let mut next = first.token;
         let t1 = Instant::now();
         let finish = loop {
             if opts.max_tokens == 0 {
@@ -161,7 +294,11 @@ impl Engine {
             if pos >= capacity {
                 break Finish::Context;
             }
-            next = self.step(&[next], pos, &mut cache, comm);
+            let step = Plan::Step { tokens: vec![next], pos0: pos, want_logits: false };
+            next = self
+                .drive(step, comm, link)?
+                .ok_or_else(|| Error::Comm("no result for a step".into()))?
+                .token;
         };
         Ok(Generation {
             token_ids: out,

@@ -163,12 +163,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4<T: Avx2Load>(rows: [&[T]; 4], x: &[f32]) -> [f32; 4] {
         let n = x.len();
-        let (p0, p1, p2, p3) = (
-            rows[0].as_ptr(),
-            rows[1].as_ptr(),
-            rows[2].as_ptr(),
-            rows[3].as_ptr(),
-        );
+        let (p0, p1, p2, p3) = (rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr());
         let xp = x.as_ptr();
         let mut a = [_mm256_setzero_ps(); 4];
         let mut c = 0;

@@ -164,10 +164,7 @@ unsafe impl Sync for SharedSlice {}
 
 impl SharedSlice {
     pub fn new(s: &mut [f32]) -> Self {
-        SharedSlice {
-            ptr: s.as_mut_ptr(),
-            len: s.len(),
-        }
+        SharedSlice { ptr: s.as_mut_ptr(), len: s.len() }
     }
     /// # Safety
     /// No other live reference may overlap `start..start+len`.
@@ -186,14 +183,10 @@ mod tests {
 
     /// Deterministic pseudo-random values in [-1, 1).
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -203,9 +196,7 @@ mod tests {
         let mut out = vec![0.0; n_tok * rows];
         for t in 0..n_tok {
             for r in 0..rows {
-                out[t * rows + r] = (0..cols)
-                    .map(|c| w[r * cols + c] * x[t * cols + c] as f64)
-                    .sum();
+                out[t * rows + r] = (0..cols).map(|c| w[r * cols + c] * x[t * cols + c] as f64).sum();
             }
         }
         out
@@ -222,30 +213,16 @@ mod tests {
         matmul(&w, &x, n_tok, &mut got);
         for (i, (g, e)) in got.iter().zip(&want).enumerate() {
             let tol = 1e-5 * (cols as f64).sqrt() + 1e-6 * e.abs();
-            assert!(
-                (*g as f64 - e).abs() <= tol,
-                "{dtype:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
-            );
+            assert!((*g as f64 - e).abs() <= tol, "{dtype:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}");
         }
     }
 
     #[test]
     fn matmul_all_dtypes_odd_sizes() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         pool.install(|| {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
-                for &(rows, cols) in &[
-                    (1, 1),
-                    (3, 7),
-                    (5, 8),
-                    (17, 33),
-                    (64, 64),
-                    (130, 577),
-                    (1000, 96),
-                ] {
+                for &(rows, cols) in &[(1, 1), (3, 7), (5, 8), (17, 33), (64, 64), (130, 577), (1000, 96)] {
                     for n_tok in [1, 3] {
                         check_matmul(dtype, rows, cols, n_tok);
                     }
@@ -257,14 +234,8 @@ mod tests {
     #[test]
     fn portable_and_simd_agree_bitwise_close() {
         let cols = 203;
-        let w: Vec<bf16> = rand_vec(4 * cols, 3)
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect();
-        let h: Vec<f16> = rand_vec(4 * cols, 4)
-            .into_iter()
-            .map(f16::from_f32)
-            .collect();
+        let w: Vec<bf16> = rand_vec(4 * cols, 3).into_iter().map(bf16::from_f32).collect();
+        let h: Vec<f16> = rand_vec(4 * cols, 4).into_iter().map(f16::from_f32).collect();
         let x = rand_vec(cols, 5);
         for isa in [dot::Isa::Portable, dot::detect()] {
             let mut a = [0.0; 4];
@@ -272,12 +243,8 @@ mod tests {
             let mut b = [0.0; 4];
             dot::dot_rows(&h, cols, &x, &mut b, isa);
             for r in 0..4 {
-                let ea: f64 = (0..cols)
-                    .map(|c| w[r * cols + c].to_f64() * x[c] as f64)
-                    .sum();
-                let eb: f64 = (0..cols)
-                    .map(|c| h[r * cols + c].to_f64() * x[c] as f64)
-                    .sum();
+                let ea: f64 = (0..cols).map(|c| w[r * cols + c].to_f64() * x[c] as f64).sum();
+                let eb: f64 = (0..cols).map(|c| h[r * cols + c].to_f64() * x[c] as f64).sum();
                 assert!((a[r] as f64 - ea).abs() < 1e-4, "{isa:?} bf16 row {r}");
                 assert!((b[r] as f64 - eb).abs() < 1e-4, "{isa:?} f16 row {r}");
             }
@@ -332,12 +299,7 @@ mod tests {
             let mut out = vec![0.0; hd];
             attend(&q, &k, &v, n, scale, &mut scores, &mut out);
             let s: Vec<f64> = (0..n)
-                .map(|p| {
-                    (0..hd)
-                        .map(|i| q[i] as f64 * k[p * hd + i] as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                })
+                .map(|p| (0..hd).map(|i| q[i] as f64 * k[p * hd + i] as f64).sum::<f64>() * scale as f64)
                 .collect();
             let m = s.iter().cloned().fold(f64::MIN, f64::max);
             let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();

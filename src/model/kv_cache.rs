@@ -36,17 +36,12 @@ impl KvCache {
         self.len = len;
     }
     pub fn bytes(&self) -> usize {
-        4 * (self.k.iter().map(Vec::len).sum::<usize>()
-            + self.v.iter().map(Vec::len).sum::<usize>())
+        4 * (self.k.iter().map(Vec::len).sum::<usize>() + self.v.iter().map(Vec::len).sum::<usize>())
     }
 
     /// Stores keys and values (`n_kv × head_dim` each) of `pos` for `layer`.
     pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        assert!(
-            pos < self.capacity,
-            "KV cache overflow: position {pos} >= capacity {}",
-            self.capacity
-        );
+        assert!(pos < self.capacity, "KV cache overflow: position {pos} >= capacity {}", self.capacity);
         let hd = self.head_dim;
         for h in 0..self.n_kv {
             let at = (h * self.capacity + pos) * hd;
@@ -58,9 +53,6 @@ impl KvCache {
     /// Keys and values of one local KV head of `layer`, all positions up to capacity.
     pub fn head(&self, layer: usize, kv: usize) -> (&[f32], &[f32]) {
         let span = self.capacity * self.head_dim;
-        (
-            &self.k[layer][kv * span..(kv + 1) * span],
-            &self.v[layer][kv * span..(kv + 1) * span],
-        )
+        (&self.k[layer][kv * span..(kv + 1) * span], &self.v[layer][kv * span..(kv + 1) * span])
     }
 }

@@ -89,11 +89,7 @@ impl Shard {
         }
         let vocab_shape = [cfg.vocab_size, h];
         let embed = if plan.first_stage {
-            Some(Arc::new(ckpt.rows(
-                "model.embed_tokens.weight",
-                &vocab_shape,
-                plan.vocab.clone(),
-            )?))
+            Some(Arc::new(ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?))
         } else {
             None
         };
@@ -101,11 +97,9 @@ impl Shard {
             let head = if cfg.tie_word_embeddings {
                 match &embed {
                     Some(e) => e.clone(),
-                    None => Arc::new(ckpt.rows(
-                        "model.embed_tokens.weight",
-                        &vocab_shape,
-                        plan.vocab.clone(),
-                    )?),
+                    None => {
+                        Arc::new(ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?)
+                    }
                 }
             } else {
                 Arc::new(ckpt.rows("lm_head.weight", &vocab_shape, plan.vocab.clone())?)
@@ -115,15 +109,7 @@ impl Shard {
             (None, None)
         };
         let inv_freq = cfg.rope_inv_freq();
-        Ok(Shard {
-            cfg,
-            plan,
-            layers,
-            embed,
-            final_norm,
-            lm_head,
-            inv_freq,
-        })
+        Ok(Shard { cfg, plan, layers, embed, final_norm, lm_head, inv_freq })
     }
 
     /// Bytes of weights this rank holds (shared tensors counted once).
@@ -131,10 +117,7 @@ impl Shard {
         let mut n = 0;
         for l in &self.layers {
             n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes();
-            n += 4
-                * (l.input_norm.len()
-                    + l.post_norm.len()
-                    + l.qkv_bias.as_ref().map_or(0, |b| b.len()));
+            n += 4 * (l.input_norm.len() + l.post_norm.len() + l.qkv_bias.as_ref().map_or(0, |b| b.len()));
         }
         n += self.embed.as_ref().map_or(0, |e| e.bytes());
         n += self.final_norm.as_ref().map_or(0, |v| 4 * v.len());
@@ -169,12 +152,7 @@ impl Shard {
     }
 
     pub fn new_cache(&self, capacity: usize) -> KvCache {
-        KvCache::new(
-            self.layers.len(),
-            self.plan.kv_heads.len(),
-            self.cfg.head_dim,
-            capacity,
-        )
+        KvCache::new(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, capacity)
     }
 
     /// Rows of vocabulary this rank's embedding / lm_head holds.
@@ -186,10 +164,7 @@ impl Shard {
     /// range are copied, others are zero, and the stage allreduce fills in the rest.
     pub fn embed(&self, tokens: &[u32], x: &mut [f32], comm: &dyn Comm) {
         let h = self.cfg.hidden_size;
-        let e = self
-            .embed
-            .as_ref()
-            .expect("embed called on a rank outside the first stage");
+        let e = self.embed.as_ref().expect("embed called on a rank outside the first stage");
         let v0 = self.plan.vocab.start;
         for (t, &id) in tokens.iter().enumerate() {
             let out = &mut x[t * h..(t + 1) * h];
@@ -241,47 +216,35 @@ impl Shard {
                     row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
                 }
                 let half = hd / 2;
-                let (cos, sin) = (
-                    &s.cos[t * half..(t + 1) * half],
-                    &s.sin[t * half..(t + 1) * half],
-                );
+                let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
                 kernels::rope(&mut row[..(nq + nkv) * hd], hd, cos, sin);
-                cache.write(
-                    li,
-                    pos0 + t,
-                    &row[nq * hd..(nq + nkv) * hd],
-                    &row[(nq + nkv) * hd..],
-                );
+                cache.write(li, pos0 + t, &row[nq * hd..(nq + nkv) * hd], &row[(nq + nkv) * hd..]);
             }
             let qkv = &*qkv;
             let cache_r = &*cache;
             let att = crate::kernels::SharedSlice::new(&mut s.att[..n * nq * hd]);
             let window = cfg.sliding_window;
             let ctx_cap = s.ctx_cap;
-            s.scores
-                .par_chunks_mut(ctx_cap)
-                .take(nq)
-                .enumerate()
-                .for_each(|(hl, scores)| {
-                    let kvl = (q0 + hl) / group - kv0;
-                    let (keys, values) = cache_r.head(li, kvl);
-                    for t in 0..n {
-                        let pos = pos0 + t;
-                        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                        let q = &qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd];
-                        // SAFETY: (t, hl) pairs are disjoint between tasks: each task owns head hl.
-                        let out = unsafe { att.range(t * nq * hd + hl * hd, hd) };
-                        kernels::attend(
-                            q,
-                            &keys[first * hd..],
-                            &values[first * hd..],
-                            pos + 1 - first,
-                            scale,
-                            scores,
-                            out,
-                        );
-                    }
-                });
+            s.scores.par_chunks_mut(ctx_cap).take(nq).enumerate().for_each(|(hl, scores)| {
+                let kvl = (q0 + hl) / group - kv0;
+                let (keys, values) = cache_r.head(li, kvl);
+                for t in 0..n {
+                    let pos = pos0 + t;
+                    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let q = &qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd];
+                    // SAFETY: (t, hl) pairs are disjoint between tasks: each task owns head hl.
+                    let out = unsafe { att.range(t * nq * hd + hl * hd, hd) };
+                    kernels::attend(
+                        q,
+                        &keys[first * hd..],
+                        &values[first * hd..],
+                        pos + 1 - first,
+                        scale,
+                        scores,
+                        out,
+                    );
+                }
+            });
             kernels::matmul(&l.o_proj, &s.att[..n * nq * hd], n, &mut s.o[..n * h]);
             comm.allreduce_sum(&mut s.o[..n * h]);
             x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
@@ -316,14 +279,8 @@ impl Shard {
     /// Final norm and this rank's vocabulary shard of the logits for one hidden state.
     pub fn logits(&self, x: &[f32], s: &mut Scratch, out: &mut [f32]) {
         let h = self.cfg.hidden_size;
-        let norm = self
-            .final_norm
-            .as_ref()
-            .expect("logits called outside the last stage");
-        let head = self
-            .lm_head
-            .as_ref()
-            .expect("logits called outside the last stage");
+        let norm = self.final_norm.as_ref().expect("logits called outside the last stage");
+        let head = self.lm_head.as_ref().expect("logits called outside the last stage");
         kernels::rmsnorm(&x[..h], norm, self.cfg.rms_norm_eps, &mut s.xn[..h]);
         kernels::matmul(head, &s.xn[..h], 1, out);
     }

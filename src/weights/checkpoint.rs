@@ -6,13 +6,14 @@ use super::{DType, Data, Mat};
 use crate::error::{Error, Result};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 struct TensorInfo {
-    file: usize,
     dtype: DType,
     shape: Vec<usize>,
     /// Byte range inside the file.
@@ -22,150 +23,154 @@ struct TensorInfo {
 struct MappedFile {
     path: PathBuf,
     map: Mmap,
+    tensors: HashMap<String, TensorInfo>,
 }
 
+impl MappedFile {
+    /// Maps a safetensors file and validates its header (truncated or corrupt files fail here).
+    fn open(path: PathBuf) -> Result<Self> {
+        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        // SAFETY: the file is opened read-only and the map is only read; a checkpoint being
+        // rewritten while we load it is outside what we can guard against.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+        let (header_len, meta) = SafeTensors::read_metadata(&map)
+            .map_err(|e| Error::file(&path, format!("truncated or corrupt safetensors file: {e:?}")))?;
+        let data_start = 8 + header_len;
+        let mut tensors = HashMap::new();
+        for (tname, info) in meta.tensors() {
+            let dtype = match info.dtype {
+                safetensors::Dtype::F32 => DType::F32,
+                safetensors::Dtype::BF16 => DType::BF16,
+                safetensors::Dtype::F16 => DType::F16,
+                other => {
+                    return Err(Error::tensor(
+                        &path,
+                        &tname,
+                        format!("unsupported dtype {other:?} (expected F32, BF16 or F16)"),
+                    ))
+                }
+            };
+            let (a, b) = info.data_offsets;
+            tensors.insert(
+                tname.clone(),
+                TensorInfo { dtype, shape: info.shape.clone(), bytes: data_start + a..data_start + b },
+            );
+        }
+        Ok(MappedFile { path, map, tensors })
+    }
+}
+
+/// A checkpoint folder. Files are opened on first use, so a rank maps and validates only the
+/// files that hold its tensors; everything is unmapped when the checkpoint is dropped.
 pub struct Checkpoint {
-    files: Vec<MappedFile>,
-    tensors: HashMap<String, TensorInfo>,
+    dir: PathBuf,
+    /// Tensor name → file name, from the index; `None` for a single `model.safetensors`.
+    index: Option<HashMap<String, String>>,
     /// What to name in "tensor missing" errors.
     origin: PathBuf,
+    files: RefCell<HashMap<String, Rc<MappedFile>>>,
 }
 
 impl Checkpoint {
-    /// Opens `DIR/model.safetensors` or the files listed in `DIR/model.safetensors.index.json`,
-    /// validating every header (truncated or corrupt files are reported here).
+    /// Finds `DIR/model.safetensors` or `DIR/model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Self> {
-        let index = dir.join("model.safetensors.index.json");
+        let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
-        let (file_names, origin): (Vec<String>, PathBuf) = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let index = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::file(&index, format!("invalid JSON: {e}")))?;
+                .map_err(|e| Error::file(&index_path, format!("invalid JSON: {e}")))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| Error::file(&index, "missing object `weight_map`"))?;
-            let mut names: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect();
-            names.sort();
-            names.dedup();
-            (names, index.clone())
+                .ok_or_else(|| Error::file(&index_path, "missing object `weight_map`"))?;
+            let mut index = HashMap::new();
+            for (t, f) in map {
+                let f = f.as_str().ok_or_else(|| {
+                    Error::file(&index_path, format!("weight_map entry `{t}` is not a file name"))
+                })?;
+                index.insert(t.clone(), f.to_string());
+            }
+            Some(index)
         } else if single.exists() {
-            (vec!["model.safetensors".into()], single.clone())
+            None
         } else {
             return Err(Error::file(
                 &single,
                 "not found (expected model.safetensors or model.safetensors.index.json)",
             ));
         };
-        let mut files = Vec::new();
-        let mut tensors = HashMap::new();
-        for name in file_names {
-            let path = dir.join(&name);
-            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-            // SAFETY: the file is opened read-only and the map is only read; a checkpoint being
-            // rewritten while we load it is outside what we can guard against.
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-            let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
-                Error::file(
-                    &path,
-                    format!("truncated or corrupt safetensors file: {e:?}"),
-                )
-            })?;
-            let data_start = 8 + header_len;
-            let file_idx = files.len();
-            for (tname, info) in meta.tensors() {
-                let dtype = match info.dtype {
-                    safetensors::Dtype::F32 => DType::F32,
-                    safetensors::Dtype::BF16 => DType::BF16,
-                    safetensors::Dtype::F16 => DType::F16,
-                    other => {
-                        return Err(Error::tensor(
-                            &path,
-                            &tname,
-                            format!("unsupported dtype {other:?} (expected F32, BF16 or F16)"),
-                        ))
-                    }
-                };
-                let (a, b) = info.data_offsets;
-                tensors.insert(
-                    tname.clone(),
-                    TensorInfo {
-                        file: file_idx,
-                        dtype,
-                        shape: info.shape.clone(),
-                        bytes: data_start + a..data_start + b,
-                    },
-                );
-            }
-            files.push(MappedFile { path, map });
+        let origin = if index.is_some() { index_path } else { single };
+        Ok(Checkpoint { dir: dir.to_path_buf(), index, origin, files: RefCell::new(HashMap::new()) })
+    }
+
+    fn file(&self, name: &str) -> Result<Rc<MappedFile>> {
+        if let Some(f) = self.files.borrow().get(name) {
+            return Ok(f.clone());
         }
-        Ok(Checkpoint {
-            files,
-            tensors,
-            origin,
-        })
+        let f = Rc::new(MappedFile::open(self.dir.join(name))?);
+        self.files.borrow_mut().insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// The file holding tensor `name`, opened if needed.
+    fn file_of(&self, name: &str) -> Result<Rc<MappedFile>> {
+        let file_name = match &self.index {
+            Some(index) => index
+                .get(name)
+                .ok_or_else(|| Error::tensor(&self.origin, name, "missing from the checkpoint"))?
+                .as_str(),
+            None => "model.safetensors",
+        };
+        self.file(file_name)
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        match &self.index {
+            Some(index) => index.contains_key(name),
+            None => self.file("model.safetensors").is_ok_and(|f| f.tensors.contains_key(name)),
+        }
     }
 
-    fn info(&self, name: &str, expected_shape: &[usize]) -> Result<(&TensorInfo, &MappedFile)> {
-        let info = self
+    fn info(&self, name: &str, expected_shape: &[usize]) -> Result<(Rc<MappedFile>, Range<usize>, DType)> {
+        let file = self.file_of(name)?;
+        let info = file
             .tensors
             .get(name)
-            .ok_or_else(|| Error::tensor(&self.origin, name, "missing from the checkpoint"))?;
-        let file = &self.files[info.file];
+            .ok_or_else(|| Error::tensor(&file.path, name, "missing from the checkpoint"))?;
         if info.shape != expected_shape {
             return Err(Error::tensor(
                 &file.path,
                 name,
-                format!(
-                    "shape {:?} disagrees with config.json (expected {:?})",
-                    info.shape, expected_shape
-                ),
+                format!("shape {:?} disagrees with config.json (expected {:?})", info.shape, expected_shape),
             ));
         }
-        Ok((info, file))
+        let (bytes, dtype) = (info.bytes.clone(), info.dtype);
+        Ok((file, bytes, dtype))
     }
 
     /// Rows `rows` of a 2-D tensor of shape `[n_rows, n_cols]`, or elements `rows` of a 1-D one.
     pub fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
-        let (info, file) = self.info(name, expected_shape)?;
-        let cols = if expected_shape.len() == 2 {
-            expected_shape[1]
-        } else {
-            1
-        };
-        let row_bytes = cols * info.dtype.size_bytes();
-        let start = info.bytes.start + rows.start * row_bytes;
-        let end = info.bytes.start + rows.end * row_bytes;
-        let data = Data::from_le_bytes(info.dtype, &file.map[start..end]);
-        Ok(Mat {
-            rows: rows.len(),
-            cols,
-            data,
-        })
+        let (file, bytes, dtype) = self.info(name, expected_shape)?;
+        let cols = if expected_shape.len() == 2 { expected_shape[1] } else { 1 };
+        let row_bytes = cols * dtype.size_bytes();
+        let start = bytes.start + rows.start * row_bytes;
+        let end = bytes.start + rows.end * row_bytes;
+        let data = Data::from_le_bytes(dtype, &file.map[start..end]);
+        Ok(Mat { rows: rows.len(), cols, data })
     }
 
     /// Columns `cols` of every row of a 2-D tensor `[n_rows, n_cols]` (o_proj and down_proj shards).
     pub fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
-        let (info, file) = self.info(name, expected_shape)?;
+        let (file, tensor_bytes, dtype) = self.info(name, expected_shape)?;
         let (n_rows, n_cols) = (expected_shape[0], expected_shape[1]);
-        let es = info.dtype.size_bytes();
+        let es = dtype.size_bytes();
         let mut bytes = Vec::with_capacity(n_rows * cols.len() * es);
         for r in 0..n_rows {
-            let row0 = info.bytes.start + r * n_cols * es;
+            let row0 = tensor_bytes.start + r * n_cols * es;
             bytes.extend_from_slice(&file.map[row0 + cols.start * es..row0 + cols.end * es]);
         }
-        Ok(Mat {
-            rows: n_rows,
-            cols: cols.len(),
-            data: Data::from_le_bytes(info.dtype, &bytes),
-        })
+        Ok(Mat { rows: n_rows, cols: cols.len(), data: Data::from_le_bytes(dtype, &bytes) })
     }
 
     /// A whole 1-D tensor as f32 (norm weights, biases).
@@ -174,12 +179,7 @@ impl Checkpoint {
     }
 
     /// Elements `range` of a 1-D tensor as f32 (a shard of a bias).
-    pub fn vector_range_f32(
-        &self,
-        name: &str,
-        len: usize,
-        range: Range<usize>,
-    ) -> Result<Vec<f32>> {
+    pub fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
         Ok(self.rows(name, &[len], range)?.data.to_f32_vec())
     }
 }

@@ -24,10 +24,7 @@ pub struct Summary {
 
 pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if out.exists() {
-        return Err(Error::file(
-            out,
-            "already exists; remove it or choose another --out",
-        ));
+        return Err(Error::file(out, "already exists; remove it or choose another --out"));
     }
     let g = Gguf::open(gguf_path)?;
     let arch = meta_str(&g, "general.architecture")?.to_string();
@@ -53,23 +50,22 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         .and_then(|v| v.as_u64())
         .map(|v| v as usize)
         .unwrap_or(hidden / n_heads);
-    let embd = g.tensor("token_embd.weight").ok_or_else(|| {
-        Error::tensor(gguf_path, "token_embd.weight", "missing from the GGUF file")
-    })?;
+    let embd = g
+        .tensor("token_embd.weight")
+        .ok_or_else(|| Error::tensor(gguf_path, "token_embd.weight", "missing from the GGUF file"))?;
     if embd.shape() != [vocab_size, hidden] {
         return Err(Error::tensor(
             gguf_path,
             "token_embd.weight",
-            format!("shape {:?} disagrees with the vocabulary ({vocab_size}) and embedding_length ({hidden})", embd.shape()),
+            format!(
+                "shape {:?} disagrees with the vocabulary ({vocab_size}) and embedding_length ({hidden})",
+                embd.shape()
+            ),
         ));
     }
     let tied = g.tensor("output.weight").is_none();
-    let bos = g
-        .get("tokenizer.ggml.bos_token_id")
-        .and_then(|v| v.as_u64());
-    let eos = g
-        .get("tokenizer.ggml.eos_token_id")
-        .and_then(|v| v.as_u64());
+    let bos = g.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64());
+    let eos = g.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64());
 
     let mut config = serde_json::json!({
         "architectures": [if arch == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
@@ -103,11 +99,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     for t in &g.tensors {
         let Some(hf) = hf_name(&t.name) else {
             if t.name == "rope_freqs.weight" {
-                return Err(Error::tensor(
-                    gguf_path,
-                    &t.name,
-                    "RoPE frequency factors are not supported",
-                ));
+                return Err(Error::tensor(gguf_path, &t.name, "RoPE frequency factors are not supported"));
             }
             continue; // e.g. rope tables some converters add; not weights
         };
@@ -143,11 +135,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                     _ if dtype == DType::F16 => safetensors::Dtype::F16,
                     _ => safetensors::Dtype::BF16,
                 };
-                let dt = if shape.len() == 1 {
-                    safetensors::Dtype::F32
-                } else {
-                    dt
-                };
+                let dt = if shape.len() == 1 { safetensors::Dtype::F32 } else { dt };
                 let view = safetensors::tensor::TensorView::new(dt, shape.clone(), b)
                     .map_err(|e| Error::tensor(gguf_path, n, format!("cannot encode: {e:?}")))?;
                 Ok((n.clone(), view))
@@ -253,26 +241,16 @@ pub fn unpermute_rows(v: &[f32], n_heads: usize, cols: usize) -> Vec<f32> {
 fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
         DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::BF16 => v
-            .iter()
-            .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
-        DType::F16 => v
-            .iter()
-            .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
+        DType::BF16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+        DType::F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes()).collect(),
     }
 }
 
 /// Pre-tokenizers for llama.cpp's `tokenizer.ggml.pre` names.
 fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
     let split = |re: &str| -> Result<PreTokenizerWrapper> {
-        let s = Split::new(
-            SplitPattern::Regex(re.into()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| Error::file(path, format!("cannot build pre-tokenizer `{pre}`: {e}")))?;
+        let s = Split::new(SplitPattern::Regex(re.into()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| Error::file(path, format!("cannot build pre-tokenizer `{pre}`: {e}")))?;
         Ok(Sequence::new(vec![s.into(), ByteLevel::new(false, false, false).into()]).into())
     };
     match pre {
@@ -305,10 +283,7 @@ fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
     }
     let tokens: Vec<&str> = meta_array(g, "tokenizer.ggml.tokens")?
         .iter()
-        .map(|v| {
-            v.as_str()
-                .ok_or_else(|| Error::file(path, "tokenizer.ggml.tokens holds a non-string"))
-        })
+        .map(|v| v.as_str().ok_or_else(|| Error::file(path, "tokenizer.ggml.tokens holds a non-string")))
         .collect::<Result<_>>()?;
     let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
         .iter()
@@ -316,44 +291,24 @@ fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
             v.as_str()
                 .and_then(|s| s.split_once(' '))
                 .map(|(a, b)| (a.to_string(), b.to_string()))
-                .ok_or_else(|| {
-                    Error::file(
-                        path,
-                        "tokenizer.ggml.merges holds an entry that is not `a b`",
-                    )
-                })
+                .ok_or_else(|| Error::file(path, "tokenizer.ggml.merges holds an entry that is not `a b`"))
         })
         .collect::<Result<_>>()?;
-    let types: Vec<i64> = match g
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array())
-    {
+    let types: Vec<i64> = match g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
         Some(a) => a
             .iter()
-            .map(|v| {
-                if let Value::I64(x) = v {
-                    *x
-                } else {
-                    v.as_u64().unwrap_or(1) as i64
-                }
-            })
+            .map(|v| if let Value::I64(x) = v { *x } else { v.as_u64().unwrap_or(1) as i64 })
             .collect(),
         None => vec![1; tokens.len()],
     };
-    let vocab: tokenizers::models::bpe::Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), i as u32))
-        .collect();
+    let vocab: tokenizers::models::bpe::Vocab =
+        tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
         .map_err(|e| Error::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
     let mut tok = Tokenizer::new(bpe);
-    let pre = g
-        .get("tokenizer.ggml.pre")
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
+    let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
     tok.with_pre_tokenizer(Some(pre_tokenizer(pre, path)?));
     tok.with_decoder(Some(ByteLevel::default()));
     tok.with_post_processor(Some(ByteLevel::new(true, false, true)));
@@ -366,8 +321,7 @@ fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
         .collect();
     tok.add_special_tokens(&added);
     let tok_path = dir.join("tokenizer.json");
-    tok.save(&tok_path, false)
-        .map_err(|e| Error::file(&tok_path, format!("cannot write: {e}")))?;
+    tok.save(&tok_path, false).map_err(|e| Error::file(&tok_path, format!("cannot write: {e}")))?;
 
     let name_of = |key: &str| {
         g.get(key)
@@ -406,8 +360,7 @@ mod tests {
                 for i in 0..hd / 2 {
                     let src = h * hd + j * hd / 2 + i;
                     let dst = h * hd + i * 2 + j;
-                    gg[dst * cols..(dst + 1) * cols]
-                        .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                    gg[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
                 }
             }
         }
@@ -416,10 +369,7 @@ mod tests {
 
     #[test]
     fn names() {
-        assert_eq!(
-            hf_name("blk.12.ffn_down.weight").unwrap(),
-            "model.layers.12.mlp.down_proj.weight"
-        );
+        assert_eq!(hf_name("blk.12.ffn_down.weight").unwrap(), "model.layers.12.mlp.down_proj.weight");
         assert_eq!(hf_name("output_norm.weight").unwrap(), "model.norm.weight");
         assert!(hf_name("blk.x.attn_q.weight").is_none());
     }

@@ -123,20 +123,12 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|&e| e <= self.buf.len())
-            .ok_or_else(|| {
-                Error::file(
-                    self.path,
-                    format!(
-                        "truncated GGUF: needs {n} bytes at offset {} of {}",
-                        self.pos,
-                        self.buf.len()
-                    ),
-                )
-            })?;
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
+            Error::file(
+                self.path,
+                format!("truncated GGUF: needs {n} bytes at offset {} of {}", self.pos, self.buf.len()),
+            )
+        })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -196,12 +188,7 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(self.u64()?),
             11 => Value::I64(self.u64()? as i64),
             12 => Value::F64(f64::from_bits(self.u64()?)),
-            other => {
-                return Err(Error::file(
-                    self.path,
-                    format!("corrupt GGUF: unknown value type {other}"),
-                ))
-            }
+            other => return Err(Error::file(self.path, format!("corrupt GGUF: unknown value type {other}"))),
         })
     }
 }
@@ -209,23 +196,13 @@ impl<'a> Cursor<'a> {
 impl Gguf {
     pub fn open(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let mut c = Cursor {
-            buf: &bytes,
-            pos: 0,
-            path,
-        };
+        let mut c = Cursor { buf: &bytes, pos: 0, path };
         if c.take(4)? != b"GGUF" {
-            return Err(Error::file(
-                path,
-                "not a GGUF file (magic bytes are not `GGUF`)",
-            ));
+            return Err(Error::file(path, "not a GGUF file (magic bytes are not `GGUF`)"));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(Error::file(
-                path,
-                format!("unsupported GGUF version {version} (expected 2 or 3)"),
-            ));
+            return Err(Error::file(path, format!("unsupported GGUF version {version} (expected 2 or 3)")));
         }
         let n_tensors = c.len("tensor count")?;
         let n_kv = c.len("metadata count")?;
@@ -254,10 +231,7 @@ impl Gguf {
             let offset = c.u64()? as usize;
             raw.push((name, dims, ty_id, offset));
         }
-        let alignment = meta
-            .get("general.alignment")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(32) as usize;
+        let alignment = meta.get("general.alignment").and_then(|v| v.as_u64()).unwrap_or(32) as usize;
         let data_start = c.pos.div_ceil(alignment) * alignment;
         let mut tensors = Vec::with_capacity(raw.len());
         for (name, dims, ty_id, offset) in raw {
@@ -290,20 +264,9 @@ impl Gguf {
                     ),
                 ));
             }
-            tensors.push(TensorEntry {
-                name,
-                dims,
-                ty,
-                offset,
-                n_bytes,
-            });
+            tensors.push(TensorEntry { name, dims, ty, offset, n_bytes });
         }
-        Ok(Gguf {
-            path: path.to_path_buf(),
-            meta,
-            tensors,
-            bytes,
-        })
+        Ok(Gguf { path: path.to_path_buf(), meta, tensors, bytes })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -329,15 +292,12 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
     let (block, block_bytes) = ty.block();
     let mut out = Vec::with_capacity(raw.len() / block_bytes * block);
     match ty {
-        GgmlType::F32 => out.extend(
-            raw.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        ),
+        GgmlType::F32 => {
+            out.extend(raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+        }
         GgmlType::F16 => out.extend(raw.chunks_exact(2).map(|b| f16_at(b, 0))),
-        GgmlType::BF16 => out.extend(
-            raw.chunks_exact(2)
-                .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
-        ),
+        GgmlType::BF16 => out
+            .extend(raw.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())),
         GgmlType::Q8_0 => {
             for b in raw.chunks_exact(block_bytes) {
                 let d = f16_at(b, 0);
@@ -347,11 +307,8 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
         GgmlType::Q4_0 | GgmlType::Q4_1 => {
             for b in raw.chunks_exact(block_bytes) {
                 let d = f16_at(b, 0);
-                let (m, qs) = if ty == GgmlType::Q4_1 {
-                    (f16_at(b, 2), &b[4..20])
-                } else {
-                    (-8.0 * d, &b[2..18])
-                };
+                let (m, qs) =
+                    if ty == GgmlType::Q4_1 { (f16_at(b, 2), &b[4..20]) } else { (-8.0 * d, &b[2..18]) };
                 // Low nibbles are elements 0..16, high nibbles 16..32.
                 out.extend(qs.iter().map(|&q| (q & 0x0F) as f32 * d + m));
                 out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));

@@ -70,22 +70,13 @@ impl Data {
     pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Self {
         match dtype {
             DType::F32 => Data::F32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
+                bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             ),
             DType::BF16 => Data::BF16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
-                    .collect(),
+                bytes.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect(),
             ),
             DType::F16 => Data::F16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])))
-                    .collect(),
+                bytes.chunks_exact(2).map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect(),
             ),
         }
     }
@@ -148,10 +139,7 @@ impl Mat {
         let mut it = parts.into_iter();
         let mut first = it.next().expect("vstack of no matrices");
         for m in it {
-            assert_eq!(
-                m.cols, first.cols,
-                "vstack of matrices with different widths"
-            );
+            assert_eq!(m.cols, first.cols, "vstack of matrices with different widths");
             first.rows += m.rows;
             first.data.extend(&m.data);
         }

@@ -3,15 +3,7 @@
 use super::*;
 
 fn generate_on(dir: &Path, prompt: &str) -> Output {
-    gridlm(&[
-        "generate",
-        "--model",
-        path_str(dir),
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        "2",
-    ])
+    gridlm(&["generate", "--model", path_str(dir), "--prompt", prompt, "--max-tokens", "2"])
 }
 
 #[test]
@@ -24,19 +16,12 @@ fn missing_config() {
 #[test]
 fn malformed_config() {
     let (_t, dir) = tiny_llama();
-    std::fs::write(
-        dir.join("config.json"),
-        "{\"model_type\": \"llama\", \"hidden_size\": 4,",
-    )
-    .unwrap();
+    std::fs::write(dir.join("config.json"), "{\"model_type\": \"llama\", \"hidden_size\": 4,").unwrap();
     assert_one_line_error(&generate_on(&dir, "t1"), &["config.json", "invalid config"]);
     let mut cfg = gridlm_reference::TinyModel::llama().config();
     cfg.as_object_mut().unwrap().remove("num_attention_heads");
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    assert_one_line_error(
-        &generate_on(&dir, "t1"),
-        &["config.json", "missing field `num_attention_heads`"],
-    );
+    assert_one_line_error(&generate_on(&dir, "t1"), &["config.json", "missing field `num_attention_heads`"]);
 }
 
 #[test]
@@ -47,11 +32,7 @@ fn unknown_model_type() {
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     assert_one_line_error(
         &generate_on(&dir, "t1"),
-        &[
-            "config.json",
-            "unsupported model_type `gpt_neox`",
-            "llama, mistral, qwen2",
-        ],
+        &["config.json", "unsupported model_type `gpt_neox`", "llama, mistral, qwen2"],
     );
 }
 
@@ -61,10 +42,7 @@ fn truncated_safetensors() {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 1000]).unwrap();
-    assert_one_line_error(
-        &generate_on(&dir, "t1"),
-        &["model.safetensors", "truncated or corrupt"],
-    );
+    assert_one_line_error(&generate_on(&dir, "t1"), &["model.safetensors", "truncated or corrupt"]);
 }
 
 #[test]
@@ -74,17 +52,11 @@ fn corrupt_safetensors_header() {
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[8..40].copy_from_slice(&[b'#'; 32]);
     std::fs::write(&path, &bytes).unwrap();
-    assert_one_line_error(
-        &generate_on(&dir, "t1"),
-        &["model.safetensors", "truncated or corrupt"],
-    );
+    assert_one_line_error(&generate_on(&dir, "t1"), &["model.safetensors", "truncated or corrupt"]);
     // A header length larger than the file.
     bytes[..8].copy_from_slice(&u64::MAX.to_le_bytes());
     std::fs::write(&path, &bytes).unwrap();
-    assert_one_line_error(
-        &generate_on(&dir, "t1"),
-        &["model.safetensors", "truncated or corrupt"],
-    );
+    assert_one_line_error(&generate_on(&dir, "t1"), &["model.safetensors", "truncated or corrupt"]);
 }
 
 #[test]
@@ -115,11 +87,7 @@ fn missing_tensor() {
     gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &tensors);
     assert_one_line_error(
         &generate_on(&dir, "t1"),
-        &[
-            "model.safetensors",
-            "tensor `model.layers.2.self_attn.v_proj.weight`",
-            "missing",
-        ],
+        &["model.safetensors", "tensor `model.layers.2.self_attn.v_proj.weight`", "missing"],
     );
 }
 
@@ -129,11 +97,7 @@ fn prompt_longer_than_context() {
     let prompt: Vec<String> = (0..130).map(|i| format!("t{}", i % 300)).collect();
     assert_one_line_error(
         &generate_on(&dir, &prompt.join(" ")),
-        &[
-            "prompt has 130 tokens",
-            "context holds 128",
-            "max_position_embeddings",
-        ],
+        &["prompt has 130 tokens", "context holds 128", "max_position_embeddings"],
     );
 }
 
@@ -148,35 +112,19 @@ fn missing_tokenizer() {
 fn corrupt_tokenizer() {
     let (_t, dir) = tiny_llama();
     std::fs::write(dir.join("tokenizer.json"), "{\"model\": 5}").unwrap();
-    assert_one_line_error(
-        &generate_on(&dir, "t1"),
-        &["tokenizer.json", "invalid tokenizer"],
-    );
+    assert_one_line_error(&generate_on(&dir, "t1"), &["tokenizer.json", "invalid tokenizer"]);
 }
 
 #[test]
 fn chat_without_template() {
     let (_t, dir) = tiny_llama();
-    let out = gridlm(&[
-        "generate",
-        "--model",
-        path_str(&dir),
-        "--prompt",
-        "t1",
-        "--chat",
-    ]);
+    let out = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t1", "--chat"]);
     assert_one_line_error(&out, &["tokenizer_config.json", "chat_template"]);
 }
 
 #[test]
 fn missing_model_folder() {
-    let out = gridlm(&[
-        "generate",
-        "--model",
-        "/nonexistent/model",
-        "--prompt",
-        "hi",
-    ]);
+    let out = gridlm(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
     assert_one_line_error(&out, &["/nonexistent/model/config.json"]);
 }
 
@@ -184,44 +132,22 @@ fn missing_model_folder() {
 fn convert_rejects_non_gguf_and_leaves_nothing() {
     let (tmp, dir) = tiny_llama();
     let out_dir = tmp.path().join("converted");
-    let out = gridlm(&[
-        "convert",
-        "--gguf",
-        path_str(&dir.join("config.json")),
-        "--out",
-        path_str(&out_dir),
-    ]);
+    let out = gridlm(&["convert", "--gguf", path_str(&dir.join("config.json")), "--out", path_str(&out_dir)]);
     assert_one_line_error(&out, &["config.json", "not a GGUF file"]);
     assert!(!out_dir.exists());
-    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .collect();
-    assert_eq!(
-        leftovers.len(),
-        1,
-        "convert left files behind: {leftovers:?}"
-    );
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().filter_map(|e| e.ok()).collect();
+    assert_eq!(leftovers.len(), 1, "convert left files behind: {leftovers:?}");
 }
 
 #[test]
 fn convert_truncated_gguf() {
-    let gguf = smollm2("f32")
-        .parent()
-        .unwrap()
-        .join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let gguf = smollm2("f32").parent().unwrap().join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
     let tmp = tempfile::tempdir().unwrap();
     let cut = tmp.path().join("cut.gguf");
     let bytes = std::fs::read(&gguf).unwrap();
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
     let out_dir = tmp.path().join("out");
-    let out = gridlm(&[
-        "convert",
-        "--gguf",
-        path_str(&cut),
-        "--out",
-        path_str(&out_dir),
-    ]);
+    let out = gridlm(&["convert", "--gguf", path_str(&cut), "--out", path_str(&out_dir)]);
     assert_one_line_error(&out, &["cut.gguf", "truncated"]);
     assert!(!out_dir.exists());
 }
@@ -229,14 +155,6 @@ fn convert_truncated_gguf() {
 #[test]
 fn zero_threads() {
     let (_t, dir) = tiny_llama();
-    let out = gridlm(&[
-        "generate",
-        "--model",
-        path_str(&dir),
-        "--prompt",
-        "t1",
-        "--threads",
-        "0",
-    ]);
+    let out = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t1", "--threads", "0"]);
     assert_one_line_error(&out, &["--threads"]);
 }

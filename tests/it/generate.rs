@@ -3,11 +3,7 @@
 use super::*;
 
 fn json_of(out: &Output) -> serde_json::Value {
-    assert!(
-        out.status.success(),
-        "gridlm failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "gridlm failed:\n{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
 }
 
@@ -26,14 +22,7 @@ fn json_output_has_the_documented_keys() {
         "--json",
     ]);
     let j = json_of(&out);
-    for key in [
-        "prompt_token_ids",
-        "token_ids",
-        "text",
-        "prefill_ms",
-        "decode_tokens_per_s",
-        "ranks",
-    ] {
+    for key in ["prompt_token_ids", "token_ids", "text", "prefill_ms", "decode_tokens_per_s", "ranks"] {
         assert!(j.get(key).is_some(), "missing key {key} in {j}");
     }
     assert_eq!(j["prompt_token_ids"], serde_json::json!([3, 4, 5]));
@@ -56,11 +45,7 @@ fn streamed_text_equals_json_text() {
         "24",
     ];
     let streamed = gridlm(&args);
-    assert!(
-        streamed.status.success(),
-        "{}",
-        String::from_utf8_lossy(&streamed.stderr)
-    );
+    assert!(streamed.status.success(), "{}", String::from_utf8_lossy(&streamed.stderr));
     let mut with_json = args.to_vec();
     with_json.push("--json");
     let j = json_of(&gridlm(&with_json));

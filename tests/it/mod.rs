@@ -1,5 +1,6 @@
 mod bad_input;
 mod generate;
+mod grid;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -17,15 +18,9 @@ pub fn gridlm(args: &[&str]) -> Output {
 #[track_caller]
 pub fn assert_one_line_error(out: &Output, fragments: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "expected failure, got success; stderr:\n{stderr}"
-    );
+    assert!(!out.status.success(), "expected failure, got success; stderr:\n{stderr}");
     assert_eq!(out.status.code(), Some(1), "exit code; stderr:\n{stderr}");
-    assert!(
-        !stderr.contains("panicked"),
-        "panic instead of an error:\n{stderr}"
-    );
+    assert!(!stderr.contains("panicked"), "panic instead of an error:\n{stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
     assert!(lines[0].starts_with("error: "), "{stderr}");

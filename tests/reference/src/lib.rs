@@ -7,10 +7,7 @@ use std::process::Command;
 
 /// Root of the gridlm repository.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .expect("repo root")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repo root")
 }
 
 /// The `gridlm` binary built by the same `cargo test` run (it sits in the profile directory
@@ -20,10 +17,7 @@ pub fn gridlm_bin() -> PathBuf {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
     let bin = profile_dir.join("gridlm");
     assert!(
         bin.exists(),
@@ -47,13 +41,7 @@ pub fn smollm2(dtype: &str) -> PathBuf {
         String::from_utf8_lossy(&out.stderr)
     );
     let stdout = String::from_utf8(out.stdout).expect("utf8");
-    PathBuf::from(
-        stdout
-            .lines()
-            .last()
-            .expect("get-model printed the folder")
-            .trim(),
-    )
+    PathBuf::from(stdout.lines().last().expect("get-model printed the folder").trim())
 }
 
 /// What one `gridlm generate --json --logits-out` run gave.
@@ -65,51 +53,85 @@ pub struct Run {
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
+    v.as_array().expect("id array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
 /// Runs `gridlm generate --json --ignore-eos --logits-out … <args>` on one rank.
 pub fn generate(model: &Path, args: &[&str]) -> Run {
+    generate_on(&[], model, args)
+}
+
+/// Like [`generate`], started through a launch script: `launcher` is e.g. `["local", "4"]` for
+/// `launch/local 4 …` or `["emulated-nodes", "4"]`; empty for a plain single-rank run.
+pub fn generate_on(launcher: &[&str], model: &Path, args: &[&str]) -> Run {
     let dir = tempfile::tempdir().expect("tempdir");
     let logits_path = dir.path().join("logits.f32");
-    let out = Command::new(gridlm_bin())
-        .arg("generate")
+    let mut cmd = launch_command(launcher);
+    cmd.arg("generate")
         .arg("--model")
         .arg(model)
         .args(["--json", "--ignore-eos", "--logits-out"])
         .arg(&logits_path)
-        .args(args)
-        .output()
-        .expect("run gridlm");
+        .args(args);
+    let out = run_with_timeout(cmd, 600);
     assert!(
         out.status.success(),
-        "gridlm generate {args:?} failed:\n{}",
+        "gridlm generate {launcher:?} {args:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("gridlm printed JSON");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json: serde_json::Value = stdout
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("gridlm printed no JSON line:\n{stdout}"));
     let bytes = std::fs::read(&logits_path).expect("logits file");
-    let logits = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    Run {
-        prompt_ids: ids(&json["prompt_token_ids"]),
-        token_ids: ids(&json["token_ids"]),
-        json,
-        logits,
+    let logits = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    Run { prompt_ids: ids(&json["prompt_token_ids"]), token_ids: ids(&json["token_ids"]), json, logits }
+}
+
+/// `gridlm` itself, or `launch/<script> <args>` running it.
+pub fn launch_command(launcher: &[&str]) -> Command {
+    match launcher.split_first() {
+        None => Command::new(gridlm_bin()),
+        Some((script, rest)) => {
+            let mut c = Command::new(repo_root().join("launch").join(script));
+            c.args(rest).env("GRIDLM_BIN", gridlm_bin());
+            c
+        }
     }
+}
+
+/// Runs a command, killing it (and failing the test) if it takes longer than `secs`.
+pub fn run_with_timeout(mut cmd: Command, secs: u64) -> std::process::Output {
+    use std::process::Stdio;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+    let (out_pipe, err_pipe) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let read = |mut p: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = p.read_to_end(&mut v);
+            v
+        })
+    };
+    let (out_t, err_t) = (read(Box::new(out_pipe)), read(Box::new(err_pipe)));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} did not finish within {secs} s (hang)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::process::Output { status, stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap() }
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "logit vectors differ in length");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// Index of the largest value (lowest index on ties).
@@ -128,9 +150,7 @@ pub fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
     (0..n)
         .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
         })
         .collect()
@@ -202,18 +222,10 @@ impl TinyModel {
         let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
             seed += 1;
             let n = shape.iter().product();
-            let v = rand_vec(n, seed, scale)
-                .into_iter()
-                .map(|x| x + offset)
-                .collect();
+            let v = rand_vec(n, seed, scale).into_iter().map(|x| x + offset).collect();
             out.push((name, shape, v));
         };
-        add(
-            "model.embed_tokens.weight".into(),
-            vec![self.vocab, h],
-            1.0,
-            0.0,
-        );
+        add("model.embed_tokens.weight".into(), vec![self.vocab, h], 1.0, 0.0);
         if !self.tied {
             add("lm_head.weight".into(), vec![self.vocab, h], 0.5, 0.0);
         }
@@ -223,65 +235,28 @@ impl TinyModel {
             let p = |s: &str| format!("model.layers.{l}.{s}");
             add(p("input_layernorm.weight"), vec![h], 0.2, 1.0);
             add(p("post_attention_layernorm.weight"), vec![h], 0.2, 1.0);
-            add(
-                p("self_attn.q_proj.weight"),
-                vec![self.heads * hd, h],
-                2.0 * w,
-                0.0,
-            );
-            add(
-                p("self_attn.k_proj.weight"),
-                vec![self.kv_heads * hd, h],
-                2.0 * w,
-                0.0,
-            );
-            add(
-                p("self_attn.v_proj.weight"),
-                vec![self.kv_heads * hd, h],
-                w,
-                0.0,
-            );
+            add(p("self_attn.q_proj.weight"), vec![self.heads * hd, h], 2.0 * w, 0.0);
+            add(p("self_attn.k_proj.weight"), vec![self.kv_heads * hd, h], 2.0 * w, 0.0);
+            add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
             if self.model_type == "qwen2" {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
-                add(
-                    p("self_attn.k_proj.bias"),
-                    vec![self.kv_heads * hd],
-                    0.5,
-                    0.0,
-                );
-                add(
-                    p("self_attn.v_proj.bias"),
-                    vec![self.kv_heads * hd],
-                    0.5,
-                    0.0,
-                );
+                add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
+                add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
             }
-            add(
-                p("self_attn.o_proj.weight"),
-                vec![h, self.heads * hd],
-                w,
-                0.0,
-            );
+            add(p("self_attn.o_proj.weight"), vec![h, self.heads * hd], w, 0.0);
             add(p("mlp.gate_proj.weight"), vec![self.inter, h], w, 0.0);
             add(p("mlp.up_proj.weight"), vec![self.inter, h], w, 0.0);
-            add(
-                p("mlp.down_proj.weight"),
-                vec![h, self.inter],
-                1.0 / (self.inter as f32).sqrt(),
-                0.0,
-            );
+            add(p("mlp.down_proj.weight"), vec![h, self.inter], 1.0 / (self.inter as f32).sqrt(), 0.0);
         }
         out
     }
 
     /// Writes the whole folder into `dir`.
     pub fn write(&self, dir: &Path) {
-        std::fs::write(dir.join("config.json"), self.config().to_string())
-            .expect("write config.json");
+        std::fs::write(dir.join("config.json"), self.config().to_string()).expect("write config.json");
         write_safetensors(&dir.join("model.safetensors"), &self.tensors());
-        let vocab_map: serde_json::Map<String, serde_json::Value> = (0..self.vocab)
-            .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
-            .collect();
+        let vocab_map: serde_json::Map<String, serde_json::Value> =
+            (0..self.vocab).map(|i| (format!("t{i}"), serde_json::Value::from(i))).collect();
         let tok = serde_json::json!({
             "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
             "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
@@ -293,10 +268,8 @@ impl TinyModel {
 
 /// Writes f32 tensors to a safetensors file.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
+    let bytes: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
         .zip(&bytes)

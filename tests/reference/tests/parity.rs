@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::{llama, qwen2};
-use gridlm_reference::{argmax, generate, max_abs_diff, smollm2, Run};
+use gridlm_reference::{argmax, generate, generate_on, max_abs_diff, smollm2, Run};
 use std::path::Path;
 
 const N_TOKENS: usize = 32;
@@ -12,25 +12,9 @@ const LOGIT_TOL: f32 = 1e-3;
 
 /// The prompts every parity check runs: plain text, code, and a chat-templated question.
 const PROMPTS: &[(&str, &[&str])] = &[
-    (
-        "plain",
-        &["--prompt", "The history of the Roman Empire began when"],
-    ),
-    (
-        "code",
-        &[
-            "--prompt",
-            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-        ],
-    ),
-    (
-        "chat",
-        &[
-            "--chat",
-            "--prompt",
-            "What is the tallest mountain in the world?",
-        ],
-    ),
+    ("plain", &["--prompt", "The history of the Roman Empire began when"]),
+    ("code", &["--prompt", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]),
+    ("chat", &["--chat", "--prompt", "What is the tallest mountain in the world?"]),
 ];
 
 /// candle's Llama on the f32 folder: last-position logits of the prompt and `n` greedy tokens.
@@ -40,20 +24,14 @@ fn candle_llama(dir: &Path, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Ve
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     let cfg = cfg.into_config(false);
     // SAFETY (test): the file is not modified while mapped.
-    let vb = unsafe {
-        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev)
-    }
-    .unwrap();
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev) }
+            .unwrap();
     let model = llama::Llama::load(vb, &cfg).unwrap();
     let mut cache = llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
     let input = Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap();
-    let mut logits: Vec<f32> = model
-        .forward(&input, 0, &mut cache)
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let mut logits: Vec<f32> =
+        model.forward(&input, 0, &mut cache).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
     let prompt_logits = logits.clone();
     let mut tokens = Vec::new();
     let mut all = Vec::new();
@@ -86,18 +64,9 @@ fn smollm2_f32_matches_candle() {
         let ours: Run = generate(&dir, &a);
         let (ref_logits, ref_tokens, _) = candle_llama(&dir, &ours.prompt_ids, N_TOKENS);
         let d = max_abs_diff(&ours.logits, &ref_logits);
-        eprintln!(
-            "{name}: {} prompt tokens, max |Δ logits| = {d:.2e}",
-            ours.prompt_ids.len()
-        );
-        assert!(
-            d <= LOGIT_TOL,
-            "{name}: last-position logits differ from candle by {d} (> {LOGIT_TOL})"
-        );
-        assert_eq!(
-            ours.token_ids, ref_tokens,
-            "{name}: greedy tokens differ from candle"
-        );
+        eprintln!("{name}: {} prompt tokens, max |Δ logits| = {d:.2e}", ours.prompt_ids.len());
+        assert!(d <= LOGIT_TOL, "{name}: last-position logits differ from candle by {d} (> {LOGIT_TOL})");
+        assert_eq!(ours.token_ids, ref_tokens, "{name}: greedy tokens differ from candle");
         assert_eq!(ours.token_ids.len(), N_TOKENS);
     }
 }
@@ -119,19 +88,15 @@ fn smollm2_bf16_same_greedy_tokens_as_f32() {
         }
         // A divergence is acceptable only where f32 itself nearly ties: the bf16 choice must be
         // within a small margin of the f32 winner at the first differing position.
-        let i = full
-            .token_ids
-            .iter()
-            .zip(&half.token_ids)
-            .position(|(a, b)| a != b)
-            .unwrap();
+        let i = full.token_ids.iter().zip(&half.token_ids).position(|(a, b)| a != b).unwrap();
         let (_, _, steps) = candle_llama(&f32_dir, &full.prompt_ids, i + 1);
         let l = &steps[i];
         let gap = l[full.token_ids[i] as usize] - l[half.token_ids[i] as usize];
-        eprintln!(
-            "{name}: bf16 diverges at token {i}; f32 logit gap between the two choices = {gap:.4}"
+        eprintln!("{name}: bf16 diverges at token {i}; f32 logit gap between the two choices = {gap:.4}");
+        assert!(
+            gap < 0.1,
+            "{name}: bf16 diverges at token {i} where f32 prefers its token by {gap} (not a near-tie)"
         );
-        assert!(gap < 0.1, "{name}: bf16 diverges at token {i} where f32 prefers its token by {gap} (not a near-tie)");
     }
 }
 
@@ -141,10 +106,7 @@ fn smollm2_bf16_same_greedy_tokens_as_f32() {
 fn gguf_conversion_matches_candle_dequantization() {
     use candle_core::quantized::gguf_file;
     let dir = smollm2("f32");
-    let gguf_path = dir
-        .parent()
-        .unwrap()
-        .join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let gguf_path = dir.parent().unwrap().join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut f = std::fs::File::open(&gguf_path).unwrap();
     let content = gguf_file::Content::read(&mut f).unwrap();
     let dev = Device::Cpu;
@@ -156,21 +118,10 @@ fn gguf_conversion_matches_candle_dequantization() {
     let mut checked = 0;
     for name in content.tensor_infos.keys() {
         let hf = gridlm_name(name);
-        let theirs = content
-            .tensor(&mut f, name, &dev)
-            .unwrap()
-            .dequantize(&dev)
-            .unwrap();
-        let mut mine = ours
-            .get(&hf)
-            .unwrap_or_else(|| panic!("{hf} missing"))
-            .clone();
+        let theirs = content.tensor(&mut f, name, &dev).unwrap().dequantize(&dev).unwrap();
+        let mut mine = ours.get(&hf).unwrap_or_else(|| panic!("{hf} missing")).clone();
         if name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight") {
-            let heads = if name.ends_with("attn_q.weight") {
-                n_heads
-            } else {
-                n_kv
-            };
+            let heads = if name.ends_with("attn_q.weight") { n_heads } else { n_kv };
             let (rows, cols) = mine.dims2().unwrap();
             // llama.cpp: reshape(heads, 2, hd/2, cols).swapaxes(1, 2)
             mine = mine
@@ -183,20 +134,15 @@ fn gguf_conversion_matches_candle_dequantization() {
         }
         let a: Vec<f32> = mine.flatten_all().unwrap().to_vec1().unwrap();
         let b: Vec<f32> = theirs.flatten_all().unwrap().to_vec1().unwrap();
-        assert!(
-            max_abs_diff(&a, &b) <= 1e-6,
-            "{name} → {hf} differs from candle's dequantization"
-        );
+        assert!(max_abs_diff(&a, &b) <= 1e-6, "{name} → {hf} differs from candle's dequantization");
         checked += 1;
     }
     assert_eq!(checked, 272);
 }
 
 fn gridlm_name(gguf: &str) -> String {
-    let fixed = [
-        ("token_embd.weight", "model.embed_tokens.weight"),
-        ("output_norm.weight", "model.norm.weight"),
-    ];
+    let fixed =
+        [("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight")];
     if let Some((_, hf)) = fixed.iter().find(|(g, _)| *g == gguf) {
         return hf.to_string();
     }
@@ -222,43 +168,25 @@ fn random_qwen2_matches_candle() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     gridlm_reference::TinyModel::qwen2().write(dir);
-    let ours = generate(
-        dir,
-        &[
-            "--prompt",
-            "t5 t17 t42 t3 t99 t250 t7",
-            "--max-tokens",
-            "32",
-        ],
-    );
+    let ours = generate(dir, &["--prompt", "t5 t17 t42 t3 t99 t250 t7", "--max-tokens", "32"]);
     assert_eq!(ours.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
 
     let dev = Device::Cpu;
     let cfg: qwen2::Config =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     // SAFETY (test): the file is not modified while mapped.
-    let vb = unsafe {
-        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev)
-    }
-    .unwrap();
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev) }
+            .unwrap();
     let mut model = qwen2::ModelForCausalLM::new(&cfg, vb).unwrap();
     let run = |model: &mut qwen2::ModelForCausalLM, ids: &[u32], pos: usize| -> Vec<f32> {
         let input = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
-        model
-            .forward(&input, pos)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
+        model.forward(&input, pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     };
     let mut logits = run(&mut model, &ours.prompt_ids, 0);
     let d = max_abs_diff(&ours.logits, &logits);
     eprintln!("random qwen2: max |Δ logits| = {d:.2e}");
-    assert!(
-        d <= LOGIT_TOL,
-        "random qwen2: logits differ from candle by {d}"
-    );
+    assert!(d <= LOGIT_TOL, "random qwen2: logits differ from candle by {d}");
     let mut tokens = Vec::new();
     for i in 0..32 {
         let next = argmax(&logits);
@@ -267,8 +195,38 @@ fn random_qwen2_matches_candle() {
             logits = run(&mut model, &[next], ours.prompt_ids.len() + i);
         }
     }
-    assert_eq!(
-        ours.token_ids, tokens,
-        "random qwen2: greedy tokens differ from candle"
-    );
+    assert_eq!(ours.token_ids, tokens, "random qwen2: greedy tokens differ from candle");
+}
+
+/// Every grid layout, started through the launch scripts, gives candle's 32 greedy tokens and
+/// the single-rank logits within 1e-4. Layouts run one after another: they share two cores.
+#[test]
+fn every_grid_layout_matches_candle_and_single_rank() {
+    let layouts: &[(&str, &[&str], &[&str])] = &[
+        ("1x1", &["local", "1"], &["--pp", "1", "--tp", "1"]),
+        ("1x2", &["local", "2"], &["--tp", "2"]),
+        ("2x1", &["local", "2"], &["--pp", "2"]),
+        ("2x2", &["local", "4"], &["--pp", "2", "--tp", "2"]),
+        ("1x3", &["local", "3"], &["--tp", "3"]),
+        ("3x1", &["local", "3"], &["--pp", "3", "--layers", "11,10,9"]),
+        ("2x2 over two emulated nodes", &["emulated-nodes", "4"], &["--pp", "2", "--tp", "2"]),
+    ];
+    let dir = smollm2("f32");
+    let prompt = ["--prompt", "Once upon a time, in a small village by the sea,", "--max-tokens", "32"];
+    let single = generate(&dir, &prompt);
+    let (_, ref_tokens, _) = candle_llama(&dir, &single.prompt_ids, N_TOKENS);
+    assert_eq!(single.token_ids, ref_tokens, "single rank differs from candle");
+    for (name, launcher, grid) in layouts {
+        let mut args = prompt.to_vec();
+        args.extend_from_slice(grid);
+        args.extend(["--threads", "1"]);
+        let run = generate_on(launcher, &dir, &args);
+        let d = max_abs_diff(&run.logits, &single.logits);
+        eprintln!("{name}: max |Δ logits| vs single rank = {d:.2e}");
+        assert_eq!(run.token_ids, ref_tokens, "{name}: greedy tokens differ from candle");
+        assert!(d <= 1e-4, "{name}: logits differ from the single-rank run by {d}");
+        let ranks = run.json["ranks"].as_array().unwrap();
+        let (pp, tp) = (run.json["pp"].as_u64().unwrap(), run.json["tp"].as_u64().unwrap());
+        assert_eq!(ranks.len() as u64, pp * tp, "{name}: one memory report per rank");
+    }
 }

@@ -1,0 +1,161 @@
+//! [`Comm`] and [`Link`] over MPI (rsmpi). Owns: MPI initialisation (funneled: only the main
+//! thread calls MPI), the world communicator and the stage communicator split from it.
+
+use super::{Comm, Link, Tag};
+use crate::error::{Error, Result};
+use mpi::datatype::PartitionMut;
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+use std::cell::RefCell;
+
+/// True when this process was started by an MPI launcher (Open MPI, MPICH/Hydra, PMIx).
+pub fn launched_by_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// The MPI job: keep it alive for all of `main` (dropping it finalizes MPI).
+pub struct MpiJob {
+    world: SimpleCommunicator,
+    _universe: mpi::environment::Universe,
+}
+
+impl MpiJob {
+    pub fn init() -> Result<Self> {
+        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+            .ok_or_else(|| Error::Comm("MPI was already initialised".into()))?;
+        if threading < mpi::Threading::Funneled {
+            return Err(Error::Comm(format!("MPI offers thread level {threading:?}; gridlm needs Funneled")));
+        }
+        Ok(MpiJob { world: universe.world(), _universe: universe })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+    pub fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    /// The stage communicator (ranks with the same `stage`, ordered by `tp_rank`) and the
+    /// job-wide link. Collective over the world.
+    pub fn split(&self, stage: usize, tp_rank: usize) -> (MpiStage, MpiLink<'_>) {
+        let stage_comm = self
+            .world
+            .split_by_color_with_key(Color::with_value(stage as i32), tp_rank as i32)
+            .expect("every rank passes a colour, so every rank gets a communicator");
+        (MpiStage { comm: stage_comm, send: RefCell::new(Vec::new()) }, MpiLink { world: &self.world })
+    }
+}
+
+pub struct MpiStage {
+    comm: SimpleCommunicator,
+    /// rsmpi has no MPI_IN_PLACE: allreduce sends from this copy (grown, never shrunk).
+    send: RefCell<Vec<f32>>,
+}
+
+fn displacements(counts: &[i32]) -> Vec<i32> {
+    counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let d = *acc;
+            *acc += c;
+            Some(d)
+        })
+        .collect()
+}
+
+impl Comm for MpiStage {
+    fn rank(&self) -> usize {
+        self.comm.rank() as usize
+    }
+    fn size(&self) -> usize {
+        self.comm.size() as usize
+    }
+    fn allreduce_sum(&self, buf: &mut [f32]) {
+        let mut send = self.send.borrow_mut();
+        if send.len() < buf.len() {
+            send.resize(buf.len(), 0.0);
+        }
+        send[..buf.len()].copy_from_slice(buf);
+        self.comm.all_reduce_into(&send[..buf.len()], buf, mpi::collective::SystemOperation::sum());
+    }
+    fn allgather(&self, mine: &[f32], out: &mut [f32]) {
+        self.comm.all_gather_into(mine, out);
+    }
+    fn allgatherv(&self, mine: &[f32], counts: &[usize], out: &mut [f32]) {
+        let counts: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
+        let displs = displacements(&counts);
+        let mut part = PartitionMut::new(out, &counts[..], &displs[..]);
+        self.comm.all_gather_varcount_into(mine, &mut part);
+    }
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>) {
+        let root = self.comm.process_at_rank(0);
+        let mut len = buf.len() as u64;
+        root.broadcast_into(&mut len);
+        buf.resize(len as usize, 0);
+        root.broadcast_into(&mut buf[..]);
+    }
+}
+
+pub struct MpiLink<'a> {
+    world: &'a SimpleCommunicator,
+}
+
+impl Link for MpiLink<'_> {
+    fn world_rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+    fn world_size(&self) -> usize {
+        self.world.size() as usize
+    }
+    fn send_bytes(&self, dest: usize, tag: Tag, data: &[u8]) {
+        self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32);
+    }
+    fn recv_bytes(&self, src: usize, tag: Tag) -> Vec<u8> {
+        self.world.process_at_rank(src as i32).receive_vec_with_tag::<u8>(tag as i32).0
+    }
+    fn send_f32(&self, dest: usize, tag: Tag, data: &[f32]) {
+        self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32);
+    }
+    fn recv_f32(&self, src: usize, tag: Tag, out: &mut [f32]) {
+        self.world.process_at_rank(src as i32).receive_into_with_tag(out, tag as i32);
+    }
+    fn allgather_u64(&self, mine: &[u64], out: &mut [u64]) {
+        self.world.all_gather_into(mine, out);
+    }
+    fn agree(&self, outcome: Result<(), String>) -> Result<(), String> {
+        let msg = outcome.err().unwrap_or_default().into_bytes();
+        let n = self.world.size() as usize;
+        let mut lens = vec![0i32; n];
+        self.world.all_gather_into(&(msg.len() as i32), &mut lens[..]);
+        if lens.iter().all(|&l| l == 0) {
+            return Ok(());
+        }
+        let displs = displacements(&lens);
+        let mut all = vec![0u8; lens.iter().sum::<i32>() as usize];
+        {
+            let mut part = PartitionMut::new(&mut all[..], &lens[..], &displs[..]);
+            self.world.all_gather_varcount_into(&msg[..], &mut part);
+        }
+        let first = lens.iter().position(|&l| l > 0).unwrap_or(0);
+        let text =
+            String::from_utf8_lossy(&all[displs[first] as usize..(displs[first] + lens[first]) as usize]);
+        Err(if n > 1 { format!("rank {first}: {text}") } else { text.into_owned() })
+    }
+}
+
+impl MpiJob {
+    /// Ends every rank of the job (after this rank printed its error).
+    pub fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+}
+
+impl MpiJob {
+    /// Waits until every rank of the job is here.
+    pub fn barrier(&self) {
+        self.world.barrier();
+    }
+}

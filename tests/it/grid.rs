@@ -1,0 +1,188 @@
+//! The grid under mpirun: invalid layouts, failing ranks, and per-rank weight memory.
+
+use super::*;
+use gridlm_reference::{launch_command, run_with_timeout, TinyModel};
+
+/// `launch/local RANKS gridlm generate --model DIR ARGS...` with a deadline.
+fn local(ranks: usize, dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    std::env::set_var("GRIDLM_BIN", bin());
+    let n = ranks.to_string();
+    let mut cmd = launch_command(&["local", &n]);
+    cmd.args(["generate", "--model", path_str(dir), "--threads", "1"]).args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run_with_timeout(cmd, 120)
+}
+
+/// Every rank printed `line`, the job failed, and nothing panicked.
+#[track_caller]
+fn assert_every_rank_says(out: &Output, ranks: usize, line: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let n = stderr.lines().filter(|l| l.starts_with("error: ") && l.contains(line)).count();
+    assert_eq!(n, ranks, "expected {ranks} ranks to print `{line}`:\n{stderr}");
+}
+
+#[test]
+fn world_size_must_equal_pp_times_tp() {
+    let (_t, dir) = tiny_llama();
+    let out = local(3, &dir, &["--prompt", "t1", "--pp", "2", "--tp", "2"], &[]);
+    assert_every_rank_says(&out, 3, "invalid grid: --pp 2 × --tp 2 = 4 ranks, but the job has 3 ranks");
+}
+
+#[test]
+fn tp_larger_than_heads_and_pp_larger_than_layers() {
+    let (_t, dir) = tiny_llama(); // 6 heads, 4 layers
+    let out = local(7, &dir, &["--prompt", "t1", "--tp", "7"], &[]);
+    assert_every_rank_says(&out, 7, "--tp 7 exceeds the model's 6 attention heads");
+    let out = local(5, &dir, &["--prompt", "t1", "--pp", "5"], &[]);
+    assert_every_rank_says(&out, 5, "--pp 5 exceeds the model's 4 layers");
+    let out = local(2, &dir, &["--prompt", "t1", "--pp", "2", "--layers", "3,2"], &[]);
+    assert_every_rank_says(&out, 2, "invalid --layers [3, 2]");
+}
+
+/// A sharded checkpoint whose second file only the last stage reads.
+fn sharded_tiny_llama(dir: &Path) {
+    let m = TinyModel::llama();
+    m.write(dir);
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let (a, b): (Vec<_>, Vec<_>) = m.tensors().into_iter().partition(|(n, _, _)| {
+        n == "model.embed_tokens.weight"
+            || n.starts_with("model.layers.0.")
+            || n.starts_with("model.layers.1.")
+    });
+    let files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+    gridlm_reference::write_safetensors(&dir.join(files[0]), &a);
+    gridlm_reference::write_safetensors(&dir.join(files[1]), &b);
+    let mut map = serde_json::Map::new();
+    for (part, file) in [(&a, files[0]), (&b, files[1])] {
+        for (n, _, _) in part {
+            map.insert(n.clone(), file.into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+#[test]
+fn sharded_checkpoint_runs_on_every_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    sharded_tiny_llama(tmp.path());
+    let (_t, plain) = tiny_llama();
+    let args = ["--prompt", "t7 t8 t9", "--max-tokens", "8", "--ignore-eos", "--json"];
+    let want = local(1, &plain, &args, &[]);
+    assert!(want.status.success(), "{}", String::from_utf8_lossy(&want.stderr));
+    let want: serde_json::Value = serde_json::from_slice(&want.stdout).unwrap();
+    for (ranks, grid) in [
+        (1, vec!["--pp", "1"]),
+        (2, vec!["--pp", "2"]),
+        (2, vec!["--tp", "2"]),
+        (4, vec!["--pp", "2", "--tp", "2"]),
+    ] {
+        let mut a = args.to_vec();
+        a.extend(grid.iter());
+        let out = local(ranks, tmp.path(), &a, &[]);
+        assert!(out.status.success(), "{grid:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(got["token_ids"], want["token_ids"], "{grid:?}");
+    }
+}
+
+#[test]
+fn a_rank_with_a_corrupt_shard_ends_the_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    sharded_tiny_llama(tmp.path());
+    let second = tmp.path().join("model-00002-of-00002.safetensors");
+    let bytes = std::fs::read(&second).unwrap();
+    std::fs::write(&second, &bytes[..bytes.len() / 2]).unwrap();
+    let t0 = std::time::Instant::now();
+    let out = local(2, tmp.path(), &["--prompt", "t1 t2", "--pp", "2"], &[]);
+    // Only rank 1 (the last stage) reads the second file; both ranks report its error.
+    assert_every_rank_says(&out, 2, "rank 1: ");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("model-00002-of-00002.safetensors: truncated or corrupt"), "{stderr}");
+    assert!(t0.elapsed().as_secs() < 60, "took {:?}", t0.elapsed());
+}
+
+#[test]
+fn a_rank_that_dies_mid_generation_ends_the_job() {
+    let (_t, dir) = tiny_llama();
+    let t0 = std::time::Instant::now();
+    let out = local(
+        2,
+        &dir,
+        &["--prompt", "t1 t2", "--pp", "2", "--max-tokens", "20", "--ignore-eos"],
+        &[("GRIDLM_TEST_EXIT_AT", "1:3")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("rank 1: exiting at step 3"), "{stderr}");
+    assert!(t0.elapsed().as_secs() < 60, "took {:?}", t0.elapsed());
+}
+
+/// Bytes each rank should hold: its stage's layers split over tp (norms replicated), the
+/// embedding rows on the first stage, the head rows (tied: the embedding again) on the last.
+fn ideal_shard_bytes(dir: &Path, pp: usize, tp: usize, stage: usize, n_layers: usize) -> f64 {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let layers = gridlm::grid::split_even(n_layers, pp, stage);
+    let mut total = 0.0;
+    for (name, info) in header.as_object().unwrap() {
+        let Some(offsets) = info.get("data_offsets") else { continue };
+        let size = (offsets[1].as_u64().unwrap() - offsets[0].as_u64().unwrap()) as f64;
+        let is_matrix = info["shape"].as_array().unwrap().len() == 2;
+        let share = if is_matrix { size / tp as f64 } else { size };
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            let l: usize = rest.split('.').next().unwrap().parse().unwrap();
+            if layers.contains(&l) {
+                total += share;
+            }
+        } else if name == "model.embed_tokens.weight" {
+            // First stage looks tokens up; a tied last stage uses the same rows as its head.
+            total += share * ((stage == 0) as u8 + (stage == pp - 1 && pp > 1) as u8) as f64;
+        } else if stage == pp - 1 {
+            total += share; // model.norm, lm_head
+        }
+    }
+    total
+}
+
+#[test]
+fn each_rank_holds_only_its_shard() {
+    let dir = smollm2("f32");
+    let model_bytes = std::fs::metadata(dir.join("model.safetensors")).unwrap().len() as f64;
+    for (pp, tp) in [(1, 2), (2, 2)] {
+        let (p, t) = (pp.to_string(), tp.to_string());
+        let out = local(
+            pp * tp,
+            &dir,
+            &["--prompt", "Hi", "--max-tokens", "1", "--json", "--pp", &p, "--tp", &t],
+            &[],
+        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for r in j["ranks"].as_array().unwrap() {
+            let stage = r["stage"].as_u64().unwrap() as usize;
+            let ideal = ideal_shard_bytes(&dir, pp, tp, stage, 30);
+            let held = r["weight_bytes"].as_f64().unwrap();
+            let resident = r["weight_rss_bytes"].as_f64().unwrap();
+            eprintln!(
+                "{pp}x{tp} rank {}: ideal {:.1} MB (model/ranks {:.1} MB), held {:.1} MB, resident growth {:.1} MB, rss {:.1} MB",
+                r["rank"],
+                ideal / 1e6,
+                model_bytes / (pp * tp) as f64 / 1e6,
+                held / 1e6,
+                resident / 1e6,
+                r["rss_bytes"].as_f64().unwrap() / 1e6
+            );
+            assert!((held / ideal - 1.0).abs() <= 0.10, "{pp}x{tp} rank {r}: holds {held} vs ideal {ideal}");
+            assert!(
+                (resident / ideal - 1.0).abs() <= 0.10,
+                "{pp}x{tp} rank {r}: resident {resident} vs ideal {ideal}"
+            );
+        }
+    }
+}
