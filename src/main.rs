@@ -340,8 +340,8 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
         writeln!(stdout, "{out}")?;
     } else {
         writeln!(stdout)?;
-        eprintln!(
-            "[{} prompt tokens, {} new tokens ({:?}), prefill {:.1} ms, decode {:.1} tokens/s, {} ranks ({}x{})]",
+        let summary = format!(
+            "[{} prompt tokens, {} new tokens ({:?}), prefill {:.1} ms, decode {:.1} tokens/s, {} ranks ({}x{})]\n",
             prompt_ids.len(),
             g.token_ids.len(),
             g.finish,
@@ -351,6 +351,7 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
             grid.pp,
             grid.tp
         );
+        let _ = std::io::stderr().write_all(summary.as_bytes());
     }
     Ok(())
 }
