@@ -3,6 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
+use gridlm::bench::{percentile, prefill_flops, BenchReport, RankReport};
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
@@ -10,7 +11,7 @@ use gridlm::engine::{check_prompt, Engine, GenerateOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::model::Shard;
 use gridlm::tokenizer::{StreamDecoder, Tokenizer};
-use gridlm::weights::{convert, DType};
+use gridlm::weights::{convert, synthetic, DType};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -28,6 +29,8 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Convert a GGUF file into a HuggingFace model folder.
     Convert(ConvertArgs),
+    /// Measure latency, throughput, bandwidth and compute against the machine's own limits.
+    Bench(BenchArgs),
 }
 
 #[derive(Args)]
@@ -53,6 +56,16 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    grid: GridArgs,
+    /// Write the logits of the last prompt position (f32, little-endian) to this file.
+    #[arg(long, hide = true)]
+    logits_out: Option<PathBuf>,
+}
+
+/// How the model is split over the ranks of the job.
+#[derive(Args)]
+struct GridArgs {
     /// Pipeline stages (default 1).
     #[arg(long)]
     pp: Option<usize>,
@@ -62,9 +75,43 @@ struct GenerateArgs {
     /// Layers per stage, e.g. `16,14` (default: as even as possible).
     #[arg(long, value_delimiter = ',')]
     layers: Option<Vec<usize>>,
-    /// Write the logits of the last prompt position (f32, little-endian) to this file.
-    #[arg(long, hide = true)]
-    logits_out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// HuggingFace model folder to benchmark.
+    #[arg(long, conflicts_with = "shape", required_unless_present = "shape")]
+    model: Option<PathBuf>,
+    /// A named model shape with seeded random weights, generated per shard (no files):
+    /// smollm2-135m, qwen2-0.5b, llama-3.2-1b, llama-2-7b, llama-3-8b, llama-2-70b.
+    #[arg(long)]
+    shape: Option<String>,
+    /// Weight dtype of a --shape model.
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    dtype: DType,
+    /// Prompt tokens (random ids) of each sequence.
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Tokens generated per sequence (the first comes from the prompt).
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// Unmeasured sequences before the measured ones.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Measured sequences.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Kernel threads per rank (default: the cores this process may run on).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// MiB of the buffer the bandwidth measurement reads (default 1024).
+    #[arg(long, default_value_t = 1024)]
+    bandwidth_mib: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    grid: GridArgs,
 }
 
 #[derive(Args)]
@@ -89,6 +136,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Convert(a) => run_convert(a),
+        Cmd::Bench(a) => bench(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -193,36 +241,41 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if a.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
+    on_grid(&a.grid, |grid, comm, link| run_generate(&a, grid, comm, link))
+}
+
+/// Runs `job` on this rank's place in the grid: one rank without a launcher, else under MPI.
+/// Errors every rank agreed on are printed by each rank (then a barrier, so the launcher's
+/// clean-up cannot cut a rank off mid-message); any other error aborts the whole job.
+fn on_grid(g: &GridArgs, job: impl FnOnce(Grid, &dyn Comm, &dyn Link) -> Result<()>) -> Result<()> {
     if !launched_by_mpirun() {
-        let grid = Grid::new(a.pp.unwrap_or(1), a.tp.unwrap_or(1), 0, 1)?;
-        return run_generate(&a, grid, &Single, &Single);
+        let grid = Grid::new(g.pp.unwrap_or(1), g.tp.unwrap_or(1), 0, 1)?;
+        return job(grid, &Single, &Single);
     }
-    let job = MpiJob::init()?;
-    let (rank, size) = (job.rank(), job.size());
-    let pp = a.pp.unwrap_or(1);
-    let tp = a.tp.unwrap_or((size / pp.max(1)).max(1));
+    let mpi = MpiJob::init()?;
+    let (rank, size) = (mpi.rank(), mpi.size());
+    let pp = g.pp.unwrap_or(1);
+    let tp = g.tp.unwrap_or((size / pp.max(1)).max(1));
     // The same arguments reach every rank, so every rank reaches the same verdict here.
     let result = match Grid::new(pp, tp, rank, size) {
         Ok(grid) => {
-            let (stage, link) = job.split(grid.stage(), grid.tp_rank());
-            run_generate(&a, grid, &stage, &link)
+            let (stage, link) = mpi.split(grid.stage(), grid.tp_rank());
+            job(grid, &stage, &link)
         }
         Err(e) => Err(Agreed(e.to_string()).into()),
     };
     match result {
         Ok(()) => Ok(()),
         Err(e) if e.downcast_ref::<Agreed>().is_some() => {
-            // Every rank has this error: each prints it, and none exits before all have, so
-            // the launcher's clean-up cannot cut a rank off mid-message.
             let _ = std::io::stdout().flush();
             error_line(&format!("{e:#}"));
-            job.barrier();
+            mpi.barrier();
             Err(Reported.into())
         }
         Err(e) => {
             let _ = std::io::stdout().flush();
             error_line(&format!("rank {rank}: {e:#}"));
-            job.abort(1)
+            mpi.abort(1)
         }
     }
 }
@@ -243,7 +296,7 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
     // Phase 1: configuration, layout, and (driver) tokenizer and prompt.
     let setup = (|| -> gridlm::Result<_> {
         let cfg = ModelConfig::from_dir(&a.model)?;
-        let plan = ShardPlan::new(&cfg, &grid, a.layers.as_deref())?;
+        let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         let prompt = if driver {
             let tok = Tokenizer::from_dir(&a.model)?;
             let text = if a.chat { tok.apply_chat_template(&a.prompt)? } else { a.prompt.clone() };
@@ -352,6 +405,157 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
             grid.tp
         );
         let _ = std::io::stderr().write_all(summary.as_bytes());
+    }
+    Ok(())
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    if a.threads == Some(0) {
+        anyhow::bail!("--threads must be at least 1");
+    }
+    if a.reps == 0 || a.new_tokens < 2 || a.prompt_len == 0 {
+        anyhow::bail!("--reps must be at least 1, --new-tokens at least 2 and --prompt-len at least 1");
+    }
+    on_grid(&a.grid, |grid, comm, link| run_bench(&a, grid, comm, link))
+}
+
+fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+    let threads = a.threads.unwrap_or_else(default_threads);
+    let setup = (|| -> gridlm::Result<_> {
+        let cfg = match (&a.model, &a.shape) {
+            (Some(dir), _) => ModelConfig::from_dir(dir)?,
+            (None, Some(name)) => synthetic::shape(name)?,
+            (None, None) => unreachable!("clap requires --model or --shape"),
+        };
+        let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
+        check_prompt(a.prompt_len, cfg.max_position_embeddings)?;
+        Ok((cfg, plan))
+    })();
+    let (cfg, plan) = agree(link, setup)?;
+    let full_cfg = cfg.clone();
+    let rss_before = rss_bytes();
+    let shard = match &a.model {
+        Some(dir) => Shard::load(dir, cfg, plan),
+        None => Shard::from_source(&synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 }, cfg, plan),
+    };
+    let mut engine = agree(link, shard.and_then(|s| Engine::new(s, grid, threads)))?;
+    let weight_rss = rss_bytes().saturating_sub(rss_before) as u64;
+
+    // The machine's limits, measured by every rank at once with its own pool, summed: the
+    // same threads that run the kernels, competing for the same memory.
+    let limits = [
+        gridlm::kernels::limits::read_bandwidth_gb_per_s(a.bandwidth_mib << 20, 5),
+        gridlm::kernels::limits::fma_peak_gflops(20_000_000),
+    ];
+    let mine = [
+        grid.stage() as u64,
+        grid.tp_rank() as u64,
+        engine.shard.weight_bytes() as u64,
+        0,
+        weight_rss,
+        engine.shard.bytes_per_token() as u64,
+        limits[0].to_bits(),
+        limits[1].to_bits(),
+    ];
+    let driver = grid.rank == 0;
+    if !driver {
+        engine.follow(comm, link)?;
+        let mut mine = mine;
+        mine[3] = rss_bytes() as u64;
+        link.allgather_u64(&mine, &mut vec![0; 8 * link.world_size()]);
+        return Ok(());
+    }
+    // Driver: seeded random prompt ids.
+    let vocab = full_cfg.vocab_size as u64;
+    let prompt: Vec<u32> = (0..a.prompt_len as u64)
+        .map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) % vocab) as u32)
+        .collect();
+    let mut firsts = Vec::new();
+    let mut steps = Vec::new();
+    let total = a.warmup + a.reps;
+    let mut outcome = Ok(());
+    for i in 0..total {
+        let label = if i < a.warmup {
+            format!("warm-up {}/{}", i + 1, a.warmup)
+        } else {
+            format!("rep {}/{}", i + 1 - a.warmup, a.reps)
+        };
+        match engine.timed_sequence(&prompt, a.new_tokens, comm, link) {
+            Ok((first, s)) => {
+                let tps = 1e3 * s.len() as f64 / s.iter().sum::<f64>().max(1e-9);
+                let line = format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
+                let _ = std::io::stderr().write_all(line.as_bytes());
+                if i >= a.warmup {
+                    firsts.push(first);
+                    steps.extend(s);
+                }
+            }
+            Err(e) => {
+                outcome = Err(e);
+                break;
+            }
+        }
+    }
+    engine.finish(comm, link)?;
+    let mut mine = mine;
+    mine[3] = rss_bytes() as u64;
+    let mut all = vec![0u64; 8 * link.world_size()];
+    link.allgather_u64(&mine, &mut all);
+    outcome?;
+
+    let ranks: Vec<RankReport> = all
+        .chunks_exact(8)
+        .enumerate()
+        .map(|(r, v)| RankReport {
+            rank: r,
+            stage: v[0] as usize,
+            tp: v[1] as usize,
+            weight_bytes: v[2],
+            rss_bytes: v[3],
+            weight_rss_bytes: v[4],
+            bytes_per_token: v[5],
+        })
+        .collect();
+    let measured_gb_per_s: f64 = all.chunks_exact(8).map(|v| f64::from_bits(v[6])).sum();
+    let measured_peak_gflops: f64 = all.chunks_exact(8).map(|v| f64::from_bits(v[7])).sum();
+    let weight_bytes_per_token: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
+    let first_token_ms = percentile(&firsts, 0.5);
+    let mean_step_ms = steps.iter().sum::<f64>() / steps.len().max(1) as f64;
+    let decode_tokens_per_s = 1e3 / mean_step_ms;
+    let achieved_gb_per_s = weight_bytes_per_token as f64 * decode_tokens_per_s / 1e9;
+    let prefill_gflops = prefill_flops(&full_cfg, a.prompt_len) / (first_token_ms / 1e3) / 1e9;
+    let report = BenchReport {
+        model: match (&a.model, &a.shape) {
+            (Some(d), _) => d.display().to_string(),
+            (_, Some(s)) => format!("{s} (synthetic)"),
+            _ => String::new(),
+        },
+        weight_dtype: engine.shard.weight_dtype().to_string(),
+        pp: grid.pp,
+        tp: grid.tp,
+        threads_per_rank: engine.threads(),
+        prompt_len: a.prompt_len,
+        new_tokens: a.new_tokens,
+        reps: a.reps,
+        first_token_ms,
+        next_token_ms_p50: percentile(&steps, 0.5),
+        next_token_ms_p90: percentile(&steps, 0.9),
+        decode_tokens_per_s,
+        prefill_tokens_per_s: a.prompt_len as f64 / (first_token_ms / 1e3),
+        weight_bytes_per_token,
+        achieved_gb_per_s,
+        measured_gb_per_s,
+        decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
+        prefill_gflops,
+        measured_peak_gflops,
+        prefill_efficiency: prefill_gflops / measured_peak_gflops,
+        ranks,
+    };
+    let mut stdout = std::io::stdout().lock();
+    if a.json {
+        writeln!(stdout, "{}", serde_json::to_string(&report)?)?;
+    } else {
+        write!(stdout, "{}", report.table())?;
     }
     Ok(())
 }

@@ -255,6 +255,32 @@ impl Engine {
         self.drive(Plan::End, comm, link).map(|_| ())
     }
 
+    /// Driver: one timed sequence for benchmarks — the prompt, then `new_tokens - 1` decode
+    /// steps regardless of EOS. Returns the prompt's latency and each decode step's, in ms.
+    pub fn timed_sequence(
+        &mut self,
+        prompt: &[u32],
+        new_tokens: usize,
+        comm: &dyn Comm,
+        link: &dyn Link,
+    ) -> Result<(f64, Vec<f64>)> {
+        check_prompt(prompt.len(), self.max_context())?;
+        let capacity = (prompt.len() + new_tokens).min(self.max_context());
+        self.drive(Plan::Begin { capacity }, comm, link)?;
+        let t0 = Instant::now();
+        let step = Plan::Step { tokens: prompt.to_vec(), pos0: 0, want_logits: false };
+        let mut next = self.drive(step, comm, link)?.ok_or_else(|| Error::Comm("no result".into()))?.token;
+        let first_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut steps = Vec::with_capacity(new_tokens);
+        for pos in prompt.len()..capacity.min(prompt.len() + new_tokens.saturating_sub(1)) {
+            let t = Instant::now();
+            let step = Plan::Step { tokens: vec![next], pos0: pos, want_logits: false };
+            next = self.drive(step, comm, link)?.ok_or_else(|| Error::Comm("no result".into()))?.token;
+            steps.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok((first_ms, steps))
+    }
+
     /// Driver: greedy generation for one prompt over the whole grid. Call [`Engine::finish`]
     /// afterwards (also after an error) so the other ranks stop.
     pub fn generate(

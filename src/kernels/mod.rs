@@ -3,6 +3,7 @@
 //! from (the engine runs each whole step inside one pool).
 
 pub mod dot;
+pub mod limits;
 
 use crate::weights::{Data, Mat};
 use rayon::prelude::*;

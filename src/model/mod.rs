@@ -17,6 +17,7 @@ use crate::error::Result;
 use crate::grid::ShardPlan;
 use crate::kernels;
 use crate::weights::checkpoint::Checkpoint;
+use crate::weights::Source;
 use crate::weights::{Data, Mat};
 pub use kv_cache::KvCache;
 use rayon::prelude::*;
@@ -53,10 +54,11 @@ impl Shard {
     /// Loads only this rank's shard from the checkpoint in `dir`.
     pub fn load(dir: &Path, cfg: ModelConfig, plan: ShardPlan) -> Result<Self> {
         let ckpt = Checkpoint::open(dir)?;
-        Self::from_checkpoint(&ckpt, cfg, plan)
+        Self::from_source(&ckpt, cfg, plan)
     }
 
-    pub fn from_checkpoint(ckpt: &Checkpoint, cfg: ModelConfig, plan: ShardPlan) -> Result<Self> {
+    /// Loads this rank's shard from any weight source (checkpoint or synthetic).
+    pub fn from_source(ckpt: &dyn Source, cfg: ModelConfig, plan: ShardPlan) -> Result<Self> {
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let qr = plan.q_heads.start * hd..plan.q_heads.end * hd;

@@ -2,7 +2,7 @@
 //! `model.safetensors.index.json`). Files are memory-mapped and only the byte ranges of the
 //! requested rows or columns are copied out, so a rank's resident memory holds its shard only.
 
-use super::{DType, Data, Mat};
+use super::{DType, Data, Mat, Source};
 use crate::error::{Error, Result};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
@@ -148,9 +148,11 @@ impl Checkpoint {
         let (bytes, dtype) = (info.bytes.clone(), info.dtype);
         Ok((file, bytes, dtype))
     }
+}
 
+impl Source for Checkpoint {
     /// Rows `rows` of a 2-D tensor of shape `[n_rows, n_cols]`, or elements `rows` of a 1-D one.
-    pub fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
+    fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
         let (file, bytes, dtype) = self.info(name, expected_shape)?;
         let cols = if expected_shape.len() == 2 { expected_shape[1] } else { 1 };
         let row_bytes = cols * dtype.size_bytes();
@@ -161,7 +163,7 @@ impl Checkpoint {
     }
 
     /// Columns `cols` of every row of a 2-D tensor `[n_rows, n_cols]` (o_proj and down_proj shards).
-    pub fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
+    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
         let (file, tensor_bytes, dtype) = self.info(name, expected_shape)?;
         let (n_rows, n_cols) = (expected_shape[0], expected_shape[1]);
         let es = dtype.size_bytes();
@@ -171,15 +173,5 @@ impl Checkpoint {
             bytes.extend_from_slice(&file.map[row0 + cols.start * es..row0 + cols.end * es]);
         }
         Ok(Mat { rows: n_rows, cols: cols.len(), data: Data::from_le_bytes(dtype, &bytes) })
-    }
-
-    /// A whole 1-D tensor as f32 (norm weights, biases).
-    pub fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        Ok(self.rows(name, &[len], 0..len)?.data.to_f32_vec())
-    }
-
-    /// Elements `range` of a 1-D tensor as f32 (a shard of a bias).
-    pub fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
-        Ok(self.rows(name, &[len], range)?.data.to_f32_vec())
     }
 }

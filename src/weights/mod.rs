@@ -5,8 +5,29 @@
 pub mod checkpoint;
 pub mod convert;
 pub mod gguf;
+pub mod synthetic;
 
+use crate::error::Result;
 use half::{bf16, f16};
+use std::ops::Range;
+
+/// Where a shard's tensors come from: a checkpoint on disk or seeded synthetic weights. Names
+/// and shapes are HF's (`[out, in]` for a Linear weight); only the requested part is produced.
+pub trait Source {
+    /// Rows `rows` of a 2-D tensor `[n_rows, n_cols]`, or elements `rows` of a 1-D one.
+    fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat>;
+    /// Columns `cols` of every row of a 2-D tensor `[n_rows, n_cols]`.
+    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat>;
+
+    /// A whole 1-D tensor as f32 (norm weights, biases).
+    fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        Ok(self.rows(name, &[len], 0..len)?.data.to_f32_vec())
+    }
+    /// Elements `range` of a 1-D tensor as f32 (a shard of a bias).
+    fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        Ok(self.rows(name, &[len], range)?.data.to_f32_vec())
+    }
+}
 
 /// Element type of stored weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,4 +1,5 @@
 mod bad_input;
+mod bench;
 mod generate;
 mod grid;
 

@@ -1,0 +1,144 @@
+//! `gridlm bench`: statistics and the report. Owns: turning timings, byte counts and measured
+//! machine limits into the numbers users compare (latency percentiles, tokens/s, GB/s, GFLOP/s,
+//! efficiencies). The measuring itself is done by the engine and `kernels::limits`.
+
+use crate::config::ModelConfig;
+use serde::Serialize;
+
+/// Per-rank figures, gathered to the driver.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankReport {
+    pub rank: usize,
+    pub stage: usize,
+    pub tp: usize,
+    pub weight_bytes: u64,
+    pub rss_bytes: u64,
+    pub weight_rss_bytes: u64,
+    pub bytes_per_token: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub weight_dtype: String,
+    pub pp: usize,
+    pub tp: usize,
+    pub threads_per_rank: usize,
+    pub prompt_len: usize,
+    pub new_tokens: usize,
+    pub reps: usize,
+    pub first_token_ms: f64,
+    pub next_token_ms_p50: f64,
+    pub next_token_ms_p90: f64,
+    pub decode_tokens_per_s: f64,
+    pub prefill_tokens_per_s: f64,
+    pub weight_bytes_per_token: u64,
+    pub achieved_gb_per_s: f64,
+    pub measured_gb_per_s: f64,
+    pub decode_efficiency: f64,
+    pub prefill_gflops: f64,
+    pub measured_peak_gflops: f64,
+    pub prefill_efficiency: f64,
+    pub ranks: Vec<RankReport>,
+}
+
+/// The `q`-quantile (0..=1) of `v`, by nearest rank.
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let i = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1;
+    s[i]
+}
+
+/// Floating-point operations of a prefill of `n` tokens over the whole model: every Linear
+/// (2 flops per weight per token), attention scores and weighted sums over the causal
+/// triangle, and the output head for the last position only.
+pub fn prefill_flops(cfg: &ModelConfig, n: usize) -> f64 {
+    let (h, ff) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
+    let (qd, kvd) = (cfg.q_dim() as f64, cfg.kv_dim() as f64);
+    let per_layer_weights = h * (qd + 2.0 * kvd) + qd * h + 3.0 * h * ff;
+    let n = n as f64;
+    let linear = 2.0 * per_layer_weights * n * cfg.n_layers as f64;
+    let attention = 2.0 * 2.0 * qd * (n * (n + 1.0) / 2.0) * cfg.n_layers as f64;
+    linear + attention + 2.0 * cfg.vocab_size as f64 * h
+}
+
+impl BenchReport {
+    /// A readable table.
+    pub fn table(&self) -> String {
+        let mb = |b: u64| b as f64 / 1e6;
+        let mut s = format!(
+            "gridlm bench: {} ({}), grid {}x{}, {} threads/rank, prompt {} tokens, {} new tokens, {} reps\n",
+            self.model,
+            self.weight_dtype,
+            self.pp,
+            self.tp,
+            self.threads_per_rank,
+            self.prompt_len,
+            self.new_tokens,
+            self.reps
+        );
+        let rows = [
+            ("first token", format!("{:.1} ms", self.first_token_ms)),
+            (
+                "next token p50 / p90",
+                format!("{:.2} / {:.2} ms", self.next_token_ms_p50, self.next_token_ms_p90),
+            ),
+            ("decode", format!("{:.1} tokens/s", self.decode_tokens_per_s)),
+            ("prefill", format!("{:.1} tokens/s", self.prefill_tokens_per_s)),
+            ("weights read per token", format!("{:.1} MB", mb(self.weight_bytes_per_token))),
+            (
+                "decode bandwidth",
+                format!(
+                    "{:.1} GB/s of {:.1} GB/s measured = {:.2}",
+                    self.achieved_gb_per_s, self.measured_gb_per_s, self.decode_efficiency
+                ),
+            ),
+            (
+                "prefill compute",
+                format!(
+                    "{:.1} GFLOP/s of {:.1} GFLOP/s measured = {:.2}",
+                    self.prefill_gflops, self.measured_peak_gflops, self.prefill_efficiency
+                ),
+            ),
+        ];
+        for (k, v) in rows {
+            s += &format!("  {k:<24} {v}\n");
+        }
+        for r in &self.ranks {
+            s += &format!(
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB\n",
+                r.rank,
+                r.stage,
+                r.tp,
+                mb(r.weight_bytes),
+                mb(r.rss_bytes)
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 5.0);
+        assert_eq!(percentile(&v, 0.9), 9.0);
+        assert_eq!(percentile(&[3.0], 0.9), 3.0);
+    }
+
+    #[test]
+    fn prefill_flops_counts_linears() {
+        let cfg = crate::weights::synthetic::shape("llama-2-7b").unwrap();
+        // ~6.5e9 weights in the layers: about 13 GFLOP per token.
+        let per_token = prefill_flops(&cfg, 1) - 2.0 * 32000.0 * 4096.0;
+        assert!((per_token / 1e9 - 12.95).abs() < 0.2, "{per_token}");
+    }
+}

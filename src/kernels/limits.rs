@@ -1,0 +1,100 @@
+//! The machine's own limits, measured with the same thread pool the kernels use: read
+//! bandwidth over a buffer far larger than the last-level cache, and the f32 FMA peak.
+
+use super::dot::{detect, Isa};
+use rayon::prelude::*;
+use std::time::Instant;
+
+/// Sums `buf` with every pool thread (wide independent accumulators, so loads are the limit).
+fn read_all(buf: &[f32], isa: Isa) -> f32 {
+    buf.par_chunks(1 << 16)
+        .map(|c| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Isa::Avx2 is only detected with avx2 and fma present.
+            Isa::Avx2 => unsafe { avx2::sum(c) },
+            _ => c.iter().sum::<f32>(),
+        })
+        .sum()
+}
+
+/// Best read bandwidth over `passes` full reads of a `bytes`-sized buffer, in GB/s.
+pub fn read_bandwidth_gb_per_s(bytes: usize, passes: usize) -> f64 {
+    let isa = detect();
+    let buf: Vec<f32> = (0..bytes / 4).into_par_iter().map(|i| (i % 7) as f32).collect();
+    let mut best = f64::INFINITY;
+    let mut sink = 0.0;
+    for _ in 0..passes.max(1) {
+        let t = Instant::now();
+        sink += read_all(&buf, isa);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink);
+    buf.len() as f64 * 4.0 / best / 1e9
+}
+
+/// f32 FMA throughput of every pool thread together, in GFLOP/s (an FMA counts as 2 flops).
+pub fn fma_peak_gflops(iterations: usize) -> f64 {
+    let isa = detect();
+    let threads = rayon::current_num_threads();
+    let t = Instant::now();
+    let flops: f64 = (0..threads)
+        .into_par_iter()
+        .map(|i| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { avx2::fma_chains(iterations, i as f32) },
+            _ => {
+                let mut acc = [i as f32; 8];
+                for _ in 0..iterations {
+                    for a in acc.iter_mut() {
+                        *a = a.mul_add(0.999_999, 1e-7);
+                    }
+                }
+                std::hint::black_box(acc);
+                (iterations * 8 * 2) as f64
+            }
+        })
+        .sum();
+    flops / t.elapsed().as_secs_f64() / 1e9
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must have avx2 and fma.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn sum(c: &[f32]) -> f32 {
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= c.len() {
+            for (k, acc) in a.iter_mut().enumerate() {
+                *acc = _mm256_add_ps(*acc, _mm256_loadu_ps(c.as_ptr().add(i + 8 * k)));
+            }
+            i += 32;
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), v);
+        out.iter().sum::<f32>() + c[i..].iter().sum::<f32>()
+    }
+
+    /// Twelve independent FMA chains (enough to cover FMA latency × ports); returns flops done.
+    ///
+    /// # Safety
+    /// The CPU must have avx2 and fma.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma_chains(iterations: usize, seed: f32) -> f64 {
+        let mul = _mm256_set1_ps(0.999_999);
+        let add = _mm256_set1_ps(1e-7);
+        let mut a = [_mm256_set1_ps(seed); 12];
+        for _ in 0..iterations {
+            for acc in a.iter_mut() {
+                *acc = _mm256_fmadd_ps(*acc, mul, add);
+            }
+        }
+        std::hint::black_box(a);
+        (iterations * 12 * 8 * 2) as f64
+    }
+}

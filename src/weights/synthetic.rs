@@ -1,0 +1,141 @@
+//! Seeded random weights for benchmarking model shapes without files. Every element is a pure
+//! function of (seed, tensor name, row, column), so each rank generates exactly its own shard
+//! and every grid layout sees the same model. Values are scaled like a trained model's
+//! (Linear rows ~ 1/sqrt(in), norms ~ 1) so activations stay in range.
+
+use super::{DType, Data, Mat, Source};
+use crate::config::{Arch, ModelConfig, RopeScaling};
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::ops::Range;
+
+/// Named model shapes for `gridlm bench --shape`.
+pub const SHAPES: &[&str] =
+    &["smollm2-135m", "qwen2-0.5b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b", "llama-2-70b"];
+
+/// The configuration of a named shape (hyper-parameters of the public models of that name).
+pub fn shape(name: &str) -> Result<ModelConfig> {
+    // (arch, hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, max pos)
+    let (arch, h, ff, l, nh, nkv, vocab, tied, theta, max_pos) = match name {
+        "smollm2-135m" => (Arch::Llama, 576, 1536, 30, 9, 3, 49152, true, 100000.0, 8192),
+        "qwen2-0.5b" => (Arch::Qwen2, 896, 4864, 24, 14, 2, 151936, true, 1000000.0, 32768),
+        "llama-3.2-1b" => (Arch::Llama, 2048, 8192, 16, 32, 8, 128256, true, 500000.0, 131072),
+        "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 32000, false, 10000.0, 4096),
+        "llama-3-8b" => (Arch::Llama, 4096, 14336, 32, 32, 8, 128256, false, 500000.0, 8192),
+        "llama-2-70b" => (Arch::Llama, 8192, 28672, 80, 64, 8, 32000, false, 10000.0, 4096),
+        other => {
+            return Err(Error::Input(format!("unknown --shape `{other}` (known: {})", SHAPES.join(", "))));
+        }
+    };
+    let rope_scaling = (name == "llama-3.2-1b").then_some(RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    });
+    Ok(ModelConfig {
+        arch,
+        hidden_size: h,
+        intermediate_size: ff,
+        n_layers: l,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: h / nh,
+        vocab_size: vocab,
+        rms_norm_eps: 1e-5,
+        rope_theta: theta,
+        rope_scaling,
+        max_position_embeddings: max_pos,
+        tie_word_embeddings: tied,
+        qkv_bias: arch == Arch::Qwen2,
+        sliding_window: None,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+    })
+}
+
+pub struct Synthetic {
+    pub dtype: DType,
+    pub seed: u64,
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+impl Synthetic {
+    /// (scale, offset) of a tensor's values, by its role.
+    fn law(name: &str, n_cols: usize) -> (f32, f32) {
+        if name.ends_with("norm.weight") {
+            (0.1, 1.0)
+        } else if name.ends_with(".bias") {
+            (0.1, 0.0)
+        } else if name == "model.embed_tokens.weight" {
+            (1.0, 0.0)
+        } else {
+            ((3.0 / n_cols as f32).sqrt(), 0.0)
+        }
+    }
+
+    fn block(&self, name: &str, shape: &[usize], rows: Range<usize>, cols: Range<usize>) -> Mat {
+        let n_cols = if shape.len() == 2 { shape[1] } else { 1 };
+        let key = splitmix(self.seed ^ name_hash(name));
+        let (scale, offset) = Self::law(name, n_cols);
+        let width = cols.len();
+        let value = |r: usize, c: usize| {
+            let u = splitmix(key ^ (r * n_cols + c) as u64);
+            ((u >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale + offset
+        };
+        let mut v = vec![0.0f32; rows.len() * width];
+        v.par_chunks_mut(width.max(1)).enumerate().for_each(|(i, row)| {
+            for (j, x) in row.iter_mut().enumerate() {
+                *x = value(rows.start + i, cols.start + j);
+            }
+        });
+        let dtype = if shape.len() == 1 { DType::F32 } else { self.dtype };
+        let data = match dtype {
+            DType::F32 => Data::F32(v),
+            DType::BF16 => Data::BF16(v.par_iter().map(|&x| bf16::from_f32(x)).collect()),
+            DType::F16 => Data::F16(v.par_iter().map(|&x| f16::from_f32(x)).collect()),
+        };
+        Mat { rows: rows.len(), cols: width, data }
+    }
+}
+
+impl Source for Synthetic {
+    fn rows(&self, name: &str, shape: &[usize], rows: Range<usize>) -> Result<Mat> {
+        let n_cols = if shape.len() == 2 { shape[1] } else { 1 };
+        Ok(self.block(name, shape, rows, 0..n_cols))
+    }
+    fn cols(&self, name: &str, shape: &[usize], cols: Range<usize>) -> Result<Mat> {
+        Ok(self.block(name, shape, 0..shape[0], cols))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_are_slices_of_one_model() {
+        let s = Synthetic { dtype: DType::F32, seed: 7 };
+        let shape = [6, 10];
+        let full = s.rows("w", &shape, 0..6).unwrap().data.to_f32_vec();
+        let part = s.rows("w", &shape, 2..4).unwrap().data.to_f32_vec();
+        assert_eq!(&full[20..40], &part[..]);
+        let cols = s.cols("w", &shape, 3..7).unwrap().data.to_f32_vec();
+        assert_eq!(cols[4..8], full[13..17]);
+        assert!(full.iter().any(|&x| x != 0.0));
+        for n in SHAPES {
+            assert!(super::shape(n).is_ok());
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! `gridlm bench`: the documented JSON keys, on a synthetic shape and on a model folder, on one
+//! rank and on a 2x1 grid. Values are checked for sense, never against a time limit.
+
+use super::*;
+
+const KEYS: &[&str] = &[
+    "first_token_ms",
+    "next_token_ms_p50",
+    "next_token_ms_p90",
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
+    "weight_bytes_per_token",
+    "achieved_gb_per_s",
+    "measured_gb_per_s",
+    "decode_efficiency",
+    "prefill_gflops",
+    "measured_peak_gflops",
+    "prefill_efficiency",
+    "ranks",
+];
+
+fn check(j: &serde_json::Value, ranks: usize) {
+    for k in KEYS {
+        assert!(j.get(k).is_some(), "missing {k} in {j}");
+    }
+    for k in &KEYS[..KEYS.len() - 1] {
+        let v = j[k].as_f64().unwrap();
+        assert!(v.is_finite() && v > 0.0, "{k} = {v}");
+    }
+    assert!(j["next_token_ms_p90"].as_f64() >= j["next_token_ms_p50"].as_f64());
+    assert_eq!(j["ranks"].as_array().unwrap().len(), ranks);
+}
+
+#[test]
+fn bench_synthetic_shape_one_rank() {
+    let out = gridlm(&[
+        "bench",
+        "--shape",
+        "smollm2-135m",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--warmup",
+        "0",
+        "--reps",
+        "2",
+        "--bandwidth-mib",
+        "64",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    check(&j, 1);
+    // bf16 SmolLM2: ~135M weights at 2 bytes, all read for each token.
+    let bytes = j["weight_bytes_per_token"].as_f64().unwrap();
+    assert!((2.5e8..2.9e8).contains(&bytes), "{bytes}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bench: rep 2/2"), "progress lines");
+}
+
+#[test]
+fn bench_model_folder_on_two_stages() {
+    let (_t, dir) = tiny_llama();
+    std::env::set_var("GRIDLM_BIN", bin());
+    let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
+    cmd.args(["bench", "--model", path_str(&dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
+        .args(["--new-tokens", "4", "--warmup", "1", "--reps", "1", "--bandwidth-mib", "32", "--json"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 120);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    check(&j, 2);
+    assert_eq!(j["pp"], 2);
+}
+
+#[test]
+fn bench_rejects_unknown_shape() {
+    let out = gridlm(&["bench", "--shape", "gpt-5"]);
+    assert_one_line_error(&out, &["unknown --shape `gpt-5`", "llama-3-8b"]);
+}
