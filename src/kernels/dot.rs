@@ -167,6 +167,26 @@ mod avx2 {
         let xp = x.as_ptr();
         let mut a = [_mm256_setzero_ps(); 4];
         let mut c = 0;
+        // Rows are short (often a few KiB), too short for the hardware prefetcher to ramp up
+        // on four streams at once, so fetch the same columns of the next four rows (the next
+        // block of a row-major matrix) while this block is summed. Prefetches never fault, and
+        // the addresses are only computed (wrapping), never dereferenced.
+        let ahead = 4 * n;
+        while c + 32 <= n {
+            for p in [p0, p1, p2, p3] {
+                _mm_prefetch(p.wrapping_add(c + ahead) as *const i8, _MM_HINT_T0);
+                _mm_prefetch(p.wrapping_add(c + ahead + 16) as *const i8, _MM_HINT_T0);
+            }
+            for k in 0..4 {
+                let cc = c + 8 * k;
+                let xv = _mm256_loadu_ps(xp.add(cc));
+                a[0] = _mm256_fmadd_ps(T::load8(p0.add(cc)), xv, a[0]);
+                a[1] = _mm256_fmadd_ps(T::load8(p1.add(cc)), xv, a[1]);
+                a[2] = _mm256_fmadd_ps(T::load8(p2.add(cc)), xv, a[2]);
+                a[3] = _mm256_fmadd_ps(T::load8(p3.add(cc)), xv, a[3]);
+            }
+            c += 32;
+        }
         while c + 8 <= n {
             let xv = _mm256_loadu_ps(xp.add(c));
             a[0] = _mm256_fmadd_ps(T::load8(p0.add(c)), xv, a[0]);

@@ -200,7 +200,8 @@ impl Shard {
         let nkv = self.plan.kv_heads.len();
         let qkv_rows = (nq + 2 * nkv) * hd;
         let ffl = self.plan.ffn.len();
-        s.ensure(n, pos0 + n, self);
+        // Sized for the whole cache at once, so decode steps never reallocate.
+        s.ensure(n, cache.capacity(), self);
         let x = &mut x[..n * h];
         self.rope_tables(pos0, n, s);
         let group = cfg.n_heads / cfg.n_kv_heads;
