@@ -316,17 +316,20 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
     let mut engine = agree(link, engine)?;
     let weight_rss = rss_bytes().saturating_sub(rss_before);
     let weight_bytes = engine.shard.weight_bytes();
-
-    let Some((tok, prompt_ids)) = prompt else {
-        engine.follow(comm, link)?;
-        let mine = [
+    // This rank's line of the per-rank memory report, taken after generation.
+    let memory_figures = || {
+        [
             grid.stage() as u64,
             grid.tp_rank() as u64,
             weight_bytes as u64,
             rss_bytes() as u64,
             weight_rss as u64,
-        ];
-        link.allgather_u64(&mine, &mut vec![0; 5 * link.world_size()]);
+        ]
+    };
+
+    let Some((tok, prompt_ids)) = prompt else {
+        engine.follow(comm, link)?;
+        link.allgather_u64(&memory_figures(), &mut vec![0; 5 * link.world_size()]);
         return Ok(());
     };
     if let Some(id) = tok.eos_id() {
@@ -354,15 +357,8 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let mine = [
-        grid.stage() as u64,
-        grid.tp_rank() as u64,
-        weight_bytes as u64,
-        rss_bytes() as u64,
-        weight_rss as u64,
-    ];
     let mut all = vec![0; 5 * link.world_size()];
-    link.allgather_u64(&mine, &mut all);
+    link.allgather_u64(&memory_figures(), &mut all);
     let g = generated?;
     if let (Some(path), Some(l)) = (&a.logits_out, &g.prompt_logits) {
         write_f32_file(path, l)?;
