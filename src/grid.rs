@@ -71,6 +71,11 @@ pub fn split_aligned(n: usize, parts: usize, i: usize, align: usize) -> Range<us
     (blocks.start * align).min(n)..(blocks.end * align).min(n)
 }
 
+/// Vocabulary rows (of the embedding and lm_head) held by tp rank `t` of `tp`.
+pub fn vocab_range(vocab_size: usize, tp: usize, t: usize) -> Range<usize> {
+    split_aligned(vocab_size, tp, t, FFN_ALIGN)
+}
+
 /// Everything one rank holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardPlan {
@@ -122,7 +127,7 @@ impl ShardPlan {
             q_heads,
             kv_heads,
             ffn: split_aligned(cfg.intermediate_size, grid.tp, t, FFN_ALIGN),
-            vocab: split_aligned(cfg.vocab_size, grid.tp, t, FFN_ALIGN),
+            vocab: vocab_range(cfg.vocab_size, grid.tp, t),
             first_stage: grid.is_first_stage(),
             last_stage: grid.is_last_stage(),
         })

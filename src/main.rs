@@ -209,6 +209,33 @@ fn rss_bytes() -> usize {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// Collective: every rank's memory figures, in world-rank order. `weight_rss` is the RSS growth
+/// while the rank loaded its shard; the current RSS is taken now.
+fn gather_rank_reports(link: &dyn Link, grid: Grid, shard: &Shard, weight_rss: usize) -> Vec<RankReport> {
+    let mine = [
+        grid.stage() as u64,
+        grid.tp_rank() as u64,
+        shard.weight_bytes() as u64,
+        rss_bytes() as u64,
+        weight_rss as u64,
+        shard.bytes_per_token() as u64,
+    ];
+    let mut all = vec![0; mine.len() * link.world_size()];
+    link.allgather_u64(&mine, &mut all);
+    all.chunks_exact(mine.len())
+        .enumerate()
+        .map(|(rank, v)| RankReport {
+            rank,
+            stage: v[0] as usize,
+            tp: v[1] as usize,
+            weight_bytes: v[2],
+            rss_bytes: v[3],
+            weight_rss_bytes: v[4],
+            bytes_per_token: v[5],
+        })
+        .collect()
+}
+
 fn write_f32_file(path: &Path, v: &[f32]) -> Result<()> {
     let tmp = path.with_extension("partial");
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -315,21 +342,10 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
     let engine = Shard::load(&a.model, cfg, plan).and_then(|shard| Engine::new(shard, grid, threads));
     let mut engine = agree(link, engine)?;
     let weight_rss = rss_bytes().saturating_sub(rss_before);
-    let weight_bytes = engine.shard.weight_bytes();
-    // This rank's line of the per-rank memory report, taken after generation.
-    let memory_figures = || {
-        [
-            grid.stage() as u64,
-            grid.tp_rank() as u64,
-            weight_bytes as u64,
-            rss_bytes() as u64,
-            weight_rss as u64,
-        ]
-    };
 
     let Some((tok, prompt_ids)) = prompt else {
         engine.follow(comm, link)?;
-        link.allgather_u64(&memory_figures(), &mut vec![0; 5 * link.world_size()]);
+        gather_rank_reports(link, grid, &engine.shard, weight_rss);
         return Ok(());
     };
     if let Some(id) = tok.eos_id() {
@@ -357,22 +373,13 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let mut all = vec![0; 5 * link.world_size()];
-    link.allgather_u64(&memory_figures(), &mut all);
+    let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
     let g = generated?;
     if let (Some(path), Some(l)) = (&a.logits_out, &g.prompt_logits) {
         write_f32_file(path, l)?;
     }
     let text = tok.decode(&g.token_ids)?;
     if a.json {
-        let ranks: Vec<serde_json::Value> = all
-            .chunks_exact(5)
-            .enumerate()
-            .map(|(r, v)| {
-                serde_json::json!({"rank": r, "stage": v[0], "tp": v[1], "weight_bytes": v[2],
-                    "rss_bytes": v[3], "weight_rss_bytes": v[4]})
-            })
-            .collect();
         let out = serde_json::json!({
             "prompt_token_ids": prompt_ids,
             "token_ids": g.token_ids,
@@ -435,30 +442,21 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
         None => Shard::from_source(&synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 }, cfg, plan),
     };
     let mut engine = agree(link, shard.and_then(|s| Engine::new(s, grid, threads)))?;
-    let weight_rss = rss_bytes().saturating_sub(rss_before) as u64;
+    let weight_rss = rss_bytes().saturating_sub(rss_before);
 
     // The machine's limits, measured by every rank at once with its own pool, summed: the
     // same threads that run the kernels, competing for the same memory.
     let limits = [
-        gridlm::kernels::limits::read_bandwidth_gb_per_s(a.bandwidth_mib << 20, 5),
-        gridlm::kernels::limits::fma_peak_gflops(20_000_000),
+        gridlm::kernels::limits::read_bandwidth_gb_per_s(a.bandwidth_mib << 20, 5).to_bits(),
+        gridlm::kernels::limits::fma_peak_gflops(20_000_000).to_bits(),
     ];
-    let mine = [
-        grid.stage() as u64,
-        grid.tp_rank() as u64,
-        engine.shard.weight_bytes() as u64,
-        0,
-        weight_rss,
-        engine.shard.bytes_per_token() as u64,
-        limits[0].to_bits(),
-        limits[1].to_bits(),
-    ];
-    let driver = grid.rank == 0;
-    if !driver {
+    let mut all_limits = vec![0u64; 2 * link.world_size()];
+    link.allgather_u64(&limits, &mut all_limits);
+    let measured_gb_per_s: f64 = all_limits.chunks_exact(2).map(|v| f64::from_bits(v[0])).sum();
+    let measured_peak_gflops: f64 = all_limits.chunks_exact(2).map(|v| f64::from_bits(v[1])).sum();
+    if grid.rank != 0 {
         engine.follow(comm, link)?;
-        let mut mine = mine;
-        mine[3] = rss_bytes() as u64;
-        link.allgather_u64(&mine, &mut vec![0; 8 * link.world_size()]);
+        gather_rank_reports(link, grid, &engine.shard, weight_rss);
         return Ok(());
     }
     // Driver: seeded random prompt ids.
@@ -493,27 +491,9 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
         }
     }
     engine.finish(comm, link)?;
-    let mut mine = mine;
-    mine[3] = rss_bytes() as u64;
-    let mut all = vec![0u64; 8 * link.world_size()];
-    link.allgather_u64(&mine, &mut all);
+    let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
     outcome?;
 
-    let ranks: Vec<RankReport> = all
-        .chunks_exact(8)
-        .enumerate()
-        .map(|(r, v)| RankReport {
-            rank: r,
-            stage: v[0] as usize,
-            tp: v[1] as usize,
-            weight_bytes: v[2],
-            rss_bytes: v[3],
-            weight_rss_bytes: v[4],
-            bytes_per_token: v[5],
-        })
-        .collect();
-    let measured_gb_per_s: f64 = all.chunks_exact(8).map(|v| f64::from_bits(v[6])).sum();
-    let measured_peak_gflops: f64 = all.chunks_exact(8).map(|v| f64::from_bits(v[7])).sum();
     let weight_bytes_per_token: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
     let first_token_ms = percentile(&firsts, 0.5);
     let mean_step_ms = steps.iter().sum::<f64>() / steps.len().max(1) as f64;

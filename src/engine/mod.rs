@@ -12,7 +12,7 @@
 
 use crate::comm::{Comm, Link, Tag};
 use crate::error::{Error, Result};
-use crate::grid::{split_aligned, Grid, FFN_ALIGN};
+use crate::grid::{vocab_range, Grid};
 use crate::kernels;
 use crate::model::{KvCache, Scratch, Shard};
 use serde::{Deserialize, Serialize};
@@ -208,8 +208,7 @@ impl Engine {
             let token = greedy_pick(logits, shard.vocab_range().start, candidates, comm);
             let full = want_logits.then(|| {
                 let vocab = shard.cfg.vocab_size;
-                let counts: Vec<usize> =
-                    (0..g.tp).map(|t| split_aligned(vocab, g.tp, t, FFN_ALIGN).len()).collect();
+                let counts: Vec<usize> = (0..g.tp).map(|t| vocab_range(vocab, g.tp, t).len()).collect();
                 let mut full = vec![0.0; vocab];
                 comm.allgatherv(logits, &counts, &mut full);
                 full
@@ -255,6 +254,35 @@ impl Engine {
         self.drive(Plan::End, comm, link).map(|_| ())
     }
 
+    /// Driver: starts a sequence of `prompt_len` tokens that may grow by `new_tokens`; every
+    /// rank sizes its KV cache. Returns the capacity (positions), capped at the context.
+    fn begin(
+        &mut self,
+        prompt_len: usize,
+        new_tokens: usize,
+        comm: &dyn Comm,
+        link: &dyn Link,
+    ) -> Result<usize> {
+        let max_ctx = self.max_context();
+        check_prompt(prompt_len, max_ctx)?;
+        let capacity = (prompt_len + new_tokens).min(max_ctx);
+        self.drive(Plan::Begin { capacity }, comm, link)?;
+        Ok(capacity)
+    }
+
+    /// Driver: runs `tokens` at positions `pos0..` over the whole grid; returns its result.
+    fn step(
+        &mut self,
+        tokens: Vec<u32>,
+        pos0: usize,
+        want_logits: bool,
+        comm: &dyn Comm,
+        link: &dyn Link,
+    ) -> Result<StepResult> {
+        self.drive(Plan::Step { tokens, pos0, want_logits }, comm, link)?
+            .ok_or_else(|| Error::Comm("the last stage returned no result for a step".into()))
+    }
+
     /// Driver: one timed sequence for benchmarks — the prompt, then `new_tokens - 1` decode
     /// steps regardless of EOS. Returns the prompt's latency and each decode step's, in ms.
     pub fn timed_sequence(
@@ -264,18 +292,14 @@ impl Engine {
         comm: &dyn Comm,
         link: &dyn Link,
     ) -> Result<(f64, Vec<f64>)> {
-        check_prompt(prompt.len(), self.max_context())?;
-        let capacity = (prompt.len() + new_tokens).min(self.max_context());
-        self.drive(Plan::Begin { capacity }, comm, link)?;
+        let capacity = self.begin(prompt.len(), new_tokens, comm, link)?;
         let t0 = Instant::now();
-        let step = Plan::Step { tokens: prompt.to_vec(), pos0: 0, want_logits: false };
-        let mut next = self.drive(step, comm, link)?.ok_or_else(|| Error::Comm("no result".into()))?.token;
+        let mut next = self.step(prompt.to_vec(), 0, false, comm, link)?.token;
         let first_ms = t0.elapsed().as_secs_f64() * 1e3;
         let mut steps = Vec::with_capacity(new_tokens);
         for pos in prompt.len()..capacity.min(prompt.len() + new_tokens.saturating_sub(1)) {
             let t = Instant::now();
-            let step = Plan::Step { tokens: vec![next], pos0: pos, want_logits: false };
-            next = self.drive(step, comm, link)?.ok_or_else(|| Error::Comm("no result".into()))?.token;
+            next = self.step(vec![next], pos, false, comm, link)?.token;
             steps.push(t.elapsed().as_secs_f64() * 1e3);
         }
         Ok((first_ms, steps))
@@ -291,15 +315,10 @@ impl Engine {
         link: &dyn Link,
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Generation> {
-        let max_ctx = self.max_context();
-        check_prompt(prompt.len(), max_ctx)?;
-        let capacity = (prompt.len() + opts.max_tokens).min(max_ctx);
-        self.drive(Plan::Begin { capacity }, comm, link)?;
+        let capacity = self.begin(prompt.len(), opts.max_tokens, comm, link)?;
         let mut out = Vec::with_capacity(opts.max_tokens);
         let t0 = Instant::now();
-        let step = Plan::Step { tokens: prompt.to_vec(), pos0: 0, want_logits: opts.keep_prompt_logits };
-        let first =
-            self.drive(step, comm, link)?.ok_or_else(|| Error::Comm("no result for the prompt".into()))?;
+        let first = self.step(prompt.to_vec(), 0, opts.keep_prompt_logits, comm, link)?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let prompt_logits = first.logits;
         let mut next = first.token;
@@ -320,11 +339,7 @@ impl Engine {
             if pos >= capacity {
                 break Finish::Context;
             }
-            let step = Plan::Step { tokens: vec![next], pos0: pos, want_logits: false };
-            next = self
-                .drive(step, comm, link)?
-                .ok_or_else(|| Error::Comm("no result for a step".into()))?
-                .token;
+            next = self.step(vec![next], pos, false, comm, link)?.token;
         };
         Ok(Generation {
             token_ids: out,

@@ -8,18 +8,6 @@ pub mod limits;
 use crate::weights::{Data, Mat};
 use rayon::prelude::*;
 
-/// A pointer that may be shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: every user writes a disjoint set of indices, so no element is written twice at once.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-impl SharedOut {
-    fn ptr(&self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
 /// `[n_tok, w.rows]`. Parallel over blocks of rows, so each weight row is read once per call.
 pub fn matmul(w: &Mat, x: &[f32], n_tok: usize, out: &mut [f32]) {
@@ -45,7 +33,7 @@ fn matmul_t<T: dot::Elem + dot::Avx2Load>(
     // Blocks of rows, a multiple of 4, about 8 per thread, no fewer than 16 rows.
     let block = (rows.div_ceil(threads * 8)).next_multiple_of(4).max(16);
     let n_blocks = rows.div_ceil(block);
-    let shared = SharedOut(out.as_mut_ptr());
+    let shared = SharedSlice::new(out);
     let run = |b: usize| {
         let r0 = b * block;
         let r1 = (r0 + block).min(rows);
@@ -56,11 +44,9 @@ fn matmul_t<T: dot::Elem + dot::Avx2Load>(
             while r < r1 {
                 let n = (r1 - r).min(tmp.len());
                 dot::dot_rows(&w[r * cols..(r + n) * cols], cols, xt, &mut tmp[..n], isa);
-                // SAFETY: rows [r, r+n) of token t belong to this block only, and t*rows + r + n
-                // <= n_tok*rows = out.len().
-                unsafe {
-                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), shared.ptr().add(t * rows + r), n);
-                }
+                // SAFETY: rows [r, r+n) of token t belong to this block only, so no other task
+                // touches this range.
+                unsafe { shared.range(t * rows + r, n) }.copy_from_slice(&tmp[..n]);
                 r += n;
             }
         }

@@ -17,8 +17,8 @@ use crate::error::Result;
 use crate::grid::ShardPlan;
 use crate::kernels;
 use crate::weights::checkpoint::Checkpoint;
+use crate::weights::Mat;
 use crate::weights::Source;
-use crate::weights::{Data, Mat};
 pub use kv_cache::KvCache;
 use rayon::prelude::*;
 use std::path::Path;
@@ -335,13 +335,5 @@ impl Scratch {
         self.scores = vec![0.0; nq.max(1) * ctx];
         self.cos = vec![0.0; n * hd / 2];
         self.sin = vec![0.0; n * hd / 2];
-    }
-}
-
-/// Weights as f32 for tests and tools that want a plain view.
-pub fn mat_to_f32(m: &Mat) -> Vec<f32> {
-    match &m.data {
-        Data::F32(v) => v.clone(),
-        d => d.to_f32_vec(),
     }
 }

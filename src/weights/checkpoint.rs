@@ -125,13 +125,6 @@ impl Checkpoint {
         self.file(file_name)
     }
 
-    pub fn contains(&self, name: &str) -> bool {
-        match &self.index {
-            Some(index) => index.contains_key(name),
-            None => self.file("model.safetensors").is_ok_and(|f| f.tensors.contains_key(name)),
-        }
-    }
-
     fn info(&self, name: &str, expected_shape: &[usize]) -> Result<(Rc<MappedFile>, Range<usize>, DType)> {
         let file = self.file_of(name)?;
         let info = file
