@@ -21,6 +21,7 @@ pub struct RankReport {
 pub struct BenchReport {
     pub model: String,
     pub weight_dtype: String,
+    pub kv_dtype: String,
     pub pp: usize,
     pub tp: usize,
     pub threads_per_rank: usize,
@@ -71,9 +72,10 @@ impl BenchReport {
     pub fn table(&self) -> String {
         let mb = |b: u64| b as f64 / 1e6;
         let mut s = format!(
-            "gridlm bench: {} ({}), grid {}x{}, {} threads/rank, prompt {} tokens, {} new tokens, {} reps\n",
+            "gridlm bench: {} ({}, KV cache {}), grid {}x{}, {} threads/rank, prompt {} tokens, {} new tokens, {} reps\n",
             self.model,
             self.weight_dtype,
+            self.kv_dtype,
             self.pp,
             self.tp,
             self.threads_per_rank,

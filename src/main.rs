@@ -9,6 +9,7 @@ use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
 use gridlm::engine::{check_prompt, Engine, GenerateOptions};
 use gridlm::grid::{Grid, ShardPlan};
+use gridlm::kernels::Quant;
 use gridlm::model::Shard;
 use gridlm::tokenizer::{StreamDecoder, Tokenizer};
 use gridlm::weights::{convert, synthetic, DType};
@@ -53,6 +54,12 @@ struct GenerateArgs {
     /// Kernel threads per rank (default: the cores this process may run on).
     #[arg(long)]
     threads: Option<usize>,
+    /// Element type of the KV cache: f16 halves its memory and the bytes attention reads.
+    #[arg(long, default_value = "f16", value_parser = parse_dtype)]
+    kv_dtype: DType,
+    /// Quantize the weight matrices at load: `int8` (per output row; half the bytes of bf16).
+    #[arg(long, value_parser = parse_quant)]
+    quant: Option<Quant>,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -104,6 +111,12 @@ struct BenchArgs {
     /// Kernel threads per rank (default: the cores this process may run on).
     #[arg(long)]
     threads: Option<usize>,
+    /// Element type of the KV cache: f16 halves its memory and the bytes attention reads.
+    #[arg(long, default_value = "f16", value_parser = parse_dtype)]
+    kv_dtype: DType,
+    /// Quantize the weight matrices at load: `int8` (per output row; half the bytes of bf16).
+    #[arg(long, value_parser = parse_quant)]
+    quant: Option<Quant>,
     /// MiB of the buffer the bandwidth measurement reads (default 1024).
     #[arg(long, default_value_t = 1024)]
     bandwidth_mib: usize,
@@ -125,6 +138,10 @@ struct ConvertArgs {
     /// Dtype of the written weight matrices (norms stay f32).
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     dtype: DType,
+}
+
+fn parse_quant(s: &str) -> Result<Quant, String> {
+    Quant::parse(s).ok_or_else(|| format!("unknown quantization `{s}` (expected int8)"))
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -339,7 +356,8 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
     // Phase 2: this rank's shard. The RSS growth over loading is the memory its weights take.
     let rss_before = rss_bytes();
     let mut eos_ids = cfg.eos_token_ids.clone();
-    let engine = Shard::load(&a.model, cfg, plan).and_then(|shard| Engine::new(shard, grid, threads));
+    let engine = Shard::load(&a.model, cfg, plan, a.quant)
+        .and_then(|shard| Engine::new(shard, grid, threads, a.kv_dtype));
     let mut engine = agree(link, engine)?;
     let weight_rss = rss_bytes().saturating_sub(rss_before);
 
@@ -391,6 +409,7 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
             "tp": grid.tp,
             "threads": engine.threads(),
             "weight_dtype": engine.shard.weight_dtype(),
+            "kv_dtype": engine.kv_dtype().name(),
             "ranks": ranks,
         });
         writeln!(stdout, "{out}")?;
@@ -438,17 +457,22 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
     let full_cfg = cfg.clone();
     let rss_before = rss_bytes();
     let shard = match &a.model {
-        Some(dir) => Shard::load(dir, cfg, plan),
-        None => Shard::from_source(&synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 }, cfg, plan),
+        Some(dir) => Shard::load(dir, cfg, plan, a.quant),
+        None => Shard::from_source(
+            &synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 },
+            cfg,
+            plan,
+            a.quant,
+        ),
     };
-    let mut engine = agree(link, shard.and_then(|s| Engine::new(s, grid, threads)))?;
+    let mut engine = agree(link, shard.and_then(|s| Engine::new(s, grid, threads, a.kv_dtype)))?;
     let weight_rss = rss_bytes().saturating_sub(rss_before);
 
-    // The machine's limits, measured by every rank at once with its own pool, summed: the
+    // The machine's limits, measured by every rank at once with its own kernel team, summed: the
     // same threads that run the kernels, competing for the same memory.
     let limits = [
-        gridlm::kernels::limits::read_bandwidth_gb_per_s(a.bandwidth_mib << 20, 5).to_bits(),
-        gridlm::kernels::limits::fma_peak_gflops(20_000_000).to_bits(),
+        gridlm::kernels::limits::read_bandwidth_gb_per_s(engine.team(), a.bandwidth_mib << 20, 5).to_bits(),
+        gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000).to_bits(),
     ];
     let mut all_limits = vec![0u64; 2 * link.world_size()];
     link.allgather_u64(&limits, &mut all_limits);
@@ -507,6 +531,7 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
             _ => String::new(),
         },
         weight_dtype: engine.shard.weight_dtype().to_string(),
+        kv_dtype: engine.kv_dtype().name().to_string(),
         pp: grid.pp,
         tp: grid.tp,
         threads_per_rank: engine.threads(),

@@ -1,4 +1,4 @@
-//! The generation loop over the grid. Owns: the thread pool, this rank's KV cache and buffers,
+//! The generation loop over the grid. Owns: the kernel thread team, this rank's KV cache and buffers,
 //! the step plans the driver sends, the pipeline hand-off between stages, and the greedy choice
 //! of the next token across a stage's vocabulary shards. Knows nothing about SIMD or MPI types.
 //!
@@ -13,8 +13,9 @@
 use crate::comm::{Comm, Link, Tag};
 use crate::error::{Error, Result};
 use crate::grid::{vocab_range, Grid};
-use crate::kernels;
+use crate::kernels::{self, Team};
 use crate::model::{KvCache, Scratch, Shard};
+use crate::weights::DType;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
@@ -91,11 +92,12 @@ pub fn check_prompt(n_tokens: usize, max_context: usize) -> Result<()> {
     Ok(())
 }
 
-/// One rank's engine: its shard, place in the grid, buffers and thread pool.
+/// One rank's engine: its shard, place in the grid, buffers and kernel thread team.
 pub struct Engine {
     pub shard: Shard,
     pub grid: Grid,
-    pool: rayon::ThreadPool,
+    team: Team,
+    kv_dtype: DType,
     scratch: Scratch,
     cache: Option<KvCache>,
     hidden: Vec<f32>,
@@ -107,14 +109,11 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// `threads`: size of the kernel pool; the calling (main) thread is one of its workers, so
+    /// `threads`: size of the kernel team; the calling (main) thread is its worker 0, so
     /// kernels start without crossing threads and every MPI call stays on the main thread.
-    pub fn new(shard: Shard, grid: Grid, threads: usize) -> Result<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.max(1))
-            .use_current_thread()
-            .thread_name(|i| format!("gridlm-kernel-{i}"))
-            .build()
+    /// `kv_dtype`: element type of the KV cache.
+    pub fn new(shard: Shard, grid: Grid, threads: usize, kv_dtype: DType) -> Result<Self> {
+        let team = Team::new(threads)
             .map_err(|e| Error::Input(format!("cannot start {threads} kernel threads: {e}")))?;
         let vocab_local = shard.vocab_range().len();
         let exit_at = std::env::var("GRIDLM_TEST_EXIT_AT").ok().and_then(|v| {
@@ -124,7 +123,8 @@ impl Engine {
         Ok(Engine {
             shard,
             grid,
-            pool,
+            team,
+            kv_dtype,
             scratch: Scratch::default(),
             cache: None,
             hidden: Vec::new(),
@@ -135,8 +135,17 @@ impl Engine {
         })
     }
 
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.team.threads()
+    }
+
+    /// The kernel threads (for measurements that should use the same threads).
+    pub fn team(&self) -> &Team {
+        &self.team
     }
 
     /// Largest number of positions a sequence may have.
@@ -169,7 +178,7 @@ impl Engine {
     fn execute(&mut self, plan: &Plan, comm: &dyn Comm, link: &dyn Link) -> Result<Option<StepResult>> {
         let (tokens, pos0, want_logits) = match plan {
             Plan::Begin { capacity } => {
-                self.cache = Some(self.shard.new_cache(*capacity));
+                self.cache = Some(self.shard.new_cache(*capacity, self.kv_dtype));
                 return Ok(None);
             }
             Plan::End => return Ok(None),
@@ -183,8 +192,6 @@ impl Engine {
                 std::process::exit(3);
             }
         }
-        // The pool was built with this thread as worker 0, so kernels' parallel loops run here.
-        debug_assert_eq!(rayon::current_thread_index(), Some(0), "step called off the engine's thread");
         let g = self.grid;
         let h = self.shard.cfg.hidden_size;
         let n = tokens.len();
@@ -192,19 +199,19 @@ impl Engine {
             self.hidden.resize(n * h, 0.0);
         }
         let cache = self.cache.as_mut().ok_or_else(|| Error::Comm("a step arrived before Begin".into()))?;
-        let Engine { shard, scratch, hidden, logits, candidates, .. } = self;
+        let Engine { shard, scratch, hidden, logits, candidates, team, .. } = self;
         let x = &mut hidden[..n * h];
         if g.is_first_stage() {
             shard.embed(tokens, x, comm);
         } else {
             link.recv_f32(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Hidden, x);
         }
-        shard.forward(x, n, pos0, cache, scratch, comm);
+        shard.forward(x, n, pos0, cache, scratch, comm, team);
         let last_stage_rank0 = g.rank_of(g.pp - 1, 0);
         if !g.is_last_stage() {
             link.send_f32(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Hidden, x);
         } else {
-            shard.logits(&x[(n - 1) * h..], scratch, logits);
+            shard.logits(&x[(n - 1) * h..], scratch, logits, team);
             let token = greedy_pick(logits, shard.vocab_range().start, candidates, comm);
             let full = want_logits.then(|| {
                 let vocab = shard.cfg.vocab_size;
@@ -303,6 +310,29 @@ impl Engine {
             steps.push(t.elapsed().as_secs_f64() * 1e3);
         }
         Ok((first_ms, steps))
+    }
+
+    /// Driver: the model's greedy choice at each position of a sequence forced along `forced`
+    /// after `prompt` (teacher forcing): element `i` is the top-1 token after
+    /// `prompt + forced[..i]`. Compares two configurations position by position, where free
+    /// generation would stop being comparable after the first difference.
+    pub fn greedy_along(
+        &mut self,
+        prompt: &[u32],
+        forced: &[u32],
+        comm: &dyn Comm,
+        link: &dyn Link,
+    ) -> Result<Vec<u32>> {
+        let capacity = self.begin(prompt.len(), forced.len(), comm, link)?;
+        let mut out = vec![self.step(prompt.to_vec(), 0, false, comm, link)?.token];
+        for (i, &t) in forced.iter().enumerate().take(forced.len().saturating_sub(1)) {
+            let pos = prompt.len() + i;
+            if pos >= capacity {
+                break;
+            }
+            out.push(self.step(vec![t], pos, false, comm, link)?.token);
+        }
+        Ok(out)
     }
 
     /// Driver: greedy generation for one prompt over the whole grid. Call [`Engine::finish`]

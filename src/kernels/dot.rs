@@ -1,17 +1,35 @@
 //! Dot products of weight rows (f32, bf16 or f16, read in place) with an f32 vector.
 //! AVX2 + FMA (+ F16C for f16) when the CPU has them, detected at run time; a portable
 //! fallback otherwise. Sums are f32.
+//!
+//! Packed weight panels ([`super::packed`]) take the vector in the order their kernel wants
+//! ([`prepare`]): for bf16 the AVX2 kernel widens sixteen weights with one mask and one shift
+//! (even columns from the low halves of 32-bit lanes, odd ones from the high halves), so each
+//! block of sixteen entries of `x` is stored as its eight even-column entries, then its eight
+//! odd-column ones. That halves the conversion work per weight, which matters on cores that
+//! split 256-bit operations in two.
 
 use half::{bf16, f16};
+
+/// Columns per block of a prepared vector.
+pub const BLOCK: usize = 16;
 
 /// A weight element that converts to f32.
 pub trait Elem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
+    /// Rounds to nearest even.
+    fn from_f32(v: f32) -> Self;
+    /// Whether the AVX2 panel kernel wants `x` in even/odd order within each [`BLOCK`].
+    const SPLIT_EVEN_ODD: bool = false;
 }
 impl Elem for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
     }
 }
 impl Elem for bf16 {
@@ -19,11 +37,42 @@ impl Elem for bf16 {
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    const SPLIT_EVEN_ODD: bool = true;
 }
 impl Elem for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+/// Writes `x`, padded with zeros to `out.len()`, into `out` in the order the panel kernel
+/// expects for weights `T` on `isa`. A trailing part shorter than [`BLOCK`] keeps its order.
+pub fn prepare<T: Elem>(x: &[f32], out: &mut [f32], isa: Isa) {
+    assert!(x.len() <= out.len(), "prepare: output shorter than input");
+    let at = |i: usize| x.get(i).copied().unwrap_or(0.0);
+    if isa == Isa::Portable || !T::SPLIT_EVEN_ODD {
+        out[..x.len()].copy_from_slice(x);
+        out[x.len()..].fill(0.0);
+        return;
+    }
+    let full = out.len() / BLOCK * BLOCK;
+    for (b, ob) in out[..full].chunks_exact_mut(BLOCK).enumerate() {
+        for i in 0..BLOCK / 2 {
+            ob[i] = at(b * BLOCK + 2 * i);
+            ob[BLOCK / 2 + i] = at(b * BLOCK + 2 * i + 1);
+        }
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(full) {
+        *o = at(i);
     }
 }
 
@@ -42,6 +91,18 @@ pub fn dot1_portable<T: Elem>(row: &[T], x: &[f32]) -> f32 {
     row.iter().zip(x).map(|(w, xv)| w.to_f32() * xv).sum()
 }
 
+/// Quantized weights (the scale is applied by the caller).
+impl Elem for i8 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v.round().clamp(-127.0, 127.0) as i8
+    }
+}
+
 /// Which implementation this CPU runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -49,7 +110,25 @@ pub enum Isa {
     Avx2,
 }
 
+thread_local! {
+    static FORCED: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`detect`] answering `isa` on this thread (tests compare every path the CPU
+/// can run against the portable one). `isa` must be one [`detect`] could return here.
+pub fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
+    assert!(isa == Isa::Portable || isa == detect(), "{isa:?} is not available on this CPU");
+    let before = FORCED.replace(Some(isa));
+    let r = f();
+    FORCED.set(before);
+    r
+}
+
+/// The implementation this CPU runs: the best it supports, unless `GRIDLM_PORTABLE` is set.
 pub fn detect() -> Isa {
+    if let Some(isa) = FORCED.get() {
+        return isa;
+    }
     #[cfg(target_arch = "x86_64")]
     {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
@@ -105,17 +184,28 @@ pub fn dot_rows<T: Elem + Avx2Load>(w: &[T], cols: usize, x: &[f32], out: &mut [
     }
 }
 
+/// `out += a · v`.
+pub fn axpy<T: Elem + Avx2Load>(a: f32, v: &[T], out: &mut [f32], isa: Isa) {
+    assert_eq!(v.len(), out.len(), "axpy: lengths differ");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
+        Isa::Avx2 => unsafe { avx2::axpy(a, v, out) },
+        _ => out.iter_mut().zip(v).for_each(|(o, w)| *o += a * w.to_f32()),
+    }
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 pub trait Avx2Load {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> Avx2Load for T {}
 
 #[cfg(target_arch = "x86_64")]
-pub use avx2::Avx2Load;
+pub use avx2::{panel as avx2_panel, panel_q8 as avx2_panel_q8, Avx2Load};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::Elem;
+    use super::{Elem, BLOCK};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -124,6 +214,15 @@ mod avx2 {
         /// # Safety
         /// `p` must point to eight readable elements; the CPU must have avx2, fma and f16c.
         unsafe fn load8(p: *const Self) -> __m256;
+        /// Sixteen consecutive elements as two vectors of f32 lanes, in the order of a
+        /// prepared `x` (see [`super::prepare`]).
+        /// # Safety
+        /// As `load8`, for sixteen elements.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load16(p: *const Self) -> (__m256, __m256) {
+            (Self::load8(p), Self::load8(p.add(8)))
+        }
     }
     impl Avx2Load for f32 {
         #[inline]
@@ -139,6 +238,16 @@ mod avx2 {
             // bf16 is the top half of an f32: widen to 32 bits and shift left by 16.
             let h = _mm_loadu_si128(p as *const __m128i);
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load16(p: *const bf16) -> (__m256, __m256) {
+            // Lane i holds columns 2i (low half) and 2i+1 (high half): a shift gives the even
+            // column as f32, a mask the odd one.
+            let v = _mm256_loadu_si256(p as *const __m256i);
+            let even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            let odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32)));
+            (even, odd)
         }
     }
     impl Avx2Load for f16 {
@@ -230,5 +339,128 @@ mod avx2 {
             c += 1;
         }
         s
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `v.len() == out.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy<T: Avx2Load>(a: f32, v: &[T], out: &mut [f32]) {
+        let n = out.len();
+        let (p, o) = (v.as_ptr(), out.as_mut_ptr());
+        let av = _mm256_set1_ps(a);
+        let mut c = 0;
+        while c + 8 <= n {
+            _mm256_storeu_ps(o.add(c), _mm256_fmadd_ps(T::load8(p.add(c)), av, _mm256_loadu_ps(o.add(c))));
+            c += 8;
+        }
+        while c < n {
+            *o.add(c) += a * v[c].to_f32();
+            c += 1;
+        }
+    }
+
+    /// One packed panel (four rows, chunks of [`BLOCK`] columns side by side) against `NT`
+    /// prepared inputs: `out[i][lane] = row lane · xs[i]`. Reads the panel in order, once.
+    ///
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `panel.len() == 4 * xs[i].len()` and every
+    /// `xs[i].len()` is the same multiple of [`BLOCK`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn panel<T: Avx2Load, const NT: usize>(panel: &[T], xs: [&[f32]; NT]) -> [[f32; 4]; NT] {
+        let n = xs[0].len();
+        debug_assert_eq!(panel.len(), 4 * n);
+        debug_assert_eq!(n % BLOCK, 0);
+        let w = panel.as_ptr();
+        let x: [*const f32; NT] = std::array::from_fn(|i| xs[i].as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); 4]; NT];
+        // Bytes of one chunk of the panel (four rows × BLOCK columns) and how far ahead of the
+        // read position to prefetch: far enough to cover memory latency at full bandwidth.
+        let chunk_bytes = 4 * BLOCK * std::mem::size_of::<T>();
+        const AHEAD: usize = 1024;
+        let mut c = 0;
+        let mut wp = w;
+        while c < n {
+            let ahead = (wp as *const u8).wrapping_add(AHEAD);
+            let mut off = 0;
+            while off < chunk_bytes {
+                _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
+                off += 64;
+            }
+            for lane in 0..4 {
+                let (lo, hi) = T::load16(wp.add(lane * BLOCK));
+                for (a, xi) in acc.iter_mut().zip(x) {
+                    a[lane] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xi.add(c)), a[lane]);
+                    a[lane] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xi.add(c + 8)), a[lane]);
+                }
+            }
+            wp = wp.add(4 * BLOCK);
+            c += BLOCK;
+        }
+        let mut out = [[0.0f32; 4]; NT];
+        for i in 0..NT {
+            for lane in 0..4 {
+                out[i][lane] = hsum(acc[i][lane]);
+            }
+        }
+        out
+    }
+
+    /// One int8 packed panel (four rows, chunks of [`BLOCK`] columns side by side) against an
+    /// input quantized per group of two chunks (`q`, one scale per group in `s`). Per group the
+    /// products are summed exactly in 32-bit integers (|q| ≤ 127, so the pairwise 16-bit sums
+    /// of `maddubs` cannot saturate), then converted and scaled once. Two rows share one
+    /// 256-bit register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
+    ///
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `panel.len() == 4 * q.len()`, `q.len()` is a
+    /// multiple of [`BLOCK`] and `s.len() == q.len().div_ceil(2 * BLOCK)`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn panel_q8(panel: &[i8], q: &[i8], s: &[f32]) -> [f32; 4] {
+        let n = q.len();
+        debug_assert_eq!(panel.len(), 4 * n);
+        debug_assert_eq!(s.len(), n.div_ceil(2 * BLOCK));
+        let ones = _mm256_set1_epi16(1);
+        let (mut acc01, mut acc23) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut wp = panel.as_ptr();
+        let qp = q.as_ptr();
+        const AHEAD: usize = 1024;
+        // Integer sums of one chunk for rows (0,1) and (2,3).
+        let chunk = |wp: *const i8, k: usize| {
+            let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(qp.add(k * BLOCK) as *const __m128i));
+            let ax = _mm256_sign_epi8(x, x);
+            let w01 = _mm256_loadu_si256(wp as *const __m256i);
+            let w23 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
+            (
+                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w01, x)), ones),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w23, x)), ones),
+            )
+        };
+        let kc = n / BLOCK;
+        let mut k = 0;
+        while k < kc {
+            _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
+            _mm_prefetch(wp.wrapping_add(AHEAD + 64), _MM_HINT_T0);
+            let (mut p01, mut p23) = chunk(wp, k);
+            if k + 1 < kc {
+                let (b01, b23) = chunk(wp.add(4 * BLOCK), k + 1);
+                p01 = _mm256_add_epi32(p01, b01);
+                p23 = _mm256_add_epi32(p23, b23);
+            }
+            let sc = _mm256_set1_ps(*s.get_unchecked(k / 2));
+            acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p01), sc, acc01);
+            acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p23), sc, acc23);
+            wp = wp.add(8 * BLOCK);
+            k += 2;
+        }
+        let half = |v: __m128| {
+            let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)))
+        };
+        [
+            half(_mm256_castps256_ps128(acc01)),
+            half(_mm256_extractf128_ps(acc01, 1)),
+            half(_mm256_castps256_ps128(acc23)),
+            half(_mm256_extractf128_ps(acc23, 1)),
+        ]
     }
 }

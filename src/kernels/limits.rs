@@ -1,61 +1,72 @@
-//! The machine's own limits, measured with the same thread pool the kernels use: read
+//! The machine's own limits, measured with the same thread team the kernels use: read
 //! bandwidth over a buffer far larger than the last-level cache, and the f32 FMA peak.
 
 use super::dot::{detect, Isa};
+use super::team::Team;
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::time::Instant;
 
-/// Sums `buf` with every pool thread (wide independent accumulators, so loads are the limit).
-fn read_all(buf: &[f32], isa: Isa) -> f32 {
-    buf.par_chunks(1 << 16)
-        .map(|c| match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: Isa::Avx2 is only detected with avx2 and fma present.
-            Isa::Avx2 => unsafe { avx2::sum(c) },
-            _ => c.iter().sum::<f32>(),
-        })
-        .sum()
+/// Sums `buf` with every team thread (wide independent accumulators, so loads are the limit).
+fn read_all(team: &Team, buf: &[f32], isa: Isa) -> f32 {
+    const PIECE: usize = 1 << 16;
+    let sums: Vec<AtomicU32> = (0..team.threads()).map(|_| AtomicU32::new(0)).collect();
+    team.run(&|tid| {
+        let mut s = 0.0f32;
+        for c in buf.chunks(PIECE).skip(tid).step_by(team.threads()) {
+            s += match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Isa::Avx2 is only detected with avx2 and fma present.
+                Isa::Avx2 => unsafe { avx2::sum(c) },
+                _ => c.iter().sum::<f32>(),
+            };
+        }
+        sums[tid].store(s.to_bits(), Relaxed);
+    });
+    sums.iter().map(|s| f32::from_bits(s.load(Relaxed))).sum()
 }
 
-/// Best read bandwidth over `passes` full reads of a `bytes`-sized buffer, in GB/s.
-pub fn read_bandwidth_gb_per_s(bytes: usize, passes: usize) -> f64 {
+/// Best read bandwidth over `passes` full reads of a `bytes`-sized buffer by every thread of
+/// `team`, in GB/s.
+pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
     let isa = detect();
     let buf: Vec<f32> = (0..bytes / 4).into_par_iter().map(|i| (i % 7) as f32).collect();
     let mut best = f64::INFINITY;
     let mut sink = 0.0;
     for _ in 0..passes.max(1) {
         let t = Instant::now();
-        sink += read_all(&buf, isa);
+        sink += read_all(team, &buf, isa);
         best = best.min(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(sink);
     buf.len() as f64 * 4.0 / best / 1e9
 }
 
-/// f32 FMA throughput of every pool thread together, in GFLOP/s (an FMA counts as 2 flops).
-pub fn fma_peak_gflops(iterations: usize) -> f64 {
+/// f32 FMA throughput of every team thread together, in GFLOP/s (an FMA counts as 2 flops).
+pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
     let isa = detect();
-    let threads = rayon::current_num_threads();
     let t = Instant::now();
-    let flops: f64 = (0..threads)
-        .into_par_iter()
-        .map(|i| match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Isa::Avx2 => unsafe { avx2::fma_chains(iterations, i as f32) },
-            _ => {
-                let mut acc = [i as f32; 8];
-                for _ in 0..iterations {
-                    for a in acc.iter_mut() {
-                        *a = a.mul_add(0.999_999, 1e-7);
-                    }
+    team.run(&|i| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe {
+            avx2::fma_chains(iterations, i as f32);
+        },
+        _ => {
+            let mut acc = [i as f32; 8];
+            for _ in 0..iterations {
+                for a in acc.iter_mut() {
+                    *a = a.mul_add(0.999_999, 1e-7);
                 }
-                std::hint::black_box(acc);
-                (iterations * 8 * 2) as f64
             }
-        })
-        .sum();
-    flops / t.elapsed().as_secs_f64() / 1e9
+            std::hint::black_box(acc);
+        }
+    });
+    let per_thread = match isa {
+        Isa::Avx2 => iterations * 12 * 8 * 2,
+        Isa::Portable => iterations * 8 * 2,
+    };
+    (per_thread * team.threads()) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -80,12 +91,13 @@ mod avx2 {
         out.iter().sum::<f32>() + c[i..].iter().sum::<f32>()
     }
 
-    /// Twelve independent FMA chains (enough to cover FMA latency × ports); returns flops done.
+    /// Twelve independent FMA chains (enough to cover FMA latency × ports) of `iterations` FMAs
+    /// on eight lanes each.
     ///
     /// # Safety
     /// The CPU must have avx2 and fma.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn fma_chains(iterations: usize, seed: f32) -> f64 {
+    pub unsafe fn fma_chains(iterations: usize, seed: f32) {
         let mul = _mm256_set1_ps(0.999_999);
         let add = _mm256_set1_ps(1e-7);
         let mut a = [_mm256_set1_ps(seed); 12];
@@ -95,6 +107,5 @@ mod avx2 {
             }
         }
         std::hint::black_box(a);
-        (iterations * 12 * 8 * 2) as f64
     }
 }

@@ -1,62 +1,14 @@
 //! Compute kernels: pure functions on slices. Owns: arithmetic of one rank. Must not know about
-//! MPI, the grid or the model's structure. Parallel kernels use the rayon pool they are called
-//! from (the engine runs each whole step inside one pool).
+//! MPI, the grid or the model's structure. Parallel kernels run on the [`Team`] they are given
+//! (the engine's, which stays awake for a whole step).
 
 pub mod dot;
 pub mod limits;
+pub mod packed;
+pub mod team;
 
-use crate::weights::{Data, Mat};
-use rayon::prelude::*;
-
-/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
-/// `[n_tok, w.rows]`. Parallel over blocks of rows, so each weight row is read once per call.
-pub fn matmul(w: &Mat, x: &[f32], n_tok: usize, out: &mut [f32]) {
-    assert_eq!(x.len(), n_tok * w.cols, "matmul: input length");
-    assert_eq!(out.len(), n_tok * w.rows, "matmul: output length");
-    match &w.data {
-        Data::F32(d) => matmul_t(d, w.rows, w.cols, x, n_tok, out),
-        Data::BF16(d) => matmul_t(d, w.rows, w.cols, x, n_tok, out),
-        Data::F16(d) => matmul_t(d, w.rows, w.cols, x, n_tok, out),
-    }
-}
-
-fn matmul_t<T: dot::Elem + dot::Avx2Load>(
-    w: &[T],
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    n_tok: usize,
-    out: &mut [f32],
-) {
-    let isa = dot::detect();
-    let threads = rayon::current_num_threads().max(1);
-    // Blocks of rows, a multiple of 4, about 8 per thread, no fewer than 16 rows.
-    let block = (rows.div_ceil(threads * 8)).next_multiple_of(4).max(16);
-    let n_blocks = rows.div_ceil(block);
-    let shared = SharedSlice::new(out);
-    let run = |b: usize| {
-        let r0 = b * block;
-        let r1 = (r0 + block).min(rows);
-        let mut tmp = [0.0f32; 64];
-        for t in 0..n_tok {
-            let xt = &x[t * cols..(t + 1) * cols];
-            let mut r = r0;
-            while r < r1 {
-                let n = (r1 - r).min(tmp.len());
-                dot::dot_rows(&w[r * cols..(r + n) * cols], cols, xt, &mut tmp[..n], isa);
-                // SAFETY: rows [r, r+n) of token t belong to this block only, so no other task
-                // touches this range.
-                unsafe { shared.range(t * rows + r, n) }.copy_from_slice(&tmp[..n]);
-                r += n;
-            }
-        }
-    };
-    if n_blocks == 1 {
-        run(0);
-    } else {
-        (0..n_blocks).into_par_iter().for_each(run);
-    }
-}
+pub use packed::{matmul, PackedMat, Quant};
+pub use team::Team;
 
 /// RMSNorm of each `w.len()`-sized row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -105,10 +57,10 @@ pub fn softmax(x: &mut [f32]) {
 
 /// Attention of one query head over `n_keys` cached keys/values (each `head_dim` long,
 /// contiguous): `out = softmax(q·Kᵀ · scale) · V`. `scores` is scratch of at least `n_keys`.
-pub fn attend(
+pub fn attend<T: dot::Elem + dot::Avx2Load>(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[T],
+    values: &[T],
     n_keys: usize,
     scale: f32,
     scores: &mut [f32],
@@ -122,10 +74,7 @@ pub fn attend(
     softmax(s);
     out.fill(0.0);
     for (p, &a) in s.iter().enumerate() {
-        let v = &values[p * hd..(p + 1) * hd];
-        for (o, &vv) in out.iter_mut().zip(v) {
-            *o += a * vv;
-        }
+        dot::axpy(a, &values[p * hd..(p + 1) * hd], out, isa);
     }
 }
 
@@ -165,7 +114,7 @@ impl SharedSlice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weights::DType;
+    use crate::weights::{DType, Data, Mat};
     use half::{bf16, f16};
 
     /// Deterministic pseudo-random values in [-1, 1).
@@ -189,33 +138,117 @@ mod tests {
         out
     }
 
-    fn check_matmul(dtype: DType, rows: usize, cols: usize, n_tok: usize) {
+    /// Every ISA this CPU runs, the portable one first.
+    fn isas() -> Vec<dot::Isa> {
+        let mut v = vec![dot::Isa::Portable];
+        if dot::detect() != dot::Isa::Portable {
+            v.push(dot::detect());
+        }
+        v
+    }
+
+    fn check_matmul(team: &Team, dtype: DType, rows: usize, cols: usize, n_tok: usize) {
         let wf = rand_vec(rows * cols, (rows * 31 + cols) as u64);
         let data = Data::F32(wf).cast(dtype);
         let w64: Vec<f64> = data.to_f32_vec().iter().map(|&v| v as f64).collect();
-        let w = Mat { rows, cols, data };
+        let w = PackedMat::pack(&Mat { rows, cols, data: data.clone() });
+        assert_eq!(packed::unpack(&w), data.to_f32_vec(), "pack/unpack round trip");
         let x = rand_vec(n_tok * cols, 7);
         let want = naive_matmul(&w64, rows, cols, &x, n_tok);
-        let mut got = vec![0.0; n_tok * rows];
-        matmul(&w, &x, n_tok, &mut got);
-        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-            let tol = 1e-5 * (cols as f64).sqrt() + 1e-6 * e.abs();
-            assert!((*g as f64 - e).abs() <= tol, "{dtype:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}");
+        for isa in isas() {
+            let mut got = vec![f32::NAN; n_tok * rows];
+            dot::with_isa(isa, || matmul(team, &w, &x, n_tok, &mut got));
+            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * (cols as f64).sqrt() + 1e-6 * e.abs();
+                assert!(
+                    (*g as f64 - e).abs() <= tol,
+                    "{isa:?} {dtype:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
+                );
+            }
         }
     }
 
     #[test]
-    fn matmul_all_dtypes_odd_sizes() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        pool.install(|| {
+    fn matmul_all_dtypes_isas_and_odd_sizes() {
+        for threads in [1, 2] {
+            let team = Team::new(threads).unwrap();
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 for &(rows, cols) in &[(1, 1), (3, 7), (5, 8), (17, 33), (64, 64), (130, 577), (1000, 96)] {
-                    for n_tok in [1, 3] {
-                        check_matmul(dtype, rows, cols, n_tok);
+                    for n_tok in [1, 2, 3, 4, 7] {
+                        check_matmul(&team, dtype, rows, cols, n_tok);
                     }
                 }
             }
-        });
+        }
+    }
+
+    #[test]
+    fn int8_matmul_matches_reference_on_both_isas() {
+        let team = Team::new(2).unwrap();
+        for &(rows, cols) in &[(1, 1), (3, 7), (5, 16), (17, 33), (130, 577), (64, 2048)] {
+            let wf = rand_vec(rows * cols, (rows * 7 + cols) as u64);
+            let w = PackedMat::pack_as(&Mat { rows, cols, data: Data::F32(wf.clone()) }, Some(Quant::Int8));
+            assert_eq!(w.dtype_name(), "int8");
+            let wd = packed::unpack(&w);
+            for r in 0..rows {
+                let max = wf[r * cols..(r + 1) * cols].iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                for c in 0..cols {
+                    let e = (wd[r * cols + c] - wf[r * cols + c]).abs();
+                    assert!(e <= max / 127.0 * 0.5 + 1e-7, "weight ({r},{c}) off by {e}");
+                }
+            }
+            for n_tok in [1, 2, 3, 5] {
+                let x = rand_vec(n_tok * cols, 11);
+                // The kernel quantizes its input per group; the reference uses the same values.
+                let cols_p = cols.next_multiple_of(16);
+                let mut xd = vec![0.0f32; n_tok * cols];
+                for t in 0..n_tok {
+                    let mut q = vec![0i8; cols_p];
+                    let mut s = vec![0.0f32; cols_p.div_ceil(32)];
+                    packed::quantize_chunks(&x[t * cols..(t + 1) * cols], &mut q, &mut s);
+                    for c in 0..cols {
+                        xd[t * cols + c] = q[c] as f32 * s[c / 32];
+                        assert!((xd[t * cols + c] - x[t * cols + c]).abs() <= s[c / 32] * 0.5 + 1e-7);
+                    }
+                }
+                let w64: Vec<f64> = wd.iter().map(|&v| v as f64).collect();
+                let want = naive_matmul(&w64, rows, cols, &xd, n_tok);
+                for isa in isas() {
+                    let mut got = vec![f32::NAN; n_tok * rows];
+                    dot::with_isa(isa, || matmul(&team, &w, &x, n_tok, &mut got));
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        let tol = 1e-5 * (cols as f64).sqrt() + 1e-5 * e.abs();
+                        assert!(
+                            (*g as f64 - e).abs() <= tol,
+                            "{isa:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prepared_vector_order() {
+        let x: Vec<f32> = (0..35).map(|i| i as f32).collect();
+        let mut out = vec![f32::NAN; 48];
+        for isa in isas() {
+            dot::prepare::<f32>(&x, &mut out, isa);
+            assert_eq!(&out[..35], &x[..], "f32 keeps the order");
+            assert!(out[35..].iter().all(|&v| v == 0.0), "padding is zero");
+            dot::prepare::<bf16>(&x, &mut out, isa);
+            if isa == dot::Isa::Portable {
+                assert_eq!(&out[..35], &x[..]);
+            } else {
+                // Each block of 16: even columns, then odd ones; the padded tail too.
+                assert_eq!(
+                    &out[..16],
+                    &[0., 2., 4., 6., 8., 10., 12., 14., 1., 3., 5., 7., 9., 11., 13., 15.]
+                );
+                assert_eq!(&out[32..40], &[32., 34., 0., 0., 0., 0., 0., 0.]);
+                assert_eq!(&out[40..], &[33., 0., 0., 0., 0., 0., 0., 0.]);
+            }
+        }
     }
 
     #[test]
@@ -224,7 +257,7 @@ mod tests {
         let w: Vec<bf16> = rand_vec(4 * cols, 3).into_iter().map(bf16::from_f32).collect();
         let h: Vec<f16> = rand_vec(4 * cols, 4).into_iter().map(f16::from_f32).collect();
         let x = rand_vec(cols, 5);
-        for isa in [dot::Isa::Portable, dot::detect()] {
+        for isa in isas() {
             let mut a = [0.0; 4];
             dot::dot_rows(&w, cols, &x, &mut a, isa);
             let mut b = [0.0; 4];
@@ -234,6 +267,15 @@ mod tests {
                 let eb: f64 = (0..cols).map(|c| h[r * cols + c].to_f64() * x[c] as f64).sum();
                 assert!((a[r] as f64 - ea).abs() < 1e-4, "{isa:?} bf16 row {r}");
                 assert!((b[r] as f64 - eb).abs() < 1e-4, "{isa:?} f16 row {r}");
+            }
+            for n in [1, 7, 8, 64, 67] {
+                let v: Vec<f16> = rand_vec(n, 8).into_iter().map(f16::from_f32).collect();
+                let mut out = rand_vec(n, 9);
+                let want: Vec<f64> = out.iter().zip(&v).map(|(&o, w)| o as f64 + 0.37 * w.to_f64()).collect();
+                dot::axpy(0.37, &v, &mut out, isa);
+                for (g, e) in out.iter().zip(&want) {
+                    assert!((*g as f64 - e).abs() < 1e-6, "{isa:?} axpy n={n}");
+                }
             }
         }
     }
@@ -275,27 +317,36 @@ mod tests {
         }
     }
 
-    #[test]
-    fn attend_matches_reference() {
-        for (hd, n) in [(8, 1), (64, 5), (17, 33)] {
-            let q = rand_vec(hd, 1);
-            let k = rand_vec(n * hd, 2);
-            let v = rand_vec(n * hd, 3);
-            let scale = 1.0 / (hd as f32).sqrt();
-            let mut scores = vec![0.0; n];
-            let mut out = vec![0.0; hd];
-            attend(&q, &k, &v, n, scale, &mut scores, &mut out);
-            let s: Vec<f64> = (0..n)
-                .map(|p| (0..hd).map(|i| q[i] as f64 * k[p * hd + i] as f64).sum::<f64>() * scale as f64)
-                .collect();
-            let m = s.iter().cloned().fold(f64::MIN, f64::max);
-            let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
-            let z: f64 = e.iter().sum();
-            for i in 0..hd {
-                let want: f64 = (0..n).map(|p| e[p] / z * v[p * hd + i] as f64).sum();
-                assert!((out[i] as f64 - want).abs() < 1e-5, "hd={hd} n={n}");
+    fn check_attend<T: dot::Elem + dot::Avx2Load>() {
+        for isa in isas() {
+            for (hd, n) in [(8, 1), (64, 5), (17, 33), (64, 300)] {
+                let q = rand_vec(hd, 1);
+                let k: Vec<T> = rand_vec(n * hd, 2).into_iter().map(T::from_f32).collect();
+                let v: Vec<T> = rand_vec(n * hd, 3).into_iter().map(T::from_f32).collect();
+                let scale = 1.0 / (hd as f32).sqrt();
+                let mut scores = vec![0.0; n];
+                let mut out = vec![0.0; hd];
+                dot::with_isa(isa, || attend(&q, &k, &v, n, scale, &mut scores, &mut out));
+                let kf = |i: usize| k[i].to_f32() as f64;
+                let s: Vec<f64> = (0..n)
+                    .map(|p| (0..hd).map(|i| q[i] as f64 * kf(p * hd + i)).sum::<f64>() * scale as f64)
+                    .collect();
+                let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for i in 0..hd {
+                    let want: f64 = (0..n).map(|p| e[p] / z * v[p * hd + i].to_f32() as f64).sum();
+                    assert!((out[i] as f64 - want).abs() < 1e-5, "{isa:?} hd={hd} n={n}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn attend_matches_reference_for_every_kv_dtype() {
+        check_attend::<f32>();
+        check_attend::<f16>();
+        check_attend::<bf16>();
     }
 
     #[test]

@@ -15,12 +15,11 @@ use crate::comm::Comm;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::grid::ShardPlan;
-use crate::kernels;
+use crate::kernels::{self, SharedSlice, Team};
+use crate::kernels::{PackedMat, Quant};
 use crate::weights::checkpoint::Checkpoint;
-use crate::weights::Mat;
-use crate::weights::Source;
+use crate::weights::{DType, Mat, Source};
 pub use kv_cache::KvCache;
-use rayon::prelude::*;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -28,14 +27,14 @@ struct Layer {
     input_norm: Vec<f32>,
     post_norm: Vec<f32>,
     /// Rows: this rank's q heads, then its k heads, then its v heads.
-    qkv: Mat,
+    qkv: PackedMat,
     qkv_bias: Option<Vec<f32>>,
     /// Input columns of this rank's q heads.
-    o_proj: Mat,
+    o_proj: PackedMat,
     /// Rows: this rank's gate columns, then the same up columns.
-    gate_up: Mat,
+    gate_up: PackedMat,
     /// Input columns of this rank's FFN range.
-    down: Mat,
+    down: PackedMat,
 }
 
 pub struct Shard {
@@ -43,22 +42,29 @@ pub struct Shard {
     pub plan: ShardPlan,
     layers: Vec<Layer>,
     /// Vocabulary rows of the embedding (first stage).
-    embed: Option<Arc<Mat>>,
+    embed: Option<Arc<PackedMat>>,
     final_norm: Option<Vec<f32>>,
     /// Vocabulary rows of the output head (last stage); shares `embed` when tied on one stage.
-    lm_head: Option<Arc<Mat>>,
+    lm_head: Option<Arc<PackedMat>>,
     inv_freq: Vec<f64>,
 }
 
 impl Shard {
     /// Loads only this rank's shard from the checkpoint in `dir`.
-    pub fn load(dir: &Path, cfg: ModelConfig, plan: ShardPlan) -> Result<Self> {
+    /// `quant`: quantize the matrices at load (`None` keeps the stored dtype).
+    pub fn load(dir: &Path, cfg: ModelConfig, plan: ShardPlan, quant: Option<Quant>) -> Result<Self> {
         let ckpt = Checkpoint::open(dir)?;
-        Self::from_source(&ckpt, cfg, plan)
+        Self::from_source(&ckpt, cfg, plan, quant)
     }
 
     /// Loads this rank's shard from any weight source (checkpoint or synthetic).
-    pub fn from_source(ckpt: &dyn Source, cfg: ModelConfig, plan: ShardPlan) -> Result<Self> {
+    pub fn from_source(
+        ckpt: &dyn Source,
+        cfg: ModelConfig,
+        plan: ShardPlan,
+        quant: Option<Quant>,
+    ) -> Result<Self> {
+        let pack = |m: &Mat| PackedMat::pack_as(m, quant);
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let qr = plan.q_heads.start * hd..plan.q_heads.end * hd;
@@ -82,16 +88,16 @@ impl Shard {
             layers.push(Layer {
                 input_norm: ckpt.vector_f32(&p("input_layernorm.weight"), h)?,
                 post_norm: ckpt.vector_f32(&p("post_attention_layernorm.weight"), h)?,
-                qkv: Mat::vstack(vec![q, k, v]),
+                qkv: pack(&Mat::vstack(vec![q, k, v])),
                 qkv_bias,
-                o_proj: ckpt.cols(&p("self_attn.o_proj.weight"), &[h, qd], qr.clone())?,
-                gate_up: Mat::vstack(vec![gate, up]),
-                down: ckpt.cols(&p("mlp.down_proj.weight"), &[h, ff], plan.ffn.clone())?,
+                o_proj: pack(&ckpt.cols(&p("self_attn.o_proj.weight"), &[h, qd], qr.clone())?),
+                gate_up: pack(&Mat::vstack(vec![gate, up])),
+                down: pack(&ckpt.cols(&p("mlp.down_proj.weight"), &[h, ff], plan.ffn.clone())?),
             });
         }
         let vocab_shape = [cfg.vocab_size, h];
         let embed = if plan.first_stage {
-            Some(Arc::new(ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?))
+            Some(Arc::new(pack(&ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?)))
         } else {
             None
         };
@@ -100,11 +106,12 @@ impl Shard {
                 match &embed {
                     Some(e) => e.clone(),
                     None => {
-                        Arc::new(ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?)
+                        let m = ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?;
+                        Arc::new(pack(&m))
                     }
                 }
             } else {
-                Arc::new(ckpt.rows("lm_head.weight", &vocab_shape, plan.vocab.clone())?)
+                Arc::new(pack(&ckpt.rows("lm_head.weight", &vocab_shape, plan.vocab.clone())?))
             };
             (Some(ckpt.vector_f32("model.norm.weight", h)?), Some(head))
         } else {
@@ -153,8 +160,8 @@ impl Shard {
         n
     }
 
-    pub fn new_cache(&self, capacity: usize) -> KvCache {
-        KvCache::new(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, capacity)
+    pub fn new_cache(&self, capacity: usize, dtype: DType) -> KvCache {
+        KvCache::new(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, capacity, dtype)
     }
 
     /// Rows of vocabulary this rank's embedding / lm_head holds.
@@ -172,8 +179,7 @@ impl Shard {
             let out = &mut x[t * h..(t + 1) * h];
             let id = id as usize;
             if self.plan.vocab.contains(&id) {
-                let r = id - v0;
-                e.data.to_f32_range(r * h..(r + 1) * h, out);
+                e.row_f32(id - v0, out);
             } else {
                 out.fill(0.0);
             }
@@ -185,6 +191,7 @@ impl Shard {
 
     /// Runs this shard's layers on `n` tokens at positions `pos0..pos0+n`, updating `x`
     /// (`[n, hidden]`) in place and appending to `cache`.
+    #[allow(clippy::too_many_arguments)] // the step's data, its buffers and its two kinds of parallelism
     pub fn forward(
         &self,
         x: &mut [f32],
@@ -193,6 +200,7 @@ impl Shard {
         cache: &mut KvCache,
         s: &mut Scratch,
         comm: &dyn Comm,
+        team: &Team,
     ) {
         let cfg = &self.cfg;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
@@ -212,7 +220,7 @@ impl Shard {
             // Attention block.
             kernels::rmsnorm(x, &l.input_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
             let qkv = &mut s.qkv[..n * qkv_rows];
-            kernels::matmul(&l.qkv, &s.xn[..n * h], n, qkv);
+            kernels::matmul(team, &l.qkv, &s.xn[..n * h], n, qkv);
             for t in 0..n {
                 let row = &mut qkv[t * qkv_rows..(t + 1) * qkv_rows];
                 if let Some(b) = &l.qkv_bias {
@@ -225,42 +233,36 @@ impl Shard {
             }
             let qkv = &*qkv;
             let cache_r = &*cache;
-            let att = crate::kernels::SharedSlice::new(&mut s.att[..n * nq * hd]);
+            let att = SharedSlice::new(&mut s.att[..n * nq * hd]);
             let window = cfg.sliding_window;
             let ctx_cap = s.ctx_cap;
-            s.scores.par_chunks_mut(ctx_cap).take(nq).enumerate().for_each(|(hl, scores)| {
+            let scores_all = SharedSlice::new(&mut s.scores);
+            team.for_each(nq, &|hl| {
+                // SAFETY: each task owns query head hl and with it this span of the scratch.
+                let scores = unsafe { scores_all.range(hl * ctx_cap, ctx_cap) };
                 let kvl = (q0 + hl) / group - kv0;
-                let (keys, values) = cache_r.head(li, kvl);
                 for t in 0..n {
                     let pos = pos0 + t;
                     let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                     let q = &qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd];
                     // SAFETY: (t, hl) pairs are disjoint between tasks: each task owns head hl.
                     let out = unsafe { att.range(t * nq * hd + hl * hd, hd) };
-                    kernels::attend(
-                        q,
-                        &keys[first * hd..],
-                        &values[first * hd..],
-                        pos + 1 - first,
-                        scale,
-                        scores,
-                        out,
-                    );
+                    cache_r.attend(li, kvl, q, first, pos + 1 - first, scale, scores, out);
                 }
             });
-            kernels::matmul(&l.o_proj, &s.att[..n * nq * hd], n, &mut s.o[..n * h]);
+            kernels::matmul(team, &l.o_proj, &s.att[..n * nq * hd], n, &mut s.o[..n * h]);
             comm.allreduce_sum(&mut s.o[..n * h]);
             x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
 
             // FFN block.
             kernels::rmsnorm(x, &l.post_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
-            kernels::matmul(&l.gate_up, &s.xn[..n * h], n, &mut s.gu[..n * 2 * ffl]);
+            kernels::matmul(team, &l.gate_up, &s.xn[..n * h], n, &mut s.gu[..n * 2 * ffl]);
             for t in 0..n {
                 let (g, u) = s.gu[t * 2 * ffl..(t + 1) * 2 * ffl].split_at_mut(ffl);
                 kernels::silu_mul(g, u);
                 s.act[t * ffl..(t + 1) * ffl].copy_from_slice(g);
             }
-            kernels::matmul(&l.down, &s.act[..n * ffl], n, &mut s.o[..n * h]);
+            kernels::matmul(team, &l.down, &s.act[..n * ffl], n, &mut s.o[..n * h]);
             comm.allreduce_sum(&mut s.o[..n * h]);
             x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
         }
@@ -280,20 +282,20 @@ impl Shard {
     }
 
     /// Final norm and this rank's vocabulary shard of the logits for one hidden state.
-    pub fn logits(&self, x: &[f32], s: &mut Scratch, out: &mut [f32]) {
+    pub fn logits(&self, x: &[f32], s: &mut Scratch, out: &mut [f32], team: &Team) {
         let h = self.cfg.hidden_size;
         let norm = self.final_norm.as_ref().expect("logits called outside the last stage");
         let head = self.lm_head.as_ref().expect("logits called outside the last stage");
         kernels::rmsnorm(&x[..h], norm, self.cfg.rms_norm_eps, &mut s.xn[..h]);
-        kernels::matmul(head, &s.xn[..h], 1, out);
+        kernels::matmul(team, head, &s.xn[..h], 1, out);
     }
 
     pub fn weight_dtype(&self) -> &'static str {
         self.layers
             .first()
-            .map(|l| l.qkv.data.dtype())
-            .or(self.lm_head.as_ref().map(|m| m.data.dtype()))
-            .map_or("f32", |d| d.name())
+            .map(|l| l.qkv.dtype_name())
+            .or(self.lm_head.as_ref().map(|m| m.dtype_name()))
+            .unwrap_or("f32")
     }
 }
 

@@ -2,6 +2,7 @@ mod bad_input;
 mod bench;
 mod generate;
 mod grid;
+mod quant;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -9,6 +9,8 @@ use std::path::Path;
 
 const N_TOKENS: usize = 32;
 const LOGIT_TOL: f32 = 1e-3;
+/// Comparisons with candle's f32 keep the KV cache in f32 too (the default is f16).
+const KV_F32: [&str; 2] = ["--kv-dtype", "f32"];
 
 /// The prompts every parity check runs: plain text, code, and a chat-templated question.
 const PROMPTS: &[(&str, &[&str])] = &[
@@ -61,6 +63,7 @@ fn smollm2_f32_matches_candle() {
     for (name, args) in PROMPTS {
         let mut a = args.to_vec();
         a.extend(["--max-tokens", &n]);
+        a.extend(KV_F32);
         let ours: Run = generate(&dir, &a);
         let (ref_logits, ref_tokens, _) = candle_llama(&dir, &ours.prompt_ids, N_TOKENS);
         let d = max_abs_diff(&ours.logits, &ref_logits);
@@ -71,6 +74,25 @@ fn smollm2_f32_matches_candle() {
     }
 }
 
+/// `other` gives the same greedy tokens as `full` (f32 weights, f32 KV cache), or departs
+/// from them only where f32 itself nearly ties: at the first differing position, candle's f32
+/// logits prefer f32's token over `other`'s by less than 0.1.
+fn same_or_near_tie(name: &str, what: &str, f32_dir: &Path, full: &Run, other: &Run) {
+    assert_eq!(full.prompt_ids, other.prompt_ids);
+    if full.token_ids == other.token_ids {
+        return;
+    }
+    let i = full.token_ids.iter().zip(&other.token_ids).position(|(a, b)| a != b).unwrap();
+    let (_, _, steps) = candle_llama(f32_dir, &full.prompt_ids, i + 1);
+    let l = &steps[i];
+    let gap = l[full.token_ids[i] as usize] - l[other.token_ids[i] as usize];
+    eprintln!("{name}: {what} diverges at token {i}; f32 logit gap between the two choices = {gap:.4}");
+    assert!(
+        gap < 0.1,
+        "{name}: {what} diverges at token {i} where f32 prefers its token by {gap} (not a near-tie)"
+    );
+}
+
 #[test]
 fn smollm2_bf16_same_greedy_tokens_as_f32() {
     let f32_dir = smollm2("f32");
@@ -79,24 +101,35 @@ fn smollm2_bf16_same_greedy_tokens_as_f32() {
     for (name, args) in PROMPTS {
         let mut a = args.to_vec();
         a.extend(["--max-tokens", &n]);
+        a.extend(KV_F32);
         let full = generate(&f32_dir, &a);
         let half = generate(&bf16_dir, &a);
-        assert_eq!(full.prompt_ids, half.prompt_ids);
         assert_eq!(half.json["weight_dtype"], "bf16");
-        if full.token_ids == half.token_ids {
-            continue;
-        }
-        // A divergence is acceptable only where f32 itself nearly ties: the bf16 choice must be
-        // within a small margin of the f32 winner at the first differing position.
-        let i = full.token_ids.iter().zip(&half.token_ids).position(|(a, b)| a != b).unwrap();
-        let (_, _, steps) = candle_llama(&f32_dir, &full.prompt_ids, i + 1);
-        let l = &steps[i];
-        let gap = l[full.token_ids[i] as usize] - l[half.token_ids[i] as usize];
-        eprintln!("{name}: bf16 diverges at token {i}; f32 logit gap between the two choices = {gap:.4}");
-        assert!(
-            gap < 0.1,
-            "{name}: bf16 diverges at token {i} where f32 prefers its token by {gap} (not a near-tie)"
-        );
+        same_or_near_tie(name, "bf16 weights", &f32_dir, &full, &half);
+    }
+}
+
+/// The default f16 KV cache (and bf16) keeps greedy text as f32's, on f32 weights.
+#[test]
+fn smollm2_half_precision_kv_cache_same_greedy_tokens() {
+    let f32_dir = smollm2("f32");
+    let n = N_TOKENS.to_string();
+    for (name, args) in PROMPTS {
+        let mut a = args.to_vec();
+        a.extend(["--max-tokens", &n]);
+        let default = generate(&f32_dir, &a);
+        assert_eq!(default.json["kv_dtype"], "f16", "the KV cache is f16 by default");
+        a.extend(KV_F32);
+        let full = generate(&f32_dir, &a);
+        assert_eq!(full.json["kv_dtype"], "f32");
+        let d = max_abs_diff(&default.logits, &full.logits);
+        eprintln!("{name}: f16 KV cache: max |Δ logits| = {d:.2e}");
+        assert!(d < 0.05, "{name}: f16 KV cache moves last-position logits by {d}");
+        same_or_near_tie(name, "f16 KV cache", &f32_dir, &full, &default);
+        a.truncate(a.len() - 2);
+        a.extend(["--kv-dtype", "bf16"]);
+        let b = generate(&f32_dir, &a);
+        same_or_near_tie(name, "bf16 KV cache", &f32_dir, &full, &b);
     }
 }
 
@@ -168,7 +201,8 @@ fn random_qwen2_matches_candle() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     gridlm_reference::TinyModel::qwen2().write(dir);
-    let ours = generate(dir, &["--prompt", "t5 t17 t42 t3 t99 t250 t7", "--max-tokens", "32"]);
+    let ours =
+        generate(dir, &["--prompt", "t5 t17 t42 t3 t99 t250 t7", "--max-tokens", "32", "--kv-dtype", "f32"]);
     assert_eq!(ours.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
 
     let dev = Device::Cpu;
@@ -212,7 +246,14 @@ fn every_grid_layout_matches_candle_and_single_rank() {
         ("2x2 over two emulated nodes", &["emulated-nodes", "4"], &["--pp", "2", "--tp", "2"]),
     ];
     let dir = smollm2("f32");
-    let prompt = ["--prompt", "Once upon a time, in a small village by the sea,", "--max-tokens", "32"];
+    let prompt = [
+        "--prompt",
+        "Once upon a time, in a small village by the sea,",
+        "--max-tokens",
+        "32",
+        "--kv-dtype",
+        "f32",
+    ];
     let single = generate(&dir, &prompt);
     let (_, ref_tokens, _) = candle_llama(&dir, &single.prompt_ids, N_TOKENS);
     assert_eq!(single.token_ids, ref_tokens, "single rank differs from candle");

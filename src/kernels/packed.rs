@@ -1,0 +1,393 @@
+//! Weight matrices in the layout the matrix kernels read: panels of four rows, each panel a run
+//! of 16-column chunks with the four rows' chunks side by side.
+//!
+//! ```text
+//! row-major [rows, cols]            packed: panel p = rows 4p..4p+4, chunk k = cols 16k..16k+16
+//!   r0: c0 … c15 c16 … c31 …        [r0 c0..16][r1 c0..16][r2 c0..16][r3 c0..16][r0 c16..32] …
+//!   r1: …                           then panel p+1
+//! ```
+//!
+//! A matrix-vector product then reads memory strictly in order (one stream the hardware
+//! prefetcher follows, however short the rows) while each load of the input serves four rows.
+//! Rows are padded with zeros to a multiple of four and columns to a multiple of 16, so kernels
+//! have no ragged tails; padded outputs are never written back.
+
+use super::dot::{self, Isa};
+use super::{SharedSlice, Team};
+use crate::weights::{Data, Mat};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Rows per panel.
+pub const PANEL: usize = 4;
+/// Columns per chunk.
+pub const CHUNK: usize = dot::BLOCK;
+
+/// How weights are held once packed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quant {
+    /// Symmetric int8 per output row: `w ≈ q · scale[row]`, `scale = max|w| / 127`. One scale
+    /// per row keeps the kernel's inner loop free of scale work (it is applied to the finished
+    /// dot product) and is accurate enough for greedy decoding (see the agreement test).
+    Int8,
+}
+
+impl Quant {
+    pub fn parse(s: &str) -> Option<Quant> {
+        match s.to_ascii_lowercase().as_str() {
+            "int8" | "i8" => Some(Quant::Int8),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Store {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    /// Quantized values and one scale per (padded) row.
+    I8(Vec<i8>, Vec<f32>),
+}
+
+/// A matrix `[rows, cols]` packed for the kernels, in its stored dtype or quantized.
+#[derive(Debug, Clone)]
+pub struct PackedMat {
+    pub rows: usize,
+    pub cols: usize,
+    /// Columns after padding (a multiple of [`CHUNK`]).
+    cols_p: usize,
+    store: Store,
+}
+
+impl PackedMat {
+    /// Packs `m` as it is stored.
+    pub fn pack(m: &Mat) -> PackedMat {
+        let (rows, cols) = (m.rows, m.cols);
+        let (cols_p, store) = match &m.data {
+            Data::F32(v) => pack_t(v, rows, cols, Store::F32),
+            Data::BF16(v) => pack_t(v, rows, cols, Store::BF16),
+            Data::F16(v) => pack_t(v, rows, cols, Store::F16),
+        };
+        PackedMat { rows, cols, cols_p, store }
+    }
+
+    /// Packs `m`, quantized as `quant` says (or as stored for `None`).
+    pub fn pack_as(m: &Mat, quant: Option<Quant>) -> PackedMat {
+        match quant {
+            None => Self::pack(m),
+            Some(Quant::Int8) => {
+                let (rows, cols) = (m.rows, m.cols);
+                let rows_p = rows.next_multiple_of(PANEL);
+                let mut scales = vec![0.0f32; rows_p];
+                let mut q = vec![0i8; rows * cols];
+                let mut row = vec![0.0f32; cols];
+                for r in 0..rows {
+                    m.data.to_f32_range(r * cols..(r + 1) * cols, &mut row);
+                    let max = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    let scale = if max > 0.0 { max / 127.0 } else { 1.0 };
+                    scales[r] = scale;
+                    for (d, &v) in q[r * cols..(r + 1) * cols].iter_mut().zip(&row) {
+                        *d = (v / scale).round().clamp(-127.0, 127.0) as i8;
+                    }
+                }
+                let (cols_p, store) = pack_t(&q, rows, cols, |v| Store::I8(v, scales));
+                PackedMat { rows, cols, cols_p, store }
+            }
+        }
+    }
+
+    /// Bytes held (and read by one pass over the matrix), padding and scales included.
+    pub fn bytes(&self) -> usize {
+        match &self.store {
+            Store::F32(v) => 4 * v.len(),
+            Store::BF16(v) => 2 * v.len(),
+            Store::F16(v) => 2 * v.len(),
+            Store::I8(v, s) => v.len() + 4 * s.len(),
+        }
+    }
+
+    /// Name of the element type the kernels read: f32, bf16, f16 or int8.
+    pub fn dtype_name(&self) -> &'static str {
+        match &self.store {
+            Store::F32(_) => "f32",
+            Store::BF16(_) => "bf16",
+            Store::F16(_) => "f16",
+            Store::I8(..) => "int8",
+        }
+    }
+
+    /// Row `r` as f32 (an embedding lookup).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows && out.len() == self.cols, "row_f32: row {r} of {}", self.rows);
+        fn copy<T: dot::Elem>(v: &[T], at: usize, scale: f32, o: &mut [f32]) {
+            let n = o.len();
+            o.iter_mut().zip(&v[at..at + n]).for_each(|(o, w)| *o = w.to_f32() * scale);
+        }
+        let (p, lane) = (r / PANEL, r % PANEL);
+        for (k, o) in out.chunks_mut(CHUNK).enumerate() {
+            let at = p * PANEL * self.cols_p + (k * PANEL + lane) * CHUNK;
+            match &self.store {
+                Store::F32(v) => copy(v, at, 1.0, o),
+                Store::BF16(v) => copy(v, at, 1.0, o),
+                Store::F16(v) => copy(v, at, 1.0, o),
+                Store::I8(v, s) => copy(v, at, s[r], o),
+            }
+        }
+    }
+}
+
+/// Packs row-major `v` (`rows × cols`) into panels; returns the padded column count.
+fn pack_t<T: dot::Elem + Default>(
+    v: &[T],
+    rows: usize,
+    cols: usize,
+    wrap: impl FnOnce(Vec<T>) -> Store,
+) -> (usize, Store) {
+    let cols_p = cols.next_multiple_of(CHUNK);
+    let rows_p = rows.next_multiple_of(PANEL);
+    let kc = cols_p / CHUNK;
+    let mut out = vec![T::default(); rows_p * cols_p];
+    out.par_chunks_mut(PANEL * cols_p).enumerate().for_each(|(p, panel)| {
+        for lane in 0..PANEL {
+            let r = p * PANEL + lane;
+            if r >= rows {
+                break;
+            }
+            let src = &v[r * cols..(r + 1) * cols];
+            for k in 0..kc {
+                let c0 = k * CHUNK;
+                let n = CHUNK.min(cols.saturating_sub(c0));
+                let at = (k * PANEL + lane) * CHUNK;
+                panel[at..at + n].copy_from_slice(&src[c0..c0 + n]);
+            }
+        }
+    });
+    (cols_p, wrap(out))
+}
+
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
+/// `[n_tok, w.rows]`. Parallel over blocks of panels; within a block, tokens go three at a
+/// time through each panel, so a block's weights are read from memory once per call and the
+/// inputs of three tokens stay in L1 while they are summed against it.
+pub fn matmul(team: &Team, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut [f32]) {
+    assert_eq!(x.len(), n_tok * w.cols, "matmul: input length");
+    assert_eq!(out.len(), n_tok * w.rows, "matmul: output length");
+    let isa = dot::detect();
+    match &w.store {
+        Store::F32(d) => matmul_float(team, w, d, x, n_tok, out, isa),
+        Store::BF16(d) => matmul_float(team, w, d, x, n_tok, out, isa),
+        Store::F16(d) => matmul_float(team, w, d, x, n_tok, out, isa),
+        Store::I8(d, s) => matmul_int8(team, w, d, s, x, n_tok, out, isa),
+    }
+}
+
+thread_local! {
+    /// The inputs in the kernel's order and padding; grows to the largest input, then is reused.
+    static PREPARED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The inputs quantized for int8 weights: values, and one scale per chunk.
+    static QUANTIZED: std::cell::RefCell<(Vec<i8>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Tokens summed together against one panel.
+const TOK_GROUP: usize = 3;
+
+/// Float weights: inputs in f32, rearranged for the weight type.
+fn matmul_float<T: dot::Elem + dot::Avx2Load>(
+    team: &Team,
+    w: &PackedMat,
+    d: &[T],
+    x: &[f32],
+    n_tok: usize,
+    out: &mut [f32],
+    isa: Isa,
+) {
+    let (cols, cols_p) = (w.cols, w.cols_p);
+    PREPARED.with_borrow_mut(|buf| {
+        if buf.len() < n_tok * cols_p {
+            buf.resize(n_tok * cols_p, 0.0);
+        }
+        for t in 0..n_tok {
+            dot::prepare::<T>(&x[t * cols..(t + 1) * cols], &mut buf[t * cols_p..(t + 1) * cols_p], isa);
+        }
+        let xp = &buf[..n_tok * cols_p];
+        let panel_bytes = PANEL * cols_p * std::mem::size_of::<T>();
+        schedule(team, w.rows, n_tok, panel_bytes, None, out, &|p, t, acc| {
+            let panel = &d[p * PANEL * cols_p..(p + 1) * PANEL * cols_p];
+            let nt = acc.len();
+            let xs: [&[f32]; TOK_GROUP] =
+                std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][..cols_p]);
+            panel_dot(panel, &xs[..nt], acc, isa);
+        });
+    });
+}
+
+/// Int8 weights: each input is quantized to int8 per group of 32 columns (its own scale per
+/// group, so an outlier only coarsens its own group), and the products are summed in integers.
+#[allow(clippy::too_many_arguments)]
+fn matmul_int8(
+    team: &Team,
+    w: &PackedMat,
+    d: &[i8],
+    scales: &[f32],
+    x: &[f32],
+    n_tok: usize,
+    out: &mut [f32],
+    isa: Isa,
+) {
+    let (cols, cols_p) = (w.cols, w.cols_p);
+    let kc = cols_p.div_ceil(XGROUP);
+    QUANTIZED.with_borrow_mut(|(xq, xs)| {
+        if xq.len() < n_tok * cols_p {
+            xq.resize(n_tok * cols_p, 0);
+            xs.resize(n_tok * kc, 0.0);
+        }
+        for t in 0..n_tok {
+            quantize_chunks(
+                &x[t * cols..(t + 1) * cols],
+                &mut xq[t * cols_p..(t + 1) * cols_p],
+                &mut xs[t * kc..(t + 1) * kc],
+            );
+        }
+        let (xq, xs) = (&xq[..n_tok * cols_p], &xs[..n_tok * kc]);
+        let panel_bytes = PANEL * cols_p;
+        schedule(team, w.rows, n_tok, panel_bytes, Some(scales), out, &|p, t, acc| {
+            let panel = &d[p * PANEL * cols_p..(p + 1) * PANEL * cols_p];
+            for (i, a) in acc.iter_mut().enumerate() {
+                let (q, s) = (&xq[(t + i) * cols_p..][..cols_p], &xs[(t + i) * kc..][..kc]);
+                *a = match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the
+                    // panel is PANEL × cols_p, the input cols_p with one scale per chunk.
+                    Isa::Avx2 => unsafe { dot::avx2_panel_q8(panel, q, s) },
+                    _ => panel_q8_portable(panel, q, s),
+                };
+            }
+        });
+    });
+}
+
+/// Columns of an input that share one int8 scale.
+const XGROUP: usize = 2 * CHUNK;
+
+/// `x` (padded with zeros to `q.len()`) as int8 with one scale per group of [`XGROUP`]
+/// columns: `x ≈ q · s[group]`.
+pub fn quantize_chunks(x: &[f32], q: &mut [i8], s: &mut [f32]) {
+    for (k, (qc, sc)) in q.chunks_mut(XGROUP).zip(s.iter_mut()).enumerate() {
+        let xc = x.get(k * XGROUP..((k + 1) * XGROUP).min(x.len())).unwrap_or(&[]);
+        let max = xc.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        *sc = max / 127.0;
+        let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+        for (i, d) in qc.iter_mut().enumerate() {
+            *d = xc.get(i).map_or(0, |&v| (v * inv).round().clamp(-127.0, 127.0) as i8);
+        }
+    }
+}
+
+/// One int8 panel against one quantized input: per chunk an exact integer sum, scaled.
+fn panel_q8_portable(panel: &[i8], q: &[i8], s: &[f32]) -> [f32; PANEL] {
+    let mut acc = [0.0f32; PANEL];
+    for (k, qc) in q.chunks_exact(CHUNK).enumerate() {
+        let sc = s[k * CHUNK / XGROUP];
+        for (lane, a) in acc.iter_mut().enumerate() {
+            let wc = &panel[(k * PANEL + lane) * CHUNK..][..CHUNK];
+            let isum: i32 = wc.iter().zip(qc).map(|(&w, &x)| w as i32 * x as i32).sum();
+            *a += isum as f32 * sc;
+        }
+    }
+    acc
+}
+
+/// Sums panel `p` against tokens `t..t + acc.len()` into `acc`.
+type PanelFn<'a> = dyn Fn(usize, usize, &mut [[f32; PANEL]]) + Sync + 'a;
+
+/// Runs `panel_fn(p, t, acc)` — panel `p` against tokens `t..t + acc.len()` — over every panel
+/// and token group, spread over the team, and writes the results (times the per-row `scales`,
+/// when given) into `out` (`[n_tok, rows]`).
+fn schedule(
+    team: &Team,
+    rows: usize,
+    n_tok: usize,
+    panel_bytes: usize,
+    scales: Option<&[f32]>,
+    out: &mut [f32],
+    panel_fn: &PanelFn,
+) {
+    let n_panels = rows.div_ceil(PANEL);
+    let shared = SharedSlice::new(out);
+    let run = |panels: std::ops::Range<usize>| {
+        let mut t = 0;
+        while t < n_tok {
+            let nt = TOK_GROUP.min(n_tok - t);
+            for p in panels.clone() {
+                let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
+                panel_fn(p, t, &mut acc[..nt]);
+                let r0 = p * PANEL;
+                let nr = PANEL.min(rows - r0);
+                if let Some(sc) = scales {
+                    for a in acc[..nt].iter_mut() {
+                        a.iter_mut().zip(&sc[r0..r0 + PANEL]).for_each(|(v, s)| *v *= s);
+                    }
+                }
+                for (i, a) in acc[..nt].iter().enumerate() {
+                    // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel
+                    // is in exactly one range handed out by the team.
+                    unsafe { shared.range((t + i) * rows + r0, nr) }.copy_from_slice(&a[..nr]);
+                }
+            }
+            t += nt;
+        }
+    };
+    if n_tok == 1 {
+        // One pass over the weights: guided pieces, long streams first.
+        team.for_ranges(n_panels, 2, &run);
+    } else {
+        // Blocks of at most 64 KiB of weights stay in L2 while every token group passes over
+        // them, so the weights come from memory once per call.
+        let block = ((64 << 10) / panel_bytes).clamp(1, n_panels.div_ceil(team.threads()).max(1));
+        team.for_each(n_panels.div_ceil(block), &|b| run(b * block..((b + 1) * block).min(n_panels)));
+    }
+}
+
+/// Sums one panel against 1..=3 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
+fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
+    match (isa, xs.len()) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
+        // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
+        (Isa::Avx2, 1) => unsafe { acc[0] = dot::avx2_panel::<T, 1>(panel, [xs[0]])[0] },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx2, 2) => unsafe {
+            let r = dot::avx2_panel::<T, 2>(panel, [xs[0], xs[1]]);
+            acc[..2].copy_from_slice(&r);
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx2, 3) => unsafe {
+            let r = dot::avx2_panel::<T, 3>(panel, [xs[0], xs[1], xs[2]]);
+            acc[..3].copy_from_slice(&r);
+        },
+        _ => {
+            for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                for (k, xc) in x.chunks_exact(CHUNK).enumerate() {
+                    for (lane, al) in a.iter_mut().enumerate() {
+                        let wc = &panel[(k * PANEL + lane) * CHUNK..][..CHUNK];
+                        *al += dot::dot1_portable(wc, xc);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The matrix back in row-major f32 (tests).
+#[cfg(test)]
+pub(crate) fn unpack(w: &PackedMat) -> Vec<f32> {
+    let mut out = vec![0.0; w.rows * w.cols];
+    for r in 0..w.rows {
+        w.row_f32(r, &mut out[r * w.cols..(r + 1) * w.cols]);
+    }
+    out
+}

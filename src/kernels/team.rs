@@ -1,0 +1,285 @@
+//! A team of kernel threads that stays awake through a model step: the OpenMP role in xFT.
+//!
+//! A decode step of a small model is ~150 parallel kernels of a few tens of microseconds each.
+//! Waking sleeping threads for each (as a work-stealing pool does once its workers park) costs
+//! a sizeable part of the step, so team workers spin between kernels, then yield the core, and
+//! only after a few milliseconds without work do they sleep. The thread that owns the team is
+//! worker 0 and runs its share of every kernel itself, so MPI calls between kernels stay on it.
+//!
+//! The hot path takes no locks and allocates nothing: a kernel is published by writing a
+//! pointer and bumping an epoch counter; completion is a counter the caller spins on.
+
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins, then yields, before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
+const YIELD: Duration = Duration::from_millis(3);
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Inner {
+    threads: usize,
+    /// Bumped once per published kernel.
+    epoch: AtomicU64,
+    /// The current kernel; written only by worker 0 while every other worker is idle.
+    job: UnsafeCell<Option<Job>>,
+    /// Workers (other than 0) still running the current kernel.
+    pending: AtomicUsize,
+    panicked: AtomicBool,
+    stop: AtomicBool,
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written by the owner only while no worker reads it (between kernels, when
+// `pending` is zero) and read by workers only after observing the epoch bump (Acquire).
+unsafe impl Sync for Inner {}
+unsafe impl Send for Inner {}
+
+pub struct Team {
+    inner: Arc<Inner>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Team {
+    /// A team of `threads` (at least 1); the calling thread is worker 0.
+    pub fn new(threads: usize) -> std::io::Result<Team> {
+        let threads = threads.max(1);
+        let inner = Arc::new(Inner {
+            threads,
+            epoch: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            pending: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let mut workers = Vec::with_capacity(threads - 1);
+        for tid in 1..threads {
+            let inner = inner.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("gridlm-kernel-{tid}"))
+                .spawn(move || worker(&inner, tid))?;
+            workers.push(h);
+        }
+        Ok(Team { inner, workers })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.inner.threads
+    }
+
+    /// Runs `f(tid)` on every worker, `tid` in `0..threads`, and returns when all are done.
+    /// Must be called from the thread that made the team.
+    pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
+        let inner = &*self.inner;
+        if inner.threads == 1 {
+            f(0);
+            return;
+        }
+        // SAFETY: no worker is running a kernel (the previous `run` waited for all of them), so
+        // nobody reads `job` now. The pointer outlives its use: this call does not return
+        // until `pending` is zero, i.e. until every worker has finished calling it.
+        unsafe {
+            let job: Job = std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f);
+            *inner.job.get() = Some(job);
+        }
+        inner.pending.store(inner.threads - 1, SeqCst);
+        inner.epoch.fetch_add(1, SeqCst);
+        if inner.sleepers.load(SeqCst) > 0 {
+            let _g = inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+            inner.wake.notify_all();
+        }
+        let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
+        let t0 = Instant::now();
+        let mut n = 0u32;
+        while inner.pending.load(Acquire) != 0 {
+            n = n.wrapping_add(1);
+            if n % 64 == 0 && t0.elapsed() > SPIN {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if let Err(p) = mine {
+            std::panic::resume_unwind(p);
+        }
+        if inner.panicked.swap(false, SeqCst) {
+            panic!("a kernel thread panicked");
+        }
+    }
+
+    /// Calls `f(i)` for every `i` in `0..n`, spread over the team: each worker takes the next
+    /// index from a shared counter until none are left.
+    pub fn for_each(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        if n == 1 || self.inner.threads == 1 {
+            (0..n).for_each(f);
+            return;
+        }
+        let next = AtomicUsize::new(0);
+        self.run(&|_| loop {
+            let i = next.fetch_add(1, Relaxed);
+            if i >= n {
+                break;
+            }
+            f(i);
+        });
+    }
+}
+
+impl Team {
+    /// Calls `f` on ranges that together cover `0..n` once, spread over the team by guided
+    /// scheduling: each worker takes a share of what is left (half of it split evenly), never
+    /// less than `min`. Large first pieces keep memory streams long; small last ones keep the
+    /// workers finishing together.
+    pub fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        let threads = self.inner.threads;
+        if threads == 1 || n <= min {
+            if n > 0 {
+                f(0..n);
+            }
+            return;
+        }
+        let next = AtomicUsize::new(0);
+        self.run(&|_| {
+            let mut cur = next.load(Relaxed);
+            while cur < n {
+                let size = ((n - cur) / (2 * threads)).max(min.max(1));
+                let end = (cur + size).min(n);
+                match next.compare_exchange_weak(cur, end, Relaxed, Relaxed) {
+                    Ok(_) => {
+                        f(cur..end);
+                        cur = next.load(Relaxed);
+                    }
+                    Err(now) => cur = now,
+                }
+            }
+        });
+    }
+}
+
+fn worker(inner: &Inner, tid: usize) {
+    let mut seen = 0u64;
+    loop {
+        let t0 = Instant::now();
+        let mut n = 0u32;
+        loop {
+            if inner.stop.load(Acquire) {
+                return;
+            }
+            let e = inner.epoch.load(Acquire);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            n = n.wrapping_add(1);
+            if n % 64 != 0 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let idle = t0.elapsed();
+            if idle < SPIN {
+                std::hint::spin_loop();
+            } else if idle < YIELD {
+                std::thread::yield_now();
+            } else {
+                let mut g = inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+                inner.sleepers.fetch_add(1, SeqCst);
+                while inner.epoch.load(SeqCst) == seen && !inner.stop.load(SeqCst) {
+                    g = inner.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+                }
+                inner.sleepers.fetch_sub(1, SeqCst);
+            }
+        }
+        // SAFETY: the owner wrote `job` before bumping the epoch we just observed (Acquire)
+        // and keeps the closure alive until we decrement `pending`.
+        let job = unsafe { (*inner.job.get()).expect("a kernel was published") };
+        if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(tid) })).is_err() {
+            inner.panicked.store(true, SeqCst);
+        }
+        inner.pending.fetch_sub(1, Release);
+    }
+}
+
+impl Drop for Team {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, SeqCst);
+        {
+            let _g = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.inner.wake.notify_all();
+        }
+        for h in self.workers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_index_once_across_many_kernels() {
+        for threads in [1, 2, 3] {
+            let team = Team::new(threads).unwrap();
+            for n in [0, 1, 5, 100] {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                for _ in 0..50 {
+                    team.for_each(n, &|i| {
+                        hits[i].fetch_add(1, Relaxed);
+                    });
+                }
+                assert!(hits.iter().all(|h| h.load(Relaxed) == 50), "threads {threads} n {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn ranges_cover_everything_once() {
+        for threads in [1, 2, 3] {
+            let team = Team::new(threads).unwrap();
+            for (n, min) in [(0, 1), (1, 4), (7, 2), (1000, 3), (4096, 1)] {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                team.for_ranges(n, min, &|r| {
+                    assert!(!r.is_empty());
+                    r.for_each(|i| {
+                        hits[i].fetch_add(1, Relaxed);
+                    });
+                });
+                assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "threads {threads} n {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn sleeping_workers_wake_up() {
+        let team = Team::new(2).unwrap();
+        let seen = AtomicUsize::new(0);
+        std::thread::sleep(YIELD * 3);
+        team.run(&|_| {
+            seen.fetch_add(1, Relaxed);
+        });
+        assert_eq!(seen.load(Relaxed), 2);
+    }
+
+    #[test]
+    fn a_panicking_kernel_reaches_the_caller() {
+        let team = Team::new(2).unwrap();
+        let r = catch_unwind(AssertUnwindSafe(|| team.run(&|tid| assert_ne!(tid, 1, "boom"))));
+        assert!(r.is_err());
+        // The team still works afterwards.
+        let c = AtomicUsize::new(0);
+        team.run(&|_| {
+            c.fetch_add(1, Relaxed);
+        });
+        assert_eq!(c.load(Relaxed), 2);
+    }
+}

@@ -1,0 +1,46 @@
+//! int8 weights (`--quant int8`) on the real model stay close to bf16.
+
+use super::*;
+use gridlm::comm::Single;
+use gridlm::config::ModelConfig;
+use gridlm::engine::{Engine, GenerateOptions};
+use gridlm::grid::{Grid, ShardPlan};
+use gridlm::kernels::Quant;
+use gridlm::model::Shard;
+use gridlm::tokenizer::Tokenizer;
+use gridlm::weights::DType;
+
+fn engine(dir: &Path, quant: Option<Quant>) -> Engine {
+    let cfg = ModelConfig::from_dir(dir).unwrap();
+    let grid = Grid::single();
+    let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
+    let shard = Shard::load(dir, cfg, plan, quant).unwrap();
+    Engine::new(shard, grid, 2, DType::F16).unwrap()
+}
+
+/// bf16 generates 64 greedy tokens; int8, forced along the same text, picks the same top-1 at
+/// ≥ 90% of those 64 positions.
+#[test]
+fn int8_top1_agrees_with_bf16_over_64_positions() {
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let prompts = [
+        "The history of the Roman Empire began when",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    ];
+    let opts =
+        GenerateOptions { max_tokens: 64, ignore_eos: true, eos_ids: vec![], keep_prompt_logits: false };
+    let mut bf16 = engine(&dir, None);
+    let mut int8 = engine(&dir, Some(Quant::Int8));
+    assert_eq!(int8.shard.weight_dtype(), "int8");
+    for p in prompts {
+        let ids = tok.encode(p, true).unwrap();
+        let reference = bf16.generate(&ids, &opts, &Single, &Single, |_| Ok(())).unwrap().token_ids;
+        assert_eq!(reference.len(), 64);
+        let picks = int8.greedy_along(&ids, &reference, &Single, &Single).unwrap();
+        assert_eq!(picks.len(), 64);
+        let same = picks.iter().zip(&reference).filter(|(a, b)| a == b).count();
+        eprintln!("{p:?}: int8 top-1 agrees with bf16 at {same}/64 positions");
+        assert!(same * 10 >= 64 * 9, "int8 agrees with bf16 at only {same}/64 positions for {p:?}");
+    }
+}
