@@ -178,6 +178,8 @@ mod tests {
                         check_matmul(&team, dtype, rows, cols, n_tok);
                     }
                 }
+                // Several column blocks and several token tiles.
+                check_matmul(&team, dtype, 9, 4100, 70);
             }
         }
     }
@@ -185,7 +187,7 @@ mod tests {
     #[test]
     fn int8_matmul_matches_reference_on_both_isas() {
         let team = Team::new(2).unwrap();
-        for &(rows, cols) in &[(1, 1), (3, 7), (5, 16), (17, 33), (130, 577), (64, 2048)] {
+        for &(rows, cols) in &[(1, 1), (3, 7), (5, 16), (17, 33), (130, 577), (64, 2048), (9, 4100)] {
             let wf = rand_vec(rows * cols, (rows * 7 + cols) as u64);
             let w = PackedMat::pack_as(&Mat { rows, cols, data: Data::F32(wf.clone()) }, Some(Quant::Int8));
             assert_eq!(w.dtype_name(), "int8");
@@ -197,7 +199,7 @@ mod tests {
                     assert!(e <= max / 127.0 * 0.5 + 1e-7, "weight ({r},{c}) off by {e}");
                 }
             }
-            for n_tok in [1, 2, 3, 5] {
+            for n_tok in [1, 2, 3, 5, 70] {
                 let x = rand_vec(n_tok * cols, 11);
                 // The kernel quantizes its input per group; the reference uses the same values.
                 let cols_p = cols.next_multiple_of(16);

@@ -17,6 +17,7 @@ use super::{SharedSlice, Team};
 use crate::weights::{Data, Mat};
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Rows per panel.
 pub const PANEL: usize = 4;
@@ -167,9 +168,7 @@ fn pack_t<T: dot::Elem + Default>(
 }
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
-/// `[n_tok, w.rows]`. Parallel over blocks of panels; within a block, tokens go three at a
-/// time through each panel, so a block's weights are read from memory once per call and the
-/// inputs of three tokens stay in L1 while they are summed against it.
+/// `[n_tok, w.rows]`. Parallel over runs of panels; see [`schedule`] for the order of work.
 pub fn matmul(team: &Team, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n_tok * w.cols, "matmul: input length");
     assert_eq!(out.len(), n_tok * w.rows, "matmul: output length");
@@ -191,7 +190,7 @@ thread_local! {
 }
 
 /// Tokens summed together against one panel.
-const TOK_GROUP: usize = 3;
+const TOK_GROUP: usize = 4;
 
 /// Float weights: inputs in f32, rearranged for the weight type.
 fn matmul_float<T: dot::Elem + dot::Avx2Load>(
@@ -212,12 +211,11 @@ fn matmul_float<T: dot::Elem + dot::Avx2Load>(
             dot::prepare::<T>(&x[t * cols..(t + 1) * cols], &mut buf[t * cols_p..(t + 1) * cols_p], isa);
         }
         let xp = &buf[..n_tok * cols_p];
-        let panel_bytes = PANEL * cols_p * std::mem::size_of::<T>();
-        schedule(team, w.rows, n_tok, panel_bytes, None, out, &|p, t, acc| {
-            let panel = &d[p * PANEL * cols_p..(p + 1) * PANEL * cols_p];
+        schedule(team, w.rows, cols_p, n_tok, None, out, &|p, cr, t, acc| {
+            let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
             let nt = acc.len();
             let xs: [&[f32]; TOK_GROUP] =
-                std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][..cols_p]);
+                std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()]);
             panel_dot(panel, &xs[..nt], acc, isa);
         });
     });
@@ -251,11 +249,11 @@ fn matmul_int8(
             );
         }
         let (xq, xs) = (&xq[..n_tok * cols_p], &xs[..n_tok * kc]);
-        let panel_bytes = PANEL * cols_p;
-        schedule(team, w.rows, n_tok, panel_bytes, Some(scales), out, &|p, t, acc| {
-            let panel = &d[p * PANEL * cols_p..(p + 1) * PANEL * cols_p];
+        schedule(team, w.rows, cols_p, n_tok, Some(scales), out, &|p, cr, t, acc| {
+            let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+            let groups = cr.start / XGROUP..cr.end.div_ceil(XGROUP);
             for (i, a) in acc.iter_mut().enumerate() {
-                let (q, s) = (&xq[(t + i) * cols_p..][..cols_p], &xs[(t + i) * kc..][..kc]);
+                let (q, s) = (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
                 *a = match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the
@@ -299,58 +297,100 @@ fn panel_q8_portable(panel: &[i8], q: &[i8], s: &[f32]) -> [f32; PANEL] {
     acc
 }
 
-/// Sums panel `p` against tokens `t..t + acc.len()` into `acc`.
-type PanelFn<'a> = dyn Fn(usize, usize, &mut [[f32; PANEL]]) + Sync + 'a;
+/// Sums columns `cols` of panel `p` against tokens `t..t + acc.len()` into `acc`.
+type PanelFn<'a> = dyn Fn(usize, Range<usize>, usize, &mut [[f32; PANEL]]) + Sync + 'a;
 
-/// Runs `panel_fn(p, t, acc)` — panel `p` against tokens `t..t + acc.len()` — over every panel
-/// and token group, spread over the team, and writes the results (times the per-row `scales`,
-/// when given) into `out` (`[n_tok, rows]`).
+/// Columns per pass of a many-token product: a block's inputs for a tile of tokens stay in L2.
+const K_BLOCK: usize = 2048;
+/// Bytes of inputs (one column block of a tile of tokens) kept in L2.
+const TILE_BYTES: usize = 256 << 10;
+
+/// Runs `panel_fn` over every panel, column block and token group, spread over the team, and
+/// writes the sums (times the per-row `scales`, when given) into `out` (`[n_tok, rows]`).
+///
+/// One token reads each panel once, in guided pieces (long streams first, short last ones so
+/// workers finish together). Many tokens go by column blocks of [`K_BLOCK`] and tiles of tokens
+/// whose inputs fill [`TILE_BYTES`] (in L2); each task takes a run of panels, and each panel's
+/// column block (at most 16 KiB) stays in L1 while every token pair of the tile passes over it.
+/// Weights are then read once per tile and inputs once per panel from L2, not from memory.
 fn schedule(
     team: &Team,
     rows: usize,
+    cols_p: usize,
     n_tok: usize,
-    panel_bytes: usize,
     scales: Option<&[f32]>,
     out: &mut [f32],
     panel_fn: &PanelFn,
 ) {
     let n_panels = rows.div_ceil(PANEL);
     let shared = SharedSlice::new(out);
-    let run = |panels: std::ops::Range<usize>| {
-        let mut t = 0;
-        while t < n_tok {
-            let nt = TOK_GROUP.min(n_tok - t);
-            for p in panels.clone() {
+    // Sums panels × tokens t0..t1 over columns `cr`; the first column block writes, the
+    // others add.
+    let run = |panels: Range<usize>, cr: Range<usize>, t0: usize, t1: usize| {
+        let first = cr.start == 0;
+        for p in panels {
+            let r0 = p * PANEL;
+            let nr = PANEL.min(rows - r0);
+            let mut t = t0;
+            while t < t1 {
+                let nt = TOK_GROUP.min(t1 - t);
                 let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
-                panel_fn(p, t, &mut acc[..nt]);
-                let r0 = p * PANEL;
-                let nr = PANEL.min(rows - r0);
+                panel_fn(p, cr.clone(), t, &mut acc[..nt]);
                 if let Some(sc) = scales {
                     for a in acc[..nt].iter_mut() {
                         a.iter_mut().zip(&sc[r0..r0 + PANEL]).for_each(|(v, s)| *v *= s);
                     }
                 }
                 for (i, a) in acc[..nt].iter().enumerate() {
-                    // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel
-                    // is in exactly one range handed out by the team.
-                    unsafe { shared.range((t + i) * rows + r0, nr) }.copy_from_slice(&a[..nr]);
+                    // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel is
+                    // in exactly one range handed out by the team for this pass.
+                    let o = unsafe { shared.range((t + i) * rows + r0, nr) };
+                    if first {
+                        o.copy_from_slice(&a[..nr]);
+                    } else {
+                        o.iter_mut().zip(a).for_each(|(o, v)| *o += v);
+                    }
                 }
+                t += nt;
             }
-            t += nt;
         }
     };
     if n_tok == 1 {
-        // One pass over the weights: guided pieces, long streams first.
-        team.for_ranges(n_panels, 2, &run);
-    } else {
-        // Blocks of at most 64 KiB of weights stay in L2 while every token group passes over
-        // them, so the weights come from memory once per call.
-        let block = ((64 << 10) / panel_bytes).clamp(1, n_panels.div_ceil(team.threads()).max(1));
-        team.for_each(n_panels.div_ceil(block), &|b| run(b * block..((b + 1) * block).min(n_panels)));
+        team.for_ranges(n_panels, 2, &|panels| run(panels, 0..cols_p, 0, 1));
+        return;
+    }
+    let kb = K_BLOCK.min(cols_p);
+    let tile = (TILE_BYTES / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP);
+    let block = n_panels.div_ceil(team.threads() * 4).max(1);
+    let n_blocks = n_panels.div_ceil(block);
+    for c0 in (0..cols_p).step_by(kb) {
+        let cr = c0..(c0 + kb).min(cols_p);
+        for t0 in (0..n_tok).step_by(tile) {
+            let t1 = (t0 + tile).min(n_tok);
+            team.for_each(n_blocks, &|b| run(b * block..((b + 1) * block).min(n_panels), cr.clone(), t0, t1));
+        }
     }
 }
 
-/// Sums one panel against 1..=3 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
+/// Rows 0–1, then 2–3, of a panel against `NT` inputs.
+///
+/// # Safety
+/// As [`dot::avx2_panel_pair`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn pairs<T: dot::Elem + dot::Avx2Load, const NT: usize>(
+    panel: &[T],
+    xs: [&[f32]; NT],
+    acc: &mut [[f32; PANEL]],
+) {
+    for lane in [0, 2] {
+        let r = dot::avx2_panel_pair::<T, NT>(panel, lane, xs);
+        for (a, v) in acc.iter_mut().zip(r) {
+            a[lane..lane + 2].copy_from_slice(&v);
+        }
+    }
+}
+
+/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
 fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
     match (isa, xs.len()) {
         #[cfg(target_arch = "x86_64")]
@@ -359,16 +399,13 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         (Isa::Avx2, 1) => unsafe { acc[0] = dot::avx2_panel::<T, 1>(panel, [xs[0]])[0] },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx2, 2) => unsafe {
-            let r = dot::avx2_panel::<T, 2>(panel, [xs[0], xs[1]]);
-            acc[..2].copy_from_slice(&r);
-        },
+        (Isa::Avx2, 2) => unsafe { pairs::<T, 2>(panel, [xs[0], xs[1]], acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx2, 3) => unsafe {
-            let r = dot::avx2_panel::<T, 3>(panel, [xs[0], xs[1], xs[2]]);
-            acc[..3].copy_from_slice(&r);
-        },
+        (Isa::Avx2, 3) => unsafe { pairs::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx2, 4) => unsafe { pairs::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
         _ => {
             for (x, a) in xs.iter().zip(acc.iter_mut()) {
                 for (k, xc) in x.chunks_exact(CHUNK).enumerate() {
