@@ -27,6 +27,7 @@ pub struct BenchReport {
     pub threads_per_rank: usize,
     pub prompt_len: usize,
     pub new_tokens: usize,
+    pub batch: usize,
     pub reps: usize,
     pub first_token_ms: f64,
     pub next_token_ms_p50: f64,
@@ -72,13 +73,14 @@ impl BenchReport {
     pub fn table(&self) -> String {
         let mb = |b: u64| b as f64 / 1e6;
         let mut s = format!(
-            "gridlm bench: {} ({}, KV cache {}), grid {}x{}, {} threads/rank, prompt {} tokens, {} new tokens, {} reps\n",
+            "gridlm bench: {} ({}, KV cache {}), grid {}x{}, {} threads/rank, batch {}, prompt {} tokens, {} new tokens, {} reps\n",
             self.model,
             self.weight_dtype,
             self.kv_dtype,
             self.pp,
             self.tp,
             self.threads_per_rank,
+            self.batch,
             self.prompt_len,
             self.new_tokens,
             self.reps

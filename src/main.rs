@@ -102,6 +102,10 @@ struct BenchArgs {
     /// Tokens generated per sequence (the first comes from the prompt).
     #[arg(long, default_value_t = 64)]
     new_tokens: usize,
+    /// Sequences decoded together: one prefill step for all prompts, then one token of each
+    /// per step, so each step reads the weights once for the whole batch.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// Unmeasured sequences before the measured ones.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
@@ -435,8 +439,10 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
-    if a.reps == 0 || a.new_tokens < 2 || a.prompt_len == 0 {
-        anyhow::bail!("--reps must be at least 1, --new-tokens at least 2 and --prompt-len at least 1");
+    if a.reps == 0 || a.new_tokens < 2 || a.prompt_len == 0 || a.batch == 0 {
+        anyhow::bail!(
+            "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"
+        );
     }
     on_grid(&a.grid, |grid, comm, link| run_bench(&a, grid, comm, link))
 }
@@ -485,8 +491,12 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
     }
     // Driver: seeded random prompt ids.
     let vocab = full_cfg.vocab_size as u64;
-    let prompt: Vec<u32> = (0..a.prompt_len as u64)
-        .map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) % vocab) as u32)
+    let prompts: Vec<Vec<u32>> = (0..a.batch as u64)
+        .map(|b| {
+            (0..a.prompt_len as u64)
+                .map(|i| (((i + 7919 * b).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) % vocab) as u32)
+                .collect()
+        })
         .collect();
     let mut firsts = Vec::new();
     let mut steps = Vec::new();
@@ -498,9 +508,9 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
         } else {
             format!("rep {}/{}", i + 1 - a.warmup, a.reps)
         };
-        match engine.timed_sequence(&prompt, a.new_tokens, comm, link) {
+        match engine.timed_batch(&prompts, a.new_tokens, comm, link) {
             Ok((first, s)) => {
-                let tps = 1e3 * s.len() as f64 / s.iter().sum::<f64>().max(1e-9);
+                let tps = 1e3 * (a.batch * s.len()) as f64 / s.iter().sum::<f64>().max(1e-9);
                 let line = format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
                 let _ = std::io::stderr().write_all(line.as_bytes());
                 if i >= a.warmup {
@@ -518,12 +528,15 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
     let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
     outcome?;
 
-    let weight_bytes_per_token: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
+    // Every decode step reads each rank's weights once for the whole batch.
+    let weight_bytes_per_step: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
+    let weight_bytes_per_token = weight_bytes_per_step / a.batch as u64;
     let first_token_ms = percentile(&firsts, 0.5);
     let mean_step_ms = steps.iter().sum::<f64>() / steps.len().max(1) as f64;
-    let decode_tokens_per_s = 1e3 / mean_step_ms;
-    let achieved_gb_per_s = weight_bytes_per_token as f64 * decode_tokens_per_s / 1e9;
-    let prefill_gflops = prefill_flops(&full_cfg, a.prompt_len) / (first_token_ms / 1e3) / 1e9;
+    let decode_tokens_per_s = 1e3 * a.batch as f64 / mean_step_ms;
+    let achieved_gb_per_s = weight_bytes_per_step as f64 * (1e3 / mean_step_ms) / 1e9;
+    let prefill_gflops =
+        a.batch as f64 * prefill_flops(&full_cfg, a.prompt_len) / (first_token_ms / 1e3) / 1e9;
     let report = BenchReport {
         model: match (&a.model, &a.shape) {
             (Some(d), _) => d.display().to_string(),
@@ -537,12 +550,13 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
         threads_per_rank: engine.threads(),
         prompt_len: a.prompt_len,
         new_tokens: a.new_tokens,
+        batch: a.batch,
         reps: a.reps,
         first_token_ms,
         next_token_ms_p50: percentile(&steps, 0.5),
         next_token_ms_p90: percentile(&steps, 0.9),
         decode_tokens_per_s,
-        prefill_tokens_per_s: a.prompt_len as f64 / (first_token_ms / 1e3),
+        prefill_tokens_per_s: (a.batch * a.prompt_len) as f64 / (first_token_ms / 1e3),
         weight_bytes_per_token,
         achieved_gb_per_s,
         measured_gb_per_s,

@@ -428,8 +428,20 @@ mod avx2 {
         let x: [*const f32; NT] = std::array::from_fn(|i| xs[i].as_ptr());
         let mut acc = [[_mm256_setzero_ps(); 2]; NT];
         let mut wp = panel.as_ptr().add(lane * BLOCK);
+        // With few tokens the panel comes from memory on the first pass (rows 0–1): fetch
+        // ahead in the panel's order, as the one-token kernel does.
+        let chunk_bytes = 4 * BLOCK * std::mem::size_of::<T>();
+        const AHEAD: usize = 1024;
         let mut c = 0;
         while c < n {
+            if lane == 0 {
+                let ahead = (wp as *const u8).wrapping_add(AHEAD);
+                let mut off = 0;
+                while off < chunk_bytes {
+                    _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
+                    off += 64;
+                }
+            }
             let (a_lo, a_hi) = T::load16(wp);
             let (b_lo, b_hi) = T::load16(wp.add(BLOCK));
             for (a, xi) in acc.iter_mut().zip(x) {

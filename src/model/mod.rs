@@ -20,6 +20,7 @@ use crate::kernels::{PackedMat, Quant};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::{DType, Mat, Source};
 pub use kv_cache::KvCache;
+use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -35,6 +36,15 @@ struct Layer {
     gate_up: PackedMat,
     /// Input columns of this rank's FFN range.
     down: PackedMat,
+}
+
+/// A run of consecutive tokens of one sequence in a step: positions `pos0..pos0 + len` of
+/// sequence `seq` (its KV cache's index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    pub seq: usize,
+    pub pos0: usize,
+    pub len: usize,
 }
 
 pub struct Shard {
@@ -189,15 +199,16 @@ impl Shard {
         }
     }
 
-    /// Runs this shard's layers on `n` tokens at positions `pos0..pos0+n`, updating `x`
-    /// (`[n, hidden]`) in place and appending to `cache`.
+    /// Runs this shard's layers on a step's tokens, updating `x` (`[n, hidden]`, `n` the total
+    /// of the spans' lengths) in place. Each span is a run of consecutive positions of one
+    /// sequence, whose keys and values go to (and whose attention reads) `caches[span.seq]`: one
+    /// span is a prompt or a decode step, several are a batch of sequences.
     #[allow(clippy::too_many_arguments)] // the step's data, its buffers and its two kinds of parallelism
     pub fn forward(
         &self,
         x: &mut [f32],
-        n: usize,
-        pos0: usize,
-        cache: &mut KvCache,
+        spans: &[Span],
+        caches: &mut [KvCache],
         s: &mut Scratch,
         comm: &dyn Comm,
         team: &Team,
@@ -208,10 +219,17 @@ impl Shard {
         let nkv = self.plan.kv_heads.len();
         let qkv_rows = (nq + 2 * nkv) * hd;
         let ffl = self.plan.ffn.len();
-        // Sized for the whole cache at once, so decode steps never reallocate.
-        s.ensure(n, cache.capacity(), self);
+        let n: usize = spans.iter().map(|sp| sp.len).sum();
+        let ctx = caches.iter().map(KvCache::capacity).max().unwrap_or(1);
+        // Sized for the longest cache at once, so decode steps never reallocate.
+        s.ensure(n, ctx, self);
+        s.tokens.clear();
+        for sp in spans {
+            assert!(sp.seq < caches.len(), "span of sequence {} but {} caches", sp.seq, caches.len());
+            s.tokens.extend((sp.pos0..sp.pos0 + sp.len).map(|pos| (sp.seq, pos)));
+        }
         let x = &mut x[..n * h];
-        self.rope_tables(pos0, n, s);
+        self.rope_tables(s);
         let group = cfg.n_heads / cfg.n_kv_heads;
         let q0 = self.plan.q_heads.start;
         let kv0 = self.plan.kv_heads.start;
@@ -221,7 +239,7 @@ impl Shard {
             kernels::rmsnorm(x, &l.input_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
             let qkv = &mut s.qkv[..n * qkv_rows];
             kernels::matmul(team, &l.qkv, &s.xn[..n * h], n, qkv);
-            for t in 0..n {
+            for (t, &(seq, pos)) in s.tokens.iter().enumerate() {
                 let row = &mut qkv[t * qkv_rows..(t + 1) * qkv_rows];
                 if let Some(b) = &l.qkv_bias {
                     row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
@@ -229,10 +247,11 @@ impl Shard {
                 let half = hd / 2;
                 let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
                 kernels::rope(&mut row[..(nq + nkv) * hd], hd, cos, sin);
-                cache.write(li, pos0 + t, &row[nq * hd..(nq + nkv) * hd], &row[(nq + nkv) * hd..]);
+                caches[seq].write(li, pos, &row[nq * hd..(nq + nkv) * hd], &row[(nq + nkv) * hd..]);
             }
             let qkv = &*qkv;
-            let cache_r = &*cache;
+            let caches_r = &*caches;
+            let tokens = &s.tokens;
             let att = SharedSlice::new(&mut s.att[..n * nq * hd]);
             let window = cfg.sliding_window;
             let ctx_cap = s.ctx_cap;
@@ -241,13 +260,12 @@ impl Shard {
                 // SAFETY: each task owns query head hl and with it this span of the scratch.
                 let scores = unsafe { scores_all.range(hl * ctx_cap, ctx_cap) };
                 let kvl = (q0 + hl) / group - kv0;
-                for t in 0..n {
-                    let pos = pos0 + t;
+                for (t, &(seq, pos)) in tokens.iter().enumerate() {
                     let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                     let q = &qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd];
                     // SAFETY: (t, hl) pairs are disjoint between tasks: each task owns head hl.
                     let out = unsafe { att.range(t * nq * hd + hl * hd, hd) };
-                    cache_r.attend(li, kvl, q, first, pos + 1 - first, scale, scores, out);
+                    caches_r[seq].attend(li, kvl, q, first, pos + 1 - first, scale, scores, out);
                 }
             });
             kernels::matmul(team, &l.o_proj, &s.att[..n * nq * hd], n, &mut s.o[..n * h]);
@@ -266,13 +284,17 @@ impl Shard {
             comm.allreduce_sum(&mut s.o[..n * h]);
             x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
         }
-        cache.set_len(pos0 + n);
+        for sp in spans {
+            let c = &mut caches[sp.seq];
+            c.set_len(c.len().max(sp.pos0 + sp.len));
+        }
     }
 
-    fn rope_tables(&self, pos0: usize, n: usize, s: &mut Scratch) {
+    /// cos/sin of every token's position (`s.tokens`).
+    fn rope_tables(&self, s: &mut Scratch) {
         let half = self.inv_freq.len();
-        for t in 0..n {
-            let p = (pos0 + t) as f64;
+        for (t, &(_, pos)) in s.tokens.iter().enumerate() {
+            let p = pos as f64;
             for (i, f) in self.inv_freq.iter().enumerate() {
                 let a = p * f;
                 s.cos[t * half + i] = a.cos() as f32;
@@ -281,13 +303,15 @@ impl Shard {
         }
     }
 
-    /// Final norm and this rank's vocabulary shard of the logits for one hidden state.
-    pub fn logits(&self, x: &[f32], s: &mut Scratch, out: &mut [f32], team: &Team) {
+    /// Final norm and this rank's vocabulary shard of the logits for `m` hidden states `x`
+    /// (`[m, hidden]`) into `out` (`[m, vocab shard]`), reading the output head once.
+    pub fn logits(&self, x: &[f32], m: usize, s: &mut Scratch, out: &mut [f32], team: &Team) {
         let h = self.cfg.hidden_size;
         let norm = self.final_norm.as_ref().expect("logits called outside the last stage");
         let head = self.lm_head.as_ref().expect("logits called outside the last stage");
-        kernels::rmsnorm(&x[..h], norm, self.cfg.rms_norm_eps, &mut s.xn[..h]);
-        kernels::matmul(team, head, &s.xn[..h], 1, out);
+        s.ensure(m, s.ctx_cap, self);
+        kernels::rmsnorm(&x[..m * h], norm, self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
+        kernels::matmul(team, head, &s.xn[..m * h], m, &mut out[..m * head.rows]);
     }
 
     pub fn weight_dtype(&self) -> &'static str {
@@ -303,6 +327,8 @@ impl Shard {
 /// reused by every decode step, so decode allocates nothing.
 #[derive(Default)]
 pub struct Scratch {
+    /// (sequence, position) of each token of the current step.
+    tokens: Vec<(usize, usize)>,
     tok_cap: usize,
     ctx_cap: usize,
     xn: Vec<f32>,
@@ -328,6 +354,7 @@ impl Scratch {
         let ffl = m.plan.ffn.len();
         self.tok_cap = n;
         self.ctx_cap = ctx;
+        self.tokens = Vec::with_capacity(n);
         self.xn = vec![0.0; n * cfg.hidden_size];
         self.qkv = vec![0.0; n * (nq + 2 * nkv) * hd];
         self.att = vec![0.0; n * nq * hd];

@@ -64,12 +64,21 @@ fn bench_model_folder_on_two_stages() {
     std::env::set_var("GRIDLM_BIN", bin());
     let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
     cmd.args(["bench", "--model", path_str(&dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
-        .args(["--new-tokens", "4", "--warmup", "1", "--reps", "1", "--bandwidth-mib", "32", "--json"]);
+        .args(["--new-tokens", "4", "--warmup", "1", "--reps", "1", "--bandwidth-mib", "32", "--json"])
+        .args(["--batch", "3", "--quant", "int8", "--kv-dtype", "bf16"]);
     let out = gridlm_reference::run_with_timeout(cmd, 120);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     check(&j, 2);
     assert_eq!(j["pp"], 2);
+    assert_eq!(j["batch"], 3);
+    assert_eq!(j["weight_dtype"], "int8");
+    assert_eq!(j["kv_dtype"], "bf16");
+    // Bytes per generated token: one step's reads shared by the batch.
+    let per_step: f64 =
+        j["ranks"].as_array().unwrap().iter().map(|r| r["bytes_per_token"].as_f64().unwrap()).sum();
+    let per_token = j["weight_bytes_per_token"].as_f64().unwrap();
+    assert!((per_token * 3.0 - per_step).abs() <= 3.0, "{per_token} x 3 vs {per_step}");
 }
 
 #[test]

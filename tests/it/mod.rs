@@ -1,4 +1,5 @@
 mod bad_input;
+mod batch;
 mod bench;
 mod generate;
 mod grid;
