@@ -195,6 +195,33 @@ pub fn axpy<T: Elem + Avx2Load>(a: f32, v: &[T], out: &mut [f32], isa: Isa) {
     }
 }
 
+/// `dst = src` as f32.
+pub fn widen<T: Elem + Avx2Load>(src: &[T], dst: &mut [f32], isa: Isa) {
+    assert_eq!(src.len(), dst.len(), "widen: lengths");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
+        Isa::Avx2 => unsafe { avx2::widen(src, dst) },
+        _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
+    }
+}
+
+/// `o += Σ_j p[j] · v[j]` for rows `v[j]` of `o.len()` elements, contiguous in `v`.
+pub fn weighted_rows(p: &[f32], v: &[f32], o: &mut [f32], isa: Isa) {
+    let hd = o.len();
+    assert_eq!(v.len(), p.len() * hd, "weighted_rows: lengths");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
+        Isa::Avx2 => unsafe { avx2::weighted_rows(p, v, o) },
+        _ => {
+            for (&pj, row) in p.iter().zip(v.chunks_exact(hd)) {
+                o.iter_mut().zip(row).for_each(|(o, &x)| *o += pj * x);
+            }
+        }
+    }
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 pub trait Avx2Load {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -356,6 +383,50 @@ mod avx2 {
         while c < n {
             *o.add(c) += a * v[c].to_f32();
             c += 1;
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn widen<T: Avx2Load>(src: &[T], dst: &mut [f32]) {
+        let n = src.len();
+        let mut c = 0;
+        while c + 8 <= n {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(c), T::load8(src.as_ptr().add(c)));
+            c += 8;
+        }
+        for i in c..n {
+            dst[i] = src[i].to_f32();
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `v.len() == p.len() * o.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_rows(p: &[f32], v: &[f32], o: &mut [f32]) {
+        let hd = o.len();
+        let vp = v.as_ptr();
+        // Columns in groups of 64 held in eight registers across all rows; the rest one by one.
+        let mut c0 = 0;
+        while c0 + 64 <= hd {
+            let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(o.as_ptr().add(c0 + 8 * k)));
+            for (j, &pj) in p.iter().enumerate() {
+                let b = _mm256_set1_ps(pj);
+                let row = vp.add(j * hd + c0);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(8 * k)), *a);
+                }
+            }
+            for (k, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * k), *a);
+            }
+            c0 += 64;
+        }
+        for (c, oc) in o.iter_mut().enumerate().skip(c0) {
+            for (j, &pj) in p.iter().enumerate() {
+                *oc += pj * *vp.add(j * hd + c);
+            }
         }
     }
 

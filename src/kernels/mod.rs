@@ -78,6 +78,104 @@ pub fn attend<T: dot::Elem + dot::Avx2Load>(
     }
 }
 
+/// Keys per block of [`attend_tiled`].
+pub const KEY_BLOCK: usize = 64;
+
+/// Flash-style attention of several query rows against one KV head's cache: row `r` (`q[r]`,
+/// `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`. Keys go in blocks of
+/// [`KEY_BLOCK`]; each block is scored against every row that sees part of it and folded into
+/// that row's online softmax (running max and sum, earlier sums rescaled when the max grows),
+/// so a block of keys and values is read once for all rows, while it sits in L1, and no score
+/// buffer longer than a block exists. Blocks that no row sees (past the causal edge of the
+/// last row) are never touched. `out` is `[rows, head_dim]`.
+pub fn attend_tiled<T: dot::Elem + dot::Avx2Load>(
+    q: &[f32],
+    bounds: &[(usize, usize)],
+    keys: &[T],
+    values: &[T],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let nr = bounds.len();
+    assert!(nr > 0 && q.len() % nr == 0 && out.len() == q.len(), "attend_tiled: shapes");
+    let hd = q.len() / nr;
+    let isa = dot::detect();
+    TILE.with_borrow_mut(|work| {
+        // Running max and sum per row, one block of scores, and the block's keys and values
+        // widened to f32 once for all rows.
+        work.resize(2 * nr + KEY_BLOCK + 2 * KEY_BLOCK * hd, 0.0);
+        let (m, rest) = work.split_at_mut(nr);
+        let (l, rest) = rest.split_at_mut(nr);
+        let (s, rest) = rest.split_at_mut(KEY_BLOCK);
+        let (kf, vf) = rest.split_at_mut(KEY_BLOCK * hd);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        out.fill(0.0);
+        let lo = bounds.iter().map(|b| b.0).min().unwrap_or(0);
+        let hi = bounds.iter().map(|b| b.1).max().unwrap_or(0);
+        let mut k0 = lo;
+        while k0 <= hi {
+            let k1 = (k0 + KEY_BLOCK).min(hi + 1);
+            // One row (a decode step) reads the cache in place; several share a widened copy.
+            let wide = nr > 1;
+            if wide {
+                let span = k0 * hd..k1 * hd;
+                dot::widen(&keys[span.clone()], &mut kf[..span.len()], isa);
+                dot::widen(&values[span.clone()], &mut vf[..span.len()], isa);
+            }
+            for (r, &(first, last)) in bounds.iter().enumerate() {
+                let (a, b) = (first.max(k0), (last + 1).min(k1));
+                if a >= b {
+                    continue;
+                }
+                let n = b - a;
+                let s = &mut s[..n];
+                let (ka, kb) = ((a - k0) * hd, (b - k0) * hd);
+                let qr = &q[r * hd..(r + 1) * hd];
+                if wide {
+                    dot::dot_rows(&kf[ka..kb], hd, qr, s, isa);
+                } else {
+                    dot::dot_rows(&keys[a * hd..b * hd], hd, qr, s, isa);
+                }
+                let mut block_max = f32::NEG_INFINITY;
+                for v in s.iter_mut() {
+                    *v *= scale;
+                    block_max = block_max.max(*v);
+                }
+                let m_new = m[r].max(block_max);
+                let o = &mut out[r * hd..(r + 1) * hd];
+                if m[r] != f32::NEG_INFINITY && m[r] != m_new {
+                    let corr = (m[r] - m_new).exp();
+                    l[r] *= corr;
+                    o.iter_mut().for_each(|v| *v *= corr);
+                }
+                m[r] = m_new;
+                for v in s.iter_mut() {
+                    *v = (*v - m_new).exp();
+                    l[r] += *v;
+                }
+                if wide {
+                    dot::weighted_rows(s, &vf[ka..kb], o, isa);
+                } else {
+                    for (j, &p) in s.iter().enumerate() {
+                        dot::axpy(p, &values[(a + j) * hd..(a + j + 1) * hd], o, isa);
+                    }
+                }
+            }
+            k0 = k1;
+        }
+        for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+            let inv = 1.0 / l[r];
+            o.iter_mut().for_each(|v| *v *= inv);
+        }
+    });
+}
+
+thread_local! {
+    /// Running maxima, sums and one block of scores for [`attend_tiled`].
+    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Index and value of the largest element; the lowest index wins a tie. NaN never wins.
 pub fn argmax(x: &[f32]) -> (usize, f32) {
     let mut best = (0, f32::NEG_INFINITY);
@@ -342,6 +440,57 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Tiled attention over query rows with causal and windowed bounds equals one row at a
+    /// time through [`attend`].
+    fn check_tiled<T: dot::Elem + dot::Avx2Load>() {
+        for isa in isas() {
+            for (hd, n_keys, rows, window) in
+                [(64, 300, 40, None), (16, 70, 5, Some(20)), (8, 3, 3, None), (64, 130, 1, None)]
+            {
+                let k: Vec<T> = rand_vec(n_keys * hd, 21).into_iter().map(T::from_f32).collect();
+                let v: Vec<T> = rand_vec(n_keys * hd, 22).into_iter().map(T::from_f32).collect();
+                let q = rand_vec(rows * hd, 23);
+                let scale = 1.0 / (hd as f32).sqrt();
+                // Rows are the last `rows` positions of a prompt of n_keys tokens.
+                let bounds: Vec<(usize, usize)> = (0..rows)
+                    .map(|r| {
+                        let pos = n_keys - rows + r;
+                        (window.map_or(0, |w: usize| (pos + 1).saturating_sub(w)), pos)
+                    })
+                    .collect();
+                let mut got = vec![f32::NAN; rows * hd];
+                dot::with_isa(isa, || attend_tiled(&q, &bounds, &k, &v, scale, &mut got));
+                for (r, &(first, last)) in bounds.iter().enumerate() {
+                    let mut want = vec![0.0; hd];
+                    let mut scores = vec![0.0; n_keys];
+                    let n = last + 1 - first;
+                    dot::with_isa(isa, || {
+                        attend(
+                            &q[r * hd..(r + 1) * hd],
+                            &k[first * hd..],
+                            &v[first * hd..],
+                            n,
+                            scale,
+                            &mut scores,
+                            &mut want,
+                        )
+                    });
+                    for i in 0..hd {
+                        let (g, w) = (got[r * hd + i], want[i]);
+                        assert!((g - w).abs() < 1e-5, "{isa:?} hd={hd} row {r} col {i}: {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiled_attention_matches_row_by_row() {
+        check_tiled::<f32>();
+        check_tiled::<f16>();
+        check_tiled::<bf16>();
     }
 
     #[test]

@@ -105,31 +105,28 @@ impl KvCache {
         }
     }
 
-    /// Attention of query `q` (one head) over positions `first..first + n_keys` of local KV
-    /// head `kv` of `layer`; see [`kernels::attend`].
-    #[allow(clippy::too_many_arguments)]
+    /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer`,
+    /// row `r` seeing positions `bounds[r].0 ..= bounds[r].1`; see [`kernels::attend_tiled`].
     pub fn attend(
         &self,
         layer: usize,
         kv: usize,
         q: &[f32],
-        first: usize,
-        n_keys: usize,
+        bounds: &[(usize, usize)],
         scale: f32,
-        scores: &mut [f32],
         out: &mut [f32],
     ) {
         let span = self.capacity * self.head_dim;
-        let range = kv * span + first * self.head_dim..(kv + 1) * span;
+        let range = kv * span..(kv + 1) * span;
         match &self.data {
             Data::F32(s) => {
-                kernels::attend(q, &s.k[layer][range.clone()], &s.v[layer][range], n_keys, scale, scores, out)
+                kernels::attend_tiled(q, bounds, &s.k[layer][range.clone()], &s.v[layer][range], scale, out)
             }
             Data::F16(s) => {
-                kernels::attend(q, &s.k[layer][range.clone()], &s.v[layer][range], n_keys, scale, scores, out)
+                kernels::attend_tiled(q, bounds, &s.k[layer][range.clone()], &s.v[layer][range], scale, out)
             }
             Data::BF16(s) => {
-                kernels::attend(q, &s.k[layer][range.clone()], &s.v[layer][range], n_keys, scale, scores, out)
+                kernels::attend_tiled(q, bounds, &s.k[layer][range.clone()], &s.v[layer][range], scale, out)
             }
         }
     }

@@ -38,6 +38,16 @@ struct Layer {
     down: PackedMat,
 }
 
+/// Positions of one span attended together (one tile of queries).
+const QUERY_BLOCK: usize = 16;
+
+/// A tile's query rows, its output rows and each row's key bounds.
+type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>);
+
+thread_local! {
+    static QROWS: std::cell::RefCell<TileRows> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
 /// A run of consecutive tokens of one sequence in a step: positions `pos0..pos0 + len` of
 /// sequence `seq` (its KV cache's index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -220,13 +230,14 @@ impl Shard {
         let qkv_rows = (nq + 2 * nkv) * hd;
         let ffl = self.plan.ffn.len();
         let n: usize = spans.iter().map(|sp| sp.len).sum();
-        let ctx = caches.iter().map(KvCache::capacity).max().unwrap_or(1);
-        // Sized for the longest cache at once, so decode steps never reallocate.
-        s.ensure(n, ctx, self);
+        s.ensure(n, self);
         s.tokens.clear();
+        s.blocks.clear();
         for sp in spans {
             assert!(sp.seq < caches.len(), "span of sequence {} but {} caches", sp.seq, caches.len());
+            let t0 = s.tokens.len();
             s.tokens.extend((sp.pos0..sp.pos0 + sp.len).map(|pos| (sp.seq, pos)));
+            s.blocks.extend((0..sp.len).step_by(QUERY_BLOCK).map(|b| (t0 + b, QUERY_BLOCK.min(sp.len - b))));
         }
         let x = &mut x[..n * h];
         self.rope_tables(s);
@@ -252,21 +263,29 @@ impl Shard {
             let qkv = &*qkv;
             let caches_r = &*caches;
             let tokens = &s.tokens;
+            let blocks = &s.blocks;
             let att = SharedSlice::new(&mut s.att[..n * nq * hd]);
             let window = cfg.sliding_window;
-            let ctx_cap = s.ctx_cap;
-            let scores_all = SharedSlice::new(&mut s.scores);
-            team.for_each(nq, &|hl| {
-                // SAFETY: each task owns query head hl and with it this span of the scratch.
-                let scores = unsafe { scores_all.range(hl * ctx_cap, ctx_cap) };
+            // One item per (query head, block of a span's positions): the block's keys and
+            // values are read once for all its positions.
+            team.for_each(nq * blocks.len(), &|item| {
+                let (hl, (t0, nt)) = (item % nq, blocks[item / nq]);
                 let kvl = (q0 + hl) / group - kv0;
-                for (t, &(seq, pos)) in tokens.iter().enumerate() {
-                    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let q = &qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd];
-                    // SAFETY: (t, hl) pairs are disjoint between tasks: each task owns head hl.
-                    let out = unsafe { att.range(t * nq * hd + hl * hd, hd) };
-                    caches_r[seq].attend(li, kvl, q, first, pos + 1 - first, scale, scores, out);
-                }
+                let seq = tokens[t0].0;
+                QROWS.with_borrow_mut(|(q, o, bounds)| {
+                    q.clear();
+                    bounds.clear();
+                    for (t, &(_, pos)) in tokens.iter().enumerate().skip(t0).take(nt) {
+                        q.extend_from_slice(&qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd]);
+                        bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
+                    }
+                    o.resize(nt * hd, 0.0);
+                    caches_r[seq].attend(li, kvl, q, bounds, scale, o);
+                    for (i, row) in o.chunks_exact(hd).enumerate() {
+                        // SAFETY: (token, head) pairs are disjoint between items.
+                        unsafe { att.range((t0 + i) * nq * hd + hl * hd, hd) }.copy_from_slice(row);
+                    }
+                });
             });
             kernels::matmul(team, &l.o_proj, &s.att[..n * nq * hd], n, &mut s.o[..n * h]);
             comm.allreduce_sum(&mut s.o[..n * h]);
@@ -309,7 +328,7 @@ impl Shard {
         let h = self.cfg.hidden_size;
         let norm = self.final_norm.as_ref().expect("logits called outside the last stage");
         let head = self.lm_head.as_ref().expect("logits called outside the last stage");
-        s.ensure(m, s.ctx_cap, self);
+        s.ensure(m, self);
         kernels::rmsnorm(&x[..m * h], norm, self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
         kernels::matmul(team, head, &s.xn[..m * h], m, &mut out[..m * head.rows]);
     }
@@ -329,39 +348,37 @@ impl Shard {
 pub struct Scratch {
     /// (sequence, position) of each token of the current step.
     tokens: Vec<(usize, usize)>,
+    /// (first token, count) of each block of consecutive positions of one span.
+    blocks: Vec<(usize, usize)>,
     tok_cap: usize,
-    ctx_cap: usize,
     xn: Vec<f32>,
     qkv: Vec<f32>,
     att: Vec<f32>,
     o: Vec<f32>,
     gu: Vec<f32>,
     act: Vec<f32>,
-    scores: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
 }
 
 impl Scratch {
-    fn ensure(&mut self, n: usize, ctx: usize, m: &Shard) {
-        if n <= self.tok_cap && ctx <= self.ctx_cap && !self.xn.is_empty() {
+    fn ensure(&mut self, n: usize, m: &Shard) {
+        if n <= self.tok_cap && !self.xn.is_empty() {
             return;
         }
         let cfg = &m.cfg;
         let (nq, nkv, hd) = (m.plan.q_heads.len(), m.plan.kv_heads.len(), cfg.head_dim);
         let n = n.max(self.tok_cap).max(1);
-        let ctx = ctx.max(self.ctx_cap).max(1);
         let ffl = m.plan.ffn.len();
         self.tok_cap = n;
-        self.ctx_cap = ctx;
         self.tokens = Vec::with_capacity(n);
+        self.blocks = Vec::with_capacity(n);
         self.xn = vec![0.0; n * cfg.hidden_size];
         self.qkv = vec![0.0; n * (nq + 2 * nkv) * hd];
         self.att = vec![0.0; n * nq * hd];
         self.o = vec![0.0; n * cfg.hidden_size];
         self.gu = vec![0.0; n * 2 * ffl];
         self.act = vec![0.0; n * ffl];
-        self.scores = vec![0.0; nq.max(1) * ctx];
         self.cos = vec![0.0; n * hd / 2];
         self.sin = vec![0.0; n * hd / 2];
     }
