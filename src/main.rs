@@ -476,16 +476,26 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
 
     // The machine's limits, measured by every rank at once with its own kernel team, summed: the
     // same threads that run the kernels, competing for the same memory.
-    let limits = [
-        gridlm::kernels::limits::read_bandwidth_gb_per_s(engine.team(), a.bandwidth_mib << 20, 5).to_bits(),
-        gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000).to_bits(),
-    ];
-    let mut all_limits = vec![0u64; 2 * link.world_size()];
-    link.allgather_u64(&limits, &mut all_limits);
-    let measured_gb_per_s: f64 = all_limits.chunks_exact(2).map(|v| f64::from_bits(v[0])).sum();
-    let measured_peak_gflops: f64 = all_limits.chunks_exact(2).map(|v| f64::from_bits(v[1])).sum();
+    // Measured before and after the timed runs; each rank's best of the two counts, so a
+    // passing disturbance of the machine during one measurement does not lower its limits.
+    let measure = |engine: &Engine| {
+        [
+            gridlm::kernels::limits::read_bandwidth_gb_per_s(engine.team(), a.bandwidth_mib << 20, 5),
+            gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000),
+        ]
+    };
+    let before = measure(&engine);
+    let limits = |engine: &Engine| {
+        let after = measure(engine);
+        let mine = [before[0].max(after[0]).to_bits(), before[1].max(after[1]).to_bits()];
+        let mut all = vec![0u64; 2 * link.world_size()];
+        link.allgather_u64(&mine, &mut all);
+        let sum = |k: usize| all.chunks_exact(2).map(|v| f64::from_bits(v[k])).sum::<f64>();
+        (sum(0), sum(1))
+    };
     if grid.rank != 0 {
         engine.follow(comm, link)?;
+        limits(&engine);
         gather_rank_reports(link, grid, &engine.shard, weight_rss);
         return Ok(());
     }
@@ -525,6 +535,7 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
         }
     }
     engine.finish(comm, link)?;
+    let (measured_gb_per_s, measured_peak_gflops) = limits(&engine);
     let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
     outcome?;
 
