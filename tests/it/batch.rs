@@ -2,19 +2,8 @@
 
 use super::*;
 use gridlm::comm::Single;
-use gridlm::config::ModelConfig;
-use gridlm::engine::{Engine, Finish, GenerateOptions};
-use gridlm::grid::{Grid, ShardPlan};
-use gridlm::model::Shard;
+use gridlm::engine::{Finish, GenerateOptions};
 use gridlm::tokenizer::Tokenizer;
-use gridlm::weights::DType;
-
-fn engine(dir: &Path) -> Engine {
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let grid = Grid::single();
-    let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
-    Engine::new(Shard::load(dir, cfg, plan, None).unwrap(), grid, 2, DType::F16).unwrap()
-}
 
 #[test]
 fn batch_of_eight_prompts_equals_each_prompt_alone() {
@@ -35,7 +24,7 @@ fn batch_of_eight_prompts_equals_each_prompt_alone() {
     assert!(lens.len() >= 5, "prompts of different lengths: {lens:?}");
     let eos = tok.eos_id().into_iter().collect::<Vec<_>>();
     let opts = GenerateOptions { max_tokens: 20, ignore_eos: false, eos_ids: eos, keep_prompt_logits: false };
-    let mut e = engine(&dir);
+    let mut e = local_engine(&dir, None);
     let batched = e.generate_batch(&prompts, &opts, &Single, &Single).unwrap();
     assert_eq!(batched.len(), prompts.len());
     for (i, p) in prompts.iter().enumerate() {

@@ -50,3 +50,13 @@ pub fn smollm2(dtype: &str) -> PathBuf {
     std::env::set_var("GRIDLM_BIN", bin());
     gridlm_reference::smollm2(dtype)
 }
+
+/// An in-process single-rank engine on `dir` (2 kernel threads, f16 KV cache).
+pub fn local_engine(dir: &Path, quant: Option<gridlm::kernels::Quant>) -> gridlm::engine::Engine {
+    use gridlm::{config::ModelConfig, grid::Grid, grid::ShardPlan, model::Shard};
+    let cfg = ModelConfig::from_dir(dir).unwrap();
+    let grid = Grid::single();
+    let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
+    let shard = Shard::load(dir, cfg, plan, quant).unwrap();
+    gridlm::engine::Engine::new(shard, grid, 2, gridlm::weights::DType::F16).unwrap()
+}

@@ -2,21 +2,9 @@
 
 use super::*;
 use gridlm::comm::Single;
-use gridlm::config::ModelConfig;
-use gridlm::engine::{Engine, GenerateOptions};
-use gridlm::grid::{Grid, ShardPlan};
+use gridlm::engine::GenerateOptions;
 use gridlm::kernels::Quant;
-use gridlm::model::Shard;
 use gridlm::tokenizer::Tokenizer;
-use gridlm::weights::DType;
-
-fn engine(dir: &Path, quant: Option<Quant>) -> Engine {
-    let cfg = ModelConfig::from_dir(dir).unwrap();
-    let grid = Grid::single();
-    let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
-    let shard = Shard::load(dir, cfg, plan, quant).unwrap();
-    Engine::new(shard, grid, 2, DType::F16).unwrap()
-}
 
 /// bf16 generates 64 greedy tokens; int8, forced along the same text, picks the same top-1 at
 /// ≥ 90% of those 64 positions.
@@ -30,8 +18,8 @@ fn int8_top1_agrees_with_bf16_over_64_positions() {
     ];
     let opts =
         GenerateOptions { max_tokens: 64, ignore_eos: true, eos_ids: vec![], keep_prompt_logits: false };
-    let mut bf16 = engine(&dir, None);
-    let mut int8 = engine(&dir, Some(Quant::Int8));
+    let mut bf16 = local_engine(&dir, None);
+    let mut int8 = local_engine(&dir, Some(Quant::Int8));
     assert_eq!(int8.shard.weight_dtype(), "int8");
     for p in prompts {
         let ids = tok.encode(p, true).unwrap();
