@@ -28,6 +28,10 @@ pub struct BenchReport {
     pub prompt_len: usize,
     pub new_tokens: usize,
     pub batch: usize,
+    /// Groups the batch was split into, and whether their steps overlapped in the pipeline.
+    pub micro_batches: usize,
+    pub overlap: bool,
+    pub temperature: f32,
     pub reps: usize,
     pub first_token_ms: f64,
     pub next_token_ms_p50: f64,

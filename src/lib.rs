@@ -9,6 +9,7 @@ pub mod error;
 pub mod grid;
 pub mod kernels;
 pub mod model;
+pub mod prompts;
 pub mod tokenizer;
 pub mod weights;
 

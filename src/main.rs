@@ -2,16 +2,18 @@
 //! the work. Errors print as one line on stderr with a non-zero exit.
 
 use anyhow::{Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 use gridlm::bench::{percentile, prefill_flops, BenchReport, RankReport};
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
-use gridlm::engine::{check_prompt, Engine, GenerateOptions};
+use gridlm::engine::sampling::SamplingParams;
+use gridlm::engine::{check_prompt, Completion, Engine, Request, RunOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::kernels::Quant;
 use gridlm::model::Shard;
-use gridlm::tokenizer::{StreamDecoder, Tokenizer};
+use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
+use gridlm::tokenizer::Tokenizer;
 use gridlm::weights::{convert, synthetic, DType};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -26,7 +28,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Generate text for a prompt (greedy decoding).
+    /// Generate text for a prompt, or for a file of prompts run together.
     Generate(GenerateArgs),
     /// Convert a GGUF file into a HuggingFace model folder.
     Convert(ConvertArgs),
@@ -35,13 +37,19 @@ enum Cmd {
 }
 
 #[derive(Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompts_file"])))]
 struct GenerateArgs {
     /// HuggingFace model folder (config.json, *.safetensors, tokenizer.json).
     #[arg(long)]
     model: PathBuf,
     /// The prompt text.
     #[arg(long)]
-    prompt: String,
+    prompt: Option<String>,
+    /// A file of prompts generated together: one per line (`\n` for a newline), or JSONL
+    /// objects with `prompt` and optional `id`, `max_tokens`, `ignore_eos`, `chat`, `stop`,
+    /// `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`.
+    #[arg(long)]
+    prompts_file: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -51,6 +59,13 @@ struct GenerateArgs {
     /// Keep generating after an end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
+    /// End a completion when this text appears (repeatable); the text is cut before it.
+    #[arg(long)]
+    stop: Vec<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    #[command(flatten)]
+    batching: BatchArgs,
     /// Kernel threads per rank (default: the cores this process may run on).
     #[arg(long)]
     threads: Option<usize>,
@@ -68,6 +83,94 @@ struct GenerateArgs {
     /// Write the logits of the last prompt position (f32, little-endian) to this file.
     #[arg(long, hide = true)]
     logits_out: Option<PathBuf>,
+}
+
+/// How tokens are picked.
+#[derive(Args)]
+struct SamplingArgs {
+    /// Sampling temperature; 0 (the default) picks the most likely token.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample among the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sample among the fewest most likely tokens whose probability reaches p (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Sample among tokens at least this fraction as likely as the most likely one (0: all).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalty on tokens already in the sequence (1: none; 1.1–1.3 is usual).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Seed of the sampling draws (default: from the clock, printed with --json). The same
+    /// seed gives the same tokens on every grid layout. Prompt i of a prompts file uses
+    /// seed + i unless its line sets one.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> Result<SamplingParams> {
+        let seed = self.seed.unwrap_or_else(|| {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            t.as_nanos() as u64 ^ (std::process::id() as u64) << 32
+        });
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed,
+        };
+        p.check().map_err(|e| anyhow::anyhow!("--{}", e.replacen('_', "-", 1)))?;
+        Ok(p)
+    }
+}
+
+/// How many sequences run together and how steps are formed.
+#[derive(Args)]
+struct BatchArgs {
+    /// Sequences running at once; further prompts wait for a free slot (continuous batching).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Groups of sequences stepped separately, so pipeline stages work on different groups at
+    /// once (default: the number of pipeline stages).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// One step in flight at a time with every running sequence in it: no pipeline overlap.
+    #[arg(long)]
+    no_overlap: bool,
+    /// Most tokens in one step; longer prompts are prefilled in chunks between decode steps.
+    #[arg(long, default_value_t = 512)]
+    step_tokens: usize,
+    /// KV cache memory per rank, in MiB (default: what max-batch of the prompts need at full
+    /// length, within a quarter of the memory available). Prompts wait for room; one that can
+    /// never fit gets its own error.
+    #[arg(long)]
+    kv_mem_mib: Option<usize>,
+}
+
+impl BatchArgs {
+    fn options(&self, pp: usize, eos_ids: Vec<u32>) -> RunOptions {
+        let micro_batches = self.micro_batches.unwrap_or(if self.no_overlap { 1 } else { pp });
+        RunOptions {
+            max_batch: self.max_batch,
+            micro_batches,
+            overlap: !self.no_overlap,
+            step_tokens: self.step_tokens,
+            kv_bytes: self.kv_mem_mib.map(|m| m << 20),
+            eos_ids,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.max_batch == 0 || self.step_tokens == 0 || self.micro_batches == Some(0) {
+            anyhow::bail!("--max-batch, --micro-batches and --step-tokens must be at least 1");
+        }
+        Ok(())
+    }
 }
 
 /// How the model is split over the ranks of the job.
@@ -121,6 +224,18 @@ struct BenchArgs {
     /// Quantize the weight matrices at load: `int8` (per output row; half the bytes of bf16).
     #[arg(long, value_parser = parse_quant)]
     quant: Option<Quant>,
+    /// Groups the batch is split into, stepped separately so pipeline stages overlap
+    /// (default: the number of pipeline stages).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// One step in flight at a time with the whole batch in it: no pipeline overlap.
+    #[arg(long)]
+    no_overlap: bool,
+    /// Most tokens in one step (default: every prompt of a micro-batch in one step).
+    #[arg(long)]
+    step_tokens: Option<usize>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// MiB of the buffer the bandwidth measurement reads (default 1024).
     #[arg(long, default_value_t = 1024)]
     bandwidth_mib: usize,
@@ -289,7 +404,15 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if a.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
-    on_grid(&a.grid, |grid, comm, link| run_generate(&a, grid, comm, link))
+    a.batching.check()?;
+    if a.stop.iter().any(String::is_empty) {
+        anyhow::bail!("--stop needs a non-empty string");
+    }
+    if a.prompts_file.is_some() && a.logits_out.is_some() {
+        anyhow::bail!("--logits-out works with --prompt only");
+    }
+    let params = a.sampling.params()?;
+    on_grid(&a.grid, |grid, comm, link| run_generate(&a, &params, grid, comm, link))
 }
 
 /// Runs `job` on this rank's place in the grid: one rank without a launcher, else under MPI.
@@ -314,6 +437,8 @@ fn on_grid(g: &GridArgs, job: impl FnOnce(Grid, &dyn Comm, &dyn Link) -> Result<
     };
     match result {
         Ok(()) => Ok(()),
+        // Printed already by the driver, after every rank finished the job.
+        Err(e) if e.downcast_ref::<Reported>().is_some() => Err(e),
         Err(e) if e.downcast_ref::<Agreed>().is_some() => {
             let _ = std::io::stdout().flush();
             error_line(&format!("{e:#}"));
@@ -338,25 +463,75 @@ impl std::fmt::Display for Reported {
 }
 impl std::error::Error for Reported {}
 
-fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+/// A prompt ready to run: where it came from, its settings and its tokens.
+struct Prepared {
+    spec: PromptSpec,
+    ids: Vec<u32>,
+}
+
+/// Driver: the prompts of this run (from `--prompt` or the prompts file), tokenized.
+fn prepare_prompts(
+    a: &GenerateArgs,
+    params: &SamplingParams,
+    tok: &Tokenizer,
+) -> gridlm::Result<Vec<Prepared>> {
+    let d = Defaults {
+        max_tokens: a.max_tokens,
+        ignore_eos: a.ignore_eos,
+        chat: a.chat,
+        stop: a.stop.clone(),
+        params: params.clone(),
+    };
+    let specs = match (&a.prompt, &a.prompts_file) {
+        (Some(p), _) => vec![PromptSpec {
+            line: 0,
+            id: None,
+            text: p.clone(),
+            max_tokens: d.max_tokens,
+            ignore_eos: d.ignore_eos,
+            chat: d.chat,
+            stop: d.stop.clone(),
+            params: d.params.clone(),
+        }],
+        (None, Some(f)) => read_prompts(f, &d)?,
+        (None, None) => unreachable!("clap requires --prompt or --prompts-file"),
+    };
+    specs
+        .into_iter()
+        .map(|spec| {
+            let text = if spec.chat { tok.apply_chat_template(&spec.text)? } else { spec.text.clone() };
+            let ids = tok.encode(&text, !spec.chat)?;
+            Ok(Prepared { spec, ids })
+        })
+        .collect()
+}
+
+fn run_generate(
+    a: &GenerateArgs,
+    params: &SamplingParams,
+    grid: Grid,
+    comm: &dyn Comm,
+    link: &dyn Link,
+) -> Result<()> {
     let driver = grid.rank == 0;
     let threads = a.threads.unwrap_or_else(default_threads);
-    // Phase 1: configuration, layout, and (driver) tokenizer and prompt.
+    // Phase 1: configuration, layout, and (driver) tokenizer and prompts.
     let setup = (|| -> gridlm::Result<_> {
         let cfg = ModelConfig::from_dir(&a.model)?;
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
-        let prompt = if driver {
+        let prompts = if driver {
             let tok = Tokenizer::from_dir(&a.model)?;
-            let text = if a.chat { tok.apply_chat_template(&a.prompt)? } else { a.prompt.clone() };
-            let ids = tok.encode(&text, !a.chat)?;
-            check_prompt(ids.len(), cfg.max_position_embeddings)?;
-            Some((tok, ids))
+            let prompts = prepare_prompts(a, params, &tok)?;
+            if a.prompt.is_some() {
+                check_prompt(prompts[0].ids.len(), cfg.max_position_embeddings)?;
+            }
+            Some((tok, prompts))
         } else {
             None
         };
-        Ok((cfg, plan, prompt))
+        Ok((cfg, plan, prompts))
     })();
-    let (cfg, plan, prompt) = agree(link, setup)?;
+    let (cfg, plan, prompts) = agree(link, setup)?;
     // Phase 2: this rank's shard. The RSS growth over loading is the memory its weights take.
     let rss_before = rss_bytes();
     let mut eos_ids = cfg.eos_token_ids.clone();
@@ -364,8 +539,9 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
         .and_then(|shard| Engine::new(shard, grid, threads, a.kv_dtype));
     let mut engine = agree(link, engine)?;
     let weight_rss = rss_bytes().saturating_sub(rss_before);
+    engine.share_sizes(link);
 
-    let Some((tok, prompt_ids)) = prompt else {
+    let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
         gather_rank_reports(link, grid, &engine.shard, weight_rss);
         return Ok(());
@@ -375,64 +551,175 @@ fn run_generate(a: &GenerateArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) 
             eos_ids.push(id);
         }
     }
-    let opts = GenerateOptions {
-        max_tokens: a.max_tokens,
-        ignore_eos: a.ignore_eos,
-        eos_ids,
-        keep_prompt_logits: a.logits_out.is_some(),
-    };
-    let mut stream = StreamDecoder::default();
+    let single = a.prompt.is_some();
+    let requests: Vec<Request> = prompts
+        .iter()
+        .map(|p| Request {
+            prompt: p.ids.clone(),
+            max_tokens: p.spec.max_tokens,
+            ignore_eos: p.spec.ignore_eos,
+            params: p.spec.params.clone(),
+            keep_logits: a.logits_out.is_some(),
+        })
+        .collect();
+    let opts = a.batching.options(grid.pp, eos_ids);
+    let mut trackers: Vec<TextTracker> =
+        prompts.iter().map(|p| TextTracker::new(p.spec.stop.clone())).collect();
     let mut stdout = std::io::stdout().lock();
-    let stream_text = !a.json;
-    let generated = engine.generate(&prompt_ids, &opts, comm, link, |id| {
-        if stream_text {
-            if let Some(piece) = stream.push(&tok, id)? {
-                let _ = stdout.write_all(piece.as_bytes());
-                let _ = stdout.flush();
-            }
+    let stream_text = single && !a.json;
+    let run = engine.run_with_stats(&requests, &opts, comm, link, |i, id| {
+        let (piece, go_on) = trackers[i].push(&tok, id)?;
+        if stream_text && !piece.is_empty() {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
         }
-        Ok(())
+        Ok(go_on)
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
     let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
-    let g = generated?;
-    if let (Some(path), Some(l)) = (&a.logits_out, &g.prompt_logits) {
-        write_f32_file(path, l)?;
+    let (done, stats) = run?;
+    let texts: Vec<String> = done
+        .iter()
+        .zip(&trackers)
+        .map(|(c, t)| if t.stopped() { Ok(t.text().to_string()) } else { tok.decode(&c.token_ids) })
+        .collect::<gridlm::Result<_>>()?;
+    let layout = serde_json::json!({
+        "pp": grid.pp,
+        "tp": grid.tp,
+        "threads": engine.threads(),
+        "weight_dtype": engine.shard.weight_dtype(),
+        "kv_dtype": engine.kv_dtype().name(),
+    });
+    if single {
+        let (g, p) = (&done[0], &prompts[0]);
+        if let Some(e) = &g.error {
+            let _ = stdout.flush();
+            return Err(anyhow::anyhow!("{e}"));
+        }
+        if let (Some(path), Some(l)) = (&a.logits_out, &g.prompt_logits) {
+            write_f32_file(path, l)?;
+        }
+        let first = g.times_ms.first().copied().unwrap_or(0.0);
+        let tps = decode_rate(g);
+        if a.json {
+            let mut out = serde_json::json!({
+                "prompt_token_ids": p.ids,
+                "token_ids": g.token_ids,
+                "text": texts[0],
+                "finish_reason": g.finish,
+                "prefill_ms": first,
+                "decode_tokens_per_s": tps,
+                "seed": p.spec.params.seed,
+                "ranks": ranks,
+            });
+            merge(&mut out, &layout);
+            writeln!(stdout, "{out}")?;
+        } else {
+            writeln!(stdout)?;
+            let summary = format!(
+                "[{} prompt tokens, {} new tokens ({:?}), prefill {:.1} ms, decode {:.1} tokens/s, {} ranks ({}x{})]\n",
+                p.ids.len(),
+                g.token_ids.len(),
+                g.finish,
+                first,
+                tps,
+                grid.pp * grid.tp,
+                grid.pp,
+                grid.tp
+            );
+            let _ = std::io::stderr().write_all(summary.as_bytes());
+        }
+        return Ok(());
     }
-    let text = tok.decode(&g.token_ids)?;
+    let file = a.prompts_file.as_ref().map(|f| f.display().to_string()).unwrap_or_default();
+    let generated: usize = done.iter().map(|c| c.token_ids.len()).sum();
+    let rate = generated as f64 / (stats.elapsed_ms / 1e3).max(1e-9);
     if a.json {
-        let out = serde_json::json!({
-            "prompt_token_ids": prompt_ids,
-            "token_ids": g.token_ids,
-            "text": text,
-            "finish_reason": g.finish,
-            "prefill_ms": g.prefill_ms,
-            "decode_tokens_per_s": g.decode_tokens_per_s(),
-            "pp": grid.pp,
-            "tp": grid.tp,
-            "threads": engine.threads(),
-            "weight_dtype": engine.shard.weight_dtype(),
-            "kv_dtype": engine.kv_dtype().name(),
+        let results: Vec<_> = done
+            .iter()
+            .zip(&prompts)
+            .zip(&texts)
+            .enumerate()
+            .map(|(i, ((c, p), text))| {
+                serde_json::json!({
+                    "index": i,
+                    "id": p.spec.id,
+                    "line": p.spec.line,
+                    "prompt_tokens": p.ids.len(),
+                    "token_ids": c.token_ids,
+                    "text": text,
+                    "finish_reason": c.finish,
+                    "error": c.error,
+                    "seed": p.spec.params.seed,
+                    "first_token_ms": c.times_ms.first(),
+                    "decode_tokens_per_s": decode_rate(c),
+                })
+            })
+            .collect();
+        let mut out = serde_json::json!({
+            "results": results,
+            "generated_tokens": generated,
+            "elapsed_ms": stats.elapsed_ms,
+            "tokens_per_s": rate,
+            "steps": stats.steps,
+            "max_batch": opts.max_batch,
+            "micro_batches": opts.micro_batches,
+            "overlap": opts.overlap,
+            "kv_pages": stats.kv_pages,
+            "kv_page_bytes": stats.kv_page_bytes,
+            "kv_pages_peak": stats.kv_pages_peak,
             "ranks": ranks,
         });
+        merge(&mut out, &layout);
         writeln!(stdout, "{out}")?;
     } else {
-        writeln!(stdout)?;
+        for (i, ((c, p), text)) in done.iter().zip(&prompts).zip(&texts).enumerate() {
+            let head = format!("=== {}/{} (line {}, {:?}) ===", i + 1, done.len(), p.spec.line, c.finish);
+            writeln!(stdout, "{head}\n{text}\n")?;
+        }
         let summary = format!(
-            "[{} prompt tokens, {} new tokens ({:?}), prefill {:.1} ms, decode {:.1} tokens/s, {} ranks ({}x{})]\n",
-            prompt_ids.len(),
-            g.token_ids.len(),
-            g.finish,
-            g.prefill_ms,
-            g.decode_tokens_per_s(),
+            "[{} prompts, {} new tokens in {:.1} s, {:.1} tokens/s, {} steps, KV peak {}/{} pages, {} ranks ({}x{})]\n",
+            done.len(),
+            generated,
+            stats.elapsed_ms / 1e3,
+            rate,
+            stats.steps,
+            stats.kv_pages_peak,
+            stats.kv_pages,
             grid.pp * grid.tp,
             grid.pp,
             grid.tp
         );
         let _ = std::io::stderr().write_all(summary.as_bytes());
     }
-    Ok(())
+    let _ = stdout.flush();
+    let failed: Vec<(usize, &Completion)> =
+        done.iter().enumerate().filter(|(_, c)| c.error.is_some()).collect();
+    for (i, c) in &failed {
+        let e = c.error.as_deref().unwrap_or_default();
+        error_line(&format!("{file}:{}: prompt {} of {}: {e}", prompts[*i].spec.line, i + 1, done.len()));
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Reported.into())
+    }
+}
+
+/// Tokens per second after a completion's first token.
+fn decode_rate(c: &Completion) -> f64 {
+    match (c.times_ms.first(), c.times_ms.last()) {
+        (Some(a), Some(b)) if b > a => (c.times_ms.len() - 1) as f64 / ((b - a) / 1e3),
+        _ => 0.0,
+    }
+}
+
+/// Adds `extra`'s keys to the JSON object `out`.
+fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
+    if let (Some(o), Some(e)) = (out.as_object_mut(), extra.as_object()) {
+        o.extend(e.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
@@ -444,10 +731,20 @@ fn bench(a: BenchArgs) -> Result<()> {
             "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"
         );
     }
-    on_grid(&a.grid, |grid, comm, link| run_bench(&a, grid, comm, link))
+    if a.micro_batches == Some(0) || a.step_tokens == Some(0) {
+        anyhow::bail!("--micro-batches and --step-tokens must be at least 1");
+    }
+    let params = a.sampling.params()?;
+    on_grid(&a.grid, |grid, comm, link| run_bench(&a, &params, grid, comm, link))
 }
 
-fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+fn run_bench(
+    a: &BenchArgs,
+    params: &SamplingParams,
+    grid: Grid,
+    comm: &dyn Comm,
+    link: &dyn Link,
+) -> Result<()> {
     let threads = a.threads.unwrap_or_else(default_threads);
     let setup = (|| -> gridlm::Result<_> {
         let cfg = match (&a.model, &a.shape) {
@@ -473,6 +770,7 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
     };
     let mut engine = agree(link, shard.and_then(|s| Engine::new(s, grid, threads, a.kv_dtype)))?;
     let weight_rss = rss_bytes().saturating_sub(rss_before);
+    engine.share_sizes(link);
 
     // The machine's limits, measured by every rank at once with its own kernel team, summed: the
     // same threads that run the kernels, competing for the same memory.
@@ -508,8 +806,28 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
                 .collect()
         })
         .collect();
+    let requests: Vec<Request> = prompts
+        .iter()
+        .map(|p| Request {
+            prompt: p.clone(),
+            max_tokens: a.new_tokens,
+            ignore_eos: true,
+            params: params.clone(),
+            keep_logits: false,
+        })
+        .collect();
+    let micro_batches = a.micro_batches.unwrap_or(if a.no_overlap { 1 } else { grid.pp }).min(a.batch);
+    let opts = RunOptions {
+        max_batch: a.batch,
+        micro_batches,
+        overlap: !a.no_overlap,
+        step_tokens: a.step_tokens.unwrap_or(a.batch.div_ceil(micro_batches) * a.prompt_len),
+        kv_bytes: None,
+        eos_ids: Vec::new(),
+    };
     let mut firsts = Vec::new();
-    let mut steps = Vec::new();
+    let mut gaps = Vec::new();
+    let mut decode_rates = Vec::new();
     let total = a.warmup + a.reps;
     let mut outcome = Ok(());
     for i in 0..total {
@@ -518,14 +836,20 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
         } else {
             format!("rep {}/{}", i + 1 - a.warmup, a.reps)
         };
-        match engine.timed_batch(&prompts, a.new_tokens, comm, link) {
-            Ok((first, s)) => {
-                let tps = 1e3 * (a.batch * s.len()) as f64 / s.iter().sum::<f64>().max(1e-9);
+        match engine.run(&requests, &opts, comm, link, |_, _| Ok(true)) {
+            Ok(done) => {
+                // Every sequence's first token, its later tokens' gaps, and the batch's rate:
+                // the sequences run side by side, so their rates add up.
+                let first = percentile(&done.iter().map(|c| c.times_ms[0]).collect::<Vec<_>>(), 0.5);
+                let tps: f64 = done.iter().map(decode_rate).sum();
                 let line = format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
                 let _ = std::io::stderr().write_all(line.as_bytes());
                 if i >= a.warmup {
                     firsts.push(first);
-                    steps.extend(s);
+                    decode_rates.push(tps);
+                    for c in &done {
+                        gaps.extend(c.times_ms.windows(2).map(|w| w[1] - w[0]));
+                    }
                 }
             }
             Err(e) => {
@@ -539,13 +863,12 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
     let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
     outcome?;
 
-    // Every decode step reads each rank's weights once for the whole batch.
+    // Each micro-batch's decode step reads every rank's weights once.
     let weight_bytes_per_step: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
-    let weight_bytes_per_token = weight_bytes_per_step / a.batch as u64;
+    let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.batch as u64;
     let first_token_ms = percentile(&firsts, 0.5);
-    let mean_step_ms = steps.iter().sum::<f64>() / steps.len().max(1) as f64;
-    let decode_tokens_per_s = 1e3 * a.batch as f64 / mean_step_ms;
-    let achieved_gb_per_s = weight_bytes_per_step as f64 * (1e3 / mean_step_ms) / 1e9;
+    let decode_tokens_per_s = decode_rates.iter().sum::<f64>() / decode_rates.len().max(1) as f64;
+    let achieved_gb_per_s = weight_bytes_per_token as f64 * decode_tokens_per_s / 1e9;
     let prefill_gflops =
         a.batch as f64 * prefill_flops(&full_cfg, a.prompt_len) / (first_token_ms / 1e3) / 1e9;
     let report = BenchReport {
@@ -562,10 +885,13 @@ fn run_bench(a: &BenchArgs, grid: Grid, comm: &dyn Comm, link: &dyn Link) -> Res
         prompt_len: a.prompt_len,
         new_tokens: a.new_tokens,
         batch: a.batch,
+        micro_batches,
+        overlap: !a.no_overlap,
+        temperature: params.temperature,
         reps: a.reps,
         first_token_ms,
-        next_token_ms_p50: percentile(&steps, 0.5),
-        next_token_ms_p90: percentile(&steps, 0.9),
+        next_token_ms_p50: percentile(&gaps, 0.5),
+        next_token_ms_p90: percentile(&gaps, 0.9),
         decode_tokens_per_s,
         prefill_tokens_per_s: (a.batch * a.prompt_len) as f64 / (first_token_ms / 1e3),
         weight_bytes_per_token,

@@ -10,16 +10,21 @@
 //!   token ◄───────────────────────────────────────────────────── argmax, allgather, token to rank 0
 //! ```
 
+pub mod sampling;
+pub mod scheduler;
+
 use crate::comm::{Comm, Link, Tag};
 use crate::error::{Error, Result};
 use crate::grid::{vocab_range, Grid};
 use crate::kernels::{self, Team};
-use crate::model::{KvCache, Scratch, Shard, Span};
+use crate::model::{KvPool, Scratch, Shard, Span, PAGE};
 use crate::weights::DType;
+use sampling::SamplingParams;
+pub use scheduler::{Completion, Request, RunOptions};
 use serde::{Deserialize, Serialize};
-use std::time::Instant;
+use std::collections::VecDeque;
 
-/// Why generation ended.
+/// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Finish {
@@ -29,29 +34,53 @@ pub enum Finish {
     Length,
     /// The model's context is full.
     Context,
+    /// A stop string appeared (or the caller stopped the sequence).
+    Stop,
+    /// The sequence could not run (see its error).
+    Error,
 }
 
 /// What every rank does next; made by the driver, encoded with bincode, passed down the grid.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Plan {
-    /// New sequences: `seqs` KV caches of `capacity` positions each, replacing any before.
-    Begin { capacity: usize, seqs: usize },
-    /// Run `tokens`, which are the `spans` one after another; the last stage returns the greedy
-    /// next token of each span (and the full logits of the first span's last token when
-    /// `want_logits`).
-    Step { spans: Vec<Span>, tokens: Vec<u32>, want_logits: bool },
+    /// A KV pool of `pages` pages and `slots` sequence slots, replacing any before.
+    Begin {
+        pages: usize,
+        slots: usize,
+    },
+    Step(Step),
     /// The job is over.
     End,
 }
 
-/// What the last stage sends back to the driver after a step.
-#[derive(Debug, Serialize, Deserialize)]
-struct StepResult {
-    /// The greedy next token of each span.
-    tokens: Vec<u32>,
-    logits: Option<Vec<f32>>,
+/// A sequence taking a slot: its KV pages (in position order) and how it picks tokens.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Admit {
+    pub slot: usize,
+    pub pages: Vec<u32>,
+    pub params: SamplingParams,
 }
 
+/// One step of one micro-batch: sequences admitted first, then `tokens`, which are the `spans`
+/// one after another (a span's `seq` is its slot). The last stage returns the next token of
+/// every emitting span, and with `want_logits` the raw logits of the first emitting span.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Step {
+    pub admit: Vec<Admit>,
+    pub spans: Vec<Span>,
+    pub tokens: Vec<u32>,
+    pub want_logits: bool,
+}
+
+/// What the last stage sends back to the driver after a step.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StepResult {
+    /// The next token of each emitting span.
+    pub tokens: Vec<u32>,
+    pub logits: Option<Vec<f32>>,
+}
+
+/// Settings of one greedy or sampled generation ([`Engine::generate`]).
 pub struct GenerateOptions {
     pub max_tokens: usize,
     pub ignore_eos: bool,
@@ -94,19 +123,35 @@ pub fn check_prompt(n_tokens: usize, max_context: usize) -> Result<()> {
     Ok(())
 }
 
-/// One rank's engine: its shard, place in the grid, buffers and kernel thread team.
+/// A sequence slot as the last stage sees it: how it samples, which tokens of this rank's
+/// vocabulary shard it has seen (for the repetition penalty) and how many tokens it emitted.
+#[derive(Default)]
+struct SlotState {
+    params: SamplingParams,
+    seen: Vec<u64>,
+    emitted: u64,
+}
+
+/// One rank's engine: its shard, place in the grid, KV pool, buffers and kernel thread team.
 pub struct Engine {
     pub shard: Shard,
     pub grid: Grid,
     team: Team,
     kv_dtype: DType,
+    /// Bytes of a KV page on the rank where it is largest (see [`Engine::share_sizes`]).
+    max_page_bytes: usize,
     scratch: Scratch,
-    caches: Vec<KvCache>,
+    kv: KvPool,
+    tables: Vec<Vec<u32>>,
+    slots: Vec<SlotState>,
     hidden: Vec<f32>,
-    /// Hidden states of each span's last token, for the output head.
+    /// Hidden states of each emitting span's last token, for the output head.
     last: Vec<f32>,
     logits: Vec<f32>,
     candidates: Vec<f32>,
+    sampling: sampling::Buffers,
+    /// Driver: results computed here (one stage) not yet collected.
+    ready: VecDeque<StepResult>,
     /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step.
     exit_at: Option<(usize, usize)>,
     steps: usize,
@@ -123,20 +168,40 @@ impl Engine {
             let (r, s) = v.split_once(':')?;
             Some((r.parse().ok()?, s.parse().ok()?))
         });
+        let max_page_bytes = shard.kv_page_bytes(kv_dtype);
+        let kv = shard.new_kv_pool(0, kv_dtype);
         Ok(Engine {
             shard,
             grid,
             team,
             kv_dtype,
+            max_page_bytes,
             scratch: Scratch::default(),
-            caches: Vec::new(),
+            kv,
+            tables: Vec::new(),
+            slots: Vec::new(),
             hidden: Vec::new(),
             last: Vec::new(),
             logits: Vec::new(),
             candidates: Vec::new(),
+            sampling: sampling::Buffers::default(),
+            ready: VecDeque::new(),
             exit_at,
             steps: 0,
         })
+    }
+
+    /// Collective over the job: every rank learns the largest KV page of any rank, which
+    /// sizes the pool the driver plans for (a page table is the same on every rank).
+    pub fn share_sizes(&mut self, link: &dyn Link) {
+        let mut all = vec![0u64; link.world_size()];
+        link.allgather_u64(&[self.shard.kv_page_bytes(self.kv_dtype) as u64], &mut all);
+        self.max_page_bytes = all.into_iter().max().unwrap_or(0) as usize;
+    }
+
+    /// Bytes of one KV page on the rank where it is largest.
+    pub fn max_page_bytes(&self) -> usize {
+        self.max_page_bytes
     }
 
     pub fn kv_dtype(&self) -> DType {
@@ -178,17 +243,19 @@ impl Engine {
         bincode::deserialize(&bytes).map_err(|e| Error::Comm(format!("cannot decode a plan: {e}")))
     }
 
-    /// Every rank: carries out its part of `plan`. The driver gets the step's result.
+    /// Every rank: carries out its part of `plan`. Returns the step's result where it is
+    /// complete on this rank (the last stage's tp rank 0 and, in a one-stage job, the driver).
     fn execute(&mut self, plan: &Plan, comm: &dyn Comm, link: &dyn Link) -> Result<Option<StepResult>> {
-        let (spans, tokens, want_logits) = match plan {
-            Plan::Begin { capacity, seqs } => {
-                self.caches.clear();
-                let (shard, dtype) = (&self.shard, self.kv_dtype);
-                self.caches.extend((0..*seqs).map(|_| shard.new_cache(*capacity, dtype)));
+        let step = match plan {
+            Plan::Begin { pages, slots } => {
+                self.kv = self.shard.new_kv_pool(*pages, self.kv_dtype);
+                self.tables = vec![Vec::new(); *slots];
+                self.slots.clear();
+                self.slots.resize_with(*slots, SlotState::default);
                 return Ok(None);
             }
             Plan::End => return Ok(None),
-            Plan::Step { spans, tokens, want_logits } => (spans, tokens, *want_logits),
+            Plan::Step(step) => step,
         };
         self.steps += 1;
         if let Some((rank, step)) = self.exit_at {
@@ -199,68 +266,146 @@ impl Engine {
             }
         }
         let g = self.grid;
+        let words = self.shard.vocab_range().len().div_ceil(64);
+        for a in &step.admit {
+            if a.slot >= self.tables.len() || a.pages.iter().any(|&p| p as usize >= self.kv.pages()) {
+                return Err(Error::Comm("a step admits a sequence outside the slots or KV pages".into()));
+            }
+            self.tables[a.slot].clone_from(&a.pages);
+            let st = &mut self.slots[a.slot];
+            st.params = a.params.clone();
+            st.seen.clear();
+            st.seen.resize(words, 0);
+            st.emitted = 0;
+        }
+        let (spans, tokens) = (&step.spans, &step.tokens);
         let h = self.shard.cfg.hidden_size;
         let n = tokens.len();
-        if spans.iter().map(|s| s.len).sum::<usize>() != n || spans.iter().any(|s| s.seq >= self.caches.len())
-        {
-            return Err(Error::Comm("a step's spans do not match its tokens or sequences".into()));
+        let fits = |s: &Span| s.seq < self.tables.len() && s.pos0 + s.len <= self.tables[s.seq].len() * PAGE;
+        if spans.iter().map(|s| s.len).sum::<usize>() != n || !spans.iter().all(fits) {
+            return Err(Error::Comm("a step's spans do not match its tokens, slots or KV pages".into()));
         }
         if self.hidden.len() < n * h {
             self.hidden.resize(n * h, 0.0);
         }
-        let Engine { shard, scratch, hidden, last, logits, candidates, team, caches, .. } = self;
+        let Engine { shard, scratch, hidden, last, logits, team, kv, tables, .. } = self;
         let x = &mut hidden[..n * h];
         if g.is_first_stage() {
             shard.embed(tokens, x, comm);
         } else {
             link.recv_f32(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Hidden, x);
         }
-        shard.forward(x, spans, caches, scratch, comm, team);
-        let last_stage_rank0 = g.rank_of(g.pp - 1, 0);
+        shard.forward(x, spans, kv, tables, scratch, comm, team);
         if !g.is_last_stage() {
             link.send_f32(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Hidden, x);
-        } else {
-            let m = spans.len();
-            let vl = shard.vocab_range().len();
-            last.resize(m * h, 0.0);
-            logits.resize(m * vl, 0.0);
-            let mut end = 0;
-            for (i, sp) in spans.iter().enumerate() {
-                end += sp.len;
-                last[i * h..(i + 1) * h].copy_from_slice(&x[(end - 1) * h..end * h]);
+            return Ok(None);
+        }
+        // Last stage: the tokens fed so far are each sequence's history.
+        let vr = shard.vocab_range();
+        let mut at = 0;
+        for sp in spans {
+            let seen = &mut self.slots[sp.seq].seen;
+            for &t in &tokens[at..at + sp.len] {
+                if vr.contains(&(t as usize)) {
+                    let i = t as usize - vr.start;
+                    seen[i / 64] |= 1 << (i % 64);
+                }
             }
+            at += sp.len;
+        }
+        let m = spans.iter().filter(|s| s.emit).count();
+        let vl = vr.len();
+        last.resize(m * h, 0.0);
+        logits.resize(m * vl, 0.0);
+        let mut end = 0;
+        let mut row = 0;
+        for sp in spans {
+            end += sp.len;
+            if sp.emit {
+                last[row * h..(row + 1) * h].copy_from_slice(&x[(end - 1) * h..end * h]);
+                row += 1;
+            }
+        }
+        let mut result = StepResult { tokens: Vec::new(), logits: None };
+        if m > 0 {
             shard.logits(last, m, scratch, logits, team);
-            let picked = greedy_pick(logits, m, shard.vocab_range().start, candidates, comm);
-            let full = want_logits.then(|| {
+            if step.want_logits {
                 let vocab = shard.cfg.vocab_size;
                 let counts: Vec<usize> = (0..g.tp).map(|t| vocab_range(vocab, g.tp, t).len()).collect();
                 let mut full = vec![0.0; vocab];
                 comm.allgatherv(&logits[..vl], &counts, &mut full);
-                full
-            });
-            let result = StepResult { tokens: picked, logits: full };
-            if g.rank == 0 {
-                return Ok(Some(result));
+                result.logits = Some(full);
             }
-            if g.rank == last_stage_rank0 {
-                let bytes = bincode::serialize(&result)
-                    .map_err(|e| Error::Comm(format!("cannot encode a result: {e}")))?;
-                link.send_bytes(0, Tag::Result, &bytes);
-            }
+            result.tokens = self.pick(spans, m, comm);
         }
         if g.rank == 0 {
-            let bytes = link.recv_bytes(last_stage_rank0, Tag::Result);
-            let r = bincode::deserialize(&bytes)
-                .map_err(|e| Error::Comm(format!("cannot decode a result: {e}")))?;
-            return Ok(Some(r));
+            return Ok(Some(result));
+        }
+        if g.rank == g.rank_of(g.pp - 1, 0) {
+            let bytes = bincode::serialize(&result)
+                .map_err(|e| Error::Comm(format!("cannot encode a result: {e}")))?;
+            link.send_bytes(0, Tag::Result, &bytes);
         }
         Ok(None)
     }
 
-    /// Driver: runs a plan on the whole grid.
-    fn drive(&mut self, plan: Plan, comm: &dyn Comm, link: &dyn Link) -> Result<Option<StepResult>> {
+    /// Last stage: the next token of each of the `m` emitting spans from `self.logits`, the
+    /// same on every rank of the stage: greedy rows by one allgather of (value, index), sampled
+    /// rows exactly over the whole vocabulary (see [`sampling`]).
+    fn pick(&mut self, spans: &[Span], m: usize, comm: &dyn Comm) -> Vec<u32> {
+        let vr = self.shard.vocab_range();
+        let vl = vr.len();
+        let emitting: Vec<usize> = spans.iter().filter(|s| s.emit).map(|s| s.seq).collect();
+        for (row, &slot) in emitting.iter().enumerate() {
+            let st = &self.slots[slot];
+            sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen);
+        }
+        let mut picked = greedy_pick(&self.logits[..m * vl], m, vr.start, &mut self.candidates, comm);
+        let rows: Vec<usize> = (0..m).filter(|&r| !self.slots[emitting[r]].params.is_greedy()).collect();
+        if !rows.is_empty() {
+            let params: Vec<&SamplingParams> =
+                rows.iter().map(|&r| &self.slots[emitting[r]].params).collect();
+            let indices: Vec<u64> = rows.iter().map(|&r| self.slots[emitting[r]].emitted).collect();
+            let (vocab, tp) = (self.shard.cfg.vocab_size, self.grid.tp);
+            let max_shard = (0..tp).map(|t| vocab_range(vocab, tp, t).len()).max().unwrap_or(vl);
+            let sampled = sampling::sample_rows(
+                &self.logits[..m * vl],
+                vl,
+                max_shard,
+                vr.start,
+                &rows,
+                &params,
+                &indices,
+                &mut self.sampling,
+                comm,
+            );
+            for (&r, t) in rows.iter().zip(sampled) {
+                picked[r] = t;
+            }
+        }
+        for &slot in &emitting {
+            self.slots[slot].emitted += 1;
+        }
+        picked
+    }
+
+    /// Driver: sends `plan` down the grid and does this rank's part of it. A step's result is
+    /// taken later with [`Engine::collect`], so several steps can be in flight.
+    fn launch(&mut self, plan: Plan, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
         let plan = self.next_plan(Some(&plan), comm, link)?;
-        self.execute(&plan, comm, link)
+        if let Some(r) = self.execute(&plan, comm, link)? {
+            self.ready.push_back(r);
+        }
+        Ok(())
+    }
+
+    /// Driver: the result of the oldest launched step not yet collected.
+    fn collect(&mut self, link: &dyn Link) -> Result<StepResult> {
+        if let Some(r) = self.ready.pop_front() {
+            return Ok(r);
+        }
+        let bytes = link.recv_bytes(self.grid.rank_of(self.grid.pp - 1, 0), Tag::Result);
+        bincode::deserialize(&bytes).map_err(|e| Error::Comm(format!("cannot decode a result: {e}")))
     }
 
     /// Ranks other than the driver: follow plans until `End`.
@@ -276,139 +421,27 @@ impl Engine {
 
     /// Driver: tells every rank the job is over.
     pub fn finish(&mut self, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
-        self.drive(Plan::End, comm, link).map(|_| ())
+        self.launch(Plan::End, comm, link)
     }
 
-    /// Driver: starts `seqs` sequences whose prompts are at most `prompt_len` tokens and may
-    /// grow by `new_tokens`; every rank sizes its KV caches. Returns the capacity (positions),
-    /// capped at the context.
-    fn begin(
-        &mut self,
-        prompt_len: usize,
-        new_tokens: usize,
-        seqs: usize,
-        comm: &dyn Comm,
-        link: &dyn Link,
-    ) -> Result<usize> {
-        let max_ctx = self.max_context();
-        check_prompt(prompt_len, max_ctx)?;
-        let capacity = (prompt_len + new_tokens).min(max_ctx);
-        self.drive(Plan::Begin { capacity, seqs }, comm, link)?;
-        Ok(capacity)
+    /// Driver: a pool of `pages` KV pages and `slots` sequence slots on every rank.
+    fn begin(&mut self, pages: usize, slots: usize, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+        self.ready.clear();
+        self.launch(Plan::Begin { pages, slots }, comm, link)
     }
 
-    /// Driver: runs `spans` (their tokens one after another in `tokens`) over the whole grid;
-    /// returns the greedy next token of each span.
-    fn step(
-        &mut self,
-        spans: Vec<Span>,
-        tokens: Vec<u32>,
-        want_logits: bool,
-        comm: &dyn Comm,
-        link: &dyn Link,
-    ) -> Result<StepResult> {
-        let m = spans.len();
-        let r = self
-            .drive(Plan::Step { spans, tokens, want_logits }, comm, link)?
-            .ok_or_else(|| Error::Comm("the last stage returned no result for a step".into()))?;
+    /// Driver: runs one step and waits for its result.
+    fn step(&mut self, step: Step, comm: &dyn Comm, link: &dyn Link) -> Result<StepResult> {
+        let m = step.spans.iter().filter(|s| s.emit).count();
+        self.launch(Plan::Step(step), comm, link)?;
+        let r = self.collect(link)?;
         if r.tokens.len() != m {
-            return Err(Error::Comm(format!("a step of {m} spans returned {} tokens", r.tokens.len())));
+            return Err(Error::Comm(format!(
+                "a step of {m} emitting spans returned {} tokens",
+                r.tokens.len()
+            )));
         }
         Ok(r)
-    }
-
-    /// Driver: `tokens` of sequence 0 at positions `pos0..`; its greedy next token.
-    fn step1(
-        &mut self,
-        tokens: Vec<u32>,
-        pos0: usize,
-        want_logits: bool,
-        comm: &dyn Comm,
-        link: &dyn Link,
-    ) -> Result<StepResult> {
-        let span = Span { seq: 0, pos0, len: tokens.len() };
-        self.step(vec![span], tokens, want_logits, comm, link)
-    }
-
-    /// Driver: a timed batch for benchmarks — every prompt prefilled in one step (one span
-    /// each), then `new_tokens - 1` decode steps of one token per sequence, regardless of EOS.
-    /// Returns the prefill's latency and each decode step's, in ms.
-    pub fn timed_batch(
-        &mut self,
-        prompts: &[Vec<u32>],
-        new_tokens: usize,
-        comm: &dyn Comm,
-        link: &dyn Link,
-    ) -> Result<(f64, Vec<f64>)> {
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let capacity = self.begin(longest, new_tokens, prompts.len(), comm, link)?;
-        let (spans, tokens) = prompt_spans(prompts);
-        let t0 = Instant::now();
-        let mut next = self.step(spans, tokens, false, comm, link)?.tokens;
-        let first_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let mut steps = Vec::with_capacity(new_tokens);
-        for i in 0..new_tokens.saturating_sub(1) {
-            if prompts.iter().any(|p| p.len() + i >= capacity) {
-                break;
-            }
-            let spans =
-                prompts.iter().enumerate().map(|(b, p)| Span { seq: b, pos0: p.len() + i, len: 1 }).collect();
-            let t = Instant::now();
-            next = self.step(spans, next, false, comm, link)?.tokens;
-            steps.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        Ok((first_ms, steps))
-    }
-
-    /// Driver: greedy generation for several prompts at once (of any lengths): one prefill
-    /// step with a span per prompt, then decode steps with a token per unfinished sequence, so
-    /// the weights are read once per step for all of them. Each sequence finishes on its own.
-    pub fn generate_batch(
-        &mut self,
-        prompts: &[Vec<u32>],
-        opts: &GenerateOptions,
-        comm: &dyn Comm,
-        link: &dyn Link,
-    ) -> Result<Vec<(Vec<u32>, Finish)>> {
-        let max_ctx = self.max_context();
-        for p in prompts {
-            check_prompt(p.len(), max_ctx)?;
-        }
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let capacity = self.begin(longest, opts.max_tokens, prompts.len(), comm, link)?;
-        let mut out: Vec<(Vec<u32>, Option<Finish>)> = prompts.iter().map(|_| (Vec::new(), None)).collect();
-        if opts.max_tokens == 0 {
-            return Ok(out.into_iter().map(|(t, _)| (t, Finish::Length)).collect());
-        }
-        let (spans, tokens) = prompt_spans(prompts);
-        let mut next = self.step(spans, tokens, false, comm, link)?.tokens;
-        let mut active: Vec<usize> = (0..prompts.len()).collect();
-        loop {
-            let mut spans = Vec::with_capacity(active.len());
-            let mut tokens = Vec::with_capacity(active.len());
-            for (&b, &tok) in active.iter().zip(&next) {
-                let (seq, fin) = &mut out[b];
-                seq.push(tok);
-                let pos = prompts[b].len() + seq.len() - 1;
-                *fin = if !opts.ignore_eos && opts.eos_ids.contains(&tok) {
-                    Some(Finish::Eos)
-                } else if seq.len() >= opts.max_tokens {
-                    Some(Finish::Length)
-                } else if pos >= capacity {
-                    Some(Finish::Context)
-                } else {
-                    spans.push(Span { seq: b, pos0: pos, len: 1 });
-                    tokens.push(tok);
-                    None
-                };
-            }
-            active.retain(|&b| out[b].1.is_none());
-            if active.is_empty() {
-                break;
-            }
-            next = self.step(spans, tokens, false, comm, link)?.tokens;
-        }
-        Ok(out.into_iter().map(|(t, f)| (t, f.unwrap_or(Finish::Length))).collect())
     }
 
     /// Driver: the model's greedy choice at each position of a sequence forced along `forced`
@@ -422,20 +455,30 @@ impl Engine {
         comm: &dyn Comm,
         link: &dyn Link,
     ) -> Result<Vec<u32>> {
-        let capacity = self.begin(prompt.len(), forced.len(), 1, comm, link)?;
-        let mut out = vec![self.step1(prompt.to_vec(), 0, false, comm, link)?.tokens[0]];
+        check_prompt(prompt.len(), self.max_context())?;
+        let positions = (prompt.len() + forced.len()).min(self.max_context());
+        let pages = positions.div_ceil(PAGE);
+        self.begin(pages, 1, comm, link)?;
+        let admit =
+            vec![Admit { slot: 0, pages: (0..pages as u32).collect(), params: SamplingParams::default() }];
+        let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };
+        let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), want_logits: false };
+        let mut out = vec![self.step(first, comm, link)?.tokens[0]];
         for (i, &t) in forced.iter().enumerate().take(forced.len().saturating_sub(1)) {
             let pos = prompt.len() + i;
-            if pos >= capacity {
+            if pos >= positions {
                 break;
             }
-            out.push(self.step1(vec![t], pos, false, comm, link)?.tokens[0]);
+            let span = Span { seq: 0, pos0: pos, len: 1, emit: true };
+            let step = Step { admit: Vec::new(), spans: vec![span], tokens: vec![t], want_logits: false };
+            out.push(self.step(step, comm, link)?.tokens[0]);
         }
         Ok(out)
     }
 
-    /// Driver: greedy generation for one prompt over the whole grid. Call [`Engine::finish`]
-    /// afterwards (also after an error) so the other ranks stop.
+    /// Driver: greedy generation for one prompt over the whole grid, `on_token` called with
+    /// each token as it comes. Call [`Engine::finish`] afterwards (also after an error) so the
+    /// other ranks stop.
     pub fn generate(
         &mut self,
         prompt: &[u32],
@@ -444,46 +487,29 @@ impl Engine {
         link: &dyn Link,
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Generation> {
-        let capacity = self.begin(prompt.len(), opts.max_tokens, 1, comm, link)?;
-        let mut out = Vec::with_capacity(opts.max_tokens);
-        let t0 = Instant::now();
-        let first = self.step1(prompt.to_vec(), 0, opts.keep_prompt_logits, comm, link)?;
-        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let prompt_logits = first.logits;
-        let mut next = first.tokens[0];
-        let t1 = Instant::now();
-        let finish = loop {
-            if opts.max_tokens == 0 {
-                break Finish::Length;
-            }
-            out.push(next);
-            on_token(next)?;
-            if !opts.ignore_eos && opts.eos_ids.contains(&next) {
-                break Finish::Eos;
-            }
-            if out.len() >= opts.max_tokens {
-                break Finish::Length;
-            }
-            let pos = prompt.len() + out.len() - 1;
-            if pos >= capacity {
-                break Finish::Context;
-            }
-            next = self.step1(vec![next], pos, false, comm, link)?.tokens[0];
+        check_prompt(prompt.len(), self.max_context())?;
+        let req = Request {
+            prompt: prompt.to_vec(),
+            max_tokens: opts.max_tokens,
+            ignore_eos: opts.ignore_eos,
+            params: SamplingParams::default(),
+            keep_logits: opts.keep_prompt_logits,
         };
+        let run = RunOptions { eos_ids: opts.eos_ids.clone(), ..RunOptions::default() };
+        let mut done = self.run(&[req], &run, comm, link, |_, t| on_token(t).map(|()| true))?;
+        let c = done.pop().expect("one completion per request");
+        if let Some(e) = c.error {
+            return Err(Error::Input(e));
+        }
+        let first = c.times_ms.first().copied().unwrap_or(0.0);
         Ok(Generation {
-            token_ids: out,
-            finish,
-            prefill_ms,
-            decode_ms: t1.elapsed().as_secs_f64() * 1e3,
-            prompt_logits,
+            token_ids: c.token_ids,
+            finish: c.finish,
+            prefill_ms: first,
+            decode_ms: c.times_ms.last().copied().unwrap_or(first) - first,
+            prompt_logits: c.prompt_logits,
         })
     }
-}
-
-/// Prompts as spans (sequence `b` at positions `0..len`) and their tokens one after another.
-fn prompt_spans(prompts: &[Vec<u32>]) -> (Vec<Span>, Vec<u32>) {
-    let spans = prompts.iter().enumerate().map(|(b, p)| Span { seq: b, pos0: 0, len: p.len() }).collect();
-    (spans, prompts.concat())
 }
 
 /// The stage agrees on the greedy token of each of the `m` rows of `logits` (`[m, shard]`):

@@ -78,50 +78,51 @@ pub fn attend<T: dot::Elem + dot::Avx2Load>(
     }
 }
 
-/// Keys per block of [`attend_tiled`].
-pub const KEY_BLOCK: usize = 64;
-
-/// Flash-style attention of several query rows against one KV head's cache: row `r` (`q[r]`,
-/// `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`. Keys go in blocks of
-/// [`KEY_BLOCK`]; each block is scored against every row that sees part of it and folded into
-/// that row's online softmax (running max and sum, earlier sums rescaled when the max grows),
-/// so a block of keys and values is read once for all rows, while it sits in L1, and no score
-/// buffer longer than a block exists. Blocks that no row sees (past the causal edge of the
-/// last row) are never touched. `out` is `[rows, head_dim]`.
-pub fn attend_tiled<T: dot::Elem + dot::Avx2Load>(
+/// Flash-style attention of several query rows against one KV head's cache, stored in pages
+/// of `page_len` positions: `page(i)` gives the keys and values of positions
+/// `i * page_len ..` (each `[page_len, head_dim]`), so a sequence's cache need not be
+/// contiguous. Row `r` (`q[r]`, `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`. Keys
+/// go a page at a time; each page is scored against every row that sees part of it and folded
+/// into that row's online softmax (running max and sum, earlier sums rescaled when the max
+/// grows), so a page of keys and values is read once for all rows, while it sits in L1, and no
+/// score buffer longer than a page exists. Pages that no row sees (past the causal edge of
+/// the last row) are never touched. `out` is `[rows, head_dim]`.
+pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     q: &[f32],
     bounds: &[(usize, usize)],
-    keys: &[T],
-    values: &[T],
+    page_len: usize,
+    page: impl Fn(usize) -> (&'a [T], &'a [T]),
     scale: f32,
     out: &mut [f32],
 ) {
     let nr = bounds.len();
-    assert!(nr > 0 && q.len() % nr == 0 && out.len() == q.len(), "attend_tiled: shapes");
+    assert!(nr > 0 && q.len() % nr == 0 && out.len() == q.len() && page_len > 0, "attend_tiled: shapes");
     let hd = q.len() / nr;
     let isa = dot::detect();
     TILE.with_borrow_mut(|work| {
-        // Running max and sum per row, one block of scores, and the block's keys and values
+        // Running max and sum per row, one page of scores, and the page's keys and values
         // widened to f32 once for all rows.
-        work.resize(2 * nr + KEY_BLOCK + 2 * KEY_BLOCK * hd, 0.0);
+        work.resize(2 * nr + page_len + 2 * page_len * hd, 0.0);
         let (m, rest) = work.split_at_mut(nr);
         let (l, rest) = rest.split_at_mut(nr);
-        let (s, rest) = rest.split_at_mut(KEY_BLOCK);
-        let (kf, vf) = rest.split_at_mut(KEY_BLOCK * hd);
+        let (s, rest) = rest.split_at_mut(page_len);
+        let (kf, vf) = rest.split_at_mut(page_len * hd);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
         out.fill(0.0);
         let lo = bounds.iter().map(|b| b.0).min().unwrap_or(0);
         let hi = bounds.iter().map(|b| b.1).max().unwrap_or(0);
-        let mut k0 = lo;
-        while k0 <= hi {
-            let k1 = (k0 + KEY_BLOCK).min(hi + 1);
-            // One row (a decode step) reads the cache in place; several share a widened copy.
-            let wide = nr > 1;
+        // One row (a decode step) reads the cache in place; several share a widened copy.
+        let wide = nr > 1;
+        for p in lo / page_len..=hi / page_len {
+            let base = p * page_len;
+            let (k0, k1) = (base.max(lo), (base + page_len).min(hi + 1));
+            let (keys, values) = page(p);
+            let (keys, values) = (&keys[..page_len * hd], &values[..page_len * hd]);
             if wide {
-                let span = k0 * hd..k1 * hd;
-                dot::widen(&keys[span.clone()], &mut kf[..span.len()], isa);
-                dot::widen(&values[span.clone()], &mut vf[..span.len()], isa);
+                let span = (k0 - base) * hd..(k1 - base) * hd;
+                dot::widen(&keys[span.clone()], &mut kf[span.clone()], isa);
+                dot::widen(&values[span.clone()], &mut vf[span], isa);
             }
             for (r, &(first, last)) in bounds.iter().enumerate() {
                 let (a, b) = (first.max(k0), (last + 1).min(k1));
@@ -130,12 +131,12 @@ pub fn attend_tiled<T: dot::Elem + dot::Avx2Load>(
                 }
                 let n = b - a;
                 let s = &mut s[..n];
-                let (ka, kb) = ((a - k0) * hd, (b - k0) * hd);
+                let (ka, kb) = ((a - base) * hd, (b - base) * hd);
                 let qr = &q[r * hd..(r + 1) * hd];
                 if wide {
                     dot::dot_rows(&kf[ka..kb], hd, qr, s, isa);
                 } else {
-                    dot::dot_rows(&keys[a * hd..b * hd], hd, qr, s, isa);
+                    dot::dot_rows(&keys[ka..kb], hd, qr, s, isa);
                 }
                 let mut block_max = f32::NEG_INFINITY;
                 for v in s.iter_mut() {
@@ -157,12 +158,11 @@ pub fn attend_tiled<T: dot::Elem + dot::Avx2Load>(
                 if wide {
                     dot::weighted_rows(s, &vf[ka..kb], o, isa);
                 } else {
-                    for (j, &p) in s.iter().enumerate() {
-                        dot::axpy(p, &values[(a + j) * hd..(a + j + 1) * hd], o, isa);
+                    for (j, &w) in s.iter().enumerate() {
+                        dot::axpy(w, &values[ka + j * hd..ka + (j + 1) * hd], o, isa);
                     }
                 }
             }
-            k0 = k1;
         }
         for (r, o) in out.chunks_exact_mut(hd).enumerate() {
             let inv = 1.0 / l[r];
@@ -442,15 +442,22 @@ mod tests {
         }
     }
 
-    /// Tiled attention over query rows with causal and windowed bounds equals one row at a
-    /// time through [`attend`].
+    /// Positions per page in the tiled-attention tests.
+    const PAGE: usize = 16;
+
+    /// Tiled attention over query rows with causal and windowed bounds, keys in pages out of
+    /// order, equals one row at a time through [`attend`] over keys in order.
     fn check_tiled<T: dot::Elem + dot::Avx2Load>() {
         for isa in isas() {
             for (hd, n_keys, rows, window) in
-                [(64, 300, 40, None), (16, 70, 5, Some(20)), (8, 3, 3, None), (64, 130, 1, None)]
+                [(64, 300usize, 40, None), (16, 70, 5, Some(20)), (8, 3, 3, None), (64, 130, 1, None)]
             {
-                let k: Vec<T> = rand_vec(n_keys * hd, 21).into_iter().map(T::from_f32).collect();
-                let v: Vec<T> = rand_vec(n_keys * hd, 22).into_iter().map(T::from_f32).collect();
+                // Whole pages, scattered in reverse order to check the page lookup.
+                let pages = n_keys.div_ceil(PAGE);
+                let k: Vec<T> = rand_vec(pages * PAGE * hd, 21).into_iter().map(T::from_f32).collect();
+                let v: Vec<T> = rand_vec(pages * PAGE * hd, 22).into_iter().map(T::from_f32).collect();
+                let at = |p: usize| (pages - 1 - p) * PAGE * hd..(pages - p) * PAGE * hd;
+                let page = |p: usize| (&k[at(p)], &v[at(p)]);
                 let q = rand_vec(rows * hd, 23);
                 let scale = 1.0 / (hd as f32).sqrt();
                 // Rows are the last `rows` positions of a prompt of n_keys tokens.
@@ -461,7 +468,10 @@ mod tests {
                     })
                     .collect();
                 let mut got = vec![f32::NAN; rows * hd];
-                dot::with_isa(isa, || attend_tiled(&q, &bounds, &k, &v, scale, &mut got));
+                dot::with_isa(isa, || attend_tiled(&q, &bounds, PAGE, page, scale, &mut got));
+                // The row-by-row reference reads the keys in position order.
+                let (k, v): (Vec<T>, Vec<T>) =
+                    (0..pages).flat_map(|p| k[at(p)].iter().zip(&v[at(p)]).map(|(a, b)| (*a, *b))).unzip();
                 for (r, &(first, last)) in bounds.iter().enumerate() {
                     let mut want = vec![0.0; hd];
                     let mut scores = vec![0.0; n_keys];

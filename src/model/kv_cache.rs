@@ -1,11 +1,16 @@
-//! Per-rank KV cache: for each of this rank's layers and KV heads, keys and values of every
-//! position, `[layer][kv_head][position][head_dim]` so one head's history is contiguous.
-//! Stored in f16 by default (half the memory and half the bytes attention reads per token),
-//! or in f32 / bf16; values are rounded once, when written.
+//! Per-rank KV cache in pages: one pool for all sequences, sized for this rank's layers and KV
+//! heads only. A page holds [`PAGE`] consecutive positions of one sequence; a sequence's page
+//! table (chosen by the driver's allocator, the same on every rank) lists its pages in position
+//! order. Layout per layer `[page][kv_head][PAGE][head_dim]`, so one head's keys in a page are
+//! contiguous. Stored in f16 by default (half the memory and half the bytes attention reads
+//! per token), or in f32 / bf16; values are rounded once, when written.
 
 use crate::kernels::{self, dot::Elem};
 use crate::weights::DType;
 use half::{bf16, f16};
+
+/// Positions per page.
+pub const PAGE: usize = 16;
 
 struct Store<T> {
     k: Vec<Vec<T>>,
@@ -19,8 +24,22 @@ impl<T: Elem + Default> Store<T> {
             v: (0..n_layers).map(|_| vec![T::default(); per_layer]).collect(),
         }
     }
-    fn elems(&self) -> usize {
-        self.k.iter().chain(&self.v).map(Vec::len).sum()
+
+    fn put(
+        &mut self,
+        layer: usize,
+        at: impl Fn(usize) -> usize,
+        hd: usize,
+        n_kv: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
+        for h in 0..n_kv {
+            let a = at(h);
+            let src = h * hd..(h + 1) * hd;
+            self.k[layer][a..a + hd].iter_mut().zip(&k[src.clone()]).for_each(|(d, &x)| *d = T::from_f32(x));
+            self.v[layer][a..a + hd].iter_mut().zip(&v[src]).for_each(|(d, &x)| *d = T::from_f32(x));
+        }
     }
 }
 
@@ -30,37 +49,35 @@ enum Data {
     BF16(Store<bf16>),
 }
 
-pub struct KvCache {
+pub struct KvPool {
     n_kv: usize,
     head_dim: usize,
-    capacity: usize,
-    len: usize,
+    pages: usize,
     data: Data,
 }
 
-impl KvCache {
-    pub fn new(n_layers: usize, n_kv: usize, head_dim: usize, capacity: usize, dtype: DType) -> Self {
-        let per_layer = n_kv * capacity * head_dim;
+impl KvPool {
+    /// A pool of `pages` pages for `n_layers` layers of `n_kv` KV heads. Memory is reserved but
+    /// not touched until written.
+    pub fn new(n_layers: usize, n_kv: usize, head_dim: usize, pages: usize, dtype: DType) -> Self {
+        let per_layer = pages * n_kv * PAGE * head_dim;
         let data = match dtype {
             DType::F32 => Data::F32(Store::new(n_layers, per_layer)),
             DType::F16 => Data::F16(Store::new(n_layers, per_layer)),
             DType::BF16 => Data::BF16(Store::new(n_layers, per_layer)),
         };
-        KvCache { n_kv, head_dim, capacity, len: 0, data }
+        KvPool { n_kv, head_dim, pages, data }
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    /// Bytes one page takes on a rank with these layers and KV heads (keys and values).
+    pub fn page_bytes(n_layers: usize, n_kv: usize, head_dim: usize, dtype: DType) -> usize {
+        2 * n_layers * n_kv * PAGE * head_dim * dtype.size_bytes()
     }
-    pub fn len(&self) -> usize {
-        self.len
+
+    pub fn pages(&self) -> usize {
+        self.pages
     }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub fn set_len(&mut self, len: usize) {
-        self.len = len;
-    }
+
     pub fn dtype(&self) -> DType {
         match self.data {
             Data::F32(_) => DType::F32,
@@ -68,65 +85,56 @@ impl KvCache {
             Data::BF16(_) => DType::BF16,
         }
     }
-    pub fn bytes(&self) -> usize {
-        let elems = match &self.data {
-            Data::F32(s) => s.elems(),
-            Data::F16(s) => s.elems(),
-            Data::BF16(s) => s.elems(),
-        };
-        elems * self.dtype().size_bytes()
-    }
 
-    /// Stores keys and values (`n_kv × head_dim` each) of `pos` for `layer`.
-    pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        assert!(pos < self.capacity, "KV cache overflow: position {pos} >= capacity {}", self.capacity);
-        let (hd, cap, n_kv) = (self.head_dim, self.capacity, self.n_kv);
-        fn put<T: Elem>(
-            s: &mut Store<T>,
-            layer: usize,
-            at: impl Fn(usize) -> usize,
-            hd: usize,
-            n_kv: usize,
-            k: &[f32],
-            v: &[f32],
-        ) {
-            for h in 0..n_kv {
-                let a = at(h);
-                let src = h * hd..(h + 1) * hd;
-                s.k[layer][a..a + hd].iter_mut().zip(&k[src.clone()]).for_each(|(d, &x)| *d = T::from_f32(x));
-                s.v[layer][a..a + hd].iter_mut().zip(&v[src]).for_each(|(d, &x)| *d = T::from_f32(x));
-            }
-        }
-        let at = |h: usize| (h * cap + pos) * hd;
+    /// Stores keys and values (`n_kv × head_dim` each) of position `pos` of the sequence whose
+    /// pages are `table`, for `layer`.
+    pub fn write(&mut self, layer: usize, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        let page = *table
+            .get(pos / PAGE)
+            .unwrap_or_else(|| panic!("KV position {pos} is past the sequence's {} pages", table.len()))
+            as usize;
+        assert!(page < self.pages, "KV page {page} outside a pool of {}", self.pages);
+        let (hd, n_kv) = (self.head_dim, self.n_kv);
+        let at = |h: usize| ((page * n_kv + h) * PAGE + pos % PAGE) * hd;
         match &mut self.data {
-            Data::F32(s) => put(s, layer, at, hd, n_kv, k, v),
-            Data::F16(s) => put(s, layer, at, hd, n_kv, k, v),
-            Data::BF16(s) => put(s, layer, at, hd, n_kv, k, v),
+            Data::F32(s) => s.put(layer, at, hd, n_kv, k, v),
+            Data::F16(s) => s.put(layer, at, hd, n_kv, k, v),
+            Data::BF16(s) => s.put(layer, at, hd, n_kv, k, v),
         }
     }
 
-    /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer`,
-    /// row `r` seeing positions `bounds[r].0 ..= bounds[r].1`; see [`kernels::attend_tiled`].
+    /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer` of
+    /// the sequence whose pages are `table`, row `r` seeing positions
+    /// `bounds[r].0 ..= bounds[r].1`; see [`kernels::attend_tiled`].
+    #[allow(clippy::too_many_arguments)] // which cache (layer, head, sequence), the queries and the output
     pub fn attend(
         &self,
         layer: usize,
         kv: usize,
+        table: &[u32],
         q: &[f32],
         bounds: &[(usize, usize)],
         scale: f32,
         out: &mut [f32],
     ) {
-        let span = self.capacity * self.head_dim;
-        let range = kv * span..(kv + 1) * span;
+        let (hd, n_kv) = (self.head_dim, self.n_kv);
+        let len = PAGE * hd;
+        let at = |p: usize| {
+            let start = (table[p] as usize * n_kv + kv) * len;
+            start..start + len
+        };
         match &self.data {
             Data::F32(s) => {
-                kernels::attend_tiled(q, bounds, &s.k[layer][range.clone()], &s.v[layer][range], scale, out)
+                let (k, v) = (&s.k[layer], &s.v[layer]);
+                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out)
             }
             Data::F16(s) => {
-                kernels::attend_tiled(q, bounds, &s.k[layer][range.clone()], &s.v[layer][range], scale, out)
+                let (k, v) = (&s.k[layer], &s.v[layer]);
+                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out)
             }
             Data::BF16(s) => {
-                kernels::attend_tiled(q, bounds, &s.k[layer][range.clone()], &s.v[layer][range], scale, out)
+                let (k, v) = (&s.k[layer], &s.v[layer]);
+                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out)
             }
         }
     }

@@ -19,7 +19,7 @@ use crate::kernels::{self, SharedSlice, Team};
 use crate::kernels::{PackedMat, Quant};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::{DType, Mat, Source};
-pub use kv_cache::KvCache;
+pub use kv_cache::{KvPool, PAGE};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
@@ -49,12 +49,14 @@ thread_local! {
 }
 
 /// A run of consecutive tokens of one sequence in a step: positions `pos0..pos0 + len` of
-/// sequence `seq` (its KV cache's index).
+/// sequence `seq` (the index of its page table). `emit`: the step yields a next token after
+/// the span's last position (false for a prompt chunk that is not the prompt's last).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Span {
     pub seq: usize,
     pub pos0: usize,
     pub len: usize,
+    pub emit: bool,
 }
 
 pub struct Shard {
@@ -180,8 +182,14 @@ impl Shard {
         n
     }
 
-    pub fn new_cache(&self, capacity: usize, dtype: DType) -> KvCache {
-        KvCache::new(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, capacity, dtype)
+    /// A KV pool of `pages` pages for this rank's layers and KV heads.
+    pub fn new_kv_pool(&self, pages: usize, dtype: DType) -> KvPool {
+        KvPool::new(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, pages, dtype)
+    }
+
+    /// Bytes one KV page takes on this rank.
+    pub fn kv_page_bytes(&self, dtype: DType) -> usize {
+        KvPool::page_bytes(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, dtype)
     }
 
     /// Rows of vocabulary this rank's embedding / lm_head holds.
@@ -211,14 +219,16 @@ impl Shard {
 
     /// Runs this shard's layers on a step's tokens, updating `x` (`[n, hidden]`, `n` the total
     /// of the spans' lengths) in place. Each span is a run of consecutive positions of one
-    /// sequence, whose keys and values go to (and whose attention reads) `caches[span.seq]`: one
-    /// span is a prompt or a decode step, several are a batch of sequences.
-    #[allow(clippy::too_many_arguments)] // the step's data, its buffers and its two kinds of parallelism
+    /// sequence, whose keys and values go to (and whose attention reads) the pages
+    /// `tables[span.seq]` of `kv`: one span is a prompt (or a chunk of one) or a decode step,
+    /// several are a batch of sequences.
+    #[allow(clippy::too_many_arguments)] // the step's data, its cache, its buffers and its two kinds of parallelism
     pub fn forward(
         &self,
         x: &mut [f32],
         spans: &[Span],
-        caches: &mut [KvCache],
+        kv: &mut KvPool,
+        tables: &[Vec<u32>],
         s: &mut Scratch,
         comm: &dyn Comm,
         team: &Team,
@@ -234,7 +244,7 @@ impl Shard {
         s.tokens.clear();
         s.blocks.clear();
         for sp in spans {
-            assert!(sp.seq < caches.len(), "span of sequence {} but {} caches", sp.seq, caches.len());
+            assert!(sp.seq < tables.len(), "span of sequence {} but {} page tables", sp.seq, tables.len());
             let t0 = s.tokens.len();
             s.tokens.extend((sp.pos0..sp.pos0 + sp.len).map(|pos| (sp.seq, pos)));
             s.blocks.extend((0..sp.len).step_by(QUERY_BLOCK).map(|b| (t0 + b, QUERY_BLOCK.min(sp.len - b))));
@@ -258,10 +268,10 @@ impl Shard {
                 let half = hd / 2;
                 let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
                 kernels::rope(&mut row[..(nq + nkv) * hd], hd, cos, sin);
-                caches[seq].write(li, pos, &row[nq * hd..(nq + nkv) * hd], &row[(nq + nkv) * hd..]);
+                kv.write(li, &tables[seq], pos, &row[nq * hd..(nq + nkv) * hd], &row[(nq + nkv) * hd..]);
             }
             let qkv = &*qkv;
-            let caches_r = &*caches;
+            let kv_r = &*kv;
             let tokens = &s.tokens;
             let blocks = &s.blocks;
             let att = SharedSlice::new(&mut s.att[..n * nq * hd]);
@@ -280,7 +290,7 @@ impl Shard {
                         bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
                     }
                     o.resize(nt * hd, 0.0);
-                    caches_r[seq].attend(li, kvl, q, bounds, scale, o);
+                    kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, o);
                     for (i, row) in o.chunks_exact(hd).enumerate() {
                         // SAFETY: (token, head) pairs are disjoint between items.
                         unsafe { att.range((t0 + i) * nq * hd + hl * hd, hd) }.copy_from_slice(row);
@@ -302,10 +312,6 @@ impl Shard {
             kernels::matmul(team, &l.down, &s.act[..n * ffl], n, &mut s.o[..n * h]);
             comm.allreduce_sum(&mut s.o[..n * h]);
             x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
-        }
-        for sp in spans {
-            let c = &mut caches[sp.seq];
-            c.set_len(c.len().max(sp.pos0 + sp.len));
         }
     }
 

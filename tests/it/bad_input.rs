@@ -158,3 +158,52 @@ fn zero_threads() {
     let out = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t1", "--threads", "0"]);
     assert_one_line_error(&out, &["--threads"]);
 }
+
+#[test]
+fn bad_prompts_files() {
+    let (_t, dir) = tiny_llama();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |file: &Path, extra: &[&str]| {
+        let mut args = vec!["generate", "--model", path_str(&dir), "--prompts-file", path_str(file)];
+        args.extend(extra);
+        gridlm(&args)
+    };
+    let missing = tmp.path().join("absent.txt");
+    assert_one_line_error(&run(&missing, &[]), &["absent.txt", "cannot read the prompts file"]);
+    let jl = tmp.path().join("p.jsonl");
+    std::fs::write(&jl, "{\"prompt\":\"t1\"}\n{\"prompt\":\"t2\",\"top_k\":\"many\"}\n").unwrap();
+    assert_one_line_error(&run(&jl, &[]), &["p.jsonl:2:", "top_k"]);
+    std::fs::write(&jl, "{\"prompt\":\"t1\"}\nt2\n").unwrap();
+    assert_one_line_error(&run(&jl, &[]), &["p.jsonl:2:", "not a prompt object"]);
+    std::fs::write(&jl, "{\"prompt\":\"t1\",\"min_p\":1.5}\n").unwrap();
+    assert_one_line_error(&run(&jl, &[]), &["p.jsonl:1:", "min_p must be in [0, 1]"]);
+    std::fs::write(&jl, "\n").unwrap();
+    assert_one_line_error(&run(&jl, &[]), &["p.jsonl", "no prompts"]);
+}
+
+#[test]
+fn bad_sampling_and_batching_flags() {
+    let (_t, dir) = tiny_llama();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", path_str(&dir), "--prompt", "t1"];
+        args.extend(extra);
+        gridlm(&args)
+    };
+    assert_one_line_error(&run(&["--top-p", "0"]), &["--top-p must be in (0, 1]"]);
+    assert_one_line_error(&run(&["--temperature=-1"]), &["--temperature must be a number >= 0"]);
+    assert_one_line_error(
+        &run(&["--repetition-penalty", "0"]),
+        &["--repetition-penalty must be a number > 0"],
+    );
+    assert_one_line_error(&run(&["--max-batch", "0"]), &["--max-batch"]);
+    assert_one_line_error(&run(&["--stop", ""]), &["--stop"]);
+}
+
+/// One prompt that does not fit the KV memory: the job fails with one line (no half output).
+#[test]
+fn single_prompt_larger_than_the_kv_memory() {
+    let (_t, dir) = tiny_llama();
+    let args = ["generate", "--model", path_str(&dir), "--prompt", "t1 t2 t3", "--max-tokens", "1000"];
+    let out = gridlm(&[&args[..], &["--kv-mem-mib", "0"]].concat());
+    assert_one_line_error(&out, &["KV memory", "holds no page"]);
+}

@@ -1,37 +1,171 @@
-//! Several sequences through one engine at once: greedy results equal each prompt run alone.
+//! Many sequences at once: continuous batching, chunked prefill, pipeline micro-batches,
+//! sampling and the KV memory limit, on the real model and on every small grid layout.
 
 use super::*;
 use gridlm::comm::Single;
 use gridlm::engine::{Finish, GenerateOptions};
 use gridlm::tokenizer::Tokenizer;
+use gridlm_reference::{launch_command, run_with_timeout};
+use serde_json::Value;
 
+const TEXTS: [&str; 8] = [
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+    "Water boils at",
+    "The three primary colors are red,",
+    "In 1969, the first humans to walk on the Moon were",
+    "Hello",
+];
+
+/// Sampled prompts: (prompt, JSONL settings).
+const SAMPLED: [(&str, &str); 4] = [
+    ("Write a short poem about the sea.", r#""temperature":0.8,"top_k":40,"top_p":0.95,"seed":11"#),
+    ("My favourite food is", r#""temperature":1.0,"seed":12"#),
+    ("The best way to learn", r#""temperature":0.7,"min_p":0.05,"repetition_penalty":1.3,"seed":13"#),
+    ("Tell me about cats.", r#""temperature":1.2,"top_p":0.8,"seed":14"#),
+];
+
+/// `launch/local RANKS gridlm generate --model DIR ARGS...` with a deadline.
+fn local(ranks: usize, dir: &Path, args: &[&str]) -> Output {
+    std::env::set_var("GRIDLM_BIN", bin());
+    let n = ranks.to_string();
+    let mut cmd = launch_command(&["local", &n]);
+    cmd.args(["generate", "--model", path_str(dir), "--threads", "1"]).args(args);
+    run_with_timeout(cmd, 300)
+}
+
+fn json_of(out: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr)))
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Eight greedy prompts of different lengths plus four sampled ones, from one JSONL file,
+/// three slots (so waiting prompts take the slots of finished ones), steps of at most 8 tokens
+/// (so prompts are prefilled in chunks between other sequences' decode steps), on layouts 1×1,
+/// 1×2, 2×1 and 2×2 (two micro-batches in flight when pp = 2): each greedy result equals the
+/// prompt run alone, and each sampled result is the same on every layout.
 #[test]
-fn batch_of_eight_prompts_equals_each_prompt_alone() {
+fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
     let dir = smollm2("bf16");
     let tok = Tokenizer::from_dir(&dir).unwrap();
-    let texts = [
-        "The capital of France is",
-        "def add(a, b):",
-        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-        "1, 2, 3, 4,",
-        "Water boils at",
-        "The three primary colors are red,",
-        "In 1969, the first humans to walk on the Moon were",
-        "Hello",
-    ];
-    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    let eos = tok.eos_id().into_iter().collect::<Vec<_>>();
+    let prompts: Vec<Vec<u32>> = TEXTS.iter().map(|t| tok.encode(t, true).unwrap()).collect();
     let lens: std::collections::BTreeSet<usize> = prompts.iter().map(Vec::len).collect();
     assert!(lens.len() >= 5, "prompts of different lengths: {lens:?}");
-    let eos = tok.eos_id().into_iter().collect::<Vec<_>>();
-    let opts = GenerateOptions { max_tokens: 20, ignore_eos: false, eos_ids: eos, keep_prompt_logits: false };
+    let opts = GenerateOptions { max_tokens: 16, ignore_eos: false, eos_ids: eos, keep_prompt_logits: false };
     let mut e = local_engine(&dir, None);
-    let batched = e.generate_batch(&prompts, &opts, &Single, &Single).unwrap();
-    assert_eq!(batched.len(), prompts.len());
-    for (i, p) in prompts.iter().enumerate() {
-        let alone = e.generate(p, &opts, &Single, &Single, |_| Ok(())).unwrap();
-        assert_eq!(batched[i].0, alone.token_ids, "prompt {i} ({:?}): batched differs from alone", texts[i]);
-        assert_eq!(batched[i].1, alone.finish, "prompt {i}: finish reason");
+    let alone: Vec<(Vec<u32>, Finish)> = prompts
+        .iter()
+        .map(|p| {
+            let g = e.generate(p, &opts, &Single, &Single, |_| Ok(())).unwrap();
+            (g.token_ids, g.finish)
+        })
+        .collect();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    let mut lines: Vec<String> =
+        TEXTS.iter().map(|t| format!("{{\"prompt\":{}}}", serde_json::json!(t))).collect();
+    lines.extend(SAMPLED.iter().map(|(p, s)| format!("{{\"prompt\":{},{s}}}", serde_json::json!(p))));
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let base = [
+        "--prompts-file",
+        path_str(&file),
+        "--max-tokens",
+        "16",
+        "--max-batch",
+        "3",
+        "--step-tokens",
+        "8",
+        "--json",
+    ];
+
+    let mut sampled_first: Option<Vec<Vec<u32>>> = None;
+    for (pp, tp) in [(1, 1), (1, 2), (2, 1), (2, 2)] {
+        let (p, t) = (pp.to_string(), tp.to_string());
+        let mut args = base.to_vec();
+        args.extend(["--pp", &p, "--tp", &t]);
+        let out = local(pp * tp, &dir, &args);
+        assert!(out.status.success(), "{pp}x{tp}: {}", String::from_utf8_lossy(&out.stderr));
+        let v = json_of(&out);
+        let results = v["results"].as_array().unwrap();
+        assert_eq!(results.len(), TEXTS.len() + SAMPLED.len());
+        assert_eq!(v["micro_batches"], pp, "{pp}x{tp}: one micro-batch per stage by default");
+        for (i, (want, finish)) in alone.iter().enumerate() {
+            assert_eq!(&ids(&results[i]), want, "{pp}x{tp}: prompt {i} ({:?}) differs from alone", TEXTS[i]);
+            let f = serde_json::to_value(finish).unwrap();
+            assert_eq!(results[i]["finish_reason"], f, "{pp}x{tp}: prompt {i} finish reason");
+        }
+        let sampled: Vec<Vec<u32>> = results[TEXTS.len()..].iter().map(ids).collect();
+        assert!(sampled.iter().all(|s| !s.is_empty()));
+        match &sampled_first {
+            None => sampled_first = Some(sampled),
+            Some(first) => assert_eq!(&sampled, first, "{pp}x{tp}: sampled tokens differ from 1x1"),
+        }
     }
-    // Each finished on its own: with EOS allowed, lengths may differ, never beyond the limit.
-    assert!(batched.iter().all(|(t, f)| t.len() <= 20 && (*f == Finish::Eos || t.len() == 20)));
+}
+
+/// Sampling really samples: a seed decides the tokens (same seed, same tokens; other seeds,
+/// other tokens), and greedy is what temperature 0 gives.
+#[test]
+fn seeds_decide_sampled_tokens() {
+    let dir = smollm2("bf16");
+    let run = |extra: &[&str]| {
+        let mut args =
+            vec!["generate", "--model", path_str(&dir), "--prompt", "Tell me a story about a dragon."];
+        args.extend(["--max-tokens", "24", "--ignore-eos", "--json"]);
+        args.extend(extra);
+        let out = gridlm(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        ids(&json_of(&out))
+    };
+    let greedy = run(&[]);
+    let a = run(&["--temperature", "1.0", "--seed", "1"]);
+    assert_eq!(a, run(&["--temperature", "1.0", "--seed", "1"]));
+    let others: Vec<Vec<u32>> =
+        ["2", "3", "4"].iter().map(|s| run(&["--temperature", "1.0", "--seed", s])).collect();
+    assert!(others.iter().all(|o| *o != a), "different seeds gave the same tokens");
+    assert!(others.iter().chain([&a]).any(|o| *o != greedy), "sampling gave the greedy tokens every time");
+}
+
+/// A KV memory of 1 MiB (two pages of 16 positions for SmolLM2 on one rank): short prompts
+/// wait for each other's pages and finish; a long prompt that can never fit gets its own error
+/// line naming its line; a stop string cuts its completion.
+#[test]
+fn a_prompt_that_never_fits_the_kv_memory_fails_alone() {
+    let dir = smollm2("bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.txt");
+    let long = "word ".repeat(100);
+    std::fs::write(&file, format!("1, 2, 3, 4,\nHello\n{long}\nThe capital of France is\n")).unwrap();
+    let args = ["--prompts-file", path_str(&file), "--max-tokens", "8", "--ignore-eos", "--kv-mem-mib", "1"];
+    let mut with_stop = vec!["generate", "--model", path_str(&dir)];
+    with_stop.extend(args);
+    with_stop.extend(["--stop", " 6", "--json"]);
+    let out = gridlm(&with_stop);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("prompts.txt:3: prompt 3 of 4") && errors[0].contains("KV"), "{stderr}");
+    let v = json_of(&out);
+    let r = v["results"].as_array().unwrap();
+    assert_eq!(v["kv_pages"], 2);
+    assert_eq!(r[2]["finish_reason"], "error");
+    assert!(r[2]["error"].as_str().unwrap().contains("needs"));
+    for i in [0, 1, 3] {
+        assert!(r[i]["error"].is_null(), "prompt {i}: {}", r[i]);
+        assert!(!ids(&r[i]).is_empty(), "prompt {i} finished without tokens");
+    }
+    assert_eq!(r[0]["finish_reason"], "stop", "{}", r[0]);
+    assert_eq!(r[0]["text"], " 5,", "the text is cut before the stop string");
+    assert_eq!(r[1]["finish_reason"], "length");
 }

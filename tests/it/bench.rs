@@ -74,11 +74,15 @@ fn bench_model_folder_on_two_stages() {
     assert_eq!(j["batch"], 3);
     assert_eq!(j["weight_dtype"], "int8");
     assert_eq!(j["kv_dtype"], "bf16");
-    // Bytes per generated token: one step's reads shared by the batch.
+    // Two stages: two micro-batches in flight by default.
+    assert_eq!(j["micro_batches"], 2);
+    assert_eq!(j["overlap"], true);
+    // Bytes per generated token: each micro-batch's step reads the weights once, shared by
+    // its sequences.
     let per_step: f64 =
         j["ranks"].as_array().unwrap().iter().map(|r| r["bytes_per_token"].as_f64().unwrap()).sum();
     let per_token = j["weight_bytes_per_token"].as_f64().unwrap();
-    assert!((per_token * 3.0 - per_step).abs() <= 3.0, "{per_token} x 3 vs {per_step}");
+    assert!((per_token * 3.0 - 2.0 * per_step).abs() <= 3.0, "{per_token} x 3 vs 2 x {per_step}");
 }
 
 #[test]

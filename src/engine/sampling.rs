@@ -1,0 +1,507 @@
+//! Choosing the next token when the logits are split by vocabulary over a stage's ranks.
+//!
+//! Greedy is one allgather of (value, index) per row. Sampling is exact over the full
+//! vocabulary without gathering it: each rank sends, per row, its local maximum and sum of
+//! exponentials (so every rank knows the softmax normaliser) and its top candidates in order.
+//! From these every rank reaches the same decision:
+//!
+//! * the kept set — top-k, then top-p (smallest prefix whose mass reaches p, renormalised over
+//!   the top-k set), then min-p (probability at least `min_p` × the largest) — lies inside the
+//!   candidates whose order is certain: the token is drawn from them directly;
+//! * top-p reaches past the certain candidates: the round is repeated with more candidates;
+//! * the kept set is "every token at least θ" with θ known (no truncation, or min-p only):
+//!   each rank draws among its own kept tokens and one more allgather finds the winner.
+//!
+//! Draws use the Gumbel-max rule: the token is the kept one with the largest `l + g`, where
+//! `g` is Gumbel noise fixed by the sequence's seed, the token's number in the sequence and
+//! the token id. That is an exact sample of the kept tokens' softmax; it splits over shards
+//! (a max of local maxima); it is the same on every path; and a tiny difference in the logits
+//! (another grid sums in another order) changes the token only when the two best `l + g` are
+//! that close. So the same seed gives the same tokens whatever the grid. Order of processing
+//! (as in HF transformers): repetition penalty, temperature, top-k, top-p, min-p.
+
+use crate::comm::Comm;
+use serde::{Deserialize, Serialize};
+
+/// How one sequence picks its tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 picks the most likely token (greedy); otherwise logits are divided by it.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1: all).
+    pub top_p: f32,
+    /// Keep tokens whose probability is at least `min_p` × the largest (0: all).
+    pub min_p: f32,
+    /// Logits of tokens already in the sequence are divided by it when positive, multiplied
+    /// when negative (1: off).
+    pub repetition_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// The first setting out of range, as a message naming it.
+    pub fn check(&self) -> Result<(), String> {
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(format!("temperature must be a number >= 0 (0 is greedy), got {t}"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return Err(format!("repetition_penalty must be a number > 0, got {r}"));
+        }
+        Ok(())
+    }
+
+    /// Gumbel noise for `token` as the sequence's token number `index`.
+    pub fn gumbel(&self, index: u64, token: u32) -> f64 {
+        let bits = splitmix64(splitmix64(self.seed ^ splitmix64(index)) ^ token as u64);
+        let u = ((bits >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        -(-u.ln()).ln()
+    }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Applies the repetition penalty (to tokens of this shard marked in `seen`, a bit per shard
+/// token) and, when sampling, the temperature, to one row of shard logits.
+pub fn adjust(row: &mut [f32], p: &SamplingParams, seen: &[u64]) {
+    if p.repetition_penalty != 1.0 {
+        for (w, &bits) in seen.iter().enumerate() {
+            let mut b = bits;
+            while b != 0 {
+                let i = w * 64 + b.trailing_zeros() as usize;
+                b &= b - 1;
+                if let Some(l) = row.get_mut(i) {
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                }
+            }
+        }
+    }
+    if !p.is_greedy() && p.temperature != 1.0 {
+        let inv = 1.0 / p.temperature;
+        row.iter_mut().for_each(|l| *l *= inv);
+    }
+}
+
+/// Candidates a rank sends in the first round for a row with these settings.
+pub fn first_candidates(p: &SamplingParams) -> usize {
+    p.top_k.max(64)
+}
+
+/// Length of one row's summary with `c` candidates.
+pub fn summary_len(c: usize) -> usize {
+    5 + 2 * c
+}
+
+fn f64_to_f32s(x: f64) -> [f32; 2] {
+    let b = x.to_bits();
+    [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+}
+
+fn f32s_to_f64(a: f32, b: f32) -> f64 {
+    f64::from_bits(a.to_bits() as u64 | ((b.to_bits() as u64) << 32))
+}
+
+/// Orders candidates: larger value first, lower index on ties.
+fn before(a: (f32, u32), b: (f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// One rank's summary of one (adjusted) shard row into `out` (`summary_len(c)` long): local
+/// max, local sum of `exp(l - max)` (f64 in two halves), shard length, candidates sent, then
+/// the top `c` (value, global index) in order, padded. `idx` is reusable scratch.
+pub fn summarize(row: &[f32], vocab_start: usize, c: usize, idx: &mut Vec<u32>, out: &mut [f32]) {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let s: f64 = row.iter().map(|&l| ((l - m) as f64).exp()).sum();
+    let sent = c.min(row.len());
+    idx.clear();
+    idx.extend(0..row.len() as u32);
+    let cmp = |a: &u32, b: &u32| before((row[*a as usize], *a), (row[*b as usize], *b));
+    if sent < idx.len() && sent > 0 {
+        idx.select_nth_unstable_by(sent - 1, cmp);
+    }
+    idx.truncate(sent);
+    idx.sort_unstable_by(cmp);
+    out.fill(f32::from_bits(u32::MAX));
+    out[0] = m;
+    [out[1], out[2]] = f64_to_f32s(s);
+    out[3] = f32::from_bits(row.len() as u32);
+    out[4] = f32::from_bits(sent as u32);
+    for (j, &i) in idx.iter().enumerate() {
+        out[5 + 2 * j] = row[i as usize];
+        out[6 + 2 * j] = f32::from_bits(vocab_start as u32 + i);
+    }
+}
+
+/// What the stage does for a row after a round of summaries.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decision {
+    /// The token is known.
+    Token(u32),
+    /// Send `c` candidates per rank and decide again.
+    More(usize),
+    /// Draw among every token whose logit is at least `theta`.
+    Threshold { theta: f32 },
+}
+
+/// The stage's decision for one row from every rank's summary (`summaries[r]`, in rank order),
+/// the row's settings and the number of the token drawn (`index`); `merged` is reusable
+/// scratch. Pure and identical on every rank that holds the same summaries.
+pub fn decide(
+    summaries: &[&[f32]],
+    p: &SamplingParams,
+    index: u64,
+    merged: &mut Vec<(f32, u32)>,
+) -> Decision {
+    let mut max = f32::NEG_INFINITY;
+    for s in summaries {
+        max = max.max(s[0]);
+    }
+    let z: f64 = summaries.iter().map(|s| f32s_to_f64(s[1], s[2]) * ((s[0] - max) as f64).exp()).sum();
+    let vocab: usize = summaries.iter().map(|s| s[3].to_bits() as usize).sum();
+    // Every token of a rank that did not send them all is at most its last sent value, so the
+    // merged order is certain above the largest such value.
+    let mut bound = f32::NEG_INFINITY;
+    let mut sent_max = 0usize;
+    merged.clear();
+    for s in summaries {
+        let (len, sent) = (s[3].to_bits() as usize, s[4].to_bits() as usize);
+        sent_max = sent_max.max(sent);
+        for j in 0..sent {
+            merged.push((s[5 + 2 * j], s[6 + 2 * j].to_bits()));
+        }
+        if sent < len {
+            bound = bound.max(if sent == 0 { f32::INFINITY } else { s[5 + 2 * (sent - 1)] });
+        }
+    }
+    merged.sort_unstable_by(|a, b| before(*a, *b));
+    let certain = merged.iter().take_while(|c| c.0 > bound).count();
+    let w = |v: f32| ((v - max) as f64).exp();
+
+    // top-k: every rank sent at least its top k, so the first k merged are the global top k.
+    let explicit_k = p.top_k > 0;
+    let k = if explicit_k { p.top_k.min(vocab) } else { vocab };
+    // min-p: the probability ratio to the largest is exp(l - max). Known when no unsent token
+    // can reach the threshold.
+    let theta = if p.min_p > 0.0 { max + p.min_p.ln() } else { f32::NEG_INFINITY };
+    let all_certain = certain == vocab;
+    let mut keep = k;
+    if theta > bound || all_certain {
+        keep = keep.min(merged.iter().take_while(|c| c.0 >= theta).count());
+    }
+    // Merged candidates are in true order up to here.
+    let ordered = if explicit_k || all_certain { merged.len() } else { certain };
+    // top-p, renormalised over the top-k set: the smallest prefix reaching the mass.
+    if p.top_p < 1.0 {
+        let z_k = if explicit_k { merged.iter().take(k).map(|c| w(c.0)).sum() } else { z };
+        let target = p.top_p as f64 * z_k;
+        let limit = keep.min(ordered);
+        let mut acc = 0.0;
+        let found = merged.iter().take(limit).position(|c| {
+            acc += w(c.0);
+            acc >= target
+        });
+        match found {
+            Some(n) => keep = n + 1,
+            None if limit < keep => return Decision::More(4 * sent_max.max(16)),
+            None => {}
+        }
+    }
+    if keep <= ordered {
+        let best = merged[..keep.max(1)]
+            .iter()
+            .map(|c| (c.0 as f64 + p.gumbel(index, c.1), c.1))
+            .fold((f64::NEG_INFINITY, u32::MAX), better);
+        return Decision::Token(best.1);
+    }
+    Decision::Threshold { theta }
+}
+
+/// The larger of two (value, token) draws; the lower token on ties.
+fn better(a: (f64, u32), b: (f64, u32)) -> (f64, u32) {
+    if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) {
+        b
+    } else {
+        a
+    }
+}
+
+/// This rank's best draw among its tokens at least `theta`: (`l + g`, token).
+pub fn threshold_pick(
+    row: &[f32],
+    vocab_start: usize,
+    theta: f32,
+    p: &SamplingParams,
+    index: u64,
+) -> (f64, u32) {
+    row.iter()
+        .enumerate()
+        .filter(|(_, &l)| l >= theta)
+        .map(|(i, &l)| {
+            let t = (vocab_start + i) as u32;
+            (l as f64 + p.gumbel(index, t), t)
+        })
+        .fold((f64::NEG_INFINITY, u32::MAX), better)
+}
+
+/// Reusable buffers of [`sample_rows`].
+#[derive(Default)]
+pub struct Buffers {
+    mine: Vec<f32>,
+    all: Vec<f32>,
+    idx: Vec<u32>,
+    merged: Vec<(f32, u32)>,
+}
+
+/// The stage agrees on a sampled token for each row in `rows` of `logits` (`[m, shard]`,
+/// already adjusted), with `params[i]` for `rows[i]`, drawing the sequence's token number
+/// `indices[i]`. `max_shard`: the
+/// largest shard of the stage (the same on every rank). Collective over the stage: every rank
+/// calls it with the same rows and settings.
+#[allow(clippy::too_many_arguments)] // the rows, their settings and draws, and where the shard sits
+pub fn sample_rows(
+    logits: &[f32],
+    shard: usize,
+    max_shard: usize,
+    vocab_start: usize,
+    rows: &[usize],
+    params: &[&SamplingParams],
+    indices: &[u64],
+    b: &mut Buffers,
+    comm: &dyn Comm,
+) -> Vec<u32> {
+    let n = comm.size();
+    let row = |i: usize| &logits[rows[i] * shard..(rows[i] + 1) * shard];
+    let mut out = vec![u32::MAX; rows.len()];
+    let mut c_of: Vec<usize> = params.iter().map(|p| first_candidates(p)).collect();
+    let mut pending: Vec<usize> = (0..rows.len()).collect();
+    let mut thresholds: Vec<(usize, f32)> = Vec::new();
+    while !pending.is_empty() {
+        // One round: a summary per pending row, all rows of the same length.
+        let c = pending.iter().map(|&i| c_of[i]).max().unwrap_or(64).min(max_shard.max(1));
+        let len = summary_len(c);
+        b.mine.resize(len * pending.len(), 0.0);
+        for (j, &i) in pending.iter().enumerate() {
+            summarize(row(i), vocab_start, c, &mut b.idx, &mut b.mine[j * len..(j + 1) * len]);
+        }
+        b.all.resize(b.mine.len() * n, 0.0);
+        comm.allgather(&b.mine, &mut b.all);
+        let per_rank = b.mine.len();
+        let mut again = Vec::new();
+        for (j, &i) in pending.iter().enumerate() {
+            let sums: Vec<&[f32]> =
+                (0..n).map(|r| &b.all[r * per_rank + j * len..r * per_rank + (j + 1) * len]).collect();
+            match decide(&sums, params[i], indices[i], &mut b.merged) {
+                Decision::Token(t) => out[i] = t,
+                // Never once every rank sent its whole shard (then every candidate is certain).
+                Decision::More(more) => {
+                    c_of[i] = more.max(c + 1);
+                    again.push(i);
+                }
+                Decision::Threshold { theta } => thresholds.push((i, theta)),
+            }
+        }
+        pending = again;
+    }
+    if !thresholds.is_empty() {
+        // Each rank's best draw per row: (value as f64 in two halves, token).
+        let k = thresholds.len();
+        b.mine.clear();
+        for &(i, theta) in &thresholds {
+            let (v, t) = threshold_pick(row(i), vocab_start, theta, params[i], indices[i]);
+            b.mine.extend(f64_to_f32s(v));
+            b.mine.push(f32::from_bits(t));
+        }
+        b.all.resize(3 * k * n, 0.0);
+        comm.allgather(&b.mine, &mut b.all);
+        for (j, &(i, _)) in thresholds.iter().enumerate() {
+            out[i] = (0..n)
+                .map(|r| {
+                    let x = &b.all[r * 3 * k + 3 * j..r * 3 * k + 3 * j + 3];
+                    (f32s_to_f64(x[0], x[1]), x[2].to_bits())
+                })
+                .fold((f64::NEG_INFINITY, u32::MAX), better)
+                .1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs the whole protocol for one row split into `shards` pieces, in one process: what
+    /// `sample_rows` does with a stage of that many ranks.
+    fn sample_split(logits: &[f32], shards: usize, p: &SamplingParams, index: u64) -> u32 {
+        let v = logits.len();
+        let ranges: Vec<(usize, usize)> =
+            (0..shards).map(|r| (r * v / shards, (r + 1) * v / shards)).collect();
+        let mut c = first_candidates(p);
+        let mut idx = Vec::new();
+        let mut merged = Vec::new();
+        loop {
+            let cc = c.min(v);
+            let sums: Vec<Vec<f32>> = ranges
+                .iter()
+                .map(|&(a, b)| {
+                    let mut s = vec![0.0; summary_len(cc)];
+                    summarize(&logits[a..b], a, cc, &mut idx, &mut s);
+                    s
+                })
+                .collect();
+            let refs: Vec<&[f32]> = sums.iter().map(|s| &s[..]).collect();
+            match decide(&refs, p, index, &mut merged) {
+                Decision::Token(t) => return t,
+                Decision::More(m) => {
+                    assert!(cc < v, "more candidates asked for after all were sent");
+                    c = m.max(cc + 1);
+                }
+                Decision::Threshold { theta } => {
+                    let best = ranges
+                        .iter()
+                        .map(|&(a, b)| threshold_pick(&logits[a..b], a, theta, p, index))
+                        .fold((f64::NEG_INFINITY, u32::MAX), better);
+                    return best.1;
+                }
+            }
+        }
+    }
+
+    /// The distribution the settings define, computed directly on the full row.
+    fn reference(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let max = logits[order[0]] as f64;
+        let w: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
+        let mut keep = if p.top_k > 0 { p.top_k } else { logits.len() };
+        let z: f64 = order.iter().take(keep).map(|&i| w[i]).sum();
+        let mut acc = 0.0;
+        for (n, &i) in order.iter().take(keep).enumerate() {
+            acc += w[i] / z;
+            if acc >= p.top_p as f64 {
+                keep = n + 1;
+                break;
+            }
+        }
+        let kept: Vec<usize> =
+            order.iter().take(keep).copied().filter(|&i| w[i] >= p.min_p as f64 * 0.999_999).collect();
+        let total: f64 = kept.iter().map(|&i| w[i]).sum();
+        let mut probs = vec![0.0; logits.len()];
+        for i in kept {
+            probs[i] = w[i] / total;
+        }
+        probs
+    }
+
+    fn logits(v: usize, seed: u64) -> Vec<f32> {
+        (0..v)
+            .map(|i| ((splitmix64(seed + i as u64) >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0)
+            .collect()
+    }
+
+    /// Top-k, top-p, min-p and plain temperature sample only kept tokens, with the kept
+    /// tokens' probabilities (chi-square against the direct computation), and every split of
+    /// the vocabulary over ranks draws the same token for the same draw.
+    #[test]
+    fn samples_follow_the_truncated_distribution_for_every_split() {
+        // 300 tokens: more than a first round's candidates, so shards of 300 and 150 take the
+        // "more candidates" and threshold paths, while shards of 43 send everything.
+        let l = logits(300, 3);
+        let settings = [
+            SamplingParams { temperature: 1.0, top_k: 5, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_p: 0.6, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_k: 12, top_p: 0.7, ..Default::default() },
+            SamplingParams { temperature: 1.0, min_p: 0.3, ..Default::default() },
+            SamplingParams { temperature: 1.0, min_p: 0.05, top_p: 0.8, ..Default::default() },
+            SamplingParams { temperature: 1.0, ..Default::default() },
+        ];
+        for p in &settings {
+            let want = reference(&l, p);
+            let n = 25_000;
+            let mut counts = vec![0usize; l.len()];
+            for i in 0..n {
+                let t = sample_split(&l, 1, p, i);
+                for shards in [2, 3, 7] {
+                    assert_eq!(
+                        sample_split(&l, shards, p, i),
+                        t,
+                        "{p:?}: {shards} shards differ at draw {i}"
+                    );
+                }
+                counts[t as usize] += 1;
+            }
+            let mut chi2 = 0.0;
+            let mut dof = 0;
+            for (t, &c) in counts.iter().enumerate() {
+                if want[t] == 0.0 {
+                    assert_eq!(c, 0, "{p:?}: token {t} is outside the kept set but was drawn {c} times");
+                    continue;
+                }
+                let e = want[t] * n as f64;
+                chi2 += (c as f64 - e).powi(2) / e;
+                dof += 1;
+            }
+            // Far above the 99.9% quantile for these degrees of freedom would mean wrong
+            // frequencies; a correct sampler stays below it except one time in a thousand.
+            let limit = dof as f64 + 4.0 * (2.0 * dof as f64).sqrt() + 10.0;
+            assert!(chi2 < limit, "{p:?}: chi-square {chi2:.1} over {dof} kept tokens (limit {limit:.1})");
+        }
+    }
+
+    /// A nucleus larger than the first round's candidates (a flat distribution) is found by
+    /// asking for more, and still matches the direct computation.
+    #[test]
+    fn wide_nucleus_asks_for_more_candidates() {
+        let l: Vec<f32> = (0..3000).map(|i| (i % 7) as f32 * 0.01).collect();
+        let p = SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() };
+        let want = reference(&l, &p);
+        for i in 0..200 {
+            let t = sample_split(&l, 1, &p, i);
+            assert!(want[t as usize] > 0.0, "token {t} is outside the nucleus");
+            assert_eq!(sample_split(&l, 4, &p, i), t);
+        }
+    }
+
+    #[test]
+    fn penalty_and_temperature() {
+        let mut row = vec![2.0, -2.0, 1.0, 4.0];
+        let p = SamplingParams { temperature: 2.0, repetition_penalty: 2.0, ..Default::default() };
+        adjust(&mut row, &p, &[0b0011]);
+        assert_eq!(row, vec![0.5, -2.0, 0.5, 2.0]);
+        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.check().is_err());
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.check().is_err());
+        let d = SamplingParams::default();
+        assert!((0..1000).map(|i| d.gumbel(i, 7)).all(f64::is_finite));
+    }
+}

@@ -1,0 +1,357 @@
+//! The driver's scheduler: many requests through the grid at once (continuous batching).
+//!
+//! Sequences live in slots and in micro-batches (groups). Each group has at most one step in
+//! flight; with several groups and `overlap`, the driver launches a step of every group before
+//! collecting the oldest, so with pp > 1 stage s works on one group while stage s+1 works on
+//! another. A step of a group carries one decode token of each of its running sequences plus
+//! chunks of prompts still being prefilled, up to `step_tokens`, so a long new prompt never
+//! stalls the others for more than one chunk.
+//!
+//! KV memory is a pool of pages ([`PAGE`] positions each) with a free list. A request is
+//! admitted (FIFO) when a slot is free and the pool holds the pages of its whole length
+//! (prompt + `max_tokens`, within the context); otherwise it waits for a finishing sequence to
+//! return pages. A request that could never fit gets its own error; the others run on.
+
+use super::{check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Step, StepResult};
+use crate::comm::{Comm, Link};
+use crate::error::{Error, Result};
+use crate::model::{Span, PAGE};
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// One prompt to complete.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub params: SamplingParams,
+    /// Keep the raw full-vocabulary logits of the last prompt position.
+    pub keep_logits: bool,
+}
+
+/// How the scheduler runs a set of requests.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Sequences running at once (slots).
+    pub max_batch: usize,
+    /// Groups of sequences stepped separately (micro-batches).
+    pub micro_batches: usize,
+    /// Keep a step of every group in flight (pipeline overlap); otherwise one step at a time.
+    pub overlap: bool,
+    /// Most tokens in one step (decode tokens plus prompt chunks).
+    pub step_tokens: usize,
+    /// KV memory per rank, in bytes; `None`: enough for `max_batch` of these requests at their
+    /// full length, at most a quarter of the memory available on this node per local rank.
+    pub kv_bytes: Option<usize>,
+    pub eos_ids: Vec<u32>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            max_batch: 8,
+            micro_batches: 1,
+            overlap: true,
+            step_tokens: 512,
+            kv_bytes: None,
+            eos_ids: Vec::new(),
+        }
+    }
+}
+
+/// The outcome of one request.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub token_ids: Vec<u32>,
+    pub finish: Finish,
+    /// Why the request could not run (`finish` is then `Error`).
+    pub error: Option<String>,
+    /// When each token arrived, in ms since the run began.
+    pub times_ms: Vec<f64>,
+    pub prompt_logits: Option<Vec<f32>>,
+}
+
+/// Totals of a run, for reports.
+#[derive(Debug, Clone, Default)]
+pub struct RunStats {
+    /// Steps launched, and those with at least one prompt chunk.
+    pub steps: usize,
+    pub prefill_steps: usize,
+    pub kv_pages: usize,
+    pub kv_page_bytes: usize,
+    /// Most pages in use at once.
+    pub kv_pages_peak: usize,
+    pub elapsed_ms: f64,
+}
+
+struct Seq {
+    slot: usize,
+    pages: Vec<u32>,
+    group: usize,
+    /// Prompt tokens sent so far.
+    fed: usize,
+}
+
+/// A launched step: the requests of its emitting spans, in order.
+struct InFlight {
+    group: usize,
+    emitting: Vec<usize>,
+    want_logits: bool,
+}
+
+impl Engine {
+    /// Driver: completes every request, as many at a time as slots and KV memory allow, and
+    /// calls `on_token(request, token)` as each token arrives (returning `false` stops that
+    /// sequence with [`Finish::Stop`]). Per-request problems (a prompt too long for the context
+    /// or the KV memory) end only that request. Call [`Engine::finish`] afterwards.
+    pub fn run(
+        &mut self,
+        requests: &[Request],
+        opts: &RunOptions,
+        comm: &dyn Comm,
+        link: &dyn Link,
+        on_token: impl FnMut(usize, u32) -> Result<bool>,
+    ) -> Result<Vec<Completion>> {
+        self.run_with_stats(requests, opts, comm, link, on_token).map(|(c, _)| c)
+    }
+
+    /// [`Engine::run`], also returning the run's totals.
+    pub fn run_with_stats(
+        &mut self,
+        requests: &[Request],
+        opts: &RunOptions,
+        comm: &dyn Comm,
+        link: &dyn Link,
+        mut on_token: impl FnMut(usize, u32) -> Result<bool>,
+    ) -> Result<(Vec<Completion>, RunStats)> {
+        if opts.max_batch == 0 || opts.micro_batches == 0 || opts.step_tokens == 0 {
+            return Err(Error::Input("max batch, micro-batches and step tokens must be at least 1".into()));
+        }
+        let t0 = Instant::now();
+        let ms = |t0: Instant| t0.elapsed().as_secs_f64() * 1e3;
+        let ctx = self.max_context();
+        let positions = |r: &Request| (r.prompt.len() + r.max_tokens).min(ctx);
+        let page_bytes = self.max_page_bytes().max(1);
+        let pages = match opts.kv_bytes {
+            Some(b) => b / page_bytes,
+            None => {
+                let mut need: Vec<usize> = requests.iter().map(|r| positions(r).div_ceil(PAGE)).collect();
+                need.sort_unstable_by(|a, b| b.cmp(a));
+                let want: usize = need.iter().take(opts.max_batch).sum();
+                want.min(auto_kv_limit() / page_bytes).max(1)
+            }
+        };
+        if pages == 0 {
+            return Err(Error::Input(format!(
+                "the KV memory ({} bytes per rank) holds no page; a page of {PAGE} positions takes {page_bytes} bytes",
+                opts.kv_bytes.unwrap_or(0)
+            )));
+        }
+        let slots = opts.max_batch;
+        let groups = opts.micro_batches.min(slots);
+        let depth = if opts.overlap { groups } else { 1 };
+        self.begin(pages, slots, comm, link)?;
+
+        let mut out: Vec<Completion> = requests
+            .iter()
+            .map(|_| Completion {
+                token_ids: Vec::new(),
+                finish: Finish::Length,
+                error: None,
+                times_ms: Vec::new(),
+                prompt_logits: None,
+            })
+            .collect();
+        let mut waiting = VecDeque::new();
+        for (i, r) in requests.iter().enumerate() {
+            let need = positions(r).div_ceil(PAGE);
+            let problem = match check_prompt(r.prompt.len(), ctx) {
+                Err(e) => Some(e.to_string()),
+                Ok(()) if need > pages => Some(format!(
+                    "the prompt of {} tokens with max_tokens {} needs {need} KV pages of {PAGE} positions ({:.1} MiB per rank) but the KV memory holds {pages} ({:.1} MiB)",
+                    r.prompt.len(),
+                    r.max_tokens,
+                    (need * page_bytes) as f64 / (1 << 20) as f64,
+                    (pages * page_bytes) as f64 / (1 << 20) as f64
+                )),
+                Ok(()) => r.params.check().err(),
+            };
+            match problem {
+                Some(e) => {
+                    out[i].finish = Finish::Error;
+                    out[i].error = Some(e);
+                }
+                None if r.max_tokens == 0 => out[i].finish = Finish::Length,
+                None => waiting.push_back(i),
+            }
+        }
+        let mut free_slots: Vec<usize> = (0..slots).rev().collect();
+        let mut free_pages: Vec<u32> = (0..pages as u32).rev().collect();
+        let mut seqs: Vec<Option<Seq>> = requests.iter().map(|_| None).collect();
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); groups];
+        let mut busy = vec![false; groups];
+        let per_group = slots.div_ceil(groups);
+        let mut flight: VecDeque<InFlight> = VecDeque::new();
+        let mut stats = RunStats { kv_pages: pages, kv_page_bytes: page_bytes, ..RunStats::default() };
+        let mut next_group = 0;
+        loop {
+            // Launch a step for every idle group with work, up to the depth.
+            let mut tried = 0;
+            while flight.len() < depth && tried < groups && !flight.iter().any(|f| f.want_logits) {
+                let g = next_group;
+                next_group = (next_group + 1) % groups;
+                tried += 1;
+                if busy[g] {
+                    continue;
+                }
+                // Admission, first come first served.
+                let mut admit = Vec::new();
+                while let Some(&i) = waiting.front() {
+                    let need = positions(&requests[i]).div_ceil(PAGE);
+                    if members[g].len() >= per_group || free_slots.is_empty() || free_pages.len() < need {
+                        break;
+                    }
+                    waiting.pop_front();
+                    let slot = free_slots.pop().expect("checked");
+                    let pg: Vec<u32> = free_pages.split_off(free_pages.len() - need);
+                    admit.push(Admit { slot, pages: pg.clone(), params: requests[i].params.clone() });
+                    seqs[i] = Some(Seq { slot, pages: pg, group: g, fed: 0 });
+                    members[g].push(i);
+                }
+                stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len());
+                let step = build_step(&members[g], &mut seqs, requests, &out, admit, opts.step_tokens);
+                let Some((step, emitting)) = step else { continue };
+                if step.spans.iter().any(|s| s.emit && s.len > 1) || step.spans.iter().any(|s| !s.emit) {
+                    stats.prefill_steps += 1;
+                }
+                stats.steps += 1;
+                let want_logits = step.want_logits;
+                busy[g] = true;
+                self.launch(Plan::Step(step), comm, link)?;
+                flight.push_back(InFlight { group: g, emitting, want_logits });
+                tried = 0;
+            }
+            let Some(f) = flight.pop_front() else {
+                if let Some(&i) = waiting.front() {
+                    // Nothing runs, so every page is free: only a bug leaves a request waiting.
+                    return Err(Error::Comm(format!("request {i} waits with the KV pool empty")));
+                }
+                break;
+            };
+            let r: StepResult = self.collect(link)?;
+            busy[f.group] = false;
+            if r.tokens.len() != f.emitting.len() {
+                return Err(Error::Comm(format!(
+                    "a step of {} emitting spans returned {} tokens",
+                    f.emitting.len(),
+                    r.tokens.len()
+                )));
+            }
+            let mut logits = r.logits;
+            for (&i, &tok) in f.emitting.iter().zip(&r.tokens) {
+                let req = &requests[i];
+                let c = &mut out[i];
+                if c.token_ids.is_empty() && req.keep_logits {
+                    c.prompt_logits = logits.take();
+                }
+                c.token_ids.push(tok);
+                c.times_ms.push(ms(t0));
+                let go_on = on_token(i, tok)?;
+                let pos = req.prompt.len() + c.token_ids.len() - 1;
+                let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
+                    Some(Finish::Eos)
+                } else if !go_on {
+                    Some(Finish::Stop)
+                } else if c.token_ids.len() >= req.max_tokens {
+                    Some(Finish::Length)
+                } else if pos >= positions(req) {
+                    Some(Finish::Context)
+                } else {
+                    None
+                };
+                if let Some(fin) = finish {
+                    c.finish = fin;
+                    let s = seqs[i].take().expect("an emitting request is running");
+                    members[s.group].retain(|&m| m != i);
+                    free_slots.push(s.slot);
+                    free_pages.extend(s.pages);
+                }
+            }
+        }
+        stats.elapsed_ms = ms(t0);
+        Ok((out, stats))
+    }
+}
+
+/// The next step of a group: a decode token of each running member, then prompt chunks while
+/// the step has room (at least one chunk, so prefill always advances). `None` when the group
+/// has nothing to run. Also returns the requests of the emitting spans, in order.
+fn build_step(
+    members: &[usize],
+    seqs: &mut [Option<Seq>],
+    requests: &[Request],
+    out: &[Completion],
+    admit: Vec<Admit>,
+    step_tokens: usize,
+) -> Option<(Step, Vec<usize>)> {
+    let mut spans = Vec::new();
+    let mut tokens = Vec::new();
+    let mut emitting = Vec::new();
+    let mut want_logits = false;
+    for &i in members {
+        let s = seqs[i].as_ref().expect("members are running");
+        let p = &requests[i].prompt;
+        if s.fed == p.len() {
+            let done = &out[i].token_ids;
+            let last = *done.last().expect("a fully fed prompt has its first token");
+            spans.push(Span { seq: s.slot, pos0: p.len() + done.len() - 1, len: 1, emit: true });
+            tokens.push(last);
+            emitting.push(i);
+        }
+    }
+    let mut room = step_tokens.saturating_sub(tokens.len());
+    for &i in members {
+        let s = seqs[i].as_mut().expect("members are running");
+        let p = &requests[i].prompt;
+        if s.fed == p.len() {
+            continue;
+        }
+        let n = (p.len() - s.fed).min(room.max(if spans.is_empty() { PAGE } else { 0 }));
+        if n == 0 {
+            break;
+        }
+        let emit = s.fed + n == p.len();
+        spans.push(Span { seq: s.slot, pos0: s.fed, len: n, emit });
+        tokens.extend_from_slice(&p[s.fed..s.fed + n]);
+        s.fed += n;
+        if emit {
+            if requests[i].keep_logits && !want_logits && emitting.is_empty() {
+                want_logits = true;
+            }
+            emitting.push(i);
+        }
+        room = room.saturating_sub(n);
+    }
+    if spans.is_empty() {
+        return None;
+    }
+    Some((Step { admit, spans, tokens, want_logits }, emitting))
+}
+
+/// A quarter of the memory available on this node, shared by its local ranks.
+fn auto_kv_limit() -> usize {
+    let avail = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            l.split_whitespace().nth(1)?.parse::<usize>().ok()
+        })
+        .map_or(4 << 30, |kb| kb * 1024);
+    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    avail / 4 / local
+}

@@ -1,0 +1,266 @@
+//! Prompts for batched generation and the text of their completions. Owns: reading a prompts
+//! file (one prompt per line, or JSONL with per-prompt settings), and following a completion's
+//! text as tokens arrive, so stop strings end it.
+
+use crate::engine::sampling::SamplingParams;
+use crate::error::{Error, Result};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use serde::Deserialize;
+use std::path::Path;
+
+/// Settings every prompt starts from; a JSONL line may override each of them.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub chat: bool,
+    pub stop: Vec<String>,
+    pub params: SamplingParams,
+}
+
+/// One prompt of a prompts file, with its settings resolved.
+#[derive(Debug, Clone)]
+pub struct PromptSpec {
+    /// Line number in the file (1-based).
+    pub line: usize,
+    /// The JSONL `id`, if any, echoed in the results.
+    pub id: Option<serde_json::Value>,
+    pub text: String,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub chat: bool,
+    pub stop: Vec<String>,
+    pub params: SamplingParams,
+}
+
+/// Keys a JSONL line may have.
+const KEYS: [&str; 12] = [
+    "prompt",
+    "id",
+    "max_tokens",
+    "ignore_eos",
+    "chat",
+    "stop",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+];
+
+/// A stop setting: one string or a list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The value of `key` in a JSONL object, if present, as a `T`; the error names the key.
+fn field<T: serde::de::DeserializeOwned>(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+) -> std::result::Result<Option<T>, String> {
+    match obj.get(key) {
+        None => Ok(None),
+        Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| format!("`{key}`: {e}")),
+    }
+}
+
+impl Defaults {
+    /// The prompt on `line` (number `index` among the file's prompts) with these settings;
+    /// without an explicit seed, each prompt gets its own seed derived from the default one.
+    fn spec(&self, line: usize, index: usize, text: String) -> PromptSpec {
+        let mut params = self.params.clone();
+        params.seed = self.params.seed.wrapping_add(index as u64);
+        PromptSpec {
+            line,
+            id: None,
+            text,
+            max_tokens: self.max_tokens,
+            ignore_eos: self.ignore_eos,
+            chat: self.chat,
+            stop: self.stop.clone(),
+            params,
+        }
+    }
+}
+
+/// Reads a prompts file. JSONL when the name ends in `.jsonl` or the first non-blank line starts
+/// with `{`: each non-blank line is an object with `prompt` and optional `id`, `max_tokens`,
+/// `ignore_eos`, `chat`, `stop` (string or list), `temperature`, `top_k`, `top_p`, `min_p`,
+/// `repetition_penalty`, `seed`. Otherwise each non-blank line is a prompt, with `\n` and `\\`
+/// as escapes. Errors name the file and line.
+pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::Input(format!("{}: cannot read the prompts file: {e}", path.display())))?;
+    let lines: Vec<(usize, &str)> =
+        text.lines().enumerate().map(|(i, l)| (i + 1, l)).filter(|(_, l)| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        return Err(Error::Input(format!("{}: the prompts file has no prompts", path.display())));
+    }
+    let jsonl = path.extension().is_some_and(|e| e == "jsonl") || lines[0].1.trim_start().starts_with('{');
+    let mut out = Vec::with_capacity(lines.len());
+    for (index, (n, l)) in lines.into_iter().enumerate() {
+        if !jsonl {
+            out.push(d.spec(n, index, unescape(l)));
+            continue;
+        }
+        let at = |msg: String| Error::Input(format!("{}:{n}: {msg}", path.display()));
+        let obj: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(l).map_err(|e| at(format!("not a prompt object: {e}")))?;
+        if let Some(k) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
+            return Err(at(format!("unknown key `{k}` (expected {})", KEYS.join(", "))));
+        }
+        let text: String = field(&obj, "prompt").map_err(at)?.ok_or_else(|| at("no `prompt`".into()))?;
+        let mut s = d.spec(n, index, text);
+        s.id = obj.get("id").cloned();
+        let get = |s: &mut PromptSpec| -> std::result::Result<(), String> {
+            s.max_tokens = field(&obj, "max_tokens")?.unwrap_or(s.max_tokens);
+            s.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(s.ignore_eos);
+            s.chat = field(&obj, "chat")?.unwrap_or(s.chat);
+            match field::<Stop>(&obj, "stop")? {
+                Some(Stop::One(x)) => s.stop = vec![x],
+                Some(Stop::Many(x)) => s.stop = x,
+                None => {}
+            }
+            let p = &mut s.params;
+            p.temperature = field(&obj, "temperature")?.unwrap_or(p.temperature);
+            p.top_k = field(&obj, "top_k")?.unwrap_or(p.top_k);
+            p.top_p = field(&obj, "top_p")?.unwrap_or(p.top_p);
+            p.min_p = field(&obj, "min_p")?.unwrap_or(p.min_p);
+            p.repetition_penalty = field(&obj, "repetition_penalty")?.unwrap_or(p.repetition_penalty);
+            p.seed = field(&obj, "seed")?.unwrap_or(p.seed);
+            Ok(())
+        };
+        get(&mut s).map_err(at)?;
+        let p = &s.params;
+        p.check().map_err(at)?;
+        if s.stop.iter().any(String::is_empty) {
+            return Err(at("a stop string is empty".into()));
+        }
+        out.push(s);
+    }
+    Ok(out)
+}
+
+/// `\n` → newline, `\t` → tab, `\\` → backslash in a plain-text prompt line.
+fn unescape(l: &str) -> String {
+    let mut out = String::with_capacity(l.len());
+    let mut chars = l.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('t') => out.push('\t'),
+            Some('\\') => out.push('\\'),
+            Some(o) => {
+                out.push('\\');
+                out.push(o);
+            }
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// The text of one completion as its tokens arrive, cut at the first stop string.
+pub struct TextTracker {
+    stream: StreamDecoder,
+    text: String,
+    stop: Vec<String>,
+    stopped: bool,
+}
+
+impl TextTracker {
+    pub fn new(stop: Vec<String>) -> Self {
+        TextTracker { stream: StreamDecoder::default(), text: String::new(), stop, stopped: false }
+    }
+
+    /// Adds a token. Returns the new text to show (never past a stop string) and whether the
+    /// completion goes on.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<(String, bool)> {
+        if self.stopped {
+            return Ok((String::new(), false));
+        }
+        let Some(piece) = self.stream.push(tok, id)? else { return Ok((String::new(), true)) };
+        let start = self.text.len();
+        self.text.push_str(&piece);
+        // A stop string ending in this piece starts at most its length before the piece.
+        let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
+        let mut from = start.saturating_sub(longest);
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let cut = self.stop.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min();
+        if let Some(cut) = cut {
+            self.stopped = true;
+            let shown = if cut > start { self.text[start..cut].to_string() } else { String::new() };
+            self.text.truncate(cut);
+            return Ok((shown, false));
+        }
+        Ok((piece, true))
+    }
+
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// The text so far (cut at a stop string if one appeared).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> Defaults {
+        Defaults {
+            max_tokens: 16,
+            ignore_eos: false,
+            chat: false,
+            stop: vec![],
+            params: SamplingParams { seed: 100, ..Default::default() },
+        }
+    }
+
+    #[test]
+    fn plain_and_jsonl_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("p.txt");
+        std::fs::write(&plain, "first\n\n  \nsecond\\nline\n").unwrap();
+        let p = read_prompts(&plain, &defaults()).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!((p[0].line, p[0].text.as_str(), p[0].params.seed), (1, "first", 100));
+        assert_eq!((p[1].line, p[1].text.as_str(), p[1].params.seed), (4, "second\nline", 101));
+
+        let jl = dir.path().join("p.jsonl");
+        std::fs::write(
+            &jl,
+            "{\"prompt\":\"a\",\"max_tokens\":3,\"temperature\":0.7,\"top_k\":5,\"stop\":\"x\",\"id\":\"q1\"}\n{\"prompt\":\"b\",\"stop\":[\"y\",\"z\"],\"seed\":9}\n",
+        )
+        .unwrap();
+        let p = read_prompts(&jl, &defaults()).unwrap();
+        assert_eq!((p[0].max_tokens, p[0].params.top_k, p[0].stop.clone()), (3, 5, vec!["x".to_string()]));
+        assert_eq!(p[0].id, Some(serde_json::json!("q1")));
+        assert_eq!((p[1].max_tokens, p[1].params.seed, p[1].stop.len()), (16, 9, 2));
+
+        std::fs::write(&jl, "{\"prompt\":\"a\"}\n{\"prompt\":\"b\",\"top_p\":2}\n").unwrap();
+        let e = read_prompts(&jl, &defaults()).unwrap_err().to_string();
+        assert!(e.contains("p.jsonl:2:") && e.contains("top_p"), "{e}");
+        std::fs::write(&jl, "{\"prompt\":\"a\",\"top_k\":\"x\"}\n").unwrap();
+        let e = read_prompts(&jl, &defaults()).unwrap_err().to_string();
+        assert!(e.contains("p.jsonl:1:") && e.contains("`top_k`"), "{e}");
+        std::fs::write(&jl, "{\"prompt\":\"a\",\"temprature\":1}\n").unwrap();
+        let e = read_prompts(&jl, &defaults()).unwrap_err().to_string();
+        assert!(e.contains("p.jsonl:1:") && e.contains("temprature"), "{e}");
+        std::fs::write(&jl, "\n\n").unwrap();
+        assert!(read_prompts(&jl, &defaults()).unwrap_err().to_string().contains("no prompts"));
+    }
+}
