@@ -48,6 +48,29 @@ pub struct BenchReport {
     pub ranks: Vec<RankReport>,
 }
 
+/// Decode throughput of sequences run side by side, from each sequence's token arrival times
+/// (ms): tokens per second inside the window where every sequence is decoding — after the last
+/// first token, up to the first last token — and the gaps between consecutive tokens inside
+/// it. Outside the window some sequences are still prefilling (one micro-batch's prompts may
+/// hold the pipeline while another decodes) or already done, so it is not steady decode.
+/// `None` when the window holds no gap.
+pub fn decode_window(times: &[&[f64]]) -> Option<(f64, Vec<f64>)> {
+    let firsts: Option<Vec<f64>> = times.iter().map(|t| t.first().copied()).collect();
+    let start = firsts?.into_iter().fold(f64::NEG_INFINITY, f64::max);
+    let end = times.iter().filter_map(|t| t.last().copied()).fold(f64::INFINITY, f64::min);
+    let mut gaps = Vec::new();
+    let mut tokens = 0usize;
+    for t in times {
+        for w in t.windows(2) {
+            if w[0] >= start && w[1] <= end {
+                gaps.push(w[1] - w[0]);
+            }
+        }
+        tokens += t.iter().filter(|&&x| x > start && x <= end).count();
+    }
+    (end > start && !gaps.is_empty()).then(|| (tokens as f64 / ((end - start) / 1e3), gaps))
+}
+
 /// The `q`-quantile (0..=1) of `v`, by nearest rank.
 pub fn percentile(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {
@@ -133,6 +156,18 @@ impl BenchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_window_skips_prefill_stalls() {
+        // Sequence a decodes while b prefills (a's gap of 100 ms), then both every 10 ms.
+        let a = [0.0, 10.0, 110.0, 120.0, 130.0, 140.0];
+        let b = [105.0, 115.0, 125.0, 135.0, 145.0, 155.0];
+        let (rate, gaps) = decode_window(&[&a, &b]).unwrap();
+        // Window 105..140: a's tokens at 110..140 (4), b's at 115..135 (3) in 35 ms.
+        assert!((rate - 7.0 / 0.035).abs() < 1e-6, "{rate}");
+        assert_eq!(gaps, vec![10.0, 10.0, 10.0, 10.0, 10.0, 10.0]);
+        assert!(decode_window(&[&[1.0][..]]).is_none());
+    }
 
     #[test]
     fn percentiles() {

@@ -76,6 +76,25 @@ pub fn vocab_range(vocab_size: usize, tp: usize, t: usize) -> Range<usize> {
     split_aligned(vocab_size, tp, t, FFN_ALIGN)
 }
 
+/// Layers per stage so that every stage reads about the same weight bytes per decode step: the
+/// last stage also reads the output head (`vocab × hidden`, often several layers' worth; a
+/// sixth of SmolLM2), so it gets fewer layers, and the others share the rest evenly. A pipeline
+/// runs at the pace of its slowest stage.
+pub fn balanced_layers(cfg: &ModelConfig, pp: usize) -> Vec<usize> {
+    let n = cfg.n_layers;
+    if pp <= 1 {
+        return vec![n];
+    }
+    let (h, ff) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
+    let layer = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h + 3.0 * h * ff;
+    let head = cfg.vocab_size as f64 * h / layer;
+    let share = (n as f64 + head) / pp as f64;
+    let last = ((share - head).round().max(1.0) as usize).min(n - (pp - 1));
+    let mut split: Vec<usize> = (0..pp - 1).map(|s| split_even(n - last, pp - 1, s).len()).collect();
+    split.push(last);
+    split
+}
+
 /// Everything one rank holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardPlan {
@@ -89,7 +108,8 @@ pub struct ShardPlan {
 }
 
 impl ShardPlan {
-    /// `layer_split`: explicit layers per stage (must sum to the layer count), else even.
+    /// `layer_split`: explicit layers per stage (must sum to the layer count), else
+    /// [`balanced_layers`].
     pub fn new(cfg: &ModelConfig, grid: &Grid, layer_split: Option<&[usize]>) -> Result<Self> {
         if grid.tp > cfg.n_heads {
             return Err(Error::Input(format!(
@@ -116,7 +136,11 @@ impl ShardPlan {
                 let start: usize = split[..stage].iter().sum();
                 start..start + split[stage]
             }
-            None => split_even(cfg.n_layers, grid.pp, stage),
+            None => {
+                let split = balanced_layers(cfg, grid.pp);
+                let start: usize = split[..stage].iter().sum();
+                start..start + split[stage]
+            }
         };
         let t = grid.tp_rank();
         let q_heads = split_even(cfg.n_heads, grid.tp, t);
@@ -137,6 +161,20 @@ impl ShardPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn layers_balance_the_output_head() {
+        let mut cfg = crate::weights::synthetic::shape("smollm2-135m").unwrap();
+        assert_eq!(balanced_layers(&cfg, 1), vec![30]);
+        // The head is ~8 layers' worth: the last stage gets 8 fewer.
+        assert_eq!(balanced_layers(&cfg, 2), vec![19, 11]);
+        assert_eq!(balanced_layers(&cfg, 3), vec![13, 12, 5]);
+        cfg.n_layers = 4;
+        assert_eq!(balanced_layers(&cfg, 4), vec![1, 1, 1, 1]);
+        assert_eq!(balanced_layers(&cfg, 2), vec![3, 1]);
+        let big = crate::weights::synthetic::shape("llama-2-70b").unwrap();
+        assert_eq!(balanced_layers(&big, 4), vec![20, 20, 20, 20]);
+    }
 
     #[test]
     fn even_and_uneven_splits() {

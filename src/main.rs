@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
-use gridlm::bench::{percentile, prefill_flops, BenchReport, RankReport};
+use gridlm::bench::{decode_window, percentile, prefill_flops, BenchReport, RankReport};
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
@@ -182,7 +182,8 @@ struct GridArgs {
     /// Tensor-parallel ranks per stage (default: the number of ranks / pp).
     #[arg(long)]
     tp: Option<usize>,
-    /// Layers per stage, e.g. `16,14` (default: as even as possible).
+    /// Layers per stage, e.g. `16,14` (default: equal weight bytes per decode step, the last
+    /// stage counting the output head).
     #[arg(long, value_delimiter = ',')]
     layers: Option<Vec<usize>>,
 }
@@ -838,18 +839,16 @@ fn run_bench(
         };
         match engine.run(&requests, &opts, comm, link, |_, _| Ok(true)) {
             Ok(done) => {
-                // Every sequence's first token, its later tokens' gaps, and the batch's rate:
-                // the sequences run side by side, so their rates add up.
+                // Every sequence's first token; decode measured while all of them decode.
                 let first = percentile(&done.iter().map(|c| c.times_ms[0]).collect::<Vec<_>>(), 0.5);
-                let tps: f64 = done.iter().map(decode_rate).sum();
+                let times: Vec<&[f64]> = done.iter().map(|c| &c.times_ms[..]).collect();
+                let (tps, g) = decode_window(&times).unwrap_or((0.0, Vec::new()));
                 let line = format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
                 let _ = std::io::stderr().write_all(line.as_bytes());
                 if i >= a.warmup {
                     firsts.push(first);
                     decode_rates.push(tps);
-                    for c in &done {
-                        gaps.extend(c.times_ms.windows(2).map(|w| w[1] - w[0]));
-                    }
+                    gaps.extend(g);
                 }
             }
             Err(e) => {

@@ -1,13 +1,16 @@
-//! The generation loop over the grid. Owns: the kernel thread team, this rank's KV cache and buffers,
-//! the step plans the driver sends, the pipeline hand-off between stages, and the greedy choice
-//! of the next token across a stage's vocabulary shards. Knows nothing about SIMD or MPI types.
+//! The generation loop over the grid. Owns: the kernel thread team, this rank's KV pool and
+//! buffers, the step plans the driver sends, the pipeline hand-off between stages, and the
+//! choice of the next token across a stage's vocabulary shards (greedy here, sampling in
+//! [`sampling`]). The driver's scheduler ([`scheduler`]) decides what each step holds. Knows
+//! nothing about SIMD or MPI types.
 //!
 //! ```text
-//! driver (world rank 0)            every rank of stage 0         stage s > 0, rank (s, t)
-//!   plan = Step{tokens, pos0} ──►  broadcast in stage ──►        recv plan + hidden from (s-1, t)
-//!                                  embed, layers,                layers, then either send to
-//!                                  send plan + hidden ──────►    (s+1, t), or (last stage) logits,
-//!   token ◄───────────────────────────────────────────────────── argmax, allgather, token to rank 0
+//! driver (world rank 0)              every rank of stage 0        stage s > 0, rank (s, t)
+//!   plan = Step{admit, spans,  ──►   broadcast in stage ──►       recv plan + hidden from (s-1, t)
+//!                tokens}             embed, layers,               layers, then either send to
+//!   (up to one per micro-batch       send plan + hidden ─────►    (s+1, t), or (last stage) logits,
+//!    in flight)                                                   pick, allgather, tokens to rank 0
+//!   tokens ◄─────────────────────────────────────────────────────
 //! ```
 
 pub mod sampling;

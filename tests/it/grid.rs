@@ -128,7 +128,11 @@ fn ideal_shard_bytes(dir: &Path, pp: usize, tp: usize, stage: usize, n_layers: u
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let layers = gridlm::grid::split_even(n_layers, pp, stage);
+    let cfg = gridlm::config::ModelConfig::from_dir(dir).unwrap();
+    assert_eq!(cfg.n_layers, n_layers);
+    let split = gridlm::grid::balanced_layers(&cfg, pp);
+    let first: usize = split[..stage].iter().sum();
+    let layers = first..first + split[stage];
     let mut total = 0.0;
     for (name, info) in header.as_object().unwrap() {
         let Some(offsets) = info.get("data_offsets") else { continue };
