@@ -15,6 +15,14 @@ pub struct RankReport {
     pub rss_bytes: u64,
     pub weight_rss_bytes: u64,
     pub bytes_per_token: u64,
+    /// Per decode step on this rank (ms): from taking the plan to finishing its part, split
+    /// into compute and the time inside allreduce, allgather and point-to-point calls (waiting
+    /// for the stage before included).
+    pub step_ms: f64,
+    pub compute_ms: f64,
+    pub allreduce_ms: f64,
+    pub allgather_ms: f64,
+    pub sendrecv_ms: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -141,12 +149,17 @@ impl BenchReport {
         }
         for r in &self.ranks {
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}\n",
                 r.rank,
                 r.stage,
                 r.tp,
                 mb(r.weight_bytes),
-                mb(r.rss_bytes)
+                mb(r.rss_bytes),
+                r.step_ms,
+                r.compute_ms,
+                r.allreduce_ms,
+                r.allgather_ms,
+                r.sendrecv_ms
             );
         }
         s

@@ -9,7 +9,9 @@ pub mod error;
 pub mod grid;
 pub mod kernels;
 pub mod model;
+pub mod plan;
 pub mod prompts;
+pub mod scaling;
 pub mod tokenizer;
 pub mod weights;
 

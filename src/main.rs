@@ -34,6 +34,93 @@ enum Cmd {
     Convert(ConvertArgs),
     /// Measure latency, throughput, bandwidth and compute against the machine's own limits.
     Bench(BenchArgs),
+    /// Turn `bench --json` results of several layouts into a scaling table and plot.
+    Report(ReportArgs),
+    /// Predict memory and speed of every layout on a cluster, from a stated cost model.
+    Plan(PlanArgs),
+}
+
+/// The sequences a benchmark runs (or a plan predicts).
+#[derive(Args)]
+struct WorkloadArgs {
+    /// Prompt tokens (random ids) of each sequence.
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Tokens generated per sequence (the first comes from the prompt).
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// Sequences decoded together: each micro-batch's prompts in one prefill step, then one
+    /// token of each per step, so each step reads the weights once for its sequences.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// HuggingFace model folder (only config.json is read).
+    #[arg(long, conflicts_with = "shape", required_unless_present = "shape")]
+    model: Option<PathBuf>,
+    /// A named model shape (as for bench).
+    #[arg(long)]
+    shape: Option<String>,
+    /// Weight dtype: f32, bf16, f16 (or int8 with --quant int8).
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    dtype: DType,
+    #[arg(long, value_parser = parse_quant)]
+    quant: Option<Quant>,
+    #[arg(long, default_value = "f16", value_parser = parse_dtype)]
+    kv_dtype: DType,
+    /// Nodes of the cluster.
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    #[arg(long, default_value_t = 1)]
+    sockets_per_node: usize,
+    /// MPI ranks per socket, sharing its bandwidth and cores.
+    #[arg(long, default_value_t = 1)]
+    ranks_per_socket: usize,
+    /// Read bandwidth of one socket, GB/s (`bench --limits` measures it).
+    #[arg(long, required_unless_present = "limits")]
+    mem_bw: Option<f64>,
+    /// f32 FMA peak of one socket, GFLOP/s (`bench --limits` measures it).
+    #[arg(long, required_unless_present = "limits")]
+    peak_gflops: Option<f64>,
+    /// Take --mem-bw and --peak-gflops from this `bench --limits --json` output (run on one
+    /// socket with its cores); the flags win where given.
+    #[arg(long)]
+    limits: Option<PathBuf>,
+    /// Memory of one socket, GB (default: no limit).
+    #[arg(long, default_value_t = 0.0)]
+    mem_gb: f64,
+    /// Network bandwidth between nodes, Gbit/s.
+    #[arg(long, default_value_t = 10.0)]
+    net_gbps: f64,
+    /// One network message's latency between nodes, µs.
+    #[arg(long, default_value_t = 50.0)]
+    net_latency_us: f64,
+    /// One shared-memory message's latency inside a node, µs.
+    #[arg(long, default_value_t = 10.0)]
+    local_latency_us: f64,
+    /// Shared-memory copy bandwidth inside a node, GB/s.
+    #[arg(long, default_value_t = 5.0)]
+    local_gb_per_s: f64,
+    #[command(flatten)]
+    work: WorkloadArgs,
+    /// One JSON object (a list of layouts) instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// `bench --json` outputs, named `PPxTP[@placement].json` (as `launch/scale` writes them).
+    #[arg(required = true)]
+    runs: Vec<PathBuf>,
+    /// Draw tokens/s and parallel efficiency against ranks into this SVG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Title of the plot.
+    #[arg(long, default_value = "gridlm scaling")]
+    title: String,
 }
 
 #[derive(Args)]
@@ -191,7 +278,7 @@ struct GridArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// HuggingFace model folder to benchmark.
-    #[arg(long, conflicts_with = "shape", required_unless_present = "shape")]
+    #[arg(long, conflicts_with = "shape", required_unless_present_any = ["shape", "limits"])]
     model: Option<PathBuf>,
     /// A named model shape with seeded random weights, generated per shard (no files):
     /// smollm2-135m, qwen2-0.5b, llama-3.2-1b, llama-2-7b, llama-3-8b, llama-2-70b.
@@ -200,16 +287,8 @@ struct BenchArgs {
     /// Weight dtype of a --shape model.
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     dtype: DType,
-    /// Prompt tokens (random ids) of each sequence.
-    #[arg(long, default_value_t = 128)]
-    prompt_len: usize,
-    /// Tokens generated per sequence (the first comes from the prompt).
-    #[arg(long, default_value_t = 64)]
-    new_tokens: usize,
-    /// Sequences decoded together: one prefill step for all prompts, then one token of each
-    /// per step, so each step reads the weights once for the whole batch.
-    #[arg(long, default_value_t = 1)]
-    batch: usize,
+    #[command(flatten)]
+    work: WorkloadArgs,
     /// Unmeasured sequences before the measured ones.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
@@ -237,6 +316,10 @@ struct BenchArgs {
     step_tokens: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// Only measure the machine's limits (read bandwidth and f32 FMA peak with these threads, on
+    /// every rank at once) and print them: the inputs of `gridlm plan`.
+    #[arg(long, conflicts_with_all = ["model", "shape"])]
+    limits: bool,
     /// MiB of the buffer the bandwidth measurement reads (default 1024).
     #[arg(long, default_value_t = 1024)]
     bandwidth_mib: usize,
@@ -274,6 +357,8 @@ fn main() -> ExitCode {
         Cmd::Generate(a) => generate(a),
         Cmd::Convert(a) => run_convert(a),
         Cmd::Bench(a) => bench(a),
+        Cmd::Report(a) => report(a),
+        Cmd::Plan(a) => plan(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -291,6 +376,73 @@ fn main() -> ExitCode {
 fn error_line(msg: &str) {
     let line = format!("error: {}\n", msg.replace('\n', " "));
     let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+fn plan(a: PlanArgs) -> Result<()> {
+    use gridlm::plan::{layouts, table, Cluster, Workload};
+    let cfg = match (&a.model, &a.shape) {
+        (Some(dir), _) => ModelConfig::from_dir(dir)?,
+        (None, Some(name)) => synthetic::shape(name)?,
+        (None, None) => unreachable!("clap requires --model or --shape"),
+    };
+    let measured = match &a.limits {
+        Some(f) => {
+            let text = std::fs::read_to_string(f).with_context(|| format!("{}: cannot read", f.display()))?;
+            let v: serde_json::Value = serde_json::from_str(text.trim())
+                .with_context(|| format!("{}: not `bench --limits --json` output", f.display()))?;
+            let get = |k: &str| {
+                v[k].as_f64()
+                    .with_context(|| format!("{}: no number `{k}` (from bench --limits --json)", f.display()))
+            };
+            Some((get("measured_gb_per_s")?, get("measured_peak_gflops")?))
+        }
+        None => None,
+    };
+    let mem_bw = a.mem_bw.or(measured.map(|m| m.0)).unwrap_or(0.0);
+    let peak_gflops = a.peak_gflops.or(measured.map(|m| m.1)).unwrap_or(0.0);
+    let positive = [("--mem-bw", mem_bw), ("--peak-gflops", peak_gflops), ("--net-gbps", a.net_gbps)];
+    if let Some((k, v)) = positive.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+        anyhow::bail!("{k} must be a positive number, got {v}");
+    }
+    if a.nodes == 0 || a.sockets_per_node == 0 || a.ranks_per_socket == 0 || a.work.batch == 0 {
+        anyhow::bail!("--nodes, --sockets-per-node, --ranks-per-socket and --batch must be at least 1");
+    }
+    let cluster = Cluster {
+        nodes: a.nodes,
+        sockets_per_node: a.sockets_per_node,
+        ranks_per_socket: a.ranks_per_socket,
+        mem_gb_per_s: mem_bw,
+        peak_gflops,
+        mem_gb: a.mem_gb,
+        net_gbps: a.net_gbps,
+        net_latency_us: a.net_latency_us,
+        local_latency_us: a.local_latency_us,
+        local_gb_per_s: a.local_gb_per_s,
+    };
+    let weight_bytes = if a.quant.is_some() { 1.0 } else { a.dtype.size_bytes() as f64 };
+    let work = Workload {
+        weight_bytes,
+        kv_bytes: a.kv_dtype.size_bytes() as f64,
+        prompt_len: a.work.prompt_len,
+        new_tokens: a.work.new_tokens,
+        batch: a.work.batch,
+    };
+    let p = layouts(&cfg, &cluster, &work);
+    if a.json {
+        println!("{}", serde_json::to_string(&p)?);
+    } else {
+        print!("{}", table(&p));
+    }
+    Ok(())
+}
+
+fn report(a: ReportArgs) -> Result<()> {
+    let runs = gridlm::scaling::read_runs(&a.runs)?;
+    if let Some(p) = &a.plot {
+        gridlm::scaling::plot(&runs, p, &a.title)?;
+    }
+    print!("{}", gridlm::scaling::table(&runs));
+    Ok(())
 }
 
 fn run_convert(a: ConvertArgs) -> Result<()> {
@@ -346,9 +498,11 @@ fn rss_bytes() -> usize {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Collective: every rank's memory figures, in world-rank order. `weight_rss` is the RSS growth
-/// while the rank loaded its shard; the current RSS is taken now.
-fn gather_rank_reports(link: &dyn Link, grid: Grid, shard: &Shard, weight_rss: usize) -> Vec<RankReport> {
+/// Collective: every rank's memory and time figures, in world-rank order. `weight_rss` is the
+/// RSS growth while the rank loaded its shard; the current RSS is taken now.
+fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> Vec<RankReport> {
+    let (grid, shard) = (engine.grid, &engine.shard);
+    let t = engine.profile().per_step_ms().map(f64::to_bits);
     let mine = [
         grid.stage() as u64,
         grid.tp_rank() as u64,
@@ -356,6 +510,11 @@ fn gather_rank_reports(link: &dyn Link, grid: Grid, shard: &Shard, weight_rss: u
         rss_bytes() as u64,
         weight_rss as u64,
         shard.bytes_per_token() as u64,
+        t[0],
+        t[1],
+        t[2],
+        t[3],
+        t[4],
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -369,6 +528,11 @@ fn gather_rank_reports(link: &dyn Link, grid: Grid, shard: &Shard, weight_rss: u
             rss_bytes: v[3],
             weight_rss_bytes: v[4],
             bytes_per_token: v[5],
+            step_ms: f64::from_bits(v[6]),
+            compute_ms: f64::from_bits(v[7]),
+            allreduce_ms: f64::from_bits(v[8]),
+            allgather_ms: f64::from_bits(v[9]),
+            sendrecv_ms: f64::from_bits(v[10]),
         })
         .collect()
 }
@@ -544,7 +708,7 @@ fn run_generate(
 
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
-        gather_rank_reports(link, grid, &engine.shard, weight_rss);
+        gather_rank_reports(link, &engine, weight_rss);
         return Ok(());
     };
     if let Some(id) = tok.eos_id() {
@@ -578,7 +742,7 @@ fn run_generate(
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
+    let ranks = gather_rank_reports(link, &engine, weight_rss);
     let (done, stats) = run?;
     let texts: Vec<String> = done
         .iter()
@@ -727,7 +891,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
-    if a.reps == 0 || a.new_tokens < 2 || a.prompt_len == 0 || a.batch == 0 {
+    if a.reps == 0 || a.work.new_tokens < 2 || a.work.prompt_len == 0 || a.work.batch == 0 {
         anyhow::bail!(
             "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"
         );
@@ -736,7 +900,50 @@ fn bench(a: BenchArgs) -> Result<()> {
         anyhow::bail!("--micro-batches and --step-tokens must be at least 1");
     }
     let params = a.sampling.params()?;
+    if a.limits {
+        return on_grid(&a.grid, |_, _, link| run_limits(&a, link));
+    }
     on_grid(&a.grid, |grid, comm, link| run_bench(&a, &params, grid, comm, link))
+}
+
+/// `bench --limits`: every rank measures with its own threads at the same time; the sums are
+/// what the job's ranks get together.
+fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
+    let threads = a.threads.unwrap_or_else(default_threads);
+    let team = agree(
+        link,
+        gridlm::kernels::Team::new(threads)
+            .map_err(|e| gridlm::Error::Input(format!("cannot start {threads} kernel threads: {e}"))),
+    )?;
+    let bw = gridlm::kernels::limits::read_bandwidth_gb_per_s(&team, a.bandwidth_mib << 20, 5);
+    let peak = gridlm::kernels::limits::fma_peak_gflops(&team, 20_000_000);
+    let mut all = vec![0u64; 2 * link.world_size()];
+    link.allgather_u64(&[bw.to_bits(), peak.to_bits()], &mut all);
+    if link.world_rank() != 0 {
+        return Ok(());
+    }
+    let per_rank: Vec<(f64, f64)> =
+        all.chunks_exact(2).map(|v| (f64::from_bits(v[0]), f64::from_bits(v[1]))).collect();
+    let (gb, gf) = per_rank.iter().fold((0.0, 0.0), |(x, y), (b, p)| (x + b, y + p));
+    if a.json {
+        let ranks: Vec<_> = per_rank
+            .iter()
+            .map(|(b, p)| serde_json::json!({"measured_gb_per_s": b, "measured_peak_gflops": p}))
+            .collect();
+        let out = serde_json::json!({
+            "measured_gb_per_s": gb,
+            "measured_peak_gflops": gf,
+            "threads_per_rank": threads,
+            "ranks": ranks,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{} rank(s) × {threads} thread(s): read bandwidth {gb:.1} GB/s, f32 FMA peak {gf:.1} GFLOP/s",
+            per_rank.len()
+        );
+    }
+    Ok(())
 }
 
 fn run_bench(
@@ -754,7 +961,7 @@ fn run_bench(
             (None, None) => unreachable!("clap requires --model or --shape"),
         };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
-        check_prompt(a.prompt_len, cfg.max_position_embeddings)?;
+        check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
         Ok((cfg, plan))
     })();
     let (cfg, plan) = agree(link, setup)?;
@@ -795,14 +1002,14 @@ fn run_bench(
     if grid.rank != 0 {
         engine.follow(comm, link)?;
         limits(&engine);
-        gather_rank_reports(link, grid, &engine.shard, weight_rss);
+        gather_rank_reports(link, &engine, weight_rss);
         return Ok(());
     }
     // Driver: seeded random prompt ids.
     let vocab = full_cfg.vocab_size as u64;
-    let prompts: Vec<Vec<u32>> = (0..a.batch as u64)
+    let prompts: Vec<Vec<u32>> = (0..a.work.batch as u64)
         .map(|b| {
-            (0..a.prompt_len as u64)
+            (0..a.work.prompt_len as u64)
                 .map(|i| (((i + 7919 * b).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) % vocab) as u32)
                 .collect()
         })
@@ -811,18 +1018,18 @@ fn run_bench(
         .iter()
         .map(|p| Request {
             prompt: p.clone(),
-            max_tokens: a.new_tokens,
+            max_tokens: a.work.new_tokens,
             ignore_eos: true,
             params: params.clone(),
             keep_logits: false,
         })
         .collect();
-    let micro_batches = a.micro_batches.unwrap_or(if a.no_overlap { 1 } else { grid.pp }).min(a.batch);
+    let micro_batches = a.micro_batches.unwrap_or(if a.no_overlap { 1 } else { grid.pp }).min(a.work.batch);
     let opts = RunOptions {
-        max_batch: a.batch,
+        max_batch: a.work.batch,
         micro_batches,
         overlap: !a.no_overlap,
-        step_tokens: a.step_tokens.unwrap_or(a.batch.div_ceil(micro_batches) * a.prompt_len),
+        step_tokens: a.step_tokens.unwrap_or(a.work.batch.div_ceil(micro_batches) * a.work.prompt_len),
         kv_bytes: None,
         eos_ids: Vec::new(),
     };
@@ -859,17 +1066,17 @@ fn run_bench(
     }
     engine.finish(comm, link)?;
     let (measured_gb_per_s, measured_peak_gflops) = limits(&engine);
-    let ranks = gather_rank_reports(link, grid, &engine.shard, weight_rss);
+    let ranks = gather_rank_reports(link, &engine, weight_rss);
     outcome?;
 
     // Each micro-batch's decode step reads every rank's weights once.
     let weight_bytes_per_step: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
-    let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.batch as u64;
+    let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.work.batch as u64;
     let first_token_ms = percentile(&firsts, 0.5);
     let decode_tokens_per_s = decode_rates.iter().sum::<f64>() / decode_rates.len().max(1) as f64;
     let achieved_gb_per_s = weight_bytes_per_token as f64 * decode_tokens_per_s / 1e9;
     let prefill_gflops =
-        a.batch as f64 * prefill_flops(&full_cfg, a.prompt_len) / (first_token_ms / 1e3) / 1e9;
+        a.work.batch as f64 * prefill_flops(&full_cfg, a.work.prompt_len) / (first_token_ms / 1e3) / 1e9;
     let report = BenchReport {
         model: match (&a.model, &a.shape) {
             (Some(d), _) => d.display().to_string(),
@@ -881,9 +1088,9 @@ fn run_bench(
         pp: grid.pp,
         tp: grid.tp,
         threads_per_rank: engine.threads(),
-        prompt_len: a.prompt_len,
-        new_tokens: a.new_tokens,
-        batch: a.batch,
+        prompt_len: a.work.prompt_len,
+        new_tokens: a.work.new_tokens,
+        batch: a.work.batch,
         micro_batches,
         overlap: !a.no_overlap,
         temperature: params.temperature,
@@ -892,7 +1099,7 @@ fn run_bench(
         next_token_ms_p50: percentile(&gaps, 0.5),
         next_token_ms_p90: percentile(&gaps, 0.9),
         decode_tokens_per_s,
-        prefill_tokens_per_s: (a.batch * a.prompt_len) as f64 / (first_token_ms / 1e3),
+        prefill_tokens_per_s: (a.work.batch * a.work.prompt_len) as f64 / (first_token_ms / 1e3),
         weight_bytes_per_token,
         achieved_gb_per_s,
         measured_gb_per_s,

@@ -5,6 +5,43 @@
 
 pub mod mpi;
 
+/// Time spent inside communication calls so far (waiting included), by kind, in nanoseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommTimes {
+    pub allreduce_ns: u64,
+    pub allgather_ns: u64,
+    /// Point-to-point sends and receives (and the plan broadcast inside a stage).
+    pub p2p_ns: u64,
+}
+
+impl CommTimes {
+    pub fn total_ns(&self) -> u64 {
+        self.allreduce_ns + self.allgather_ns + self.p2p_ns
+    }
+}
+
+impl std::ops::Add for CommTimes {
+    type Output = CommTimes;
+    fn add(self, o: CommTimes) -> CommTimes {
+        CommTimes {
+            allreduce_ns: self.allreduce_ns + o.allreduce_ns,
+            allgather_ns: self.allgather_ns + o.allgather_ns,
+            p2p_ns: self.p2p_ns + o.p2p_ns,
+        }
+    }
+}
+
+impl std::ops::Sub for CommTimes {
+    type Output = CommTimes;
+    fn sub(self, o: CommTimes) -> CommTimes {
+        CommTimes {
+            allreduce_ns: self.allreduce_ns - o.allreduce_ns,
+            allgather_ns: self.allgather_ns - o.allgather_ns,
+            p2p_ns: self.p2p_ns - o.p2p_ns,
+        }
+    }
+}
+
 /// Collective operations inside one group of ranks (a stage's tensor-parallel ranks).
 pub trait Comm {
     /// Rank inside this group.
@@ -18,6 +55,10 @@ pub trait Comm {
     fn allgatherv(&self, mine: &[f32], counts: &[usize], out: &mut [f32]);
     /// `buf` of rank 0 is copied to every rank of the group (others' length adjusts).
     fn broadcast_bytes(&self, buf: &mut Vec<u8>);
+    /// Time spent in this group's calls so far.
+    fn times(&self) -> CommTimes {
+        CommTimes::default()
+    }
 }
 
 /// Message kinds between ranks, so a message can never be taken for another.
@@ -42,6 +83,10 @@ pub trait Link {
     /// answer — the error of the lowest failing rank (prefixed with that rank when there are
     /// several), or `Ok`. No rank is left waiting on one that failed.
     fn agree(&self, outcome: Result<(), String>) -> Result<(), String>;
+    /// Time spent in point-to-point calls so far.
+    fn times(&self) -> CommTimes {
+        CommTimes::default()
+    }
 }
 
 /// A job of one rank: every collective is the identity.

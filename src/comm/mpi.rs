@@ -1,12 +1,21 @@
 //! [`Comm`] and [`Link`] over MPI (rsmpi). Owns: MPI initialisation (funneled: only the main
 //! thread calls MPI), the world communicator and the stage communicator split from it.
 
-use super::{Comm, Link, Tag};
+use super::{Comm, CommTimes, Link, Tag};
 use crate::error::{Error, Result};
 use mpi::datatype::PartitionMut;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::time::Instant;
+
+/// Adds the time `f` takes to `slot`.
+fn timed<T>(slot: &Cell<u64>, f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let r = f();
+    slot.set(slot.get() + t.elapsed().as_nanos() as u64);
+    r
+}
 
 /// True when this process was started by an MPI launcher (Open MPI, MPICH/Hydra, PMIx).
 pub fn launched_by_mpirun() -> bool {
@@ -45,7 +54,8 @@ impl MpiJob {
             .world
             .split_by_color_with_key(Color::with_value(stage as i32), tp_rank as i32)
             .expect("every rank passes a colour, so every rank gets a communicator");
-        (MpiStage { comm: stage_comm, send: RefCell::new(Vec::new()) }, MpiLink { world: &self.world })
+        let stage = MpiStage { comm: stage_comm, send: RefCell::new(Vec::new()), times: Default::default() };
+        (stage, MpiLink { world: &self.world, p2p: Cell::new(0) })
     }
 }
 
@@ -53,6 +63,8 @@ pub struct MpiStage {
     comm: SimpleCommunicator,
     /// rsmpi has no MPI_IN_PLACE: allreduce sends from this copy (grown, never shrunk).
     send: RefCell<Vec<f32>>,
+    /// Time inside allreduce, allgather and broadcast.
+    times: [Cell<u64>; 3],
 }
 
 fn displacements(counts: &[i32]) -> Vec<i32> {
@@ -79,28 +91,41 @@ impl Comm for MpiStage {
             send.resize(buf.len(), 0.0);
         }
         send[..buf.len()].copy_from_slice(buf);
-        self.comm.all_reduce_into(&send[..buf.len()], buf, mpi::collective::SystemOperation::sum());
+        timed(&self.times[0], || {
+            self.comm.all_reduce_into(&send[..buf.len()], buf, mpi::collective::SystemOperation::sum())
+        });
     }
     fn allgather(&self, mine: &[f32], out: &mut [f32]) {
-        self.comm.all_gather_into(mine, out);
+        timed(&self.times[1], || self.comm.all_gather_into(mine, out));
     }
     fn allgatherv(&self, mine: &[f32], counts: &[usize], out: &mut [f32]) {
         let counts: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
         let displs = displacements(&counts);
         let mut part = PartitionMut::new(out, &counts[..], &displs[..]);
-        self.comm.all_gather_varcount_into(mine, &mut part);
+        timed(&self.times[1], || self.comm.all_gather_varcount_into(mine, &mut part));
     }
     fn broadcast_bytes(&self, buf: &mut Vec<u8>) {
         let root = self.comm.process_at_rank(0);
         let mut len = buf.len() as u64;
-        root.broadcast_into(&mut len);
-        buf.resize(len as usize, 0);
-        root.broadcast_into(&mut buf[..]);
+        timed(&self.times[2], || {
+            root.broadcast_into(&mut len);
+            buf.resize(len as usize, 0);
+            root.broadcast_into(&mut buf[..]);
+        });
+    }
+    fn times(&self) -> CommTimes {
+        CommTimes {
+            allreduce_ns: self.times[0].get(),
+            allgather_ns: self.times[1].get(),
+            p2p_ns: self.times[2].get(),
+        }
     }
 }
 
 pub struct MpiLink<'a> {
     world: &'a SimpleCommunicator,
+    /// Time inside sends and receives.
+    p2p: Cell<u64>,
 }
 
 impl Link for MpiLink<'_> {
@@ -111,16 +136,16 @@ impl Link for MpiLink<'_> {
         self.world.size() as usize
     }
     fn send_bytes(&self, dest: usize, tag: Tag, data: &[u8]) {
-        self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32);
+        timed(&self.p2p, || self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32));
     }
     fn recv_bytes(&self, src: usize, tag: Tag) -> Vec<u8> {
-        self.world.process_at_rank(src as i32).receive_vec_with_tag::<u8>(tag as i32).0
+        timed(&self.p2p, || self.world.process_at_rank(src as i32).receive_vec_with_tag::<u8>(tag as i32).0)
     }
     fn send_f32(&self, dest: usize, tag: Tag, data: &[f32]) {
-        self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32);
+        timed(&self.p2p, || self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32));
     }
     fn recv_f32(&self, src: usize, tag: Tag, out: &mut [f32]) {
-        self.world.process_at_rank(src as i32).receive_into_with_tag(out, tag as i32);
+        timed(&self.p2p, || self.world.process_at_rank(src as i32).receive_into_with_tag(out, tag as i32));
     }
     fn allgather_u64(&self, mine: &[u64], out: &mut [u64]) {
         self.world.all_gather_into(mine, out);
@@ -143,6 +168,9 @@ impl Link for MpiLink<'_> {
         let text =
             String::from_utf8_lossy(&all[displs[first] as usize..(displs[first] + lens[first]) as usize]);
         Err(if n > 1 { format!("rank {first}: {text}") } else { text.into_owned() })
+    }
+    fn times(&self) -> CommTimes {
+        CommTimes { p2p_ns: self.p2p.get(), ..CommTimes::default() }
     }
 }
 

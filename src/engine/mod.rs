@@ -16,7 +16,7 @@
 pub mod sampling;
 pub mod scheduler;
 
-use crate::comm::{Comm, Link, Tag};
+use crate::comm::{Comm, CommTimes, Link, Tag};
 use crate::error::{Error, Result};
 use crate::grid::{vocab_range, Grid};
 use crate::kernels::{self, Team};
@@ -135,6 +135,26 @@ struct SlotState {
     emitted: u64,
 }
 
+/// Where a rank's time went during decode steps (every span one token) since the last
+/// `Begin`: from taking each step's plan to finishing its part, so waiting for the stage before
+/// counts as point-to-point time.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepProfile {
+    pub steps: u64,
+    pub wall_ns: u64,
+    pub comm: CommTimes,
+}
+
+impl StepProfile {
+    /// Milliseconds per step: (wall, compute, allreduce, allgather, point-to-point).
+    pub fn per_step_ms(&self) -> [f64; 5] {
+        let n = self.steps.max(1) as f64 * 1e6;
+        let c = self.comm;
+        let compute = self.wall_ns.saturating_sub(c.total_ns());
+        [self.wall_ns, compute, c.allreduce_ns, c.allgather_ns, c.p2p_ns].map(|v| v as f64 / n)
+    }
+}
+
 /// One rank's engine: its shard, place in the grid, KV pool, buffers and kernel thread team.
 pub struct Engine {
     pub shard: Shard,
@@ -155,6 +175,7 @@ pub struct Engine {
     sampling: sampling::Buffers,
     /// Driver: results computed here (one stage) not yet collected.
     ready: VecDeque<StepResult>,
+    profile: StepProfile,
     /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step.
     exit_at: Option<(usize, usize)>,
     steps: usize,
@@ -189,6 +210,7 @@ impl Engine {
             candidates: Vec::new(),
             sampling: sampling::Buffers::default(),
             ready: VecDeque::new(),
+            profile: StepProfile::default(),
             exit_at,
             steps: 0,
         })
@@ -244,6 +266,35 @@ impl Engine {
             link.send_bytes(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Plan, &bytes);
         }
         bincode::deserialize(&bytes).map_err(|e| Error::Comm(format!("cannot decode a plan: {e}")))
+    }
+
+    /// Where this rank's time went in the decode steps since the last `Begin`.
+    pub fn profile(&self) -> StepProfile {
+        self.profile
+    }
+
+    /// Every rank: takes the next plan (see [`Engine::next_plan`]) and carries out its part,
+    /// timing decode steps into the profile.
+    fn handle(
+        &mut self,
+        own: Option<&Plan>,
+        comm: &dyn Comm,
+        link: &dyn Link,
+    ) -> Result<(Plan, Option<StepResult>)> {
+        let (t0, c0) = (std::time::Instant::now(), comm.times() + link.times());
+        let plan = self.next_plan(own, comm, link)?;
+        let r = self.execute(&plan, comm, link)?;
+        match &plan {
+            Plan::Begin { .. } => self.profile = StepProfile::default(),
+            Plan::Step(s) if !s.spans.is_empty() && s.spans.iter().all(|sp| sp.len == 1) => {
+                let p = &mut self.profile;
+                p.steps += 1;
+                p.wall_ns += t0.elapsed().as_nanos() as u64;
+                p.comm = p.comm + (comm.times() + link.times() - c0);
+            }
+            _ => {}
+        }
+        Ok((plan, r))
     }
 
     /// Every rank: carries out its part of `plan`. Returns the step's result where it is
@@ -395,8 +446,7 @@ impl Engine {
     /// Driver: sends `plan` down the grid and does this rank's part of it. A step's result is
     /// taken later with [`Engine::collect`], so several steps can be in flight.
     fn launch(&mut self, plan: Plan, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
-        let plan = self.next_plan(Some(&plan), comm, link)?;
-        if let Some(r) = self.execute(&plan, comm, link)? {
+        if let (_, Some(r)) = self.handle(Some(&plan), comm, link)? {
             self.ready.push_back(r);
         }
         Ok(())
@@ -414,9 +464,7 @@ impl Engine {
     /// Ranks other than the driver: follow plans until `End`.
     pub fn follow(&mut self, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
         loop {
-            let plan = self.next_plan(None, comm, link)?;
-            self.execute(&plan, comm, link)?;
-            if matches!(plan, Plan::End) {
+            if let (Plan::End, _) = self.handle(None, comm, link)? {
                 return Ok(());
             }
         }

@@ -4,6 +4,7 @@ mod bench;
 mod generate;
 mod grid;
 mod quant;
+mod scale;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,0 +1,311 @@
+//! `gridlm plan`: which grid layouts a cluster can hold and how fast each would run, from a
+//! stated cost model. Owns the model; the inputs are the cluster's measured limits (as
+//! `gridlm bench --limits` prints them) and its network.
+//!
+//! Cost model, per rank of each stage (ranks fill a node's slots first, as `launch/nodes`
+//! places them, so a stage's tp ranks share a node when they fit):
+//!
+//! * memory: the rank's weights (its layers' slice, the embedding or output head slice) plus
+//!   the KV cache of the batch at full length;
+//! * a decode step of a stage: max(bytes read ÷ bandwidth per rank, FLOPs ÷ peak per rank),
+//!   where bytes are the rank's weights plus its KV cache read by attention, and the socket's
+//!   bandwidth and peak are shared by the ranks on it;
+//! * each layer's two allreduces (and the embedding's one) over tp ranks: the faster of a ring
+//!   (2 (tp − 1) messages of bytes/tp) and recursive doubling (⌈log2 tp⌉ messages of all the
+//!   bytes), each message latency + bytes ÷ bandwidth of its link — shared memory inside a
+//!   node, the network across nodes; the last stage's candidate allgather (tp − 1 messages);
+//! * one message of hidden states per stage boundary, and one back to the driver;
+//! * next-token latency: the stages one after another plus those messages; tokens/s at batch
+//!   b: b ÷ latency, or with pp > 1 and b ≥ pp micro-batches overlapping, b ÷ (pp × the
+//!   slowest stage's step on b/pp tokens);
+//! * first token: the prompt's FLOPs ÷ peak (or bytes ÷ bandwidth, whichever is larger) per
+//!   stage, plus the same communication with prompt-sized messages.
+
+use crate::bench::prefill_flops;
+use crate::config::ModelConfig;
+use crate::grid::{balanced_layers, split_even};
+use serde::Serialize;
+
+/// The cluster and the workload.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    pub nodes: usize,
+    pub sockets_per_node: usize,
+    /// MPI ranks per socket (each with the socket's cores shared among them).
+    pub ranks_per_socket: usize,
+    /// Read bandwidth of one socket, GB/s (as `bench --limits` measures it).
+    pub mem_gb_per_s: f64,
+    /// f32 FMA peak of one socket, GFLOP/s.
+    pub peak_gflops: f64,
+    /// Memory of one socket, GB (0: no limit).
+    pub mem_gb: f64,
+    /// Network between nodes: bandwidth (Gbit/s) and one message's latency (µs).
+    pub net_gbps: f64,
+    pub net_latency_us: f64,
+    /// Inside a node (shared memory): one message's latency (µs) and bandwidth (GB/s).
+    pub local_latency_us: f64,
+    pub local_gb_per_s: f64,
+}
+
+/// What runs on it.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub weight_bytes: f64,
+    pub kv_bytes: f64,
+    pub prompt_len: usize,
+    pub new_tokens: usize,
+    pub batch: usize,
+}
+
+/// One layout's prediction.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    pub pp: usize,
+    pub tp: usize,
+    pub ranks: usize,
+    pub nodes_used: usize,
+    /// Largest memory of any rank, bytes.
+    pub mem_per_rank: f64,
+    pub fits: bool,
+    pub first_token_ms: f64,
+    pub next_token_ms: f64,
+    pub tokens_per_s: f64,
+    /// Of the next-token latency: communication (ms).
+    pub comm_ms: f64,
+    /// tp groups or stage boundaries crossing the network.
+    pub crosses_network: bool,
+}
+
+impl Cluster {
+    fn slots_per_node(&self) -> usize {
+        self.sockets_per_node * self.ranks_per_socket
+    }
+    fn node_of(&self, rank: usize) -> usize {
+        rank / self.slots_per_node()
+    }
+    /// Ranks sharing the socket of `rank` when `ranks` ranks fill the slots in order.
+    fn sharing(&self, rank: usize, ranks: usize) -> usize {
+        let socket = rank / self.ranks_per_socket;
+        let first = socket * self.ranks_per_socket;
+        (ranks - first).min(self.ranks_per_socket)
+    }
+    /// One message between ranks `a` and `b` of `bytes`, seconds.
+    fn message(&self, a: usize, b: usize, bytes: f64) -> f64 {
+        if self.node_of(a) == self.node_of(b) {
+            self.local_latency_us * 1e-6 + bytes / (self.local_gb_per_s * 1e9)
+        } else {
+            self.net_latency_us * 1e-6 + bytes * 8.0 / (self.net_gbps * 1e9)
+        }
+    }
+    /// An allreduce of `bytes` over the tp ranks starting at `first`, seconds: the faster of a
+    /// ring (2 (tp − 1) steps of bytes/tp, each as slow as its slowest hop) and recursive
+    /// doubling (⌈log2 tp⌉ steps of all the bytes, partners 1, 2, 4, ... apart), as MPI
+    /// libraries choose by message size.
+    fn allreduce(&self, first: usize, tp: usize, bytes: f64) -> f64 {
+        if tp == 1 {
+            return 0.0;
+        }
+        let slowest = |partner: &dyn Fn(usize) -> usize, b: f64| {
+            (0..tp).map(|t| self.message(first + t, first + partner(t).min(tp - 1), b)).fold(0.0, f64::max)
+        };
+        let ring = 2.0 * (tp - 1) as f64 * slowest(&|t| (t + 1) % tp, bytes / tp as f64);
+        let steps = tp.next_power_of_two().trailing_zeros() as usize;
+        let doubling: f64 = (0..steps).map(|k| slowest(&|t| t ^ (1 << k), bytes)).sum();
+        ring.min(doubling)
+    }
+}
+
+/// Every layout of 1 up to all the cluster's slots, with its prediction.
+pub fn layouts(cfg: &ModelConfig, c: &Cluster, w: &Workload) -> Vec<Prediction> {
+    let slots = c.nodes * c.slots_per_node();
+    let mut out = Vec::new();
+    for ranks in 1..=slots {
+        for pp in 1..=ranks {
+            if ranks % pp != 0 {
+                continue;
+            }
+            let tp = ranks / pp;
+            if tp > cfg.n_heads || pp > cfg.n_layers {
+                continue;
+            }
+            out.push(predict(cfg, c, w, pp, tp));
+        }
+    }
+    out
+}
+
+/// The prediction for one layout.
+pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usize) -> Prediction {
+    let ranks = pp * tp;
+    let (h, ff, hd) = (cfg.hidden_size as f64, cfg.intermediate_size as f64, cfg.head_dim as f64);
+    let layer_params = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h + 3.0 * h * ff;
+    let head_params = cfg.vocab_size as f64 * h;
+    let split = balanced_layers(cfg, pp);
+    let ctx = (w.prompt_len + w.new_tokens) as f64;
+    let b = w.batch as f64;
+    // KV heads on the busiest tp rank (a KV head may live on two ranks).
+    let kv_heads = (0..tp)
+        .map(|t| {
+            let q = split_even(cfg.n_heads, tp, t);
+            let g = cfg.n_heads / cfg.n_kv_heads;
+            (q.end - 1) / g + 1 - q.start / g
+        })
+        .max()
+        .unwrap_or(1) as f64;
+    let mut mem_max: f64 = 0.0;
+    let (mut decode_s, mut decode_comm, mut prefill_s, mut slowest_stage) = (0.0, 0.0, 0.0, 0.0f64);
+    let mut crosses = false;
+    let msg = |tokens: f64| tokens * h * 4.0;
+    for (s, &layers) in split.iter().enumerate() {
+        let first = s * tp;
+        let layers = layers as f64;
+        let mut params = layers * layer_params / tp as f64;
+        if s == pp - 1 {
+            params += head_params / tp as f64;
+        }
+        // The first stage holds the embedding for lookups; one stage with tied embeddings
+        // holds a single copy for lookups and the head.
+        let embed =
+            if s == 0 && !(pp == 1 && cfg.tie_word_embeddings) { head_params / tp as f64 } else { 0.0 };
+        let held = (params + embed) * w.weight_bytes;
+        let kv = layers * kv_heads * hd * 2.0 * ctx * b * w.kv_bytes;
+        mem_max = mem_max.max(held + kv);
+        let share = c.sharing(first, ranks) as f64;
+        let (bw, peak) = (c.mem_gb_per_s * 1e9 / share, c.peak_gflops * 1e9 / share);
+        let tp_crosses = c.node_of(first) != c.node_of(first + tp - 1);
+        crosses |= tp_crosses;
+        // Decode step on `tokens` tokens per sequence-step, at full context.
+        let step = |tokens: f64| {
+            let bytes = params * w.weight_bytes + kv * tokens / b.max(1.0);
+            let flops = 2.0 * params * tokens;
+            let mut comm = 2.0 * layers * c.allreduce(first, tp, msg(tokens));
+            if s == 0 {
+                comm += c.allreduce(first, tp, msg(tokens));
+            }
+            if s == pp - 1 {
+                comm += (tp - 1) as f64 * c.message(first, first + 1.min(tp - 1), 8.0 * tokens);
+            }
+            ((bytes / bw).max(flops / peak), comm)
+        };
+        let (compute, comm) = step(b);
+        decode_s += compute + comm;
+        decode_comm += comm;
+        if pp > 1 && w.batch >= pp {
+            let (c1, m1) = step(b / pp as f64);
+            slowest_stage = slowest_stage.max(c1 + m1);
+        }
+        // Prefill: the whole prompt of every sequence.
+        let n = w.prompt_len as f64;
+        let share_of_model = params / (cfg.n_layers as f64 * layer_params + head_params);
+        let flops = b * prefill_flops(cfg, w.prompt_len) * share_of_model.min(1.0);
+        let p_comm = (2.0 * layers + (s == 0) as u8 as f64) * c.allreduce(first, tp, msg(n * b));
+        prefill_s += (flops / peak).max(params * w.weight_bytes / bw) + p_comm;
+        if s + 1 < pp {
+            let next = (s + 1) * tp;
+            crosses |= c.node_of(first) != c.node_of(next);
+            let hop = c.message(first, next, msg(b));
+            decode_s += hop;
+            decode_comm += hop;
+            prefill_s += c.message(first, next, msg(n * b));
+            slowest_stage = slowest_stage.max(c.message(first, next, msg(b / pp as f64)));
+        }
+    }
+    // The tokens back to the driver (rank 0, in the last stage itself when pp = 1).
+    let back = if pp > 1 { c.message((pp - 1) * tp, 0, 16.0 * b) } else { 0.0 };
+    decode_s += back;
+    decode_comm += back;
+    prefill_s += back;
+    let tokens_per_s = if pp > 1 && w.batch >= pp { b / (pp as f64 * slowest_stage) } else { b / decode_s };
+    let fits = c.mem_gb <= 0.0 || mem_max <= c.mem_gb * 1e9 / c.ranks_per_socket as f64;
+    Prediction {
+        pp,
+        tp,
+        ranks,
+        nodes_used: c.node_of(ranks - 1) + 1,
+        mem_per_rank: mem_max,
+        fits,
+        first_token_ms: prefill_s * 1e3,
+        next_token_ms: decode_s * 1e3,
+        tokens_per_s,
+        comm_ms: decode_comm * 1e3,
+        crosses_network: crosses,
+    }
+}
+
+/// The predictions as a Markdown table.
+pub fn table(p: &[Prediction]) -> String {
+    let mut s = String::from(
+        "| layout | ranks | nodes | memory/rank (GB) | fits | first token (ms) | next token (ms) | of which comm (ms) | tokens/s |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in p {
+        s += &format!(
+            "| {}×{} | {} | {}{} | {:.2} | {} | {:.1} | {:.2} | {:.2} | {:.1} |\n",
+            r.pp,
+            r.tp,
+            r.ranks,
+            r.nodes_used,
+            if r.crosses_network { " (network)" } else { "" },
+            r.mem_per_rank / 1e9,
+            if r.fits { "yes" } else { "no" },
+            r.first_token_ms,
+            r.next_token_ms,
+            r.comm_ms,
+            r.tokens_per_s
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(nodes: usize) -> Cluster {
+        Cluster {
+            nodes,
+            sockets_per_node: 2,
+            ranks_per_socket: 1,
+            mem_gb_per_s: 100.0,
+            peak_gflops: 2000.0,
+            mem_gb: 256.0,
+            net_gbps: 25.0,
+            net_latency_us: 20.0,
+            local_latency_us: 2.0,
+            local_gb_per_s: 20.0,
+        }
+    }
+
+    fn work() -> Workload {
+        Workload { weight_bytes: 2.0, kv_bytes: 2.0, prompt_len: 128, new_tokens: 64, batch: 1 }
+    }
+
+    #[test]
+    fn decode_is_bandwidth_over_bytes_on_one_rank() {
+        let cfg = crate::weights::synthetic::shape("llama-3-8b").unwrap();
+        let p = predict(&cfg, &cluster(1), &work(), 1, 1);
+        // ~8B parameters of 2 bytes at 100 GB/s: ~160 ms, no communication.
+        assert!((140.0..180.0).contains(&p.next_token_ms), "{p:?}");
+        assert_eq!(p.comm_ms, 0.0);
+        assert!(p.fits && !p.crosses_network);
+    }
+
+    #[test]
+    fn more_ranks_more_bandwidth_until_the_network() {
+        let cfg = crate::weights::synthetic::shape("llama-3-8b").unwrap();
+        let all = layouts(&cfg, &cluster(2), &work());
+        let get = |pp, tp| all.iter().find(|p| p.pp == pp && p.tp == tp).unwrap().clone();
+        // Two sockets of one node: tp=2 nearly halves the latency.
+        let (one, two) = (get(1, 1), get(1, 2));
+        assert!(two.next_token_ms < 0.6 * one.next_token_ms, "{one:?} {two:?}");
+        // tp=4 spans the network: 64 allreduces each pay its latency; pp=2 × tp=2 keeps them local.
+        let (tp4, mixed) = (get(1, 4), get(2, 2));
+        assert!(tp4.crosses_network && mixed.crosses_network);
+        assert!(tp4.comm_ms > mixed.comm_ms, "{tp4:?} {mixed:?}");
+        // 70B needs several sockets' memory.
+        let big = crate::weights::synthetic::shape("llama-2-70b").unwrap();
+        let mut c = cluster(2);
+        c.mem_gb = 64.0;
+        assert!(!predict(&big, &c, &work(), 1, 1).fits);
+        assert!(predict(&big, &c, &work(), 1, 4).fits);
+    }
+}

@@ -1,0 +1,86 @@
+//! Scaling: the sweep over layouts end to end, the planner, and `bench --limits`.
+
+use super::*;
+use gridlm_reference::{launch_command, repo_root, run_with_timeout};
+
+/// `launch/scale` on a tiny model over 1×1, 1×2 and 2×1: one JSON per layout, a Markdown table
+/// with a row per layout (speedups against 1×1), and a non-empty SVG plot.
+#[test]
+fn sweep_writes_table_and_plot() {
+    let (tmp, dir) = tiny_llama();
+    let out = tmp.path().join("sweep");
+    std::env::set_var("GRIDLM_BIN", bin());
+    let mut cmd = launch_command(&["scale"]);
+    cmd.args(["--layouts", "1x1,1x2,2x1", "--out", path_str(&out), "--"]);
+    cmd.args(["--model", path_str(&dir), "--prompt-len", "8", "--new-tokens", "8", "--reps", "1"]);
+    cmd.args(["--warmup", "0", "--bandwidth-mib", "16", "--threads", "1"]);
+    let res = run_with_timeout(cmd, 300);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{stderr}");
+    let table = std::fs::read_to_string(out.join("scaling.md")).unwrap();
+    assert_eq!(String::from_utf8_lossy(&res.stdout), table, "the table is printed too");
+    let rows: Vec<&str> =
+        table.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| layout")).collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    assert!(rows[0].starts_with("| 1×1 | local | 1 |") && rows[0].contains("| 1.00 | 1.00 |"), "{table}");
+    assert!(
+        rows[1].starts_with("| 1×2 | local | 2 |") && rows[2].starts_with("| 2×1 | local | 2 |"),
+        "{table}"
+    );
+    for f in ["1x1.json", "1x2.json", "2x1.json"] {
+        assert!(out.join(f).metadata().unwrap().len() > 0, "{f}");
+    }
+    let svg = std::fs::read_to_string(out.join("scaling.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("parallel efficiency") && svg.len() > 2000, "{svg}");
+}
+
+/// The planner lists every layout up to the cluster's slots with memory and predictions; a
+/// 70B model needs several sockets' memory.
+#[test]
+fn planner_lists_feasible_layouts() {
+    let out = gridlm(&[
+        "plan",
+        "--shape",
+        "llama-2-70b",
+        "--nodes",
+        "2",
+        "--sockets-per-node",
+        "2",
+        "--mem-bw",
+        "200",
+        "--peak-gflops",
+        "3000",
+        "--mem-gb",
+        "96",
+        "--net-gbps",
+        "25",
+        "--net-latency-us",
+        "20",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let layouts: Vec<(u64, u64, bool)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["pp"].as_u64().unwrap(), p["tp"].as_u64().unwrap(), p["fits"].as_bool().unwrap()))
+        .collect();
+    // 1..=4 ranks: 1x1, 1x2, 2x1, 1x3, 3x1, 1x4, 2x2, 4x1.
+    assert_eq!(layouts.len(), 8, "{layouts:?}");
+    assert!(!layouts.iter().find(|l| (l.0, l.1) == (1, 1)).unwrap().2, "140 GB on one 96 GB socket");
+    assert!(layouts.iter().find(|l| (l.0, l.1) == (2, 2)).unwrap().2);
+    let bad = gridlm(&["plan", "--shape", "smollm2-135m", "--mem-bw", "0", "--peak-gflops", "10"]);
+    assert_one_line_error(&bad, &["--mem-bw must be a positive number"]);
+}
+
+#[test]
+fn bench_limits_alone() {
+    let out = gridlm(&["bench", "--limits", "--bandwidth-mib", "32", "--threads", "1", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["measured_gb_per_s"].as_f64().unwrap() > 0.0 && v["measured_peak_gflops"].as_f64().unwrap() > 0.0
+    );
+    assert!(repo_root().join("launch/scale").exists());
+}
