@@ -351,7 +351,38 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse(s).ok_or_else(|| format!("unknown dtype `{s}` (expected f32, bf16 or f16)"))
 }
 
+/// A bug (a panic, on any thread) prints one `error:` line naming where it happened — and the
+/// trace after it only when `RUST_BACKTRACE` asks — then ends the process at once with status
+/// 101. Unwinding would finalize MPI while the other ranks wait in a collective; exiting
+/// without finalizing makes mpirun take the whole job down instead.
+fn one_line_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        let rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok())
+            .map(|r| format!("rank {r}: "))
+            .unwrap_or_default();
+        let _ = std::io::stdout().flush();
+        error_line(&format!(
+            "{rank}internal error{at}: {msg} (a bug in gridlm; RUST_BACKTRACE=1 shows the trace)"
+        ));
+        if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+            let trace = std::backtrace::Backtrace::force_capture().to_string();
+            let _ = std::io::stderr().write_all(trace.as_bytes());
+        }
+        std::process::exit(101);
+    }));
+}
+
 fn main() -> ExitCode {
+    one_line_panics();
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Generate(a) => generate(a),

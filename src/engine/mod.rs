@@ -176,8 +176,9 @@ pub struct Engine {
     /// Driver: results computed here (one stage) not yet collected.
     ready: VecDeque<StepResult>,
     profile: StepProfile,
-    /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step.
-    exit_at: Option<(usize, usize)>,
+    /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step;
+    /// `RANK:STEP:panic` makes a kernel thread panic there instead.
+    exit_at: Option<(usize, usize, bool)>,
     steps: usize,
 }
 
@@ -189,8 +190,9 @@ impl Engine {
         let team = Team::new(threads)
             .map_err(|e| Error::Input(format!("cannot start {threads} kernel threads: {e}")))?;
         let exit_at = std::env::var("GRIDLM_TEST_EXIT_AT").ok().and_then(|v| {
-            let (r, s) = v.split_once(':')?;
-            Some((r.parse().ok()?, s.parse().ok()?))
+            let mut parts = v.split(':');
+            let (r, s) = (parts.next()?.parse().ok()?, parts.next()?.parse().ok()?);
+            Some((r, s, parts.next() == Some("panic")))
         });
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
         let kv = shard.new_kv_pool(0, kv_dtype);
@@ -312,7 +314,13 @@ impl Engine {
             Plan::Step(step) => step,
         };
         self.steps += 1;
-        if let Some((rank, step)) = self.exit_at {
+        if let Some((rank, step, panic)) = self.exit_at {
+            if rank == self.grid.rank && step == self.steps && panic {
+                let last = self.team.threads() - 1;
+                self.team.for_each(self.team.threads(), &|i| {
+                    assert!(i != last, "kernel item {i} failed (GRIDLM_TEST_EXIT_AT)");
+                });
+            }
             if rank == self.grid.rank && step == self.steps {
                 let line = format!("error: rank {rank}: exiting at step {step} (GRIDLM_TEST_EXIT_AT)\n");
                 let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());

@@ -122,6 +122,46 @@ fn a_rank_that_dies_mid_generation_ends_the_job() {
     assert!(t0.elapsed().as_secs() < 60, "took {:?}", t0.elapsed());
 }
 
+/// A bug that panics in a kernel thread on one rank: that rank prints one error line (no panic
+/// trace) and the job ends instead of the other rank waiting in a collective; on one rank the
+/// same gives one line and status 101.
+#[test]
+fn a_panicking_rank_ends_the_job_with_one_line() {
+    let (_t, dir) = tiny_llama();
+    let t0 = std::time::Instant::now();
+    let args = ["--prompt", "t1 t2", "--tp", "2", "--max-tokens", "20", "--ignore-eos"];
+    let env = [("GRIDLM_TEST_EXIT_AT", "1:3:panic"), ("RUST_BACKTRACE", "0")];
+    let out = local(2, &dir, &args, &env);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].starts_with("error: rank 1: internal error at "), "{stderr}");
+    assert!(t0.elapsed().as_secs() < 60, "took {:?}", t0.elapsed());
+
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args([
+        "generate",
+        "--model",
+        path_str(&dir),
+        "--threads",
+        "2",
+        "--prompt",
+        "t1",
+        "--max-tokens",
+        "5",
+    ]);
+    let out = cmd.env("GRIDLM_TEST_EXIT_AT", "0:2:panic").env("RUST_BACKTRACE", "0").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(101), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("error: internal error at ") && stderr.contains("kernel item 1 failed"),
+        "{stderr}"
+    );
+}
+
 /// Bytes each rank should hold: its stage's layers split over tp (norms replicated), the
 /// embedding rows on the first stage, the head rows (tied: the embedding again) on the last.
 fn ideal_shard_bytes(dir: &Path, pp: usize, tp: usize, stage: usize, n_layers: usize) -> f64 {
