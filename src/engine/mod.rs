@@ -104,12 +104,16 @@ pub struct Generation {
 impl Generation {
     /// Tokens per second of the decode phase (every token after the first).
     pub fn decode_tokens_per_s(&self) -> f64 {
-        let n = self.token_ids.len().saturating_sub(1);
-        if n == 0 || self.decode_ms <= 0.0 {
-            0.0
-        } else {
-            n as f64 / (self.decode_ms / 1000.0)
-        }
+        tokens_per_s(self.token_ids.len().saturating_sub(1), self.decode_ms)
+    }
+}
+
+/// `n` tokens in `ms` milliseconds as tokens per second (0 when either is 0).
+fn tokens_per_s(n: usize, ms: f64) -> f64 {
+    if n == 0 || ms <= 0.0 {
+        0.0
+    } else {
+        n as f64 / (ms / 1000.0)
     }
 }
 
@@ -315,13 +319,13 @@ impl Engine {
         };
         self.steps += 1;
         if let Some((rank, step, panic)) = self.exit_at {
-            if rank == self.grid.rank && step == self.steps && panic {
-                let last = self.team.threads() - 1;
-                self.team.for_each(self.team.threads(), &|i| {
-                    assert!(i != last, "kernel item {i} failed (GRIDLM_TEST_EXIT_AT)");
-                });
-            }
             if rank == self.grid.rank && step == self.steps {
+                if panic {
+                    let last = self.team.threads() - 1;
+                    self.team.for_each(self.team.threads(), &|i| {
+                        assert!(i != last, "kernel item {i} failed (GRIDLM_TEST_EXIT_AT)");
+                    });
+                }
                 let line = format!("error: rank {rank}: exiting at step {step} (GRIDLM_TEST_EXIT_AT)\n");
                 let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
                 std::process::exit(3);
@@ -460,13 +464,24 @@ impl Engine {
         Ok(())
     }
 
-    /// Driver: the result of the oldest launched step not yet collected.
-    fn collect(&mut self, link: &dyn Link) -> Result<StepResult> {
-        if let Some(r) = self.ready.pop_front() {
-            return Ok(r);
+    /// Driver: the result of the oldest launched step not yet collected, which had `emitting`
+    /// emitting spans (and so must bring as many tokens).
+    fn collect(&mut self, emitting: usize, link: &dyn Link) -> Result<StepResult> {
+        let r: StepResult = match self.ready.pop_front() {
+            Some(r) => r,
+            None => {
+                let bytes = link.recv_bytes(self.grid.rank_of(self.grid.pp - 1, 0), Tag::Result);
+                bincode::deserialize(&bytes)
+                    .map_err(|e| Error::Comm(format!("cannot decode a result: {e}")))?
+            }
+        };
+        if r.tokens.len() != emitting {
+            return Err(Error::Comm(format!(
+                "a step of {emitting} emitting spans returned {} tokens",
+                r.tokens.len()
+            )));
         }
-        let bytes = link.recv_bytes(self.grid.rank_of(self.grid.pp - 1, 0), Tag::Result);
-        bincode::deserialize(&bytes).map_err(|e| Error::Comm(format!("cannot decode a result: {e}")))
+        Ok(r)
     }
 
     /// Ranks other than the driver: follow plans until `End`.
@@ -493,14 +508,7 @@ impl Engine {
     fn step(&mut self, step: Step, comm: &dyn Comm, link: &dyn Link) -> Result<StepResult> {
         let m = step.spans.iter().filter(|s| s.emit).count();
         self.launch(Plan::Step(step), comm, link)?;
-        let r = self.collect(link)?;
-        if r.tokens.len() != m {
-            return Err(Error::Comm(format!(
-                "a step of {m} emitting spans returned {} tokens",
-                r.tokens.len()
-            )));
-        }
-        Ok(r)
+        self.collect(m, link)
     }
 
     /// Driver: the model's greedy choice at each position of a sequence forced along `forced`
@@ -546,7 +554,6 @@ impl Engine {
         link: &dyn Link,
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Generation> {
-        check_prompt(prompt.len(), self.max_context())?;
         let req = Request {
             prompt: prompt.to_vec(),
             max_tokens: opts.max_tokens,

@@ -72,6 +72,16 @@ pub struct Completion {
     pub prompt_logits: Option<Vec<f32>>,
 }
 
+impl Completion {
+    /// Tokens per second after the first token.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        match (self.times_ms.first(), self.times_ms.last()) {
+            (Some(a), Some(b)) => super::tokens_per_s(self.times_ms.len() - 1, b - a),
+            _ => 0.0,
+        }
+    }
+}
+
 /// Totals of a run, for reports.
 #[derive(Debug, Clone, Default)]
 pub struct RunStats {
@@ -132,11 +142,12 @@ impl Engine {
         let ms = |t0: Instant| t0.elapsed().as_secs_f64() * 1e3;
         let ctx = self.max_context();
         let positions = |r: &Request| (r.prompt.len() + r.max_tokens).min(ctx);
+        let pages_of = |r: &Request| positions(r).div_ceil(PAGE);
         let page_bytes = self.max_page_bytes().max(1);
         let pages = match opts.kv_bytes {
             Some(b) => b / page_bytes,
             None => {
-                let mut need: Vec<usize> = requests.iter().map(|r| positions(r).div_ceil(PAGE)).collect();
+                let mut need: Vec<usize> = requests.iter().map(pages_of).collect();
                 need.sort_unstable_by(|a, b| b.cmp(a));
                 let want: usize = need.iter().take(opts.max_batch).sum();
                 want.min(auto_kv_limit() / page_bytes).max(1)
@@ -165,7 +176,7 @@ impl Engine {
             .collect();
         let mut waiting = VecDeque::new();
         for (i, r) in requests.iter().enumerate() {
-            let need = positions(r).div_ceil(PAGE);
+            let need = pages_of(r);
             let problem = match check_prompt(r.prompt.len(), ctx) {
                 Err(e) => Some(e.to_string()),
                 Ok(()) if need > pages => Some(format!(
@@ -208,7 +219,7 @@ impl Engine {
                 // Admission, first come first served.
                 let mut admit = Vec::new();
                 while let Some(&i) = waiting.front() {
-                    let need = positions(&requests[i]).div_ceil(PAGE);
+                    let need = pages_of(&requests[i]);
                     if members[g].len() >= per_group || free_slots.is_empty() || free_pages.len() < need {
                         break;
                     }
@@ -222,7 +233,7 @@ impl Engine {
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len());
                 let step = build_step(&members[g], &mut seqs, requests, &out, admit, opts.step_tokens);
                 let Some((step, emitting)) = step else { continue };
-                if step.spans.iter().any(|s| s.emit && s.len > 1) || step.spans.iter().any(|s| !s.emit) {
+                if step.spans.iter().any(|s| s.len > 1 || !s.emit) {
                     stats.prefill_steps += 1;
                 }
                 stats.steps += 1;
@@ -239,15 +250,8 @@ impl Engine {
                 }
                 break;
             };
-            let r: StepResult = self.collect(link)?;
+            let r: StepResult = self.collect(f.emitting.len(), link)?;
             busy[f.group] = false;
-            if r.tokens.len() != f.emitting.len() {
-                return Err(Error::Comm(format!(
-                    "a step of {} emitting spans returned {} tokens",
-                    f.emitting.len(),
-                    r.tokens.len()
-                )));
-            }
             let mut logits = r.logits;
             for (&i, &tok) in f.emitting.iter().zip(&r.tokens) {
                 let req = &requests[i];
@@ -348,10 +352,5 @@ fn auto_kv_limit() -> usize {
             l.split_whitespace().nth(1)?.parse::<usize>().ok()
         })
         .map_or(4 << 30, |kb| kb * 1024);
-    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-        .unwrap_or(1)
-        .max(1);
-    avail / 4 / local
+    avail / 4 / crate::comm::mpi::local_ranks()
 }
