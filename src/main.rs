@@ -216,12 +216,9 @@ impl SamplingArgs {
     }
 }
 
-/// How many sequences run together and how steps are formed.
+/// How the running sequences are grouped for the pipeline (generate and bench).
 #[derive(Args)]
-struct BatchArgs {
-    /// Sequences running at once; further prompts wait for a free slot (continuous batching).
-    #[arg(long, default_value_t = 8)]
-    max_batch: usize,
+struct OverlapArgs {
     /// Groups of sequences stepped separately, so pipeline stages work on different groups at
     /// once (default: the number of pipeline stages).
     #[arg(long)]
@@ -229,6 +226,31 @@ struct BatchArgs {
     /// One step in flight at a time with every running sequence in it: no pipeline overlap.
     #[arg(long)]
     no_overlap: bool,
+}
+
+impl OverlapArgs {
+    /// Micro-batches on a grid of `pp` stages: as asked, else one per stage with overlap and
+    /// one without.
+    fn micro_batches(&self, pp: usize) -> usize {
+        self.micro_batches.unwrap_or(if self.no_overlap { 1 } else { pp })
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.micro_batches == Some(0) {
+            anyhow::bail!("--micro-batches must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// How many sequences run together and how steps are formed.
+#[derive(Args)]
+struct BatchArgs {
+    /// Sequences running at once; further prompts wait for a free slot (continuous batching).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    #[command(flatten)]
+    overlap: OverlapArgs,
     /// Most tokens in one step; longer prompts are prefilled in chunks between decode steps.
     #[arg(long, default_value_t = 512)]
     step_tokens: usize,
@@ -241,11 +263,10 @@ struct BatchArgs {
 
 impl BatchArgs {
     fn options(&self, pp: usize, eos_ids: Vec<u32>) -> RunOptions {
-        let micro_batches = self.micro_batches.unwrap_or(if self.no_overlap { 1 } else { pp });
         RunOptions {
             max_batch: self.max_batch,
-            micro_batches,
-            overlap: !self.no_overlap,
+            micro_batches: self.overlap.micro_batches(pp),
+            overlap: !self.overlap.no_overlap,
             step_tokens: self.step_tokens,
             kv_bytes: self.kv_mem_mib.map(|m| m << 20),
             eos_ids,
@@ -253,10 +274,10 @@ impl BatchArgs {
     }
 
     fn check(&self) -> Result<()> {
-        if self.max_batch == 0 || self.step_tokens == 0 || self.micro_batches == Some(0) {
-            anyhow::bail!("--max-batch, --micro-batches and --step-tokens must be at least 1");
+        if self.max_batch == 0 || self.step_tokens == 0 {
+            anyhow::bail!("--max-batch and --step-tokens must be at least 1");
         }
-        Ok(())
+        self.overlap.check()
     }
 }
 
@@ -304,13 +325,8 @@ struct BenchArgs {
     /// Quantize the weight matrices at load: `int8` (per output row; half the bytes of bf16).
     #[arg(long, value_parser = parse_quant)]
     quant: Option<Quant>,
-    /// Groups the batch is split into, stepped separately so pipeline stages overlap
-    /// (default: the number of pipeline stages).
-    #[arg(long)]
-    micro_batches: Option<usize>,
-    /// One step in flight at a time with the whole batch in it: no pipeline overlap.
-    #[arg(long)]
-    no_overlap: bool,
+    #[command(flatten)]
+    overlap: OverlapArgs,
     /// Most tokens in one step (default: every prompt of a micro-batch in one step).
     #[arg(long)]
     step_tokens: Option<usize>,
@@ -499,11 +515,7 @@ fn default_threads() -> usize {
     if mask < online {
         return mask;
     }
-    let local_ranks = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-        .unwrap_or(1);
-    (mask / local_ranks.max(1)).max(1)
+    (mask / gridlm::comm::mpi::local_ranks()).max(1)
 }
 
 /// Number of CPUs in a list such as `0-3,8,10-11`.
@@ -679,16 +691,7 @@ fn prepare_prompts(
         params: params.clone(),
     };
     let specs = match (&a.prompt, &a.prompts_file) {
-        (Some(p), _) => vec![PromptSpec {
-            line: 0,
-            id: None,
-            text: p.clone(),
-            max_tokens: d.max_tokens,
-            ignore_eos: d.ignore_eos,
-            chat: d.chat,
-            stop: d.stop.clone(),
-            params: d.params.clone(),
-        }],
+        (Some(p), _) => vec![d.spec(0, 0, p.clone())],
         (None, Some(f)) => read_prompts(f, &d)?,
         (None, None) => unreachable!("clap requires --prompt or --prompts-file"),
     };
@@ -797,7 +800,7 @@ fn run_generate(
             write_f32_file(path, l)?;
         }
         let first = g.times_ms.first().copied().unwrap_or(0.0);
-        let tps = decode_rate(g);
+        let tps = g.decode_tokens_per_s();
         if a.json {
             let mut out = serde_json::json!({
                 "prompt_token_ids": p.ids,
@@ -849,7 +852,7 @@ fn run_generate(
                     "error": c.error,
                     "seed": p.spec.params.seed,
                     "first_token_ms": c.times_ms.first(),
-                    "decode_tokens_per_s": decode_rate(c),
+                    "decode_tokens_per_s": c.decode_tokens_per_s(),
                 })
             })
             .collect();
@@ -903,14 +906,6 @@ fn run_generate(
     }
 }
 
-/// Tokens per second after a completion's first token.
-fn decode_rate(c: &Completion) -> f64 {
-    match (c.times_ms.first(), c.times_ms.last()) {
-        (Some(a), Some(b)) if b > a => (c.times_ms.len() - 1) as f64 / ((b - a) / 1e3),
-        _ => 0.0,
-    }
-}
-
 /// Adds `extra`'s keys to the JSON object `out`.
 fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
     if let (Some(o), Some(e)) = (out.as_object_mut(), extra.as_object()) {
@@ -927,8 +922,9 @@ fn bench(a: BenchArgs) -> Result<()> {
             "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"
         );
     }
-    if a.micro_batches == Some(0) || a.step_tokens == Some(0) {
-        anyhow::bail!("--micro-batches and --step-tokens must be at least 1");
+    a.overlap.check()?;
+    if a.step_tokens == Some(0) {
+        anyhow::bail!("--step-tokens must be at least 1");
     }
     let params = a.sampling.params()?;
     if a.limits {
@@ -1055,11 +1051,11 @@ fn run_bench(
             keep_logits: false,
         })
         .collect();
-    let micro_batches = a.micro_batches.unwrap_or(if a.no_overlap { 1 } else { grid.pp }).min(a.work.batch);
+    let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
     let opts = RunOptions {
         max_batch: a.work.batch,
         micro_batches,
-        overlap: !a.no_overlap,
+        overlap: !a.overlap.no_overlap,
         step_tokens: a.step_tokens.unwrap_or(a.work.batch.div_ceil(micro_batches) * a.work.prompt_len),
         kv_bytes: None,
         eos_ids: Vec::new(),
@@ -1123,7 +1119,7 @@ fn run_bench(
         new_tokens: a.work.new_tokens,
         batch: a.work.batch,
         micro_batches,
-        overlap: !a.no_overlap,
+        overlap: !a.overlap.no_overlap,
         temperature: params.temperature,
         reps: a.reps,
         first_token_ms,

@@ -69,9 +69,10 @@ fn field<T: serde::de::DeserializeOwned>(
 }
 
 impl Defaults {
-    /// The prompt on `line` (number `index` among the file's prompts) with these settings;
-    /// without an explicit seed, each prompt gets its own seed derived from the default one.
-    fn spec(&self, line: usize, index: usize, text: String) -> PromptSpec {
+    /// The prompt on `line` (number `index` among the file's prompts; 0 and 0 for `--prompt`)
+    /// with these settings; without an explicit seed, each prompt gets its own seed derived from
+    /// the default one.
+    pub fn spec(&self, line: usize, index: usize, text: String) -> PromptSpec {
         let mut params = self.params.clone();
         params.seed = self.params.seed.wrapping_add(index as u64);
         PromptSpec {

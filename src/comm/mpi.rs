@@ -24,6 +24,15 @@ pub fn launched_by_mpirun() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
+/// Ranks of this job on this node, as the launcher says (1 without one).
+pub fn local_ranks() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// The MPI job: keep it alive for all of `main` (dropping it finalizes MPI).
 pub struct MpiJob {
     world: SimpleCommunicator,
