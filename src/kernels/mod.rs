@@ -253,14 +253,28 @@ mod tests {
         assert_eq!(packed::unpack(&w), data.to_f32_vec(), "pack/unpack round trip");
         let x = rand_vec(n_tok * cols, 7);
         let want = naive_matmul(&w64, rows, cols, &x, n_tok);
+        assert_matmul_on_every_isa(team, &w, &x, n_tok, &want, 1e-6, &format!("{dtype:?}"));
+    }
+
+    /// `matmul` of `w` and `x` on every SIMD path is within `1e-5 √cols + rel |want|` of `want`.
+    fn assert_matmul_on_every_isa(
+        team: &Team,
+        w: &PackedMat,
+        x: &[f32],
+        n_tok: usize,
+        want: &[f64],
+        rel: f64,
+        what: &str,
+    ) {
+        let (rows, cols) = (w.rows, w.cols);
         for isa in isas() {
             let mut got = vec![f32::NAN; n_tok * rows];
-            dot::with_isa(isa, || matmul(team, &w, &x, n_tok, &mut got));
-            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                let tol = 1e-5 * (cols as f64).sqrt() + 1e-6 * e.abs();
+            dot::with_isa(isa, || matmul(team, w, x, n_tok, &mut got));
+            for (i, (g, e)) in got.iter().zip(want).enumerate() {
+                let tol = 1e-5 * (cols as f64).sqrt() + rel * e.abs();
                 assert!(
                     (*g as f64 - e).abs() <= tol,
-                    "{isa:?} {dtype:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
+                    "{isa:?} {what} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
                 );
             }
         }
@@ -313,17 +327,7 @@ mod tests {
                 }
                 let w64: Vec<f64> = wd.iter().map(|&v| v as f64).collect();
                 let want = naive_matmul(&w64, rows, cols, &xd, n_tok);
-                for isa in isas() {
-                    let mut got = vec![f32::NAN; n_tok * rows];
-                    dot::with_isa(isa, || matmul(&team, &w, &x, n_tok, &mut got));
-                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                        let tol = 1e-5 * (cols as f64).sqrt() + 1e-5 * e.abs();
-                        assert!(
-                            (*g as f64 - e).abs() <= tol,
-                            "{isa:?} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
-                        );
-                    }
-                }
+                assert_matmul_on_every_isa(&team, &w, &x, n_tok, &want, 1e-5, "int8");
             }
         }
     }
