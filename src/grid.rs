@@ -95,6 +95,15 @@ pub fn balanced_layers(cfg: &ModelConfig, pp: usize) -> Vec<usize> {
     split
 }
 
+/// The query heads of tp rank `t` of `tp`, and the KV heads they read (GQA: a KV head may be
+/// read by query heads on two ranks, and then lives on both).
+pub fn heads_of(cfg: &ModelConfig, tp: usize, t: usize) -> (Range<usize>, Range<usize>) {
+    let q_heads = split_even(cfg.n_heads, tp, t);
+    let group = cfg.n_heads / cfg.n_kv_heads;
+    let kv_heads = q_heads.start / group..(q_heads.end - 1) / group + 1;
+    (q_heads, kv_heads)
+}
+
 /// Everything one rank holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardPlan {
@@ -124,7 +133,7 @@ impl ShardPlan {
             )));
         }
         let stage = grid.stage();
-        let layers = match layer_split {
+        let split = match layer_split {
             Some(split) => {
                 if split.len() != grid.pp || split.iter().sum::<usize>() != cfg.n_layers || split.contains(&0)
                 {
@@ -133,19 +142,14 @@ impl ShardPlan {
                         grid.pp, cfg.n_layers
                     )));
                 }
-                let start: usize = split[..stage].iter().sum();
-                start..start + split[stage]
+                split.to_vec()
             }
-            None => {
-                let split = balanced_layers(cfg, grid.pp);
-                let start: usize = split[..stage].iter().sum();
-                start..start + split[stage]
-            }
+            None => balanced_layers(cfg, grid.pp),
         };
+        let start: usize = split[..stage].iter().sum();
+        let layers = start..start + split[stage];
         let t = grid.tp_rank();
-        let q_heads = split_even(cfg.n_heads, grid.tp, t);
-        let group = cfg.n_heads / cfg.n_kv_heads;
-        let kv_heads = q_heads.start / group..(q_heads.end - 1) / group + 1;
+        let (q_heads, kv_heads) = heads_of(cfg, grid.tp, t);
         Ok(ShardPlan {
             layers,
             q_heads,

@@ -23,7 +23,7 @@
 
 use crate::bench::prefill_flops;
 use crate::config::ModelConfig;
-use crate::grid::{balanced_layers, split_even};
+use crate::grid::{balanced_layers, heads_of};
 use serde::Serialize;
 
 /// The cluster and the workload.
@@ -144,14 +144,7 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
     let ctx = (w.prompt_len + w.new_tokens) as f64;
     let b = w.batch as f64;
     // KV heads on the busiest tp rank (a KV head may live on two ranks).
-    let kv_heads = (0..tp)
-        .map(|t| {
-            let q = split_even(cfg.n_heads, tp, t);
-            let g = cfg.n_heads / cfg.n_kv_heads;
-            (q.end - 1) / g + 1 - q.start / g
-        })
-        .max()
-        .unwrap_or(1) as f64;
+    let kv_heads = (0..tp).map(|t| heads_of(cfg, tp, t).1.len()).max().unwrap_or(1) as f64;
     let mut mem_max: f64 = 0.0;
     let (mut decode_s, mut decode_comm, mut prefill_s, mut slowest_stage) = (0.0, 0.0, 0.0, 0.0f64);
     let mut crosses = false;
