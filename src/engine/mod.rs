@@ -598,14 +598,9 @@ pub fn greedy_pick(
     comm.allgather(&mine, buf);
     (0..m)
         .map(|row| {
-            let mut best = (f32::NEG_INFINITY, u32::MAX);
-            for rank in buf.chunks_exact(2 * m) {
-                let (v, id) = (rank[2 * row], rank[2 * row + 1].to_bits());
-                if v > best.0 || (v == best.0 && id < best.1) {
-                    best = (v, id);
-                }
-            }
-            best.1
+            let pairs =
+                buf.chunks_exact(2 * m).map(|rank| (rank[2 * row] as f64, rank[2 * row + 1].to_bits()));
+            pairs.fold((f64::NEG_INFINITY, u32::MAX), sampling::better).1
         })
         .collect()
 }

@@ -247,8 +247,8 @@ pub fn decide(
     Decision::Threshold { theta }
 }
 
-/// The larger of two (value, token) draws; the lower token on ties.
-fn better(a: (f64, u32), b: (f64, u32)) -> (f64, u32) {
+/// The larger of two (value, token) pairs; the lower token on ties (greedy picks and draws).
+pub(crate) fn better(a: (f64, u32), b: (f64, u32)) -> (f64, u32) {
     if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) {
         b
     } else {
