@@ -385,7 +385,12 @@ fn one_line_panics() {
             .find_map(|v| std::env::var(v).ok())
             .map(|r| format!("rank {r}: "))
             .unwrap_or_default();
-        let _ = std::io::stdout().flush();
+        // Only the main thread writes to stdout. Another thread must not wait for its lock: the
+        // main thread may hold it while it waits for this thread's kernel to finish. Exiting
+        // flushes stdout anyway whenever the lock is free.
+        if std::thread::current().name() == Some("main") {
+            let _ = std::io::stdout().flush();
+        }
         error_line(&format!(
             "{rank}internal error{at}: {msg} (a bug in gridlm; RUST_BACKTRACE=1 shows the trace)"
         ));
@@ -764,7 +769,8 @@ fn run_generate(
     let opts = a.batching.options(grid.pp, eos_ids);
     let mut trackers: Vec<TextTracker> =
         prompts.iter().map(|p| TextTracker::new(p.spec.stop.clone())).collect();
-    let mut stdout = std::io::stdout().lock();
+    // Locked per write, never across a step: a kernel thread that panics must not find it held.
+    let mut stdout = std::io::stdout();
     let stream_text = single && !a.json;
     let run = engine.run_with_stats(&requests, &opts, comm, link, |i, id| {
         let (piece, go_on) = trackers[i].push(&tok, id)?;

@@ -152,7 +152,8 @@ fn a_panicking_rank_ends_the_job_with_one_line() {
         "--max-tokens",
         "5",
     ]);
-    let out = cmd.env("GRIDLM_TEST_EXIT_AT", "0:2:panic").env("RUST_BACKTRACE", "0").output().unwrap();
+    cmd.env("GRIDLM_TEST_EXIT_AT", "0:2:panic").env("RUST_BACKTRACE", "0");
+    let out = run_with_timeout(cmd, 60);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(101), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");

@@ -101,10 +101,16 @@ pub fn launch_command(launcher: &[&str]) -> Command {
     }
 }
 
-/// Runs a command, killing it (and failing the test) if it takes longer than `secs`.
+/// Runs a command, killing it (and failing the test) if it takes longer than `secs`. The
+/// command runs in its own process group, so a hang kills what it started too (mpirun's ranks),
+/// and output pipes still held open after it exits (by a leftover rank) count as a hang.
 pub fn run_with_timeout(mut cmd: Command, secs: u64) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
     use std::process::Stdio;
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+    use std::time::{Duration, Instant};
+    let mut child =
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0).spawn().expect("spawn");
+    let group = child.id() as i32;
     let (out_pipe, err_pipe) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
     let read = |mut p: Box<dyn std::io::Read + Send>| {
         std::thread::spawn(move || {
@@ -114,18 +120,25 @@ pub fn run_with_timeout(mut cmd: Command, secs: u64) -> std::process::Output {
         })
     };
     let (out_t, err_t) = (read(Box::new(out_pipe)), read(Box::new(err_pipe)));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            break st;
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let kill_group = || {
+        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{group}")]).status();
+    };
+    let mut status = None;
+    while status.is_none() || !(out_t.is_finished() && err_t.is_finished()) {
+        if status.is_none() {
+            status = child.try_wait().expect("wait");
         }
-        if std::time::Instant::now() > deadline {
+        if Instant::now() > deadline {
+            kill_group();
             let _ = child.kill();
             let _ = child.wait();
-            panic!("{cmd:?} did not finish within {secs} s (hang)");
+            let what = if status.is_none() { "did not finish" } else { "left processes holding its output" };
+            panic!("{cmd:?} {what} within {secs} s (hang)");
         }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = status.unwrap();
     std::process::Output { status, stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap() }
 }
 
