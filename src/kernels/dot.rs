@@ -76,17 +76,6 @@ pub fn prepare<T: Elem>(x: &[f32], out: &mut [f32], isa: Isa) {
     }
 }
 
-/// Portable: four rows at once so `x` is read once per four rows.
-pub fn dot4_portable<T: Elem>(rows: [&[T]; 4], x: &[f32]) -> [f32; 4] {
-    let mut acc = [0.0f32; 4];
-    for (c, &xv) in x.iter().enumerate() {
-        for k in 0..4 {
-            acc[k] += rows[k][c].to_f32() * xv;
-        }
-    }
-    acc
-}
-
 pub fn dot1_portable<T: Elem>(row: &[T], x: &[f32]) -> f32 {
     row.iter().zip(x).map(|(w, xv)| w.to_f32() * xv).sum()
 }
@@ -150,75 +139,113 @@ pub fn detect() -> Isa {
     }
 }
 
-/// `out[i] = dot(row i of w, x)` for rows laid out contiguously with `cols` elements each.
-pub fn dot_rows<T: Elem + Avx2Load>(w: &[T], cols: usize, x: &[f32], out: &mut [f32], isa: Isa) {
-    debug_assert_eq!(w.len(), out.len() * cols);
-    debug_assert_eq!(x.len(), cols);
-    let n = out.len();
-    let mut r = 0;
-    while r + 4 <= n {
-        let rows = [
-            &w[r * cols..(r + 1) * cols],
-            &w[(r + 1) * cols..(r + 2) * cols],
-            &w[(r + 2) * cols..(r + 3) * cols],
-            &w[(r + 3) * cols..(r + 4) * cols],
-        ];
-        let v = match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
-            Isa::Avx2 => unsafe { avx2::dot4(rows, x) },
-            _ => dot4_portable(rows, x),
-        };
-        out[r..r + 4].copy_from_slice(&v);
-        r += 4;
-    }
-    while r < n {
-        let row = &w[r * cols..(r + 1) * cols];
-        out[r] = match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Isa::Avx2 => unsafe { avx2::dot1(row, x) },
-            _ => dot1_portable(row, x),
-        };
-        r += 1;
-    }
-}
-
-/// `out += a · v`.
-pub fn axpy<T: Elem + Avx2Load>(a: f32, v: &[T], out: &mut [f32], isa: Isa) {
-    assert_eq!(v.len(), out.len(), "axpy: lengths differ");
+/// Scores of `q` (`[rows, hd]`) against one page of keys stored transposed (`kt` is
+/// `[hd, page_len]`: for each dimension, the page's keys side by side):
+/// `out[r][j] = Σ_d q[r][d] · kt[d][j]` for every `j` in `0..page_len` (`out` is
+/// `[rows, page_len]`). Each converted vector of keys serves up to four rows.
+pub fn page_scores<T: Elem + Avx2Load>(kt: &[T], page_len: usize, q: &[f32], out: &mut [f32], isa: Isa) {
+    let rows = out.len() / page_len;
+    let hd = q.len() / rows.max(1);
+    assert!(
+        out.len() == rows * page_len && q.len() == rows * hd && kt.len() == hd * page_len,
+        "page_scores: shapes"
+    );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
-        Isa::Avx2 => unsafe { avx2::axpy(a, v, out) },
-        _ => out.iter_mut().zip(v).for_each(|(o, w)| *o += a * w.to_f32()),
-    }
-}
-
-/// `dst = src` as f32.
-pub fn widen<T: Elem + Avx2Load>(src: &[T], dst: &mut [f32], isa: Isa) {
-    assert_eq!(src.len(), dst.len(), "widen: lengths");
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
-        Isa::Avx2 => unsafe { avx2::widen(src, dst) },
-        _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32()),
-    }
-}
-
-/// `o += Σ_j p[j] · v[j]` for rows `v[j]` of `o.len()` elements, contiguous in `v`.
-pub fn weighted_rows(p: &[f32], v: &[f32], o: &mut [f32], isa: Isa) {
-    let hd = o.len();
-    assert_eq!(v.len(), p.len() * hd, "weighted_rows: lengths");
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
-        Isa::Avx2 => unsafe { avx2::weighted_rows(p, v, o) },
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; shapes are
+        // checked above.
+        Isa::Avx2 if page_len % 8 == 0 => unsafe { avx2::page_scores(kt, page_len, q, hd, out) },
         _ => {
-            for (&pj, row) in p.iter().zip(v.chunks_exact(hd)) {
-                o.iter_mut().zip(row).for_each(|(o, &x)| *o += pj * x);
+            for (qr, or) in q.chunks_exact(hd).zip(out.chunks_exact_mut(page_len)) {
+                or.fill(0.0);
+                for (d, &qd) in qr.iter().enumerate() {
+                    let kd = &kt[d * page_len..(d + 1) * page_len];
+                    or.iter_mut().zip(kd).for_each(|(o, k)| *o += qd * k.to_f32());
+                }
             }
         }
+    }
+}
+
+/// `o[r] += Σ_j p[r][j] · v[j]` for `rows` rows: `p` is `[rows, n]` with rows `stride` apart
+/// (only the first `n` of each row are read), `v` is `[n, hd]`, `o` is `[rows, hd]`. Each
+/// converted vector of values serves up to three rows.
+pub fn page_values<T: Elem + Avx2Load>(
+    p: &[f32],
+    stride: usize,
+    v: &[T],
+    hd: usize,
+    o: &mut [f32],
+    isa: Isa,
+) {
+    assert!(hd > 0 && o.len() % hd == 0 && v.len() % hd == 0, "page_values: shapes");
+    let (rows, n) = (o.len() / hd, v.len() / hd);
+    assert!(rows == 0 || (n <= stride && p.len() >= (rows - 1) * stride + n), "page_values: shapes");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::page_values(p, stride, v, n, hd, o) },
+        _ => {
+            for (r, or) in o.chunks_exact_mut(hd).enumerate() {
+                for (j, vj) in v.chunks_exact(hd).enumerate() {
+                    let pj = p[r * stride + j];
+                    or.iter_mut().zip(vj).for_each(|(o, x)| *o += pj * x.to_f32());
+                }
+            }
+        }
+    }
+}
+
+/// Asks the CPU to start loading `data` into cache (a hint: no effect on results).
+pub fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = data.as_ptr() as *const i8;
+        for off in (0..std::mem::size_of_val(data)).step_by(64) {
+            // SAFETY: prefetching is a hint and never faults; the address is inside `data`.
+            unsafe { _mm_prefetch(p.add(off), _MM_HINT_T0) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
+/// `s[i] *= scale`; returns the largest result (−∞ when `s` is empty).
+pub fn scale_max(s: &mut [f32], scale: f32, isa: Isa) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
+        Isa::Avx2 => unsafe { avx2::scale_max(s, scale) },
+        _ => s.iter_mut().fold(f32::NEG_INFINITY, |m, v| {
+            *v *= scale;
+            m.max(*v)
+        }),
+    }
+}
+
+/// `s[i] = exp(s[i] − m)`; returns the sum of the results. The SIMD path's exp is a
+/// polynomial within 2 ulp of the true value (inputs below −87.3 give ≈1e-38, not 0).
+pub fn exp_sub_sum(s: &mut [f32], m: f32, isa: Isa) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::exp_sub_sum(s, m) },
+        _ => s.iter_mut().fold(0.0, |sum, v| {
+            *v = (*v - m).exp();
+            sum + *v
+        }),
+    }
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]`, with `silu(g) = g / (1 + exp(−g))`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32], isa: Isa) {
+    assert_eq!(gate.len(), up.len(), "silu_mul: lengths");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::silu_mul(gate, up) },
+        _ => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u),
     }
 }
 
@@ -228,7 +255,7 @@ pub trait Avx2Load {}
 impl<T> Avx2Load for T {}
 
 #[cfg(target_arch = "x86_64")]
-pub use avx2::{panel as avx2_panel, panel_pair as avx2_panel_pair, panel_q8 as avx2_panel_q8, Avx2Load};
+pub use avx2::{panel_pair as avx2_panel_pair, panels as avx2_panels, panels_q8 as avx2_panels_q8, Avx2Load};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -294,190 +321,326 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// # Safety
-    /// The CPU must have avx2, fma and f16c; all rows have `x.len()` elements.
+    /// `NR` rows of scores against one page of transposed keys, keys `j0..j0 + 8 * NV`. The
+    /// dimensions go round-robin over `S` sets of accumulators, so at least eight FMA chains
+    /// are in flight however few the rows (one row alone would wait on FMA latency).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot4<T: Avx2Load>(rows: [&[T]; 4], x: &[f32]) -> [f32; 4] {
-        let n = x.len();
-        let (p0, p1, p2, p3) = (rows[0].as_ptr(), rows[1].as_ptr(), rows[2].as_ptr(), rows[3].as_ptr());
-        let xp = x.as_ptr();
-        let mut a = [_mm256_setzero_ps(); 4];
-        let mut c = 0;
-        // Rows are short (often a few KiB), too short for the hardware prefetcher to ramp up
-        // on four streams at once, so fetch the same columns of the next four rows (the next
-        // block of a row-major matrix) while this block is summed. Prefetches never fault, and
-        // the addresses are only computed (wrapping), never dereferenced.
-        let ahead = 4 * n;
-        while c + 32 <= n {
-            for p in [p0, p1, p2, p3] {
-                _mm_prefetch(p.wrapping_add(c + ahead) as *const i8, _MM_HINT_T0);
-                _mm_prefetch(p.wrapping_add(c + ahead + 16) as *const i8, _MM_HINT_T0);
-            }
-            for k in 0..4 {
-                let cc = c + 8 * k;
-                let xv = _mm256_loadu_ps(xp.add(cc));
-                a[0] = _mm256_fmadd_ps(T::load8(p0.add(cc)), xv, a[0]);
-                a[1] = _mm256_fmadd_ps(T::load8(p1.add(cc)), xv, a[1]);
-                a[2] = _mm256_fmadd_ps(T::load8(p2.add(cc)), xv, a[2]);
-                a[3] = _mm256_fmadd_ps(T::load8(p3.add(cc)), xv, a[3]);
-            }
-            c += 32;
-        }
-        while c + 8 <= n {
-            let xv = _mm256_loadu_ps(xp.add(c));
-            a[0] = _mm256_fmadd_ps(T::load8(p0.add(c)), xv, a[0]);
-            a[1] = _mm256_fmadd_ps(T::load8(p1.add(c)), xv, a[1]);
-            a[2] = _mm256_fmadd_ps(T::load8(p2.add(c)), xv, a[2]);
-            a[3] = _mm256_fmadd_ps(T::load8(p3.add(c)), xv, a[3]);
-            c += 8;
-        }
-        let mut out = [hsum(a[0]), hsum(a[1]), hsum(a[2]), hsum(a[3])];
-        while c < n {
-            let xv = *xp.add(c);
-            for (k, o) in out.iter_mut().enumerate() {
-                *o += rows[k][c].to_f32() * xv;
-            }
-            c += 1;
-        }
-        out
-    }
-
-    /// # Safety
-    /// As [`dot4`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot1<T: Avx2Load>(row: &[T], x: &[f32]) -> f32 {
-        let n = x.len();
-        let (p, xp) = (row.as_ptr(), x.as_ptr());
-        let mut a0 = _mm256_setzero_ps();
-        let mut a1 = _mm256_setzero_ps();
-        let mut c = 0;
-        while c + 16 <= n {
-            a0 = _mm256_fmadd_ps(T::load8(p.add(c)), _mm256_loadu_ps(xp.add(c)), a0);
-            a1 = _mm256_fmadd_ps(T::load8(p.add(c + 8)), _mm256_loadu_ps(xp.add(c + 8)), a1);
-            c += 16;
-        }
-        if c + 8 <= n {
-            a0 = _mm256_fmadd_ps(T::load8(p.add(c)), _mm256_loadu_ps(xp.add(c)), a0);
-            c += 8;
-        }
-        let mut s = hsum(_mm256_add_ps(a0, a1));
-        while c < n {
-            s += row[c].to_f32() * *xp.add(c);
-            c += 1;
-        }
-        s
-    }
-
-    /// # Safety
-    /// The CPU must have avx2, fma and f16c; `v.len() == out.len()`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy<T: Avx2Load>(a: f32, v: &[T], out: &mut [f32]) {
-        let n = out.len();
-        let (p, o) = (v.as_ptr(), out.as_mut_ptr());
-        let av = _mm256_set1_ps(a);
-        let mut c = 0;
-        while c + 8 <= n {
-            _mm256_storeu_ps(o.add(c), _mm256_fmadd_ps(T::load8(p.add(c)), av, _mm256_loadu_ps(o.add(c))));
-            c += 8;
-        }
-        while c < n {
-            *o.add(c) += a * v[c].to_f32();
-            c += 1;
-        }
-    }
-
-    /// # Safety
-    /// The CPU must have avx2, fma and f16c; `src.len() == dst.len()`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn widen<T: Avx2Load>(src: &[T], dst: &mut [f32]) {
-        let n = src.len();
-        let mut c = 0;
-        while c + 8 <= n {
-            _mm256_storeu_ps(dst.as_mut_ptr().add(c), T::load8(src.as_ptr().add(c)));
-            c += 8;
-        }
-        for i in c..n {
-            dst[i] = src[i].to_f32();
-        }
-    }
-
-    /// # Safety
-    /// The CPU must have avx2, fma and f16c; `v.len() == p.len() * o.len()`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn weighted_rows(p: &[f32], v: &[f32], o: &mut [f32]) {
-        let hd = o.len();
-        let vp = v.as_ptr();
-        // Columns in groups of 64 held in eight registers across all rows; the rest one by one.
-        let mut c0 = 0;
-        while c0 + 64 <= hd {
-            let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(o.as_ptr().add(c0 + 8 * k)));
-            for (j, &pj) in p.iter().enumerate() {
-                let b = _mm256_set1_ps(pj);
-                let row = vp.add(j * hd + c0);
-                for (k, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(8 * k)), *a);
+    unsafe fn scores_block<T: Avx2Load, const NR: usize, const NV: usize, const S: usize>(
+        kt: *const T,
+        page_len: usize,
+        j0: usize,
+        q: *const f32,
+        hd: usize,
+        out: *mut f32,
+    ) {
+        let mut acc = [[[_mm256_setzero_ps(); NV]; NR]; S];
+        let step = |acc: &mut [[__m256; NV]; NR], d: usize| {
+            let k: [__m256; NV] = std::array::from_fn(|i| T::load8(kt.add(d * page_len + j0 + 8 * i)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let b = _mm256_broadcast_ss(&*q.add(r * hd + d));
+                for (ai, ki) in a.iter_mut().zip(&k) {
+                    *ai = _mm256_fmadd_ps(b, *ki, *ai);
                 }
             }
-            for (k, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * k), *a);
+        };
+        let mut d = 0;
+        while d + S <= hd {
+            for (s, a) in acc.iter_mut().enumerate() {
+                step(a, d + s);
             }
-            c0 += 64;
+            d += S;
         }
-        for (c, oc) in o.iter_mut().enumerate().skip(c0) {
-            for (j, &pj) in p.iter().enumerate() {
-                *oc += pj * *vp.add(j * hd + c);
+        while d < hd {
+            step(&mut acc[0], d);
+            d += 1;
+        }
+        for r in 0..NR {
+            for i in 0..NV {
+                let mut v = acc[0][r][i];
+                for a in &acc[1..] {
+                    v = _mm256_add_ps(v, a[r][i]);
+                }
+                _mm256_storeu_ps(out.add(r * page_len + j0 + 8 * i), v);
             }
         }
     }
 
-    /// One packed panel (four rows, chunks of [`BLOCK`] columns side by side) against `NT`
-    /// prepared inputs: `out[i][lane] = row lane · xs[i]`. Reads the panel in order, once.
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `page_len % 8 == 0`, `kt` is `[hd, page_len]`,
+    /// `q` is `[rows, hd]` and `out` is `[rows, page_len]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn page_scores<T: Avx2Load>(kt: &[T], page_len: usize, q: &[f32], hd: usize, out: &mut [f32]) {
+        let rows = out.len() / page_len;
+        let (k, o) = (kt.as_ptr(), out.as_mut_ptr());
+        let mut r = 0;
+        while r < rows {
+            let nr = (rows - r).min(4);
+            let (qr, or) = (q.as_ptr().add(r * hd), o.add(r * page_len));
+            let mut j = 0;
+            while j < page_len {
+                let wide = page_len - j >= 16;
+                match (nr, wide) {
+                    (4, true) => scores_block::<T, 4, 2, 1>(k, page_len, j, qr, hd, or),
+                    (3, true) => scores_block::<T, 3, 2, 1>(k, page_len, j, qr, hd, or),
+                    (2, true) => scores_block::<T, 2, 2, 2>(k, page_len, j, qr, hd, or),
+                    (1, true) => scores_block::<T, 1, 2, 4>(k, page_len, j, qr, hd, or),
+                    (4, false) => scores_block::<T, 4, 1, 2>(k, page_len, j, qr, hd, or),
+                    (3, false) => scores_block::<T, 3, 1, 2>(k, page_len, j, qr, hd, or),
+                    (2, false) => scores_block::<T, 2, 1, 4>(k, page_len, j, qr, hd, or),
+                    _ => scores_block::<T, 1, 1, 8>(k, page_len, j, qr, hd, or),
+                }
+                j += if wide { 16 } else { 8 };
+            }
+            r += nr;
+        }
+    }
+
+    /// `NR` rows × `8 * NV` columns (from `c0`) of `o += p · v`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values_block<T: Avx2Load, const NR: usize, const NV: usize>(
+        p: *const f32,
+        stride: usize,
+        v: *const T,
+        n: usize,
+        hd: usize,
+        c0: usize,
+        o: *mut f32,
+    ) {
+        let mut acc: [[__m256; NV]; NR] =
+            std::array::from_fn(|r| std::array::from_fn(|i| _mm256_loadu_ps(o.add(r * hd + c0 + 8 * i))));
+        for j in 0..n {
+            let x: [__m256; NV] = std::array::from_fn(|i| T::load8(v.add(j * hd + c0 + 8 * i)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let b = _mm256_broadcast_ss(&*p.add(r * stride + j));
+                for (ai, xi) in a.iter_mut().zip(&x) {
+                    *ai = _mm256_fmadd_ps(b, *xi, *ai);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (i, ai) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.add(r * hd + c0 + 8 * i), *ai);
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `p` holds `rows` rows of at least `n` values
+    /// `stride` apart, `v` is `[n, hd]`, `o` is `[rows, hd]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn page_values<T: Avx2Load>(
+        p: &[f32],
+        stride: usize,
+        v: &[T],
+        n: usize,
+        hd: usize,
+        o: &mut [f32],
+    ) {
+        let rows = o.len() / hd;
+        let (pp, vp, op) = (p.as_ptr(), v.as_ptr(), o.as_mut_ptr());
+        let mut r = 0;
+        while r < rows {
+            let nr = (rows - r).min(4);
+            let (pr, or) = (pp.add(r * stride), op.add(r * hd));
+            let mut c = 0;
+            while c + 8 <= hd {
+                // Up to eight accumulators (rows × column vectors): enough FMA chains in flight,
+                // and with the value vectors and a broadcast they stay in registers.
+                let cols = hd - c;
+                let nv = match nr {
+                    1 if cols >= 64 => 8,
+                    1 | 2 if cols >= 32 => 4,
+                    _ if cols >= 16 => 2,
+                    _ => 1,
+                };
+                match (nr, nv) {
+                    (1, 8) => values_block::<T, 1, 8>(pr, stride, vp, n, hd, c, or),
+                    (1, 4) => values_block::<T, 1, 4>(pr, stride, vp, n, hd, c, or),
+                    (1, 2) => values_block::<T, 1, 2>(pr, stride, vp, n, hd, c, or),
+                    (1, _) => values_block::<T, 1, 1>(pr, stride, vp, n, hd, c, or),
+                    (2, 4) => values_block::<T, 2, 4>(pr, stride, vp, n, hd, c, or),
+                    (2, 2) => values_block::<T, 2, 2>(pr, stride, vp, n, hd, c, or),
+                    (2, _) => values_block::<T, 2, 1>(pr, stride, vp, n, hd, c, or),
+                    (3, 2) => values_block::<T, 3, 2>(pr, stride, vp, n, hd, c, or),
+                    (3, _) => values_block::<T, 3, 1>(pr, stride, vp, n, hd, c, or),
+                    (_, 2) => values_block::<T, 4, 2>(pr, stride, vp, n, hd, c, or),
+                    _ => values_block::<T, 4, 1>(pr, stride, vp, n, hd, c, or),
+                }
+                c += 8 * nv;
+            }
+            for rr in 0..nr {
+                for cc in c..hd {
+                    let mut sum = *or.add(rr * hd + cc);
+                    for j in 0..n {
+                        sum += *pr.add(rr * stride + j) * (*vp.add(j * hd + cc)).to_f32();
+                    }
+                    *or.add(rr * hd + cc) = sum;
+                }
+            }
+            r += nr;
+        }
+    }
+
+    /// `exp(x)` on eight lanes: `x = n·ln 2 + r` with |r| ≤ ln 2 / 2, a degree-6 polynomial
+    /// for `exp(r)` (Cephes' coefficients), and `2^n` built in the exponent bits. Inputs are
+    /// clamped to [−87.3, 88]: the result stays a normal number.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.0));
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        // ln 2 in two parts, so n · ln 2 is subtracted without rounding error.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        }
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scale_max(s: &mut [f32], scale: f32) -> f32 {
+        let (n, p) = (s.len(), s.as_mut_ptr());
+        let sc = _mm256_set1_ps(scale);
+        let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut c = 0;
+        while c + 8 <= n {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(p.add(c)), sc);
+            _mm256_storeu_ps(p.add(c), v);
+            mv = _mm256_max_ps(mv, v);
+            c += 8;
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
+        let mut m = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for v in &mut s[c..] {
+            *v *= scale;
+            m = m.max(*v);
+        }
+        m
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
+        let (n, p) = (s.len(), s.as_mut_ptr());
+        let mv = _mm256_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let mut c = 0;
+        while c + 8 <= n {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(c)), mv));
+            _mm256_storeu_ps(p.add(c), e);
+            acc = _mm256_add_ps(acc, e);
+            c += 8;
+        }
+        let mut sum = hsum(acc);
+        if c < n {
+            // The tail through one padded vector, so every value goes through the same exp.
+            let mut t = [0.0f32; 8];
+            t[..n - c].copy_from_slice(&s[c..]);
+            _mm256_storeu_ps(t.as_mut_ptr(), exp8(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), mv)));
+            s[c..].copy_from_slice(&t[..n - c]);
+            sum += t[..n - c].iter().sum::<f32>();
+        }
+        sum
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `gate.len() == up.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        let (n, g, u) = (gate.len(), gate.as_mut_ptr(), up.as_ptr());
+        let one = _mm256_set1_ps(1.0);
+        let f = |gv: __m256, uv: __m256| {
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_div_ps(_mm256_mul_ps(gv, uv), _mm256_add_ps(one, e))
+        };
+        let mut c = 0;
+        while c + 8 <= n {
+            _mm256_storeu_ps(g.add(c), f(_mm256_loadu_ps(g.add(c)), _mm256_loadu_ps(u.add(c))));
+            c += 8;
+        }
+        if c < n {
+            // The tail through one padded vector, so every value goes through the same exp.
+            let (mut tg, mut tu) = ([0.0f32; 8], [0.0f32; 8]);
+            tg[..n - c].copy_from_slice(&gate[c..]);
+            tu[..n - c].copy_from_slice(&up[c..]);
+            _mm256_storeu_ps(tg.as_mut_ptr(), f(_mm256_loadu_ps(tg.as_ptr()), _mm256_loadu_ps(tu.as_ptr())));
+            gate[c..].copy_from_slice(&tg[..n - c]);
+        }
+    }
+
+    /// The four sums of `a[0..4]` in one vector: lane `i` is the sum of `a[i]`'s lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum4(a: [__m256; 4]) -> __m128 {
+        let c = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1))
+    }
+
+    /// Writes the first `out.len()` (at most four) lanes of `v` to `out`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store_rows(v: __m128, out: &mut [f32]) {
+        if out.len() >= 4 {
+            _mm_storeu_ps(out.as_mut_ptr(), v);
+        } else {
+            let mut t = [0.0f32; 4];
+            _mm_storeu_ps(t.as_mut_ptr(), v);
+            out.copy_from_slice(&t[..out.len()]);
+        }
+    }
+
+    /// Consecutive packed panels (four rows each, chunks of [`BLOCK`] columns side by side)
+    /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
+    /// inside the last panel (the matrix's padding rows are not written). The panels are read
+    /// in order, once, as one stream, with nothing between two panels but four sums.
     ///
     /// # Safety
-    /// The CPU must have avx2, fma and f16c; `panel.len() == 4 * xs[i].len()` and every
-    /// `xs[i].len()` is the same multiple of [`BLOCK`].
+    /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
+    /// `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn panel<T: Avx2Load, const NT: usize>(panel: &[T], xs: [&[f32]; NT]) -> [[f32; 4]; NT] {
-        let n = xs[0].len();
-        debug_assert_eq!(panel.len(), 4 * n);
+    pub unsafe fn panels<T: Avx2Load>(w: &[T], x: &[f32], out: &mut [f32]) {
+        let n = x.len();
         debug_assert_eq!(n % BLOCK, 0);
-        let w = panel.as_ptr();
-        let x: [*const f32; NT] = std::array::from_fn(|i| xs[i].as_ptr());
-        let mut acc = [[_mm256_setzero_ps(); 4]; NT];
-        // Bytes of one chunk of the panel (four rows × BLOCK columns) and how far ahead of the
-        // read position to prefetch: far enough to cover memory latency at full bandwidth.
+        debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
+        let xp = x.as_ptr();
+        // Bytes of one chunk (four rows × BLOCK columns) and how far ahead of the read
+        // position to prefetch: far enough to cover memory latency at full bandwidth.
         let chunk_bytes = 4 * BLOCK * std::mem::size_of::<T>();
         const AHEAD: usize = 1024;
-        let mut c = 0;
-        let mut wp = w;
-        while c < n {
-            let ahead = (wp as *const u8).wrapping_add(AHEAD);
-            let mut off = 0;
-            while off < chunk_bytes {
-                _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
-                off += 64;
-            }
-            // Two rows at a time, so each input vector is loaded once per pair of rows and
-            // the loads stay fewer than the FMAs (with NT = 2, 14 registers are live).
-            for pair in 0..2 {
-                let (a_lo, a_hi) = T::load16(wp.add(2 * pair * BLOCK));
-                let (b_lo, b_hi) = T::load16(wp.add((2 * pair + 1) * BLOCK));
-                for (a, xi) in acc.iter_mut().zip(x) {
-                    let (xl, xh) = (_mm256_loadu_ps(xi.add(c)), _mm256_loadu_ps(xi.add(c + 8)));
-                    a[2 * pair] = _mm256_fmadd_ps(a_hi, xh, _mm256_fmadd_ps(a_lo, xl, a[2 * pair]));
-                    a[2 * pair + 1] = _mm256_fmadd_ps(b_hi, xh, _mm256_fmadd_ps(b_lo, xl, a[2 * pair + 1]));
+        let mut wp = w.as_ptr();
+        for o in out.chunks_mut(4) {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut c = 0;
+            while c < n {
+                let ahead = (wp as *const u8).wrapping_add(AHEAD);
+                let mut off = 0;
+                while off < chunk_bytes {
+                    _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
+                    off += 64;
                 }
+                let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let (lo, hi) = T::load16(wp.add(r * BLOCK));
+                    *a = _mm256_fmadd_ps(hi, xh, _mm256_fmadd_ps(lo, xl, *a));
+                }
+                wp = wp.add(4 * BLOCK);
+                c += BLOCK;
             }
-            wp = wp.add(4 * BLOCK);
-            c += BLOCK;
+            store_rows(hsum4(acc), o);
         }
-        let mut out = [[0.0f32; 4]; NT];
-        for i in 0..NT {
-            for lane in 0..4 {
-                out[i][lane] = hsum(acc[i][lane]);
-            }
-        }
-        out
     }
 
     /// Rows `lane` and `lane + 1` of a packed panel against `NT` prepared inputs (many-token
@@ -530,62 +693,70 @@ mod avx2 {
         out
     }
 
-    /// One int8 packed panel (four rows, chunks of [`BLOCK`] columns side by side) against an
-    /// input quantized per group of two chunks (`q`, one scale per group in `s`). Per group the
-    /// products are summed exactly in 32-bit integers (|q| ≤ 127, so the pairwise 16-bit sums
-    /// of `maddubs` cannot saturate), then converted and scaled once. Two rows share one
-    /// 256-bit register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
+    /// Consecutive int8 packed panels (four rows each, chunks of [`BLOCK`] columns side by
+    /// side) against an input quantized to |q| ≤ 64 per group of two chunks (`q`, one scale
+    /// per group in `s`), times the rows' own scales:
+    /// `out[4p + lane] = row_scale · Σ_g s[g] · (row · q)_g`.
+    ///
+    /// `maddubs` multiplies unsigned by signed bytes and adds neighbouring products into 16
+    /// bits, so each weight takes the sign of its input (`sign`) and meets |q|. With |q| ≤ 64
+    /// and |w| ≤ 127 the 16-bit sums of a whole group (four products) stay below 2^15: exact,
+    /// and one `madd` widens the group's sums to 32 bits instead of one per chunk. Per group
+    /// they are converted and scaled once. Two rows share one register: lanes 0–3 sum row 0
+    /// (or 2), lanes 4–7 row 1 (or 3). `out` may end inside the last panel.
     ///
     /// # Safety
-    /// The CPU must have avx2, fma and f16c; `panel.len() == 4 * q.len()`, `q.len()` is a
-    /// multiple of [`BLOCK`] and `s.len() == q.len().div_ceil(2 * BLOCK)`.
+    /// The CPU must have avx2, fma and f16c; every |q| ≤ 64, `q.len()` is a multiple of
+    /// [`BLOCK`], `s.len() == q.len().div_ceil(2 * BLOCK)`, `w.len() == 4 * q.len() * np`
+    /// and `row_scales.len() == 4 * np` with `np = out.len().div_ceil(4)`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn panel_q8(panel: &[i8], q: &[i8], s: &[f32]) -> [f32; 4] {
+    pub unsafe fn panels_q8(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &mut [f32]) {
         let n = q.len();
-        debug_assert_eq!(panel.len(), 4 * n);
+        debug_assert_eq!(n % BLOCK, 0);
+        debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
+        debug_assert_eq!(row_scales.len(), 4 * out.len().div_ceil(4));
         debug_assert_eq!(s.len(), n.div_ceil(2 * BLOCK));
         let ones = _mm256_set1_epi16(1);
-        let (mut acc01, mut acc23) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut wp = panel.as_ptr();
         let qp = q.as_ptr();
-        const AHEAD: usize = 1024;
-        // Integer sums of one chunk for rows (0,1) and (2,3).
+        // One chunk (four rows of BLOCK int8) is one cache line. Fetch this far ahead: the
+        // kernel has less spare time per byte than the float ones, so it needs more lead.
+        const AHEAD: usize = 4096;
+        // 16-bit sums of chunk `k` for rows (0,1) and (2,3).
         let chunk = |wp: *const i8, k: usize| {
             let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(qp.add(k * BLOCK) as *const __m128i));
             let ax = _mm256_sign_epi8(x, x);
+            _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
             let w01 = _mm256_loadu_si256(wp as *const __m256i);
             let w23 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
             (
-                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w01, x)), ones),
-                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w23, x)), ones),
+                _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w01, x)),
+                _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w23, x)),
             )
         };
         let kc = n / BLOCK;
-        let mut k = 0;
-        while k < kc {
-            _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
-            _mm_prefetch(wp.wrapping_add(AHEAD + 64), _MM_HINT_T0);
-            let (mut p01, mut p23) = chunk(wp, k);
-            if k + 1 < kc {
-                let (b01, b23) = chunk(wp.add(4 * BLOCK), k + 1);
-                p01 = _mm256_add_epi32(p01, b01);
-                p23 = _mm256_add_epi32(p23, b23);
+        let mut wp = w.as_ptr();
+        for (o, rs) in out.chunks_mut(4).zip(row_scales.chunks_exact(4)) {
+            let (mut acc01, mut acc23) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut k = 0;
+            while k < kc {
+                let (mut p01, mut p23) = chunk(wp, k);
+                wp = wp.add(4 * BLOCK);
+                if k + 1 < kc {
+                    let (b01, b23) = chunk(wp, k + 1);
+                    p01 = _mm256_add_epi16(p01, b01);
+                    p23 = _mm256_add_epi16(p23, b23);
+                    wp = wp.add(4 * BLOCK);
+                }
+                let sc = _mm256_set1_ps(*s.get_unchecked(k / 2));
+                acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p01, ones)), sc, acc01);
+                acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p23, ones)), sc, acc23);
+                k += 2;
             }
-            let sc = _mm256_set1_ps(*s.get_unchecked(k / 2));
-            acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p01), sc, acc01);
-            acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p23), sc, acc23);
-            wp = wp.add(8 * BLOCK);
-            k += 2;
+            // [r0 r0 r2 r2 | r1 r1 r3 r3] pairwise, then [r0 r2 · · | r1 r3 · ·], then in order.
+            let h = _mm256_hadd_ps(acc01, acc23);
+            let h = _mm256_hadd_ps(h, h);
+            let v = _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            store_rows(_mm_mul_ps(v, _mm_loadu_ps(rs.as_ptr())), o);
         }
-        let half = |v: __m128| {
-            let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-            _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)))
-        };
-        [
-            half(_mm256_castps256_ps128(acc01)),
-            half(_mm256_extractf128_ps(acc01, 1)),
-            half(_mm256_castps256_ps128(acc23)),
-            half(_mm256_extractf128_ps(acc23, 1)),
-        ]
     }
 }

@@ -1,6 +1,7 @@
 //! The machine's own limits, measured with the same thread team the kernels use: read
 //! bandwidth over a buffer far larger than the last-level cache, and the f32 FMA peak.
 
+use super::arena::HugeBuf;
 use super::dot::{detect, Isa};
 use super::team::Team;
 use rayon::prelude::*;
@@ -27,10 +28,15 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa) -> f32 {
 }
 
 /// Best read bandwidth over `passes` full reads of a `bytes`-sized buffer by every thread of
-/// `team`, in GB/s.
+/// `team`, in GB/s. The buffer is mapped the way weights are (huge pages where the kernel
+/// gives them), so the limit is the machine's, not that of 4 KiB-page address translation.
 pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
     let isa = detect();
-    let buf: Vec<f32> = (0..bytes / 4).into_par_iter().map(|i| (i % 7) as f32).collect();
+    // Written before it is read: untouched pages would all be the one shared zero page.
+    let mut buf = HugeBuf::<f32>::zeroed(bytes / 4);
+    buf.par_chunks_mut(1 << 16).enumerate().for_each(|(c, v)| {
+        v.iter_mut().enumerate().for_each(|(i, x)| *x = ((c + i) % 7) as f32);
+    });
     let mut best = f64::INFINITY;
     let mut sink = 0.0;
     for _ in 0..passes.max(1) {

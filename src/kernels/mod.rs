@@ -2,6 +2,7 @@
 //! MPI, the grid or the model's structure. Parallel kernels run on the [`Team`] they are given
 //! (the engine's, which stays awake for a whole step).
 
+pub mod arena;
 pub mod dot;
 pub mod limits;
 pub mod packed;
@@ -38,55 +39,26 @@ pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
 
 /// `gate[i] = silu(gate[i]) · up[i]`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
-/// In-place softmax.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v *= inv);
-}
-
-/// Attention of one query head over `n_keys` cached keys/values (each `head_dim` long,
-/// contiguous): `out = softmax(q·Kᵀ · scale) · V`. `scores` is scratch of at least `n_keys`.
-pub fn attend<T: dot::Elem + dot::Avx2Load>(
-    q: &[f32],
-    keys: &[T],
-    values: &[T],
-    n_keys: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let hd = q.len();
-    let isa = dot::detect();
-    let s = &mut scores[..n_keys];
-    dot::dot_rows(&keys[..n_keys * hd], hd, q, s, isa);
-    s.iter_mut().for_each(|v| *v *= scale);
-    softmax(s);
-    out.fill(0.0);
-    for (p, &a) in s.iter().enumerate() {
-        dot::axpy(a, &values[p * hd..(p + 1) * hd], out, isa);
-    }
+    dot::silu_mul(gate, up, dot::detect());
 }
 
 /// Flash-style attention of several query rows against one KV head's cache, stored in pages
 /// of `page_len` positions: `page(i)` gives the keys and values of positions
-/// `i * page_len ..` (each `[page_len, head_dim]`), so a sequence's cache need not be
-/// contiguous. Row `r` (`q[r]`, `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`. Keys
-/// go a page at a time; each page is scored against every row that sees part of it and folded
-/// into that row's online softmax (running max and sum, earlier sums rescaled when the max
-/// grows), so a page of keys and values is read once for all rows, while it sits in L1, and no
-/// score buffer longer than a page exists. Pages that no row sees (past the causal edge of
-/// the last row) are never touched. `out` is `[rows, head_dim]`.
+/// `i * page_len ..`, keys transposed (`[head_dim, page_len]`: per dimension, the page's keys
+/// side by side) and values as rows (`[page_len, head_dim]`), so a sequence's cache need not
+/// be contiguous. Row `r` (`q[r]`, `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`.
+/// Keys go a page at a time: the page is scored against every row at once (each converted
+/// vector of keys serves several rows), folded into each row's online softmax (running max
+/// and sum, earlier sums rescaled when the max grows; keys a row does not see get weight 0),
+/// and its values are summed into every row the same way. A page is read once for all rows,
+/// while it sits in L1, and no score buffer longer than a page exists. Pages that no row sees
+/// (past the causal edge of the last row) are never touched. `out` is `[rows, head_dim]`.
+///
+/// A row whose bounds are empty (`first > last`) sees nothing. With `stats` (`[rows, 2]`),
+/// the result is one part of a row's attention, to be merged with the others by
+/// [`merge_attention_parts`]: `out` is left unnormalized and `stats` gets each row's
+/// running max and sum (−∞ and 0 for a row that saw nothing). Without, `out` is the
+/// attention itself (0 for a row that saw nothing).
 pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     q: &[f32],
     bounds: &[(usize, usize)],
@@ -94,81 +66,108 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     page: impl Fn(usize) -> (&'a [T], &'a [T]),
     scale: f32,
     out: &mut [f32],
+    stats: Option<&mut [f32]>,
 ) {
     let nr = bounds.len();
     assert!(nr > 0 && q.len() % nr == 0 && out.len() == q.len() && page_len > 0, "attend_tiled: shapes");
+    assert!(stats.as_ref().map_or(true, |s| s.len() == 2 * nr), "attend_tiled: stats shape");
     let hd = q.len() / nr;
     let isa = dot::detect();
     TILE.with_borrow_mut(|work| {
-        // Running max and sum per row, one page of scores, and the page's keys and values
-        // widened to f32 once for all rows.
-        work.resize(2 * nr + page_len + 2 * page_len * hd, 0.0);
+        // Running max and sum per row, and one page of scores per row.
+        work.resize(2 * nr + nr * page_len, 0.0);
         let (m, rest) = work.split_at_mut(nr);
-        let (l, rest) = rest.split_at_mut(nr);
-        let (s, rest) = rest.split_at_mut(page_len);
-        let (kf, vf) = rest.split_at_mut(page_len * hd);
+        let (l, s) = rest.split_at_mut(nr);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
         out.fill(0.0);
-        let lo = bounds.iter().map(|b| b.0).min().unwrap_or(0);
-        let hi = bounds.iter().map(|b| b.1).max().unwrap_or(0);
-        // One row (a decode step) reads the cache in place; several share a widened copy.
-        let wide = nr > 1;
-        for p in lo / page_len..=hi / page_len {
-            let base = p * page_len;
-            let (k0, k1) = (base.max(lo), (base + page_len).min(hi + 1));
-            let (keys, values) = page(p);
-            let (keys, values) = (&keys[..page_len * hd], &values[..page_len * hd]);
-            if wide {
-                let span = (k0 - base) * hd..(k1 - base) * hd;
-                dot::widen(&keys[span.clone()], &mut kf[span.clone()], isa);
-                dot::widen(&values[span.clone()], &mut vf[span], isa);
+        let seen = bounds.iter().filter(|b| b.0 <= b.1);
+        let (lo, hi) = match (seen.clone().map(|b| b.0).min(), seen.map(|b| b.1).max()) {
+            (Some(lo), Some(hi)) => (lo, hi),
+            _ => {
+                if let Some(st) = stats {
+                    st.chunks_exact_mut(2).for_each(|v| v.copy_from_slice(&[f32::NEG_INFINITY, 0.0]));
+                }
+                return;
             }
+        };
+        let (first_page, last_page) = (lo / page_len, hi / page_len);
+        // Pages may be scattered through the pool, each too short for the hardware prefetcher
+        // to follow: fetch AHEAD pages ahead of the one being summed.
+        const AHEAD: usize = 2;
+        let fetch = |p: usize| {
+            if p <= last_page {
+                let (k, v) = page(p);
+                dot::prefetch(&k[..hd * page_len]);
+                dot::prefetch(&v[..hd * page_len]);
+            }
+        };
+        (first_page..first_page + AHEAD).for_each(fetch);
+        for p in first_page..=last_page {
+            let base = p * page_len;
+            // Keys of this page that some row sees.
+            let (ja, jb) = (base.max(lo) - base, (base + page_len).min(hi + 1) - base);
+            let (keys_t, values) = page(p);
+            fetch(p + AHEAD);
+            dot::page_scores(&keys_t[..hd * page_len], page_len, q, s, isa);
             for (r, &(first, last)) in bounds.iter().enumerate() {
-                let (a, b) = (first.max(k0), (last + 1).min(k1));
+                let row = &mut s[r * page_len..(r + 1) * page_len];
+                let (a, b) = (first.max(base + ja) - base, (last + 1).min(base + jb).saturating_sub(base));
                 if a >= b {
+                    row[ja..jb].fill(0.0);
                     continue;
                 }
-                let n = b - a;
-                let s = &mut s[..n];
-                let (ka, kb) = ((a - base) * hd, (b - base) * hd);
-                let qr = &q[r * hd..(r + 1) * hd];
-                if wide {
-                    dot::dot_rows(&kf[ka..kb], hd, qr, s, isa);
-                } else {
-                    dot::dot_rows(&keys[ka..kb], hd, qr, s, isa);
-                }
-                let mut block_max = f32::NEG_INFINITY;
-                for v in s.iter_mut() {
-                    *v *= scale;
-                    block_max = block_max.max(*v);
-                }
-                let m_new = m[r].max(block_max);
-                let o = &mut out[r * hd..(r + 1) * hd];
+                let m_new = m[r].max(dot::scale_max(&mut row[a..b], scale, isa));
                 if m[r] != f32::NEG_INFINITY && m[r] != m_new {
                     let corr = (m[r] - m_new).exp();
                     l[r] *= corr;
-                    o.iter_mut().for_each(|v| *v *= corr);
+                    out[r * hd..(r + 1) * hd].iter_mut().for_each(|v| *v *= corr);
                 }
                 m[r] = m_new;
-                for v in s.iter_mut() {
-                    *v = (*v - m_new).exp();
-                    l[r] += *v;
+                l[r] += dot::exp_sub_sum(&mut row[a..b], m_new, isa);
+                row[ja..a].fill(0.0);
+                row[b..jb].fill(0.0);
+            }
+            dot::page_values(&s[ja..], page_len, &values[ja * hd..jb * hd], hd, out, isa);
+        }
+        match stats {
+            Some(st) => {
+                for (r, v) in st.chunks_exact_mut(2).enumerate() {
+                    v.copy_from_slice(&[m[r], l[r]]);
                 }
-                if wide {
-                    dot::weighted_rows(s, &vf[ka..kb], o, isa);
-                } else {
-                    for (j, &w) in s.iter().enumerate() {
-                        dot::axpy(w, &values[ka + j * hd..ka + (j + 1) * hd], o, isa);
-                    }
+            }
+            None => {
+                for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+                    let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
+                    o.iter_mut().for_each(|v| *v *= inv);
                 }
             }
         }
-        for (r, o) in out.chunks_exact_mut(hd).enumerate() {
-            let inv = 1.0 / l[r];
-            o.iter_mut().for_each(|v| *v *= inv);
-        }
     });
+}
+
+/// One row's attention from parts over disjoint key ranges (each from [`attend_tiled`] with
+/// stats): `parts` is `[n, head_dim]` unnormalized sums, `stats` `[n, 2]` their (max, sum).
+/// Each part is rescaled to the overall max, and the total divided by the overall sum.
+pub fn merge_attention_parts(parts: &[f32], stats: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    assert!(hd > 0 && parts.len() % hd == 0 && stats.len() == 2 * (parts.len() / hd), "merge: shapes");
+    let m = stats.chunks_exact(2).map(|v| v[0]).fold(f32::NEG_INFINITY, f32::max);
+    out.fill(0.0);
+    if m == f32::NEG_INFINITY {
+        return;
+    }
+    let mut l = 0.0;
+    for (part, v) in parts.chunks_exact(hd).zip(stats.chunks_exact(2)) {
+        if v[0] == f32::NEG_INFINITY {
+            continue;
+        }
+        let w = (v[0] - m).exp();
+        l += v[1] * w;
+        out.iter_mut().zip(part).for_each(|(o, p)| *o += w * p);
+    }
+    let inv = 1.0 / l;
+    out.iter_mut().for_each(|o| *o *= inv);
 }
 
 thread_local! {
@@ -317,18 +316,36 @@ mod tests {
                 let cols_p = cols.next_multiple_of(16);
                 let mut xd = vec![0.0f32; n_tok * cols];
                 for t in 0..n_tok {
+                    let g = packed::XGROUP;
                     let mut q = vec![0i8; cols_p];
-                    let mut s = vec![0.0f32; cols_p.div_ceil(32)];
-                    packed::quantize_chunks(&x[t * cols..(t + 1) * cols], &mut q, &mut s);
+                    let mut s = vec![0.0f32; cols_p.div_ceil(g)];
+                    packed::quantize_groups(&x[t * cols..(t + 1) * cols], &mut q, &mut s);
                     for c in 0..cols {
-                        xd[t * cols + c] = q[c] as f32 * s[c / 32];
-                        assert!((xd[t * cols + c] - x[t * cols + c]).abs() <= s[c / 32] * 0.5 + 1e-7);
+                        xd[t * cols + c] = q[c] as f32 * s[c / g];
+                        assert!((xd[t * cols + c] - x[t * cols + c]).abs() <= s[c / g] * 0.501 + 1e-7);
+                        assert!(q[c].abs() <= packed::XMAX);
                     }
                 }
                 let w64: Vec<f64> = wd.iter().map(|&v| v as f64).collect();
                 let want = naive_matmul(&w64, rows, cols, &xd, n_tok);
                 assert_matmul_on_every_isa(&team, &w, &x, n_tok, &want, 1e-5, "int8");
             }
+        }
+    }
+
+    /// The largest products the int8 kernels can meet (every weight at its row's maximum,
+    /// every input at its group's), of either sign: the integer sums stay exact.
+    #[test]
+    fn int8_matmul_extreme_values_stay_exact() {
+        let team = Team::new(2).unwrap();
+        let (rows, cols) = (8, 200);
+        let wf: Vec<f32> = (0..rows * cols).map(|i| if (i / cols) % 2 == 0 { 1.0 } else { -1.0 }).collect();
+        let w = PackedMat::pack_as(&Mat { rows, cols, data: Data::F32(wf) }, Some(Quant::Int8));
+        for sign in [1.0f32, -1.0] {
+            let x = vec![sign * 3.0; cols];
+            let want: Vec<f64> =
+                (0..rows).map(|r| if r % 2 == 0 { 1.0 } else { -1.0 } * sign as f64 * 600.0).collect();
+            assert_matmul_on_every_isa(&team, &w, &x, 1, &want, 1e-6, "int8 extremes");
         }
     }
 
@@ -355,32 +372,99 @@ mod tests {
         }
     }
 
+    /// Page scores and page value sums against f64 sums, for every key type and on every
+    /// SIMD path, with row counts and head sizes that reach every register blocking and tail.
     #[test]
-    fn portable_and_simd_agree_bitwise_close() {
-        let cols = 203;
-        let w: Vec<bf16> = rand_vec(4 * cols, 3).into_iter().map(bf16::from_f32).collect();
-        let h: Vec<f16> = rand_vec(4 * cols, 4).into_iter().map(f16::from_f32).collect();
-        let x = rand_vec(cols, 5);
-        for isa in isas() {
-            let mut a = [0.0; 4];
-            dot::dot_rows(&w, cols, &x, &mut a, isa);
-            let mut b = [0.0; 4];
-            dot::dot_rows(&h, cols, &x, &mut b, isa);
-            for r in 0..4 {
-                let ea: f64 = (0..cols).map(|c| w[r * cols + c].to_f64() * x[c] as f64).sum();
-                let eb: f64 = (0..cols).map(|c| h[r * cols + c].to_f64() * x[c] as f64).sum();
-                assert!((a[r] as f64 - ea).abs() < 1e-4, "{isa:?} bf16 row {r}");
-                assert!((b[r] as f64 - eb).abs() < 1e-4, "{isa:?} f16 row {r}");
-            }
-            for n in [1, 7, 8, 64, 67] {
-                let v: Vec<f16> = rand_vec(n, 8).into_iter().map(f16::from_f32).collect();
-                let mut out = rand_vec(n, 9);
-                let want: Vec<f64> = out.iter().zip(&v).map(|(&o, w)| o as f64 + 0.37 * w.to_f64()).collect();
-                dot::axpy(0.37, &v, &mut out, isa);
-                for (g, e) in out.iter().zip(&want) {
-                    assert!((*g as f64 - e).abs() < 1e-6, "{isa:?} axpy n={n}");
+    fn page_kernels_match_reference() {
+        fn check<T: dot::Elem + dot::Avx2Load>() {
+            for isa in isas() {
+                for (page_len, hd, rows) in
+                    [(16, 64, 3), (16, 17, 5), (8, 40, 1), (16, 128, 4), (24, 8, 2), (5, 9, 2)]
+                {
+                    let kt: Vec<T> = rand_vec(hd * page_len, 1).into_iter().map(T::from_f32).collect();
+                    let q = rand_vec(rows * hd, 2);
+                    let mut s = vec![f32::NAN; rows * page_len];
+                    dot::page_scores(&kt, page_len, &q, &mut s, isa);
+                    for r in 0..rows {
+                        for j in 0..page_len {
+                            let want: f64 = (0..hd)
+                                .map(|d| q[r * hd + d] as f64 * kt[d * page_len + j].to_f32() as f64)
+                                .sum();
+                            let got = s[r * page_len + j] as f64;
+                            assert!(
+                                (got - want).abs() < 1e-4,
+                                "{isa:?} scores {page_len}/{hd}/{rows} [{r}][{j}]"
+                            );
+                        }
+                    }
+                    // Values: rows of p `page_len` apart, only the first n used.
+                    let n = page_len - 1;
+                    let v: Vec<T> = rand_vec(n * hd, 3).into_iter().map(T::from_f32).collect();
+                    let p = rand_vec(rows * page_len, 4);
+                    let o0 = rand_vec(rows * hd, 5);
+                    let mut o = o0.clone();
+                    dot::page_values(&p, page_len, &v, hd, &mut o, isa);
+                    for r in 0..rows {
+                        for c in 0..hd {
+                            let want = o0[r * hd + c] as f64
+                                + (0..n)
+                                    .map(|j| p[r * page_len + j] as f64 * v[j * hd + c].to_f32() as f64)
+                                    .sum::<f64>();
+                            let got = o[r * hd + c] as f64;
+                            assert!(
+                                (got - want).abs() < 1e-4,
+                                "{isa:?} values {page_len}/{hd}/{rows} [{r}][{c}]"
+                            );
+                        }
+                    }
                 }
             }
+        }
+        check::<f32>();
+        check::<f16>();
+        check::<bf16>();
+    }
+
+    /// The vector exp (inside exp_sub_sum and silu_mul) and scale_max against f64, on every
+    /// path, over lengths that leave every kind of tail.
+    #[test]
+    fn softmax_parts_and_silu_match_reference() {
+        for isa in isas() {
+            for n in [1, 7, 8, 16, 37] {
+                let x: Vec<f32> = rand_vec(n, n as u64).iter().map(|v| v * 30.0).collect();
+                let mut s = x.clone();
+                let m = dot::scale_max(&mut s, 0.7, isa);
+                let want_m = x.iter().map(|v| v * 0.7).fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(m, want_m, "{isa:?} max n={n}");
+                let sum = dot::exp_sub_sum(&mut s, m, isa);
+                let mut want_sum = 0.0f64;
+                for (g, v) in s.iter().zip(&x) {
+                    // The argument as the kernel forms it in f32; the exp itself is checked.
+                    let e = ((*v * 0.7 - m) as f64).exp();
+                    want_sum += e;
+                    assert!(
+                        (*g as f64 - e).abs() <= 2e-7 * e.max(1e-30) + 1e-37,
+                        "{isa:?} exp n={n}: {g} vs {e}"
+                    );
+                }
+                assert!((sum as f64 - want_sum).abs() < 1e-5 * want_sum, "{isa:?} sum n={n}");
+                let mut g: Vec<f32> = x.iter().map(|v| v / 3.0).collect();
+                let g0 = g.clone();
+                let u = rand_vec(n, 7);
+                dot::silu_mul(&mut g, &u, isa);
+                for i in 0..n {
+                    let xv = g0[i] as f64;
+                    let want = xv / (1.0 + (-xv).exp()) * u[i] as f64;
+                    assert!(
+                        (g[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
+                        "{isa:?} silu n={n} i={i}"
+                    );
+                }
+            }
+            // Far below the clamp: tiny but not NaN or negative.
+            let mut s = vec![-200.0f32, 0.0];
+            let sum = dot::exp_sub_sum(&mut s, 0.0, isa);
+            assert!(s[0] >= 0.0 && s[0] < 1e-37 && (sum - 1.0).abs() < 1e-6, "{isa:?} underflow");
         }
     }
 
@@ -421,47 +505,38 @@ mod tests {
         }
     }
 
-    fn check_attend<T: dot::Elem + dot::Avx2Load>() {
-        for isa in isas() {
-            for (hd, n) in [(8, 1), (64, 5), (17, 33), (64, 300)] {
-                let q = rand_vec(hd, 1);
-                let k: Vec<T> = rand_vec(n * hd, 2).into_iter().map(T::from_f32).collect();
-                let v: Vec<T> = rand_vec(n * hd, 3).into_iter().map(T::from_f32).collect();
-                let scale = 1.0 / (hd as f32).sqrt();
-                let mut scores = vec![0.0; n];
-                let mut out = vec![0.0; hd];
-                dot::with_isa(isa, || attend(&q, &k, &v, n, scale, &mut scores, &mut out));
-                let kf = |i: usize| k[i].to_f32() as f64;
-                let s: Vec<f64> = (0..n)
-                    .map(|p| (0..hd).map(|i| q[i] as f64 * kf(p * hd + i)).sum::<f64>() * scale as f64)
-                    .collect();
-                let m = s.iter().cloned().fold(f64::MIN, f64::max);
-                let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for i in 0..hd {
-                    let want: f64 = (0..n).map(|p| e[p] / z * v[p * hd + i].to_f32() as f64).sum();
-                    assert!((out[i] as f64 - want).abs() < 1e-5, "{isa:?} hd={hd} n={n}");
-                }
-            }
-        }
-    }
-
     /// Positions per page in the tiled-attention tests.
     const PAGE: usize = 16;
 
     /// Tiled attention over query rows with causal and windowed bounds, keys in pages out of
-    /// order, equals one row at a time through [`attend`] over keys in order.
+    /// order, equals softmax attention computed in f64 from the same (rounded) keys and values.
     fn check_tiled<T: dot::Elem + dot::Avx2Load>() {
         for isa in isas() {
-            for (hd, n_keys, rows, window) in
-                [(64, 300usize, 40, None), (16, 70, 5, Some(20)), (8, 3, 3, None), (64, 130, 1, None)]
-            {
+            for (hd, n_keys, rows, window) in [
+                (64, 300usize, 40, None),
+                (16, 70, 5, Some(20)),
+                (8, 3, 3, None),
+                (64, 130, 1, None),
+                (40, 50, 4, Some(30)),
+                (17, 40, 7, None),
+            ] {
                 // Whole pages, scattered in reverse order to check the page lookup.
                 let pages = n_keys.div_ceil(PAGE);
                 let k: Vec<T> = rand_vec(pages * PAGE * hd, 21).into_iter().map(T::from_f32).collect();
                 let v: Vec<T> = rand_vec(pages * PAGE * hd, 22).into_iter().map(T::from_f32).collect();
                 let at = |p: usize| (pages - 1 - p) * PAGE * hd..(pages - p) * PAGE * hd;
-                let page = |p: usize| (&k[at(p)], &v[at(p)]);
+                // Key `pos`, dimension `d`, in row-major order; the cache keeps each page's
+                // keys transposed.
+                let key = |pos: usize, d: usize| k[at(pos / PAGE).start + (pos % PAGE) * hd + d];
+                let mut kt = k.clone();
+                for pos in 0..pages * PAGE {
+                    for d in 0..hd {
+                        kt[at(pos / PAGE).start + d * PAGE + pos % PAGE] = key(pos, d);
+                    }
+                }
+                let value =
+                    |pos: usize, d: usize| v[at(pos / PAGE).start + (pos % PAGE) * hd + d].to_f32() as f64;
+                let page = |p: usize| (&kt[at(p)], &v[at(p)]);
                 let q = rand_vec(rows * hd, 23);
                 let scale = 1.0 / (hd as f32).sqrt();
                 // Rows are the last `rows` positions of a prompt of n_keys tokens.
@@ -472,28 +547,49 @@ mod tests {
                     })
                     .collect();
                 let mut got = vec![f32::NAN; rows * hd];
-                dot::with_isa(isa, || attend_tiled(&q, &bounds, PAGE, page, scale, &mut got));
-                // The row-by-row reference reads the keys in position order.
-                let (k, v): (Vec<T>, Vec<T>) =
-                    (0..pages).flat_map(|p| k[at(p)].iter().zip(&v[at(p)]).map(|(a, b)| (*a, *b))).unzip();
+                dot::with_isa(isa, || attend_tiled(&q, &bounds, PAGE, page, scale, &mut got, None));
+                // The same rows in three parts over disjoint page ranges (a part may hold no
+                // keys of a row, or none at all), merged.
+                let cuts = [0, pages / 3, 2 * pages / 3, pages];
+                let (mut parts, mut stats) = (vec![f32::NAN; 3 * rows * hd], vec![f32::NAN; 3 * rows * 2]);
+                for (i, (po, ps)) in
+                    parts.chunks_exact_mut(rows * hd).zip(stats.chunks_exact_mut(rows * 2)).enumerate()
+                {
+                    let (ka, kb) = (cuts[i] * PAGE, cuts[i + 1] * PAGE);
+                    let clipped: Vec<(usize, usize)> = bounds
+                        .iter()
+                        .map(|&(f, l)| if ka == kb { (1, 0) } else { (f.max(ka), l.min(kb - 1)) })
+                        .collect();
+                    dot::with_isa(isa, || attend_tiled(&q, &clipped, PAGE, page, scale, po, Some(ps)));
+                }
+                let mut merged = vec![f32::NAN; rows * hd];
+                for (r, o) in merged.chunks_exact_mut(hd).enumerate() {
+                    let p: Vec<f32> =
+                        (0..3).flat_map(|i| parts[(i * rows + r) * hd..][..hd].to_vec()).collect();
+                    let st: Vec<f32> =
+                        (0..3).flat_map(|i| stats[(i * rows + r) * 2..][..2].to_vec()).collect();
+                    merge_attention_parts(&p, &st, o);
+                }
                 for (r, &(first, last)) in bounds.iter().enumerate() {
-                    let mut want = vec![0.0; hd];
-                    let mut scores = vec![0.0; n_keys];
-                    let n = last + 1 - first;
-                    dot::with_isa(isa, || {
-                        attend(
-                            &q[r * hd..(r + 1) * hd],
-                            &k[first * hd..],
-                            &v[first * hd..],
-                            n,
-                            scale,
-                            &mut scores,
-                            &mut want,
-                        )
-                    });
-                    for i in 0..hd {
-                        let (g, w) = (got[r * hd + i], want[i]);
-                        assert!((g - w).abs() < 1e-5, "{isa:?} hd={hd} row {r} col {i}: {g} vs {w}");
+                    let s: Vec<f64> = (first..=last)
+                        .map(|pos| {
+                            let dot: f64 =
+                                (0..hd).map(|d| q[r * hd + d] as f64 * key(pos, d).to_f32() as f64).sum();
+                            dot * scale as f64
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let want: f64 = (first..=last).zip(&e).map(|(pos, w)| w / z * value(pos, d)).sum();
+                        let g = got[r * hd + d] as f64;
+                        assert!((g - want).abs() < 1e-5, "{isa:?} hd={hd} row {r} col {d}: {g} vs {want}");
+                        let g = merged[r * hd + d] as f64;
+                        assert!(
+                            (g - want).abs() < 1e-5,
+                            "{isa:?} merged, hd={hd} row {r} col {d}: {g} vs {want}"
+                        );
                     }
                 }
             }
@@ -501,17 +597,10 @@ mod tests {
     }
 
     #[test]
-    fn tiled_attention_matches_row_by_row() {
+    fn tiled_attention_matches_reference() {
         check_tiled::<f32>();
         check_tiled::<f16>();
         check_tiled::<bf16>();
-    }
-
-    #[test]
-    fn attend_matches_reference_for_every_kv_dtype() {
-        check_attend::<f32>();
-        check_attend::<f16>();
-        check_attend::<bf16>();
     }
 
     #[test]

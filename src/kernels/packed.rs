@@ -12,6 +12,7 @@
 //! Rows are padded with zeros to a multiple of four and columns to a multiple of 16, so kernels
 //! have no ragged tails; padded outputs are never written back.
 
+use super::arena::HugeBuf;
 use super::dot::{self, Isa};
 use super::{SharedSlice, Team};
 use crate::weights::{Data, Mat};
@@ -44,11 +45,11 @@ impl Quant {
 
 #[derive(Debug, Clone)]
 enum Store {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
-    F16(Vec<f16>),
+    F32(HugeBuf<f32>),
+    BF16(HugeBuf<bf16>),
+    F16(HugeBuf<f16>),
     /// Quantized values and one scale per (padded) row.
-    I8(Vec<i8>, Vec<f32>),
+    I8(HugeBuf<i8>, Vec<f32>),
 }
 
 /// A matrix `[rows, cols]` packed for the kernels, in its stored dtype or quantized.
@@ -138,36 +139,18 @@ impl PackedMat {
     }
 }
 
-/// Asks the kernel to back `v` with 2 MiB pages (before it is first written, so the pages
-/// arrive huge). Every decode step reads all weights: with 4 KiB pages that is one TLB miss per
-/// 4 KiB of weights per token. Advisory: where transparent huge pages are off it does nothing.
-fn huge_pages<T>(v: &mut [T]) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let start = v.as_mut_ptr() as usize;
-        let end = start + std::mem::size_of_val(v);
-        let (a, b) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
-        if b > a {
-            // SAFETY: [a, b) lies inside `v`'s allocation; MADV_HUGEPAGE changes no contents.
-            unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE) };
-        }
-    }
-}
-
 /// Packs row-major `v` (`rows × cols`) into panels; returns the padded column count.
-fn pack_t<T: dot::Elem + Default>(
+fn pack_t<T: dot::Elem + bytemuck::Zeroable>(
     v: &[T],
     rows: usize,
     cols: usize,
-    wrap: impl FnOnce(Vec<T>) -> Store,
+    wrap: impl FnOnce(HugeBuf<T>) -> Store,
 ) -> (usize, Store) {
     let cols_p = cols.next_multiple_of(CHUNK);
     let rows_p = rows.next_multiple_of(PANEL);
     let kc = cols_p / CHUNK;
-    let mut out: Vec<T> = Vec::with_capacity(rows_p * cols_p);
-    huge_pages(out.spare_capacity_mut());
-    out.resize(rows_p * cols_p, T::default());
+    // Zeroed: padding rows and columns stay 0.
+    let mut out = HugeBuf::<T>::zeroed(rows_p * cols_p);
     out.par_chunks_mut(PANEL * cols_p).enumerate().for_each(|(p, panel)| {
         for lane in 0..PANEL {
             let r = p * PANEL + lane;
@@ -230,7 +213,20 @@ fn matmul_float<T: dot::Elem + dot::Avx2Load>(
             dot::prepare::<T>(&x[t * cols..(t + 1) * cols], &mut buf[t * cols_p..(t + 1) * cols_p], isa);
         }
         let xp = &buf[..n_tok * cols_p];
-        schedule(team, w.rows, cols_p, n_tok, None, out, &|p, cr, t, acc| {
+        if n_tok == 1 {
+            one_token(team, w.rows, out, &|panels, o| {
+                let wp = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c;
+                    // `wp` holds the panels of `o`'s rows, `xp` is cols_p (a multiple of CHUNK).
+                    Isa::Avx2 => unsafe { dot::avx2_panels(wp, xp, o) },
+                    _ => panels_portable(wp, xp, o),
+                }
+            });
+            return;
+        }
+        schedule(team, w.rows, cols_p, n_tok, out, &|p, cr, t, acc| {
             let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
             let nt = acc.len();
             let xs: [&[f32]; TOK_GROUP] =
@@ -240,8 +236,9 @@ fn matmul_float<T: dot::Elem + dot::Avx2Load>(
     });
 }
 
-/// Int8 weights: each input is quantized to int8 per group of 32 columns (its own scale per
-/// group, so an outlier only coarsens its own group), and the products are summed in integers.
+/// Int8 weights: each input is quantized per group of [`XGROUP`] columns to |q| ≤ [`XMAX`]
+/// (its own scale per group, so an outlier only coarsens its own group), and the products
+/// are summed in integers.
 #[allow(clippy::too_many_arguments)]
 fn matmul_int8(
     team: &Team,
@@ -261,59 +258,109 @@ fn matmul_int8(
             xs.resize(n_tok * kc, 0.0);
         }
         for t in 0..n_tok {
-            quantize_chunks(
+            quantize_groups(
                 &x[t * cols..(t + 1) * cols],
                 &mut xq[t * cols_p..(t + 1) * cols_p],
                 &mut xs[t * kc..(t + 1) * kc],
             );
         }
         let (xq, xs) = (&xq[..n_tok * cols_p], &xs[..n_tok * kc]);
-        schedule(team, w.rows, cols_p, n_tok, Some(scales), out, &|p, cr, t, acc| {
+        // Weights of `o`'s panels against input `q` (scales `s`), times `row_scales`.
+        let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32]| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; `wp` holds
+            // the panels of `o`'s rows over the columns of `q` (a multiple of CHUNK), with one
+            // scale per XGROUP columns and one row scale per panel row.
+            Isa::Avx2 => unsafe { dot::avx2_panels_q8(wp, q, s, row_scales, o) },
+            _ => panels_q8_portable(wp, q, s, row_scales, o),
+        };
+        if n_tok == 1 {
+            one_token(team, w.rows, out, &|panels, o| {
+                let rows = panels.start * PANEL..panels.end * PANEL;
+                run(&d[rows.start * cols_p..rows.end * cols_p], xq, xs, &scales[rows], o);
+            });
+            return;
+        }
+        schedule(team, w.rows, cols_p, n_tok, out, &|p, cr, t, acc| {
             let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
             let groups = cr.start / XGROUP..cr.end.div_ceil(XGROUP);
             for (i, a) in acc.iter_mut().enumerate() {
                 let (q, s) = (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
-                *a = match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the
-                    // panel is PANEL × cols_p, the input cols_p with one scale per chunk.
-                    Isa::Avx2 => unsafe { dot::avx2_panel_q8(panel, q, s) },
-                    _ => panel_q8_portable(panel, q, s),
-                };
+                run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a);
             }
         });
     });
 }
 
-/// Columns of an input that share one int8 scale.
-const XGROUP: usize = 2 * CHUNK;
+/// Columns of an input that share one scale (column blocks start on a group).
+pub(crate) const XGROUP: usize = 2 * CHUNK;
+const _: () = assert!(K_BLOCK % XGROUP == 0 && XGROUP % CHUNK == 0);
 
-/// `x` (padded with zeros to `q.len()`) as int8 with one scale per group of [`XGROUP`]
-/// columns: `x ≈ q · s[group]`.
-pub fn quantize_chunks(x: &[f32], q: &mut [i8], s: &mut [f32]) {
+/// Largest |q| of a quantized input: the AVX2 kernel's 16-bit sums of a group's products
+/// (four per lane, each |w · q| ≤ 127 · 64) cannot overflow. 129 levels per group; the
+/// int8 top-1 test on the real model shows what that costs against bf16.
+pub(crate) const XMAX: i8 = 64;
+
+/// `x` (padded with zeros to `q.len()`) as integers |q| ≤ [`XMAX`] with one scale per group of
+/// [`XGROUP`] columns: `x ≈ q · s[group]`.
+pub fn quantize_groups(x: &[f32], q: &mut [i8], s: &mut [f32]) {
+    const MAX: f32 = XMAX as f32;
     for (k, (qc, sc)) in q.chunks_mut(XGROUP).zip(s.iter_mut()).enumerate() {
         let xc = x.get(k * XGROUP..((k + 1) * XGROUP).min(x.len())).unwrap_or(&[]);
         let max = xc.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-        *sc = max / 127.0;
-        let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+        *sc = max / MAX;
+        let inv = if max > 0.0 { MAX / max } else { 0.0 };
         for (i, d) in qc.iter_mut().enumerate() {
-            *d = xc.get(i).map_or(0, |&v| (v * inv).round().clamp(-127.0, 127.0) as i8);
+            *d = xc.get(i).map_or(0, |&v| (v * inv).round().clamp(-MAX, MAX) as i8);
         }
     }
 }
 
-/// One int8 panel against one quantized input: per chunk an exact integer sum, scaled.
-fn panel_q8_portable(panel: &[i8], q: &[i8], s: &[f32]) -> [f32; PANEL] {
-    let mut acc = [0.0f32; PANEL];
-    for (k, qc) in q.chunks_exact(CHUNK).enumerate() {
-        let sc = s[k * CHUNK / XGROUP];
-        for (lane, a) in acc.iter_mut().enumerate() {
-            let wc = &panel[(k * PANEL + lane) * CHUNK..][..CHUNK];
-            let isum: i32 = wc.iter().zip(qc).map(|(&w, &x)| w as i32 * x as i32).sum();
-            *a += isum as f32 * sc;
+/// Int8 panels against one quantized input: per group an exact integer sum, scaled by the
+/// input's group scale, then by the row's (see [`dot::avx2_panels_q8`]).
+fn panels_q8_portable(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &mut [f32]) {
+    let n = q.len();
+    for (p, o) in out.chunks_mut(PANEL).enumerate() {
+        let panel = &w[p * PANEL * n..(p + 1) * PANEL * n];
+        for (lane, ol) in o.iter_mut().enumerate() {
+            let mut acc = 0.0f32;
+            for (g, qg) in q.chunks(XGROUP).enumerate() {
+                let mut isum = 0i64;
+                for (k, qc) in qg.chunks_exact(CHUNK).enumerate() {
+                    let wc = &panel[((g * XGROUP / CHUNK + k) * PANEL + lane) * CHUNK..][..CHUNK];
+                    isum += wc.iter().zip(qc).map(|(&w, &x)| w as i64 * x as i64).sum::<i64>();
+                }
+                acc += isum as f32 * s[g];
+            }
+            *ol = acc * row_scales[p * PANEL + lane];
         }
     }
-    acc
+}
+
+/// Float panels against one prepared input: `out[PANEL·p + lane] = row lane of panel p · x`.
+fn panels_portable<T: dot::Elem>(w: &[T], x: &[f32], out: &mut [f32]) {
+    let n = x.len();
+    for (p, o) in out.chunks_mut(PANEL).enumerate() {
+        let panel = &w[p * PANEL * n..(p + 1) * PANEL * n];
+        for (lane, ol) in o.iter_mut().enumerate() {
+            *ol = x
+                .chunks_exact(CHUNK)
+                .enumerate()
+                .map(|(k, xc)| dot::dot1_portable(&panel[(k * PANEL + lane) * CHUNK..][..CHUNK], xc))
+                .sum();
+        }
+    }
+}
+
+/// One token: runs of whole panels in guided pieces (long memory streams first, short last
+/// ones so the workers finish together); `run(panels, o)` writes those panels' rows `o`.
+fn one_token(team: &Team, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<usize>, &mut [f32]) + Sync)) {
+    let shared = SharedSlice::new(&mut out[..rows]);
+    team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
+        let (r0, r1) = (panels.start * PANEL, (panels.end * PANEL).min(rows));
+        // SAFETY: the team hands out each panel in exactly one range, so row ranges are disjoint.
+        run(panels, unsafe { shared.range(r0, r1 - r0) });
+    });
 }
 
 /// Sums columns `cols` of panel `p` against tokens `t..t + acc.len()` into `acc`.
@@ -325,22 +372,14 @@ const K_BLOCK: usize = 2048;
 const TILE_BYTES: usize = 256 << 10;
 
 /// Runs `panel_fn` over every panel, column block and token group, spread over the team, and
-/// writes the sums (times the per-row `scales`, when given) into `out` (`[n_tok, rows]`).
+/// writes the sums into `out` (`[n_tok, rows]`).
 ///
-/// One token reads each panel once, in guided pieces (long streams first, short last ones so
-/// workers finish together). Many tokens go by column blocks of [`K_BLOCK`] and tiles of tokens
-/// whose inputs fill [`TILE_BYTES`] (in L2); each task takes a run of panels, and each panel's
-/// column block (at most 16 KiB) stays in L1 while every token pair of the tile passes over it.
-/// Weights are then read once per tile and inputs once per panel from L2, not from memory.
-fn schedule(
-    team: &Team,
-    rows: usize,
-    cols_p: usize,
-    n_tok: usize,
-    scales: Option<&[f32]>,
-    out: &mut [f32],
-    panel_fn: &PanelFn,
-) {
+/// Many tokens (one token goes by [`one_token`]) go by column blocks of [`K_BLOCK`] and tiles
+/// of tokens whose inputs fill [`TILE_BYTES`] (in L2); each task takes a run of panels, and
+/// each panel's column block (at most 16 KiB) stays in L1 while every token pair of the tile
+/// passes over it. Weights are then read once per tile and inputs once per panel from L2, not
+/// from memory.
+fn schedule(team: &Team, rows: usize, cols_p: usize, n_tok: usize, out: &mut [f32], panel_fn: &PanelFn) {
     let n_panels = rows.div_ceil(PANEL);
     let shared = SharedSlice::new(out);
     // Sums panels × tokens t0..t1 over columns `cr`; the first column block writes, the
@@ -355,11 +394,6 @@ fn schedule(
                 let nt = TOK_GROUP.min(t1 - t);
                 let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
                 panel_fn(p, cr.clone(), t, &mut acc[..nt]);
-                if let Some(sc) = scales {
-                    for a in acc[..nt].iter_mut() {
-                        a.iter_mut().zip(&sc[r0..r0 + PANEL]).for_each(|(v, s)| *v *= s);
-                    }
-                }
                 for (i, a) in acc[..nt].iter().enumerate() {
                     // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel is
                     // in exactly one range handed out by the team for this pass.
@@ -374,10 +408,6 @@ fn schedule(
             }
         }
     };
-    if n_tok == 1 {
-        team.for_ranges(n_panels, 2, &|panels| run(panels, 0..cols_p, 0, 1));
-        return;
-    }
     let kb = K_BLOCK.min(cols_p);
     let tile = (TILE_BYTES / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP);
     let block = n_panels.div_ceil(team.threads() * 4).max(1);
@@ -415,7 +445,7 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
         // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
-        (Isa::Avx2, 1) => unsafe { acc[0] = dot::avx2_panel::<T, 1>(panel, [xs[0]])[0] },
+        (Isa::Avx2, 1) => unsafe { dot::avx2_panels(panel, xs[0], &mut acc[0]) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx2, 2) => unsafe { pairs::<T, 2>(panel, [xs[0], xs[1]], acc) },
@@ -427,12 +457,7 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         (Isa::Avx2, 4) => unsafe { pairs::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
         _ => {
             for (x, a) in xs.iter().zip(acc.iter_mut()) {
-                for (k, xc) in x.chunks_exact(CHUNK).enumerate() {
-                    for (lane, al) in a.iter_mut().enumerate() {
-                        let wc = &panel[(k * PANEL + lane) * CHUNK..][..CHUNK];
-                        *al += dot::dot1_portable(wc, xc);
-                    }
-                }
+                panels_portable(panel, x, a);
             }
         }
     }

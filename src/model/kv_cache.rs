@@ -1,9 +1,12 @@
 //! Per-rank KV cache in pages: one pool for all sequences, sized for this rank's layers and KV
 //! heads only. A page holds [`PAGE`] consecutive positions of one sequence; a sequence's page
 //! table (chosen by the driver's allocator, the same on every rank) lists its pages in position
-//! order. Layout per layer `[page][kv_head][PAGE][head_dim]`, so one head's keys in a page are
-//! contiguous. Stored in f16 by default (half the memory and half the bytes attention reads
-//! per token), or in f32 / bf16; values are rounded once, when written.
+//! order. Layout per layer `[kv_head][page]` (a head's pages side by side, so a sequence whose
+//! pages are consecutive is read as one stream), each block one head's page: keys transposed
+//! (`[head_dim][PAGE]`, the page's keys side by side per dimension) and values as rows
+//! (`[PAGE][head_dim]`), the order [`kernels::attend_tiled`] reads them in. Stored in f16 by
+//! default (half the memory and half the bytes attention reads per token), or in f32 / bf16;
+//! values are rounded once, when written.
 
 use crate::kernels::{self, dot::Elem};
 use crate::weights::DType;
@@ -25,20 +28,29 @@ impl<T: Elem + Default> Store<T> {
         }
     }
 
+    /// Writes slot `slot` of each KV head's block (`start(h)` is where head `h`'s block of
+    /// this page begins): the key into column `slot` of the transposed key block, the value
+    /// into row `slot` of the value block.
+    #[allow(clippy::too_many_arguments)] // one position: where, its shape, and its two vectors
     fn put(
         &mut self,
         layer: usize,
-        at: impl Fn(usize) -> usize,
+        start: impl Fn(usize) -> usize,
+        slot: usize,
         hd: usize,
         n_kv: usize,
         k: &[f32],
         v: &[f32],
     ) {
         for h in 0..n_kv {
-            let a = at(h);
+            let a = start(h);
             let src = h * hd..(h + 1) * hd;
-            self.k[layer][a..a + hd].iter_mut().zip(&k[src.clone()]).for_each(|(d, &x)| *d = T::from_f32(x));
-            self.v[layer][a..a + hd].iter_mut().zip(&v[src]).for_each(|(d, &x)| *d = T::from_f32(x));
+            let kb = &mut self.k[layer][a..a + PAGE * hd];
+            for (d, &x) in k[src.clone()].iter().enumerate() {
+                kb[d * PAGE + slot] = T::from_f32(x);
+            }
+            let vr = &mut self.v[layer][a + slot * hd..a + (slot + 1) * hd];
+            vr.iter_mut().zip(&v[src]).for_each(|(d, &x)| *d = T::from_f32(x));
         }
     }
 }
@@ -94,18 +106,20 @@ impl KvPool {
             .unwrap_or_else(|| panic!("KV position {pos} is past the sequence's {} pages", table.len()))
             as usize;
         assert!(page < self.pages, "KV page {page} outside a pool of {}", self.pages);
-        let (hd, n_kv) = (self.head_dim, self.n_kv);
-        let at = |h: usize| ((page * n_kv + h) * PAGE + pos % PAGE) * hd;
+        let (hd, n_kv, pages) = (self.head_dim, self.n_kv, self.pages);
+        let start = |h: usize| (h * pages + page) * PAGE * hd;
+        let slot = pos % PAGE;
         match &mut self.data {
-            Data::F32(s) => s.put(layer, at, hd, n_kv, k, v),
-            Data::F16(s) => s.put(layer, at, hd, n_kv, k, v),
-            Data::BF16(s) => s.put(layer, at, hd, n_kv, k, v),
+            Data::F32(s) => s.put(layer, start, slot, hd, n_kv, k, v),
+            Data::F16(s) => s.put(layer, start, slot, hd, n_kv, k, v),
+            Data::BF16(s) => s.put(layer, start, slot, hd, n_kv, k, v),
         }
     }
 
     /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer` of
     /// the sequence whose pages are `table`, row `r` seeing positions
-    /// `bounds[r].0 ..= bounds[r].1`; see [`kernels::attend_tiled`].
+    /// `bounds[r].0 ..= bounds[r].1`; with `stats`, one part of it over those keys. See
+    /// [`kernels::attend_tiled`].
     #[allow(clippy::too_many_arguments)] // which cache (layer, head, sequence), the queries and the output
     pub fn attend(
         &self,
@@ -116,25 +130,26 @@ impl KvPool {
         bounds: &[(usize, usize)],
         scale: f32,
         out: &mut [f32],
+        stats: Option<&mut [f32]>,
     ) {
-        let (hd, n_kv) = (self.head_dim, self.n_kv);
+        let (hd, pages) = (self.head_dim, self.pages);
         let len = PAGE * hd;
         let at = |p: usize| {
-            let start = (table[p] as usize * n_kv + kv) * len;
+            let start = (kv * pages + table[p] as usize) * len;
             start..start + len
         };
         match &self.data {
             Data::F32(s) => {
                 let (k, v) = (&s.k[layer], &s.v[layer]);
-                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out)
+                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out, stats)
             }
             Data::F16(s) => {
                 let (k, v) = (&s.k[layer], &s.v[layer]);
-                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out)
+                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out, stats)
             }
             Data::BF16(s) => {
                 let (k, v) = (&s.k[layer], &s.v[layer]);
-                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out)
+                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out, stats)
             }
         }
     }

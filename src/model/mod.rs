@@ -41,11 +41,17 @@ struct Layer {
 /// Positions of one span attended together (one tile of queries).
 const QUERY_BLOCK: usize = 16;
 
-/// A tile's query rows, its output rows and each row's key bounds.
-type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>);
+/// Most parts one row's keys are split into when a step has too few (KV head, block) items
+/// to keep every kernel thread busy.
+const MAX_PARTS: usize = 8;
+
+/// A tile's query rows, its output rows, each row's key bounds and (for a part) each row's
+/// softmax max and sum.
+type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>, Vec<f32>);
 
 thread_local! {
-    static QROWS: std::cell::RefCell<TileRows> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    static QROWS: std::cell::RefCell<TileRows> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// A run of consecutive tokens of one sequence in a step: positions `pos0..pos0 + len` of
@@ -255,6 +261,22 @@ impl Shard {
         let q0 = self.plan.q_heads.start;
         let kv0 = self.plan.kv_heads.start;
         let scale = 1.0 / (hd as f32).sqrt();
+        // The local query heads that read local KV head `kvl` (heads are split in order, so
+        // they are consecutive).
+        let q_heads_of_kv = |kvl: usize| {
+            let g = kv0 + kvl;
+            (g * group).max(q0) - q0..((g + 1) * group).min(q0 + nq) - q0
+        };
+        // Decode steps (one token per block) with fewer (KV head, block) items than twice
+        // the kernel threads split each row's keys into parts, so every thread has work
+        // (one KV head per rank under tensor parallelism would otherwise run on one thread).
+        let items = nkv * s.blocks.len();
+        let parts = if s.blocks.iter().all(|b| b.1 == 1) && items < 2 * team.threads() {
+            (2 * team.threads()).div_ceil(items).min(MAX_PARTS)
+        } else {
+            1
+        };
+        s.ensure_parts(parts, n, self);
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
             kernels::rmsnorm(x, &l.input_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
@@ -275,28 +297,61 @@ impl Shard {
             let tokens = &s.tokens;
             let blocks = &s.blocks;
             let att = SharedSlice::new(&mut s.att[..n * nq * hd]);
+            let part_out = SharedSlice::new(&mut s.part_out[..parts * n * nq * hd]);
+            let part_stats = SharedSlice::new(&mut s.part_stats[..parts * n * nq * 2]);
             let window = cfg.sliding_window;
-            // One item per (query head, block of a span's positions): the block's keys and
-            // values are read once for all its positions.
-            team.for_each(nq * blocks.len(), &|item| {
-                let (hl, (t0, nt)) = (item % nq, blocks[item / nq]);
-                let kvl = (q0 + hl) / group - kv0;
+            // One item per (KV head, block of a span's positions, part of its keys), holding
+            // every local query head that reads that KV head: the block's keys and values are
+            // read (and widened) once for all its rows.
+            team.for_each(nkv * blocks.len() * parts, &|item| {
+                let (part, item) = (item % parts, item / parts);
+                let (kvl, (t0, nt)) = (item % nkv, blocks[item / nkv]);
+                let heads = q_heads_of_kv(kvl);
                 let seq = tokens[t0].0;
-                QROWS.with_borrow_mut(|(q, o, bounds)| {
+                QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
                     q.clear();
                     bounds.clear();
-                    for (t, &(_, pos)) in tokens.iter().enumerate().skip(t0).take(nt) {
-                        q.extend_from_slice(&qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd]);
-                        bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
+                    for hl in heads.clone() {
+                        for (t, &(_, pos)) in tokens.iter().enumerate().skip(t0).take(nt) {
+                            q.extend_from_slice(&qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd]);
+                            bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
+                        }
                     }
-                    o.resize(nt * hd, 0.0);
-                    kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, o);
+                    o.resize(q.len(), 0.0);
+                    let split = parts > 1;
+                    if split {
+                        // This part's share of the pages the block's rows see, whole pages each.
+                        let lo = bounds.iter().map(|b| b.0).min().unwrap_or(0) / PAGE;
+                        let np = bounds.iter().map(|b| b.1).max().unwrap_or(0) / PAGE + 1 - lo;
+                        let (ka, kb) =
+                            ((lo + part * np / parts) * PAGE, (lo + (part + 1) * np / parts) * PAGE);
+                        for b in bounds.iter_mut() {
+                            *b = if ka == kb { (1, 0) } else { (b.0.max(ka), b.1.min(kb - 1)) };
+                        }
+                        stats.resize(2 * bounds.len(), 0.0);
+                    }
+                    kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, o, split.then_some(&mut stats[..]));
                     for (i, row) in o.chunks_exact(hd).enumerate() {
-                        // SAFETY: (token, head) pairs are disjoint between items.
-                        unsafe { att.range((t0 + i) * nq * hd + hl * hd, hd) }.copy_from_slice(row);
+                        let r = (t0 + i % nt) * nq + heads.start + i / nt;
+                        // SAFETY: (token, head) rows, and their parts, are disjoint between items.
+                        if split {
+                            let at = r * parts + part;
+                            unsafe { part_out.range(at * hd, hd) }.copy_from_slice(row);
+                            unsafe { part_stats.range(at * 2, 2) }.copy_from_slice(&stats[2 * i..2 * i + 2]);
+                        } else {
+                            unsafe { att.range(r * hd, hd) }.copy_from_slice(row);
+                        }
                     }
                 });
             });
+            if parts > 1 {
+                for (r, o) in s.att[..n * nq * hd].chunks_exact_mut(hd).enumerate() {
+                    let at = r * parts;
+                    let (po, ps) =
+                        (&s.part_out[at * hd..(at + parts) * hd], &s.part_stats[at * 2..(at + parts) * 2]);
+                    kernels::merge_attention_parts(po, ps, o);
+                }
+            }
             kernels::matmul(team, &l.o_proj, &s.att[..n * nq * hd], n, &mut s.o[..n * h]);
             comm.allreduce_sum(&mut s.o[..n * h]);
             x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
@@ -365,6 +420,10 @@ pub struct Scratch {
     act: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// Attention parts of a split step, a row's parts side by side:
+    /// `[token, head, part, head_dim]` and `[token, head, part, 2]` (softmax max and sum).
+    part_out: Vec<f32>,
+    part_stats: Vec<f32>,
 }
 
 impl Scratch {
@@ -387,5 +446,17 @@ impl Scratch {
         self.act = vec![0.0; n * ffl];
         self.cos = vec![0.0; n * hd / 2];
         self.sin = vec![0.0; n * hd / 2];
+    }
+
+    /// Room for `parts` attention parts of `n` tokens (grows only).
+    fn ensure_parts(&mut self, parts: usize, n: usize, m: &Shard) {
+        let (nq, hd) = (m.plan.q_heads.len(), m.cfg.head_dim);
+        let grow = |v: &mut Vec<f32>, len: usize| {
+            if v.len() < len {
+                v.resize(len, 0.0);
+            }
+        };
+        grow(&mut self.part_out, parts * n * nq * hd);
+        grow(&mut self.part_stats, parts * n * nq * 2);
     }
 }
