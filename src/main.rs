@@ -336,8 +336,10 @@ struct BenchArgs {
     /// every rank at once) and print them: the inputs of `gridlm plan`.
     #[arg(long, conflicts_with_all = ["model", "shape"])]
     limits: bool,
-    /// MiB of the buffer the bandwidth measurement reads (default 1024).
-    #[arg(long, default_value_t = 1024)]
+    /// MiB of the buffer the bandwidth measurement reads (1 MiB to 1 TiB; default 1024). Only a
+    /// buffer far larger than the last-level cache measures memory; tests use small ones.
+    #[arg(long, default_value_t = 1024,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     bandwidth_mib: usize,
     /// Print one JSON object instead of the table.
     #[arg(long)]
