@@ -13,8 +13,11 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gridlm"))
 }
 
+/// One gridlm process without a launcher; a run that hangs fails the test after ten minutes.
 pub fn gridlm(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("run gridlm")
+    let mut cmd = Command::new(bin());
+    cmd.args(args);
+    gridlm_reference::run_with_timeout(cmd, 600)
 }
 
 /// Asserts a failed run reported exactly one `error:` line containing every fragment, with a

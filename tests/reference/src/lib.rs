@@ -30,11 +30,9 @@ pub fn gridlm_bin() -> PathBuf {
 /// The SmolLM2-135M-Instruct folder in `dtype`, fetched and converted on first use by
 /// `launch/get-model` (idempotent and locked, so concurrent tests are safe).
 pub fn smollm2(dtype: &str) -> PathBuf {
-    let out = Command::new(repo_root().join("launch/get-model"))
-        .arg(dtype)
-        .env("GRIDLM_BIN", gridlm_bin())
-        .output()
-        .expect("run launch/get-model");
+    let mut cmd = Command::new(repo_root().join("launch/get-model"));
+    cmd.arg(dtype).env("GRIDLM_BIN", gridlm_bin());
+    let out = run_with_timeout(cmd, 1800);
     assert!(
         out.status.success(),
         "launch/get-model {dtype} failed:\n{}",
