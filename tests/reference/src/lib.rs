@@ -119,24 +119,28 @@ pub fn run_with_timeout(mut cmd: Command, secs: u64) -> std::process::Output {
     };
     let (out_t, err_t) = (read(Box::new(out_pipe)), read(Box::new(err_pipe)));
     let deadline = Instant::now() + Duration::from_secs(secs);
+    // The command leads its own group: killing the group ends it and everything it started.
     let kill_group = || {
         let _ = Command::new("kill").args(["-KILL", "--", &format!("-{group}")]).status();
     };
-    let mut status = None;
-    while status.is_none() || !(out_t.is_finished() && err_t.is_finished()) {
-        if status.is_none() {
-            status = child.try_wait().expect("wait");
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
         }
         if Instant::now() > deadline {
             kill_group();
-            let _ = child.kill();
             let _ = child.wait();
-            let what = if status.is_none() { "did not finish" } else { "left processes holding its output" };
-            panic!("{cmd:?} {what} within {secs} s (hang)");
+            panic!("{cmd:?} did not finish within {secs} s (hang)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    while !(out_t.is_finished() && err_t.is_finished()) {
+        if Instant::now() > deadline {
+            kill_group();
+            panic!("{cmd:?} left processes holding its output after {secs} s (hang)");
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let status = status.unwrap();
     std::process::Output { status, stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap() }
 }
 
@@ -291,4 +295,34 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]
         })
         .collect();
     safetensors::serialize_to_file(views, None, path).expect("write safetensors");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hang_message(script: &str) -> (String, std::time::Duration) {
+        let t0 = std::time::Instant::now();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", script]);
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_with_timeout(cmd, 1)))
+            .expect_err("a hang must fail");
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        (msg, t0.elapsed())
+    }
+
+    #[test]
+    fn a_hung_command_and_a_leftover_child_both_fail_at_the_deadline() {
+        let (msg, took) = hang_message("sleep 60");
+        assert!(msg.contains("did not finish"), "{msg}");
+        assert!(took.as_secs() < 10, "{took:?}");
+        let (msg, took) = hang_message("sleep 60 & echo started");
+        assert!(msg.contains("left processes holding its output"), "{msg}");
+        assert!(took.as_secs() < 10, "{took:?}");
+        let mut ok = Command::new("sh");
+        ok.args(["-c", "echo out; echo err >&2"]);
+        let out = run_with_timeout(ok, 10);
+        assert!(out.status.success());
+        assert_eq!((&out.stdout[..], &out.stderr[..]), (&b"out\n"[..], &b"err\n"[..]));
+    }
 }
