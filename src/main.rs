@@ -406,7 +406,10 @@ fn one_line_panics() {
 
 fn main() -> ExitCode {
     one_line_panics();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
     let result = match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Convert(a) => run_convert(a),
@@ -427,6 +430,22 @@ fn main() -> ExitCode {
 }
 
 /// Prints `error: MSG` as one write, so lines from several ranks never interleave.
+/// A command line clap rejects gets one `error:` line and status 1, like any other bad
+/// input (clap's own report adds usage lines). Help and version go out as clap prints them.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind::*;
+    if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
+        e.exit();
+    }
+    // The message is the first paragraph (a list of missing arguments continues it).
+    let text = e.render().to_string();
+    let para: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+    let msg = para.join(" ");
+    let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
+    error_line(&format!("{msg} (gridlm --help lists the options)"));
+    ExitCode::FAILURE
+}
+
 fn error_line(msg: &str) {
     let line = format!("error: {}\n", msg.replace('\n', " "));
     let _ = std::io::stderr().write_all(line.as_bytes());

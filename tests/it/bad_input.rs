@@ -207,3 +207,15 @@ fn single_prompt_larger_than_the_kv_memory() {
     let out = gridlm(&[&args[..], &["--kv-mem-mib", "0"]].concat());
     assert_one_line_error(&out, &["KV memory", "holds no page"]);
 }
+
+/// Options clap rejects (unknown, malformed, missing) get the same one-line error as any other
+/// bad input, not clap's usage block.
+#[test]
+fn bad_command_lines() {
+    assert_one_line_error(&gridlm(&["generate", "--bogus"]), &["unexpected argument '--bogus'", "--help"]);
+    assert_one_line_error(&gridlm(&["generate", "--prompt", "hi"]), &["--model"]);
+    assert_one_line_error(&gridlm(&["bench", "--reps", "many"]), &["invalid value 'many'", "--reps"]);
+    assert_one_line_error(&gridlm(&["frobnicate"]), &["frobnicate"]);
+    let help = gridlm(&["generate", "--help"]);
+    assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--model"));
+}
