@@ -321,9 +321,11 @@ impl Engine {
         if let Some((rank, step, panic)) = self.exit_at {
             if rank == self.grid.rank && step == self.steps {
                 if panic {
+                    // The team's last thread: a kernel thread, not the main one, when there
+                    // are several.
                     let last = self.team.threads() - 1;
-                    self.team.for_each(self.team.threads(), &|i| {
-                        assert!(i != last, "kernel item {i} failed (GRIDLM_TEST_EXIT_AT)");
+                    self.team.run(&|tid| {
+                        assert!(tid != last, "kernel thread {tid} failed (GRIDLM_TEST_EXIT_AT)");
                     });
                 }
                 let line = format!("error: rank {rank}: exiting at step {step} (GRIDLM_TEST_EXIT_AT)\n");

@@ -3,12 +3,16 @@
 use super::*;
 use gridlm_reference::{launch_command, run_with_timeout, TinyModel};
 
-/// `launch/local RANKS gridlm generate --model DIR ARGS...` with a deadline.
+/// `launch/local RANKS gridlm generate --model DIR ARGS...` with a deadline (one kernel thread
+/// per rank unless ARGS say otherwise).
 fn local(ranks: usize, dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     std::env::set_var("GRIDLM_BIN", bin());
     let n = ranks.to_string();
     let mut cmd = launch_command(&["local", &n]);
-    cmd.args(["generate", "--model", path_str(dir), "--threads", "1"]).args(args);
+    cmd.args(["generate", "--model", path_str(dir)]).args(args);
+    if !args.contains(&"--threads") {
+        cmd.args(["--threads", "1"]);
+    }
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -129,7 +133,9 @@ fn a_rank_that_dies_mid_generation_ends_the_job() {
 fn a_panicking_rank_ends_the_job_with_one_line() {
     let (_t, dir) = tiny_llama();
     let t0 = std::time::Instant::now();
-    let args = ["--prompt", "t1 t2", "--tp", "2", "--max-tokens", "20", "--ignore-eos"];
+    // Two kernel threads per rank: rank 1's second thread panics, not its main thread (a
+    // kernel thread's panic once deadlocked on the stdout lock the main thread held).
+    let args = ["--prompt", "t1 t2", "--tp", "2", "--threads", "2", "--max-tokens", "20", "--ignore-eos"];
     let env = [("GRIDLM_TEST_EXIT_AT", "1:3:panic"), ("RUST_BACKTRACE", "0")];
     let out = local(2, &dir, &args, &env);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -158,7 +164,7 @@ fn a_panicking_rank_ends_the_job_with_one_line() {
     assert_eq!(out.status.code(), Some(101), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(
-        stderr.starts_with("error: internal error at ") && stderr.contains("kernel item 1 failed"),
+        stderr.starts_with("error: internal error at ") && stderr.contains("kernel thread 1 failed"),
         "{stderr}"
     );
 }
