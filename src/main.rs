@@ -429,7 +429,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Prints `error: MSG` as one write, so lines from several ranks never interleave.
 /// A command line clap rejects gets one `error:` line and status 1, like any other bad
 /// input (clap's own report adds usage lines). Help and version go out as clap prints them.
 fn usage_error(e: clap::Error) -> ExitCode {
@@ -446,6 +445,7 @@ fn usage_error(e: clap::Error) -> ExitCode {
     ExitCode::FAILURE
 }
 
+/// Prints `error: MSG` as one write, so lines from several ranks never interleave.
 fn error_line(msg: &str) {
     let line = format!("error: {}\n", msg.replace('\n', " "));
     let _ = std::io::stderr().write_all(line.as_bytes());
