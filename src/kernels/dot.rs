@@ -589,6 +589,21 @@ mod avx2 {
         _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1))
     }
 
+    /// Asks for the float-weight chunk (four rows × [`BLOCK`] columns) lying a fixed distance
+    /// past the one at `wp`, read as one stream: far enough ahead to cover memory latency at
+    /// full bandwidth. Prefetches never fault; the address is only computed, never read.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fetch_ahead<T>(wp: *const T) {
+        const AHEAD: usize = 1024;
+        let ahead = (wp as *const u8).wrapping_add(AHEAD);
+        let mut off = 0;
+        while off < 4 * BLOCK * std::mem::size_of::<T>() {
+            _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
+            off += 64;
+        }
+    }
+
     /// Writes the first `out.len()` (at most four) lanes of `v` to `out`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -616,21 +631,12 @@ mod avx2 {
         debug_assert_eq!(n % BLOCK, 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
         let xp = x.as_ptr();
-        // Bytes of one chunk (four rows × BLOCK columns) and how far ahead of the read
-        // position to prefetch: far enough to cover memory latency at full bandwidth.
-        let chunk_bytes = 4 * BLOCK * std::mem::size_of::<T>();
-        const AHEAD: usize = 1024;
         let mut wp = w.as_ptr();
         for o in out.chunks_mut(4) {
             let mut acc = [_mm256_setzero_ps(); 4];
             let mut c = 0;
             while c < n {
-                let ahead = (wp as *const u8).wrapping_add(AHEAD);
-                let mut off = 0;
-                while off < chunk_bytes {
-                    _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
-                    off += 64;
-                }
+                fetch_ahead(wp);
                 let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let (lo, hi) = T::load16(wp.add(r * BLOCK));
@@ -664,17 +670,10 @@ mod avx2 {
         let mut wp = panel.as_ptr().add(lane * BLOCK);
         // With few tokens the panel comes from memory on the first pass (rows 0–1): fetch
         // ahead in the panel's order, as the one-token kernel does.
-        let chunk_bytes = 4 * BLOCK * std::mem::size_of::<T>();
-        const AHEAD: usize = 1024;
         let mut c = 0;
         while c < n {
             if lane == 0 {
-                let ahead = (wp as *const u8).wrapping_add(AHEAD);
-                let mut off = 0;
-                while off < chunk_bytes {
-                    _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
-                    off += 64;
-                }
+                fetch_ahead(wp);
             }
             let (a_lo, a_hi) = T::load16(wp);
             let (b_lo, b_hi) = T::load16(wp.add(BLOCK));
