@@ -276,7 +276,9 @@ impl Shard {
         } else {
             1
         };
-        s.ensure_parts(parts, n, self);
+        // Parts are stored only when a step splits; otherwise rows go straight to `att`.
+        let stored = if parts > 1 { parts } else { 0 };
+        s.ensure_parts(stored, n, self);
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
             kernels::rmsnorm(x, &l.input_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
@@ -297,8 +299,8 @@ impl Shard {
             let tokens = &s.tokens;
             let blocks = &s.blocks;
             let att = SharedSlice::new(&mut s.att[..n * nq * hd]);
-            let part_out = SharedSlice::new(&mut s.part_out[..parts * n * nq * hd]);
-            let part_stats = SharedSlice::new(&mut s.part_stats[..parts * n * nq * 2]);
+            let part_out = SharedSlice::new(&mut s.part_out[..stored * n * nq * hd]);
+            let part_stats = SharedSlice::new(&mut s.part_stats[..stored * n * nq * 2]);
             let window = cfg.sliding_window;
             // One item per (KV head, block of a span's positions, part of its keys), holding
             // every local query head that reads that KV head: the block's keys and values are
