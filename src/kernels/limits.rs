@@ -8,20 +8,30 @@ use rayon::prelude::*;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::time::Instant;
 
-/// Sums `buf` with every team thread (wide independent accumulators, so loads are the limit).
-fn read_all(team: &Team, buf: &[f32], isa: Isa) -> f32 {
-    const PIECE: usize = 1 << 16;
+/// How the probe reads: plain loads (the hardware prefetcher alone), or loads with software
+/// prefetches this many bytes ahead (how the matrix kernels stream their weights).
+#[derive(Clone, Copy)]
+enum Reader {
+    Plain,
+    Ahead(usize),
+}
+
+/// Sums `buf` with every team thread, each over its own contiguous share (as the kernels
+/// split a matrix), with wide independent accumulators so loads are the limit.
+fn read_all(team: &Team, buf: &[f32], isa: Isa, reader: Reader) -> f32 {
+    let share = buf.len().div_ceil(team.threads()).max(1);
     let sums: Vec<AtomicU32> = (0..team.threads()).map(|_| AtomicU32::new(0)).collect();
     team.run(&|tid| {
-        let mut s = 0.0f32;
-        for c in buf.chunks(PIECE).skip(tid).step_by(team.threads()) {
-            s += match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: Isa::Avx2 is only detected with avx2 and fma present.
-                Isa::Avx2 => unsafe { avx2::sum(c) },
-                _ => c.iter().sum::<f32>(),
-            };
-        }
+        let c = buf.chunks(share).nth(tid).unwrap_or(&[]);
+        let s = match (isa, reader) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Isa::Avx2 is only detected with avx2 and fma present.
+            (Isa::Avx2, Reader::Plain) => unsafe { avx2::sum(c, 0) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            (Isa::Avx2, Reader::Ahead(d)) => unsafe { avx2::sum(c, d) },
+            _ => c.iter().sum::<f32>(),
+        };
         sums[tid].store(s.to_bits(), Relaxed);
     });
     sums.iter().map(|s| f32::from_bits(s.load(Relaxed))).sum()
@@ -30,6 +40,9 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa) -> f32 {
 /// Best read bandwidth over `passes` full reads of a `bytes`-sized buffer by every thread of
 /// `team`, in GB/s. The buffer is mapped the way weights are (huge pages where the kernel
 /// gives them), so the limit is the machine's, not that of 4 KiB-page address translation.
+/// Each pass reads the buffer once per way of reading (plain loads; loads with software
+/// prefetches at two distances), and the fastest read counts: the limit is what the best
+/// of them reaches, not what one happens to.
 pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
     let isa = detect();
     // Written before it is read: untouched pages would all be the one shared zero page.
@@ -40,9 +53,11 @@ pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 
     let mut best = f64::INFINITY;
     let mut sink = 0.0;
     for _ in 0..passes.max(1) {
-        let t = Instant::now();
-        sink += read_all(team, &buf, isa);
-        best = best.min(t.elapsed().as_secs_f64());
+        for reader in [Reader::Plain, Reader::Ahead(512), Reader::Ahead(1024)] {
+            let t = Instant::now();
+            sink += read_all(team, &buf, isa, reader);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
     }
     std::hint::black_box(sink);
     buf.len() as f64 * 4.0 / best / 1e9
@@ -79,15 +94,25 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    /// The sum of `c`; with `ahead > 0`, each pair of lines is asked for `ahead` bytes before
+    /// it is loaded (non-temporal hint, as the matrix kernels do).
+    ///
     /// # Safety
     /// The CPU must have avx2 and fma.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn sum(c: &[f32]) -> f32 {
+    pub unsafe fn sum(c: &[f32], ahead: usize) -> f32 {
         let mut a = [_mm256_setzero_ps(); 4];
+        let p = c.as_ptr();
         let mut i = 0;
         while i + 32 <= c.len() {
+            if ahead > 0 {
+                // Prefetches never fault; the address is only computed, never read.
+                let f = (p.add(i) as *const i8).wrapping_add(ahead);
+                _mm_prefetch(f, _MM_HINT_NTA);
+                _mm_prefetch(f.wrapping_add(64), _MM_HINT_NTA);
+            }
             for (k, acc) in a.iter_mut().enumerate() {
-                *acc = _mm256_add_ps(*acc, _mm256_loadu_ps(c.as_ptr().add(i + 8 * k)));
+                *acc = _mm256_add_ps(*acc, _mm256_loadu_ps(p.add(i + 8 * k)));
             }
             i += 32;
         }
