@@ -45,6 +45,9 @@ unsafe impl Send for Inner {}
 pub struct Team {
     inner: Arc<Inner>,
     workers: Vec<JoinHandle<()>>,
+    /// One range per thread for [`Team::for_ranges`]: `front << 32 | back`, reset by the
+    /// owner before each kernel (so the hot path allocates nothing).
+    shares: Box<[AtomicU64]>,
 }
 
 impl Team {
@@ -70,7 +73,8 @@ impl Team {
                 .spawn(move || worker(&inner, tid))?;
             workers.push(h);
         }
-        Ok(Team { inner, workers })
+        let shares = (0..threads).map(|_| AtomicU64::new(0)).collect();
+        Ok(Team { inner, workers, shares })
     }
 
     pub fn threads(&self) -> usize {
@@ -136,10 +140,12 @@ impl Team {
 }
 
 impl Team {
-    /// Calls `f` on ranges that together cover `0..n` once, spread over the team by guided
-    /// scheduling: each worker takes a share of what is left (half of it split evenly), never
-    /// less than `min`. Large first pieces keep memory streams long; small last ones keep the
-    /// workers finishing together.
+    /// Calls `f` on ranges that together cover `0..n` once, spread over the team. Thread `t`
+    /// owns the `t`-th contiguous share of `0..n` and takes it from the front in shrinking
+    /// pieces (a quarter of what it has left, never less than `min`), so its pieces follow
+    /// each other in memory and its weight stream never restarts. A thread whose share is
+    /// done moves the back half of the largest share left to its own and goes on there, so a
+    /// thread that is slow or descheduled does not hold up the kernel.
     pub fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
         let threads = self.inner.threads;
         if threads == 1 || n <= min {
@@ -148,18 +154,65 @@ impl Team {
             }
             return;
         }
-        let next = AtomicUsize::new(0);
-        self.run(&|_| {
-            let mut cur = next.load(Relaxed);
-            while cur < n {
-                let size = ((n - cur) / (2 * threads)).max(min.max(1));
-                let end = (cur + size).min(n);
-                match next.compare_exchange_weak(cur, end, Relaxed, Relaxed) {
-                    Ok(_) => {
-                        f(cur..end);
-                        cur = next.load(Relaxed);
+        assert!(n < 1 << 32, "for_ranges: {n} items");
+        let min = min.max(1);
+        let pack = |a: usize, b: usize| ((a as u64) << 32) | b as u64;
+        let unpack = |v: u64| ((v >> 32) as usize, (v & 0xFFFF_FFFF) as usize);
+        for (t, s) in self.shares.iter().enumerate() {
+            s.store(pack(t * n / threads, (t + 1) * n / threads), Relaxed);
+        }
+        let shares = &self.shares;
+        self.run(&|tid| {
+            let mine = &shares[tid];
+            loop {
+                // Take pieces from the front of this thread's share until it is empty.
+                let mut cur = mine.load(Relaxed);
+                loop {
+                    let (a, b) = unpack(cur);
+                    if a >= b {
+                        break;
                     }
-                    Err(now) => cur = now,
+                    let end = (a + ((b - a) / 4).max(min)).min(b);
+                    match mine.compare_exchange_weak(cur, pack(end, b), Relaxed, Relaxed) {
+                        Ok(_) => {
+                            f(a..end);
+                            cur = mine.load(Relaxed);
+                        }
+                        Err(now) => cur = now,
+                    }
+                }
+                // Then move the back half of the largest share left (all of it when it is
+                // no longer than `min`) to this thread's own, and go on there.
+                let victim = shares.iter().enumerate().filter(|&(t, _)| t != tid).max_by_key(|(_, s)| {
+                    let (a, b) = unpack(s.load(Relaxed));
+                    b.saturating_sub(a)
+                });
+                let Some((_, victim)) = victim else { return };
+                let mut cur = victim.load(Relaxed);
+                let stolen = loop {
+                    let (a, b) = unpack(cur);
+                    if a >= b {
+                        break None;
+                    }
+                    let mid = if b - a > min { b - (b - a) / 2 } else { a };
+                    match victim.compare_exchange_weak(cur, pack(a, mid), Relaxed, Relaxed) {
+                        Ok(_) => break Some((mid, b)),
+                        Err(now) => cur = now,
+                    }
+                };
+                match stolen {
+                    // Only this thread takes from its own front, and its share is empty, so a
+                    // plain store cannot lose a piece (thieves find nothing to take from it).
+                    Some((a, b)) => mine.store(pack(a, b), Relaxed),
+                    None => {
+                        // The largest share was emptied meanwhile: done when all are.
+                        if shares.iter().all(|s| {
+                            let (a, b) = unpack(s.load(Relaxed));
+                            a >= b
+                        }) {
+                            return;
+                        }
+                    }
                 }
             }
         });
@@ -256,6 +309,27 @@ mod tests {
                 });
                 assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "threads {threads} n {n}");
             }
+        }
+    }
+
+    #[test]
+    fn ranges_cover_everything_once_when_one_thread_is_slow() {
+        // The thread that owns the team stalls in each of its pieces, so the others run out
+        // first and take over the rest of its share (and each other's).
+        for threads in [2, 3] {
+            let team = Team::new(threads).unwrap();
+            let owner = std::thread::current().id();
+            let n = 600;
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            team.for_ranges(n, 1, &|r| {
+                if std::thread::current().id() == owner {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                r.for_each(|i| {
+                    hits[i].fetch_add(1, Relaxed);
+                });
+            });
+            assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "threads {threads}");
         }
     }
 
