@@ -141,22 +141,36 @@ pub fn detect() -> Isa {
 
 /// Scores of `q` (`[rows, hd]`) against one page of keys stored transposed (`kt` is
 /// `[hd, page_len]`: for each dimension, the page's keys side by side):
-/// `out[r][j] = Σ_d q[r][d] · kt[d][j]` for every `j` in `0..page_len` (`out` is
-/// `[rows, page_len]`). Each converted vector of keys serves up to four rows.
-pub fn page_scores<T: Elem + Avx2Load>(kt: &[T], page_len: usize, q: &[f32], out: &mut [f32], isa: Isa) {
-    let rows = out.len() / page_len;
-    let hd = q.len() / rows.max(1);
+/// `out[r * stride + j] = Σ_d q[r][d] · kt[d][j]` for every `j` in `0..page_len` (rows of
+/// `out` are `stride >= page_len` apart). Each converted vector of keys serves up to four rows.
+pub fn page_scores<T: Elem + Avx2Load>(
+    kt: &[T],
+    page_len: usize,
+    q: &[f32],
+    out: &mut [f32],
+    stride: usize,
+    isa: Isa,
+) {
+    let hd = kt.len() / page_len.max(1);
+    let rows = q.len() / hd.max(1);
     assert!(
-        out.len() == rows * page_len && q.len() == rows * hd && kt.len() == hd * page_len,
+        hd > 0
+            && kt.len() == hd * page_len
+            && q.len() == rows * hd
+            && stride >= page_len
+            && out.len() >= rows.saturating_sub(1) * stride + page_len,
         "page_scores: shapes"
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; shapes are
         // checked above.
-        Isa::Avx2 if page_len % 8 == 0 => unsafe { avx2::page_scores(kt, page_len, q, hd, out) },
+        Isa::Avx2 if page_len % 8 == 0 => unsafe {
+            avx2::page_scores(kt, page_len, q, hd, rows, out, stride)
+        },
         _ => {
-            for (qr, or) in q.chunks_exact(hd).zip(out.chunks_exact_mut(page_len)) {
+            for (r, qr) in q.chunks_exact(hd).enumerate() {
+                let or = &mut out[r * stride..r * stride + page_len];
                 or.fill(0.0);
                 for (d, &qd) in qr.iter().enumerate() {
                     let kd = &kt[d * page_len..(d + 1) * page_len];
@@ -333,6 +347,7 @@ mod avx2 {
         q: *const f32,
         hd: usize,
         out: *mut f32,
+        stride: usize,
     ) {
         let mut acc = [[[_mm256_setzero_ps(); NV]; NR]; S];
         let step = |acc: &mut [[__m256; NV]; NR], d: usize| {
@@ -361,34 +376,41 @@ mod avx2 {
                 for a in &acc[1..] {
                     v = _mm256_add_ps(v, a[r][i]);
                 }
-                _mm256_storeu_ps(out.add(r * page_len + j0 + 8 * i), v);
+                _mm256_storeu_ps(out.add(r * stride + j0 + 8 * i), v);
             }
         }
     }
 
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `page_len % 8 == 0`, `kt` is `[hd, page_len]`,
-    /// `q` is `[rows, hd]` and `out` is `[rows, page_len]`.
+    /// `q` is `[rows, hd]` and `out` holds `rows` rows of `page_len` scores `stride` apart.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn page_scores<T: Avx2Load>(kt: &[T], page_len: usize, q: &[f32], hd: usize, out: &mut [f32]) {
-        let rows = out.len() / page_len;
+    pub unsafe fn page_scores<T: Avx2Load>(
+        kt: &[T],
+        page_len: usize,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let (k, o) = (kt.as_ptr(), out.as_mut_ptr());
         let mut r = 0;
         while r < rows {
             let nr = (rows - r).min(4);
-            let (qr, or) = (q.as_ptr().add(r * hd), o.add(r * page_len));
+            let (qr, or) = (q.as_ptr().add(r * hd), o.add(r * stride));
             let mut j = 0;
             while j < page_len {
                 let wide = page_len - j >= 16;
                 match (nr, wide) {
-                    (4, true) => scores_block::<T, 4, 2, 1>(k, page_len, j, qr, hd, or),
-                    (3, true) => scores_block::<T, 3, 2, 1>(k, page_len, j, qr, hd, or),
-                    (2, true) => scores_block::<T, 2, 2, 2>(k, page_len, j, qr, hd, or),
-                    (1, true) => scores_block::<T, 1, 2, 4>(k, page_len, j, qr, hd, or),
-                    (4, false) => scores_block::<T, 4, 1, 2>(k, page_len, j, qr, hd, or),
-                    (3, false) => scores_block::<T, 3, 1, 2>(k, page_len, j, qr, hd, or),
-                    (2, false) => scores_block::<T, 2, 1, 4>(k, page_len, j, qr, hd, or),
-                    _ => scores_block::<T, 1, 1, 8>(k, page_len, j, qr, hd, or),
+                    (4, true) => scores_block::<T, 4, 2, 1>(k, page_len, j, qr, hd, or, stride),
+                    (3, true) => scores_block::<T, 3, 2, 1>(k, page_len, j, qr, hd, or, stride),
+                    (2, true) => scores_block::<T, 2, 2, 2>(k, page_len, j, qr, hd, or, stride),
+                    (1, true) => scores_block::<T, 1, 2, 4>(k, page_len, j, qr, hd, or, stride),
+                    (4, false) => scores_block::<T, 4, 1, 2>(k, page_len, j, qr, hd, or, stride),
+                    (3, false) => scores_block::<T, 3, 1, 2>(k, page_len, j, qr, hd, or, stride),
+                    (2, false) => scores_block::<T, 2, 1, 4>(k, page_len, j, qr, hd, or, stride),
+                    _ => scores_block::<T, 1, 1, 8>(k, page_len, j, qr, hd, or, stride),
                 }
                 j += if wide { 16 } else { 8 };
             }

@@ -47,12 +47,13 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 /// `i * page_len ..`, keys transposed (`[head_dim, page_len]`: per dimension, the page's keys
 /// side by side) and values as rows (`[page_len, head_dim]`), so a sequence's cache need not
 /// be contiguous. Row `r` (`q[r]`, `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`.
-/// Keys go a page at a time: the page is scored against every row at once (each converted
-/// vector of keys serves several rows), folded into each row's online softmax (running max
-/// and sum, earlier sums rescaled when the max grows; keys a row does not see get weight 0),
-/// and its values are summed into every row the same way. A page is read once for all rows,
-/// while it sits in L1, and no score buffer longer than a page exists. Pages that no row sees
-/// (past the causal edge of the last row) are never touched. `out` is `[rows, head_dim]`.
+/// Keys go a tile of up to [`TILE_PAGES`] pages at a time: each page is scored against every
+/// row at once (each converted vector of keys serves several rows), the tile's scores are
+/// folded into each row's online softmax (running max and sum, earlier sums rescaled when the
+/// max grows; keys a row does not see get weight 0), and each page's values are summed into
+/// every row the same way. A page is read once for all rows, and no score buffer longer than
+/// a tile exists. Pages that no row sees (past the causal edge of the last row) are never
+/// touched. `out` is `[rows, head_dim]`.
 ///
 /// A row whose bounds are empty (`first > last`) sees nothing. With `stats` (`[rows, 2]`),
 /// the result is one part of a row's attention, to be merged with the others by
@@ -73,9 +74,12 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     assert!(stats.as_ref().map_or(true, |s| s.len() == 2 * nr), "attend_tiled: stats shape");
     let hd = q.len() / nr;
     let isa = dot::detect();
+    // Keys go in tiles of up to TILE_PAGES pages: the softmax bookkeeping of a row (max, rescale,
+    // exp, sum) runs once per tile on a long vector instead of once per short page.
+    let tile_len = TILE_PAGES * page_len;
     TILE.with_borrow_mut(|work| {
-        // Running max and sum per row, and one page of scores per row.
-        work.resize(2 * nr + nr * page_len, 0.0);
+        // Running max and sum per row, and one tile of scores per row.
+        work.resize(2 * nr + nr * tile_len, 0.0);
         let (m, rest) = work.split_at_mut(nr);
         let (l, s) = rest.split_at_mut(nr);
         m.fill(f32::NEG_INFINITY);
@@ -93,7 +97,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         };
         let (first_page, last_page) = (lo / page_len, hi / page_len);
         // Pages may be scattered through the pool, each too short for the hardware prefetcher
-        // to follow: fetch AHEAD pages ahead of the one being summed.
+        // to follow: fetch AHEAD pages ahead of the one being scored.
         const AHEAD: usize = 2;
         let fetch = |p: usize| {
             if p <= last_page {
@@ -103,15 +107,19 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
             }
         };
         (first_page..first_page + AHEAD).for_each(fetch);
-        for p in first_page..=last_page {
-            let base = p * page_len;
-            // Keys of this page that some row sees.
-            let (ja, jb) = (base.max(lo) - base, (base + page_len).min(hi + 1) - base);
-            let (keys_t, values) = page(p);
-            fetch(p + AHEAD);
-            dot::page_scores(&keys_t[..hd * page_len], page_len, q, s, isa);
+        let mut tile = first_page;
+        while tile <= last_page {
+            let tile_end = (tile + TILE_PAGES).min(last_page + 1);
+            let base = tile * page_len;
+            // Keys of this tile that some row sees, from the tile's start.
+            let (ja, jb) = (base.max(lo) - base, (tile_end * page_len).min(hi + 1) - base);
+            for p in tile..tile_end {
+                fetch(p + AHEAD);
+                let at = (p - tile) * page_len;
+                dot::page_scores(&page(p).0[..hd * page_len], page_len, q, &mut s[at..], tile_len, isa);
+            }
             for (r, &(first, last)) in bounds.iter().enumerate() {
-                let row = &mut s[r * page_len..(r + 1) * page_len];
+                let row = &mut s[r * tile_len..(r + 1) * tile_len];
                 let (a, b) = (first.max(base + ja) - base, (last + 1).min(base + jb).saturating_sub(base));
                 if a >= b {
                     row[ja..jb].fill(0.0);
@@ -128,7 +136,23 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                 row[ja..a].fill(0.0);
                 row[b..jb].fill(0.0);
             }
-            dot::page_values(&s[ja..], page_len, &values[ja * hd..jb * hd], hd, out, isa);
+            for p in tile..tile_end {
+                // This page's keys within ja..jb, from the tile's start.
+                let at = (p - tile) * page_len;
+                let (ka, kb) = (at.max(ja), (at + page_len).min(jb));
+                if ka < kb {
+                    let values = page(p).1;
+                    dot::page_values(
+                        &s[ka..],
+                        tile_len,
+                        &values[(ka - at) * hd..(kb - at) * hd],
+                        hd,
+                        out,
+                        isa,
+                    );
+                }
+            }
+            tile = tile_end;
         }
         match stats {
             Some(st) => {
@@ -170,8 +194,11 @@ pub fn merge_attention_parts(parts: &[f32], stats: &[f32], out: &mut [f32]) {
     out.iter_mut().for_each(|o| *o *= inv);
 }
 
+/// Pages per tile of keys in [`attend_tiled`].
+const TILE_PAGES: usize = 8;
+
 thread_local! {
-    /// Running maxima, sums and one block of scores for [`attend_tiled`].
+    /// Running maxima, sums and one tile of scores for [`attend_tiled`].
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -383,18 +410,23 @@ mod tests {
                 {
                     let kt: Vec<T> = rand_vec(hd * page_len, 1).into_iter().map(T::from_f32).collect();
                     let q = rand_vec(rows * hd, 2);
-                    let mut s = vec![f32::NAN; rows * page_len];
-                    dot::page_scores(&kt, page_len, &q, &mut s, isa);
+                    // Rows of scores `stride` apart; what lies between them is not written.
+                    let stride = page_len + 3;
+                    let mut s = vec![f32::NAN; (rows - 1) * stride + page_len];
+                    dot::page_scores(&kt, page_len, &q, &mut s, stride, isa);
                     for r in 0..rows {
                         for j in 0..page_len {
                             let want: f64 = (0..hd)
                                 .map(|d| q[r * hd + d] as f64 * kt[d * page_len + j].to_f32() as f64)
                                 .sum();
-                            let got = s[r * page_len + j] as f64;
+                            let got = s[r * stride + j] as f64;
                             assert!(
                                 (got - want).abs() < 1e-4,
                                 "{isa:?} scores {page_len}/{hd}/{rows} [{r}][{j}]"
                             );
+                        }
+                        if r + 1 < rows {
+                            assert!(s[r * stride + page_len..(r + 1) * stride].iter().all(|v| v.is_nan()));
                         }
                     }
                     // Values: rows of p `page_len` apart, only the first n used.
