@@ -8,28 +8,22 @@ use rayon::prelude::*;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::time::Instant;
 
-/// How the probe reads: plain loads (the hardware prefetcher alone), or loads with software
-/// prefetches this many bytes ahead (how the matrix kernels stream their weights).
-#[derive(Clone, Copy)]
-enum Reader {
-    Plain,
-    Ahead(usize),
-}
+/// The ways the probe reads, as prefetch distances: 0 is plain loads (the hardware prefetcher
+/// alone); the others prefetch that many bytes ahead, as the matrix kernels stream weights.
+const READS: [usize; 3] = [0, 512, 1024];
 
 /// Sums `buf` with every team thread, each over its own contiguous share (as the kernels
-/// split a matrix), with wide independent accumulators so loads are the limit.
-fn read_all(team: &Team, buf: &[f32], isa: Isa, reader: Reader) -> f32 {
+/// split a matrix), with wide independent accumulators so loads are the limit, prefetching
+/// `ahead` bytes ahead (0: not at all).
+fn read_all(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f32 {
     let share = buf.len().div_ceil(team.threads()).max(1);
     let sums: Vec<AtomicU32> = (0..team.threads()).map(|_| AtomicU32::new(0)).collect();
     team.run(&|tid| {
         let c = buf.chunks(share).nth(tid).unwrap_or(&[]);
-        let s = match (isa, reader) {
+        let s = match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: Isa::Avx2 is only detected with avx2 and fma present.
-            (Isa::Avx2, Reader::Plain) => unsafe { avx2::sum(c, 0) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            (Isa::Avx2, Reader::Ahead(d)) => unsafe { avx2::sum(c, d) },
+            Isa::Avx2 => unsafe { avx2::sum(c, ahead) },
             _ => c.iter().sum::<f32>(),
         };
         sums[tid].store(s.to_bits(), Relaxed);
@@ -40,8 +34,8 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa, reader: Reader) -> f32 {
 /// Best read bandwidth over `passes` full reads of a `bytes`-sized buffer by every thread of
 /// `team`, in GB/s. The buffer is mapped the way weights are (huge pages where the kernel
 /// gives them), so the limit is the machine's, not that of 4 KiB-page address translation.
-/// Each pass reads the buffer once per way of reading (plain loads; loads with software
-/// prefetches at two distances), and the fastest read counts: the limit is what the best
+/// Each pass reads the buffer once per way of reading ([`READS`]: plain loads; loads with
+/// software prefetches at two distances), and the fastest read counts: the limit is what the best
 /// of them reaches, not what one happens to.
 pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
     let isa = detect();
@@ -53,9 +47,9 @@ pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 
     let mut best = f64::INFINITY;
     let mut sink = 0.0;
     for _ in 0..passes.max(1) {
-        for reader in [Reader::Plain, Reader::Ahead(512), Reader::Ahead(1024)] {
+        for ahead in READS {
             let t = Instant::now();
-            sink += read_all(team, &buf, isa, reader);
+            sink += read_all(team, &buf, isa, ahead);
             best = best.min(t.elapsed().as_secs_f64());
         }
     }
