@@ -215,14 +215,7 @@ fn matmul_float<T: dot::Elem + dot::Avx2Load>(
         let xp = &buf[..n_tok * cols_p];
         if n_tok == 1 {
             one_token(team, w.rows, out, &|panels, o| {
-                let wp = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c;
-                    // `wp` holds the panels of `o`'s rows, `xp` is cols_p (a multiple of CHUNK).
-                    Isa::Avx2 => unsafe { dot::avx2_panels(wp, xp, o) },
-                    _ => panels_portable(wp, xp, o),
-                }
+                float_panels(&d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p], xp, o, isa);
             });
             return;
         }
@@ -337,7 +330,23 @@ fn panels_q8_portable(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &m
     }
 }
 
-/// Float panels against one prepared input: `out[PANEL·p + lane] = row lane of panel p · x`.
+/// Float panels against one prepared input on `isa`: `out[PANEL·p + lane] = row lane of
+/// panel p · x`, for the panels `w` holds (`out` may end inside the last one).
+fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32], isa: Isa) {
+    assert!(
+        x.len() % CHUNK == 0 && w.len() == PANEL * x.len() * out.len().div_ceil(PANEL),
+        "float_panels: shapes"
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the shapes
+        // are the kernel's, checked above.
+        Isa::Avx2 => unsafe { dot::avx2_panels(w, x, out) },
+        _ => panels_portable(w, x, out),
+    }
+}
+
+/// The portable [`float_panels`].
 fn panels_portable<T: dot::Elem>(w: &[T], x: &[f32], out: &mut [f32]) {
     let n = x.len();
     for (p, o) in out.chunks_mut(PANEL).enumerate() {
@@ -352,8 +361,8 @@ fn panels_portable<T: dot::Elem>(w: &[T], x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// One token: runs of whole panels in guided pieces (long memory streams first, short last
-/// ones so the workers finish together); `run(panels, o)` writes those panels' rows `o`.
+/// One token: runs of whole panels, each thread streaming its own share of the matrix (see
+/// [`Team::for_ranges`]); `run(panels, o)` writes those panels' rows `o`.
 fn one_token(team: &Team, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<usize>, &mut [f32]) + Sync)) {
     let shared = SharedSlice::new(&mut out[..rows]);
     team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
@@ -445,9 +454,6 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
         // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
-        (Isa::Avx2, 1) => unsafe { dot::avx2_panels(panel, xs[0], &mut acc[0]) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
         (Isa::Avx2, 2) => unsafe { pairs::<T, 2>(panel, [xs[0], xs[1]], acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -455,9 +461,10 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx2, 4) => unsafe { pairs::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
+        // One input, or the portable path.
         _ => {
             for (x, a) in xs.iter().zip(acc.iter_mut()) {
-                panels_portable(panel, x, a);
+                float_panels(panel, x, a, isa);
             }
         }
     }
