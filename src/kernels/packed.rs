@@ -15,7 +15,7 @@
 use super::arena::HugeBuf;
 use super::dot::{self, Isa};
 use super::{SharedSlice, Team};
-use crate::weights::{Data, Mat};
+use crate::weights::{DType, Data, Mat};
 use half::{bf16, f16};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -96,6 +96,17 @@ impl PackedMat {
                 let (cols_p, store) = pack_t(&q, rows, cols, |v| Store::I8(v, scales));
                 PackedMat { rows, cols, cols_p, store }
             }
+        }
+    }
+
+    /// Bytes a `[rows, cols]` matrix stored as `dtype` will hold once packed as `quant` says:
+    /// what [`PackedMat::bytes`] reports after packing, known before any weight is read.
+    pub fn bytes_for(rows: usize, cols: usize, dtype: DType, quant: Option<Quant>) -> usize {
+        let rows_p = rows.next_multiple_of(PANEL);
+        let n = rows_p * cols.next_multiple_of(CHUNK);
+        match quant {
+            None => n * dtype.size_bytes(),
+            Some(Quant::Int8) => n + 4 * rows_p,
         }
     }
 

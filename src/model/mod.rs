@@ -149,6 +149,52 @@ impl Shard {
         Ok(Shard { cfg, plan, layers, embed, final_norm, lm_head, inv_freq })
     }
 
+    /// The bytes [`Shard::weight_bytes`] will report once `plan` of `cfg` is loaded from `src`
+    /// with `quant`, known before a weight is read: from the stored dtypes and the shapes alone
+    /// (which are checked here, as loading would).
+    pub fn planned_bytes(
+        src: &dyn Source,
+        cfg: &ModelConfig,
+        plan: &ShardPlan,
+        quant: Option<Quant>,
+    ) -> Result<usize> {
+        let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let (q_rows, kv_rows) = (plan.q_heads.len() * hd, plan.kv_heads.len() * hd);
+        let packed = |rows, cols, dtype| PackedMat::bytes_for(rows, cols, dtype, quant);
+        // Mat::vstack keeps a shared dtype and falls back to f32 for mixed ones.
+        let stacked = |a: DType, b: DType| if a == b { a } else { DType::F32 };
+        let mut n = 0;
+        for i in plan.layers.clone() {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            let q = src.dtype(&p("self_attn.q_proj.weight"), &[qd, h])?;
+            let k = src.dtype(&p("self_attn.k_proj.weight"), &[kvd, h])?;
+            let v = src.dtype(&p("self_attn.v_proj.weight"), &[kvd, h])?;
+            let gate = src.dtype(&p("mlp.gate_proj.weight"), &[ff, h])?;
+            let up = src.dtype(&p("mlp.up_proj.weight"), &[ff, h])?;
+            n += packed(q_rows + 2 * kv_rows, h, stacked(stacked(q, k), v));
+            n += packed(h, q_rows, src.dtype(&p("self_attn.o_proj.weight"), &[h, qd])?);
+            n += packed(2 * plan.ffn.len(), h, stacked(gate, up));
+            n += packed(h, plan.ffn.len(), src.dtype(&p("mlp.down_proj.weight"), &[h, ff])?);
+            n += 4 * (2 * h + if cfg.qkv_bias { q_rows + 2 * kv_rows } else { 0 });
+        }
+        let vocab_shape = [cfg.vocab_size, h];
+        let vocab_rows =
+            |name| Ok::<_, crate::Error>(packed(plan.vocab.len(), h, src.dtype(name, &vocab_shape)?));
+        if plan.first_stage {
+            n += vocab_rows("model.embed_tokens.weight")?;
+        }
+        if plan.last_stage {
+            n += 4 * h;
+            if !cfg.tie_word_embeddings {
+                n += vocab_rows("lm_head.weight")?;
+            } else if !plan.first_stage {
+                n += vocab_rows("model.embed_tokens.weight")?;
+            }
+        }
+        Ok(n)
+    }
+
     /// Bytes of weights this rank holds (shared tensors counted once).
     pub fn weight_bytes(&self) -> usize {
         let mut n = 0;
@@ -460,5 +506,42 @@ impl Scratch {
         };
         grow(&mut self.part_out, parts * n * nq * hd);
         grow(&mut self.part_stats, parts * n * nq * 2);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grid::Grid;
+    use crate::weights::synthetic::{self, Synthetic};
+
+    /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
+    /// tied and untied heads, one or several stages, every dtype and int8.
+    #[test]
+    fn planned_bytes_are_the_loaded_bytes() {
+        let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
+        (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 9, 3);
+        (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
+        for tied in [true, false] {
+            cfg.tie_word_embeddings = tied;
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let src = Synthetic { dtype, seed: 1 };
+                for quant in [None, Some(Quant::Int8)] {
+                    for (pp, tp) in [(1, 1), (1, 2), (3, 1), (2, 3)] {
+                        for rank in 0..pp * tp {
+                            let plan = ShardPlan::new(&cfg, &Grid::new(pp, tp, rank, pp * tp).unwrap(), None)
+                                .unwrap();
+                            let planned = Shard::planned_bytes(&src, &cfg, &plan, quant).unwrap();
+                            let shard = Shard::from_source(&src, cfg.clone(), plan, quant).unwrap();
+                            assert_eq!(
+                                planned,
+                                shard.weight_bytes(),
+                                "tied {tied} {dtype:?} {quant:?} grid {pp}x{tp} rank {rank}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -167,4 +167,8 @@ impl Source for Checkpoint {
         }
         Ok(Mat { rows: n_rows, cols: cols.len(), data: Data::from_le_bytes(dtype, &bytes) })
     }
+
+    fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {
+        Ok(self.info(name, expected_shape)?.2)
+    }
 }

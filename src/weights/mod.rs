@@ -18,6 +18,8 @@ pub trait Source {
     fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat>;
     /// Columns `cols` of every row of a 2-D tensor `[n_rows, n_cols]`.
     fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat>;
+    /// The dtype [`Source::rows`] and [`Source::cols`] will give the tensor, without reading it.
+    fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType>;
 
     /// A whole 1-D tensor as f32 (norm weights, biases).
     fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {

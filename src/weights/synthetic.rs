@@ -85,6 +85,15 @@ impl Synthetic {
         }
     }
 
+    /// Vectors (norms, biases) are f32; matrices are in the chosen dtype.
+    fn dtype_of(&self, shape: &[usize]) -> DType {
+        if shape.len() == 1 {
+            DType::F32
+        } else {
+            self.dtype
+        }
+    }
+
     fn block(&self, name: &str, shape: &[usize], rows: Range<usize>, cols: Range<usize>) -> Mat {
         let n_cols = if shape.len() == 2 { shape[1] } else { 1 };
         let key = splitmix(self.seed ^ name_hash(name));
@@ -100,7 +109,7 @@ impl Synthetic {
                 *x = value(rows.start + i, cols.start + j);
             }
         });
-        let dtype = if shape.len() == 1 { DType::F32 } else { self.dtype };
+        let dtype = self.dtype_of(shape);
         let data = match dtype {
             DType::F32 => Data::F32(v),
             DType::BF16 => Data::BF16(v.par_iter().map(|&x| bf16::from_f32(x)).collect()),
@@ -117,6 +126,9 @@ impl Source for Synthetic {
     }
     fn cols(&self, name: &str, shape: &[usize], cols: Range<usize>) -> Result<Mat> {
         Ok(self.block(name, shape, 0..shape[0], cols))
+    }
+    fn dtype(&self, _name: &str, shape: &[usize]) -> Result<DType> {
+        Ok(self.dtype_of(shape))
     }
 }
 
