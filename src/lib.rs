@@ -7,6 +7,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod grid;
+pub mod host;
 pub mod kernels;
 pub mod model;
 pub mod plan;

@@ -10,11 +10,13 @@ use gridlm::config::ModelConfig;
 use gridlm::engine::sampling::SamplingParams;
 use gridlm::engine::{check_prompt, Completion, Engine, Request, RunOptions};
 use gridlm::grid::{Grid, ShardPlan};
+use gridlm::host;
 use gridlm::kernels::Quant;
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
-use gridlm::weights::{convert, synthetic, DType};
+use gridlm::weights::checkpoint::Checkpoint;
+use gridlm::weights::{convert, synthetic, DType, Source};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -554,19 +556,6 @@ fn count_cpu_list(s: &str) -> Option<usize> {
         .sum()
 }
 
-/// Resident set size of this process, from /proc.
-fn rss_bytes() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<usize>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Collective: every rank's memory and time figures, in world-rank order. `weight_rss` is the
 /// RSS growth while the rank loaded its shard; the current RSS is taken now.
 fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> Vec<RankReport> {
@@ -576,7 +565,7 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
         grid.stage() as u64,
         grid.tp_rank() as u64,
         shard.weight_bytes() as u64,
-        rss_bytes() as u64,
+        host::rss_bytes() as u64,
         weight_rss as u64,
         shard.bytes_per_token() as u64,
         t[0],
@@ -632,6 +621,21 @@ fn agree<T>(link: &dyn Link, r: gridlm::Result<T>) -> Result<T> {
         Ok(()) => Ok(r.expect("agree returned Ok only when every rank, this one included, succeeded")),
         Err(msg) => Err(Agreed(msg).into()),
     }
+}
+
+/// This rank's shard from `src`, once every node is known to have memory for the weights of
+/// all its ranks. Collective; every step's error is agreed, so each rank reports it.
+fn load_shard(
+    link: &dyn Link,
+    src: gridlm::Result<Box<dyn Source>>,
+    cfg: ModelConfig,
+    plan: ShardPlan,
+    quant: Option<Quant>,
+) -> Result<Shard> {
+    let planned = src.and_then(|s| Ok((Shard::planned_bytes(s.as_ref(), &cfg, &plan, quant)?, s)));
+    let (need, src) = agree(link, planned)?;
+    agree(link, host::check_room(link, need, quant))?;
+    agree(link, Shard::from_source(src.as_ref(), cfg, plan, quant))
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
@@ -758,12 +762,12 @@ fn run_generate(
     })();
     let (cfg, plan, prompts) = agree(link, setup)?;
     // Phase 2: this rank's shard. The RSS growth over loading is the memory its weights take.
-    let rss_before = rss_bytes();
+    let rss_before = host::rss_bytes();
     let mut eos_ids = cfg.eos_token_ids.clone();
-    let engine = Shard::load(&a.model, cfg, plan, a.quant)
-        .and_then(|shard| Engine::new(shard, grid, threads, a.kv_dtype));
-    let mut engine = agree(link, engine)?;
-    let weight_rss = rss_bytes().saturating_sub(rss_before);
+    let ckpt = Checkpoint::open(&a.model).map(|c| Box::new(c) as Box<dyn Source>);
+    let shard = load_shard(link, ckpt, cfg, plan, a.quant)?;
+    let mut engine = agree(link, Engine::new(shard, grid, threads, a.kv_dtype))?;
+    let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
 
     let Some((tok, prompts)) = prompts else {
@@ -1020,18 +1024,14 @@ fn run_bench(
     })();
     let (cfg, plan) = agree(link, setup)?;
     let full_cfg = cfg.clone();
-    let rss_before = rss_bytes();
-    let shard = match &a.model {
-        Some(dir) => Shard::load(dir, cfg, plan, a.quant),
-        None => Shard::from_source(
-            &synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 },
-            cfg,
-            plan,
-            a.quant,
-        ),
+    let rss_before = host::rss_bytes();
+    let src = match &a.model {
+        Some(dir) => Checkpoint::open(dir).map(|c| Box::new(c) as Box<dyn Source>),
+        None => Ok(Box::new(synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 }) as Box<dyn Source>),
     };
-    let mut engine = agree(link, shard.and_then(|s| Engine::new(s, grid, threads, a.kv_dtype)))?;
-    let weight_rss = rss_bytes().saturating_sub(rss_before);
+    let shard = load_shard(link, src, cfg, plan, a.quant)?;
+    let mut engine = agree(link, Engine::new(shard, grid, threads, a.kv_dtype))?;
+    let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
 
     // The machine's limits, measured by every rank at once with its own kernel team, summed: the

@@ -345,12 +345,5 @@ fn build_step(
 
 /// A quarter of the memory available on this node, shared by its local ranks.
 fn auto_kv_limit() -> usize {
-    let avail = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            let l = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            l.split_whitespace().nth(1)?.parse::<usize>().ok()
-        })
-        .map_or(4 << 30, |kb| kb * 1024);
-    avail / 4 / crate::comm::mpi::local_ranks()
+    crate::host::mem_available().unwrap_or(4 << 30) / 4 / crate::comm::mpi::local_ranks()
 }

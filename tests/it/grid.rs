@@ -237,3 +237,25 @@ fn each_rank_holds_only_its_shard() {
         }
     }
 }
+
+/// A model larger than the node's available memory: refused before any weight is read, with
+/// one line on every rank naming the host, its ranks and both sizes, instead of the OOM killer.
+#[test]
+fn a_model_larger_than_the_node_is_refused_before_loading() {
+    // llama-2-70b in bf16: ~128.5 GiB of weights, split over the ranks of this one node.
+    let avail_gib = gridlm::host::mem_available().unwrap() as f64 / (1u64 << 30) as f64;
+    if avail_gib > 128.0 {
+        eprintln!("skipped: this machine has {avail_gib:.0} GiB available, room for the model");
+        return;
+    }
+    let fragments = ["not enough memory on host", "need 128.5 GiB", "GiB is available", "--quant int8"];
+    let out = gridlm(&["bench", "--shape", "llama-2-70b"]);
+    assert_one_line_error(&out, &fragments);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("weights of rank 0 need"));
+
+    std::env::set_var("GRIDLM_BIN", bin());
+    let mut cmd = launch_command(&["local", "2"]);
+    cmd.args(["bench", "--shape", "llama-2-70b", "--tp", "2", "--threads", "1"]);
+    let out = run_with_timeout(cmd, 120);
+    assert_every_rank_says(&out, 2, "the weights of ranks 0, 1 need 128.5 GiB");
+}

@@ -1,0 +1,116 @@
+//! The node a rank runs on, as Linux reports it: memory available, this process's resident
+//! memory, the host's name. Owns: the check, before any weight is read, that every node has
+//! memory for the weights of all its ranks, so a model too large for the machine ends with one
+//! clear line on every rank instead of the kernel's OOM killer.
+
+use crate::comm::Link;
+use crate::error::{Error, Result};
+use crate::kernels::Quant;
+
+/// A `kB` field of a `/proc` file (`MemAvailable:` of meminfo, `VmRSS:` of status), in bytes.
+fn proc_kb(path: &str, field: &str) -> Option<usize> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.starts_with(field))?;
+    Some(line.split_whitespace().nth(1)?.parse::<usize>().ok()? * 1024)
+}
+
+/// Memory the node can give new allocations without swapping (`MemAvailable`), if known.
+pub fn mem_available() -> Option<usize> {
+    proc_kb("/proc/meminfo", "MemAvailable:")
+}
+
+/// This process's resident memory (0 where unknown).
+pub fn rss_bytes() -> usize {
+    proc_kb("/proc/self/status", "VmRSS:").unwrap_or(0)
+}
+
+/// The host's name (what `hostname` prints).
+pub fn name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is writable for its whole length, and one byte is kept back so the
+    // name stays NUL-terminated even where the system truncates it.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(0);
+    if rc == 0 && len > 0 {
+        String::from_utf8_lossy(&buf[..len]).into_owned()
+    } else {
+        "localhost".into()
+    }
+}
+
+/// FNV-1a of the host name: ranks with equal keys share a node's memory.
+fn key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Bytes as GiB with one decimal.
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// What rank `me` (on host `host`) finds when every rank's `[host key, bytes needed, bytes
+/// available]` is in `all`: an error when the ranks of its node need more than the node has
+/// (the most any of them saw available; `u64::MAX` means unknown).
+fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> Result<()> {
+    let mine = all[me][0];
+    let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == mine).collect();
+    let need: u64 = ranks.iter().map(|&r| all[r][1]).sum();
+    let avail = ranks.iter().map(|&r| all[r][2]).max().unwrap_or(u64::MAX);
+    if need <= avail {
+        return Ok(());
+    }
+    let who = match ranks.as_slice() {
+        [one] => format!("rank {one}"),
+        many => format!("ranks {}", many.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
+    };
+    let hint = if quant.is_some() { "run on more nodes" } else { "run on more nodes or with --quant int8" };
+    Err(Error::Input(format!(
+        "not enough memory on host {host}: the weights of {who} need {}, but {} is available; {hint}",
+        gib(need),
+        gib(avail)
+    )))
+}
+
+/// Collective over the job: every rank says the bytes its weights will take (`need`, from
+/// [`crate::model::Shard::planned_bytes`]); each node's ranks are summed and compared with
+/// the memory the node has available. Loading quantized (`quant`) changes only the hint.
+pub fn check_room(link: &dyn Link, need: usize, quant: Option<Quant>) -> Result<()> {
+    let host = name();
+    let mine = [key(&host), need as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
+    let mut all = vec![0u64; 3 * link.world_size()];
+    link.allgather_u64(&mine, &mut all);
+    let all: Vec<[u64; 3]> = all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect();
+    shortfall(link.world_rank(), &host, &all, quant)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 1 << 30;
+
+    #[test]
+    fn a_node_must_hold_the_weights_of_all_its_ranks() {
+        let (a, b) = (key("node-a"), key("node-b"));
+        // Two ranks of 6 GiB each fit alone in node-a's 10 GiB, not together.
+        let all = [[a, 6 * G, 10 * G], [a, 6 * G, 10 * G], [b, 6 * G, 10 * G]];
+        let e = shortfall(0, "node-a", &all, None).unwrap_err().to_string();
+        assert!(e.contains("host node-a") && e.contains("ranks 0, 1"), "{e}");
+        assert!(e.contains("12.0 GiB") && e.contains("10.0 GiB") && e.contains("--quant int8"), "{e}");
+        assert!(shortfall(1, "node-a", &all, None).is_err());
+        // node-b's one rank has room.
+        assert!(shortfall(2, "node-b", &all, None).is_ok());
+        // Already quantized: no hint to quantize.
+        let e = shortfall(0, "node-b", &[[b, 11 * G, 10 * G]], Some(Quant::Int8)).unwrap_err().to_string();
+        assert!(e.contains("rank 0 need") && !e.contains("--quant"), "{e}");
+        // Unknown available memory never refuses.
+        assert!(shortfall(0, "x", &[[a, 100 * G, u64::MAX]], None).is_ok());
+    }
+
+    #[test]
+    fn this_node_is_readable() {
+        assert!(!name().is_empty());
+        assert!(mem_available().is_some_and(|b| b > 0));
+        assert!(rss_bytes() > 0);
+    }
+}
