@@ -38,7 +38,7 @@ pub fn name() -> String {
     }
 }
 
-/// FNV-1a of the host name: ranks with equal keys share a node's memory.
+/// FNV-1a of `name`.
 fn key(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
@@ -48,7 +48,7 @@ fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
-/// What rank `me` (on host `host`) finds when every rank's `[host key, bytes needed, bytes
+/// What rank `me` (on host `host`) finds when every rank's `[node key, bytes needed, bytes
 /// available]` is in `all`: an error when the ranks of its node need more than the node has
 /// (the most any of them saw available; `u64::MAX` means unknown).
 fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> Result<()> {
@@ -72,11 +72,15 @@ fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> R
 }
 
 /// Collective over the job: every rank says the bytes its weights will take (`need`, from
-/// [`crate::model::Shard::planned_bytes`]); each node's ranks are summed and compared with
-/// the memory the node has available. Loading quantized (`quant`) changes only the hint.
+/// [`crate::model::Shard::planned_bytes`]); the ranks of each node (one running kernel) are
+/// summed and compared with the memory the node has available. Loading quantized (`quant`)
+/// changes only the hint.
 pub fn check_room(link: &dyn Link, need: usize, quant: Option<Quant>) -> Result<()> {
     let host = name();
-    let mine = [key(&host), need as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
+    // Ranks share memory when they run under one kernel: the same boot id, whatever the host
+    // names say (containers of one machine may have their own; machines may share one).
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|_| host.clone());
+    let mine = [key(boot.trim()), need as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
     let mut all = vec![0u64; 3 * link.world_size()];
     link.allgather_u64(&mine, &mut all);
     let all: Vec<[u64; 3]> = all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect();
