@@ -145,7 +145,7 @@ impl ModelConfig {
                 return Err(bad(format!("`{name}` is 0 (expected a positive number)")));
             }
         }
-        if n_heads % n_kv_heads != 0 {
+        if !n_heads.is_multiple_of(n_kv_heads) {
             return Err(bad(format!(
                 "num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv_heads})"
             )));
@@ -153,7 +153,7 @@ impl ModelConfig {
         let head_dim = match raw.head_dim {
             Some(d) => d,
             None => {
-                if raw.hidden_size % n_heads != 0 {
+                if !raw.hidden_size.is_multiple_of(n_heads) {
                     return Err(bad(format!(
                         "hidden_size ({}) is not a multiple of num_attention_heads ({n_heads}) and no head_dim is given",
                         raw.hidden_size

@@ -19,7 +19,8 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// Rounds to nearest even.
     fn from_f32(v: f32) -> Self;
-    /// Whether the AVX2 panel kernel wants `x` in even/odd order within each [`BLOCK`].
+    /// Whether the AVX2 panel kernel wants `x` in even/odd order within each [`BLOCK`] (the
+    /// portable and AVX-512 ones take column order).
     const SPLIT_EVEN_ODD: bool = false;
 }
 impl Elem for f32 {
@@ -59,7 +60,7 @@ impl Elem for f16 {
 pub fn prepare<T: Elem>(x: &[f32], out: &mut [f32], isa: Isa) {
     assert!(x.len() <= out.len(), "prepare: output shorter than input");
     let at = |i: usize| x.get(i).copied().unwrap_or(0.0);
-    if isa == Isa::Portable || !T::SPLIT_EVEN_ODD {
+    if isa != Isa::Avx2 || !T::SPLIT_EVEN_ODD {
         out[..x.len()].copy_from_slice(x);
         out[x.len()..].fill(0.0);
         return;
@@ -97,36 +98,59 @@ impl Elem for i8 {
 pub enum Isa {
     Portable,
     Avx2,
+    /// AVX-512F (with AVX2, FMA and F16C): the float panel kernels in 512-bit registers; every
+    /// other kernel runs its AVX2 version.
+    Avx512,
+}
+
+impl Isa {
+    /// The AVX2 kernels run (on their own or under [`Isa::Avx512`]).
+    pub fn has_avx2(self) -> bool {
+        matches!(self, Isa::Avx2 | Isa::Avx512)
+    }
 }
 
 thread_local! {
     static FORCED: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
 }
 
+/// Every implementation this CPU can run, the portable one first and [`detect`]'s last.
+pub fn available() -> Vec<Isa> {
+    match detect_native() {
+        Isa::Portable => vec![Isa::Portable],
+        Isa::Avx2 => vec![Isa::Portable, Isa::Avx2],
+        Isa::Avx512 => vec![Isa::Portable, Isa::Avx2, Isa::Avx512],
+    }
+}
+
 /// Runs `f` with [`detect`] answering `isa` on this thread (tests compare every path the CPU
-/// can run against the portable one). `isa` must be one [`detect`] could return here.
+/// can run against the portable one). `isa` must be one of [`available`].
 pub fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
-    assert!(isa == Isa::Portable || isa == detect(), "{isa:?} is not available on this CPU");
+    assert!(available().contains(&isa), "{isa:?} is not available on this CPU");
     let before = FORCED.replace(Some(isa));
     let r = f();
     FORCED.set(before);
     r
 }
 
-/// The implementation this CPU runs: the best it supports, unless `GRIDLM_PORTABLE` is set.
+/// The implementation this CPU runs: the best it supports, unless `GRIDLM_PORTABLE` is set
+/// (portable code only) or `GRIDLM_NO_AVX512` is (AVX2 at most).
 pub fn detect() -> Isa {
-    if let Some(isa) = FORCED.get() {
-        return isa;
-    }
+    FORCED.get().unwrap_or_else(detect_native)
+}
+
+fn detect_native() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            if std::env::var_os("GRIDLM_PORTABLE").is_none()
+            let avx2 = std::env::var_os("GRIDLM_PORTABLE").is_none()
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+                && is_x86_feature_detected!("f16c");
+            if avx2 && std::env::var_os("GRIDLM_NO_AVX512").is_none() && is_x86_feature_detected!("avx512f") {
+                Isa::Avx512
+            } else if avx2 {
                 Isa::Avx2
             } else {
                 Isa::Portable
@@ -163,9 +187,9 @@ pub fn page_scores<T: Elem + Avx2Load>(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; shapes are
+        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; shapes are
         // checked above.
-        Isa::Avx2 if page_len % 8 == 0 => unsafe {
+        Isa::Avx2 | Isa::Avx512 if page_len.is_multiple_of(8) => unsafe {
             avx2::page_scores(kt, page_len, q, hd, rows, out, stride)
         },
         _ => {
@@ -192,13 +216,13 @@ pub fn page_values<T: Elem + Avx2Load>(
     o: &mut [f32],
     isa: Isa,
 ) {
-    assert!(hd > 0 && o.len() % hd == 0 && v.len() % hd == 0, "page_values: shapes");
+    assert!(hd > 0 && o.len().is_multiple_of(hd) && v.len().is_multiple_of(hd), "page_values: shapes");
     let (rows, n) = (o.len() / hd, v.len() / hd);
     assert!(rows == 0 || (n <= stride && p.len() >= (rows - 1) * stride + n), "page_values: shapes");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { avx2::page_values(p, stride, v, n, hd, o) },
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::page_values(p, stride, v, n, hd, o) },
         _ => {
             for (r, or) in o.chunks_exact_mut(hd).enumerate() {
                 for (j, vj) in v.chunks_exact(hd).enumerate() {
@@ -229,8 +253,8 @@ pub fn prefetch<T>(data: &[T]) {
 pub fn scale_max(s: &mut [f32], scale: f32, isa: Isa) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c.
-        Isa::Avx2 => unsafe { avx2::scale_max(s, scale) },
+        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c.
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::scale_max(s, scale) },
         _ => s.iter_mut().fold(f32::NEG_INFINITY, |m, v| {
             *v *= scale;
             m.max(*v)
@@ -244,7 +268,7 @@ pub fn exp_sub_sum(s: &mut [f32], m: f32, isa: Isa) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { avx2::exp_sub_sum(s, m) },
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::exp_sub_sum(s, m) },
         _ => s.iter_mut().fold(0.0, |sum, v| {
             *v = (*v - m).exp();
             sum + *v
@@ -258,7 +282,7 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32], isa: Isa) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { avx2::silu_mul(gate, up) },
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::silu_mul(gate, up) },
         _ => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u),
     }
 }
@@ -267,6 +291,10 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32], isa: Isa) {
 pub trait Avx2Load {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> Avx2Load for T {}
+#[cfg(not(target_arch = "x86_64"))]
+pub trait Avx512Load {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T> Avx512Load for T {}
 
 #[cfg(target_arch = "x86_64")]
 pub use avx2::{panel_pair as avx2_panel_pair, panels as avx2_panels, panels_q8 as avx2_panels_q8, Avx2Load};
@@ -277,8 +305,9 @@ mod avx2 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
-    /// Loads eight consecutive elements as f32 lanes.
-    pub trait Avx2Load: Elem {
+    /// Loads eight consecutive elements as f32 lanes. Every such type also has the 512-bit
+    /// loads, so kernels generic over it can take either path.
+    pub trait Avx2Load: Elem + super::Avx512Load {
         /// # Safety
         /// `p` must point to eight readable elements; the CPU must have avx2, fma and f16c.
         unsafe fn load8(p: *const Self) -> __m256;
@@ -783,5 +812,132 @@ mod avx2 {
             let v = _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
             store_rows(_mm_mul_ps(v, _mm_loadu_ps(rs.as_ptr())), o);
         }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use avx512::{panel_quad as avx512_panel_quad, panels as avx512_panels, Avx512Load};
+
+/// The float panel kernels in 512-bit registers. A chunk row of a panel ([`BLOCK`] columns) is
+/// one register, so a prepared input is in column order for every weight type (bf16 included:
+/// it is widened with a zero-extend and a shift, not split into even and odd columns).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Elem, BLOCK};
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+
+    /// Loads [`BLOCK`] consecutive elements as f32 lanes.
+    pub trait Avx512Load: Elem {
+        /// # Safety
+        /// `p` must point to sixteen readable elements; the CPU must have avx512f.
+        unsafe fn load_zmm(p: *const Self) -> __m512;
+    }
+    impl Avx512Load for f32 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load_zmm(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+    }
+    impl Avx512Load for bf16 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load_zmm(p: *const bf16) -> __m512 {
+            // bf16 is the top half of an f32: widen to 32 bits and shift left by 16.
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+        }
+    }
+    impl Avx512Load for f16 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load_zmm(p: *const f16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+    }
+
+    /// As the AVX2 kernel's: the chunk a fixed distance ahead, non-temporal.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fetch_ahead<T>(wp: *const T) {
+        const AHEAD: usize = 1024;
+        let ahead = (wp as *const u8).wrapping_add(AHEAD);
+        let mut off = 0;
+        while off < 4 * BLOCK * std::mem::size_of::<T>() {
+            _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_NTA);
+            off += 64;
+        }
+    }
+
+    /// Consecutive packed panels against one prepared input, as [`super::avx2_panels`]: four
+    /// rows of a chunk meet one register of `x`, one accumulator per row.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f; `x.len()` is a multiple of [`BLOCK`] and
+    /// `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn panels<T: Avx512Load>(w: &[T], x: &[f32], out: &mut [f32]) {
+        let n = x.len();
+        debug_assert_eq!(n % BLOCK, 0);
+        debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
+        let xp = x.as_ptr();
+        let mut wp = w.as_ptr();
+        for o in out.chunks_mut(4) {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut c = 0;
+            while c < n {
+                fetch_ahead(wp);
+                let xv = _mm512_loadu_ps(xp.add(c));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(T::load_zmm(wp.add(r * BLOCK)), xv, *a);
+                }
+                wp = wp.add(4 * BLOCK);
+                c += BLOCK;
+            }
+            for (o, a) in o.iter_mut().zip(acc) {
+                *o = _mm512_reduce_add_ps(a);
+            }
+        }
+    }
+
+    /// All four rows of a packed panel against `NT` prepared inputs (many-token products, the
+    /// panel in L1): `out[i][lane] = row lane · xs[i]`. Each weight register serves `NT`
+    /// tokens and each input register four rows: with NT = 4, 8 loads per 16 FMAs and 24 of
+    /// the 32 registers live.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f; every input has `n` entries, a multiple of [`BLOCK`], and
+    /// `panel.len() == 4 * n`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn panel_quad<T: Avx512Load, const NT: usize>(
+        panel: &[T],
+        xs: [&[f32]; NT],
+    ) -> [[f32; 4]; NT] {
+        let n = xs[0].len();
+        debug_assert_eq!(panel.len(), 4 * n);
+        let x: [*const f32; NT] = std::array::from_fn(|i| xs[i].as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 4]; NT];
+        let mut wp = panel.as_ptr();
+        let mut c = 0;
+        while c < n {
+            fetch_ahead(wp);
+            let w: [__m512; 4] = std::array::from_fn(|r| T::load_zmm(wp.add(r * BLOCK)));
+            for (a, xi) in acc.iter_mut().zip(x) {
+                let xv = _mm512_loadu_ps(xi.add(c));
+                for (ar, wr) in a.iter_mut().zip(w) {
+                    *ar = _mm512_fmadd_ps(wr, xv, *ar);
+                }
+            }
+            wp = wp.add(4 * BLOCK);
+            c += BLOCK;
+        }
+        let mut out = [[0.0f32; 4]; NT];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            for (o, &v) in o.iter_mut().zip(a) {
+                *o = _mm512_reduce_add_ps(v);
+            }
+        }
+        out
     }
 }

@@ -22,8 +22,8 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f32 {
         let c = buf.chunks(share).nth(tid).unwrap_or(&[]);
         let s = match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: Isa::Avx2 is only detected with avx2 and fma present.
-            Isa::Avx2 => unsafe { avx2::sum(c, ahead) },
+            // SAFETY: Isa::Avx2 and Isa::Avx512 are only detected with avx2 and fma present.
+            Isa::Avx2 | Isa::Avx512 => unsafe { avx2::sum(c, ahead) },
             _ => c.iter().sum::<f32>(),
         };
         sums[tid].store(s.to_bits(), Relaxed);
@@ -67,6 +67,11 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
         Isa::Avx2 => unsafe {
             avx2::fma_chains(iterations, i as f32);
         },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx512 is only detected with avx512f present.
+        Isa::Avx512 => unsafe {
+            avx512::fma_chains(iterations, i as f32);
+        },
         _ => {
             let mut acc = [i as f32; 8];
             for _ in 0..iterations {
@@ -79,6 +84,7 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
     });
     let per_thread = match isa {
         Isa::Avx2 => iterations * 12 * 8 * 2,
+        Isa::Avx512 => iterations * 12 * 16 * 2,
         Isa::Portable => iterations * 8 * 2,
     };
     (per_thread * team.threads()) as f64 / t.elapsed().as_secs_f64() / 1e9
@@ -129,6 +135,29 @@ mod avx2 {
         for _ in 0..iterations {
             for acc in a.iter_mut() {
                 *acc = _mm256_fmadd_ps(*acc, mul, add);
+            }
+        }
+        std::hint::black_box(a);
+    }
+}
+
+/// The FMA peak of the 512-bit registers the AVX-512 panel kernels use.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// As the AVX2 `fma_chains`, on sixteen lanes each.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma_chains(iterations: usize, seed: f32) {
+        let mul = _mm512_set1_ps(0.999_999);
+        let add = _mm512_set1_ps(1e-7);
+        let mut a = [_mm512_set1_ps(seed); 12];
+        for _ in 0..iterations {
+            for acc in a.iter_mut() {
+                *acc = _mm512_fmadd_ps(*acc, mul, add);
             }
         }
         std::hint::black_box(a);

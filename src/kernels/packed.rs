@@ -272,10 +272,10 @@ fn matmul_int8(
         // Weights of `o`'s panels against input `q` (scales `s`), times `row_scales`.
         let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32]| match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; `wp` holds
+            // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; `wp` holds
             // the panels of `o`'s rows over the columns of `q` (a multiple of CHUNK), with one
             // scale per XGROUP columns and one row scale per panel row.
-            Isa::Avx2 => unsafe { dot::avx2_panels_q8(wp, q, s, row_scales, o) },
+            Isa::Avx2 | Isa::Avx512 => unsafe { dot::avx2_panels_q8(wp, q, s, row_scales, o) },
             _ => panels_q8_portable(wp, q, s, row_scales, o),
         };
         if n_tok == 1 {
@@ -298,7 +298,7 @@ fn matmul_int8(
 
 /// Columns of an input that share one scale (column blocks start on a group).
 pub(crate) const XGROUP: usize = 2 * CHUNK;
-const _: () = assert!(K_BLOCK % XGROUP == 0 && XGROUP % CHUNK == 0);
+const _: () = assert!(K_BLOCK.is_multiple_of(XGROUP) && XGROUP.is_multiple_of(CHUNK));
 
 /// Largest |q| of a quantized input: the AVX2 kernel's 16-bit sums of a group's products
 /// (four per lane, each |w · q| ≤ 127 · 64) cannot overflow. 129 levels per group; the
@@ -345,14 +345,17 @@ fn panels_q8_portable(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &m
 /// panel p · x`, for the panels `w` holds (`out` may end inside the last one).
 fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32], isa: Isa) {
     assert!(
-        x.len() % CHUNK == 0 && w.len() == PANEL * x.len() * out.len().div_ceil(PANEL),
+        x.len().is_multiple_of(CHUNK) && w.len() == PANEL * x.len() * out.len().div_ceil(PANEL),
         "float_panels: shapes"
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the shapes
+        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; the shapes
         // are the kernel's, checked above.
         Isa::Avx2 => unsafe { dot::avx2_panels(w, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only produced after detecting avx512f; shapes as above.
+        Isa::Avx512 => unsafe { dot::avx512_panels(w, x, out) },
         _ => panels_portable(w, x, out),
     }
 }
@@ -459,11 +462,26 @@ unsafe fn pairs<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     }
 }
 
+/// All four rows of a panel against `NT` inputs in 512-bit registers.
+///
+/// # Safety
+/// As [`dot::avx512_panel_quad`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
+    panel: &[T],
+    xs: [&[f32]; NT],
+    acc: &mut [[f32; PANEL]],
+) {
+    for (a, v) in acc.iter_mut().zip(dot::avx512_panel_quad::<T, NT>(panel, xs)) {
+        *a = v;
+    }
+}
+
 /// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
 fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
     match (isa, xs.len()) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
+        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; lengths are
         // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
         (Isa::Avx2, 2) => unsafe { pairs::<T, 2>(panel, [xs[0], xs[1]], acc) },
         #[cfg(target_arch = "x86_64")]
@@ -472,6 +490,15 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx2, 4) => unsafe { pairs::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only produced after detecting avx512f; lengths as above.
+        (Isa::Avx512, 2) => unsafe { quad::<T, 2>(panel, [xs[0], xs[1]], acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512, 3) => unsafe { quad::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512, 4) => unsafe { quad::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
         // One input, or the portable path.
         _ => {
             for (x, a) in xs.iter().zip(acc.iter_mut()) {

@@ -107,7 +107,7 @@ impl Team {
         let mut n = 0u32;
         while inner.pending.load(Acquire) != 0 {
             n = n.wrapping_add(1);
-            if n % 64 == 0 && t0.elapsed() > SPIN {
+            if n.is_multiple_of(64) && t0.elapsed() > SPIN {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -234,7 +234,7 @@ fn worker(inner: &Inner, tid: usize) {
                 break;
             }
             n = n.wrapping_add(1);
-            if n % 64 != 0 {
+            if !n.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }

@@ -244,7 +244,7 @@ impl Gguf {
             })?;
             let n: usize = dims.iter().product();
             let (block, block_bytes) = ty.block();
-            if n % block != 0 {
+            if !n.is_multiple_of(block) {
                 return Err(Error::tensor(
                     path,
                     &name,
