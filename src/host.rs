@@ -38,11 +38,6 @@ pub fn name() -> String {
     }
 }
 
-/// FNV-1a of `name`.
-fn key(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
-
 /// Bytes as GiB with one decimal.
 fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
@@ -80,7 +75,7 @@ pub fn check_room(link: &dyn Link, need: usize, quant: Option<Quant>) -> Result<
     // Ranks share memory when they run under one kernel: the same boot id, whatever the host
     // names say (containers of one machine may have their own; machines may share one).
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|_| host.clone());
-    let mine = [key(boot.trim()), need as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
+    let mine = [crate::fnv1a(boot.trim()), need as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
     let mut all = vec![0u64; 3 * link.world_size()];
     link.allgather_u64(&mine, &mut all);
     let all: Vec<[u64; 3]> = all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect();
@@ -95,7 +90,7 @@ mod tests {
 
     #[test]
     fn a_node_must_hold_the_weights_of_all_its_ranks() {
-        let (a, b) = (key("node-a"), key("node-b"));
+        let (a, b) = (crate::fnv1a("node-a"), crate::fnv1a("node-b"));
         // Two ranks of 6 GiB each fit alone in node-a's 10 GiB, not together.
         let all = [[a, 6 * G, 10 * G], [a, 6 * G, 10 * G], [b, 6 * G, 10 * G]];
         let e = shortfall(0, "node-a", &all, None).unwrap_err().to_string();

@@ -17,3 +17,9 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use error::{Error, Result};
+
+/// FNV-1a of `s`: a stable 64-bit hash of a name (tensor names seed synthetic weights; boot ids
+/// group ranks by machine).
+pub(crate) fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}

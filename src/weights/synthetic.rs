@@ -67,10 +67,6 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
-}
-
 impl Synthetic {
     /// (scale, offset) of a tensor's values, by its role.
     fn law(name: &str, n_cols: usize) -> (f32, f32) {
@@ -96,7 +92,7 @@ impl Synthetic {
 
     fn block(&self, name: &str, shape: &[usize], rows: Range<usize>, cols: Range<usize>) -> Mat {
         let n_cols = if shape.len() == 2 { shape[1] } else { 1 };
-        let key = splitmix(self.seed ^ name_hash(name));
+        let key = splitmix(self.seed ^ crate::fnv1a(name));
         let (scale, offset) = Self::law(name, n_cols);
         let width = cols.len();
         let value = |r: usize, c: usize| {
