@@ -103,13 +103,6 @@ pub enum Isa {
     Avx512,
 }
 
-impl Isa {
-    /// The AVX2 kernels run (on their own or under [`Isa::Avx512`]).
-    pub fn has_avx2(self) -> bool {
-        matches!(self, Isa::Avx2 | Isa::Avx512)
-    }
-}
-
 thread_local! {
     static FORCED: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
 }
@@ -187,8 +180,8 @@ pub fn page_scores<T: Elem + Avx2Load>(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; shapes are
-        // checked above.
+        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and
+        // f16c; shapes are checked above.
         Isa::Avx2 | Isa::Avx512 if page_len.is_multiple_of(8) => unsafe {
             avx2::page_scores(kt, page_len, q, hd, rows, out, stride)
         },
@@ -649,7 +642,7 @@ mod avx2 {
     /// address is only computed, never read.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn fetch_ahead<T>(wp: *const T) {
+    pub(super) unsafe fn fetch_ahead<T>(wp: *const T) {
         const AHEAD: usize = 1024;
         let ahead = (wp as *const u8).wrapping_add(AHEAD);
         let mut off = 0;
@@ -823,6 +816,7 @@ pub use avx512::{panel_quad as avx512_panel_quad, panels as avx512_panels, Avx51
 /// it is widened with a zero-extend and a shift, not split into even and odd columns).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::avx2::fetch_ahead;
     use super::{Elem, BLOCK};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -857,26 +851,13 @@ mod avx512 {
         }
     }
 
-    /// As the AVX2 kernel's: the chunk a fixed distance ahead, non-temporal.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn fetch_ahead<T>(wp: *const T) {
-        const AHEAD: usize = 1024;
-        let ahead = (wp as *const u8).wrapping_add(AHEAD);
-        let mut off = 0;
-        while off < 4 * BLOCK * std::mem::size_of::<T>() {
-            _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_NTA);
-            off += 64;
-        }
-    }
-
     /// Consecutive packed panels against one prepared input, as [`super::avx2_panels`]: four
     /// rows of a chunk meet one register of `x`, one accumulator per row.
     ///
     /// # Safety
-    /// The CPU must have avx512f; `x.len()` is a multiple of [`BLOCK`] and
+    /// The CPU must have avx512f, avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
     /// `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn panels<T: Avx512Load>(w: &[T], x: &[f32], out: &mut [f32]) {
         let n = x.len();
         debug_assert_eq!(n % BLOCK, 0);
@@ -907,9 +888,9 @@ mod avx512 {
     /// the 32 registers live.
     ///
     /// # Safety
-    /// The CPU must have avx512f; every input has `n` entries, a multiple of [`BLOCK`], and
-    /// `panel.len() == 4 * n`.
-    #[target_feature(enable = "avx512f")]
+    /// The CPU must have avx512f, avx2, fma and f16c; every input has `n` entries, a multiple
+    /// of [`BLOCK`], and `panel.len() == 4 * n`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn panel_quad<T: Avx512Load, const NT: usize>(
         panel: &[T],
         xs: [&[f32]; NT],

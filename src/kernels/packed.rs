@@ -272,9 +272,9 @@ fn matmul_int8(
         // Weights of `o`'s panels against input `q` (scales `s`), times `row_scales`.
         let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32]| match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; `wp` holds
-            // the panels of `o`'s rows over the columns of `q` (a multiple of CHUNK), with one
-            // scale per XGROUP columns and one row scale per panel row.
+            // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma
+            // and f16c; `wp` holds the panels of `o`'s rows over the columns of `q` (a multiple
+            // of CHUNK), with one scale per XGROUP columns and one row scale per panel row.
             Isa::Avx2 | Isa::Avx512 => unsafe { dot::avx2_panels_q8(wp, q, s, row_scales, o) },
             _ => panels_q8_portable(wp, q, s, row_scales, o),
         };
@@ -350,11 +350,12 @@ fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; the shapes
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the shapes
         // are the kernel's, checked above.
         Isa::Avx2 => unsafe { dot::avx2_panels(w, x, out) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx512` is only produced after detecting avx512f; shapes as above.
+        // SAFETY: `Isa::Avx512` is only produced after detecting avx512f, avx2, fma and f16c;
+        // shapes as above.
         Isa::Avx512 => unsafe { dot::avx512_panels(w, x, out) },
         _ => panels_portable(w, x, out),
     }
@@ -481,7 +482,7 @@ unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
 fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
     match (isa, xs.len()) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma and f16c; lengths are
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
         // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
         (Isa::Avx2, 2) => unsafe { pairs::<T, 2>(panel, [xs[0], xs[1]], acc) },
         #[cfg(target_arch = "x86_64")]
@@ -491,7 +492,8 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         // SAFETY: as above.
         (Isa::Avx2, 4) => unsafe { pairs::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx512` is only produced after detecting avx512f; lengths as above.
+        // SAFETY: `Isa::Avx512` is only produced after detecting avx512f, avx2, fma and f16c;
+        // lengths as above.
         (Isa::Avx512, 2) => unsafe { quad::<T, 2>(panel, [xs[0], xs[1]], acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
