@@ -341,25 +341,31 @@ mod tests {
             }
             for n_tok in [1, 2, 3, 5, 70] {
                 let x = rand_vec(n_tok * cols, 11);
-                // The kernel quantizes its input per group; the reference uses the same values.
-                let cols_p = cols.next_multiple_of(16);
-                let mut xd = vec![0.0f32; n_tok * cols];
-                for t in 0..n_tok {
-                    let g = packed::XGROUP;
-                    let mut q = vec![0i8; cols_p];
-                    let mut s = vec![0.0f32; cols_p.div_ceil(g)];
-                    packed::quantize_groups(&x[t * cols..(t + 1) * cols], &mut q, &mut s);
-                    for c in 0..cols {
-                        xd[t * cols + c] = q[c] as f32 * s[c / g];
-                        assert!((xd[t * cols + c] - x[t * cols + c]).abs() <= s[c / g] * 0.501 + 1e-7);
-                        assert!(q[c].abs() <= packed::XMAX);
-                    }
-                }
-                let w64: Vec<f64> = wd.iter().map(|&v| v as f64).collect();
-                let want = naive_matmul(&w64, rows, cols, &xd, n_tok);
+                let want = int8_reference(&w, &x, n_tok);
                 assert_matmul_on_every_isa(&team, &w, &x, n_tok, &want, 1e-5, "int8");
             }
         }
+    }
+
+    /// The exact product of int8 weights `w` and `x` as the kernels see it: each input
+    /// quantized per group of columns.
+    fn int8_reference(w: &PackedMat, x: &[f32], n_tok: usize) -> Vec<f64> {
+        let (rows, cols) = (w.rows, w.cols);
+        let cols_p = cols.next_multiple_of(16);
+        let mut xd = vec![0.0f32; n_tok * cols];
+        for t in 0..n_tok {
+            let g = packed::XGROUP;
+            let mut q = vec![0i8; cols_p];
+            let mut s = vec![0.0f32; cols_p.div_ceil(g)];
+            packed::quantize_groups(&x[t * cols..(t + 1) * cols], &mut q, &mut s);
+            for c in 0..cols {
+                xd[t * cols + c] = q[c] as f32 * s[c / g];
+                assert!((xd[t * cols + c] - x[t * cols + c]).abs() <= s[c / g] * 0.501 + 1e-7);
+                assert!(q[c].abs() <= packed::XMAX);
+            }
+        }
+        let w64: Vec<f64> = packed::unpack(w).iter().map(|&v| v as f64).collect();
+        naive_matmul(&w64, rows, cols, &xd, n_tok)
     }
 
     /// The largest products the int8 kernels can meet (every weight at its row's maximum,
@@ -375,6 +381,21 @@ mod tests {
             let want: Vec<f64> =
                 (0..rows).map(|r| if r % 2 == 0 { 1.0 } else { -1.0 } * sign as f64 * 600.0).collect();
             assert_matmul_on_every_isa(&team, &w, &x, 1, &want, 1e-6, "int8 extremes");
+        }
+    }
+
+    /// The int8 path keeps its quantized inputs between calls. A narrow matrix needs more
+    /// group scales per input value than a wide one, so after a wide product a narrow one with
+    /// many tokens must still find room for its scales.
+    #[test]
+    fn int8_narrow_product_after_a_wide_one() {
+        let team = Team::new(2).unwrap();
+        for &(rows, cols, n_tok) in &[(4, 2048, 1), (5, 16, 128)] {
+            let wf = rand_vec(rows * cols, cols as u64);
+            let w = PackedMat::pack_as(&Mat { rows, cols, data: Data::F32(wf) }, Some(Quant::Int8));
+            let x = rand_vec(n_tok * cols, 3);
+            let want = int8_reference(&w, &x, n_tok);
+            assert_matmul_on_every_isa(&team, &w, &x, n_tok, &want, 1e-5, "int8 narrow");
         }
     }
 

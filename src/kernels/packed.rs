@@ -259,6 +259,8 @@ fn matmul_int8(
     QUANTIZED.with_borrow_mut(|(xq, xs)| {
         if xq.len() < n_tok * cols_p {
             xq.resize(n_tok * cols_p, 0);
+        }
+        if xs.len() < n_tok * kc {
             xs.resize(n_tok * kc, 0.0);
         }
         for t in 0..n_tok {
