@@ -18,6 +18,14 @@ pub mod weights;
 
 pub use error::{Error, Result};
 
+/// Grows `v` to at least `len` elements (new ones `T::default()`); never shrinks it. Reused
+/// buffers grow to the largest request, then serve every later one without allocating.
+pub(crate) fn grow<T: Clone + Default>(v: &mut Vec<T>, len: usize) {
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
+}
+
 /// FNV-1a of `s`: a stable 64-bit hash of a name (tensor names seed synthetic weights; boot ids
 /// group ranks by machine).
 pub(crate) fn fnv1a(s: &str) -> u64 {

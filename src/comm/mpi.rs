@@ -96,9 +96,7 @@ impl Comm for MpiStage {
     }
     fn allreduce_sum(&self, buf: &mut [f32]) {
         let mut send = self.send.borrow_mut();
-        if send.len() < buf.len() {
-            send.resize(buf.len(), 0.0);
-        }
+        crate::grow(&mut send, buf.len());
         send[..buf.len()].copy_from_slice(buf);
         timed(&self.times[0], || {
             self.comm.all_reduce_into(&send[..buf.len()], buf, mpi::collective::SystemOperation::sum())

@@ -353,9 +353,7 @@ impl Engine {
         if spans.iter().map(|s| s.len).sum::<usize>() != n || !spans.iter().all(fits) {
             return Err(Error::Comm("a step's spans do not match its tokens, slots or KV pages".into()));
         }
-        if self.hidden.len() < n * h {
-            self.hidden.resize(n * h, 0.0);
-        }
+        crate::grow(&mut self.hidden, n * h);
         let Engine { shard, scratch, hidden, last, logits, team, kv, tables, .. } = self;
         let x = &mut hidden[..n * h];
         if g.is_first_stage() {

@@ -351,7 +351,7 @@ mod tests {
     /// quantized per group of columns.
     fn int8_reference(w: &PackedMat, x: &[f32], n_tok: usize) -> Vec<f64> {
         let (rows, cols) = (w.rows, w.cols);
-        let cols_p = cols.next_multiple_of(16);
+        let cols_p = cols.next_multiple_of(packed::CHUNK);
         let mut xd = vec![0.0f32; n_tok * cols];
         for t in 0..n_tok {
             let g = packed::XGROUP;

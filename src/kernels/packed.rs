@@ -217,9 +217,7 @@ fn matmul_float<T: dot::Elem + dot::Avx2Load>(
 ) {
     let (cols, cols_p) = (w.cols, w.cols_p);
     PREPARED.with_borrow_mut(|buf| {
-        if buf.len() < n_tok * cols_p {
-            buf.resize(n_tok * cols_p, 0.0);
-        }
+        crate::grow(buf, n_tok * cols_p);
         for t in 0..n_tok {
             dot::prepare::<T>(&x[t * cols..(t + 1) * cols], &mut buf[t * cols_p..(t + 1) * cols_p], isa);
         }
@@ -257,12 +255,8 @@ fn matmul_int8(
     let (cols, cols_p) = (w.cols, w.cols_p);
     let kc = cols_p.div_ceil(XGROUP);
     QUANTIZED.with_borrow_mut(|(xq, xs)| {
-        if xq.len() < n_tok * cols_p {
-            xq.resize(n_tok * cols_p, 0);
-        }
-        if xs.len() < n_tok * kc {
-            xs.resize(n_tok * kc, 0.0);
-        }
+        crate::grow(xq, n_tok * cols_p);
+        crate::grow(xs, n_tok * kc);
         for t in 0..n_tok {
             quantize_groups(
                 &x[t * cols..(t + 1) * cols],

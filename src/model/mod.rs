@@ -499,13 +499,8 @@ impl Scratch {
     /// Room for `parts` attention parts of `n` tokens (grows only).
     fn ensure_parts(&mut self, parts: usize, n: usize, m: &Shard) {
         let (nq, hd) = (m.plan.q_heads.len(), m.cfg.head_dim);
-        let grow = |v: &mut Vec<f32>, len: usize| {
-            if v.len() < len {
-                v.resize(len, 0.0);
-            }
-        };
-        grow(&mut self.part_out, parts * n * nq * hd);
-        grow(&mut self.part_stats, parts * n * nq * 2);
+        crate::grow(&mut self.part_out, parts * n * nq * hd);
+        crate::grow(&mut self.part_stats, parts * n * nq * 2);
     }
 }
 
