@@ -23,6 +23,9 @@ pub struct RankReport {
     pub allreduce_ms: f64,
     pub allgather_ms: f64,
     pub sendrecv_ms: f64,
+    /// Heap allocations per decode step on this rank, kernel threads included (`None` where
+    /// they are not counted).
+    pub allocations_per_step: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -148,8 +151,9 @@ impl BenchReport {
             s += &format!("  {k:<24} {v}\n");
         }
         for r in &self.ranks {
+            let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations\n",
                 r.rank,
                 r.stage,
                 r.tp,

@@ -1,6 +1,7 @@
 //! gridlm: HuggingFace decoder-only LLMs on CPUs, one model split over a grid of MPI ranks
 //! (pipeline stages × tensor-parallel ranks). See DESIGN.md in the shared folder for the map.
 
+pub mod allocs;
 pub mod bench;
 pub mod comm;
 pub mod config;

@@ -21,6 +21,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// Counts heap allocations, so `bench` can show how many a decode step makes (none).
+#[global_allocator]
+static ALLOCATOR: gridlm::allocs::Counting = gridlm::allocs::Counting;
+
 #[derive(Parser)]
 #[command(name = "gridlm", version, about = "Run HuggingFace LLMs on CPUs over a grid of MPI ranks")]
 struct Cli {
@@ -561,6 +565,8 @@ fn count_cpu_list(s: &str) -> Option<usize> {
 fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> Vec<RankReport> {
     let (grid, shard) = (engine.grid, &engine.shard);
     let t = engine.profile().per_step_ms().map(f64::to_bits);
+    // u64::MAX: not counted (no decode step, or allocations are not counted).
+    let allocs = engine.profile().allocations_per_step().map_or(u64::MAX, f64::to_bits);
     let mine = [
         grid.stage() as u64,
         grid.tp_rank() as u64,
@@ -573,6 +579,7 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
         t[2],
         t[3],
         t[4],
+        allocs,
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -591,6 +598,7 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
             allreduce_ms: f64::from_bits(v[8]),
             allgather_ms: f64::from_bits(v[9]),
             sendrecv_ms: f64::from_bits(v[10]),
+            allocations_per_step: (v[11] != u64::MAX).then(|| f64::from_bits(v[11])),
         })
         .collect()
 }

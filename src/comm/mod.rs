@@ -74,7 +74,8 @@ pub trait Link {
     fn world_rank(&self) -> usize;
     fn world_size(&self) -> usize;
     fn send_bytes(&self, dest: usize, tag: Tag, data: &[u8]);
-    fn recv_bytes(&self, src: usize, tag: Tag) -> Vec<u8>;
+    /// Receives a message of any length into `buf` (resized to it; its allocation is reused).
+    fn recv_bytes(&self, src: usize, tag: Tag, buf: &mut Vec<u8>);
     fn send_f32(&self, dest: usize, tag: Tag, data: &[f32]);
     fn recv_f32(&self, src: usize, tag: Tag, out: &mut [f32]);
     /// Every rank contributes `mine` (same length); `out` gets all of them in world-rank order.
@@ -119,7 +120,7 @@ impl Link for Single {
     fn send_bytes(&self, dest: usize, _tag: Tag, _data: &[u8]) {
         unreachable!("a single-rank job sends to no rank (asked for {dest})")
     }
-    fn recv_bytes(&self, src: usize, _tag: Tag) -> Vec<u8> {
+    fn recv_bytes(&self, src: usize, _tag: Tag, _buf: &mut Vec<u8>) {
         unreachable!("a single-rank job receives from no rank (asked for {src})")
     }
     fn send_f32(&self, dest: usize, _tag: Tag, _data: &[f32]) {

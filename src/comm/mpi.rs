@@ -145,8 +145,13 @@ impl Link for MpiLink<'_> {
     fn send_bytes(&self, dest: usize, tag: Tag, data: &[u8]) {
         timed(&self.p2p, || self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32));
     }
-    fn recv_bytes(&self, src: usize, tag: Tag) -> Vec<u8> {
-        timed(&self.p2p, || self.world.process_at_rank(src as i32).receive_vec_with_tag::<u8>(tag as i32).0)
+    fn recv_bytes(&self, src: usize, tag: Tag, buf: &mut Vec<u8>) {
+        timed(&self.p2p, || {
+            let (msg, status) = self.world.process_at_rank(src as i32).matched_probe_with_tag(tag as i32);
+            let n = status.count(u8::equivalent_datatype());
+            buf.resize(usize::try_from(n).expect("a message's length is never negative"), 0);
+            msg.matched_receive_into(&mut buf[..]);
+        })
     }
     fn send_f32(&self, dest: usize, tag: Tag, data: &[f32]) {
         timed(&self.p2p, || self.world.process_at_rank(dest as i32).send_with_tag(data, tag as i32));

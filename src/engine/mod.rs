@@ -15,6 +15,7 @@
 
 pub mod sampling;
 pub mod scheduler;
+mod wire;
 
 use crate::comm::{Comm, CommTimes, Link, Tag};
 use crate::error::{Error, Result};
@@ -67,7 +68,7 @@ pub struct Admit {
 /// One step of one micro-batch: sequences admitted first, then `tokens`, which are the `spans`
 /// one after another (a span's `seq` is its slot). The last stage returns the next token of
 /// every emitting span, and with `want_logits` the raw logits of the first emitting span.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Step {
     pub admit: Vec<Admit>,
     pub spans: Vec<Span>,
@@ -76,7 +77,7 @@ pub struct Step {
 }
 
 /// What the last stage sends back to the driver after a step.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Default)]
 pub struct StepResult {
     /// The next token of each emitting span.
     pub tokens: Vec<u32>,
@@ -147,6 +148,9 @@ pub struct StepProfile {
     pub steps: u64,
     pub wall_ns: u64,
     pub comm: CommTimes,
+    /// Heap allocations made by the whole process in those windows (`None` unless the
+    /// program counts them: see [`crate::allocs`]).
+    pub allocations: Option<u64>,
 }
 
 impl StepProfile {
@@ -156,6 +160,11 @@ impl StepProfile {
         let c = self.comm;
         let compute = self.wall_ns.saturating_sub(c.total_ns());
         [self.wall_ns, compute, c.allreduce_ns, c.allgather_ns, c.p2p_ns].map(|v| v as f64 / n)
+    }
+
+    /// Heap allocations per step, where they are counted.
+    pub fn allocations_per_step(&self) -> Option<f64> {
+        self.allocations.map(|a| a as f64 / self.steps.max(1) as f64)
     }
 }
 
@@ -179,6 +188,15 @@ pub struct Engine {
     sampling: sampling::Buffers,
     /// Driver: results computed here (one stage) not yet collected.
     ready: VecDeque<StepResult>,
+    /// Reused from step to step, so a decode step allocates nothing: the plan and result as
+    /// bytes, the plan as received (ranks other than the driver), the emitting spans' slots,
+    /// this rank's greedy candidates, and token lists of results the driver has handed back.
+    plan_wire: Vec<u8>,
+    result_wire: Vec<u8>,
+    incoming: Plan,
+    emitting: Vec<usize>,
+    mine: Vec<f32>,
+    spare_tokens: Vec<Vec<u32>>,
     profile: StepProfile,
     /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step;
     /// `RANK:STEP:panic` makes a kernel thread panic there instead.
@@ -216,6 +234,12 @@ impl Engine {
             candidates: Vec::new(),
             sampling: sampling::Buffers::default(),
             ready: VecDeque::new(),
+            plan_wire: Vec::new(),
+            result_wire: Vec::new(),
+            incoming: Plan::End,
+            emitting: Vec::new(),
+            mine: Vec::new(),
+            spare_tokens: Vec::new(),
             profile: StepProfile::default(),
             exit_at,
             steps: 0,
@@ -253,25 +277,28 @@ impl Engine {
         self.shard.cfg.max_position_embeddings
     }
 
-    /// Every rank: obtains the next plan (the driver passes its own) and forwards it down the
-    /// pipeline to the same tp rank of the next stage.
-    fn next_plan(&self, own: Option<&Plan>, comm: &dyn Comm, link: &dyn Link) -> Result<Plan> {
+    /// Every rank: obtains the next plan and forwards it down the pipeline to the same tp rank
+    /// of the next stage. The driver passes its own; every other rank finds it in
+    /// `self.incoming`.
+    fn next_plan(&mut self, own: Option<&Plan>, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
         let g = self.grid;
-        let mut bytes = match own {
-            Some(p) => {
-                bincode::serialize(p).map_err(|e| Error::Comm(format!("cannot encode a plan: {e}")))?
-            }
-            None => Vec::new(),
-        };
+        let bytes = &mut self.plan_wire;
+        match own {
+            Some(p) => wire::encode_plan(p, bytes)?,
+            None => bytes.clear(),
+        }
         if g.is_first_stage() {
-            comm.broadcast_bytes(&mut bytes);
+            comm.broadcast_bytes(bytes);
         } else {
-            bytes = link.recv_bytes(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Plan);
+            link.recv_bytes(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Plan, bytes);
         }
         if !g.is_last_stage() {
-            link.send_bytes(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Plan, &bytes);
+            link.send_bytes(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Plan, bytes);
         }
-        bincode::deserialize(&bytes).map_err(|e| Error::Comm(format!("cannot decode a plan: {e}")))
+        if own.is_none() {
+            wire::decode_plan(bytes, &mut self.incoming)?;
+        }
+        Ok(())
     }
 
     /// Where this rank's time went in the decode steps since the last `Begin`.
@@ -280,27 +307,35 @@ impl Engine {
     }
 
     /// Every rank: takes the next plan (see [`Engine::next_plan`]) and carries out its part,
-    /// timing decode steps into the profile.
+    /// timing decode steps into the profile. Returns the step's result where it is complete on
+    /// this rank, and whether the plan was `End`.
     fn handle(
         &mut self,
         own: Option<&Plan>,
         comm: &dyn Comm,
         link: &dyn Link,
-    ) -> Result<(Plan, Option<StepResult>)> {
-        let (t0, c0) = (std::time::Instant::now(), comm.times() + link.times());
-        let plan = self.next_plan(own, comm, link)?;
-        let r = self.execute(&plan, comm, link)?;
-        match &plan {
+    ) -> Result<(bool, Option<StepResult>)> {
+        let (t0, c0, a0) = (std::time::Instant::now(), comm.times() + link.times(), crate::allocs::count());
+        self.next_plan(own, comm, link)?;
+        let incoming = std::mem::replace(&mut self.incoming, Plan::End);
+        let plan = own.unwrap_or(&incoming);
+        let r = self.execute(plan, comm, link);
+        match plan {
             Plan::Begin { .. } => self.profile = StepProfile::default(),
             Plan::Step(s) if !s.spans.is_empty() && s.spans.iter().all(|sp| sp.len == 1) => {
                 let p = &mut self.profile;
                 p.steps += 1;
                 p.wall_ns += t0.elapsed().as_nanos() as u64;
                 p.comm = p.comm + (comm.times() + link.times() - c0);
+                if let (Some(a0), Some(a1)) = (a0, crate::allocs::count()) {
+                    p.allocations = Some(p.allocations.unwrap_or(0) + (a1 - a0));
+                }
             }
             _ => {}
         }
-        Ok((plan, r))
+        let end = matches!(plan, Plan::End);
+        self.incoming = incoming;
+        Ok((end, r?))
     }
 
     /// Every rank: carries out its part of `plan`. Returns the step's result where it is
@@ -392,7 +427,8 @@ impl Engine {
                 row += 1;
             }
         }
-        let mut result = StepResult { tokens: Vec::new(), logits: None };
+        let mut result = StepResult { tokens: self.spare_tokens.pop().unwrap_or_default(), logits: None };
+        result.tokens.clear();
         if m > 0 {
             shard.logits(last, m, scratch, logits, team);
             if step.want_logits {
@@ -402,63 +438,58 @@ impl Engine {
                 comm.allgatherv(&logits[..vl], &counts, &mut full);
                 result.logits = Some(full);
             }
-            result.tokens = self.pick(spans, m, comm);
+            self.pick(spans, m, comm, &mut result.tokens);
         }
         if g.rank == 0 {
             return Ok(Some(result));
         }
         if g.rank == g.rank_of(g.pp - 1, 0) {
-            let bytes = bincode::serialize(&result)
-                .map_err(|e| Error::Comm(format!("cannot encode a result: {e}")))?;
-            link.send_bytes(0, Tag::Result, &bytes);
+            wire::encode_result(&result, &mut self.result_wire)?;
+            link.send_bytes(0, Tag::Result, &self.result_wire);
         }
+        self.spare_tokens.push(result.tokens);
         Ok(None)
     }
 
-    /// Last stage: the next token of each of the `m` emitting spans from `self.logits`, the
-    /// same on every rank of the stage: greedy rows by one allgather of (value, index), sampled
-    /// rows exactly over the whole vocabulary (see [`sampling`]).
-    fn pick(&mut self, spans: &[Span], m: usize, comm: &dyn Comm) -> Vec<u32> {
+    /// Last stage: the next token of each of the `m` emitting spans from `self.logits`, into
+    /// `picked`, the same on every rank of the stage: greedy rows by one allgather of (value,
+    /// index), sampled rows exactly over the whole vocabulary (see [`sampling`]).
+    fn pick(&mut self, spans: &[Span], m: usize, comm: &dyn Comm, picked: &mut Vec<u32>) {
         let vr = self.shard.vocab_range();
         let vl = vr.len();
-        let emitting: Vec<usize> = spans.iter().filter(|s| s.emit).map(|s| s.seq).collect();
+        let mut emitting = std::mem::take(&mut self.emitting);
+        emitting.clear();
+        emitting.extend(spans.iter().filter(|s| s.emit).map(|s| s.seq));
         for (row, &slot) in emitting.iter().enumerate() {
             let st = &self.slots[slot];
             sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen);
         }
-        let mut picked = greedy_pick(&self.logits[..m * vl], m, vr.start, &mut self.candidates, comm);
-        let rows: Vec<usize> = (0..m).filter(|&r| !self.slots[emitting[r]].params.is_greedy()).collect();
-        if !rows.is_empty() {
-            let params: Vec<&SamplingParams> =
-                rows.iter().map(|&r| &self.slots[emitting[r]].params).collect();
-            let indices: Vec<u64> = rows.iter().map(|&r| self.slots[emitting[r]].emitted).collect();
+        let (logits, mine, all) = (&self.logits[..m * vl], &mut self.mine, &mut self.candidates);
+        greedy_pick(logits, m, vr.start, mine, all, comm, picked);
+        let draws = &mut self.sampling.draws;
+        draws.clear();
+        for (row, &slot) in emitting.iter().enumerate() {
+            let st = &self.slots[slot];
+            if !st.params.is_greedy() {
+                draws.push(sampling::Draw { row, params: st.params.clone(), index: st.emitted });
+            }
+        }
+        if !draws.is_empty() {
             let (vocab, tp) = (self.shard.cfg.vocab_size, self.grid.tp);
             let max_shard = (0..tp).map(|t| vocab_range(vocab, tp, t).len()).max().unwrap_or(vl);
-            let sampled = sampling::sample_rows(
-                &self.logits[..m * vl],
-                vl,
-                max_shard,
-                vr.start,
-                &rows,
-                &params,
-                &indices,
-                &mut self.sampling,
-                comm,
-            );
-            for (&r, t) in rows.iter().zip(sampled) {
-                picked[r] = t;
-            }
+            let logits = &self.logits[..m * vl];
+            sampling::sample_rows(logits, vl, max_shard, vr.start, &mut self.sampling, comm, picked);
         }
         for &slot in &emitting {
             self.slots[slot].emitted += 1;
         }
-        picked
+        self.emitting = emitting;
     }
 
     /// Driver: sends `plan` down the grid and does this rank's part of it. A step's result is
     /// taken later with [`Engine::collect`], so several steps can be in flight.
-    fn launch(&mut self, plan: Plan, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
-        if let (_, Some(r)) = self.handle(Some(&plan), comm, link)? {
+    fn launch(&mut self, plan: &Plan, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+        if let (_, Some(r)) = self.handle(Some(plan), comm, link)? {
             self.ready.push_back(r);
         }
         Ok(())
@@ -467,12 +498,13 @@ impl Engine {
     /// Driver: the result of the oldest launched step not yet collected, which had `emitting`
     /// emitting spans (and so must bring as many tokens).
     fn collect(&mut self, emitting: usize, link: &dyn Link) -> Result<StepResult> {
-        let r: StepResult = match self.ready.pop_front() {
+        let r = match self.ready.pop_front() {
             Some(r) => r,
             None => {
-                let bytes = link.recv_bytes(self.grid.rank_of(self.grid.pp - 1, 0), Tag::Result);
-                bincode::deserialize(&bytes)
-                    .map_err(|e| Error::Comm(format!("cannot decode a result: {e}")))?
+                link.recv_bytes(self.grid.rank_of(self.grid.pp - 1, 0), Tag::Result, &mut self.result_wire);
+                let mut r = StepResult { tokens: self.spare_tokens.pop().unwrap_or_default(), logits: None };
+                wire::decode_result(&self.result_wire, &mut r)?;
+                r
             }
         };
         if r.tokens.len() != emitting {
@@ -484,10 +516,15 @@ impl Engine {
         Ok(r)
     }
 
+    /// Driver: takes back a collected result's buffers for later steps.
+    fn recycle(&mut self, r: StepResult) {
+        self.spare_tokens.push(r.tokens);
+    }
+
     /// Ranks other than the driver: follow plans until `End`.
     pub fn follow(&mut self, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
         loop {
-            if let (Plan::End, _) = self.handle(None, comm, link)? {
+            if let (true, _) = self.handle(None, comm, link)? {
                 return Ok(());
             }
         }
@@ -495,19 +532,19 @@ impl Engine {
 
     /// Driver: tells every rank the job is over.
     pub fn finish(&mut self, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
-        self.launch(Plan::End, comm, link)
+        self.launch(&Plan::End, comm, link)
     }
 
     /// Driver: a pool of `pages` KV pages and `slots` sequence slots on every rank.
     fn begin(&mut self, pages: usize, slots: usize, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
         self.ready.clear();
-        self.launch(Plan::Begin { pages, slots }, comm, link)
+        self.launch(&Plan::Begin { pages, slots }, comm, link)
     }
 
     /// Driver: runs one step and waits for its result.
     fn step(&mut self, step: Step, comm: &dyn Comm, link: &dyn Link) -> Result<StepResult> {
         let m = step.spans.iter().filter(|s| s.emit).count();
-        self.launch(Plan::Step(step), comm, link)?;
+        self.launch(&Plan::Step(step), comm, link)?;
         self.collect(m, link)
     }
 
@@ -581,26 +618,27 @@ impl Engine {
 /// The stage agrees on the greedy token of each of the `m` rows of `logits` (`[m, shard]`):
 /// each rank takes the argmax of its vocabulary shard per row, the (value, index) pairs are
 /// allgathered, and the largest value wins (lowest index on ties).
+/// The tokens go to `out` (cleared first); `mine` and `all` are reused buffers.
 pub fn greedy_pick(
     logits: &[f32],
     m: usize,
     vocab_start: usize,
-    buf: &mut Vec<f32>,
+    mine: &mut Vec<f32>,
+    all: &mut Vec<f32>,
     comm: &dyn Comm,
-) -> Vec<u32> {
+    out: &mut Vec<u32>,
+) {
     let vl = logits.len() / m.max(1);
-    let mut mine = Vec::with_capacity(2 * m);
+    mine.clear();
     for row in logits.chunks_exact(vl).take(m) {
         let (i, v) = kernels::argmax(row);
         mine.extend([v, f32::from_bits((vocab_start + i) as u32)]);
     }
-    buf.resize(2 * m * comm.size(), 0.0);
-    comm.allgather(&mine, buf);
-    (0..m)
-        .map(|row| {
-            let pairs =
-                buf.chunks_exact(2 * m).map(|rank| (rank[2 * row] as f64, rank[2 * row + 1].to_bits()));
-            pairs.fold((f64::NEG_INFINITY, u32::MAX), sampling::better).1
-        })
-        .collect()
+    all.resize(2 * m * comm.size(), 0.0);
+    comm.allgather(mine, all);
+    out.clear();
+    out.extend((0..m).map(|row| {
+        let pairs = all.chunks_exact(2 * m).map(|rank| (rank[2 * row] as f64, rank[2 * row + 1].to_bits()));
+        pairs.fold((f64::NEG_INFINITY, u32::MAX), sampling::better).1
+    }));
 }

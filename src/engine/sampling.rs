@@ -174,27 +174,26 @@ pub enum Decision {
     Threshold { theta: f32 },
 }
 
-/// The stage's decision for one row from every rank's summary (`summaries[r]`, in rank order),
-/// the row's settings and the number of the token drawn (`index`); `merged` is reusable
-/// scratch. Pure and identical on every rank that holds the same summaries.
-pub fn decide(
-    summaries: &[&[f32]],
+/// The stage's decision for one row from the summaries of its `n` ranks (`summary(r)`, in rank
+/// order), the row's settings and the number of the token drawn (`index`); `merged` is
+/// reusable scratch. Pure and identical on every rank that holds the same summaries.
+pub fn decide<'s>(
+    n: usize,
+    summary: impl Fn(usize) -> &'s [f32],
     p: &SamplingParams,
     index: u64,
     merged: &mut Vec<(f32, u32)>,
 ) -> Decision {
-    let mut max = f32::NEG_INFINITY;
-    for s in summaries {
-        max = max.max(s[0]);
-    }
-    let z: f64 = summaries.iter().map(|s| f32s_to_f64(s[1], s[2]) * ((s[0] - max) as f64).exp()).sum();
-    let vocab: usize = summaries.iter().map(|s| s[3].to_bits() as usize).sum();
+    let summaries = || (0..n).map(&summary);
+    let max = summaries().fold(f32::NEG_INFINITY, |m, s| m.max(s[0]));
+    let z: f64 = summaries().map(|s| f32s_to_f64(s[1], s[2]) * ((s[0] - max) as f64).exp()).sum();
+    let vocab: usize = summaries().map(|s| s[3].to_bits() as usize).sum();
     // Every token of a rank that did not send them all is at most its last sent value, so the
     // merged order is certain above the largest such value.
     let mut bound = f32::NEG_INFINITY;
     let mut sent_max = 0usize;
     merged.clear();
-    for s in summaries {
+    for s in summaries() {
         let (len, sent) = (s[3].to_bits() as usize, s[4].to_bits() as usize);
         sent_max = sent_max.max(sent);
         for j in 0..sent {
@@ -274,55 +273,69 @@ pub fn threshold_pick(
         .fold((f64::NEG_INFINITY, u32::MAX), better)
 }
 
-/// Reusable buffers of [`sample_rows`].
+/// A row to sample: its index in the logits, its settings, and the number of the sequence's
+/// token it draws.
+#[derive(Debug, Clone)]
+pub struct Draw {
+    pub row: usize,
+    pub params: SamplingParams,
+    pub index: u64,
+}
+
+/// Reusable buffers of [`sample_rows`], so sampling allocates nothing once they have grown.
+/// The caller puts the rows to sample in `draws`.
 #[derive(Default)]
 pub struct Buffers {
+    pub draws: Vec<Draw>,
     mine: Vec<f32>,
     all: Vec<f32>,
     idx: Vec<u32>,
     merged: Vec<(f32, u32)>,
+    /// Per draw: candidates to send; draws still undecided (this round, next round); draws to
+    /// settle by threshold.
+    c_of: Vec<usize>,
+    pending: Vec<usize>,
+    again: Vec<usize>,
+    thresholds: Vec<(usize, f32)>,
 }
 
-/// The stage agrees on a sampled token for each row in `rows` of `logits` (`[m, shard]`,
-/// already adjusted), with `params[i]` for `rows[i]`, drawing the sequence's token number
-/// `indices[i]`. `max_shard`: the
-/// largest shard of the stage (the same on every rank). Collective over the stage: every rank
-/// calls it with the same rows and settings.
-#[allow(clippy::too_many_arguments)] // the rows, their settings and draws, and where the shard sits
+/// The stage agrees on a sampled token for each of `b.draws` (rows of `logits`, `[m, shard]`,
+/// already adjusted) and writes it to `picked[row]`. `max_shard`: the largest shard of the
+/// stage (the same on every rank). Collective over the stage: every rank calls it with the
+/// same draws.
 pub fn sample_rows(
     logits: &[f32],
     shard: usize,
     max_shard: usize,
     vocab_start: usize,
-    rows: &[usize],
-    params: &[&SamplingParams],
-    indices: &[u64],
     b: &mut Buffers,
     comm: &dyn Comm,
-) -> Vec<u32> {
+    picked: &mut [u32],
+) {
     let n = comm.size();
-    let row = |i: usize| &logits[rows[i] * shard..(rows[i] + 1) * shard];
-    let mut out = vec![u32::MAX; rows.len()];
-    let mut c_of: Vec<usize> = params.iter().map(|p| first_candidates(p)).collect();
-    let mut pending: Vec<usize> = (0..rows.len()).collect();
-    let mut thresholds: Vec<(usize, f32)> = Vec::new();
+    let Buffers { draws, mine, all, idx, merged, c_of, pending, again, thresholds } = b;
+    let row = |i: usize| &logits[draws[i].row * shard..(draws[i].row + 1) * shard];
+    c_of.clear();
+    c_of.extend(draws.iter().map(|d| first_candidates(&d.params)));
+    pending.clear();
+    pending.extend(0..draws.len());
+    thresholds.clear();
     while !pending.is_empty() {
         // One round: a summary per pending row, all rows of the same length.
         let c = pending.iter().map(|&i| c_of[i]).max().unwrap_or(64).min(max_shard.max(1));
         let len = summary_len(c);
-        b.mine.resize(len * pending.len(), 0.0);
+        mine.resize(len * pending.len(), 0.0);
         for (j, &i) in pending.iter().enumerate() {
-            summarize(row(i), vocab_start, c, &mut b.idx, &mut b.mine[j * len..(j + 1) * len]);
+            summarize(row(i), vocab_start, c, idx, &mut mine[j * len..(j + 1) * len]);
         }
-        b.all.resize(b.mine.len() * n, 0.0);
-        comm.allgather(&b.mine, &mut b.all);
-        let per_rank = b.mine.len();
-        let mut again = Vec::new();
+        all.resize(mine.len() * n, 0.0);
+        comm.allgather(mine, all);
+        let per_rank = mine.len();
+        again.clear();
         for (j, &i) in pending.iter().enumerate() {
-            let sums: Vec<&[f32]> =
-                (0..n).map(|r| &b.all[r * per_rank + j * len..r * per_rank + (j + 1) * len]).collect();
-            match decide(&sums, params[i], indices[i], &mut b.merged) {
-                Decision::Token(t) => out[i] = t,
+            let sum = |r: usize| &all[r * per_rank + j * len..r * per_rank + (j + 1) * len];
+            match decide(n, sum, &draws[i].params, draws[i].index, merged) {
+                Decision::Token(t) => picked[draws[i].row] = t,
                 // Never once every rank sent its whole shard (then every candidate is certain).
                 Decision::More(more) => {
                     c_of[i] = more.max(c + 1);
@@ -331,21 +344,21 @@ pub fn sample_rows(
                 Decision::Threshold { theta } => thresholds.push((i, theta)),
             }
         }
-        pending = again;
+        std::mem::swap(pending, again);
     }
     if !thresholds.is_empty() {
         // Each rank's best draw per row: (value as f64 in two halves, token).
         let k = thresholds.len();
-        b.mine.clear();
-        for &(i, theta) in &thresholds {
-            let (v, t) = threshold_pick(row(i), vocab_start, theta, params[i], indices[i]);
-            b.mine.extend(f64_to_f32s(v));
-            b.mine.push(f32::from_bits(t));
+        mine.clear();
+        for &(i, theta) in thresholds.iter() {
+            let (v, t) = threshold_pick(row(i), vocab_start, theta, &draws[i].params, draws[i].index);
+            mine.extend(f64_to_f32s(v));
+            mine.push(f32::from_bits(t));
         }
-        b.all.resize(3 * k * n, 0.0);
-        comm.allgather(&b.mine, &mut b.all);
+        all.resize(3 * k * n, 0.0);
+        comm.allgather(mine, all);
         for (j, &(i, _)) in thresholds.iter().enumerate() {
-            out[i] = (0..n)
+            picked[draws[i].row] = (0..n)
                 .map(|r| {
                     let x = &b.all[r * 3 * k + 3 * j..r * 3 * k + 3 * j + 3];
                     (f32s_to_f64(x[0], x[1]), x[2].to_bits())
@@ -354,7 +367,6 @@ pub fn sample_rows(
                 .1;
         }
     }
-    out
 }
 
 #[cfg(test)]
@@ -381,7 +393,7 @@ mod tests {
                 })
                 .collect();
             let refs: Vec<&[f32]> = sums.iter().map(|s| &s[..]).collect();
-            match decide(&refs, p, index, &mut merged) {
+            match decide(refs.len(), |r| refs[r], p, index, &mut merged) {
                 Decision::Token(t) => return t,
                 Decision::More(m) => {
                     assert!(cc < v, "more candidates asked for after all were sent");

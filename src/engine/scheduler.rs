@@ -206,6 +206,10 @@ impl Engine {
         let mut flight: VecDeque<InFlight> = VecDeque::new();
         let mut stats = RunStats { kv_pages: pages, kv_page_bytes: page_bytes, ..RunStats::default() };
         let mut next_group = 0;
+        // Reused from step to step (as the engine's own buffers are), so a decode step
+        // allocates nothing: the plan, and the emitting lists of collected steps.
+        let mut plan = Plan::Step(Step::default());
+        let mut spare: Vec<Vec<usize>> = Vec::new();
         loop {
             // Launch a step for every idle group with work, up to the depth.
             let mut tried = 0;
@@ -216,8 +220,9 @@ impl Engine {
                 if busy[g] {
                     continue;
                 }
+                let Plan::Step(step) = &mut plan else { unreachable!("the scheduler's plan is a step") };
                 // Admission, first come first served.
-                let mut admit = Vec::new();
+                step.admit.clear();
                 while let Some(&i) = waiting.front() {
                     let need = pages_of(&requests[i]);
                     if members[g].len() >= per_group || free_slots.is_empty() || free_pages.len() < need {
@@ -226,20 +231,29 @@ impl Engine {
                     waiting.pop_front();
                     let slot = free_slots.pop().expect("checked");
                     let pg: Vec<u32> = free_pages.split_off(free_pages.len() - need);
-                    admit.push(Admit { slot, pages: pg.clone(), params: requests[i].params.clone() });
+                    step.admit.push(Admit { slot, pages: pg.clone(), params: requests[i].params.clone() });
                     seqs[i] = Some(Seq { slot, pages: pg, group: g, fed: 0 });
                     members[g].push(i);
+                    // Room for every token the request can bring.
+                    let r = &requests[i];
+                    let most = r.max_tokens.min(positions(r) + 1 - r.prompt.len());
+                    out[i].token_ids.reserve_exact(most);
+                    out[i].times_ms.reserve_exact(most);
                 }
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len());
-                let step = build_step(&members[g], &mut seqs, requests, &out, admit, opts.step_tokens);
-                let Some((step, emitting)) = step else { continue };
+                let mut emitting = spare.pop().unwrap_or_default();
+                if !build_step(&members[g], &mut seqs, requests, &out, opts.step_tokens, step, &mut emitting)
+                {
+                    spare.push(emitting);
+                    continue;
+                }
                 if step.spans.iter().any(|s| s.len > 1 || !s.emit) {
                     stats.prefill_steps += 1;
                 }
                 stats.steps += 1;
                 let want_logits = step.want_logits;
                 busy[g] = true;
-                self.launch(Plan::Step(step), comm, link)?;
+                self.launch(&plan, comm, link)?;
                 flight.push_back(InFlight { group: g, emitting, want_logits });
                 tried = 0;
             }
@@ -250,14 +264,13 @@ impl Engine {
                 }
                 break;
             };
-            let r: StepResult = self.collect(f.emitting.len(), link)?;
+            let mut r: StepResult = self.collect(f.emitting.len(), link)?;
             busy[f.group] = false;
-            let mut logits = r.logits;
             for (&i, &tok) in f.emitting.iter().zip(&r.tokens) {
                 let req = &requests[i];
                 let c = &mut out[i];
                 if c.token_ids.is_empty() && req.keep_logits {
-                    c.prompt_logits = logits.take();
+                    c.prompt_logits = r.logits.take();
                 }
                 c.token_ids.push(tok);
                 c.times_ms.push(ms(t0));
@@ -282,27 +295,32 @@ impl Engine {
                     free_pages.extend(s.pages);
                 }
             }
+            self.recycle(r);
+            spare.push(f.emitting);
         }
         stats.elapsed_ms = ms(t0);
         Ok((out, stats))
     }
 }
 
-/// The next step of a group: a decode token of each running member, then prompt chunks while
-/// the step has room (at least one chunk, so prefill always advances). `None` when the group
-/// has nothing to run. Also returns the requests of the emitting spans, in order.
+/// The next step of a group, into `step` (its admissions already there): a decode token of
+/// each running member, then prompt chunks while the step has room (at least one chunk, so
+/// prefill always advances); and into `emitting` the requests of the emitting spans, in
+/// order. `false` when the group has nothing to run.
 fn build_step(
     members: &[usize],
     seqs: &mut [Option<Seq>],
     requests: &[Request],
     out: &[Completion],
-    admit: Vec<Admit>,
     step_tokens: usize,
-) -> Option<(Step, Vec<usize>)> {
-    let mut spans = Vec::new();
-    let mut tokens = Vec::new();
-    let mut emitting = Vec::new();
-    let mut want_logits = false;
+    step: &mut Step,
+    emitting: &mut Vec<usize>,
+) -> bool {
+    let Step { spans, tokens, want_logits, .. } = step;
+    spans.clear();
+    tokens.clear();
+    emitting.clear();
+    *want_logits = false;
     for &i in members {
         let s = seqs[i].as_ref().expect("members are running");
         let p = &requests[i].prompt;
@@ -330,17 +348,14 @@ fn build_step(
         tokens.extend_from_slice(&p[s.fed..s.fed + n]);
         s.fed += n;
         if emit {
-            if requests[i].keep_logits && !want_logits && emitting.is_empty() {
-                want_logits = true;
+            if requests[i].keep_logits && !*want_logits && emitting.is_empty() {
+                *want_logits = true;
             }
             emitting.push(i);
         }
         room = room.saturating_sub(n);
     }
-    if spans.is_empty() {
-        return None;
-    }
-    Some((Step { admit, spans, tokens, want_logits }, emitting))
+    !spans.is_empty()
 }
 
 /// A quarter of the memory available on this node, shared by its local ranks.

@@ -1,5 +1,6 @@
 //! `gridlm bench`: the documented JSON keys, on a synthetic shape and on a model folder, on one
-//! rank and on a 2x1 grid. Values are checked for sense, never against a time limit.
+//! rank and on a 2x1 grid. Values are checked for sense, never against a time limit; decode
+//! steps must make no heap allocation on any rank.
 
 use super::*;
 
@@ -29,6 +30,11 @@ fn check(j: &serde_json::Value, ranks: usize) {
     }
     assert!(j["next_token_ms_p90"].as_f64() >= j["next_token_ms_p50"].as_f64());
     assert_eq!(j["ranks"].as_array().unwrap().len(), ranks);
+    // The last repetition's decode steps, after the earlier runs grew every buffer: no heap
+    // allocation on any rank, kernel threads included.
+    for r in j["ranks"].as_array().unwrap() {
+        assert_eq!(r["allocations_per_step"].as_f64(), Some(0.0), "{r}");
+    }
 }
 
 #[test]

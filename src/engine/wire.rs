@@ -1,0 +1,277 @@
+//! Plans and step results as bytes, written into and read back into buffers that are reused
+//! from step to step, so a decode step allocates nothing on any rank. A step's spans and tokens
+//! are little-endian words; what is rare goes through bincode: admissions (once per sequence),
+//! `Begin` and `End`, and the prompt logits a caller may ask for.
+//!
+//! ```text
+//! step:   0u8, want_logits u8, spans u64, tokens u64, admit bytes u64,
+//!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens × u32, admit (bincode)
+//! other:  1u8, the plan (bincode)
+//! result: tokens u64, tokens × u32, 0u8 | 1u8 and the logits (bincode)
+//! ```
+
+use super::{Plan, Step, StepResult};
+use crate::error::{Error, Result};
+use crate::model::Span;
+
+const STEP: u8 = 0;
+const OTHER: u8 = 1;
+/// Bytes of one span on the wire.
+const SPAN_BYTES: usize = 3 * 8 + 1;
+
+fn word(out: &mut Vec<u8>, v: usize) {
+    out.extend_from_slice(&(v as u64).to_le_bytes());
+}
+
+/// `plan` as bytes, in `out` (cleared first).
+pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
+    out.clear();
+    let step = match plan {
+        Plan::Step(s) => s,
+        other => {
+            out.push(OTHER);
+            return bincode::serialize_into(&mut *out, other)
+                .map_err(|e| Error::Comm(format!("cannot encode a plan: {e}")));
+        }
+    };
+    out.extend([STEP, u8::from(step.want_logits)]);
+    word(out, step.spans.len());
+    word(out, step.tokens.len());
+    let admit_at = out.len();
+    word(out, 0);
+    for s in &step.spans {
+        [s.seq, s.pos0, s.len].into_iter().for_each(|v| word(out, v));
+        out.push(u8::from(s.emit));
+    }
+    step.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+    if !step.admit.is_empty() {
+        let start = out.len();
+        bincode::serialize_into(&mut *out, &step.admit)
+            .map_err(|e| Error::Comm(format!("cannot encode a plan's admissions: {e}")))?;
+        let n = (out.len() - start) as u64;
+        out[admit_at..admit_at + 8].copy_from_slice(&n.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// Reads what [`encode_plan`] wrote into `into`, reusing its buffers when both are steps.
+pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
+    let mut r = Reader { bytes, what: "a plan" };
+    if r.u8()? == OTHER {
+        *into =
+            bincode::deserialize(r.rest()).map_err(|e| Error::Comm(format!("cannot decode a plan: {e}")))?;
+        return Ok(());
+    }
+    let want_logits = r.u8()? != 0;
+    let (n_spans, n_tokens, admit_bytes) = (r.len(SPAN_BYTES)?, r.len(4)?, r.len(1)?);
+    if !matches!(into, Plan::Step(_)) {
+        *into = Plan::Step(Step::default());
+    }
+    let Plan::Step(step) = into else { unreachable!("made a step just above") };
+    step.want_logits = want_logits;
+    step.spans.clear();
+    for _ in 0..n_spans {
+        let (seq, pos0, len) = (r.usize()?, r.usize()?, r.usize()?);
+        step.spans.push(Span { seq, pos0, len, emit: r.u8()? != 0 });
+    }
+    step.tokens.clear();
+    for _ in 0..n_tokens {
+        step.tokens.push(r.u32()?);
+    }
+    let admit = r.take(admit_bytes)?;
+    if admit.is_empty() {
+        step.admit.clear();
+    } else {
+        step.admit = bincode::deserialize(admit)
+            .map_err(|e| Error::Comm(format!("cannot decode a plan's admissions: {e}")))?;
+    }
+    r.end()
+}
+
+/// `r` as bytes, in `out` (cleared first).
+pub fn encode_result(r: &StepResult, out: &mut Vec<u8>) -> Result<()> {
+    out.clear();
+    word(out, r.tokens.len());
+    r.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+    match &r.logits {
+        None => out.push(0),
+        Some(l) => {
+            out.push(1);
+            bincode::serialize_into(&mut *out, l)
+                .map_err(|e| Error::Comm(format!("cannot encode a step's logits: {e}")))?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads what [`encode_result`] wrote into `into`, reusing its token buffer.
+pub fn decode_result(bytes: &[u8], into: &mut StepResult) -> Result<()> {
+    let mut r = Reader { bytes, what: "a step result" };
+    let n = r.len(4)?;
+    into.tokens.clear();
+    for _ in 0..n {
+        into.tokens.push(r.u32()?);
+    }
+    into.logits = match r.u8()? {
+        0 => None,
+        _ => Some(
+            bincode::deserialize(r.rest())
+                .map_err(|e| Error::Comm(format!("cannot decode a step's logits: {e}")))?,
+        ),
+    };
+    if into.logits.is_none() {
+        r.end()?;
+    }
+    Ok(())
+}
+
+/// Reads little-endian fields from the front of `bytes`; running short is an error naming
+/// `what` was being read.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if n > self.bytes.len() {
+            return Err(Error::Comm(format!("{} is cut short", self.what)));
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("took 4 bytes")))
+    }
+
+    fn usize(&mut self) -> Result<usize> {
+        let v = u64::from_le_bytes(self.take(8)?.try_into().expect("took 8 bytes"));
+        usize::try_from(v).map_err(|_| Error::Comm(format!("{} holds a count of {v}", self.what)))
+    }
+
+    /// A count of items of `item_bytes` each, checked against the bytes left (so a damaged
+    /// count cannot ask for a huge buffer).
+    fn len(&mut self, item_bytes: usize) -> Result<usize> {
+        let n = self.usize()?;
+        if n.checked_mul(item_bytes).is_none_or(|b| b > self.bytes.len()) {
+            return Err(Error::Comm(format!("{} is cut short", self.what)));
+        }
+        Ok(n)
+    }
+
+    fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.bytes)
+    }
+
+    fn end(&self) -> Result<()> {
+        if self.bytes.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Comm(format!("{} has {} bytes too many", self.what, self.bytes.len())))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sampling::SamplingParams;
+    use crate::engine::Admit;
+
+    fn step() -> Step {
+        Step {
+            admit: vec![Admit {
+                slot: 2,
+                pages: vec![7, 3, 9],
+                params: SamplingParams { temperature: 0.7, seed: 42, ..SamplingParams::default() },
+            }],
+            spans: vec![
+                Span { seq: 2, pos0: 0, len: 3, emit: false },
+                Span { seq: 0, pos0: 1 << 40, len: 1, emit: true },
+            ],
+            tokens: vec![1, 2, u32::MAX, 5],
+            want_logits: true,
+        }
+    }
+
+    fn same(a: &Plan, b: &Plan) -> bool {
+        format!("{a:?}") == format!("{b:?}")
+    }
+
+    #[test]
+    fn plans_round_trip_into_reused_buffers() {
+        let mut bytes = Vec::new();
+        let mut into = Plan::End;
+        for plan in [
+            Plan::Step(step()),
+            Plan::Step(Step { admit: Vec::new(), want_logits: false, ..step() }),
+            Plan::Begin { pages: 12, slots: 3 },
+            Plan::End,
+            Plan::Step(Step::default()),
+        ] {
+            encode_plan(&plan, &mut bytes).unwrap();
+            decode_plan(&bytes, &mut into).unwrap();
+            assert!(same(&plan, &into), "{plan:?} came back as {into:?}");
+        }
+    }
+
+    #[test]
+    fn a_decode_step_reuses_the_buffers() {
+        let plan = Plan::Step(Step { admit: Vec::new(), ..step() });
+        let mut bytes = Vec::new();
+        let mut into = Plan::End;
+        encode_plan(&plan, &mut bytes).unwrap();
+        decode_plan(&bytes, &mut into).unwrap();
+        let Plan::Step(s) = &into else { panic!("{into:?}") };
+        let (spans, tokens) = (s.spans.as_ptr(), s.tokens.as_ptr());
+        let cap = bytes.capacity();
+        encode_plan(&plan, &mut bytes).unwrap();
+        decode_plan(&bytes, &mut into).unwrap();
+        let Plan::Step(s) = &into else { panic!("{into:?}") };
+        assert_eq!((s.spans.as_ptr(), s.tokens.as_ptr(), bytes.capacity()), (spans, tokens, cap));
+    }
+
+    #[test]
+    fn results_round_trip() {
+        let mut bytes = Vec::new();
+        let mut into = StepResult { tokens: vec![9; 5], logits: None };
+        for r in [
+            StepResult { tokens: vec![4, 0, 17], logits: None },
+            StepResult { tokens: vec![3], logits: Some(vec![0.5, -1.0, f32::MIN]) },
+            StepResult { tokens: Vec::new(), logits: None },
+        ] {
+            encode_result(&r, &mut bytes).unwrap();
+            decode_result(&bytes, &mut into).unwrap();
+            assert_eq!((&into.tokens, &into.logits), (&r.tokens, &r.logits));
+        }
+    }
+
+    #[test]
+    fn damaged_bytes_are_errors_not_panics() {
+        let mut bytes = Vec::new();
+        encode_plan(&Plan::Step(step()), &mut bytes).unwrap();
+        let mut into = Plan::End;
+        for cut in 0..bytes.len() {
+            let e = decode_plan(&bytes[..cut], &mut into).unwrap_err().to_string();
+            assert!(e.contains("plan"), "{e}");
+        }
+        bytes.push(0);
+        assert!(decode_plan(&bytes, &mut into).unwrap_err().to_string().contains("too many"));
+        // A count far beyond the bytes that follow.
+        let mut huge = vec![STEP, 0];
+        huge.extend(u64::MAX.to_le_bytes());
+        assert!(decode_plan(&huge, &mut into).is_err());
+        let mut r = Vec::new();
+        encode_result(&StepResult { tokens: vec![1, 2], logits: None }, &mut r).unwrap();
+        let mut into = StepResult { tokens: Vec::new(), logits: None };
+        for cut in 0..r.len() {
+            assert!(decode_result(&r[..cut], &mut into).is_err());
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! Decoding allocates nothing per token: a run of the scheduler and engine over a small
+//! synthetic model makes exactly as many heap allocations for 40 new tokens as for 4, greedy
+//! and sampled. (The `bench` tests check the same per decode step on every rank of a grid.)
+//!
+//! One test in its own binary: the count is the whole process's, so no other test may run
+//! beside it.
+
+use gridlm::comm::Single;
+use gridlm::engine::sampling::SamplingParams;
+use gridlm::engine::{Engine, Request, RunOptions};
+use gridlm::grid::{Grid, ShardPlan};
+use gridlm::model::Shard;
+use gridlm::weights::synthetic::{self, Synthetic};
+use gridlm::weights::DType;
+
+#[global_allocator]
+static ALLOCATOR: gridlm::allocs::Counting = gridlm::allocs::Counting;
+
+/// Allocations made by one run of `requests`, each asking for `new_tokens`.
+fn allocations(engine: &mut Engine, requests: &[Request], new_tokens: usize) -> u64 {
+    let requests: Vec<Request> =
+        requests.iter().map(|r| Request { max_tokens: new_tokens, ..r.clone() }).collect();
+    let opts = RunOptions { max_batch: requests.len(), ..RunOptions::default() };
+    let before = gridlm::allocs::count().expect("the counting allocator is installed");
+    let done = engine.run(&requests, &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
+    let after = gridlm::allocs::count().unwrap();
+    for c in &done {
+        assert_eq!(c.token_ids.len(), new_tokens, "{:?}", c.error);
+    }
+    drop(done);
+    after - before
+}
+
+#[test]
+fn decode_steps_allocate_nothing_per_token() {
+    // SmolLM2's widths and uneven heads (9 query, 3 KV), two layers, a small vocabulary.
+    let mut cfg = synthetic::shape("smollm2-135m").unwrap();
+    cfg.n_layers = 2;
+    cfg.vocab_size = 3000;
+    cfg.max_position_embeddings = 256;
+    let grid = Grid::single();
+    let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
+    let src = Synthetic { dtype: DType::BF16, seed: 7 };
+    let shard = Shard::from_source(&src, cfg, plan, None).unwrap();
+    let mut engine = Engine::new(shard, grid, 2, DType::F16).unwrap();
+    let request = |len: usize, params: SamplingParams| Request {
+        prompt: (0..len as u32).map(|i| (i * 37 + 11) % 3000).collect(),
+        max_tokens: 0,
+        ignore_eos: true,
+        params,
+        keep_logits: len == 9,
+    };
+    let sampled = |temperature, top_p, top_k, seed| SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        repetition_penalty: 1.1,
+        seed,
+        ..SamplingParams::default()
+    };
+    let cases = [
+        ("greedy", vec![request(5, SamplingParams::default())]),
+        ("greedy, batch 3", (0..3).map(|i| request(5 + 4 * i, SamplingParams::default())).collect()),
+        (
+            "sampled, batch 3",
+            vec![
+                request(5, sampled(0.8, 0.9, 0, 1)),
+                request(9, sampled(1.0, 1.0, 20, 2)),
+                request(17, SamplingParams::default()),
+            ],
+        ),
+    ];
+    for (name, requests) in &cases {
+        // Buffers grow to their size in the first run; the two counted runs then differ only
+        // in the number of decode steps.
+        allocations(&mut engine, requests, 40);
+        let (short, long) = (allocations(&mut engine, requests, 4), allocations(&mut engine, requests, 40));
+        assert_eq!(
+            long,
+            short,
+            "{name}: 36 more decode steps made {} more allocations",
+            long as i64 - short as i64
+        );
+    }
+}
