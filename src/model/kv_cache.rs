@@ -116,6 +116,31 @@ impl KvPool {
         }
     }
 
+    /// Asks for the cache lines that writing position `pos` of `layer` will touch (every line
+    /// of the keys' transposed blocks, and the values' rows), so the write that follows a
+    /// matrix product finds them in cache instead of waiting on memory for each.
+    pub fn prefetch_write(&self, layer: usize, table: &[u32], pos: usize) {
+        let Some(&page) = table.get(pos / PAGE) else { return };
+        let (hd, pages) = (self.head_dim, self.pages);
+        let page = page as usize;
+        if page >= pages {
+            return;
+        }
+        let slot = pos % PAGE;
+        fn lines<T>(s: &Store<T>, layer: usize, a: usize, slot: usize, hd: usize) {
+            kernels::dot::prefetch(&s.k[layer][a..a + PAGE * hd]);
+            kernels::dot::prefetch(&s.v[layer][a + slot * hd..a + (slot + 1) * hd]);
+        }
+        for h in 0..self.n_kv {
+            let a = (h * pages + page) * PAGE * hd;
+            match &self.data {
+                Data::F32(s) => lines(s, layer, a, slot, hd),
+                Data::F16(s) => lines(s, layer, a, slot, hd),
+                Data::BF16(s) => lines(s, layer, a, slot, hd),
+            }
+        }
+    }
+
     /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer` of
     /// the sequence whose pages are `table`, row `r` seeing positions
     /// `bounds[r].0 ..= bounds[r].1`; with `stats`, one part of it over those keys. See

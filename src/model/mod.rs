@@ -45,6 +45,10 @@ const QUERY_BLOCK: usize = 16;
 /// to keep every kernel thread busy.
 const MAX_PARTS: usize = 8;
 
+/// Steps of at most this many tokens (decode) ask for the KV lines they will write before the
+/// QKV product, so those lines arrive while it streams its weights.
+const PREFETCH_TOKENS: usize = 8;
+
 /// A tile's query rows, its output rows, each row's key bounds and (for a part) each row's
 /// softmax max and sum.
 type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>, Vec<f32>);
@@ -328,6 +332,11 @@ impl Shard {
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
             kernels::rmsnorm(x, &l.input_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
+            if n <= PREFETCH_TOKENS {
+                for &(seq, pos) in &s.tokens {
+                    kv.prefetch_write(li, &tables[seq], pos);
+                }
+            }
             let qkv = &mut s.qkv[..n * qkv_rows];
             kernels::matmul(team, &l.qkv, &s.xn[..n * h], n, qkv);
             for (t, &(seq, pos)) in s.tokens.iter().enumerate() {
