@@ -1044,31 +1044,27 @@ fn run_bench(
 
     // The machine's limits, measured by every rank at once with its own kernel team, summed: the
     // same threads that run the kernels, competing for the same memory.
-    // Measured before and after the timed runs; each rank's best of the two counts, so a
-    // passing disturbance of the machine during one measurement does not lower its limits.
-    let measure = |engine: &Engine| {
-        [
-            gridlm::kernels::limits::read_bandwidth_gb_per_s(engine.team(), a.bandwidth_mib << 20, 5),
-            gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000),
-        ]
-    };
-    let before = measure(&engine);
+    // The FMA peak and the fastest read (and the way of reading that made it) are measured
+    // before and after the timed runs; each rank's best of the two counts, so a passing
+    // disturbance of the machine during one measurement does not lower them.
+    let bytes = a.bandwidth_mib << 20;
     let limits = |engine: &Engine| {
-        let after = measure(engine);
-        let mine = [before[0].max(after[0]).to_bits(), before[1].max(after[1]).to_bits()];
-        let mut all = vec![0u64; 2 * link.world_size()];
-        link.allgather_u64(&mine, &mut all);
-        let sum = |k: usize| all.chunks_exact(2).map(|v| f64::from_bits(v[k])).sum::<f64>();
-        (sum(0), sum(1))
+        let (gb, way) = gridlm::kernels::limits::best_read(engine.team(), bytes, 5);
+        (gb, way, gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000))
     };
-    if grid.rank != 0 {
-        engine.follow(comm, link)?;
-        limits(&engine);
-        gather_rank_reports(link, &engine, weight_rss);
-        return Ok(());
-    }
-    // Driver: seeded random prompt ids.
+    let before = limits(&engine);
+    // Decode is set against the bandwidth of the same moments: reads in that way, just before
+    // the first timed run and after each one, every read counted. On a machine whose
+    // bandwidth wanders (a shared host), the fastest read of the whole run would hold decode
+    // to the best moment while its own time is an average over all of them.
+    let mut around = (0.0, 0.0);
+    let mut read_around = |engine: &Engine| {
+        let (b, t) = gridlm::kernels::limits::read_rate(engine.team(), bytes, before.1, 4);
+        around = (around.0 + b, around.1 + t);
+    };
+    let driver = grid.rank == 0;
     let vocab = full_cfg.vocab_size as u64;
+    // Driver: seeded random prompt ids.
     let prompts: Vec<Vec<u32>> = (0..a.work.batch as u64)
         .map(|b| {
             (0..a.work.prompt_len as u64)
@@ -1101,34 +1097,61 @@ fn run_bench(
     let total = a.warmup + a.reps;
     let mut outcome = Ok(());
     for i in 0..total {
-        let label = if i < a.warmup {
-            format!("warm-up {}/{}", i + 1, a.warmup)
+        if i == a.warmup {
+            read_around(&engine);
+        }
+        // Each run ends with `End`, so every rank is free to read the buffer after it.
+        if !driver {
+            engine.follow(comm, link)?;
         } else {
-            format!("rep {}/{}", i + 1 - a.warmup, a.reps)
-        };
-        match engine.run(&requests, &opts, comm, link, |_, _| Ok(true)) {
-            Ok(done) => {
-                // Every sequence's first token; decode measured while all of them decode.
-                let first = percentile(&done.iter().map(|c| c.times_ms[0]).collect::<Vec<_>>(), 0.5);
-                let times: Vec<&[f64]> = done.iter().map(|c| &c.times_ms[..]).collect();
-                let (tps, g) = decode_window(&times).unwrap_or((0.0, Vec::new()));
-                let line = format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
-                let _ = std::io::stderr().write_all(line.as_bytes());
-                if i >= a.warmup {
-                    firsts.push(first);
-                    decode_rates.push(tps);
-                    gaps.extend(g);
+            let label = if i < a.warmup {
+                format!("warm-up {}/{}", i + 1, a.warmup)
+            } else {
+                format!("rep {}/{}", i + 1 - a.warmup, a.reps)
+            };
+            let run = engine.run(&requests, &opts, comm, link, |_, _| Ok(true));
+            engine.finish(comm, link)?;
+            match run {
+                Ok(done) => {
+                    // Every sequence's first token; decode measured while all of them decode.
+                    let first = percentile(&done.iter().map(|c| c.times_ms[0]).collect::<Vec<_>>(), 0.5);
+                    let times: Vec<&[f64]> = done.iter().map(|c| &c.times_ms[..]).collect();
+                    let (tps, g) = decode_window(&times).unwrap_or((0.0, Vec::new()));
+                    let line =
+                        format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
+                    let _ = std::io::stderr().write_all(line.as_bytes());
+                    if i >= a.warmup {
+                        firsts.push(first);
+                        decode_rates.push(tps);
+                        gaps.extend(g);
+                    }
                 }
-            }
-            Err(e) => {
-                outcome = Err(e);
-                break;
+                Err(e) => outcome = Err(e),
             }
         }
+        // The driver's outcome decides for every rank whether the runs go on.
+        let failed = link.agree(outcome.as_ref().map(|_| ()).map_err(|e| e.to_string())).is_err();
+        if failed {
+            break;
+        }
+        if i >= a.warmup {
+            read_around(&engine);
+        }
     }
-    engine.finish(comm, link)?;
-    let (measured_gb_per_s, measured_peak_gflops) = limits(&engine);
+    let after = limits(&engine);
+    let mine = [
+        before.0.max(after.0).to_bits(),
+        before.2.max(after.2).to_bits(),
+        (around.0 / around.1.max(1e-9) / 1e9).to_bits(),
+    ];
+    let mut all = vec![0u64; mine.len() * link.world_size()];
+    link.allgather_u64(&mine, &mut all);
+    let sum = |k: usize| all.chunks_exact(mine.len()).map(|v| f64::from_bits(v[k])).sum::<f64>();
+    let (best_gb_per_s, measured_peak_gflops, measured_gb_per_s) = (sum(0), sum(1), sum(2));
     let ranks = gather_rank_reports(link, &engine, weight_rss);
+    if !driver {
+        return Ok(());
+    }
     outcome?;
 
     // Each micro-batch's decode step reads every rank's weights once.
@@ -1165,6 +1188,7 @@ fn run_bench(
         weight_bytes_per_token,
         achieved_gb_per_s,
         measured_gb_per_s,
+        best_gb_per_s,
         decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
         prefill_gflops,
         measured_peak_gflops,

@@ -31,30 +31,59 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f32 {
     sums.iter().map(|s| f32::from_bits(s.load(Relaxed))).sum()
 }
 
-/// Best read bandwidth over `passes` full reads of a `bytes`-sized buffer by every thread of
-/// `team`, in GB/s. The buffer is mapped the way weights are (huge pages where the kernel
-/// gives them), so the limit is the machine's, not that of 4 KiB-page address translation.
-/// Each pass reads the buffer once per way of reading ([`READS`]: plain loads; loads with
-/// software prefetches at two distances), and the fastest read counts: the limit is what the best
-/// of them reaches, not what one happens to.
-pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
-    let isa = detect();
-    // Written before it is read: untouched pages would all be the one shared zero page.
+/// A `bytes`-sized buffer mapped the way weights are (huge pages where the kernel gives them),
+/// so the limit is the machine's, not that of 4 KiB-page address translation; written before
+/// it is read (untouched pages would all be the one shared zero page).
+fn filled(bytes: usize) -> HugeBuf<f32> {
     let mut buf = HugeBuf::<f32>::zeroed(bytes / 4);
     buf.par_chunks_mut(1 << 16).enumerate().for_each(|(c, v)| {
         v.iter_mut().enumerate().for_each(|(i, x)| *x = ((c + i) % 7) as f32);
     });
-    let mut best = f64::INFINITY;
-    let mut sink = 0.0;
+    buf
+}
+
+/// Seconds one full read of `buf` by every thread of `team` takes, `ahead` as in [`READS`].
+fn time_read(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f64 {
+    let t = Instant::now();
+    std::hint::black_box(read_all(team, buf, isa, ahead));
+    t.elapsed().as_secs_f64()
+}
+
+/// The fastest read of a `bytes`-sized buffer by every thread of `team` over `passes` passes,
+/// in GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
+/// per way of reading ([`READS`]: plain loads; loads with software prefetches at two
+/// distances): the limit is what the best of them reaches, not what one happens to.
+pub fn best_read(team: &Team, bytes: usize, passes: usize) -> (f64, ReadWay) {
+    let isa = detect();
+    let buf = filled(bytes);
+    let mut best = (f64::INFINITY, ReadWay(0));
     for _ in 0..passes.max(1) {
-        for ahead in READS {
-            let t = Instant::now();
-            sink += read_all(team, &buf, isa, ahead);
-            best = best.min(t.elapsed().as_secs_f64());
+        for (way, ahead) in READS.into_iter().enumerate() {
+            let t = time_read(team, &buf, isa, ahead);
+            if t < best.0 {
+                best = (t, ReadWay(way));
+            }
         }
     }
-    std::hint::black_box(sink);
-    buf.len() as f64 * 4.0 / best / 1e9
+    (buf.len() as f64 * 4.0 / best.0 / 1e9, best.1)
+}
+
+/// Best read bandwidth over `passes` passes, in GB/s (see [`best_read`]).
+pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
+    best_read(team, bytes, passes).0
+}
+
+/// One of the ways the probe reads ([`READS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadWay(usize);
+
+/// Bytes read and seconds taken by `reads` full reads of a `bytes`-sized buffer by every thread
+/// of `team`, all in one way: the bandwidth the machine gives at this moment, every read
+/// counted (no fastest-of), to set beside work timed the same way.
+pub fn read_rate(team: &Team, bytes: usize, way: ReadWay, reads: usize) -> (f64, f64) {
+    let (isa, buf) = (detect(), filled(bytes));
+    let secs: f64 = (0..reads).map(|_| time_read(team, &buf, isa, READS[way.0])).sum();
+    (reads as f64 * buf.len() as f64 * 4.0, secs)
 }
 
 /// f32 FMA throughput of every team thread together, in GFLOP/s (an FMA counts as 2 flops).

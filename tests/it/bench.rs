@@ -13,6 +13,7 @@ const KEYS: &[&str] = &[
     "weight_bytes_per_token",
     "achieved_gb_per_s",
     "measured_gb_per_s",
+    "best_gb_per_s",
     "decode_efficiency",
     "prefill_gflops",
     "measured_peak_gflops",
