@@ -1,11 +1,13 @@
-//! The node a rank runs on, as Linux reports it: memory available, this process's resident
-//! memory, the host's name. Owns: the check, before any weight is read, that every node has
-//! memory for the weights of all its ranks, so a model too large for the machine ends with one
-//! clear line on every rank instead of the kernel's OOM killer.
+//! The node a rank runs on, as Linux reports it: memory available (to this process's memory
+//! cgroup, where one limits it), this process's resident memory, the host's name. Owns: the
+//! check, before any weight is read, that every node has memory for the weights of all its
+//! ranks, so a model too large for the machine (or the container) ends with one clear line on
+//! every rank instead of the kernel's OOM killer.
 
 use crate::comm::Link;
 use crate::error::{Error, Result};
 use crate::kernels::Quant;
+use std::path::Path;
 
 /// A `kB` field of a `/proc` file (`MemAvailable:` of meminfo, `VmRSS:` of status), in bytes.
 fn proc_kb(path: &str, field: &str) -> Option<usize> {
@@ -14,9 +16,62 @@ fn proc_kb(path: &str, field: &str) -> Option<usize> {
     Some(line.split_whitespace().nth(1)?.parse::<usize>().ok()? * 1024)
 }
 
-/// Memory the node can give new allocations without swapping (`MemAvailable`), if known.
+/// Memory this process can still be given without swapping, if known: the node's
+/// `MemAvailable`, or less where the process's memory cgroup (a container's limit) allows less.
 pub fn mem_available() -> Option<usize> {
-    proc_kb("/proc/meminfo", "MemAvailable:")
+    let node = proc_kb("/proc/meminfo", "MemAvailable:");
+    let group = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|own| cgroup_room(Path::new("/sys/fs/cgroup"), &own));
+    match (node, group) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Bytes the memory cgroups of a process still allow it (`own`: its `/proc/self/cgroup`;
+/// `root`: where cgroups are mounted), at the tightest of its own group and the groups above:
+/// limit minus usage, inactive file pages (cache the kernel reclaims first) not counted as
+/// used. `None` where no group sets a limit or none can be read. Both hierarchies: v2
+/// (`0::/path`, `memory.max`) and v1 (`N:memory:/path` under `memory/`). A container that
+/// mounts only its own group shows it at the top, so the top counts too.
+fn cgroup_room(root: &Path, own: &str) -> Option<usize> {
+    let mut room: Option<u64> = None;
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else { continue };
+        let v2 = controllers.is_empty();
+        if !v2 && !controllers.split(',').any(|c| c == "memory") {
+            continue;
+        }
+        let base = if v2 { root.to_path_buf() } else { root.join("memory") };
+        let mut dir = Some(Path::new(path.trim_start_matches('/')));
+        while let Some(d) = dir {
+            if let Some(r) = group_room(&base.join(d), v2) {
+                room = Some(room.map_or(r, |m| m.min(r)));
+            }
+            dir = d.parent();
+        }
+    }
+    room.map(|r| r as usize)
+}
+
+/// Limit minus usage of one memory cgroup directory (see [`cgroup_room`]); `None` without a
+/// limit.
+fn group_room(dir: &Path, v2: bool) -> Option<u64> {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+    let (limit, usage, inactive) = if v2 {
+        ("memory.max", "memory.current", "inactive_file ")
+    } else {
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file ")
+    };
+    // v2 writes "max" for no limit; v1 a number near 2^63.
+    let limit: u64 = read(limit)?.trim().parse().ok().filter(|&l| l < 1 << 60)?;
+    let usage: u64 = read(usage)?.trim().parse().ok()?;
+    let cache = read("memory.stat")
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix(inactive)?.trim().parse::<u64>().ok()))
+        .unwrap_or(0);
+    Some(limit.saturating_sub(usage.saturating_sub(cache)))
 }
 
 /// This process's resident memory (0 where unknown).
@@ -104,6 +159,38 @@ mod tests {
         assert!(e.contains("rank 0 need") && !e.contains("--quant"), "{e}");
         // Unknown available memory never refuses.
         assert!(shortfall(0, "x", &[[a, 100 * G, u64::MAX]], None).is_ok());
+    }
+
+    #[test]
+    fn container_limits_lower_the_room() {
+        let t = tempfile::tempdir().unwrap();
+        let write = |rel: &str, text: &str| {
+            let p = t.path().join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        // v2: no limit at the top, 2 GiB on a/, 1 GiB on a/b with 512 MiB used of which 128 MiB
+        // is inactive cache.
+        write("memory.max", "max\n");
+        write("a/memory.max", "2147483648\n");
+        write("a/memory.current", "1610612736\n");
+        write("a/b/memory.max", "1073741824\n");
+        write("a/b/memory.current", "536870912\n");
+        write("a/b/memory.stat", "anon 1\ninactive_file 134217728\nactive_file 5\n");
+        // a/b allows 1 GiB - 384 MiB; a/ allows 512 MiB, the tighter.
+        assert_eq!(cgroup_room(t.path(), "0::/a/b\n"), Some(512 << 20));
+        assert_eq!(cgroup_room(t.path(), "0::/a/b/c\n"), Some(512 << 20));
+        // Only unlimited groups, or none readable: no answer.
+        assert_eq!(cgroup_room(t.path(), "0::/\n"), None);
+        assert_eq!(cgroup_room(t.path(), "0::/nowhere\n"), None);
+        // v1: the memory controller's own line, under memory/; "unlimited" is a huge number.
+        write("memory/memory.limit_in_bytes", "9223372036854771712\n");
+        write("memory/job/memory.limit_in_bytes", "1073741824\n");
+        write("memory/job/memory.usage_in_bytes", "805306368\n");
+        write("memory/job/memory.stat", "inactive_file 1\ntotal_inactive_file 268435456\n");
+        let own = "9:cpu,cpuacct:/job\n4:memory:/job\n0::/\n";
+        assert_eq!(cgroup_room(t.path(), own), Some(512 << 20));
+        assert_eq!(cgroup_room(t.path(), "4:memory:/\n"), None);
     }
 
     #[test]

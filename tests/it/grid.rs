@@ -259,3 +259,58 @@ fn a_model_larger_than_the_node_is_refused_before_loading() {
     let out = run_with_timeout(cmd, 120);
     assert_every_rank_says(&out, 2, "the weights of ranks 0, 1 need 128.5 GiB");
 }
+
+/// A memory cgroup of this test's own, with a limit (what a container gets), that a child joins
+/// before it execs; removed when dropped. `None` where this process cannot make one (not root,
+/// no memory controller).
+struct MemoryLimit(std::path::PathBuf);
+
+impl MemoryLimit {
+    fn new(bytes: u64) -> Option<MemoryLimit> {
+        let v1 = std::path::Path::new("/sys/fs/cgroup/memory");
+        let (root, file) = if v1.is_dir() {
+            (v1, "memory.limit_in_bytes")
+        } else {
+            (std::path::Path::new("/sys/fs/cgroup"), "memory.max")
+        };
+        let dir = root.join(format!("gridlm-test-{}", std::process::id()));
+        std::fs::create_dir(&dir).ok()?;
+        let group = MemoryLimit(dir);
+        std::fs::write(group.0.join(file), bytes.to_string()).ok()?;
+        Some(group)
+    }
+
+    /// `args` of gridlm, run inside the group.
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#, "sh"])
+            .arg(&self.0)
+            .arg(bin())
+            .args(args);
+        run_with_timeout(cmd, 120)
+    }
+}
+
+impl Drop for MemoryLimit {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A container whose memory limit is below the weights: the same one line as a node too small,
+/// not the OOM killer (which ended such a run with SIGKILL and no word before the check read the
+/// memory cgroup). Needs root (CI runs as root).
+#[test]
+fn a_memory_cgroup_too_small_for_the_weights_is_refused() {
+    let Some(limit) = MemoryLimit::new(150 << 20) else {
+        eprintln!("skipped: cannot make a memory cgroup here (needs root and a memory controller)");
+        return;
+    };
+    // SmolLM2's shape in bf16: 0.25 GiB of weights against 150 MiB.
+    let out = limit.run(&["bench", "--shape", "smollm2-135m", "--threads", "1"]);
+    assert_one_line_error(&out, &["not enough memory on host", "need 0.3 GiB", "GiB is available"]);
+    // With room, the same limit is no obstacle: a tiny model generates.
+    let (_t, dir) = tiny_llama();
+    let out = limit.run(&["generate", "--model", path_str(&dir), "--prompt", "hi", "--max-tokens", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
