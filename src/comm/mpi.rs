@@ -149,7 +149,8 @@ impl Link for MpiLink<'_> {
         timed(&self.p2p, || {
             let (msg, status) = self.world.process_at_rank(src as i32).matched_probe_with_tag(tag as i32);
             let n = status.count(u8::equivalent_datatype());
-            buf.resize(usize::try_from(n).expect("a message's length is never negative"), 0);
+            // A count of u8 is never MPI_UNDEFINED (every length is a whole number of bytes).
+            buf.resize(usize::try_from(n).expect("a byte count is never negative"), 0);
             msg.matched_receive_into(&mut buf[..]);
         })
     }

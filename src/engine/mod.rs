@@ -427,8 +427,7 @@ impl Engine {
                 row += 1;
             }
         }
-        let mut result = StepResult { tokens: self.spare_tokens.pop().unwrap_or_default(), logits: None };
-        result.tokens.clear();
+        let mut result = spare_result(&mut self.spare_tokens);
         if m > 0 {
             shard.logits(last, m, scratch, logits, team);
             if step.want_logits {
@@ -447,7 +446,7 @@ impl Engine {
             wire::encode_result(&result, &mut self.result_wire)?;
             link.send_bytes(0, Tag::Result, &self.result_wire);
         }
-        self.spare_tokens.push(result.tokens);
+        self.recycle(result);
         Ok(None)
     }
 
@@ -502,7 +501,7 @@ impl Engine {
             Some(r) => r,
             None => {
                 link.recv_bytes(self.grid.rank_of(self.grid.pp - 1, 0), Tag::Result, &mut self.result_wire);
-                let mut r = StepResult { tokens: self.spare_tokens.pop().unwrap_or_default(), logits: None };
+                let mut r = spare_result(&mut self.spare_tokens);
                 wire::decode_result(&self.result_wire, &mut r)?;
                 r
             }
@@ -516,7 +515,7 @@ impl Engine {
         Ok(r)
     }
 
-    /// Driver: takes back a collected result's buffers for later steps.
+    /// Takes back a result's buffers for later steps (the driver, once it has collected it).
     fn recycle(&mut self, r: StepResult) {
         self.spare_tokens.push(r.tokens);
     }
@@ -613,6 +612,13 @@ impl Engine {
             prompt_logits: c.prompt_logits,
         })
     }
+}
+
+/// An empty result, on a token list from `spare` (lists handed back earlier) where there is one.
+fn spare_result(spare: &mut Vec<Vec<u32>>) -> StepResult {
+    let mut tokens = spare.pop().unwrap_or_default();
+    tokens.clear();
+    StepResult { tokens, logits: None }
 }
 
 /// The stage agrees on the greedy token of each of the `m` rows of `logits` (`[m, shard]`):

@@ -4,10 +4,11 @@
 //! `Begin` and `End`, and the prompt logits a caller may ask for.
 //!
 //! ```text
-//! step:   0u8, want_logits u8, spans u64, tokens u64, admit bytes u64,
-//!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens × u32, admit (bincode)
+//! step:   0u8, want_logits u8, spans u64, admit bytes u64,
+//!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens, admit (bincode)
 //! other:  1u8, the plan (bincode)
-//! result: tokens u64, tokens × u32, 0u8 | 1u8 and the logits (bincode)
+//! result: tokens, 0u8 | 1u8 and the logits (bincode)
+//! tokens: count u64, then the tokens × u32
 //! ```
 
 use super::{Plan, Step, StepResult};
@@ -23,6 +24,12 @@ fn word(out: &mut Vec<u8>, v: usize) {
     out.extend_from_slice(&(v as u64).to_le_bytes());
 }
 
+/// A list of tokens: its length, then the tokens.
+fn tokens(out: &mut Vec<u8>, t: &[u32]) {
+    word(out, t.len());
+    t.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+}
+
 /// `plan` as bytes, in `out` (cleared first).
 pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
     out.clear();
@@ -36,14 +43,13 @@ pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
     };
     out.extend([STEP, u8::from(step.want_logits)]);
     word(out, step.spans.len());
-    word(out, step.tokens.len());
     let admit_at = out.len();
     word(out, 0);
     for s in &step.spans {
         [s.seq, s.pos0, s.len].into_iter().for_each(|v| word(out, v));
         out.push(u8::from(s.emit));
     }
-    step.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+    tokens(out, &step.tokens);
     if !step.admit.is_empty() {
         let start = out.len();
         bincode::serialize_into(&mut *out, &step.admit)
@@ -63,7 +69,7 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
         return Ok(());
     }
     let want_logits = r.u8()? != 0;
-    let (n_spans, n_tokens, admit_bytes) = (r.len(SPAN_BYTES)?, r.len(4)?, r.len(1)?);
+    let (n_spans, admit_bytes) = (r.len(SPAN_BYTES)?, r.len(1)?);
     if !matches!(into, Plan::Step(_)) {
         *into = Plan::Step(Step::default());
     }
@@ -74,10 +80,7 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
         let (seq, pos0, len) = (r.usize()?, r.usize()?, r.usize()?);
         step.spans.push(Span { seq, pos0, len, emit: r.u8()? != 0 });
     }
-    step.tokens.clear();
-    for _ in 0..n_tokens {
-        step.tokens.push(r.u32()?);
-    }
+    r.tokens(&mut step.tokens)?;
     let admit = r.take(admit_bytes)?;
     if admit.is_empty() {
         step.admit.clear();
@@ -91,8 +94,7 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
 /// `r` as bytes, in `out` (cleared first).
 pub fn encode_result(r: &StepResult, out: &mut Vec<u8>) -> Result<()> {
     out.clear();
-    word(out, r.tokens.len());
-    r.tokens.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+    tokens(out, &r.tokens);
     match &r.logits {
         None => out.push(0),
         Some(l) => {
@@ -107,11 +109,7 @@ pub fn encode_result(r: &StepResult, out: &mut Vec<u8>) -> Result<()> {
 /// Reads what [`encode_result`] wrote into `into`, reusing its token buffer.
 pub fn decode_result(bytes: &[u8], into: &mut StepResult) -> Result<()> {
     let mut r = Reader { bytes, what: "a step result" };
-    let n = r.len(4)?;
-    into.tokens.clear();
-    for _ in 0..n {
-        into.tokens.push(r.u32()?);
-    }
+    r.tokens(&mut into.tokens)?;
     into.logits = match r.u8()? {
         0 => None,
         _ => Some(
@@ -133,26 +131,44 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    fn short(&self) -> Error {
+        Error::Comm(format!("{} is cut short", self.what))
+    }
+
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        if n > self.bytes.len() {
-            return Err(Error::Comm(format!("{} is cut short", self.what)));
-        }
-        let (head, rest) = self.bytes.split_at(n);
+        let (head, rest) = self.bytes.split_at_checked(n).ok_or_else(|| self.short())?;
         self.bytes = rest;
         Ok(head)
     }
 
+    /// The next `N` bytes.
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let (head, rest) = self.bytes.split_first_chunk::<N>().ok_or_else(|| self.short())?;
+        self.bytes = rest;
+        Ok(*head)
+    }
+
     fn u8(&mut self) -> Result<u8> {
-        Ok(self.take(1)?[0])
+        Ok(self.array::<1>()?[0])
     }
 
     fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("took 4 bytes")))
+        Ok(u32::from_le_bytes(self.array()?))
     }
 
     fn usize(&mut self) -> Result<usize> {
-        let v = u64::from_le_bytes(self.take(8)?.try_into().expect("took 8 bytes"));
+        let v = u64::from_le_bytes(self.array()?);
         usize::try_from(v).map_err(|_| Error::Comm(format!("{} holds a count of {v}", self.what)))
+    }
+
+    /// A list of tokens (see [`tokens`]) into `out` (cleared first).
+    fn tokens(&mut self, out: &mut Vec<u32>) -> Result<()> {
+        let n = self.len(4)?;
+        out.clear();
+        for _ in 0..n {
+            out.push(self.u32()?);
+        }
+        Ok(())
     }
 
     /// A count of items of `item_bytes` each, checked against the bytes left (so a damaged
@@ -160,7 +176,7 @@ impl<'a> Reader<'a> {
     fn len(&mut self, item_bytes: usize) -> Result<usize> {
         let n = self.usize()?;
         if n.checked_mul(item_bytes).is_none_or(|b| b > self.bytes.len()) {
-            return Err(Error::Comm(format!("{} is cut short", self.what)));
+            return Err(self.short());
         }
         Ok(n)
     }
