@@ -1056,7 +1056,9 @@ fn run_bench(
     // Decode is set against the bandwidth of the same moments: reads in that way, just before
     // the first timed run and after each one, every read counted. On a machine whose
     // bandwidth wanders (a shared host), the fastest read of the whole run would hold decode
-    // to the best moment while its own time is an average over all of them.
+    // to the best moment while its own time is an average over all of them. Each reading makes
+    // and fills its own buffer rather than holding 1 GiB through the runs, so the runs have the
+    // memory they would have without the probe.
     let mut around = (0.0, 0.0);
     let mut read_around = |engine: &Engine| {
         let (b, t) = gridlm::kernels::limits::read_rate(engine.team(), bytes, before.1, 4);

@@ -55,6 +55,12 @@ impl<T: Elem + Default> Store<T> {
     }
 }
 
+/// Where KV head `kv`'s block of pool page `page` begins in a layer's store, in a pool of
+/// `pages` pages of heads `hd` wide (the layout in the module's doc).
+fn block(pages: usize, hd: usize, kv: usize, page: usize) -> usize {
+    (kv * pages + page) * PAGE * hd
+}
+
 enum Data {
     F32(Store<f32>),
     F16(Store<f16>),
@@ -107,7 +113,7 @@ impl KvPool {
             as usize;
         assert!(page < self.pages, "KV page {page} outside a pool of {}", self.pages);
         let (hd, n_kv, pages) = (self.head_dim, self.n_kv, self.pages);
-        let start = |h: usize| (h * pages + page) * PAGE * hd;
+        let start = |h: usize| block(pages, hd, h, page);
         let slot = pos % PAGE;
         match &mut self.data {
             Data::F32(s) => s.put(layer, start, slot, hd, n_kv, k, v),
@@ -120,19 +126,16 @@ impl KvPool {
     /// of the keys' transposed blocks, and the values' rows), so the write that follows a
     /// matrix product finds them in cache instead of waiting on memory for each.
     pub fn prefetch_write(&self, layer: usize, table: &[u32], pos: usize) {
-        let Some(&page) = table.get(pos / PAGE) else { return };
-        let (hd, pages) = (self.head_dim, self.pages);
-        let page = page as usize;
-        if page >= pages {
+        let Some(page) = table.get(pos / PAGE).map(|&p| p as usize).filter(|&p| p < self.pages) else {
             return;
-        }
-        let slot = pos % PAGE;
+        };
+        let (hd, slot) = (self.head_dim, pos % PAGE);
         fn lines<T>(s: &Store<T>, layer: usize, a: usize, slot: usize, hd: usize) {
             kernels::dot::prefetch(&s.k[layer][a..a + PAGE * hd]);
             kernels::dot::prefetch(&s.v[layer][a + slot * hd..a + (slot + 1) * hd]);
         }
         for h in 0..self.n_kv {
-            let a = (h * pages + page) * PAGE * hd;
+            let a = block(self.pages, hd, h, page);
             match &self.data {
                 Data::F32(s) => lines(s, layer, a, slot, hd),
                 Data::F16(s) => lines(s, layer, a, slot, hd),
@@ -160,7 +163,7 @@ impl KvPool {
         let (hd, pages) = (self.head_dim, self.pages);
         let len = PAGE * hd;
         let at = |p: usize| {
-            let start = (kv * pages + table[p] as usize) * len;
+            let start = block(pages, hd, kv, table[p] as usize);
             start..start + len
         };
         match &self.data {
