@@ -59,7 +59,41 @@ pub struct BenchReport {
     pub prefill_gflops: f64,
     pub measured_peak_gflops: f64,
     pub prefill_efficiency: f64,
+    /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
+    /// between runs shows how much of a low efficiency is the host's.
+    pub runs: Vec<RunReport>,
     pub ranks: Vec<RankReport>,
+}
+
+/// One timed run: its decode rate, the read bandwidth of the readings just before and just
+/// after it (every rank's, summed), and the efficiency of the two.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunReport {
+    pub decode_tokens_per_s: f64,
+    pub measured_gb_per_s: f64,
+    pub decode_efficiency: f64,
+}
+
+/// Read bandwidth around each run, in GB/s, from one rank's readings in order: `readings[k]`
+/// is (bytes, seconds) of the reading before run `k`, `readings[k + 1]` of the one after it.
+/// A run's bandwidth is both readings' bytes over both readings' time, as the whole run's
+/// `measured_gb_per_s` is all readings' bytes over all their time.
+pub fn gb_per_s_around_runs(readings: &[(f64, f64)]) -> Vec<f64> {
+    readings.windows(2).map(|w| (w[0].0 + w[1].0) / (w[0].1 + w[1].1).max(1e-9) / 1e9).collect()
+}
+
+/// Each run's report from its decode rate, the bandwidth around it ([`gb_per_s_around_runs`],
+/// summed over ranks) and the weight bytes read per generated token.
+pub fn run_reports(rates: &[f64], gb_per_s: &[f64], weight_bytes_per_token: u64) -> Vec<RunReport> {
+    rates
+        .iter()
+        .zip(gb_per_s)
+        .map(|(&tps, &gb)| RunReport {
+            decode_tokens_per_s: tps,
+            measured_gb_per_s: gb,
+            decode_efficiency: weight_bytes_per_token as f64 * tps / 1e9 / gb,
+        })
+        .collect()
 }
 
 /// Decode throughput of sequences run side by side, from each sequence's token arrival times
@@ -156,6 +190,15 @@ impl BenchReport {
         for (k, v) in rows {
             s += &format!("  {k:<24} {v}\n");
         }
+        if self.runs.len() > 1 {
+            let each = |f: fn(&RunReport) -> String| self.runs.iter().map(f).collect::<Vec<_>>().join(", ");
+            s += &format!(
+                "  {:<24} {} (around each: {} GB/s)\n",
+                "decode efficiency by run",
+                each(|r| format!("{:.2}", r.decode_efficiency)),
+                each(|r| format!("{:.1}", r.measured_gb_per_s))
+            );
+        }
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
@@ -190,6 +233,21 @@ mod tests {
         assert!((rate - 7.0 / 0.035).abs() < 1e-6, "{rate}");
         assert_eq!(gaps, vec![10.0, 10.0, 10.0, 10.0, 10.0, 10.0]);
         assert!(decode_window(&[&[1.0][..]]).is_none());
+    }
+
+    #[test]
+    fn each_run_is_set_against_the_readings_on_either_side() {
+        // Readings of 10 GB in 1 s, 0.5 s and 1.5 s: 20 GB over 1.5 s around run 0, 20 GB over
+        // 2 s around run 1.
+        let gb = gb_per_s_around_runs(&[(10e9, 1.0), (10e9, 0.5), (10e9, 1.5)]);
+        assert_eq!(gb.len(), 2);
+        assert!((gb[0] - 20.0 / 1.5).abs() < 1e-9 && (gb[1] - 10.0).abs() < 1e-9, "{gb:?}");
+        assert!(gb_per_s_around_runs(&[(10e9, 1.0)]).is_empty());
+        // 250 MB per token at 40 and 30 tokens/s: 10 and 7.5 GB/s.
+        let runs = run_reports(&[40.0, 30.0], &[12.5, 10.0], 250_000_000);
+        assert!((runs[0].decode_efficiency - 0.8).abs() < 1e-9, "{runs:?}");
+        assert!((runs[1].decode_efficiency - 0.75).abs() < 1e-9, "{runs:?}");
+        assert_eq!(runs[1].measured_gb_per_s, 10.0);
     }
 
     #[test]

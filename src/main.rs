@@ -3,7 +3,9 @@
 
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
-use gridlm::bench::{decode_window, percentile, prefill_flops, BenchReport, RankReport};
+use gridlm::bench::{
+    decode_window, gb_per_s_around_runs, percentile, prefill_flops, run_reports, BenchReport, RankReport,
+};
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
@@ -1059,10 +1061,9 @@ fn run_bench(
     // to the best moment while its own time is an average over all of them. Each reading makes
     // and fills its own buffer rather than holding 1 GiB through the runs, so the runs have the
     // memory they would have without the probe.
-    let mut around = (0.0, 0.0);
+    let mut readings = Vec::new();
     let mut read_around = |engine: &Engine| {
-        let (b, t) = gridlm::kernels::limits::read_rate(engine.team(), bytes, before.1, 4);
-        around = (around.0 + b, around.1 + t);
+        readings.push(gridlm::kernels::limits::read_rate(engine.team(), bytes, before.1, 4));
     };
     let driver = grid.rank == 0;
     let vocab = full_cfg.vocab_size as u64;
@@ -1141,15 +1142,18 @@ fn run_bench(
         }
     }
     let after = limits(&engine);
-    let mine = [
-        before.0.max(after.0).to_bits(),
-        before.2.max(after.2).to_bits(),
-        (around.0 / around.1.max(1e-9) / 1e9).to_bits(),
-    ];
+    let around = readings.iter().fold((0.0, 0.0), |a, r| (a.0 + r.0, a.1 + r.1));
+    // Every rank read as often (all leave the runs together), so all send as many figures.
+    let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), around.0 / around.1.max(1e-9) / 1e9]
+        .into_iter()
+        .chain(gb_per_s_around_runs(&readings))
+        .map(f64::to_bits)
+        .collect();
     let mut all = vec![0u64; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
     let sum = |k: usize| all.chunks_exact(mine.len()).map(|v| f64::from_bits(v[k])).sum::<f64>();
     let (best_gb_per_s, measured_peak_gflops, measured_gb_per_s) = (sum(0), sum(1), sum(2));
+    let gb_per_s_by_run: Vec<f64> = (3..mine.len()).map(sum).collect();
     let ranks = gather_rank_reports(link, &engine, weight_rss);
     if !driver {
         return Ok(());
@@ -1195,6 +1199,7 @@ fn run_bench(
         prefill_gflops,
         measured_peak_gflops,
         prefill_efficiency: prefill_gflops / measured_peak_gflops,
+        runs: run_reports(&decode_rates, &gb_per_s_by_run, weight_bytes_per_token),
         ranks,
     };
     let mut stdout = std::io::stdout().lock();

@@ -31,6 +31,19 @@ fn check(j: &serde_json::Value, ranks: usize) {
     }
     assert!(j["next_token_ms_p90"].as_f64() >= j["next_token_ms_p50"].as_f64());
     assert_eq!(j["ranks"].as_array().unwrap().len(), ranks);
+    // One entry per timed run, each with its own bandwidth; their mean rate is the report's.
+    let runs = j["runs"].as_array().unwrap();
+    assert_eq!(runs.len() as u64, j["reps"].as_u64().unwrap(), "{j}");
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    for r in runs {
+        for k in ["decode_tokens_per_s", "measured_gb_per_s", "decode_efficiency"] {
+            assert!(f(r, k).is_finite() && f(r, k) > 0.0, "{k} in {r}");
+        }
+        let achieved = f(j, "weight_bytes_per_token") * f(r, "decode_tokens_per_s") / 1e9;
+        assert!((achieved / f(r, "measured_gb_per_s") / f(r, "decode_efficiency") - 1.0).abs() < 1e-9, "{r}");
+    }
+    let mean = runs.iter().map(|r| f(r, "decode_tokens_per_s")).sum::<f64>() / runs.len() as f64;
+    assert!((mean / f(j, "decode_tokens_per_s") - 1.0).abs() < 1e-9, "{mean} vs {j}");
     // The last repetition's decode steps, after the earlier runs grew every buffer: no heap
     // allocation on any rank, kernel threads included.
     for r in j["ranks"].as_array().unwrap() {
