@@ -74,12 +74,18 @@ pub struct RunReport {
     pub decode_efficiency: f64,
 }
 
+/// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
+/// all their time, every read counted (`measured_gb_per_s` of the whole bench).
+pub fn gb_per_s(readings: &[(f64, f64)]) -> f64 {
+    let (bytes, secs) = readings.iter().fold((0.0, 0.0), |a, r| (a.0 + r.0, a.1 + r.1));
+    bytes / secs.max(1e-9) / 1e9
+}
+
 /// Read bandwidth around each run, in GB/s, from one rank's readings in order: `readings[k]`
 /// is (bytes, seconds) of the reading before run `k`, `readings[k + 1]` of the one after it.
-/// A run's bandwidth is both readings' bytes over both readings' time, as the whole run's
-/// `measured_gb_per_s` is all readings' bytes over all their time.
+/// A run's bandwidth is [`gb_per_s`] of those two.
 pub fn gb_per_s_around_runs(readings: &[(f64, f64)]) -> Vec<f64> {
-    readings.windows(2).map(|w| (w[0].0 + w[1].0) / (w[0].1 + w[1].1).max(1e-9) / 1e9).collect()
+    readings.windows(2).map(gb_per_s).collect()
 }
 
 /// Each run's report from its decode rate, the bandwidth around it ([`gb_per_s_around_runs`],
@@ -243,6 +249,7 @@ mod tests {
         assert_eq!(gb.len(), 2);
         assert!((gb[0] - 20.0 / 1.5).abs() < 1e-9 && (gb[1] - 10.0).abs() < 1e-9, "{gb:?}");
         assert!(gb_per_s_around_runs(&[(10e9, 1.0)]).is_empty());
+        assert!((gb_per_s(&[(10e9, 1.0), (10e9, 0.5), (10e9, 1.5)]) - 10.0).abs() < 1e-9);
         // 250 MB per token at 40 and 30 tokens/s: 10 and 7.5 GB/s.
         let runs = run_reports(&[40.0, 30.0], &[12.5, 10.0], 250_000_000);
         assert!((runs[0].decode_efficiency - 0.8).abs() < 1e-9, "{runs:?}");

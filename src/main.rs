@@ -4,7 +4,8 @@
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use gridlm::bench::{
-    decode_window, gb_per_s_around_runs, percentile, prefill_flops, run_reports, BenchReport, RankReport,
+    decode_window, gb_per_s, gb_per_s_around_runs, percentile, prefill_flops, run_reports, BenchReport,
+    RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -1142,9 +1143,8 @@ fn run_bench(
         }
     }
     let after = limits(&engine);
-    let around = readings.iter().fold((0.0, 0.0), |a, r| (a.0 + r.0, a.1 + r.1));
     // Every rank read as often (all leave the runs together), so all send as many figures.
-    let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), around.0 / around.1.max(1e-9) / 1e9]
+    let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), gb_per_s(&readings)]
         .into_iter()
         .chain(gb_per_s_around_runs(&readings))
         .map(f64::to_bits)

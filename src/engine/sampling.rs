@@ -360,7 +360,7 @@ pub fn sample_rows(
         for (j, &(i, _)) in thresholds.iter().enumerate() {
             picked[draws[i].row] = (0..n)
                 .map(|r| {
-                    let x = &b.all[r * 3 * k + 3 * j..r * 3 * k + 3 * j + 3];
+                    let x = &all[r * 3 * k + 3 * j..r * 3 * k + 3 * j + 3];
                     (f32s_to_f64(x[0], x[1]), x[2].to_bits())
                 })
                 .fold((f64::NEG_INFINITY, u32::MAX), better)
