@@ -9,6 +9,7 @@
 //! The hot path takes no locks and allocates nothing: a kernel is published by writing a
 //! pointer and bumping an epoch counter; completion is a counter the caller spins on.
 
+use crossbeam_utils::CachePadded;
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
@@ -46,8 +47,11 @@ pub struct Team {
     inner: Arc<Inner>,
     workers: Vec<JoinHandle<()>>,
     /// One range per thread for [`Team::for_ranges`]: `front << 32 | back`, reset by the
-    /// owner before each kernel (so the hot path allocates nothing).
-    shares: Box<[AtomicU64]>,
+    /// owner before each kernel (so the hot path allocates nothing). Each on its own cache
+    /// lines: a thread takes every piece of its share with a compare-exchange, and with the
+    /// shares side by side each one pulled the line away from the other threads' (on the
+    /// 2-core test machine about 2 µs per product, 0.2 ms of a SmolLM2 decode step).
+    shares: Box<[CachePadded<AtomicU64>]>,
 }
 
 impl Team {
@@ -73,7 +77,7 @@ impl Team {
                 .spawn(move || worker(&inner, tid))?;
             workers.push(h);
         }
-        let shares = (0..threads).map(|_| AtomicU64::new(0)).collect();
+        let shares = (0..threads).map(|_| CachePadded::new(AtomicU64::new(0))).collect();
         Ok(Team { inner, workers, shares })
     }
 
