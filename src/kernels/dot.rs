@@ -66,7 +66,17 @@ pub fn prepare<T: Elem>(x: &[f32], out: &mut [f32], isa: Isa) {
         return;
     }
     let full = out.len() / BLOCK * BLOCK;
-    for (b, ob) in out[..full].chunks_exact_mut(BLOCK).enumerate() {
+    // Blocks wholly inside `x` go without bounds checks (this runs on one thread before each
+    // product, so it is kept to straight copies); the last, padded ones element by element.
+    let inside = x.len().min(full) / BLOCK;
+    for (xb, ob) in x.chunks_exact(BLOCK).zip(out.chunks_exact_mut(BLOCK)) {
+        let (even, odd) = ob.split_at_mut(BLOCK / 2);
+        for (i, pair) in xb.chunks_exact(2).enumerate() {
+            even[i] = pair[0];
+            odd[i] = pair[1];
+        }
+    }
+    for (b, ob) in out[..full].chunks_exact_mut(BLOCK).enumerate().skip(inside) {
         for i in 0..BLOCK / 2 {
             ob[i] = at(b * BLOCK + 2 * i);
             ob[BLOCK / 2 + i] = at(b * BLOCK + 2 * i + 1);

@@ -419,9 +419,13 @@ impl Shard {
             for t in 0..n {
                 let (g, u) = s.gu[t * 2 * ffl..(t + 1) * 2 * ffl].split_at_mut(ffl);
                 kernels::silu_mul(g, u);
-                s.act[t * ffl..(t + 1) * ffl].copy_from_slice(g);
+                if n > 1 {
+                    s.act[t * ffl..(t + 1) * ffl].copy_from_slice(g);
+                }
             }
-            kernels::matmul(team, &l.down, &s.act[..n * ffl], n, &mut s.o[..n * h]);
+            // One token's activations are already contiguous (the front of its gate/up row).
+            let act = if n == 1 { &s.gu[..ffl] } else { &s.act[..n * ffl] };
+            kernels::matmul(team, &l.down, act, n, &mut s.o[..n * h]);
             comm.allreduce_sum(&mut s.o[..n * h]);
             x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
         }
