@@ -1050,21 +1050,20 @@ fn run_bench(
     // The FMA peak and the fastest read (and the way of reading that made it) are measured
     // before and after the timed runs; each rank's best of the two counts, so a passing
     // disturbance of the machine during one measurement does not lower them.
-    let bytes = a.bandwidth_mib << 20;
+    let probe = gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20);
     let limits = |engine: &Engine| {
-        let (gb, way) = gridlm::kernels::limits::best_read(engine.team(), bytes, 5);
+        let (gb, way) = probe.best(engine.team(), 5);
         (gb, way, gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000))
     };
     let before = limits(&engine);
     // Decode is set against the bandwidth of the same moments: reads in that way, just before
     // the first timed run and after each one, every read counted. On a machine whose
     // bandwidth wanders (a shared host), the fastest read of the whole run would hold decode
-    // to the best moment while its own time is an average over all of them. Each reading makes
-    // and fills its own buffer rather than holding 1 GiB through the runs, so the runs have the
-    // memory they would have without the probe.
+    // to the best moment while its own time is an average over all of them. Every reading
+    // reads the one probe buffer, held until the end (see `ReadProbe` for why).
     let mut readings = Vec::new();
     let mut read_around = |engine: &Engine| {
-        readings.push(gridlm::kernels::limits::read_rate(engine.team(), bytes, before.1, 4));
+        readings.push(probe.rate(engine.team(), before.1, 4));
     };
     let driver = grid.rank == 0;
     let vocab = full_cfg.vocab_size as u64;
@@ -1143,6 +1142,8 @@ fn run_bench(
         }
     }
     let after = limits(&engine);
+    // The resident memory reported below is the engine's, without the probe's buffer.
+    drop(probe);
     // Every rank read as often (all leave the runs together), so all send as many figures.
     let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), gb_per_s(&readings)]
         .into_iter()

@@ -49,42 +49,65 @@ fn time_read(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// The fastest read of a `bytes`-sized buffer by every thread of `team` over `passes` passes,
-/// in GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
-/// per way of reading ([`READS`]: plain loads; loads with software prefetches at two
-/// distances): the limit is what the best of them reaches, not what one happens to.
-pub fn best_read(team: &Team, bytes: usize, passes: usize) -> (f64, ReadWay) {
-    let isa = detect();
-    let buf = filled(bytes);
-    let mut best = (f64::INFINITY, ReadWay(0));
-    for _ in 0..passes.max(1) {
-        for (way, ahead) in READS.into_iter().enumerate() {
-            let t = time_read(team, &buf, isa, ahead);
-            if t < best.0 {
-                best = (t, ReadWay(way));
-            }
-        }
-    }
-    (buf.len() as f64 * 4.0 / best.0 / 1e9, best.1)
+/// A buffer the read probe reads, made and filled once and read as often as needed.
+///
+/// Keep one for as long as readings are taken. A buffer freed between readings goes back to
+/// the kernel, and on a virtual machine with free page reporting (the test machines have it)
+/// the kernel hands its pages back to the host a little later, on the cores the timed work
+/// runs on, and each new buffer is faulted in and zeroed again. On the 2-core test machine,
+/// about 2 s after 1 GiB was freed, a 200 ms slice of arithmetic on both cores ran 20–50%
+/// slower: in the middle of the next timed decode run.
+pub struct ReadProbe {
+    buf: HugeBuf<f32>,
 }
 
-/// Best read bandwidth over `passes` passes, in GB/s (see [`best_read`]).
+impl ReadProbe {
+    /// A probe over `bytes` bytes (rounded down to whole f32s).
+    pub fn new(bytes: usize) -> ReadProbe {
+        ReadProbe { buf: filled(bytes) }
+    }
+
+    /// The fastest read of the buffer by every thread of `team` over `passes` passes, in
+    /// GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
+    /// per way of reading ([`READS`]: plain loads; loads with software prefetches at two
+    /// distances): the limit is what the best of them reaches, not what one happens to.
+    pub fn best(&self, team: &Team, passes: usize) -> (f64, ReadWay) {
+        let isa = detect();
+        let mut best = (f64::INFINITY, ReadWay(0));
+        for _ in 0..passes.max(1) {
+            for (way, ahead) in READS.into_iter().enumerate() {
+                let t = time_read(team, &self.buf, isa, ahead);
+                if t < best.0 {
+                    best = (t, ReadWay(way));
+                }
+            }
+        }
+        (self.bytes() / best.0 / 1e9, best.1)
+    }
+
+    /// Bytes read and seconds taken by `reads` full reads of the buffer by every thread of
+    /// `team`, all in one way: the bandwidth the machine gives at this moment, every read
+    /// counted (no fastest-of), to set beside work timed the same way.
+    pub fn rate(&self, team: &Team, way: ReadWay, reads: usize) -> (f64, f64) {
+        let isa = detect();
+        let secs: f64 = (0..reads).map(|_| time_read(team, &self.buf, isa, READS[way.0])).sum();
+        (reads as f64 * self.bytes(), secs)
+    }
+
+    fn bytes(&self) -> f64 {
+        self.buf.len() as f64 * 4.0
+    }
+}
+
+/// Best read bandwidth of a `bytes`-sized buffer over `passes` passes, in GB/s (see
+/// [`ReadProbe::best`]).
 pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
-    best_read(team, bytes, passes).0
+    ReadProbe::new(bytes).best(team, passes).0
 }
 
 /// One of the ways the probe reads ([`READS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadWay(usize);
-
-/// Bytes read and seconds taken by `reads` full reads of a `bytes`-sized buffer by every thread
-/// of `team`, all in one way: the bandwidth the machine gives at this moment, every read
-/// counted (no fastest-of), to set beside work timed the same way.
-pub fn read_rate(team: &Team, bytes: usize, way: ReadWay, reads: usize) -> (f64, f64) {
-    let (isa, buf) = (detect(), filled(bytes));
-    let secs: f64 = (0..reads).map(|_| time_read(team, &buf, isa, READS[way.0])).sum();
-    (reads as f64 * buf.len() as f64 * 4.0, secs)
-}
 
 /// f32 FMA throughput of every team thread together, in GFLOP/s (an FMA counts as 2 flops).
 pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
