@@ -370,6 +370,41 @@ mod tests {
 
     /// The largest products the int8 kernels can meet (every weight at its row's maximum,
     /// every input at its group's), of either sign: the integer sums stay exact.
+    /// Input quantization on every path against the portable loop, bit for bit: lengths that
+    /// end inside a group and padding groups, exact halves (rounded away from zero), zeros,
+    /// infinities and NaN.
+    #[test]
+    fn quantized_inputs_match_portable_on_every_isa() {
+        let mut x = rand_vec(200, 17);
+        x[32..64].iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 - 15.5);
+        x[32] = 64.0;
+        // The largest float below one half rounds to 0 (a plain "add 0.5, truncate" gives 1).
+        x[50] = f32::from_bits(0.5f32.to_bits() - 1);
+        x[64..96].fill(0.0);
+        x[100] = f32::INFINITY;
+        x[140] = f32::NAN;
+        x[150] = -1e30;
+        for len in [0usize, 5, 32, 64, 96, 131, 200] {
+            let padded = len.next_multiple_of(packed::XGROUP) + packed::XGROUP;
+            let groups = padded / packed::XGROUP;
+            let (mut q0, mut s0) = (vec![7i8; padded], vec![7.0f32; groups]);
+            packed::quantize_groups_body(&x[..len], &mut q0, &mut s0);
+            for isa in isas() {
+                let (mut q, mut s) = (vec![7i8; padded], vec![7.0f32; groups]);
+                dot::with_isa(isa, || packed::quantize_groups(&x[..len], &mut q, &mut s));
+                assert_eq!(q, q0, "{isa:?} len {len}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&s), bits(&s0), "{isa:?} len {len}");
+            }
+        }
+        // Halves round away from zero: the second group's max is 64, so its scale is 1.
+        let (mut q, mut s) = (vec![0i8; 64], vec![0.0f32; 2]);
+        packed::quantize_groups(&x[..64], &mut q, &mut s);
+        assert_eq!(s[1], 1.0);
+        assert_eq!(&q[33..37], &[-15, -14, -13, -12]);
+        assert_eq!(&q[47..51], &[-1, 1, 2, 0]);
+    }
+
     #[test]
     fn int8_matmul_extreme_values_stay_exact() {
         let team = Team::new(2).unwrap();
