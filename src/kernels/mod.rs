@@ -368,8 +368,6 @@ mod tests {
         naive_matmul(&w64, rows, cols, &xd, n_tok)
     }
 
-    /// The largest products the int8 kernels can meet (every weight at its row's maximum,
-    /// every input at its group's), of either sign: the integer sums stay exact.
     /// Input quantization on every path against the portable loop, bit for bit: lengths that
     /// end inside a group and padding groups, exact halves (rounded away from zero), zeros,
     /// infinities and NaN.
@@ -405,6 +403,8 @@ mod tests {
         assert_eq!(&q[47..51], &[-1, 1, 2, 0]);
     }
 
+    /// The largest products the int8 kernels can meet (every weight at its row's maximum,
+    /// every input at its group's), of either sign: the integer sums stay exact.
     #[test]
     fn int8_matmul_extreme_values_stay_exact() {
         let team = Team::new(2).unwrap();
