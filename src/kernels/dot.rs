@@ -290,6 +290,26 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32], isa: Isa) {
     }
 }
 
+/// Writes `w` (a run of AVX2 panel chunks of `T`) to `out` as f32, each [`BLOCK`] as the two
+/// halves `T`'s 16-element AVX2 load gives (for bf16 the even columns, then the odd), so the
+/// AVX2 f32 kernels read from `out` exactly the values the `T` kernels read from `w`, with the
+/// same inputs. A many-token product widens a panel once for all its tokens this way instead of
+/// once per group of tokens.
+///
+/// # Panics
+/// Unless `isa` is [`Isa::Avx2`], `w.len() == out.len()` and the length is a multiple of
+/// [`BLOCK`].
+pub fn widen_for_avx2<T: Elem + Avx2Load>(w: &[T], out: &mut [f32], isa: Isa) {
+    assert!(w.len() == out.len() && w.len().is_multiple_of(BLOCK), "widen_for_avx2: lengths");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths
+        // checked above.
+        Isa::Avx2 => unsafe { avx2::widen(w, out) },
+        _ => panic!("widen_for_avx2: not on {isa:?}"),
+    }
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 pub trait Avx2Load {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -748,6 +768,23 @@ mod avx2 {
             *o = [hsum(a[0]), hsum(a[1])];
         }
         out
+    }
+
+    /// See [`super::widen_for_avx2`].
+    ///
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `w.len() == out.len()`, a multiple of [`BLOCK`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn widen<T: Avx2Load>(w: &[T], out: &mut [f32]) {
+        debug_assert!(w.len() == out.len() && w.len().is_multiple_of(BLOCK));
+        let (src, dst) = (w.as_ptr(), out.as_mut_ptr());
+        let mut i = 0;
+        while i < w.len() {
+            let (lo, hi) = T::load16(src.add(i));
+            _mm256_storeu_ps(dst.add(i), lo);
+            _mm256_storeu_ps(dst.add(i + 8), hi);
+            i += BLOCK;
+        }
     }
 
     /// Consecutive int8 packed panels (four rows each, chunks of [`BLOCK`] columns side by

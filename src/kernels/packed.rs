@@ -197,6 +197,8 @@ pub fn matmul(team: &Team, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut [f3
 thread_local! {
     /// The inputs in the kernel's order and padding; grows to the largest input, then is reused.
     static PREPARED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// One panel's column block widened to f32 ([`dot::widen_for_avx2`]), reused.
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The inputs quantized for int8 weights: values, and one scale per chunk.
     static QUANTIZED: std::cell::RefCell<(Vec<i8>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
@@ -228,12 +230,27 @@ fn matmul_float<T: dot::Elem + dot::Avx2Load>(
             });
             return;
         }
-        schedule(team, w.rows, cols_p, n_tok, out, &|p, cr, t, acc| {
+        let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
+        let k_max = if widen && n_tok >= WIDEN_FROM { WIDE_K_BLOCK } else { K_BLOCK };
+        schedule(team, (w.rows, cols_p, k_max), n_tok, out, &|p, cr, ts, emit| {
             let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
-            let nt = acc.len();
-            let xs: [&[f32]; TOK_GROUP] =
-                std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()]);
-            panel_dot(panel, &xs[..nt], acc, isa);
+            let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
+                std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()])
+            };
+            if widen && ts.len() >= WIDEN_FROM {
+                // Widening the panel is then cheaper than widening it again for every group
+                // (in the AVX2 bf16 kernel the widening takes a fifth of the time).
+                WIDE.with_borrow_mut(|buf| {
+                    crate::grow(buf, panel.len());
+                    let wide = &mut buf[..panel.len()];
+                    dot::widen_for_avx2(panel, wide, isa);
+                    by_groups(ts, emit, |t, acc| {
+                        panel_dot::<f32>(wide, &xs(t, acc.len())[..acc.len()], acc, isa)
+                    });
+                });
+            } else {
+                by_groups(ts, emit, |t, acc| panel_dot(panel, &xs(t, acc.len())[..acc.len()], acc, isa));
+            }
         });
     });
 }
@@ -281,20 +298,22 @@ fn matmul_int8(
             });
             return;
         }
-        schedule(team, w.rows, cols_p, n_tok, out, &|p, cr, t, acc| {
+        schedule(team, (w.rows, cols_p, K_BLOCK), n_tok, out, &|p, cr, ts, emit| {
             let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
             let groups = cr.start / XGROUP..cr.end.div_ceil(XGROUP);
-            for (i, a) in acc.iter_mut().enumerate() {
-                let (q, s) = (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
-                run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a);
-            }
+            by_groups(ts, emit, |t, acc| {
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let (q, s) = (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
+                    run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a);
+                }
+            });
         });
     });
 }
 
 /// Columns of an input that share one scale (column blocks start on a group).
 pub(crate) const XGROUP: usize = 2 * CHUNK;
-const _: () = assert!(K_BLOCK.is_multiple_of(XGROUP) && XGROUP.is_multiple_of(CHUNK));
+const _: () = assert!(XGROUP.is_multiple_of(CHUNK));
 
 /// Largest |q| of a quantized input: the AVX2 kernel's 16-bit sums of a group's products
 /// (four per lane, each |w · q| ≤ 127 · 64) cannot overflow. 129 levels per group; the
@@ -439,23 +458,55 @@ fn one_token(team: &Team, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<usiz
     });
 }
 
-/// Sums columns `cols` of panel `p` against tokens `t..t + acc.len()` into `acc`.
-type PanelFn<'a> = dyn Fn(usize, Range<usize>, usize, &mut [[f32; PANEL]]) + Sync + 'a;
+/// Sums columns `cols` of panel `p` against tokens `ts`, handing the sums of each group of at
+/// most [`TOK_GROUP`] tokens, in order, to `emit(first token, sums)` (see [`by_groups`]).
+type PanelFn<'a> = dyn Fn(usize, Range<usize>, Range<usize>, &mut Emit) + Sync + 'a;
+/// Takes one group's sums: `sums[i][lane]` is token `t + i`'s sum for the panel's row `lane`.
+type Emit<'a> = dyn FnMut(usize, &[[f32; PANEL]]) + 'a;
 
-/// Columns per pass of a many-token product: a block's inputs for a tile of tokens stay in L2.
+/// Runs `sum(t, acc)` for each group of at most [`TOK_GROUP`] tokens of `ts` in order (`acc`
+/// zeroed, one entry per token of the group), and hands each group's sums to `emit`.
+fn by_groups(ts: Range<usize>, emit: &mut Emit, mut sum: impl FnMut(usize, &mut [[f32; PANEL]])) {
+    let mut t = ts.start;
+    while t < ts.end {
+        let nt = TOK_GROUP.min(ts.end - t);
+        let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
+        sum(t, &mut acc[..nt]);
+        emit(t, &acc[..nt]);
+        t += nt;
+    }
+}
+
+/// Tokens of a tile from which a float panel is widened to f32 once for all of them (on AVX2,
+/// for bf16 and f16 weights) rather than by the kernel for each group of [`TOK_GROUP`].
+const WIDEN_FROM: usize = 4 * TOK_GROUP;
+
+/// Most columns per pass of a many-token product: a block's inputs for a tile of tokens stay
+/// in L2, and one panel's block of 16-bit weights (16 KiB) in L1.
 const K_BLOCK: usize = 2048;
+/// The same for panels widened to f32 ([`WIDEN_FROM`]), so that the widened block is 16 KiB.
+/// (On the 2-core test machine a 4096 × 2048 bf16 product of 64 or 256 tokens ran at 0.75–0.80
+/// of the FMA peak before widening, 0.79–0.84 widened in blocks of 2048 and 0.85–0.93 in
+/// blocks of 1024; blocks of 512 ran at 0.63–0.76.)
+const WIDE_K_BLOCK: usize = 1024;
 /// Bytes of inputs (one column block of a tile of tokens) kept in L2.
 const TILE_BYTES: usize = 256 << 10;
 
 /// Runs `panel_fn` over every panel, column block and token group, spread over the team, and
 /// writes the sums into `out` (`[n_tok, rows]`).
 ///
-/// Many tokens (one token goes by [`one_token`]) go by column blocks of [`K_BLOCK`] and tiles
-/// of tokens whose inputs fill [`TILE_BYTES`] (in L2); each task takes a run of panels, and
-/// each panel's column block (at most 16 KiB) stays in L1 while every token pair of the tile
-/// passes over it. Weights are then read once per tile and inputs once per panel from L2, not
-/// from memory.
-fn schedule(team: &Team, rows: usize, cols_p: usize, n_tok: usize, out: &mut [f32], panel_fn: &PanelFn) {
+/// Many tokens (one token goes by [`one_token`]) go by column blocks of equal width, at most
+/// `k_max`, and tiles of tokens whose inputs fill [`TILE_BYTES`] (in L2); each task takes a run
+/// of panels, and each panel's column block (at most 16 KiB) stays in L1 while every token
+/// group of the tile passes over it. Weights are then read once per tile and inputs once per
+/// panel from L2, not from memory.
+fn schedule(
+    team: &Team,
+    (rows, cols_p, k_max): (usize, usize, usize),
+    n_tok: usize,
+    out: &mut [f32],
+    panel_fn: &PanelFn,
+) {
     let n_panels = rows.div_ceil(PANEL);
     let shared = SharedSlice::new(out);
     // Sums panels × tokens t0..t1 over columns `cr`; the first column block writes, the
@@ -465,12 +516,8 @@ fn schedule(team: &Team, rows: usize, cols_p: usize, n_tok: usize, out: &mut [f3
         for p in panels {
             let r0 = p * PANEL;
             let nr = PANEL.min(rows - r0);
-            let mut t = t0;
-            while t < t1 {
-                let nt = TOK_GROUP.min(t1 - t);
-                let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
-                panel_fn(p, cr.clone(), t, &mut acc[..nt]);
-                for (i, a) in acc[..nt].iter().enumerate() {
+            panel_fn(p, cr.clone(), t0..t1, &mut |t, sums| {
+                for (i, a) in sums.iter().enumerate() {
                     // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel is
                     // in exactly one range handed out by the team for this pass.
                     let o = unsafe { shared.range((t + i) * rows + r0, nr) };
@@ -480,11 +527,11 @@ fn schedule(team: &Team, rows: usize, cols_p: usize, n_tok: usize, out: &mut [f3
                         o.iter_mut().zip(a).for_each(|(o, v)| *o += v);
                     }
                 }
-                t += nt;
-            }
+            });
         }
     };
-    let kb = K_BLOCK.min(cols_p);
+    // Equal blocks, each starting on an input group (int8 inputs have a scale per group).
+    let kb = cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p);
     let tile = (TILE_BYTES / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP);
     let block = n_panels.div_ceil(team.threads() * 4).max(1);
     let n_blocks = n_panels.div_ceil(block);
@@ -531,6 +578,7 @@ unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
 }
 
 /// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
+#[inline]
 fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
     match (isa, xs.len()) {
         #[cfg(target_arch = "x86_64")]
