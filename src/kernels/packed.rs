@@ -485,9 +485,9 @@ const WIDEN_FROM: usize = 4 * TOK_GROUP;
 /// in L2, and one panel's block of 16-bit weights (16 KiB) in L1.
 const K_BLOCK: usize = 2048;
 /// The same for panels widened to f32 ([`WIDEN_FROM`]), so that the widened block is 16 KiB.
-/// (On the 2-core test machine a 4096 × 2048 bf16 product of 64 or 256 tokens ran at 0.75–0.80
-/// of the FMA peak before widening, 0.79–0.84 widened in blocks of 2048 and 0.85–0.93 in
-/// blocks of 1024; blocks of 512 ran at 0.63–0.76.)
+/// (On the 2-core test machine a 4096 × 2048 bf16 product of 64 or 256 tokens ran at 0.75–0.90
+/// of the FMA peak, median 0.79, before widening; widened, at 0.75–0.84 in blocks of 2048,
+/// 0.85–0.93 in blocks of 1024 and 0.67–0.76 in blocks of 512.)
 const WIDE_K_BLOCK: usize = 1024;
 /// Bytes of inputs (one column block of a tile of tokens) kept in L2.
 const TILE_BYTES: usize = 256 << 10;
