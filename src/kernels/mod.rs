@@ -81,8 +81,8 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     // exp, sum) runs once per tile on a long vector instead of once per short page.
     let tile_len = TILE_PAGES * page_len;
     TILE.with_borrow_mut(|work| {
-        // Running max and sum per row, and one tile of scores per row.
-        work.resize(2 * nr + nr * tile_len, 0.0);
+        // Running max and sum per row, and one tile of scores per row ([`reserve_attention`]).
+        work.resize(nr * (2 + tile_len), 0.0);
         let (m, rest) = work.split_at_mut(nr);
         let (l, s) = rest.split_at_mut(nr);
         m.fill(f32::NEG_INFINITY);
@@ -206,6 +206,12 @@ const TILE_PAGES: usize = 8;
 thread_local! {
     /// Running maxima, sums and one tile of scores for [`attend_tiled`].
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Sizes the calling thread's [`attend_tiled`] buffer for calls of up to `rows` rows over pages
+/// of `page_len` positions, so that those calls allocate nothing.
+pub fn reserve_attention(rows: usize, page_len: usize) {
+    TILE.with_borrow_mut(|work| crate::grow(work, rows * (2 + TILE_PAGES * page_len)));
 }
 
 /// Index and value of the largest element; the lowest index wins a tie. NaN never wins.

@@ -204,6 +204,12 @@ thread_local! {
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// Sizes the calling thread's buffer for widened panels, so that many-token products allocate
+/// nothing on it.
+pub fn reserve_widened() {
+    WIDE.with_borrow_mut(|buf| crate::grow(buf, PANEL * WIDE_K_BLOCK));
+}
+
 /// Tokens summed together against one panel.
 const TOK_GROUP: usize = 4;
 

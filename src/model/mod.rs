@@ -58,6 +58,19 @@ thread_local! {
         const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
 }
 
+/// Sizes the calling thread's buffers for attention items of up to `rows` query rows of `hd`
+/// and for widened weight panels.
+fn reserve_thread_buffers(rows: usize, hd: usize) {
+    QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
+        crate::grow(q, rows * hd);
+        crate::grow(o, rows * hd);
+        crate::grow(bounds, rows);
+        crate::grow(stats, 2 * rows);
+    });
+    kernels::reserve_attention(rows, PAGE);
+    kernels::packed::reserve_widened();
+}
+
 /// A run of consecutive tokens of one sequence in a step: positions `pos0..pos0 + len` of
 /// sequence `seq` (the index of its page table). `emit`: the step yields a next token after
 /// the span's last position (false for a prompt chunk that is not the prompt's last).
@@ -326,6 +339,14 @@ impl Shard {
         } else {
             1
         };
+        // Every kernel thread's buffers are sized for the largest attention item before the
+        // first step runs, not grown by the items a thread happens to take: otherwise a thread
+        // that took only short items so far allocates in a later step.
+        let item_rows = group * QUERY_BLOCK;
+        if s.thread_rows < item_rows {
+            team.run(&|_| reserve_thread_buffers(item_rows, hd));
+            s.thread_rows = item_rows;
+        }
         // Parts are stored only when a step splits; otherwise rows go straight to `att`.
         let stored = if parts > 1 { parts } else { 0 };
         s.ensure_parts(stored, n, self);
@@ -485,6 +506,9 @@ pub struct Scratch {
     /// `[token, head, part, head_dim]` and `[token, head, part, 2]` (softmax max and sum).
     part_out: Vec<f32>,
     part_stats: Vec<f32>,
+    /// Query rows per attention item that every kernel thread's buffers are sized for
+    /// ([`reserve_thread_buffers`]).
+    thread_rows: usize,
 }
 
 impl Scratch {
