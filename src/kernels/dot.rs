@@ -55,12 +55,18 @@ impl Elem for f16 {
     }
 }
 
+/// Whether [`prepare`] keeps `x` in column order for weights `T` on `isa` (then an input
+/// whose length needs no padding can be used as it is).
+pub fn keeps_order<T: Elem>(isa: Isa) -> bool {
+    isa != Isa::Avx2 || !T::SPLIT_EVEN_ODD
+}
+
 /// Writes `x`, padded with zeros to `out.len()`, into `out` in the order the panel kernel
 /// expects for weights `T` on `isa`. A trailing part shorter than [`BLOCK`] keeps its order.
 pub fn prepare<T: Elem>(x: &[f32], out: &mut [f32], isa: Isa) {
     assert!(x.len() <= out.len(), "prepare: output shorter than input");
     let at = |i: usize| x.get(i).copied().unwrap_or(0.0);
-    if isa != Isa::Avx2 || !T::SPLIT_EVEN_ODD {
+    if keeps_order::<T>(isa) {
         out[..x.len()].copy_from_slice(x);
         out[x.len()..].fill(0.0);
         return;
@@ -682,6 +688,32 @@ mod avx2 {
         }
     }
 
+    /// The prefetch of the many-token kernels (and of [`widen`]): the panel chunk 8 KiB past
+    /// the one at `wp`, into L2 (the T1 hint). Such a kernel spends several times longer on a
+    /// chunk than the one-token kernel, and with [`fetch_ahead`] (1 KiB ahead, non-temporal)
+    /// it waited on memory. On the 2-core Zen 4 machine (AVX2 measured there with `GRIDLM_NO_AVX512=1`)
+    /// the bf16 products of SmolLM2's 30 layers took:
+    /// - 8 tokens: 9.6 ms instead of 13.5 in 512-bit registers, 12.8 instead of 17.8 in AVX2;
+    /// - 4 tokens: 7.0 ms instead of 10.2 in AVX2;
+    /// - 16 and 64 tokens: 18.4 and 70.9 ms instead of 22.9 and 74.9 in 512-bit registers,
+    ///   30.7 and 109 instead of 37.5 and 118 in AVX2 (widened first);
+    ///
+    /// and 8 tokens of four llama-3.2-1b-shaped layers 21.7–22.1 ms instead of 31.5–31.9.
+    /// Distances of 6–16 KiB did as well, 4 KiB 7–11% worse, the T0 and NTA hints at 8 KiB
+    /// ~25% worse. The one-token kernel keeps [`fetch_ahead`]: with the T1 hint 4–8 KiB ahead it
+    /// streamed ~6% slower while the host read ~70 GB/s, and no faster at ~38.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fetch_far<T>(wp: *const T) {
+        const AHEAD: usize = 8 << 10;
+        let ahead = (wp as *const u8).wrapping_add(AHEAD);
+        let mut off = 0;
+        while off < 4 * BLOCK * std::mem::size_of::<T>() {
+            _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T1);
+            off += 64;
+        }
+    }
+
     /// Writes the first `out.len()` (at most four) lanes of `v` to `out`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -747,11 +779,11 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); 2]; NT];
         let mut wp = panel.as_ptr().add(lane * BLOCK);
         // With few tokens the panel comes from memory on the first pass (rows 0–1): fetch
-        // ahead in the panel's order, as the one-token kernel does.
+        // ahead in the panel's order, past it into the next panels.
         let mut c = 0;
         while c < n {
             if lane == 0 {
-                fetch_ahead(wp);
+                fetch_far(wp);
             }
             let (a_lo, a_hi) = T::load16(wp);
             let (b_lo, b_hi) = T::load16(wp.add(BLOCK));
@@ -780,6 +812,9 @@ mod avx2 {
         let (src, dst) = (w.as_ptr(), out.as_mut_ptr());
         let mut i = 0;
         while i < w.len() {
+            if i % (4 * BLOCK) == 0 {
+                fetch_far(src.add(i));
+            }
             let (lo, hi) = T::load16(src.add(i));
             _mm256_storeu_ps(dst.add(i), lo);
             _mm256_storeu_ps(dst.add(i + 8), hi);
@@ -863,7 +898,7 @@ pub use avx512::{panel_quad as avx512_panel_quad, panels as avx512_panels, Avx51
 /// it is widened with a zero-extend and a shift, not split into even and odd columns).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{fetch_ahead, store_rows};
+    use super::avx2::{fetch_ahead, fetch_far, store_rows};
     use super::{Elem, BLOCK};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -951,7 +986,7 @@ mod avx512 {
         let mut wp = panel.as_ptr();
         let mut c = 0;
         while c < n {
-            fetch_ahead(wp);
+            fetch_far(wp);
             let w: [__m512; 4] = std::array::from_fn(|r| T::load_zmm(wp.add(r * BLOCK)));
             for (a, xi) in acc.iter_mut().zip(x) {
                 let xv = _mm512_loadu_ps(xi.add(c));
