@@ -258,6 +258,22 @@ pub fn prefetch<T>(data: &[T]) {
     let _ = data;
 }
 
+/// As [`prefetch`], into L2 only (the T1 hint): for data wanted a while later, which would
+/// otherwise crowd L1 and its few outstanding misses.
+pub fn prefetch_l2<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let p = data.as_ptr() as *const i8;
+        for off in (0..std::mem::size_of_val(data)).step_by(64) {
+            // SAFETY: prefetching is a hint and never faults; the address is inside `data`.
+            unsafe { _mm_prefetch(p.add(off), _MM_HINT_T1) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 /// `s[i] *= scale`; returns the largest result (−∞ when `s` is empty).
 pub fn scale_max(s: &mut [f32], scale: f32, isa: Isa) -> f32 {
     match isa {

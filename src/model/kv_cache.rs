@@ -144,6 +144,30 @@ impl KvPool {
         }
     }
 
+    /// Asks for (into L2) the first [`kernels::FAR_PAGES`] pages an attention of local KV
+    /// head `kv` of `layer` over positions from `first` to `last` will read, so an item of
+    /// attention can fetch the next one's while it computes.
+    pub fn prefetch_read(&self, layer: usize, kv: usize, table: &[u32], first: usize, last: usize) {
+        fn lines<T>(s: &Store<T>, layer: usize, a: usize, len: usize) {
+            kernels::dot::prefetch_l2(&s.k[layer][a..a + len]);
+            kernels::dot::prefetch_l2(&s.v[layer][a..a + len]);
+        }
+        let (hd, pages) = (self.head_dim, self.pages);
+        let first_page = first / PAGE;
+        let last_page = (last / PAGE).min(first_page + kernels::FAR_PAGES - 1);
+        for p in first_page..=last_page {
+            let Some(page) = table.get(p).map(|&p| p as usize).filter(|&p| p < pages) else {
+                return;
+            };
+            let a = block(pages, hd, kv, page);
+            match &self.data {
+                Data::F32(s) => lines(s, layer, a, PAGE * hd),
+                Data::F16(s) => lines(s, layer, a, PAGE * hd),
+                Data::BF16(s) => lines(s, layer, a, PAGE * hd),
+            }
+        }
+    }
+
     /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer` of
     /// the sequence whose pages are `table`, row `r` seeing positions
     /// `bounds[r].0 ..= bounds[r].1`; with `stats`, one part of it over those keys. See

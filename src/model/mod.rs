@@ -378,10 +378,31 @@ impl Shard {
             let part_out = SharedSlice::new(&mut s.part_out[..stored * n * nq * hd]);
             let part_stats = SharedSlice::new(&mut s.part_stats[..stored * n * nq * 2]);
             let window = cfg.sliding_window;
+            let n_items = nkv * blocks.len() * parts;
+            // The keys item `i` reads: its sequence, KV head, and range of positions (empty
+            // for a part with none).
+            let item_keys = |i: usize| {
+                let (part, i) = (i % parts, i / parts);
+                let (kvl, (t0, nt)) = (i % nkv, blocks[i / nkv]);
+                let ((seq, pos0), last) = (tokens[t0], tokens[t0 + nt - 1].1);
+                let lo = window.map_or(0, |w| (pos0 + 1).saturating_sub(w)) / PAGE;
+                let np = last / PAGE + 1 - lo;
+                let (ka, kb) = (lo + part * np / parts, lo + (part + 1) * np / parts);
+                (seq, kvl, ka * PAGE..(kb * PAGE).min(last + 1))
+            };
+            let threads = team.threads();
             // One item per (KV head, block of a span's positions, part of its keys), holding
             // every local query head that reads that KV head: the block's keys and values are
             // read (and widened) once for all its rows.
-            team.for_each(nkv * blocks.len() * parts, &|item| {
+            team.for_each(n_items, &|item| {
+                // Ask for the pages of the item this thread likely takes next while this one
+                // computes: with short items (decode) the pages of one come from memory in
+                // less time than its own prefetches can cover.
+                if let Some((seq, kvl, keys)) = Some(item + threads).filter(|&i| i < n_items).map(item_keys) {
+                    if !keys.is_empty() {
+                        kv_r.prefetch_read(li, kvl, &tables[seq], keys.start, keys.end - 1);
+                    }
+                }
                 let (part, item) = (item % parts, item / parts);
                 let (kvl, (t0, nt)) = (item % nkv, blocks[item / nkv]);
                 let heads = q_heads_of_kv(kvl);
