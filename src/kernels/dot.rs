@@ -716,8 +716,8 @@ mod avx2 {
     ///
     /// and 8 tokens of four llama-3.2-1b-shaped layers 21.7–22.1 ms instead of 31.5–31.9.
     /// Distances of 6–16 KiB did as well, 4 KiB 7–11% worse, the T0 and NTA hints at 8 KiB
-    /// ~25% worse. The one-token kernel keeps [`fetch_ahead`]: with the T1 hint 4–8 KiB ahead it
-    /// streamed ~6% slower while the host read ~70 GB/s, and no faster at ~38.
+    /// ~25% worse. The one-token kernels keep their shorter prefetch: with the T1 hint 4–8 KiB
+    /// ahead they streamed ~6% slower while the host read ~70 GB/s, and no faster at ~38.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn fetch_far<T>(wp: *const T) {
@@ -914,7 +914,7 @@ pub use avx512::{panel_quad as avx512_panel_quad, panels as avx512_panels, Avx51
 /// it is widened with a zero-extend and a shift, not split into even and odd columns).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{fetch_ahead, fetch_far, store_rows};
+    use super::avx2::{fetch_far, store_rows};
     use super::{Elem, BLOCK};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -949,6 +949,25 @@ mod avx512 {
         }
     }
 
+    /// The one-token prefetch of the 512-bit kernel: the chunk 256 bytes past the one at `wp`,
+    /// into L1. On the 2-core Zen 4 machine, SmolLM2 bf16 decode (`gridlm bench`, the variants
+    /// run in turn for 7 minutes) read at 0.77–0.87 of the measured bandwidth while the host
+    /// read 55–68 GB/s, and at 0.92–0.98 (mean 0.96) while it read 31–45; with the AVX2
+    /// kernel's [`fetch_ahead`](super::avx2::fetch_ahead) (1 KiB ahead, non-temporal) at
+    /// 0.68–0.77 and 0.84–1.00 (mean 0.93); with no software prefetch at 0.77–0.84 and
+    /// 0.83–1.06 (mean 0.95). (The AVX2 kernel keeps its prefetch, measured on Zen 1.)
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn fetch_near<T>(wp: *const T) {
+        const AHEAD: usize = 256;
+        let ahead = (wp as *const u8).wrapping_add(AHEAD);
+        let mut off = 0;
+        while off < 4 * BLOCK * std::mem::size_of::<T>() {
+            _mm_prefetch(ahead.wrapping_add(off) as *const i8, _MM_HINT_T0);
+            off += 64;
+        }
+    }
+
     /// Consecutive packed panels against one prepared input, as [`super::avx2_panels`]: four
     /// rows of a chunk meet one register of `x`, one accumulator per row.
     ///
@@ -966,7 +985,7 @@ mod avx512 {
             let mut acc = [_mm512_setzero_ps(); 4];
             let mut c = 0;
             while c < n {
-                fetch_ahead(wp);
+                fetch_near(wp);
                 let xv = _mm512_loadu_ps(xp.add(c));
                 for (r, a) in acc.iter_mut().enumerate() {
                     *a = _mm512_fmadd_ps(T::load_zmm(wp.add(r * BLOCK)), xv, *a);
