@@ -246,14 +246,7 @@ pub fn page_values<T: Elem + Avx2Load>(
 /// Asks the CPU to start loading `data` into cache (a hint: no effect on results).
 pub fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let p = data.as_ptr() as *const i8;
-        for off in (0..std::mem::size_of_val(data)).step_by(64) {
-            // SAFETY: prefetching is a hint and never faults; the address is inside `data`.
-            unsafe { _mm_prefetch(p.add(off), _MM_HINT_T0) };
-        }
-    }
+    prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T0 }>(data);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
 }
@@ -262,16 +255,19 @@ pub fn prefetch<T>(data: &[T]) {
 /// otherwise crowd L1 and its few outstanding misses.
 pub fn prefetch_l2<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        let p = data.as_ptr() as *const i8;
-        for off in (0..std::mem::size_of_val(data)).step_by(64) {
-            // SAFETY: prefetching is a hint and never faults; the address is inside `data`.
-            unsafe { _mm_prefetch(p.add(off), _MM_HINT_T1) };
-        }
-    }
+    prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T1 }>(data);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
+}
+
+/// Every cache line of `data` with the prefetch hint `HINT`.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_lines<T, const HINT: i32>(data: &[T]) {
+    let p = data.as_ptr() as *const i8;
+    for off in (0..std::mem::size_of_val(data)).step_by(64) {
+        // SAFETY: prefetching is a hint and never faults; the address is inside `data`.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.add(off)) };
+    }
 }
 
 /// `s[i] *= scale`; returns the largest result (−∞ when `s` is empty).
