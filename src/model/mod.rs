@@ -379,32 +379,32 @@ impl Shard {
             let part_stats = SharedSlice::new(&mut s.part_stats[..stored * n * nq * 2]);
             let window = cfg.sliding_window;
             let n_items = nkv * blocks.len() * parts;
-            // The keys item `i` reads: its sequence, KV head, and range of positions (empty
-            // for a part with none).
-            let item_keys = |i: usize| {
+            // Item `i`: its part, local KV head, block (first token, count) and the positions
+            // whose keys it reads: its part's share of the pages the block's rows see, whole
+            // pages each (empty for a part with none).
+            let item = |i: usize| {
                 let (part, i) = (i % parts, i / parts);
                 let (kvl, (t0, nt)) = (i % nkv, blocks[i / nkv]);
-                let ((seq, pos0), last) = (tokens[t0], tokens[t0 + nt - 1].1);
+                let (pos0, last) = (tokens[t0].1, tokens[t0 + nt - 1].1);
                 let lo = window.map_or(0, |w| (pos0 + 1).saturating_sub(w)) / PAGE;
                 let np = last / PAGE + 1 - lo;
                 let (ka, kb) = (lo + part * np / parts, lo + (part + 1) * np / parts);
-                (seq, kvl, ka * PAGE..(kb * PAGE).min(last + 1))
+                (part, kvl, (t0, nt), ka * PAGE..(kb * PAGE).min(last + 1))
             };
             let threads = team.threads();
             // One item per (KV head, block of a span's positions, part of its keys), holding
             // every local query head that reads that KV head: the block's keys and values are
             // read (and widened) once for all its rows.
-            team.for_each(n_items, &|item| {
+            team.for_each(n_items, &|i| {
                 // Ask for the pages of the item this thread likely takes next while this one
                 // computes: with short items (decode) the pages of one come from memory in
                 // less time than its own prefetches can cover.
-                if let Some((seq, kvl, keys)) = Some(item + threads).filter(|&i| i < n_items).map(item_keys) {
+                if let Some((_, kvl, (t0, _), keys)) = Some(i + threads).filter(|&i| i < n_items).map(item) {
                     if !keys.is_empty() {
-                        kv_r.prefetch_read(li, kvl, &tables[seq], keys.start, keys.end - 1);
+                        kv_r.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, keys.end - 1);
                     }
                 }
-                let (part, item) = (item % parts, item / parts);
-                let (kvl, (t0, nt)) = (item % nkv, blocks[item / nkv]);
+                let (part, kvl, (t0, nt), keys) = item(i);
                 let heads = q_heads_of_kv(kvl);
                 let seq = tokens[t0].0;
                 QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
@@ -419,13 +419,13 @@ impl Shard {
                     o.resize(q.len(), 0.0);
                     let split = parts > 1;
                     if split {
-                        // This part's share of the pages the block's rows see, whole pages each.
-                        let lo = bounds.iter().map(|b| b.0).min().unwrap_or(0) / PAGE;
-                        let np = bounds.iter().map(|b| b.1).max().unwrap_or(0) / PAGE + 1 - lo;
-                        let (ka, kb) =
-                            ((lo + part * np / parts) * PAGE, (lo + (part + 1) * np / parts) * PAGE);
+                        // Rows see only this part's keys (their bounds lie within the block's).
                         for b in bounds.iter_mut() {
-                            *b = if ka == kb { (1, 0) } else { (b.0.max(ka), b.1.min(kb - 1)) };
+                            *b = if keys.is_empty() {
+                                (1, 0)
+                            } else {
+                                (b.0.max(keys.start), b.1.min(keys.end - 1))
+                            };
                         }
                         stats.resize(2 * bounds.len(), 0.0);
                     }
