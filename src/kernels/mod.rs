@@ -103,20 +103,15 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         // to follow: fetch AHEAD pages ahead of the one being scored into L1, and
         // [`FAR_PAGES`] ahead into L2.
         const AHEAD: usize = 2;
-        let fetch = |p: usize| {
+        let ask = |p: usize, prefetch: fn(&[T])| {
             if p <= last_page {
                 let (k, v) = page(p);
-                dot::prefetch(&k[..hd * page_len]);
-                dot::prefetch(&v[..hd * page_len]);
+                prefetch(&k[..hd * page_len]);
+                prefetch(&v[..hd * page_len]);
             }
         };
-        let fetch_far = |p: usize| {
-            if p <= last_page {
-                let (k, v) = page(p);
-                dot::prefetch_l2(&k[..hd * page_len]);
-                dot::prefetch_l2(&v[..hd * page_len]);
-            }
-        };
+        let fetch = |p: usize| ask(p, dot::prefetch);
+        let fetch_far = |p: usize| ask(p, dot::prefetch_l2);
         (first_page + AHEAD..first_page + FAR_PAGES).for_each(fetch_far);
         (first_page..first_page + AHEAD).for_each(fetch);
         let mut tile = first_page;
