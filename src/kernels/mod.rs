@@ -356,10 +356,20 @@ mod tests {
             assert_eq!(w.dtype_name(), "int8");
             let wd = packed::unpack(&w);
             for r in 0..rows {
-                let max = wf[r * cols..(r + 1) * cols].iter().fold(0.0f32, |a, v| a.max(v.abs()));
-                for c in 0..cols {
-                    let e = (wd[r * cols + c] - wf[r * cols + c]).abs();
-                    assert!(e <= max / 127.0 * 0.5 + 1e-7, "weight ({r},{c}) off by {e}");
+                let absmax = |v: &[f32]| v.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let (row, got) = (&wf[r * cols..(r + 1) * cols], &wd[r * cols..(r + 1) * cols]);
+                // The row's largest weight saturates, so its scale is the largest result / 127.
+                let (max, s) = (absmax(row), absmax(got) / 127.0);
+                assert!(
+                    s <= max / 127.0 * 1.000_01 && s >= max * 0.7 / 127.0 * 0.999_99,
+                    "row {r} scale {s}"
+                );
+                for (c, (&v, &d)) in row.iter().zip(got).enumerate() {
+                    if v.abs() <= 127.0 * s {
+                        assert!((d - v).abs() <= s * 0.5 + 1e-7, "weight ({r},{c}) off by {}", d - v);
+                    } else {
+                        assert!((d - 127.0 * s * v.signum()).abs() <= 1e-6, "weight ({r},{c}) not saturated");
+                    }
                 }
             }
             for n_tok in [1, 2, 3, 5, 70] {
@@ -368,6 +378,26 @@ mod tests {
                 assert_matmul_on_every_isa(&team, &w, &x, n_tok, &want, 1e-5, "int8");
             }
         }
+    }
+
+    /// A row clips where that loses least: 4095 weights on the grid of 0.9 / 127 and one
+    /// weight of 1 take the scale 0.9 / 127 (the bulk then exact, the one weight saturating
+    /// at 0.9), not 1 / 127 (every weight of the bulk rounded).
+    #[test]
+    fn int8_scale_clips_where_that_loses_least() {
+        let cols = 4096;
+        let t = 0.9f32 / 127.0;
+        let mut wf: Vec<f32> = rand_vec(cols, 9).iter().map(|u| (u * 127.0).round() * t).collect();
+        wf[7] = 1.0;
+        let w = PackedMat::pack_as(&Mat { rows: 1, cols, data: Data::F32(wf.clone()) }, Some(Quant::Int8));
+        let wd = packed::unpack(&w);
+        let s = wd.iter().fold(0.0f32, |a, v| a.max(v.abs())) / 127.0;
+        assert!((s / t - 1.0).abs() < 1e-5, "scale {s}, want {t}");
+        let err = |scale: f32| -> f64 {
+            wf.iter().map(|&v| ((v / scale).round().clamp(-127.0, 127.0) * scale - v).powi(2) as f64).sum()
+        };
+        let got: f64 = wf.iter().zip(&wd).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+        assert!(got < 0.011 && got < err(1.0 / 127.0) / 1.5, "{got} against {}", err(1.0 / 127.0));
     }
 
     /// The exact product of int8 weights `w` and `x` as the kernels see it: each input
