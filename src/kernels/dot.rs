@@ -406,8 +406,8 @@ mod avx2 {
     }
 
     /// `NR` rows of scores against one page of transposed keys, keys `j0..j0 + 8 * NV`. The
-    /// dimensions go round-robin over `S` sets of accumulators, so at least eight FMA chains
-    /// are in flight however few the rows (one row alone would wait on FMA latency).
+    /// dimensions go round-robin over `S` sets of accumulators, so several FMA chains are in
+    /// flight however few the rows (one row alone would wait on FMA latency).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn scores_block<T: Avx2Load, const NR: usize, const NV: usize, const S: usize>(
@@ -465,22 +465,27 @@ mod avx2 {
         stride: usize,
     ) {
         let (k, o) = (kt.as_ptr(), out.as_mut_ptr());
+        // Every block splits the dimensions over the same two sets of accumulators, so a row's
+        // score for a key is summed in one order whichever rows share its block: a query's
+        // attention then does not depend on how many other rows (positions of its span, heads
+        // of its group) come with it, and a prompt decoded in a batch gives the sums it gives
+        // alone. (The split once ranged from one set for four rows to eight for one.)
         let mut r = 0;
         while r < rows {
             let nr = (rows - r).min(4);
             let (qr, or) = (q.as_ptr().add(r * hd), o.add(r * stride));
             let mut j = 0;
             while j < page_len {
-                let wide = page_len - j >= 16;
+                // Four rows × sixteen keys would need 16 accumulators: four rows go by eight.
+                let wide = page_len - j >= 16 && nr < 4;
                 match (nr, wide) {
-                    (4, true) => scores_block::<T, 4, 2, 1>(k, page_len, j, qr, hd, or, stride),
-                    (3, true) => scores_block::<T, 3, 2, 1>(k, page_len, j, qr, hd, or, stride),
+                    (3, true) => scores_block::<T, 3, 2, 2>(k, page_len, j, qr, hd, or, stride),
                     (2, true) => scores_block::<T, 2, 2, 2>(k, page_len, j, qr, hd, or, stride),
-                    (1, true) => scores_block::<T, 1, 2, 4>(k, page_len, j, qr, hd, or, stride),
-                    (4, false) => scores_block::<T, 4, 1, 2>(k, page_len, j, qr, hd, or, stride),
+                    (1, true) => scores_block::<T, 1, 2, 2>(k, page_len, j, qr, hd, or, stride),
+                    (4, _) => scores_block::<T, 4, 1, 2>(k, page_len, j, qr, hd, or, stride),
                     (3, false) => scores_block::<T, 3, 1, 2>(k, page_len, j, qr, hd, or, stride),
-                    (2, false) => scores_block::<T, 2, 1, 4>(k, page_len, j, qr, hd, or, stride),
-                    _ => scores_block::<T, 1, 1, 8>(k, page_len, j, qr, hd, or, stride),
+                    (2, false) => scores_block::<T, 2, 1, 2>(k, page_len, j, qr, hd, or, stride),
+                    _ => scores_block::<T, 1, 1, 2>(k, page_len, j, qr, hd, or, stride),
                 }
                 j += if wide { 16 } else { 8 };
             }

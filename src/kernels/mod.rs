@@ -524,6 +524,28 @@ mod tests {
         }
     }
 
+    /// A row's scores are the same bits however many rows share the call (1 to 9: every
+    /// register blocking), so a query's attention does not depend on the rest of its step.
+    #[test]
+    fn page_scores_of_a_row_do_not_depend_on_the_other_rows() {
+        let (page_len, hd) = (16, 64);
+        let kt: Vec<f16> = rand_vec(hd * page_len, 4).into_iter().map(f16::from_f32).collect();
+        let q = rand_vec(9 * hd, 6);
+        for isa in isas() {
+            let mut alone = vec![0.0f32; 9 * page_len];
+            for r in 0..9 {
+                let o = &mut alone[r * page_len..(r + 1) * page_len];
+                dot::page_scores(&kt, page_len, &q[r * hd..(r + 1) * hd], o, page_len, isa);
+            }
+            for rows in 1..=9 {
+                let mut s = vec![0.0f32; rows * page_len];
+                dot::page_scores(&kt, page_len, &q[..rows * hd], &mut s, page_len, isa);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&s), bits(&alone[..rows * page_len]), "{isa:?}: {rows} rows");
+            }
+        }
+    }
+
     /// Page scores and page value sums against f64 sums, for every key type and on every
     /// SIMD path, with row counts and head sizes that reach every register blocking and tail.
     #[test]

@@ -57,10 +57,19 @@ pub fn smollm2(dtype: &str) -> PathBuf {
 
 /// An in-process single-rank engine on `dir` (2 kernel threads, f16 KV cache).
 pub fn local_engine(dir: &Path, quant: Option<gridlm::kernels::Quant>) -> gridlm::engine::Engine {
+    local_engine_on(dir, quant, 2)
+}
+
+/// [`local_engine`] on `threads` kernel threads.
+pub fn local_engine_on(
+    dir: &Path,
+    quant: Option<gridlm::kernels::Quant>,
+    threads: usize,
+) -> gridlm::engine::Engine {
     use gridlm::{config::ModelConfig, grid::Grid, grid::ShardPlan, model::Shard};
     let cfg = ModelConfig::from_dir(dir).unwrap();
     let grid = Grid::single();
     let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
     let shard = Shard::load(dir, cfg, plan, quant).unwrap();
-    gridlm::engine::Engine::new(shard, grid, 2, gridlm::weights::DType::F16).unwrap()
+    gridlm::engine::Engine::new(shard, grid, threads, gridlm::weights::DType::F16).unwrap()
 }
