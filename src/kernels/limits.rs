@@ -22,8 +22,8 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f32 {
         let c = buf.chunks(share).nth(tid).unwrap_or(&[]);
         let s = match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: Isa::Avx2 and Isa::Avx512 are only detected with avx2 and fma present.
-            Isa::Avx2 | Isa::Avx512 => unsafe { avx2::sum(c, ahead) },
+            // SAFETY: every non-portable Isa is only detected with avx2 and fma present.
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::sum(c, ahead) },
             _ => c.iter().sum::<f32>(),
         };
         sums[tid].store(s.to_bits(), Relaxed);
@@ -120,8 +120,8 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
             avx2::fma_chains(iterations, i as f32);
         },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx512 is only detected with avx512f present.
-        Isa::Avx512 => unsafe {
+        // SAFETY: Isa::Avx512 and Isa::Avx512Bf16 are only detected with avx512f present.
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
             avx512::fma_chains(iterations, i as f32);
         },
         _ => {
@@ -136,7 +136,7 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
     });
     let per_thread = match isa {
         Isa::Avx2 => iterations * 12 * 8 * 2,
-        Isa::Avx512 => iterations * 12 * 16 * 2,
+        Isa::Avx512 | Isa::Avx512Bf16 => iterations * 12 * 16 * 2,
         Isa::Portable => iterations * 8 * 2,
     };
     (per_thread * team.threads()) as f64 / t.elapsed().as_secs_f64() / 1e9

@@ -299,22 +299,28 @@ mod tests {
         let w = PackedMat::pack(&Mat { rows, cols, data: data.clone() });
         assert_eq!(packed::unpack(&w), data.to_f32_vec(), "pack/unpack round trip");
         let x = rand_vec(n_tok * cols, 7);
-        let want = naive_matmul(&w64, rows, cols, &x, n_tok);
+        let want = |x: &[f32]| naive_matmul(&w64, rows, cols, x, n_tok);
         assert_matmul_on_every_isa(team, &w, &x, n_tok, &want, 1e-6, &format!("{dtype:?}"));
     }
 
-    /// `matmul` of `w` and `x` on every SIMD path is within `1e-5 √cols + rel |want|` of `want`.
+    /// `matmul` of `w` and `x` on every SIMD path is within `1e-5 √cols + rel |want|` of
+    /// `want(x)`, where `x` is rounded as the path rounds it (bf16 weights on
+    /// [`dot::Isa::Avx512Bf16`]).
     fn assert_matmul_on_every_isa(
         team: &Team,
         w: &PackedMat,
         x: &[f32],
         n_tok: usize,
-        want: &[f64],
+        want: &dyn Fn(&[f32]) -> Vec<f64>,
         rel: f64,
         what: &str,
     ) {
         let (rows, cols) = (w.rows, w.cols);
+        let rounded: Vec<f32> = x.iter().map(|&v| dot::round_like_dot_bf16(v)).collect();
+        let (plain, rounded) = (want(x), want(&rounded));
         for isa in isas() {
+            let want =
+                if isa == dot::Isa::Avx512Bf16 && w.dtype_name() == "bf16" { &rounded } else { &plain };
             let mut got = vec![f32::NAN; n_tok * rows];
             dot::with_isa(isa, || matmul(team, w, x, n_tok, &mut got));
             for (i, (g, e)) in got.iter().zip(want).enumerate() {
@@ -374,7 +380,7 @@ mod tests {
             }
             for n_tok in [1, 2, 3, 5, 70] {
                 let x = rand_vec(n_tok * cols, 11);
-                let want = int8_reference(&w, &x, n_tok);
+                let want = |x: &[f32]| int8_reference(&w, x, n_tok);
                 assert_matmul_on_every_isa(&team, &w, &x, n_tok, &want, 1e-5, "int8");
             }
         }
@@ -466,8 +472,9 @@ mod tests {
         let w = PackedMat::pack_as(&Mat { rows, cols, data: Data::F32(wf) }, Some(Quant::Int8));
         for sign in [1.0f32, -1.0] {
             let x = vec![sign * 3.0; cols];
-            let want: Vec<f64> =
-                (0..rows).map(|r| if r % 2 == 0 { 1.0 } else { -1.0 } * sign as f64 * 600.0).collect();
+            let want = |_: &[f32]| -> Vec<f64> {
+                (0..rows).map(|r| if r % 2 == 0 { 1.0 } else { -1.0 } * sign as f64 * 600.0).collect()
+            };
             assert_matmul_on_every_isa(&team, &w, &x, 1, &want, 1e-6, "int8 extremes");
         }
     }
@@ -482,7 +489,7 @@ mod tests {
             let wf = rand_vec(rows * cols, cols as u64);
             let w = PackedMat::pack_as(&Mat { rows, cols, data: Data::F32(wf) }, Some(Quant::Int8));
             let x = rand_vec(n_tok * cols, 3);
-            let want = int8_reference(&w, &x, n_tok);
+            let want = |x: &[f32]| int8_reference(&w, x, n_tok);
             assert_matmul_on_every_isa(&team, &w, &x, n_tok, &want, 1e-5, "int8 narrow");
         }
     }
@@ -520,6 +527,76 @@ mod tests {
                 );
                 assert_eq!(&out[32..40], &[32., 34., 0., 0., 0., 0., 0., 0.]);
                 assert_eq!(&out[40..], &[33., 0., 0., 0., 0., 0., 0., 0.]);
+            }
+        }
+    }
+
+    /// On `Isa::Avx512Bf16`, inputs of bf16 weights are rounded bit for bit as
+    /// `round_like_dot_bf16` (ties to even, subnormals to zero, NaN kept) and paired block by
+    /// block for the many-token kernel.
+    #[test]
+    fn bf16_rounded_and_paired_inputs() {
+        if !isas().contains(&dot::Isa::Avx512Bf16) {
+            return;
+        }
+        let mut x = rand_vec(48, 5);
+        let tie = f32::from_bits(0x3f80_8000); // halfway between two bf16 values: to even (1.0)
+        let odd_tie = f32::from_bits(0x3f81_8000); // halfway again: up, to even
+        let specials = [tie, odd_tie, -tie, 1e-40, -1e-40, f32::NAN, f32::INFINITY, -0.0, 3.0e38];
+        for (i, &v) in specials.iter().enumerate() {
+            x[2 * i] = v;
+            x[40 - i] = v;
+        }
+        assert_eq!(dot::round_like_dot_bf16(tie), 1.0);
+        assert_eq!(dot::round_like_dot_bf16(odd_tie), f32::from_bits(0x3f82_0000));
+        assert_eq!(dot::round_like_dot_bf16(-1e-40).to_bits(), (-0.0f32).to_bits());
+        let mut paired = vec![bf16::ZERO; 96];
+        dot::pair_for_dot_bf16(&x, &mut paired, dot::Isa::Avx512Bf16);
+        for (b, pb) in x.chunks(16).zip(paired.chunks(32)) {
+            for half in pb.chunks(16) {
+                for (&v, p) in b.iter().zip(half) {
+                    let want = dot::round_like_dot_bf16(v);
+                    assert!(
+                        p.to_f32().to_bits() == want.to_bits() || want.is_nan() && p.is_nan(),
+                        "{v} → {p}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// One token's product equals, bit for bit, the same token's row of a many-token product,
+    /// on the 512-bit paths (so a prompt decoded alone gives the tokens it gives in a batch).
+    /// The AVX2 and portable paths sum in other orders for one token and for many.
+    #[test]
+    fn one_token_sums_equal_many_token_sums() {
+        let team = Team::new(2).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for &(rows, cols) in &[(9, 64), (130, 576), (64, 1536)] {
+                let data = Data::F32(rand_vec(rows * cols, cols as u64)).cast(dtype);
+                let w = PackedMat::pack(&Mat { rows, cols, data });
+                for n_tok in [2, 3, 5, 6, 7] {
+                    let x = rand_vec(n_tok * cols, 3);
+                    for isa in
+                        isas().into_iter().filter(|i| matches!(i, dot::Isa::Avx512 | dot::Isa::Avx512Bf16))
+                    {
+                        let mut many = vec![0.0f32; n_tok * rows];
+                        dot::with_isa(isa, || matmul(&team, &w, &x, n_tok, &mut many));
+                        for t in 0..n_tok {
+                            let mut one = vec![0.0f32; rows];
+                            dot::with_isa(isa, || {
+                                matmul(&team, &w, &x[t * cols..(t + 1) * cols], 1, &mut one)
+                            });
+                            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                            let many = &many[t * rows..(t + 1) * rows];
+                            assert_eq!(
+                                bits(&one),
+                                bits(many),
+                                "{isa:?} {dtype:?} {rows}x{cols} token {t} of {n_tok}"
+                            );
+                        }
+                    }
+                }
             }
         }
     }

@@ -230,6 +230,8 @@ thread_local! {
     static PREPARED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// One panel's column block widened to f32 ([`dot::widen_for_avx2`]), reused.
     static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The inputs rounded to bf16 and paired for [`Isa::Avx512Bf16`]'s many-token kernel.
+    static PAIRED: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The inputs quantized for int8 weights: values, and one scale per chunk.
     static QUANTIZED: std::cell::RefCell<(Vec<i8>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
@@ -286,6 +288,9 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
         });
         return;
     }
+    if let (Isa::Avx512Bf16, Some(d)) = (isa, as_bf16(d)) {
+        return paired_products(team, w, d, xp, n_tok, out);
+    }
     let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
     let k_max = if widen && n_tok >= WIDEN_FROM { WIDE_K_BLOCK } else { K_BLOCK };
     schedule(team, (w.rows, cols_p, k_max), n_tok, out, &|p, cr, ts, emit| {
@@ -308,6 +313,51 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
             by_groups(ts, emit, |t, acc| panel_dot(panel, &xs(t, acc.len())[..acc.len()], acc, isa));
         }
     });
+}
+
+/// Many tokens of bf16 weights on [`Isa::Avx512Bf16`]: the prepared inputs `xp` (`[n_tok,
+/// cols_p]`) rounded to bf16 and paired once ([`dot::pair_for_dot_bf16`]), then scheduled as
+/// [`float_products`] does.
+fn paired_products(team: &Team, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok: usize, out: &mut [f32]) {
+    let cols_p = w.cols_p;
+    PAIRED.with_borrow_mut(|buf| {
+        crate::grow(buf, 2 * n_tok * cols_p);
+        let paired = &mut buf[..2 * n_tok * cols_p];
+        dot::pair_for_dot_bf16(xp, paired, Isa::Avx512Bf16);
+        let paired = &*paired;
+        schedule(team, (w.rows, cols_p, K_BLOCK), n_tok, out, &|p, cr, ts, emit| {
+            let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+            let x = |t: usize| &paired[2 * t * cols_p..][2 * cr.start..2 * cr.end];
+            by_groups(ts, emit, |t, acc| {
+                // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f,
+                // avx512bf16, avx2, fma and f16c; a panel's block is PANEL × the block's
+                // columns, each paired input twice the block's columns.
+                unsafe {
+                    match acc.len() {
+                        1 => put(acc, dot::avx512_panel_quad_bf16::<1>(panel, [x(t)])),
+                        2 => put(acc, dot::avx512_panel_quad_bf16::<2>(panel, [x(t), x(t + 1)])),
+                        3 => put(acc, dot::avx512_panel_quad_bf16::<3>(panel, [x(t), x(t + 1), x(t + 2)])),
+                        _ => put(
+                            acc,
+                            dot::avx512_panel_quad_bf16::<4>(panel, std::array::from_fn(|i| x(t + i))),
+                        ),
+                    }
+                }
+            });
+        });
+    });
+}
+
+/// Copies a kernel's per-token sums into a group's accumulators.
+fn put<const NT: usize>(acc: &mut [[f32; PANEL]], sums: [[f32; PANEL]; NT]) {
+    acc.copy_from_slice(&sums);
+}
+
+/// `w` as bf16, if its elements are bf16.
+fn as_bf16<T: 'static>(w: &[T]) -> Option<&[bf16]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>())
+        // SAFETY: T is bf16 itself, so the slice is reinterpreted as its own type.
+        .then(|| unsafe { std::slice::from_raw_parts(w.as_ptr() as *const bf16, w.len()) })
 }
 
 /// Int8 weights: each input is quantized per group of [`XGROUP`] columns to |q| ≤ [`XMAX`]
@@ -340,10 +390,12 @@ fn matmul_int8(
         // Weights of `o`'s panels against input `q` (scales `s`), times `row_scales`.
         let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32]| match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` and `Isa::Avx512` are only produced after detecting avx2, fma
+            // SAFETY: every non-portable `Isa` is only produced after detecting avx2, fma
             // and f16c; `wp` holds the panels of `o`'s rows over the columns of `q` (a multiple
             // of CHUNK), with one scale per XGROUP columns and one row scale per panel row.
-            Isa::Avx2 | Isa::Avx512 => unsafe { dot::avx2_panels_q8(wp, q, s, row_scales, o) },
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+                dot::avx2_panels_q8(wp, q, s, row_scales, o)
+            },
             _ => panels_q8_portable(wp, q, s, row_scales, o),
         };
         if n_tok == 1 {
@@ -483,6 +535,15 @@ fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32
         // SAFETY: `Isa::Avx512` is only produced after detecting avx512f, avx2, fma and f16c;
         // shapes as above.
         Isa::Avx512 => unsafe { dot::avx512_panels(w, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f, avx512bf16, avx2,
+        // fma and f16c; shapes as above.
+        Isa::Avx512Bf16 => unsafe {
+            match as_bf16(w) {
+                Some(w) => dot::avx512_panels_bf16(w, x, out),
+                None => dot::avx512_panels(w, x, out),
+            }
+        },
         _ => panels_portable(w, x, out),
     }
 }
@@ -649,15 +710,18 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         // SAFETY: as above.
         (Isa::Avx2, 4) => unsafe { pairs::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx512` is only produced after detecting avx512f, avx2, fma and f16c;
-        // lengths as above.
-        (Isa::Avx512, 2) => unsafe { quad::<T, 2>(panel, [xs[0], xs[1]], acc) },
+        // SAFETY: `Isa::Avx512` and `Isa::Avx512Bf16` are only produced after detecting
+        // avx512f, avx2, fma and f16c; lengths as above (bf16 weights do not come here on
+        // `Isa::Avx512Bf16`: see `paired_products`).
+        (Isa::Avx512 | Isa::Avx512Bf16, 2) => unsafe { quad::<T, 2>(panel, [xs[0], xs[1]], acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx512, 3) => unsafe { quad::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
+        (Isa::Avx512 | Isa::Avx512Bf16, 3) => unsafe { quad::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx512, 4) => unsafe { quad::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
+        (Isa::Avx512 | Isa::Avx512Bf16, 4) => unsafe {
+            quad::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc)
+        },
         // One input, or the portable path.
         _ => {
             for (x, a) in xs.iter().zip(acc.iter_mut()) {
