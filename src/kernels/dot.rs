@@ -1086,13 +1086,10 @@ mod avx512 {
         let hi = |a, b| _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
         let (s01, s23) =
             (_mm512_add_ps(lo(v[0], v[1]), hi(v[0], v[1])), _mm512_add_ps(lo(v[2], v[3]), hi(v[2], v[3])));
-        let sums = _mm512_add_ps(
+        by_token(_mm512_add_ps(
             _mm512_shuffle_f32x4::<0b10_00_10_00>(s01, s23),
             _mm512_shuffle_f32x4::<0b11_01_11_01>(s01, s23),
-        );
-        let mut all = [[0.0f32; 4]; 4];
-        _mm512_storeu_ps(all.as_mut_ptr() as *mut f32, sums);
-        std::array::from_fn(|t| all[t])
+        ))
     }
 
     /// Consecutive packed bf16 panels against one prepared input (f32), in `vdpbf16ps`: per
@@ -1185,10 +1182,17 @@ mod avx512 {
         // `panel_quad`, all tokens' sums in one register (element 4 L + t: token t, row L).
         let v: [__m512; 4] =
             std::array::from_fn(|t| if t < NT { rows_by_lane(acc[t]) } else { _mm512_setzero_ps() });
-        let sums = _mm512_permutexvar_ps(
+        by_token(_mm512_permutexvar_ps(
             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
             lanes4(v),
-        );
+        ))
+    }
+
+    /// The first `NT` tokens' four row sums from a register holding token `t`'s in elements
+    /// `4 t..4 t + 4`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn by_token<const NT: usize>(sums: __m512) -> [[f32; 4]; NT] {
         let mut all = [[0.0f32; 4]; 4];
         _mm512_storeu_ps(all.as_mut_ptr() as *mut f32, sums);
         std::array::from_fn(|t| all[t])
@@ -1203,11 +1207,8 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub unsafe fn pair_bf16(x: &[f32], out: &mut [bf16]) {
         for (xb, ob) in x.chunks_exact(BLOCK).zip(out.chunks_exact_mut(2 * BLOCK)) {
-            let v = _mm512_loadu_ps(xb.as_ptr());
-            _mm512_storeu_si512(
-                ob.as_mut_ptr() as *mut __m512i,
-                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v, v)),
-            );
+            let paired = std::mem::transmute::<__m512bh, __m512i>(pair_block(xb.as_ptr()));
+            _mm512_storeu_si512(ob.as_mut_ptr() as *mut __m512i, paired);
         }
     }
 

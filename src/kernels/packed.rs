@@ -84,15 +84,16 @@ impl PackedMat {
                 let rows_p = rows.next_multiple_of(PANEL);
                 let mut scales = vec![0.0f32; rows_p];
                 let mut q = vec![0i8; rows * cols];
-                // Rows in parallel: choosing a row's scale rounds it several times over.
-                q.par_chunks_mut(cols.max(1)).zip(scales[..rows].par_iter_mut()).enumerate().for_each(
-                    |(r, (qr, sr))| {
-                        let mut row = vec![0.0f32; cols];
-                        m.data.to_f32_range(r * cols..(r + 1) * cols, &mut row);
+                // Rows in parallel: choosing a row's scale rounds it several times over. Each
+                // worker widens its rows into one buffer of its own.
+                q.par_chunks_mut(cols.max(1)).zip(scales[..rows].par_iter_mut()).enumerate().for_each_init(
+                    || vec![0.0f32; cols],
+                    |row, (r, (qr, sr))| {
+                        m.data.to_f32_range(r * cols..(r + 1) * cols, row);
                         let max = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-                        *sr = if max > 0.0 { clip_scale(&row, max) } else { 1.0 };
-                        for (d, &v) in qr.iter_mut().zip(&row) {
-                            *d = (v / *sr).round().clamp(-127.0, 127.0) as i8;
+                        *sr = if max > 0.0 { clip_scale(row, max) } else { 1.0 };
+                        for (d, &v) in qr.iter_mut().zip(row.iter()) {
+                            *d = <i8 as dot::Elem>::from_f32(v / *sr);
                         }
                     },
                 );
