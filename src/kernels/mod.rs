@@ -227,15 +227,36 @@ pub fn reserve_attention(rows: usize, page_len: usize) {
     TILE.with_borrow_mut(|work| crate::grow(work, rows * (2 + TILE_PAGES * page_len)));
 }
 
-/// Index and value of the largest element; the lowest index wins a tie. NaN never wins.
+/// Index and value of the largest element; the lowest index wins a tie. NaN never wins; with
+/// no value above -inf the answer is (0, -inf).
+///
+/// Two passes that the compiler turns into vector code: the largest value by lanes, then the
+/// first block holding it. The one-pass loop, whose branch on each element kept it scalar,
+/// took 40 µs for one row of SmolLM2's 49152 logits (on the 2-core Zen 4 machine), which is
+/// 2–3% of a batch-8 decode step's time for its eight rows.
 pub fn argmax(x: &[f32]) -> (usize, f32) {
-    let mut best = (0, f32::NEG_INFINITY);
-    for (i, &v) in x.iter().enumerate() {
-        if v > best.1 {
-            best = (i, v);
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            // NaN compares false, so it never replaces a lane.
+            *l = if v > *l { v } else { *l };
         }
     }
-    best
+    let max = lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    if max == f32::NEG_INFINITY {
+        return (0, max);
+    }
+    const BLOCK: usize = 256;
+    for (b, c) in x.chunks(BLOCK).enumerate() {
+        if c.iter().fold(false, |hit, &v| hit | (v == max)) {
+            let i = c.iter().position(|&v| v == max).unwrap_or(0);
+            return (b * BLOCK + i, max);
+        }
+    }
+    (0, max)
 }
 
 /// A mutable slice that parallel tasks may write through, each to its own disjoint ranges.
@@ -867,5 +888,45 @@ mod tests {
             assert!((got as f64 - x / (1.0 + (-x).exp()) * u).abs() < 1e-6);
         }
         assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN, -1.0]), (1, 3.0));
+    }
+
+    /// The two-pass argmax against the one-pass loop it replaced, on lengths around its lane
+    /// and block sizes, with ties (values rounded to a few levels), NaN, infinities and zeros
+    /// of both signs.
+    #[test]
+    fn argmax_is_the_first_largest() {
+        let one_pass = |x: &[f32]| {
+            let mut best = (0, f32::NEG_INFINITY);
+            for (i, &v) in x.iter().enumerate() {
+                if v > best.1 {
+                    best = (i, v);
+                }
+            }
+            best
+        };
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0];
+        for (seed, n) in [0, 1, 15, 16, 17, 255, 256, 257, 1000, 49152].into_iter().enumerate() {
+            for levels in [0.0f32, 3.0, 1000.0] {
+                let mut x: Vec<f32> = rand_vec(n, seed as u64)
+                    .into_iter()
+                    .map(|v| if levels > 0.0 { (v * levels).round() } else { v })
+                    .collect();
+                // Every 7th element replaced by a special value, cycling through them.
+                for (k, v) in x.iter_mut().step_by(7).enumerate() {
+                    if (k + seed) % 3 == 0 {
+                        *v = specials[k % specials.len()];
+                    }
+                }
+                let (i, v) = argmax(&x);
+                let (j, w) = one_pass(&x);
+                assert_eq!((i, v == w), (j, true), "n {n}, levels {levels}: {v} at {i}, want {w} at {j}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN; 40]), (0, f32::NEG_INFINITY));
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), (0, f32::NEG_INFINITY));
+        assert_eq!(argmax(&[-0.0, 0.0, -1.0]).0, 0);
+        let mut late = vec![-5.0f32; 3000];
+        late[2999] = -4.0;
+        assert_eq!(argmax(&late), (2999, -4.0));
     }
 }
