@@ -59,6 +59,10 @@ pub struct BenchReport {
     pub prefill_gflops: f64,
     pub measured_peak_gflops: f64,
     pub prefill_efficiency: f64,
+    /// The kernel team's handoff around the timed runs, in µs (the median of the readings;
+    /// the slowest rank's): one empty job to every thread and back
+    /// ([`crate::kernels::limits::handoff_us`]).
+    pub handoff_us: f64,
     /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
     /// between runs shows how much of a low efficiency is the host's.
     pub runs: Vec<RunReport>,
@@ -66,12 +70,14 @@ pub struct BenchReport {
 }
 
 /// One timed run: its decode rate, the read bandwidth of the readings just before and just
-/// after it (every rank's, summed), and the efficiency of the two.
+/// after it (every rank's, summed), the efficiency of the two, and the team's handoff in
+/// those readings (their mean; the slowest rank's).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunReport {
     pub decode_tokens_per_s: f64,
     pub measured_gb_per_s: f64,
     pub decode_efficiency: f64,
+    pub handoff_us: f64,
 }
 
 /// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
@@ -89,15 +95,22 @@ pub fn gb_per_s_around_runs(readings: &[(f64, f64)]) -> Vec<f64> {
 }
 
 /// Each run's report from its decode rate, the bandwidth around it ([`gb_per_s_around_runs`],
-/// summed over ranks) and the weight bytes read per generated token.
-pub fn run_reports(rates: &[f64], gb_per_s: &[f64], weight_bytes_per_token: u64) -> Vec<RunReport> {
+/// summed over ranks), the handoff around it and the weight bytes read per generated token.
+pub fn run_reports(
+    rates: &[f64],
+    gb_per_s: &[f64],
+    handoff_us: &[f64],
+    weight_bytes_per_token: u64,
+) -> Vec<RunReport> {
     rates
         .iter()
         .zip(gb_per_s)
-        .map(|(&tps, &gb)| RunReport {
+        .zip(handoff_us)
+        .map(|((&tps, &gb), &handoff_us)| RunReport {
             decode_tokens_per_s: tps,
             measured_gb_per_s: gb,
             decode_efficiency: weight_bytes_per_token as f64 * tps / 1e9 / gb,
+            handoff_us,
         })
         .collect()
 }
@@ -186,6 +199,10 @@ impl BenchReport {
                 ),
             ),
             (
+                "kernel-thread handoff",
+                format!("{:.2} µs around the runs (one empty job to every thread and back)", self.handoff_us),
+            ),
+            (
                 "prefill compute",
                 format!(
                     "{:.1} GFLOP/s of {:.1} GFLOP/s measured = {:.2}",
@@ -199,10 +216,11 @@ impl BenchReport {
         if self.runs.len() > 1 {
             let each = |f: fn(&RunReport) -> String| self.runs.iter().map(f).collect::<Vec<_>>().join(", ");
             s += &format!(
-                "  {:<24} {} (around each: {} GB/s)\n",
+                "  {:<24} {} (around each: {} GB/s; handoff {} µs)\n",
                 "decode efficiency by run",
                 each(|r| format!("{:.2}", r.decode_efficiency)),
-                each(|r| format!("{:.1}", r.measured_gb_per_s))
+                each(|r| format!("{:.1}", r.measured_gb_per_s)),
+                each(|r| format!("{:.2}", r.handoff_us))
             );
         }
         for r in &self.ranks {
@@ -251,10 +269,11 @@ mod tests {
         assert!(gb_per_s_around_runs(&[(10e9, 1.0)]).is_empty());
         assert!((gb_per_s(&[(10e9, 1.0), (10e9, 0.5), (10e9, 1.5)]) - 10.0).abs() < 1e-9);
         // 250 MB per token at 40 and 30 tokens/s: 10 and 7.5 GB/s.
-        let runs = run_reports(&[40.0, 30.0], &[12.5, 10.0], 250_000_000);
+        let runs = run_reports(&[40.0, 30.0], &[12.5, 10.0], &[0.1, 0.6], 250_000_000);
         assert!((runs[0].decode_efficiency - 0.8).abs() < 1e-9, "{runs:?}");
         assert!((runs[1].decode_efficiency - 0.75).abs() < 1e-9, "{runs:?}");
         assert_eq!(runs[1].measured_gb_per_s, 10.0);
+        assert_eq!((runs[0].handoff_us, runs[1].handoff_us), (0.1, 0.6));
     }
 
     #[test]

@@ -984,31 +984,39 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
         gridlm::kernels::Team::new(threads)
             .map_err(|e| gridlm::Error::Input(format!("cannot start {threads} kernel threads: {e}"))),
     )?;
-    let bw = gridlm::kernels::limits::read_bandwidth_gb_per_s(&team, a.bandwidth_mib << 20, 5);
+    // The probe's buffer is held until every figure is taken: once freed, its pages go back
+    // to the host on these cores (see `ReadProbe`).
+    let probe = gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20);
+    let bw = probe.best(&team, 5).0;
     let peak = gridlm::kernels::limits::fma_peak_gflops(&team, 20_000_000);
-    let mut all = vec![0u64; 2 * link.world_size()];
-    link.allgather_u64(&[bw.to_bits(), peak.to_bits()], &mut all);
+    let handoff = gridlm::kernels::limits::handoff_us(&team, 1000);
+    drop(probe);
+    let mut all = vec![0u64; 3 * link.world_size()];
+    link.allgather_u64(&[bw.to_bits(), peak.to_bits(), handoff.to_bits()], &mut all);
     if link.world_rank() != 0 {
         return Ok(());
     }
-    let per_rank: Vec<(f64, f64)> =
-        all.chunks_exact(2).map(|v| (f64::from_bits(v[0]), f64::from_bits(v[1]))).collect();
-    let (gb, gf) = per_rank.iter().fold((0.0, 0.0), |(x, y), (b, p)| (x + b, y + p));
+    let per_rank: Vec<[f64; 3]> =
+        all.chunks_exact(3).map(|v| std::array::from_fn(|k| f64::from_bits(v[k]))).collect();
+    let (gb, gf) = per_rank.iter().fold((0.0, 0.0), |(x, y), r| (x + r[0], y + r[1]));
+    let handoff = per_rank.iter().fold(0.0, |h, r| r[2].max(h));
     if a.json {
         let ranks: Vec<_> = per_rank
             .iter()
-            .map(|(b, p)| serde_json::json!({"measured_gb_per_s": b, "measured_peak_gflops": p}))
+            .map(|r| serde_json::json!({"measured_gb_per_s": r[0], "measured_peak_gflops": r[1], "handoff_us": r[2]}))
             .collect();
         let out = serde_json::json!({
             "measured_gb_per_s": gb,
             "measured_peak_gflops": gf,
+            "handoff_us": handoff,
             "threads_per_rank": threads,
             "ranks": ranks,
         });
         println!("{out}");
     } else {
         println!(
-            "{} rank(s) × {threads} thread(s): read bandwidth {gb:.1} GB/s, f32 FMA peak {gf:.1} GFLOP/s",
+            "{} rank(s) × {threads} thread(s): read bandwidth {gb:.1} GB/s, f32 FMA peak {gf:.1} GFLOP/s, \
+             kernel-thread handoff {handoff:.2} µs",
             per_rank.len()
         );
     }
@@ -1061,9 +1069,13 @@ fn run_bench(
     // bandwidth wanders (a shared host), the fastest read of the whole run would hold decode
     // to the best moment while its own time is an average over all of them. Every reading
     // reads the one probe buffer, held until the end (see `ReadProbe` for why).
+    // With each reading, the team's handoff (see `handoff_us`): how far apart its cores are
+    // at that moment, which sets what every product's start and end cost.
     let mut readings = Vec::new();
+    let mut handoffs = Vec::new();
     let mut read_around = |engine: &Engine| {
         readings.push(probe.rate(engine.team(), before.1, 4));
+        handoffs.push(gridlm::kernels::limits::handoff_us(engine.team(), 1000));
     };
     let driver = grid.rank == 0;
     let vocab = full_cfg.vocab_size as u64;
@@ -1144,17 +1156,26 @@ fn run_bench(
     let after = limits(&engine);
     // The resident memory reported below is the engine's, without the probe's buffer.
     drop(probe);
-    // Every rank read as often (all leave the runs together), so all send as many figures.
-    let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), gb_per_s(&readings)]
-        .into_iter()
-        .chain(gb_per_s_around_runs(&readings))
-        .map(f64::to_bits)
-        .collect();
+    // Every rank read as often (all leave the runs together), so all send as many figures:
+    // the limits, the median handoff, then per run its bandwidth and handoff. Bandwidths add
+    // up over ranks; the handoff is the slowest rank's.
+    let runs = readings.len().saturating_sub(1);
+    let mine: Vec<u64> =
+        [before.0.max(after.0), before.2.max(after.2), gb_per_s(&readings), percentile(&handoffs, 0.5)]
+            .into_iter()
+            .chain(gb_per_s_around_runs(&readings))
+            .chain(handoffs.windows(2).map(|w| (w[0] + w[1]) / 2.0))
+            .map(f64::to_bits)
+            .collect();
     let mut all = vec![0u64; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
-    let sum = |k: usize| all.chunks_exact(mine.len()).map(|v| f64::from_bits(v[k])).sum::<f64>();
+    let of_ranks = || all.chunks_exact(mine.len());
+    let sum = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).sum::<f64>();
+    let max = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).fold(0.0, f64::max);
     let (best_gb_per_s, measured_peak_gflops, measured_gb_per_s) = (sum(0), sum(1), sum(2));
-    let gb_per_s_by_run: Vec<f64> = (3..mine.len()).map(sum).collect();
+    let handoff_us = max(3);
+    let gb_per_s_by_run: Vec<f64> = (4..4 + runs).map(sum).collect();
+    let handoff_by_run: Vec<f64> = (4 + runs..4 + 2 * runs).map(max).collect();
     let ranks = gather_rank_reports(link, &engine, weight_rss);
     if !driver {
         return Ok(());
@@ -1200,7 +1221,8 @@ fn run_bench(
         prefill_gflops,
         measured_peak_gflops,
         prefill_efficiency: prefill_gflops / measured_peak_gflops,
-        runs: run_reports(&decode_rates, &gb_per_s_by_run, weight_bytes_per_token),
+        handoff_us,
+        runs: run_reports(&decode_rates, &gb_per_s_by_run, &handoff_by_run, weight_bytes_per_token),
         ranks,
     };
     let mut stdout = std::io::stdout().lock();

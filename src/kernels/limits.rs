@@ -99,12 +99,6 @@ impl ReadProbe {
     }
 }
 
-/// Best read bandwidth of a `bytes`-sized buffer over `passes` passes, in GB/s (see
-/// [`ReadProbe::best`]).
-pub fn read_bandwidth_gb_per_s(team: &Team, bytes: usize, passes: usize) -> f64 {
-    ReadProbe::new(bytes).best(team, passes).0
-}
-
 /// One of the ways the probe reads ([`READS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadWay(usize);
@@ -140,6 +134,32 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
         Isa::Portable => iterations * 8 * 2,
     };
     (per_thread * team.threads()) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// The round trip of one empty job from the calling thread to every other thread of `team`
+/// and back, in µs: the median of `calls` jobs in a row (0 with one thread). Every product of
+/// a decode step hands its input to the team and waits for the last thread, so this is a
+/// floor under the start and end of each of them.
+///
+/// It measures how far apart the cores are. On the 2-core Zen 4 test machines it read
+/// 0.09–0.13 µs in some spells and 0.5–0.8 µs in others, and the spells of the slow handoff
+/// were those in which the read probe read 55–70 GB/s instead of 30–39: the two virtual cores
+/// then sat apart (on different dies, each with its own path to memory). There a one-token
+/// product of SmolLM2's shapes cost 3–4 µs beyond its stream, against about 0.5 µs in the
+/// other spells.
+pub fn handoff_us(team: &Team, calls: usize) -> f64 {
+    if team.threads() < 2 {
+        return 0.0;
+    }
+    let mut times: Vec<f64> = (0..calls.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            team.run(&|_| {});
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    let mid = times.len() / 2;
+    *times.select_nth_unstable_by(mid, f64::total_cmp).1
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -213,5 +233,18 @@ mod avx512 {
             }
         }
         std::hint::black_box(a);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handoff_is_measured_between_threads_only() {
+        assert_eq!(handoff_us(&Team::new(1).unwrap(), 10), 0.0);
+        let h = handoff_us(&Team::new(2).unwrap(), 200);
+        // A real round trip: above zero, and far below the 50 µs after which workers park.
+        assert!(h > 0.0 && h < 1000.0, "{h}");
     }
 }

@@ -30,6 +30,13 @@ fn check(j: &serde_json::Value, ranks: usize) {
         assert!(v.is_finite() && v > 0.0, "{k} = {v}");
     }
     assert!(j["next_token_ms_p90"].as_f64() >= j["next_token_ms_p50"].as_f64());
+    // The team's handoff: measured wherever a rank has more than one kernel thread.
+    let handoff = j["handoff_us"].as_f64().unwrap();
+    let threads = j["threads_per_rank"].as_u64().unwrap();
+    assert!(
+        handoff.is_finite() && (handoff > 0.0) == (threads > 1),
+        "handoff {handoff} with {threads} threads"
+    );
     assert_eq!(j["ranks"].as_array().unwrap().len(), ranks);
     // One entry per timed run, each with its own bandwidth; their mean rate is the report's.
     let runs = j["runs"].as_array().unwrap();
@@ -39,6 +46,7 @@ fn check(j: &serde_json::Value, ranks: usize) {
         for k in ["decode_tokens_per_s", "measured_gb_per_s", "decode_efficiency"] {
             assert!(f(r, k).is_finite() && f(r, k) > 0.0, "{k} in {r}");
         }
+        assert!((f(r, "handoff_us") > 0.0) == (threads > 1), "handoff_us in {r}");
         let achieved = f(j, "weight_bytes_per_token") * f(r, "decode_tokens_per_s") / 1e9;
         assert!((achieved / f(r, "measured_gb_per_s") / f(r, "decode_efficiency") - 1.0).abs() < 1e-9, "{r}");
     }

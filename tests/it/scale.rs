@@ -82,5 +82,7 @@ fn bench_limits_alone() {
     assert!(
         v["measured_gb_per_s"].as_f64().unwrap() > 0.0 && v["measured_peak_gflops"].as_f64().unwrap() > 0.0
     );
+    // One thread hands nothing to another.
+    assert_eq!(v["handoff_us"].as_f64(), Some(0.0), "{v}");
     assert!(repo_root().join("launch/scale").exists());
 }
