@@ -827,7 +827,7 @@ mod avx2 {
     /// NT = 4 there are 10 loads per 16 FMAs and 14 registers live.
     ///
     /// # Safety
-    /// As [`panel`]; `lane` is 0 or 2.
+    /// As [`panels`]; `lane` is 0 or 2.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn panel_pair<T: Avx2Load, const NT: usize>(
         panel: &[T],

@@ -69,7 +69,7 @@ impl ReadProbe {
 
     /// The fastest read of the buffer by every thread of `team` over `passes` passes, in
     /// GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
-    /// per way of reading ([`READS`]: plain loads; loads with software prefetches at two
+    /// per way of reading (`READS`: plain loads; loads with software prefetches at two
     /// distances): the limit is what the best of them reaches, not what one happens to.
     pub fn best(&self, team: &Team, passes: usize) -> (f64, ReadWay) {
         let isa = detect();
@@ -99,7 +99,7 @@ impl ReadProbe {
     }
 }
 
-/// One of the ways the probe reads ([`READS`]).
+/// One of the ways the probe reads (`READS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadWay(usize);
 

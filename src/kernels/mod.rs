@@ -47,7 +47,7 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 /// `i * page_len ..`, keys transposed (`[head_dim, page_len]`: per dimension, the page's keys
 /// side by side) and values as rows (`[page_len, head_dim]`), so a sequence's cache need not
 /// be contiguous. Row `r` (`q[r]`, `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`.
-/// Keys go a tile of up to [`TILE_PAGES`] pages at a time: each page is scored against every
+/// Keys go a tile of up to `TILE_PAGES` pages at a time: each page is scored against every
 /// row at once (each converted vector of keys serves several rows), the tile's scores are
 /// folded into each row's online softmax (running max and sum, earlier sums rescaled when the
 /// max grows; keys a row does not see get weight 0), and each page's values are summed into

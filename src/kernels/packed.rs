@@ -29,7 +29,7 @@ pub const CHUNK: usize = dot::BLOCK;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Quant {
     /// Symmetric int8 per output row: `w ≈ q · scale[row]`, the scale of the row's largest
-    /// |w| / 127 clipped as [`clip_scale`] finds least lossy. One scale per row keeps the
+    /// |w| / 127 clipped as `clip_scale` finds least lossy. One scale per row keeps the
     /// kernel's inner loop free of scale work (it is applied to the finished dot product) and
     /// is accurate enough for greedy decoding (see the agreement test).
     Int8,
@@ -213,7 +213,7 @@ fn pack_t<T: dot::Elem + bytemuck::Zeroable>(
 }
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
-/// `[n_tok, w.rows]`. Parallel over runs of panels; see [`schedule`] for the order of work.
+/// `[n_tok, w.rows]`. Parallel over runs of panels; see `schedule` for the order of work.
 pub fn matmul(team: &Team, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n_tok * w.cols, "matmul: input length");
     assert_eq!(out.len(), n_tok * w.rows, "matmul: output length");
@@ -428,8 +428,8 @@ const _: () = assert!(XGROUP.is_multiple_of(CHUNK));
 /// int8 top-1 test on the real model shows what that costs against bf16.
 pub(crate) const XMAX: i8 = 64;
 
-/// `x` (padded with zeros to `q.len()`) as integers |q| ≤ [`XMAX`] with one scale per group of
-/// [`XGROUP`] columns: `x ≈ q · s[group]`.
+/// `x` (padded with zeros to `q.len()`) as integers |q| ≤ `XMAX` with one scale per group of
+/// `XGROUP` columns: `x ≈ q · s[group]`.
 pub fn quantize_groups(x: &[f32], q: &mut [i8], s: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if dot::detect() != Isa::Portable {
