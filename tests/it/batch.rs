@@ -46,11 +46,41 @@ fn ids(v: &Value) -> Vec<u32> {
     v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
+/// A departure of `got` from `alone` (the greedy tokens of `prompt` run alone) may only be at a
+/// near-tie: at the first differing position, the alone run's logits (from `e`, the engine it
+/// ran on) prefer its token over `got`'s by less than [`NEAR_TIE`].
+fn same_or_near_tie(e: &mut gridlm::engine::Engine, prompt: &[u32], alone: &[u32], got: &[u32], what: &str) {
+    let Some(i) = alone.iter().zip(got).position(|(a, b)| a != b) else {
+        assert_eq!(alone.len(), got.len(), "{what}: as many tokens as alone");
+        return;
+    };
+    let prefix: Vec<u32> = prompt.iter().chain(&alone[..i]).copied().collect();
+    let opts =
+        GenerateOptions { max_tokens: 1, ignore_eos: true, eos_ids: Vec::new(), keep_prompt_logits: true };
+    let l = e.generate(&prefix, &opts, &Single, &Single, |_| Ok(())).unwrap().prompt_logits.unwrap();
+    let gap = l[alone[i] as usize] - l[got[i] as usize];
+    eprintln!("{what}: departs from alone at token {i}, where alone prefers its token by {gap:.4}");
+    assert!(
+        gap < NEAR_TIE,
+        "{what}: departs from alone at token {i}, where alone prefers its token by {gap}"
+    );
+}
+
+/// Largest logit gap at which a tensor-parallel layout may pick the other token (as the parity
+/// tests allow bf16 against f32).
+const NEAR_TIE: f32 = 0.1;
+
 /// Eight greedy prompts of different lengths plus four sampled ones, from one JSONL file,
 /// three slots (so waiting prompts take the slots of finished ones), steps of at most 8 tokens
 /// (so prompts are prefilled in chunks between other sequences' decode steps), on layouts 1×1,
 /// 1×2, 2×1 and 2×2 (two micro-batches in flight when pp = 2): each greedy result equals the
 /// prompt run alone, and each sampled result is the same on every layout.
+///
+/// Without tensor parallelism every sum runs in the same order as alone, so the tokens must be
+/// the same. With it, the products' sums are split over ranks and added in another order, so a
+/// greedy result may depart from alone where two tokens nearly tie ([`same_or_near_tie`]): this
+/// text set has one (the Moon prompt's fifth token, 0.01 apart), which goes either way
+/// depending on the rounding of every kernel.
 #[test]
 fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
     let dir = smollm2("bf16");
@@ -103,7 +133,13 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
         assert_eq!(results.len(), TEXTS.len() + SAMPLED.len());
         assert_eq!(v["micro_batches"], pp, "{pp}x{tp}: one micro-batch per stage by default");
         for (i, (want, finish)) in alone.iter().enumerate() {
-            assert_eq!(&ids(&results[i]), want, "{pp}x{tp}: prompt {i} ({:?}) differs from alone", TEXTS[i]);
+            let got = ids(&results[i]);
+            if tp > 1 && &got != want {
+                let what = format!("{pp}x{tp}: prompt {i} ({:?})", TEXTS[i]);
+                same_or_near_tie(&mut e, &prompts[i], want, &got, &what);
+                continue;
+            }
+            assert_eq!(&got, want, "{pp}x{tp}: prompt {i} ({:?}) differs from alone", TEXTS[i]);
             let f = serde_json::to_value(finish).unwrap();
             assert_eq!(results[i]["finish_reason"], f, "{pp}x{tp}: prompt {i} finish reason");
         }
