@@ -15,12 +15,28 @@ pub use team::Team;
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let ss: f32 = sum_of_squares(xr) / d as f32;
         let inv = 1.0 / (ss + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * inv * g;
         }
     }
+}
+
+/// `Σ v²` over `x`, in 16 lanes (then summed) so that the compiler can use vector registers:
+/// a plain `sum` must add in order, one add at a time. On the 2-core Zen 4 machine a row of 576
+/// took ~0.6 µs that way, and a SmolLM2 token has 61 norms per sequence.
+fn sum_of_squares(x: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v * v;
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().map(|v| v * v).sum::<f32>()
 }
 
 /// Rotates each head of `x` (`n_heads × head_dim`) in place by the HF "rotate half" rule:
