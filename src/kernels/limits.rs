@@ -141,12 +141,12 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
 /// a decode step hands its input to the team and waits for the last thread, so this is a
 /// floor under the start and end of each of them.
 ///
-/// It measures how far apart the cores are. On the 2-core Zen 4 test machines it read
-/// 0.09–0.13 µs in some spells and 0.5–0.8 µs in others, and the spells of the slow handoff
-/// were those in which the read probe read 55–70 GB/s instead of 30–39: the two virtual cores
-/// then sat apart (on different dies, each with its own path to memory). There a one-token
-/// product of SmolLM2's shapes cost 3–4 µs beyond its stream, against about 0.5 µs in the
-/// other spells.
+/// It shows how far apart the cores are. On the 2-core Zen 4 test machines it read 0.05–0.12
+/// µs in some spells and 0.44–0.58 µs (once 0.5–0.8) in others, and the spells of the slow
+/// handoff were those in which the read probe read 56–67 GB/s instead of 35–39: the two
+/// virtual cores then sat apart, by all appearances each with its own path to memory. There
+/// a one-token product of SmolLM2's shapes cost 2.7–4 µs beyond its stream, against 0.4–0.7
+/// µs in the other spells.
 pub fn handoff_us(team: &Team, calls: usize) -> f64 {
     if team.threads() < 2 {
         return 0.0;
