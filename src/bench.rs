@@ -94,6 +94,12 @@ pub fn gb_per_s_around_runs(readings: &[(f64, f64)]) -> Vec<f64> {
     readings.windows(2).map(gb_per_s).collect()
 }
 
+/// A figure read with each bandwidth reading (the team's handoff), per run: the mean of the
+/// readings just before and just after it, as [`gb_per_s_around_runs`] pairs them.
+pub fn mean_around_runs(readings: &[f64]) -> Vec<f64> {
+    readings.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect()
+}
+
 /// Each run's report from its decode rate, the bandwidth around it ([`gb_per_s_around_runs`],
 /// summed over ranks), the handoff around it and the weight bytes read per generated token.
 pub fn run_reports(
@@ -267,6 +273,8 @@ mod tests {
         assert_eq!(gb.len(), 2);
         assert!((gb[0] - 20.0 / 1.5).abs() < 1e-9 && (gb[1] - 10.0).abs() < 1e-9, "{gb:?}");
         assert!(gb_per_s_around_runs(&[(10e9, 1.0)]).is_empty());
+        assert_eq!(mean_around_runs(&[0.1, 0.3, 0.5]), vec![0.2, 0.4]);
+        assert!(mean_around_runs(&[0.1]).is_empty());
         assert!((gb_per_s(&[(10e9, 1.0), (10e9, 0.5), (10e9, 1.5)]) - 10.0).abs() < 1e-9);
         // 250 MB per token at 40 and 30 tokens/s: 10 and 7.5 GB/s.
         let runs = run_reports(&[40.0, 30.0], &[12.5, 10.0], &[0.1, 0.6], 250_000_000);

@@ -4,8 +4,8 @@
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use gridlm::bench::{
-    decode_window, gb_per_s, gb_per_s_around_runs, percentile, prefill_flops, run_reports, BenchReport,
-    RankReport,
+    decode_window, gb_per_s, gb_per_s_around_runs, mean_around_runs, percentile, prefill_flops, run_reports,
+    BenchReport, RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -1164,7 +1164,7 @@ fn run_bench(
         [before.0.max(after.0), before.2.max(after.2), gb_per_s(&readings), percentile(&handoffs, 0.5)]
             .into_iter()
             .chain(gb_per_s_around_runs(&readings))
-            .chain(handoffs.windows(2).map(|w| (w[0] + w[1]) / 2.0))
+            .chain(mean_around_runs(&handoffs))
             .map(f64::to_bits)
             .collect();
     let mut all = vec![0u64; mine.len() * link.world_size()];
