@@ -9,7 +9,7 @@ pub mod packed;
 pub mod team;
 
 pub use packed::{matmul, PackedMat, Quant};
-pub use team::Team;
+pub use team::{Par, Region, Team};
 
 /// RMSNorm of each `w.len()`-sized row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {

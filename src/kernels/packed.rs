@@ -14,7 +14,7 @@
 
 use super::arena::HugeBuf;
 use super::dot::{self, Isa};
-use super::{SharedSlice, Team};
+use super::{Par, SharedSlice};
 use crate::weights::{DType, Data, Mat};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -214,7 +214,9 @@ fn pack_t<T: dot::Elem + bytemuck::Zeroable>(
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
 /// `[n_tok, w.rows]`. Parallel over runs of panels; see `schedule` for the order of work.
-pub fn matmul(team: &Team, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut [f32]) {
+/// `team` is a whole [`Team`](super::Team), called from its owner, or one thread of a
+/// [`Region`](super::Region), where every thread calls it at once with the same inputs.
+pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n_tok * w.cols, "matmul: input length");
     assert_eq!(out.len(), n_tok * w.rows, "matmul: output length");
     let isa = dot::detect();
@@ -249,7 +251,7 @@ const TOK_GROUP: usize = 4;
 
 /// Float weights: inputs in f32, rearranged for the weight type.
 fn matmul_float<T: dot::Elem + dot::Avx2Load>(
-    team: &Team,
+    team: &dyn Par,
     w: &PackedMat,
     d: &[T],
     x: &[f32],
@@ -274,7 +276,7 @@ fn matmul_float<T: dot::Elem + dot::Avx2Load>(
 
 /// [`matmul_float`] on prepared inputs `xp` (`[n_tok, cols_p]`).
 fn float_products<T: dot::Elem + dot::Avx2Load>(
-    team: &Team,
+    team: &dyn Par,
     w: &PackedMat,
     d: &[T],
     xp: &[f32],
@@ -319,7 +321,7 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
 /// Many tokens of bf16 weights on [`Isa::Avx512Bf16`]: the prepared inputs `xp` (`[n_tok,
 /// cols_p]`) rounded to bf16 and paired once ([`dot::pair_for_dot_bf16`]), then scheduled as
 /// [`float_products`] does.
-fn paired_products(team: &Team, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok: usize, out: &mut [f32]) {
+fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok: usize, out: &mut [f32]) {
     let cols_p = w.cols_p;
     PAIRED.with_borrow_mut(|buf| {
         crate::grow(buf, 2 * n_tok * cols_p);
@@ -366,7 +368,7 @@ fn as_bf16<T: 'static>(w: &[T]) -> Option<&[bf16]> {
 /// are summed in integers.
 #[allow(clippy::too_many_arguments)]
 fn matmul_int8(
-    team: &Team,
+    team: &dyn Par,
     w: &PackedMat,
     d: &[i8],
     scales: &[f32],
@@ -566,7 +568,7 @@ fn panels_portable<T: dot::Elem>(w: &[T], x: &[f32], out: &mut [f32]) {
 
 /// One token: runs of whole panels, each thread streaming its own share of the matrix (see
 /// [`Team::for_ranges`]); `run(panels, o)` writes those panels' rows `o`.
-fn one_token(team: &Team, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<usize>, &mut [f32]) + Sync)) {
+fn one_token(team: &dyn Par, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<usize>, &mut [f32]) + Sync)) {
     let shared = SharedSlice::new(&mut out[..rows]);
     team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
         let (r0, r1) = (panels.start * PANEL, (panels.end * PANEL).min(rows));
@@ -622,7 +624,7 @@ const TILE_BYTES: usize = 256 << 10;
 /// token group of the tile passes over it. Weights are then read once per tile and inputs once
 /// per panel from L2, not from memory.
 fn schedule(
-    team: &Team,
+    team: &dyn Par,
     (rows, cols_p, k_max): (usize, usize, usize),
     n_tok: usize,
     out: &mut [f32],

@@ -6,6 +6,11 @@
 //! only after a few milliseconds without work do they sleep. The thread that owns the team is
 //! worker 0 and runs its share of every kernel itself, so MPI calls between kernels stay on it.
 //!
+//! A model step runs as one region ([`Team::region`]): every thread runs the whole step, and
+//! its kernels ([`Region::for_ranges`]) are separated by barriers, not each published to the
+//! team and joined by the owner (a publish and a join cross between cores one after the other;
+//! a barrier's crossings happen at once).
+//!
 //! The hot path takes no locks and allocates nothing: a kernel is published by writing a
 //! pointer and bumping an epoch counter; completion is a counter the caller spins on.
 
@@ -53,6 +58,12 @@ pub struct Team {
     /// profile of SmolLM2 decode on the 2-core test machine, this loop fell from 1.8% of the
     /// samples to 0.3–0.4% once the shares were padded).
     shares: Box<[CachePadded<AtomicU64>]>,
+    /// The same for [`Region::for_ranges`], tagged with the call they belong to (see there).
+    region_shares: Box<[CachePadded<AtomicU64>]>,
+    /// Calls of [`Region::for_ranges`] each thread has made.
+    calls: Box<[CachePadded<AtomicU64>]>,
+    /// Barriers each thread has passed ([`Region::barrier`]), each on its own cache lines.
+    arrived: Box<[CachePadded<AtomicU64>]>,
 }
 
 impl Team {
@@ -78,8 +89,15 @@ impl Team {
                 .spawn(move || worker(&inner, tid))?;
             workers.push(h);
         }
-        let shares = (0..threads).map(|_| CachePadded::new(AtomicU64::new(0))).collect();
-        Ok(Team { inner, workers, shares })
+        let padded = |v| (0..threads).map(|_| CachePadded::new(AtomicU64::new(v))).collect();
+        Ok(Team {
+            inner,
+            workers,
+            shares: padded(0),
+            region_shares: padded(STALE),
+            calls: padded(0),
+            arrived: padded(0),
+        })
     }
 
     pub fn threads(&self) -> usize {
@@ -108,6 +126,10 @@ impl Team {
             inner.wake.notify_all();
         }
         let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
+        if mine.is_err() {
+            // Workers waiting for this thread at a region's barrier give up.
+            inner.panicked.store(true, SeqCst);
+        }
         let t0 = Instant::now();
         let mut n = 0u32;
         while inner.pending.load(Acquire) != 0 {
@@ -118,12 +140,25 @@ impl Team {
                 std::hint::spin_loop();
             }
         }
-        if let Err(p) = mine {
-            std::panic::resume_unwind(p);
-        }
         if inner.panicked.swap(false, SeqCst) {
+            // A region may have stopped with its threads at different barriers: start the
+            // next one from a clean count.
+            self.arrived.iter().chain(self.calls.iter()).for_each(|a| a.store(0, SeqCst));
+            self.region_shares.iter().for_each(|s| s.store(STALE, SeqCst));
+            if let Err(p) = mine {
+                std::panic::resume_unwind(p);
+            }
             panic!("a kernel thread panicked");
         }
+    }
+
+    /// Runs `f` on every thread of the team at once, each with its own [`Region`] handle, and
+    /// returns when all are done: a whole model step in one dispatch, its kernels separated by
+    /// barriers instead of a dispatch and a join each. Every thread must make the same
+    /// sequence of collective calls ([`Region::barrier`], [`Region::for_ranges`]). Must be
+    /// called from the thread that made the team, which is the region's thread 0.
+    pub fn region(&self, f: &(dyn Fn(&Region) + Sync)) {
+        self.run(&|tid| f(&Region { team: self, tid }))
     }
 
     /// Calls `f(i)` for every `i` in `0..n`, spread over the team: each worker takes the next
@@ -221,6 +256,190 @@ impl Team {
                 }
             }
         });
+    }
+}
+
+/// A share of [`Region::for_ranges`] that belongs to no call (its tag, 0xFFFF, is none's).
+const STALE: u64 = u64::MAX;
+
+/// One thread's handle on a [`Team::region`].
+pub struct Region<'a> {
+    team: &'a Team,
+    tid: usize,
+}
+
+impl Region<'_> {
+    /// This thread's index, 0 (the team's owner, where MPI calls go) to `threads() - 1`.
+    pub fn tid(&self) -> usize {
+        self.tid
+    }
+
+    pub fn threads(&self) -> usize {
+        self.team.inner.threads
+    }
+
+    /// This thread's contiguous share of `0..n` when it is split evenly over the threads.
+    pub fn share(&self, n: usize) -> std::ops::Range<usize> {
+        let t = self.threads();
+        self.tid * n / t..(self.tid + 1) * n / t
+    }
+
+    /// Waits until every thread of the region has reached this barrier; what each wrote
+    /// before it is then visible to all. Each thread announces its arrival on its own cache
+    /// line and reads the others': on two cores that is one crossing each way, at once.
+    pub fn barrier(&self) {
+        let team = self.team;
+        let threads = self.threads();
+        if threads == 1 {
+            return;
+        }
+        let mine = &team.arrived[self.tid];
+        let goal = mine.load(Relaxed) + 1;
+        mine.store(goal, Release);
+        let t0 = Instant::now();
+        let mut n = 0u32;
+        for a in team.arrived.iter() {
+            while a.load(Acquire) < goal {
+                n = n.wrapping_add(1);
+                if !n.is_multiple_of(64) {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                if team.inner.panicked.load(Relaxed) {
+                    panic!("another kernel thread panicked");
+                }
+                if t0.elapsed() > SPIN {
+                    // MPI on thread 0, or more threads than cores: leave the core to them.
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    /// Collective: every thread calls it with the same `n` and `min`. Calls `f` on ranges
+    /// that together cover `0..n` once, as [`Team::for_ranges`] does (each thread streams its
+    /// own contiguous share in shrinking pieces, then takes over half of the largest share
+    /// left), and returns after a barrier, when every range is done.
+    ///
+    /// There is no owner to set the shares before a call, so each share is tagged with the
+    /// call it belongs to (the number of calls its thread had made, modulo 2^15: the same for
+    /// every thread of a call, and one more than the last call's). A thread meeting a share
+    /// with an older tag, its own or another's,
+    /// first resets it to that thread's share of this call: a thread that arrives late finds
+    /// its share already started by the others.
+    pub fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        let threads = self.threads();
+        if threads == 1 {
+            if n > 0 {
+                f(0..n);
+            }
+            return;
+        }
+        assert!(n < 1 << 24, "for_ranges: {n} items");
+        let min = min.max(1);
+        let calls = &self.team.calls[self.tid];
+        let tag = calls.load(Relaxed) & 0x7FFF;
+        calls.store(tag + 1, Relaxed);
+        let pack = |a: usize, b: usize| (tag << 48) | ((a as u64) << 24) | b as u64;
+        let unpack = |v: u64| (((v >> 24) & 0xFF_FFFF) as usize, (v & 0xFF_FFFF) as usize);
+        let shares = &self.team.region_shares;
+        // Share `t` of this call, set first if it still holds an earlier call's.
+        let current = |t: usize| {
+            let s = &shares[t];
+            let mut v = s.load(Relaxed);
+            while v >> 48 != tag {
+                let fresh = pack(t * n / threads, (t + 1) * n / threads);
+                match s.compare_exchange(v, fresh, Relaxed, Relaxed) {
+                    Ok(_) => return fresh,
+                    Err(now) => v = now,
+                }
+            }
+            v
+        };
+        let mine = &shares[self.tid];
+        let mut cur = current(self.tid);
+        loop {
+            // Take pieces from the front of this thread's share until it is empty.
+            loop {
+                let (a, b) = unpack(cur);
+                if a >= b {
+                    break;
+                }
+                let end = (a + ((b - a) / 4).max(min)).min(b);
+                match mine.compare_exchange_weak(cur, pack(end, b), Relaxed, Relaxed) {
+                    Ok(_) => {
+                        f(a..end);
+                        cur = mine.load(Relaxed);
+                    }
+                    Err(now) => cur = now,
+                }
+            }
+            // Then the back half of the largest share left (all of it when no longer than
+            // `min`).
+            let victim = (0..threads).filter(|&t| t != self.tid).max_by_key(|&t| {
+                let (a, b) = unpack(current(t));
+                b.saturating_sub(a)
+            });
+            let Some(victim) = victim else { break };
+            let mut v = current(victim);
+            let stolen = loop {
+                let (a, b) = unpack(v);
+                if a >= b {
+                    break None;
+                }
+                let mid = if b - a > min { b - (b - a) / 2 } else { a };
+                match shares[victim].compare_exchange_weak(v, pack(a, mid), Relaxed, Relaxed) {
+                    Ok(_) => break Some((mid, b)),
+                    Err(now) => v = now,
+                }
+            };
+            match stolen {
+                // This thread's share is empty and only it takes from its front; thieves find
+                // nothing there, so a plain store loses no piece.
+                Some((a, b)) => {
+                    cur = pack(a, b);
+                    mine.store(cur, Relaxed);
+                }
+                None => {
+                    if (0..threads).all(|t| {
+                        let (a, b) = unpack(current(t));
+                        a >= b
+                    }) {
+                        break;
+                    }
+                    cur = mine.load(Relaxed);
+                }
+            }
+        }
+        self.barrier();
+    }
+}
+
+/// Where a parallel kernel runs: from the team's owner, each call dispatched to the whole
+/// team ([`Team`]), or inside a [`Team::region`], each call made by every thread at once
+/// ([`Region`]).
+pub trait Par {
+    fn threads(&self) -> usize;
+    /// Calls `f` on ranges that together cover `0..n` once, spread over the threads, pieces
+    /// of at least `min` (but the last), and returns when all are done.
+    fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync));
+}
+
+impl Par for Team {
+    fn threads(&self) -> usize {
+        Team::threads(self)
+    }
+    fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        Team::for_ranges(self, n, min, f)
+    }
+}
+
+impl Par for Region<'_> {
+    fn threads(&self) -> usize {
+        Region::threads(self)
+    }
+    fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        Region::for_ranges(self, n, min, f)
     }
 }
 
@@ -360,5 +579,74 @@ mod tests {
             c.fetch_add(1, Relaxed);
         });
         assert_eq!(c.load(Relaxed), 2);
+    }
+
+    #[test]
+    fn region_ranges_cover_everything_once_call_after_call() {
+        // Many collective calls in one region and over several regions, one thread often late
+        // to a call (the others then start its share), with barriers between writes and reads.
+        for threads in [1, 2, 3] {
+            let team = Team::new(threads).unwrap();
+            let sizes = [0usize, 1, 7, 64, 1000, 3];
+            let hits: Vec<Vec<AtomicUsize>> =
+                sizes.iter().map(|&n| (0..n).map(|_| AtomicUsize::new(0)).collect()).collect();
+            for round in 0..20 {
+                team.region(&|r| {
+                    for (k, &n) in sizes.iter().enumerate() {
+                        if (r.tid() + round + k) % 3 == 0 {
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                        r.for_ranges(n, 2, &|range| {
+                            range.for_each(|i| {
+                                hits[k][i].fetch_add(1, Relaxed);
+                            });
+                        });
+                        // Every range of the call is done when it returns, on every thread.
+                        assert!(hits[k].iter().all(|h| h.load(Relaxed) == round + 1));
+                        r.barrier();
+                    }
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn region_barrier_publishes_what_each_thread_wrote() {
+        let team = Team::new(3).unwrap();
+        let slots: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+        team.region(&|r| {
+            for step in 1..200 {
+                slots[r.tid()].store(step * 10 + r.tid(), Relaxed);
+                r.barrier();
+                for (t, s) in slots.iter().enumerate() {
+                    assert_eq!(s.load(Relaxed), step * 10 + t);
+                }
+                r.barrier();
+            }
+        });
+    }
+
+    #[test]
+    fn a_panic_in_a_region_reaches_the_caller_and_frees_the_others() {
+        // Thread 1 panics while the others wait for it at a barrier: they give up, the caller
+        // gets the panic, and the next region starts from a clean count.
+        for victim in [0, 1] {
+            let team = Team::new(3).unwrap();
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                team.region(&|r| {
+                    r.barrier();
+                    assert_ne!(r.tid(), victim, "boom");
+                    r.barrier();
+                })
+            }));
+            assert!(r.is_err());
+            let c = AtomicUsize::new(0);
+            team.region(&|r| {
+                r.for_ranges(100, 1, &|range| {
+                    c.fetch_add(range.len(), Relaxed);
+                });
+            });
+            assert_eq!(c.load(Relaxed), 100);
+        }
     }
 }
