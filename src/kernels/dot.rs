@@ -287,8 +287,9 @@ pub fn page_values<T: Elem + Avx2Load>(
     }
 }
 
-/// Asks the CPU to start loading `data` into cache (a hint: no effect on results).
-pub fn prefetch<T>(data: &[T]) {
+/// Asks the CPU to start loading `data` into cache (a hint: no effect on results). A raw
+/// slice, so memory another thread may be writing can be asked for; any `&[T]` passes.
+pub fn prefetch<T>(data: *const [T]) {
     #[cfg(target_arch = "x86_64")]
     prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T0 }>(data);
     #[cfg(not(target_arch = "x86_64"))]
@@ -297,7 +298,7 @@ pub fn prefetch<T>(data: &[T]) {
 
 /// As [`prefetch`], into L2 only (the T1 hint): for data wanted a while later, which would
 /// otherwise crowd L1 and its few outstanding misses.
-pub fn prefetch_l2<T>(data: &[T]) {
+pub fn prefetch_l2<T>(data: *const [T]) {
     #[cfg(target_arch = "x86_64")]
     prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T1 }>(data);
     #[cfg(not(target_arch = "x86_64"))]
@@ -306,11 +307,11 @@ pub fn prefetch_l2<T>(data: &[T]) {
 
 /// Every cache line of `data` with the prefetch hint `HINT`.
 #[cfg(target_arch = "x86_64")]
-fn prefetch_lines<T, const HINT: i32>(data: &[T]) {
-    let p = data.as_ptr() as *const i8;
-    for off in (0..std::mem::size_of_val(data)).step_by(64) {
-        // SAFETY: prefetching is a hint and never faults; the address is inside `data`.
-        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.add(off)) };
+fn prefetch_lines<T, const HINT: i32>(data: *const [T]) {
+    let p = data.cast::<i8>();
+    for off in (0..data.len() * std::mem::size_of::<T>()).step_by(64) {
+        // SAFETY: prefetching is a hint, never faults and reads nothing into the program.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(off)) };
     }
 }
 

@@ -119,7 +119,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         // to follow: fetch AHEAD pages ahead of the one being scored into L1, and
         // [`FAR_PAGES`] ahead into L2.
         const AHEAD: usize = 2;
-        let ask = |p: usize, prefetch: fn(&[T])| {
+        let ask = |p: usize, prefetch: fn(*const [T])| {
             if p <= last_page {
                 let (k, v) = page(p);
                 prefetch(&k[..hd * page_len]);

@@ -15,42 +15,83 @@ use half::{bf16, f16};
 /// Positions per page.
 pub const PAGE: usize = 16;
 
+/// One dtype's keys and values, per layer. The buffers are only ever reached through `k` and
+/// `v`, pointers taken when they were made: a step writes one KV head's slot of a page on one
+/// kernel thread while others read other heads' pages, which references to whole buffers
+/// would not allow.
 struct Store<T> {
-    k: Vec<Vec<T>>,
-    v: Vec<Vec<T>>,
+    _buffers: Vec<Vec<T>>,
+    k: Vec<*mut T>,
+    v: Vec<*mut T>,
+    per_layer: usize,
+}
+
+// SAFETY: the pointers are into buffers the store owns; who may write what, when, is stated at
+// each writing method (`put` and `KvPool::write_head`).
+unsafe impl<T: Send> Send for Store<T> {}
+unsafe impl<T: Sync> Sync for Store<T> {}
+
+impl<T> Store<T> {
+    /// `len` keys of `layer` from `at`.
+    fn keys(&self, layer: usize, at: usize, len: usize) -> &[T] {
+        assert!(at + len <= self.per_layer, "KV range past its layer");
+        // SAFETY: in bounds; no write overlaps a range while it is read (see `put`).
+        unsafe { std::slice::from_raw_parts(self.k[layer].add(at), len) }
+    }
+
+    fn values(&self, layer: usize, at: usize, len: usize) -> &[T] {
+        assert!(at + len <= self.per_layer, "KV range past its layer");
+        // SAFETY: as in `keys`.
+        unsafe { std::slice::from_raw_parts(self.v[layer].add(at), len) }
+    }
+
+    /// The keys and values of `keys` and `values`, for prefetching only: no reference is made,
+    /// so another thread may be writing them.
+    fn lines(&self, layer: usize, at: usize, len: usize) -> [*const [T]; 2] {
+        assert!(at + len <= self.per_layer, "KV range past its layer");
+        [self.k[layer], self.v[layer]]
+            .map(|p| std::ptr::slice_from_raw_parts(p.wrapping_add(at).cast_const(), len))
+    }
 }
 
 impl<T: Elem + Default> Store<T> {
     fn new(n_layers: usize, per_layer: usize) -> Self {
-        Store {
-            k: (0..n_layers).map(|_| vec![T::default(); per_layer]).collect(),
-            v: (0..n_layers).map(|_| vec![T::default(); per_layer]).collect(),
-        }
+        let mut buffers: Vec<Vec<T>> = (0..2 * n_layers).map(|_| vec![T::default(); per_layer]).collect();
+        let mut ptrs = buffers.iter_mut().map(|b| b.as_mut_ptr());
+        let k = ptrs.by_ref().take(n_layers).collect();
+        let v = ptrs.collect();
+        Store { _buffers: buffers, k, v, per_layer }
     }
 
-    /// Writes slot `slot` of each KV head's block (`start(h)` is where head `h`'s block of
-    /// this page begins): the key into column `slot` of the transposed key block, the value
-    /// into row `slot` of the value block.
+    /// Writes slot `slot` of KV head blocks (`start(h)` is where head `h`'s block of this
+    /// page begins) from `k` and `v` (`heads.len() × hd` each): the key into column `slot` of
+    /// the transposed key block, the value into row `slot` of the value block.
+    ///
+    /// # Safety
+    /// No other thread may read or write those heads' blocks of this page meanwhile.
     #[allow(clippy::too_many_arguments)] // one position: where, its shape, and its two vectors
-    fn put(
-        &mut self,
+    unsafe fn put(
+        &self,
         layer: usize,
         start: impl Fn(usize) -> usize,
         slot: usize,
         hd: usize,
-        n_kv: usize,
+        heads: std::ops::Range<usize>,
         k: &[f32],
         v: &[f32],
     ) {
-        for h in 0..n_kv {
+        assert!(k.len() == heads.len() * hd && v.len() == k.len(), "KV write of the wrong length");
+        for (i, h) in heads.enumerate() {
             let a = start(h);
-            let src = h * hd..(h + 1) * hd;
-            let kb = &mut self.k[layer][a..a + PAGE * hd];
+            assert!(a + PAGE * hd <= self.per_layer, "KV block past its layer");
+            let src = i * hd..(i + 1) * hd;
+            let (kb, vr) = (self.k[layer].add(a), self.v[layer].add(a + slot * hd));
             for (d, &x) in k[src.clone()].iter().enumerate() {
-                kb[d * PAGE + slot] = T::from_f32(x);
+                kb.add(d * PAGE + slot).write(T::from_f32(x));
             }
-            let vr = &mut self.v[layer][a + slot * hd..a + (slot + 1) * hd];
-            vr.iter_mut().zip(&v[src]).for_each(|(d, &x)| *d = T::from_f32(x));
+            for (d, &x) in v[src].iter().enumerate() {
+                vr.add(d).write(T::from_f32(x));
+            }
         }
     }
 }
@@ -107,18 +148,53 @@ impl KvPool {
     /// Stores keys and values (`n_kv × head_dim` each) of position `pos` of the sequence whose
     /// pages are `table`, for `layer`.
     pub fn write(&mut self, layer: usize, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        // SAFETY: `&mut self`: nothing else reads or writes the pool.
+        unsafe { self.write_heads(layer, table, pos, 0..self.n_kv, k, v) }
+    }
+
+    /// As [`KvPool::write`] for local KV head `head` alone (`k` and `v` `head_dim` long),
+    /// through a shared reference: a step's attention item writes its own head's new position
+    /// while other items read.
+    ///
+    /// # Safety
+    /// No other thread may read or write this head's block of the page holding `pos` meanwhile.
+    #[allow(clippy::too_many_arguments)] // as `write`, and the head
+    pub unsafe fn write_head(
+        &self,
+        layer: usize,
+        table: &[u32],
+        pos: usize,
+        head: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
+        assert!(head < self.n_kv, "KV head {head} of {}", self.n_kv);
+        self.write_heads(layer, table, pos, head..head + 1, k, v)
+    }
+
+    /// # Safety
+    /// As [`KvPool::write_head`], for each of `heads`.
+    unsafe fn write_heads(
+        &self,
+        layer: usize,
+        table: &[u32],
+        pos: usize,
+        heads: std::ops::Range<usize>,
+        k: &[f32],
+        v: &[f32],
+    ) {
         let page = *table
             .get(pos / PAGE)
             .unwrap_or_else(|| panic!("KV position {pos} is past the sequence's {} pages", table.len()))
             as usize;
         assert!(page < self.pages, "KV page {page} outside a pool of {}", self.pages);
-        let (hd, n_kv, pages) = (self.head_dim, self.n_kv, self.pages);
+        let (hd, pages) = (self.head_dim, self.pages);
         let start = |h: usize| block(pages, hd, h, page);
         let slot = pos % PAGE;
-        match &mut self.data {
-            Data::F32(s) => s.put(layer, start, slot, hd, n_kv, k, v),
-            Data::F16(s) => s.put(layer, start, slot, hd, n_kv, k, v),
-            Data::BF16(s) => s.put(layer, start, slot, hd, n_kv, k, v),
+        match &self.data {
+            Data::F32(s) => s.put(layer, start, slot, hd, heads, k, v),
+            Data::F16(s) => s.put(layer, start, slot, hd, heads, k, v),
+            Data::BF16(s) => s.put(layer, start, slot, hd, heads, k, v),
         }
     }
 
@@ -126,15 +202,26 @@ impl KvPool {
     /// of the keys' transposed blocks, and the values' rows), so the write that follows a
     /// matrix product finds them in cache instead of waiting on memory for each.
     pub fn prefetch_write(&self, layer: usize, table: &[u32], pos: usize) {
+        self.prefetch_write_heads(layer, table, pos, 0..self.n_kv)
+    }
+
+    /// As [`KvPool::prefetch_write`], for the lines of local KV heads `heads` alone.
+    pub fn prefetch_write_heads(
+        &self,
+        layer: usize,
+        table: &[u32],
+        pos: usize,
+        heads: std::ops::Range<usize>,
+    ) {
         let Some(page) = table.get(pos / PAGE).map(|&p| p as usize).filter(|&p| p < self.pages) else {
             return;
         };
         let (hd, slot) = (self.head_dim, pos % PAGE);
         fn lines<T>(s: &Store<T>, layer: usize, a: usize, slot: usize, hd: usize) {
-            kernels::dot::prefetch(&s.k[layer][a..a + PAGE * hd]);
-            kernels::dot::prefetch(&s.v[layer][a + slot * hd..a + (slot + 1) * hd]);
+            kernels::dot::prefetch(s.lines(layer, a, PAGE * hd)[0]);
+            kernels::dot::prefetch(s.lines(layer, a + slot * hd, hd)[1]);
         }
-        for h in 0..self.n_kv {
+        for h in heads.start..heads.end.min(self.n_kv) {
             let a = block(self.pages, hd, h, page);
             match &self.data {
                 Data::F32(s) => lines(s, layer, a, slot, hd),
@@ -149,8 +236,7 @@ impl KvPool {
     /// attention can fetch the next one's while it computes.
     pub fn prefetch_read(&self, layer: usize, kv: usize, table: &[u32], first: usize, last: usize) {
         fn lines<T>(s: &Store<T>, layer: usize, a: usize, len: usize) {
-            kernels::dot::prefetch_l2(&s.k[layer][a..a + len]);
-            kernels::dot::prefetch_l2(&s.v[layer][a..a + len]);
+            s.lines(layer, a, len).into_iter().for_each(kernels::dot::prefetch_l2);
         }
         let (hd, pages) = (self.head_dim, self.pages);
         let first_page = first / PAGE;
@@ -186,22 +272,19 @@ impl KvPool {
     ) {
         let (hd, pages) = (self.head_dim, self.pages);
         let len = PAGE * hd;
-        let at = |p: usize| {
-            let start = block(pages, hd, kv, table[p] as usize);
-            start..start + len
-        };
+        let at = |p: usize| block(pages, hd, kv, table[p] as usize);
         match &self.data {
             Data::F32(s) => {
-                let (k, v) = (&s.k[layer], &s.v[layer]);
-                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out, stats)
+                let page = |p| (s.keys(layer, at(p), len), s.values(layer, at(p), len));
+                kernels::attend_tiled(q, bounds, PAGE, page, scale, out, stats)
             }
             Data::F16(s) => {
-                let (k, v) = (&s.k[layer], &s.v[layer]);
-                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out, stats)
+                let page = |p| (s.keys(layer, at(p), len), s.values(layer, at(p), len));
+                kernels::attend_tiled(q, bounds, PAGE, page, scale, out, stats)
             }
             Data::BF16(s) => {
-                let (k, v) = (&s.k[layer], &s.v[layer]);
-                kernels::attend_tiled(q, bounds, PAGE, |p| (&k[at(p)], &v[at(p)]), scale, out, stats)
+                let page = |p| (s.keys(layer, at(p), len), s.values(layer, at(p), len));
+                kernels::attend_tiled(q, bounds, PAGE, page, scale, out, stats)
             }
         }
     }

@@ -15,7 +15,7 @@ use crate::comm::Comm;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::grid::ShardPlan;
-use crate::kernels::{self, SharedSlice, Team};
+use crate::kernels::{self, Region, SharedSlice, Team};
 use crate::kernels::{PackedMat, Quant};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::{DType, Mat, Source};
@@ -48,6 +48,49 @@ const MAX_PARTS: usize = 8;
 /// Steps of at most this many tokens (decode) ask for the KV lines they will write before the
 /// QKV product, so those lines arrive while it streams its weights.
 const PREFETCH_TOKENS: usize = 8;
+
+/// Steps of at most this many tokens compute SiLU on every kernel thread, each into its own
+/// copy, rather than split over the threads with a barrier after it.
+const REPLICATE_TOKENS: usize = 8;
+
+/// The KV pool inside a step's team region: read by every thread, written either by thread 0
+/// alone between barriers (`get_mut`), or one KV head's new position at a time by the
+/// attention item that alone reads that head's last page (`KvPool::write_head`).
+struct KvAccess(*mut KvPool);
+// SAFETY: see `get` and `get_mut`.
+unsafe impl Sync for KvAccess {}
+
+impl KvAccess {
+    /// # Safety
+    /// No thread may be writing the pool.
+    unsafe fn get(&self) -> &KvPool {
+        &*self.0
+    }
+    /// # Safety
+    /// No other thread may be using the pool.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get_mut(&self) -> &mut KvPool {
+        &mut *self.0
+    }
+}
+
+/// The stage's communicator inside a team region, used on thread 0 (the one that owns it) only.
+struct MainThread<'a>(&'a dyn Comm);
+// SAFETY: only thread 0 of the region, the thread the communicator belongs to, calls it.
+unsafe impl Sync for MainThread<'_> {}
+
+/// Sums `o[..len]` over the stage's tensor-parallel ranks: thread 0 calls MPI while the other
+/// threads wait at a barrier (none when the stage has one rank). `o` is complete on entry (the
+/// product that wrote it ended with a barrier).
+fn allreduce(r: &Region, comm: &MainThread, o: &SharedSlice, len: usize) {
+    if comm.0.size() > 1 {
+        if r.tid() == 0 {
+            // SAFETY: the other threads wait at the barrier below.
+            comm.0.allreduce_sum(unsafe { o.range(0, len) });
+        }
+        r.barrier();
+    }
+}
 
 /// A tile's query rows, its output rows, each row's key bounds and (for a part) each row's
 /// softmax max and sum.
@@ -350,127 +393,269 @@ impl Shard {
         // Parts are stored only when a step splits; otherwise rows go straight to `att`.
         let stored = if parts > 1 { parts } else { 0 };
         s.ensure_parts(stored, n, self);
-        for (li, l) in self.layers.iter().enumerate() {
-            // Attention block.
-            kernels::rmsnorm(x, &l.input_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
-            if n <= PREFETCH_TOKENS {
-                for &(seq, pos) in &s.tokens {
-                    kv.prefetch_write(li, &tables[seq], pos);
-                }
-            }
-            let qkv = &mut s.qkv[..n * qkv_rows];
-            kernels::matmul(team, &l.qkv, &s.xn[..n * h], n, qkv);
-            for (t, &(seq, pos)) in s.tokens.iter().enumerate() {
-                let row = &mut qkv[t * qkv_rows..(t + 1) * qkv_rows];
-                if let Some(b) = &l.qkv_bias {
-                    row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-                }
-                let half = hd / 2;
-                let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
-                kernels::rope(&mut row[..(nq + nkv) * hd], hd, cos, sin);
-                kv.write(li, &tables[seq], pos, &row[nq * hd..(nq + nkv) * hd], &row[(nq + nkv) * hd..]);
-            }
-            let qkv = &*qkv;
-            let kv_r = &*kv;
-            let tokens = &s.tokens;
-            let blocks = &s.blocks;
-            let att = SharedSlice::new(&mut s.att[..n * nq * hd]);
-            let part_out = SharedSlice::new(&mut s.part_out[..stored * n * nq * hd]);
-            let part_stats = SharedSlice::new(&mut s.part_stats[..stored * n * nq * 2]);
-            let window = cfg.sliding_window;
-            let n_items = nkv * blocks.len() * parts;
-            // Item `i`: its part, local KV head, block (first token, count) and the positions
-            // whose keys it reads: its part's share of the pages the block's rows see, whole
-            // pages each (empty for a part with none).
-            let item = |i: usize| {
-                let (part, i) = (i % parts, i / parts);
-                let (kvl, (t0, nt)) = (i % nkv, blocks[i / nkv]);
-                let (pos0, last) = (tokens[t0].1, tokens[t0 + nt - 1].1);
-                let lo = window.map_or(0, |w| (pos0 + 1).saturating_sub(w)) / PAGE;
-                let np = last / PAGE + 1 - lo;
-                let (ka, kb) = (lo + part * np / parts, lo + (part + 1) * np / parts);
-                (part, kvl, (t0, nt), ka * PAGE..(kb * PAGE).min(last + 1))
-            };
-            let threads = team.threads();
-            // One item per (KV head, block of a span's positions, part of its keys), holding
-            // every local query head that reads that KV head: the block's keys and values are
-            // read (and widened) once for all its rows.
-            team.for_each(n_items, &|i| {
-                // Ask for the pages of the item this thread likely takes next while this one
-                // computes: with short items (decode) the pages of one come from memory in
-                // less time than its own prefetches can cover.
-                if let Some((_, kvl, (t0, _), keys)) = Some(i + threads).filter(|&i| i < n_items).map(item) {
-                    if !keys.is_empty() {
-                        kv_r.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, keys.end - 1);
-                    }
-                }
-                let (part, kvl, (t0, nt), keys) = item(i);
-                let heads = q_heads_of_kv(kvl);
-                let seq = tokens[t0].0;
-                QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
-                    q.clear();
-                    bounds.clear();
-                    for hl in heads.clone() {
-                        for (t, &(_, pos)) in tokens.iter().enumerate().skip(t0).take(nt) {
-                            q.extend_from_slice(&qkv[t * qkv_rows + hl * hd..t * qkv_rows + (hl + 1) * hd]);
-                            bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
+        if n == 0 || self.layers.is_empty() {
+            return;
+        }
+        // Each thread's own buffers: its copy of the residual stream and of its norm, of the
+        // merged attention rows of a split step, and of the activations of a short one; each
+        // thread's on cache lines of its own.
+        let replicate = n <= REPLICATE_TOKENS;
+        let att_own_len = if parts > 1 { n * nq * hd } else { 0 };
+        let act_own_len = if replicate { n * ffl } else { 0 };
+        let own_len = (2 * n * h + att_own_len + act_own_len).next_multiple_of(16);
+        crate::grow(&mut s.own, team.threads() * own_len);
+        let window = cfg.sliding_window;
+        let n_items = nkv * s.blocks.len() * parts;
+        let Scratch { tokens, blocks, cos, sin, qkv, att, o, gu, act, part_out, part_stats, own, .. } = s;
+        let (tokens, blocks, cos, sin) = (&*tokens, &*blocks, &*cos, &*sin);
+        // Item `i`: its part, local KV head, block (first token, count) and the positions
+        // whose keys it reads: its part's share of the pages the block's rows see, whole
+        // pages each (empty for a part with none).
+        let item = |i: usize| {
+            let (part, i) = (i % parts, i / parts);
+            let (kvl, (t0, nt)) = (i % nkv, blocks[i / nkv]);
+            let (pos0, last) = (tokens[t0].1, tokens[t0 + nt - 1].1);
+            let lo = window.map_or(0, |w| (pos0 + 1).saturating_sub(w)) / PAGE;
+            let np = last / PAGE + 1 - lo;
+            let (ka, kb) = (lo + part * np / parts, lo + (part + 1) * np / parts);
+            (part, kvl, (t0, nt), ka * PAGE..(kb * PAGE).min(last + 1))
+        };
+        // Decode steps (every span one token, of distinct sequences) leave the bias, RoPE and
+        // the write of each new key and value to the attention items: an item's block is one
+        // token, and the item of its KV head's last part (the only one to read the page the
+        // new position is on) writes it before attending. Other steps do it on thread 0
+        // between the QKV product and attention.
+        let fold = spans.iter().all(|sp| sp.len == 1)
+            && spans.iter().enumerate().all(|(i, a)| spans[..i].iter().all(|b| b.seq != a.seq));
+        let half = hd / 2;
+        let rope_of = |t: usize| (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+        let x_io = SharedSlice::new(x);
+        let qkv = SharedSlice::new(&mut qkv[..n * qkv_rows]);
+        let att = SharedSlice::new(&mut att[..n * nq * hd]);
+        let o = SharedSlice::new(&mut o[..n * h]);
+        let gu = SharedSlice::new(&mut gu[..n * 2 * ffl]);
+        let act = SharedSlice::new(&mut act[..n * ffl]);
+        let part_out = SharedSlice::new(&mut part_out[..stored * n * nq * hd]);
+        let part_stats = SharedSlice::new(&mut part_stats[..stored * n * nq * 2]);
+        let own = SharedSlice::new(&mut own[..team.threads() * own_len]);
+        let kv = KvAccess(kv);
+        let comm = MainThread(comm);
+        // The whole stage in one region of the team: every thread keeps its own copy of the
+        // residual stream and computes the norms, residual sums (and, for a few tokens, SiLU
+        // and the merge of attention parts) on it, so kernels follow each other with one
+        // barrier between them, not a dispatch and a join around work done by thread 0 alone.
+        // Thread 0 alone makes the MPI calls.
+        team.region(&|r| {
+            let tid = r.tid();
+            // SAFETY (every `range` below): `own` is split by thread; the shared buffers are
+            // written in disjoint ranges (by the team's ranges, by item, by token or by thread
+            // 0 alone) and read only after the barrier that ends their writing, and each
+            // buffer is written again only after every thread has passed a barrier that
+            // follows its last read.
+            let mine = unsafe { own.range(tid * own_len, own_len) };
+            let (xo, rest) = mine.split_at_mut(n * h);
+            let (xn, rest) = rest.split_at_mut(n * h);
+            let (att_own, rest) = rest.split_at_mut(att_own_len);
+            let act_own = &mut rest[..act_own_len];
+            xo.copy_from_slice(unsafe { x_io.range(0, n * h) });
+            for (li, l) in self.layers.iter().enumerate() {
+                // Attention block.
+                kernels::rmsnorm(xo, &l.input_norm, cfg.rms_norm_eps, xn);
+                if n <= PREFETCH_TOKENS {
+                    // SAFETY: nothing writes the pool until after the product.
+                    let kv = unsafe { kv.get() };
+                    if fold {
+                        // The heads whose new position this thread will likely write: those of
+                        // the last parts in its first share of the items.
+                        for (part, kvl, (t0, _), _) in r.share(n_items).map(item) {
+                            if part == parts - 1 {
+                                let (seq, pos) = tokens[t0];
+                                kv.prefetch_write_heads(li, &tables[seq], pos, kvl..kvl + 1);
+                            }
+                        }
+                    } else if tid == 0 {
+                        for &(seq, pos) in tokens {
+                            kv.prefetch_write(li, &tables[seq], pos);
                         }
                     }
-                    o.resize(q.len(), 0.0);
-                    let split = parts > 1;
-                    if split {
-                        // Rows see only this part's keys (their bounds lie within the block's).
-                        for b in bounds.iter_mut() {
-                            *b = if keys.is_empty() {
-                                (1, 0)
-                            } else {
-                                (b.0.max(keys.start), b.1.min(keys.end - 1))
+                }
+                kernels::matmul(r, &l.qkv, xn, n, unsafe { qkv.range(0, n * qkv_rows) });
+                if !fold {
+                    if tid == 0 {
+                        // SAFETY: the other threads wait at the barrier below.
+                        let (kv, qkv) = unsafe { (kv.get_mut(), qkv.range(0, n * qkv_rows)) };
+                        for (t, &(seq, pos)) in tokens.iter().enumerate() {
+                            let row = &mut qkv[t * qkv_rows..(t + 1) * qkv_rows];
+                            if let Some(b) = &l.qkv_bias {
+                                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                            }
+                            kernels::rope(&mut row[..(nq + nkv) * hd], hd, rope_of(t).0, rope_of(t).1);
+                            kv.write(
+                                li,
+                                &tables[seq],
+                                pos,
+                                &row[nq * hd..(nq + nkv) * hd],
+                                &row[(nq + nkv) * hd..],
+                            );
+                        }
+                    }
+                    r.barrier();
+                }
+                let qkv_r = unsafe { &*qkv.range(0, n * qkv_rows) };
+                // SAFETY: from here to the next layer's write the pool is only read, but for
+                // the heads' new positions, each written by the one item that reads its page.
+                let kv_r = unsafe { kv.get() };
+                // One item per (KV head, block of a span's positions, part of its keys),
+                // holding every local query head that reads that KV head: the block's keys and
+                // values are read (and widened) once for all its rows.
+                r.for_ranges(n_items, 1, &|items| {
+                    for i in items {
+                        // Ask for the pages of the next item while this one computes: with
+                        // short items (decode) the pages of one come from memory in less time
+                        // than its own prefetches can cover.
+                        if let Some((_, kvl, (t0, _), keys)) = Some(i + 1).filter(|&i| i < n_items).map(item)
+                        {
+                            if !keys.is_empty() {
+                                kv_r.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, keys.end - 1);
+                            }
+                        }
+                        let (part, kvl, (t0, nt), keys) = item(i);
+                        let heads = q_heads_of_kv(kvl);
+                        let seq = tokens[t0].0;
+                        QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
+                            q.clear();
+                            bounds.clear();
+                            // Where row `t`'s vector `j` (of q, then k, then v heads) begins.
+                            let at = |t: usize, j: usize| t * qkv_rows + j * hd;
+                            // The bias, RoPE (but for v) and, for keys and values, the write into
+                            // the cache, when the items do them (`fold`).
+                            let finish = |t: usize, j: usize, out: &mut [f32]| {
+                                if let Some(b) = &l.qkv_bias {
+                                    out.iter_mut().zip(&b[j * hd..(j + 1) * hd]).for_each(|(v, b)| *v += b);
+                                }
+                                if j < nq + nkv {
+                                    kernels::rope(out, hd, rope_of(t).0, rope_of(t).1);
+                                }
                             };
-                        }
-                        stats.resize(2 * bounds.len(), 0.0);
-                    }
-                    kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, o, split.then_some(&mut stats[..]));
-                    for (i, row) in o.chunks_exact(hd).enumerate() {
-                        let r = (t0 + i % nt) * nq + heads.start + i / nt;
-                        // SAFETY: (token, head) rows, and their parts, are disjoint between items.
-                        if split {
-                            let at = r * parts + part;
-                            unsafe { part_out.range(at * hd, hd) }.copy_from_slice(row);
-                            unsafe { part_stats.range(at * 2, 2) }.copy_from_slice(&stats[2 * i..2 * i + 2]);
-                        } else {
-                            unsafe { att.range(r * hd, hd) }.copy_from_slice(row);
-                        }
+                            for hl in heads.clone() {
+                                for (t, &(_, pos)) in tokens.iter().enumerate().skip(t0).take(nt) {
+                                    q.extend_from_slice(&qkv_r[at(t, hl)..at(t, hl + 1)]);
+                                    if fold {
+                                        let end = q.len();
+                                        finish(t, hl, &mut q[end - hd..]);
+                                    }
+                                    bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
+                                }
+                            }
+                            if fold && part == parts - 1 {
+                                // This item's block is one token, and only this item reads its
+                                // KV head's last page: the new key and value go in here.
+                                let (k, v) = (nq + kvl, nq + nkv + kvl);
+                                o.clear();
+                                o.extend_from_slice(&qkv_r[at(t0, k)..at(t0, k + 1)]);
+                                o.extend_from_slice(&qkv_r[at(t0, v)..at(t0, v + 1)]);
+                                let (ko, vo) = o.split_at_mut(hd);
+                                finish(t0, k, ko);
+                                finish(t0, v, vo);
+                                // SAFETY: no other item reads or writes head `kvl`'s last page
+                                // of this sequence (other parts read earlier pages only).
+                                unsafe { kv_r.write_head(li, &tables[seq], tokens[t0].1, kvl, ko, vo) };
+                            }
+                            o.resize(q.len(), 0.0);
+                            let split = parts > 1;
+                            if split {
+                                // Rows see only this part's keys (their bounds lie within the
+                                // block's).
+                                for b in bounds.iter_mut() {
+                                    *b = if keys.is_empty() {
+                                        (1, 0)
+                                    } else {
+                                        (b.0.max(keys.start), b.1.min(keys.end - 1))
+                                    };
+                                }
+                                stats.resize(2 * bounds.len(), 0.0);
+                            }
+                            kv_r.attend(
+                                li,
+                                kvl,
+                                &tables[seq],
+                                q,
+                                bounds,
+                                scale,
+                                o,
+                                split.then_some(&mut stats[..]),
+                            );
+                            for (i, row) in o.chunks_exact(hd).enumerate() {
+                                let dst = (t0 + i % nt) * nq + heads.start + i / nt;
+                                // SAFETY: (token, head) rows, and their parts, are disjoint
+                                // between items.
+                                if split {
+                                    let at = dst * parts + part;
+                                    unsafe { part_out.range(at * hd, hd) }.copy_from_slice(row);
+                                    unsafe { part_stats.range(at * 2, 2) }
+                                        .copy_from_slice(&stats[2 * i..2 * i + 2]);
+                                } else {
+                                    unsafe { att.range(dst * hd, hd) }.copy_from_slice(row);
+                                }
+                            }
+                        });
                     }
                 });
-            });
-            if parts > 1 {
-                for (r, o) in s.att[..n * nq * hd].chunks_exact_mut(hd).enumerate() {
-                    let at = r * parts;
-                    let (po, ps) =
-                        (&s.part_out[at * hd..(at + parts) * hd], &s.part_stats[at * 2..(at + parts) * 2]);
-                    kernels::merge_attention_parts(po, ps, o);
-                }
-            }
-            kernels::matmul(team, &l.o_proj, &s.att[..n * nq * hd], n, &mut s.o[..n * h]);
-            comm.allreduce_sum(&mut s.o[..n * h]);
-            x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
+                let att_in: &[f32] = if parts > 1 {
+                    // Few rows (decode): every thread merges them all into its own copy.
+                    let rows = n * nq;
+                    let (po, ps) = unsafe {
+                        (&*part_out.range(0, rows * parts * hd), &*part_stats.range(0, rows * parts * 2))
+                    };
+                    for (row, out) in att_own.chunks_exact_mut(hd).enumerate() {
+                        let at = row * parts;
+                        kernels::merge_attention_parts(
+                            &po[at * hd..(at + parts) * hd],
+                            &ps[at * 2..(at + parts) * 2],
+                            out,
+                        );
+                    }
+                    att_own
+                } else {
+                    unsafe { &*att.range(0, n * nq * hd) }
+                };
+                kernels::matmul(r, &l.o_proj, att_in, n, unsafe { o.range(0, n * h) });
+                allreduce(r, &comm, &o, n * h);
+                let o_r = unsafe { &*o.range(0, n * h) };
+                xo.iter_mut().zip(o_r).for_each(|(a, b)| *a += b);
 
-            // FFN block.
-            kernels::rmsnorm(x, &l.post_norm, cfg.rms_norm_eps, &mut s.xn[..n * h]);
-            kernels::matmul(team, &l.gate_up, &s.xn[..n * h], n, &mut s.gu[..n * 2 * ffl]);
-            for t in 0..n {
-                let (g, u) = s.gu[t * 2 * ffl..(t + 1) * 2 * ffl].split_at_mut(ffl);
-                kernels::silu_mul(g, u);
-                if n > 1 {
-                    s.act[t * ffl..(t + 1) * ffl].copy_from_slice(g);
-                }
+                // FFN block.
+                kernels::rmsnorm(xo, &l.post_norm, cfg.rms_norm_eps, xn);
+                kernels::matmul(r, &l.gate_up, xn, n, unsafe { gu.range(0, n * 2 * ffl) });
+                let gu_r = unsafe { &*gu.range(0, n * 2 * ffl) };
+                let act_in: &[f32] = if replicate {
+                    // Few tokens: every thread its own copy, without a barrier.
+                    for (t, a) in act_own.chunks_exact_mut(ffl).enumerate() {
+                        let (g, u) = gu_r[t * 2 * ffl..(t + 1) * 2 * ffl].split_at(ffl);
+                        a.copy_from_slice(g);
+                        kernels::silu_mul(a, u);
+                    }
+                    act_own
+                } else {
+                    for t in r.share(n) {
+                        let (g, u) = gu_r[t * 2 * ffl..(t + 1) * 2 * ffl].split_at(ffl);
+                        let a = unsafe { act.range(t * ffl, ffl) };
+                        a.copy_from_slice(g);
+                        kernels::silu_mul(a, u);
+                    }
+                    r.barrier();
+                    unsafe { &*act.range(0, n * ffl) }
+                };
+                kernels::matmul(r, &l.down, act_in, n, unsafe { o.range(0, n * h) });
+                allreduce(r, &comm, &o, n * h);
+                let o_r = unsafe { &*o.range(0, n * h) };
+                xo.iter_mut().zip(o_r).for_each(|(a, b)| *a += b);
+                // `o` is written next by the next layer's o_proj, two barriers or more from here.
             }
-            // One token's activations are already contiguous (the front of its gate/up row).
-            let act = if n == 1 { &s.gu[..ffl] } else { &s.act[..n * ffl] };
-            kernels::matmul(team, &l.down, act, n, &mut s.o[..n * h]);
-            comm.allreduce_sum(&mut s.o[..n * h]);
-            x.iter_mut().zip(&s.o[..n * h]).for_each(|(a, b)| *a += b);
-        }
+            if tid == 0 {
+                unsafe { x_io.range(0, n * h) }.copy_from_slice(xo);
+            }
+        });
     }
 
     /// cos/sin of every token's position (`s.tokens`).
@@ -530,6 +715,8 @@ pub struct Scratch {
     /// Query rows per attention item that every kernel thread's buffers are sized for
     /// ([`reserve_thread_buffers`]).
     thread_rows: usize,
+    /// Each kernel thread's own buffers in [`Shard::forward`]'s region.
+    own: Vec<f32>,
 }
 
 impl Scratch {
