@@ -51,15 +51,13 @@ unsafe impl Send for Inner {}
 pub struct Team {
     inner: Arc<Inner>,
     workers: Vec<JoinHandle<()>>,
-    /// One range per thread for [`Team::for_ranges`]: `front << 32 | back`, reset by the
-    /// owner before each kernel (so the hot path allocates nothing). Each on its own cache
-    /// lines: a thread takes every piece of its share with a compare-exchange, and with the
-    /// shares side by side each one pulled the line away from the other threads' (in a
-    /// profile of SmolLM2 decode on the 2-core test machine, this loop fell from 1.8% of the
-    /// samples to 0.3–0.4% once the shares were padded).
+    /// One range per thread for [`Region::for_ranges`] (and so [`Team::for_ranges`]): a tag
+    /// (see there), then `front` and `back`, 24 bits each. Each on its own cache lines: a
+    /// thread takes every piece of its share with a compare-exchange, and with the shares side
+    /// by side each one pulled the line away from the other threads' (in a profile of SmolLM2
+    /// decode on the 2-core test machine, this loop fell from 1.8% of the samples to 0.3–0.4%
+    /// once the shares were padded).
     shares: Box<[CachePadded<AtomicU64>]>,
-    /// The same for [`Region::for_ranges`], tagged with the call they belong to (see there).
-    region_shares: Box<[CachePadded<AtomicU64>]>,
     /// Calls of [`Region::for_ranges`] each thread has made.
     calls: Box<[CachePadded<AtomicU64>]>,
     /// Barriers each thread has passed ([`Region::barrier`]), each on its own cache lines.
@@ -90,14 +88,7 @@ impl Team {
             workers.push(h);
         }
         let padded = |v| (0..threads).map(|_| CachePadded::new(AtomicU64::new(v))).collect();
-        Ok(Team {
-            inner,
-            workers,
-            shares: padded(0),
-            region_shares: padded(STALE),
-            calls: padded(0),
-            arrived: padded(0),
-        })
+        Ok(Team { inner, workers, shares: padded(STALE), calls: padded(0), arrived: padded(0) })
     }
 
     pub fn threads(&self) -> usize {
@@ -144,7 +135,7 @@ impl Team {
             // A region may have stopped with its threads at different barriers: start the
             // next one from a clean count.
             self.arrived.iter().chain(self.calls.iter()).for_each(|a| a.store(0, SeqCst));
-            self.region_shares.iter().for_each(|s| s.store(STALE, SeqCst));
+            self.shares.iter().for_each(|s| s.store(STALE, SeqCst));
             if let Err(p) = mine {
                 std::panic::resume_unwind(p);
             }
@@ -160,23 +151,6 @@ impl Team {
     pub fn region(&self, f: &(dyn Fn(&Region) + Sync)) {
         self.run(&|tid| f(&Region { team: self, tid }))
     }
-
-    /// Calls `f(i)` for every `i` in `0..n`, spread over the team: each worker takes the next
-    /// index from a shared counter until none are left.
-    pub fn for_each(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
-        if n == 1 || self.inner.threads == 1 {
-            (0..n).for_each(f);
-            return;
-        }
-        let next = AtomicUsize::new(0);
-        self.run(&|_| loop {
-            let i = next.fetch_add(1, Relaxed);
-            if i >= n {
-                break;
-            }
-            f(i);
-        });
-    }
 }
 
 impl Team {
@@ -185,77 +159,16 @@ impl Team {
     /// pieces (a quarter of what it has left, never less than `min`), so its pieces follow
     /// each other in memory and its weight stream never restarts. A thread whose share is
     /// done moves the back half of the largest share left to its own and goes on there, so a
-    /// thread that is slow or descheduled does not hold up the kernel.
+    /// thread that is slow or descheduled does not hold up the kernel. (A region of one call
+    /// of [`Region::for_ranges`], whose join is the barrier.)
     pub fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
-        let threads = self.inner.threads;
-        if threads == 1 || n <= min {
+        if self.inner.threads == 1 || n <= min {
             if n > 0 {
                 f(0..n);
             }
             return;
         }
-        assert!(n < 1 << 32, "for_ranges: {n} items");
-        let min = min.max(1);
-        let pack = |a: usize, b: usize| ((a as u64) << 32) | b as u64;
-        let unpack = |v: u64| ((v >> 32) as usize, (v & 0xFFFF_FFFF) as usize);
-        for (t, s) in self.shares.iter().enumerate() {
-            s.store(pack(t * n / threads, (t + 1) * n / threads), Relaxed);
-        }
-        let shares = &self.shares;
-        self.run(&|tid| {
-            let mine = &shares[tid];
-            loop {
-                // Take pieces from the front of this thread's share until it is empty.
-                let mut cur = mine.load(Relaxed);
-                loop {
-                    let (a, b) = unpack(cur);
-                    if a >= b {
-                        break;
-                    }
-                    let end = (a + ((b - a) / 4).max(min)).min(b);
-                    match mine.compare_exchange_weak(cur, pack(end, b), Relaxed, Relaxed) {
-                        Ok(_) => {
-                            f(a..end);
-                            cur = mine.load(Relaxed);
-                        }
-                        Err(now) => cur = now,
-                    }
-                }
-                // Then move the back half of the largest share left (all of it when it is
-                // no longer than `min`) to this thread's own, and go on there.
-                let victim = shares.iter().enumerate().filter(|&(t, _)| t != tid).max_by_key(|(_, s)| {
-                    let (a, b) = unpack(s.load(Relaxed));
-                    b.saturating_sub(a)
-                });
-                let Some((_, victim)) = victim else { return };
-                let mut cur = victim.load(Relaxed);
-                let stolen = loop {
-                    let (a, b) = unpack(cur);
-                    if a >= b {
-                        break None;
-                    }
-                    let mid = if b - a > min { b - (b - a) / 2 } else { a };
-                    match victim.compare_exchange_weak(cur, pack(a, mid), Relaxed, Relaxed) {
-                        Ok(_) => break Some((mid, b)),
-                        Err(now) => cur = now,
-                    }
-                };
-                match stolen {
-                    // Only this thread takes from its own front, and its share is empty, so a
-                    // plain store cannot lose a piece (thieves find nothing to take from it).
-                    Some((a, b)) => mine.store(pack(a, b), Relaxed),
-                    None => {
-                        // The largest share was emptied meanwhile: done when all are.
-                        if shares.iter().all(|s| {
-                            let (a, b) = unpack(s.load(Relaxed));
-                            a >= b
-                        }) {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
+        self.region(&|r| r.take_ranges(n, min, f));
     }
 }
 
@@ -324,10 +237,16 @@ impl Region<'_> {
     /// There is no owner to set the shares before a call, so each share is tagged with the
     /// call it belongs to (the number of calls its thread had made, modulo 2^15: the same for
     /// every thread of a call, and one more than the last call's). A thread meeting a share
-    /// with an older tag, its own or another's,
-    /// first resets it to that thread's share of this call: a thread that arrives late finds
-    /// its share already started by the others.
+    /// with an older tag, its own or another's, first resets it to that thread's share of this
+    /// call: a thread that arrives late finds its share already started by the others.
     pub fn for_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        self.take_ranges(n, min, f);
+        self.barrier();
+    }
+
+    /// [`Region::for_ranges`] without its barrier: returns when this thread finds nothing
+    /// left to take, while others may still be running their last ranges.
+    fn take_ranges(&self, n: usize, min: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
         let threads = self.threads();
         if threads == 1 {
             if n > 0 {
@@ -342,7 +261,7 @@ impl Region<'_> {
         calls.store(tag + 1, Relaxed);
         let pack = |a: usize, b: usize| (tag << 48) | ((a as u64) << 24) | b as u64;
         let unpack = |v: u64| (((v >> 24) & 0xFF_FFFF) as usize, (v & 0xFF_FFFF) as usize);
-        let shares = &self.team.region_shares;
+        let shares = &self.team.shares;
         // Share `t` of this call, set first if it still holds an earlier call's.
         let current = |t: usize| {
             let s = &shares[t];
@@ -411,7 +330,6 @@ impl Region<'_> {
                 }
             }
         }
-        self.barrier();
     }
 }
 
@@ -502,22 +420,6 @@ impl Drop for Team {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn every_index_once_across_many_kernels() {
-        for threads in [1, 2, 3] {
-            let team = Team::new(threads).unwrap();
-            for n in [0, 1, 5, 100] {
-                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-                for _ in 0..50 {
-                    team.for_each(n, &|i| {
-                        hits[i].fetch_add(1, Relaxed);
-                    });
-                }
-                assert!(hits.iter().all(|h| h.load(Relaxed) == 50), "threads {threads} n {n}");
-            }
-        }
-    }
 
     #[test]
     fn ranges_cover_everything_once() {
