@@ -137,9 +137,10 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
 }
 
 /// The round trip of one empty job from the calling thread to every other thread of `team`
-/// and back, in µs: the median of `calls` jobs in a row (0 with one thread). Every product of
-/// a decode step hands its input to the team and waits for the last thread, so this is a
-/// floor under the start and end of each of them.
+/// and back, in µs: the median of `calls` jobs in a row (0 with one thread). A step's output
+/// head hands its input to the team and waits for the last thread, and each kernel of the
+/// step's region ends in a barrier, whose crossings (one each way, at once) are those of this
+/// round trip: so it says what the cores' distance adds to each of them.
 ///
 /// It shows how far apart the cores are. On the 2-core Zen 4 test machines it read 0.05–0.12
 /// µs in some spells and 0.44–0.58 µs (once 0.5–0.8) in others, and the spells of the slow

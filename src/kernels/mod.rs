@@ -1,6 +1,7 @@
 //! Compute kernels: pure functions on slices. Owns: arithmetic of one rank. Must not know about
-//! MPI, the grid or the model's structure. Parallel kernels run on the [`Team`] they are given
-//! (the engine's, which stays awake for a whole step).
+//! MPI, the grid or the model's structure. Parallel kernels run where they are told ([`Par`]):
+//! on the engine's [`Team`], which stays awake for a whole step, or on one thread of a region
+//! of it ([`Team::region`]), where every thread makes the same calls.
 
 pub mod arena;
 pub mod dot;
