@@ -32,25 +32,23 @@ unsafe impl<T: Send> Send for Store<T> {}
 unsafe impl<T: Sync> Sync for Store<T> {}
 
 impl<T> Store<T> {
-    /// `len` keys of `layer` from `at`.
+    /// `len` elements of `layer` in `bufs` (`self.k` or `self.v`) from `at`, as a raw slice: no
+    /// reference is made, so another thread may be writing them (enough for prefetching).
+    fn span(&self, bufs: &[*mut T], layer: usize, at: usize, len: usize) -> *const [T] {
+        assert!(at + len <= self.per_layer, "KV range past its layer");
+        std::ptr::slice_from_raw_parts(bufs[layer].wrapping_add(at).cast_const(), len)
+    }
+
+    /// `len` keys of `layer` from `at`, to read.
     fn keys(&self, layer: usize, at: usize, len: usize) -> &[T] {
-        assert!(at + len <= self.per_layer, "KV range past its layer");
-        // SAFETY: in bounds; no write overlaps a range while it is read (see `put`).
-        unsafe { std::slice::from_raw_parts(self.k[layer].add(at), len) }
+        // SAFETY: in bounds (`span`); no write overlaps a range while it is read (see `put`).
+        unsafe { &*self.span(&self.k, layer, at, len) }
     }
 
+    /// As [`Store::keys`], for values.
     fn values(&self, layer: usize, at: usize, len: usize) -> &[T] {
-        assert!(at + len <= self.per_layer, "KV range past its layer");
         // SAFETY: as in `keys`.
-        unsafe { std::slice::from_raw_parts(self.v[layer].add(at), len) }
-    }
-
-    /// The keys and values of `keys` and `values`, for prefetching only: no reference is made,
-    /// so another thread may be writing them.
-    fn lines(&self, layer: usize, at: usize, len: usize) -> [*const [T]; 2] {
-        assert!(at + len <= self.per_layer, "KV range past its layer");
-        [self.k[layer], self.v[layer]]
-            .map(|p| std::ptr::slice_from_raw_parts(p.wrapping_add(at).cast_const(), len))
+        unsafe { &*self.span(&self.v, layer, at, len) }
     }
 }
 
@@ -218,8 +216,8 @@ impl KvPool {
         };
         let (hd, slot) = (self.head_dim, pos % PAGE);
         fn lines<T>(s: &Store<T>, layer: usize, a: usize, slot: usize, hd: usize) {
-            kernels::dot::prefetch(s.lines(layer, a, PAGE * hd)[0]);
-            kernels::dot::prefetch(s.lines(layer, a + slot * hd, hd)[1]);
+            kernels::dot::prefetch(s.span(&s.k, layer, a, PAGE * hd));
+            kernels::dot::prefetch(s.span(&s.v, layer, a + slot * hd, hd));
         }
         for h in heads.start..heads.end.min(self.n_kv) {
             let a = block(self.pages, hd, h, page);
@@ -236,7 +234,8 @@ impl KvPool {
     /// attention can fetch the next one's while it computes.
     pub fn prefetch_read(&self, layer: usize, kv: usize, table: &[u32], first: usize, last: usize) {
         fn lines<T>(s: &Store<T>, layer: usize, a: usize, len: usize) {
-            s.lines(layer, a, len).into_iter().for_each(kernels::dot::prefetch_l2);
+            kernels::dot::prefetch_l2(s.span(&s.k, layer, a, len));
+            kernels::dot::prefetch_l2(s.span(&s.v, layer, a, len));
         }
         let (hd, pages) = (self.head_dim, self.pages);
         let first_page = first / PAGE;
