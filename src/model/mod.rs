@@ -352,6 +352,9 @@ impl Shard {
         let qkv_rows = (nq + 2 * nkv) * hd;
         let ffl = self.plan.ffn.len();
         let n: usize = spans.iter().map(|sp| sp.len).sum();
+        if n == 0 || self.layers.is_empty() {
+            return;
+        }
         s.ensure(n, self);
         s.tokens.clear();
         s.blocks.clear();
@@ -393,9 +396,6 @@ impl Shard {
         // Parts are stored only when a step splits; otherwise rows go straight to `att`.
         let stored = if parts > 1 { parts } else { 0 };
         s.ensure_parts(stored, n, self);
-        if n == 0 || self.layers.is_empty() {
-            return;
-        }
         // Each thread's own buffers: its copy of the residual stream and of its norm, of the
         // merged attention rows of a split step, and of the activations of a short one; each
         // thread's on cache lines of its own.
@@ -427,8 +427,17 @@ impl Shard {
         // between the QKV product and attention.
         let fold = spans.iter().all(|sp| sp.len == 1)
             && spans.iter().enumerate().all(|(i, a)| spans[..i].iter().all(|b| b.seq != a.seq));
+        // Token `t`'s vector `j` of a QKV row (q heads, then k heads, then v heads) as it
+        // comes from the product, finished: its bias added and, but for v, rotated.
         let half = hd / 2;
-        let rope_of = |t: usize| (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+        let finish = |l: &Layer, t: usize, j: usize, out: &mut [f32]| {
+            if let Some(b) = &l.qkv_bias {
+                out.iter_mut().zip(&b[j * hd..(j + 1) * hd]).for_each(|(v, b)| *v += b);
+            }
+            if j < nq + nkv {
+                kernels::rope(out, hd, &cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+            }
+        };
         let x_io = SharedSlice::new(x);
         let qkv = SharedSlice::new(&mut qkv[..n * qkv_rows]);
         let att = SharedSlice::new(&mut att[..n * nq * hd]);
@@ -486,10 +495,9 @@ impl Shard {
                         let (kv, qkv) = unsafe { (kv.get_mut(), qkv.range(0, n * qkv_rows)) };
                         for (t, &(seq, pos)) in tokens.iter().enumerate() {
                             let row = &mut qkv[t * qkv_rows..(t + 1) * qkv_rows];
-                            if let Some(b) = &l.qkv_bias {
-                                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                            for (j, v) in row.chunks_exact_mut(hd).enumerate() {
+                                finish(l, t, j, v);
                             }
-                            kernels::rope(&mut row[..(nq + nkv) * hd], hd, rope_of(t).0, rope_of(t).1);
                             kv.write(
                                 li,
                                 &tables[seq],
@@ -527,22 +535,12 @@ impl Shard {
                             bounds.clear();
                             // Where row `t`'s vector `j` (of q, then k, then v heads) begins.
                             let at = |t: usize, j: usize| t * qkv_rows + j * hd;
-                            // The bias, RoPE (but for v) and, for keys and values, the write into
-                            // the cache, when the items do them (`fold`).
-                            let finish = |t: usize, j: usize, out: &mut [f32]| {
-                                if let Some(b) = &l.qkv_bias {
-                                    out.iter_mut().zip(&b[j * hd..(j + 1) * hd]).for_each(|(v, b)| *v += b);
-                                }
-                                if j < nq + nkv {
-                                    kernels::rope(out, hd, rope_of(t).0, rope_of(t).1);
-                                }
-                            };
                             for hl in heads.clone() {
                                 for (t, &(_, pos)) in tokens.iter().enumerate().skip(t0).take(nt) {
                                     q.extend_from_slice(&qkv_r[at(t, hl)..at(t, hl + 1)]);
                                     if fold {
                                         let end = q.len();
-                                        finish(t, hl, &mut q[end - hd..]);
+                                        finish(l, t, hl, &mut q[end - hd..]);
                                     }
                                     bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
                                 }
@@ -555,8 +553,8 @@ impl Shard {
                                 o.extend_from_slice(&qkv_r[at(t0, k)..at(t0, k + 1)]);
                                 o.extend_from_slice(&qkv_r[at(t0, v)..at(t0, v + 1)]);
                                 let (ko, vo) = o.split_at_mut(hd);
-                                finish(t0, k, ko);
-                                finish(t0, v, vo);
+                                finish(l, t0, k, ko);
+                                finish(l, t0, v, vo);
                                 // SAFETY: no other item reads or writes head `kvl`'s last page
                                 // of this sequence (other parts read earlier pages only).
                                 unsafe { kv_r.write_head(li, &tables[seq], tokens[t0].1, kvl, ko, vo) };
@@ -628,21 +626,18 @@ impl Shard {
                 kernels::rmsnorm(xo, &l.post_norm, cfg.rms_norm_eps, xn);
                 kernels::matmul(r, &l.gate_up, xn, n, unsafe { gu.range(0, n * 2 * ffl) });
                 let gu_r = unsafe { &*gu.range(0, n * 2 * ffl) };
+                // Token `t`'s activations, silu(gate) · up, into `a`.
+                let silu = |t: usize, a: &mut [f32]| {
+                    let (g, u) = gu_r[t * 2 * ffl..(t + 1) * 2 * ffl].split_at(ffl);
+                    a.copy_from_slice(g);
+                    kernels::silu_mul(a, u);
+                };
                 let act_in: &[f32] = if replicate {
                     // Few tokens: every thread its own copy, without a barrier.
-                    for (t, a) in act_own.chunks_exact_mut(ffl).enumerate() {
-                        let (g, u) = gu_r[t * 2 * ffl..(t + 1) * 2 * ffl].split_at(ffl);
-                        a.copy_from_slice(g);
-                        kernels::silu_mul(a, u);
-                    }
+                    act_own.chunks_exact_mut(ffl).enumerate().for_each(|(t, a)| silu(t, a));
                     act_own
                 } else {
-                    for t in r.share(n) {
-                        let (g, u) = gu_r[t * 2 * ffl..(t + 1) * 2 * ffl].split_at(ffl);
-                        let a = unsafe { act.range(t * ffl, ffl) };
-                        a.copy_from_slice(g);
-                        kernels::silu_mul(a, u);
-                    }
+                    r.share(n).for_each(|t| silu(t, unsafe { act.range(t * ffl, ffl) }));
                     r.barrier();
                     unsafe { &*act.range(0, n * ffl) }
                 };
