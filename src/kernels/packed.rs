@@ -366,10 +366,9 @@ fn put<const NT: usize>(acc: &mut [[f32; PANEL]], sums: [[f32; PANEL]; NT]) {
 #[inline]
 fn store(o: &mut [f32], sums: &[f32; PANEL], first: bool) {
     match <&mut [f32; PANEL]>::try_from(&mut *o) {
-        Ok(o) if first => *o = *sums,
-        Ok(o) => o.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
-        Err(_) if first => o.iter_mut().zip(sums).for_each(|(o, v)| *o = *v),
-        Err(_) => o.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
+        Ok(whole) if first => *whole = *sums,
+        _ if first => o.iter_mut().zip(sums).for_each(|(o, v)| *o = *v),
+        _ => o.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
     }
 }
 

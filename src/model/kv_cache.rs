@@ -39,16 +39,11 @@ impl<T> Store<T> {
         std::ptr::slice_from_raw_parts(bufs[layer].wrapping_add(at).cast_const(), len)
     }
 
-    /// `len` keys of `layer` from `at`, to read.
-    fn keys(&self, layer: usize, at: usize, len: usize) -> &[T] {
+    /// `len` keys and `len` values of `layer` from `at` (one KV head's block of a page), to
+    /// read.
+    fn page_block(&self, layer: usize, at: usize, len: usize) -> (&[T], &[T]) {
         // SAFETY: in bounds (`span`); no write overlaps a range while it is read (see `put`).
-        unsafe { &*self.span(&self.k, layer, at, len) }
-    }
-
-    /// As [`Store::keys`], for values.
-    fn values(&self, layer: usize, at: usize, len: usize) -> &[T] {
-        // SAFETY: as in `keys`.
-        unsafe { &*self.span(&self.v, layer, at, len) }
+        unsafe { (&*self.span(&self.k, layer, at, len), &*self.span(&self.v, layer, at, len)) }
     }
 }
 
@@ -274,16 +269,13 @@ impl KvPool {
         let at = |p: usize| block(pages, hd, kv, table[p] as usize);
         match &self.data {
             Data::F32(s) => {
-                let page = |p| (s.keys(layer, at(p), len), s.values(layer, at(p), len));
-                kernels::attend_tiled(q, bounds, PAGE, page, scale, out, stats)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, stats)
             }
             Data::F16(s) => {
-                let page = |p| (s.keys(layer, at(p), len), s.values(layer, at(p), len));
-                kernels::attend_tiled(q, bounds, PAGE, page, scale, out, stats)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, stats)
             }
             Data::BF16(s) => {
-                let page = |p| (s.keys(layer, at(p), len), s.values(layer, at(p), len));
-                kernels::attend_tiled(q, bounds, PAGE, page, scale, out, stats)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, stats)
             }
         }
     }

@@ -79,10 +79,13 @@ struct MainThread<'a>(&'a dyn Comm);
 // SAFETY: only thread 0 of the region, the thread the communicator belongs to, calls it.
 unsafe impl Sync for MainThread<'_> {}
 
-/// Sums `o[..len]` over the stage's tensor-parallel ranks: thread 0 calls MPI while the other
-/// threads wait at a barrier (none when the stage has one rank). `o` is complete on entry (the
-/// product that wrote it ended with a barrier).
-fn allreduce(r: &Region, comm: &MainThread, o: &SharedSlice, len: usize) {
+/// Sums a sublayer's output `o[..x.len()]` over the stage's tensor-parallel ranks and adds it
+/// to this thread's copy of the residual stream `x`: thread 0 calls MPI while the other threads
+/// wait at a barrier (none when the stage has one rank). `o` is complete on entry (the product
+/// that wrote it ended with a barrier), and nothing writes it again before every thread has
+/// passed another barrier.
+fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32]) {
+    let len = x.len();
     if comm.0.size() > 1 {
         if r.tid() == 0 {
             // SAFETY: the other threads wait at the barrier below.
@@ -90,6 +93,9 @@ fn allreduce(r: &Region, comm: &MainThread, o: &SharedSlice, len: usize) {
         }
         r.barrier();
     }
+    // SAFETY: as above, `o` is only read until the next barrier.
+    let o = unsafe { &*o.range(0, len) };
+    x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
 }
 
 /// A tile's query rows, its output rows, each row's key bounds and (for a part) each row's
@@ -618,9 +624,7 @@ impl Shard {
                     unsafe { &*att.range(0, n * nq * hd) }
                 };
                 kernels::matmul(r, &l.o_proj, att_in, n, unsafe { o.range(0, n * h) });
-                allreduce(r, &comm, &o, n * h);
-                let o_r = unsafe { &*o.range(0, n * h) };
-                xo.iter_mut().zip(o_r).for_each(|(a, b)| *a += b);
+                add_reduced(r, &comm, &o, xo);
 
                 // FFN block.
                 kernels::rmsnorm(xo, &l.post_norm, cfg.rms_norm_eps, xn);
@@ -642,9 +646,7 @@ impl Shard {
                     unsafe { &*act.range(0, n * ffl) }
                 };
                 kernels::matmul(r, &l.down, act_in, n, unsafe { o.range(0, n * h) });
-                allreduce(r, &comm, &o, n * h);
-                let o_r = unsafe { &*o.range(0, n * h) };
-                xo.iter_mut().zip(o_r).for_each(|(a, b)| *a += b);
+                add_reduced(r, &comm, &o, xo);
                 // `o` is written next by the next layer's o_proj, two barriers or more from here.
             }
             if tid == 0 {
