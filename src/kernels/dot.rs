@@ -145,8 +145,8 @@ impl Elem for i8 {
 pub enum Isa {
     Portable,
     Avx2,
-    /// AVX-512F (with AVX2, FMA and F16C): the float panel kernels in 512-bit registers; every
-    /// other kernel runs its AVX2 version.
+    /// AVX-512F (with AVX2, FMA and F16C): the float panel kernels and attention's page kernels
+    /// in 512-bit registers; every other kernel runs its AVX2 version.
     Avx512,
     /// [`Isa::Avx512`] with AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids): bf16 weights meet
     /// their inputs rounded to bf16, each instruction (`vdpbf16ps`) summing 32 products of bf16
@@ -216,10 +216,17 @@ fn detect_native() -> Isa {
     }
 }
 
+/// Sets of accumulators the dimensions of a score go round-robin over, in every SIMD path and
+/// for every number of rows sharing a call: a row's score for a key is summed in one order
+/// whichever rows come with it, and on AVX2 and AVX-512 alike.
+const SCORE_SETS: usize = 2;
+
 /// Scores of `q` (`[rows, hd]`) against one page of keys stored transposed (`kt` is
 /// `[hd, page_len]`: for each dimension, the page's keys side by side):
 /// `out[r * stride + j] = Σ_d q[r][d] · kt[d][j]` for every `j` in `0..page_len` (rows of
 /// `out` are `stride >= page_len` apart). Each converted vector of keys serves up to four rows.
+/// The AVX-512 path (pages a multiple of [`BLOCK`] long) gives the AVX2 path's scores bit for
+/// bit: each of its lanes goes through the same operations in the same order.
 pub fn page_scores<T: Elem + Avx2Load>(
     kt: &[T],
     page_len: usize,
@@ -240,8 +247,13 @@ pub fn page_scores<T: Elem + Avx2Load>(
     );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: every non-portable `Isa` is only produced after detecting avx2, fma and
-        // f16c; shapes are checked above.
+        // SAFETY: every AVX-512 `Isa` is only produced after detecting avx512f besides avx2,
+        // fma and f16c; shapes are checked above.
+        Isa::Avx512 | Isa::Avx512Bf16 if page_len.is_multiple_of(BLOCK) => unsafe {
+            avx512::page_scores(kt, page_len, q, hd, rows, out, stride)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
         Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 if page_len.is_multiple_of(8) => unsafe {
             avx2::page_scores(kt, page_len, q, hd, rows, out, stride)
         },
@@ -260,7 +272,8 @@ pub fn page_scores<T: Elem + Avx2Load>(
 
 /// `o[r] += Σ_j p[r][j] · v[j]` for `rows` rows: `p` is `[rows, n]` with rows `stride` apart
 /// (only the first `n` of each row are read), `v` is `[n, hd]`, `o` is `[rows, hd]`. Each
-/// converted vector of values serves up to three rows.
+/// converted vector of values serves up to four rows. The AVX-512 path gives the AVX2 path's
+/// sums bit for bit, as [`page_scores`].
 pub fn page_values<T: Elem + Avx2Load>(
     p: &[f32],
     stride: usize,
@@ -275,7 +288,10 @@ pub fn page_values<T: Elem + Avx2Load>(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::page_values(p, stride, v, n, hd, o) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx512::page_values(p, stride, v, n, hd, o) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::page_values(p, stride, v, n, hd, 0, o) },
         _ => {
             for (r, or) in o.chunks_exact_mut(hd).enumerate() {
                 for (j, vj) in v.chunks_exact(hd).enumerate() {
@@ -387,7 +403,7 @@ pub use avx2::{panel_pair as avx2_panel_pair, panels as avx2_panels, panels_q8 a
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Elem, BLOCK};
+    use super::{Elem, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -451,11 +467,11 @@ mod avx2 {
     }
 
     /// `NR` rows of scores against one page of transposed keys, keys `j0..j0 + 8 * NV`. The
-    /// dimensions go round-robin over `S` sets of accumulators, so several FMA chains are in
-    /// flight however few the rows (one row alone would wait on FMA latency).
+    /// dimensions go round-robin over [`SCORE_SETS`] sets of accumulators, so several FMA
+    /// chains are in flight however few the rows (one row alone would wait on FMA latency).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scores_block<T: Avx2Load, const NR: usize, const NV: usize, const S: usize>(
+    unsafe fn scores_block<T: Avx2Load, const NR: usize, const NV: usize>(
         kt: *const T,
         page_len: usize,
         j0: usize,
@@ -464,7 +480,7 @@ mod avx2 {
         out: *mut f32,
         stride: usize,
     ) {
-        let mut acc = [[[_mm256_setzero_ps(); NV]; NR]; S];
+        let mut acc = [[[_mm256_setzero_ps(); NV]; NR]; SCORE_SETS];
         let step = |acc: &mut [[__m256; NV]; NR], d: usize| {
             let k: [__m256; NV] = std::array::from_fn(|i| T::load8(kt.add(d * page_len + j0 + 8 * i)));
             for (r, a) in acc.iter_mut().enumerate() {
@@ -475,11 +491,11 @@ mod avx2 {
             }
         };
         let mut d = 0;
-        while d + S <= hd {
+        while d + SCORE_SETS <= hd {
             for (s, a) in acc.iter_mut().enumerate() {
                 step(a, d + s);
             }
-            d += S;
+            d += SCORE_SETS;
         }
         while d < hd {
             step(&mut acc[0], d);
@@ -510,7 +526,7 @@ mod avx2 {
         stride: usize,
     ) {
         let (k, o) = (kt.as_ptr(), out.as_mut_ptr());
-        // Every block splits the dimensions over the same two sets of accumulators, so a row's
+        // Every block splits the dimensions over the same sets of accumulators, so a row's
         // score for a key is summed in one order whichever rows share its block: a query's
         // attention then does not depend on how many other rows (positions of its span, heads
         // of its group) come with it, and a prompt decoded in a batch gives the sums it gives
@@ -524,13 +540,13 @@ mod avx2 {
                 // Four rows × sixteen keys would need 16 accumulators: four rows go by eight.
                 let wide = page_len - j >= 16 && nr < 4;
                 match (nr, wide) {
-                    (3, true) => scores_block::<T, 3, 2, 2>(k, page_len, j, qr, hd, or, stride),
-                    (2, true) => scores_block::<T, 2, 2, 2>(k, page_len, j, qr, hd, or, stride),
-                    (1, true) => scores_block::<T, 1, 2, 2>(k, page_len, j, qr, hd, or, stride),
-                    (4, _) => scores_block::<T, 4, 1, 2>(k, page_len, j, qr, hd, or, stride),
-                    (3, false) => scores_block::<T, 3, 1, 2>(k, page_len, j, qr, hd, or, stride),
-                    (2, false) => scores_block::<T, 2, 1, 2>(k, page_len, j, qr, hd, or, stride),
-                    _ => scores_block::<T, 1, 1, 2>(k, page_len, j, qr, hd, or, stride),
+                    (3, true) => scores_block::<T, 3, 2>(k, page_len, j, qr, hd, or, stride),
+                    (2, true) => scores_block::<T, 2, 2>(k, page_len, j, qr, hd, or, stride),
+                    (1, true) => scores_block::<T, 1, 2>(k, page_len, j, qr, hd, or, stride),
+                    (4, _) => scores_block::<T, 4, 1>(k, page_len, j, qr, hd, or, stride),
+                    (3, false) => scores_block::<T, 3, 1>(k, page_len, j, qr, hd, or, stride),
+                    (2, false) => scores_block::<T, 2, 1>(k, page_len, j, qr, hd, or, stride),
+                    _ => scores_block::<T, 1, 1>(k, page_len, j, qr, hd, or, stride),
                 }
                 j += if wide { 16 } else { 8 };
             }
@@ -568,9 +584,11 @@ mod avx2 {
         }
     }
 
+    /// Columns `c0..hd` of [`super::page_values`].
+    ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `p` holds `rows` rows of at least `n` values
-    /// `stride` apart, `v` is `[n, hd]`, `o` is `[rows, hd]`.
+    /// `stride` apart, `v` is `[n, hd]`, `o` is `[rows, hd]`, `c0 <= hd`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn page_values<T: Avx2Load>(
         p: &[f32],
@@ -578,6 +596,7 @@ mod avx2 {
         v: &[T],
         n: usize,
         hd: usize,
+        c0: usize,
         o: &mut [f32],
     ) {
         let rows = o.len() / hd;
@@ -586,7 +605,7 @@ mod avx2 {
         while r < rows {
             let nr = (rows - r).min(4);
             let (pr, or) = (pp.add(r * stride), op.add(r * hd));
-            let mut c = 0;
+            let mut c = c0;
             while c + 8 <= hd {
                 // Up to eight accumulators (rows × column vectors): enough FMA chains in flight,
                 // and with the value vectors and a broadcast they stay in registers.
@@ -964,8 +983,8 @@ pub use avx512::{
 /// it is widened with a zero-extend and a shift, not split into even and odd columns).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{fetch_chunk, fetch_far, store_rows};
-    use super::{Elem, BLOCK};
+    use super::avx2::{fetch_chunk, fetch_far, page_values as page_values_avx2, store_rows, Avx2Load};
+    use super::{Elem, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -1010,6 +1029,181 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn fetch_near<T>(wp: *const T) {
         fetch_chunk::<T, 256, _MM_HINT_T0>(wp);
+    }
+
+    /// `NR` rows of scores against one page of transposed keys, keys `j0..j0 + 16 * NV`: the
+    /// AVX2 block's work (its dimensions over [`SCORE_SETS`] sets of accumulators, added in
+    /// the same order at the end) with sixteen keys to a register.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn scores_block<T: Avx512Load, const NR: usize, const NV: usize>(
+        kt: *const T,
+        page_len: usize,
+        j0: usize,
+        q: *const f32,
+        hd: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let mut acc = [[[_mm512_setzero_ps(); NV]; NR]; SCORE_SETS];
+        let step = |acc: &mut [[__m512; NV]; NR], d: usize| {
+            let k: [__m512; NV] = std::array::from_fn(|i| T::load_zmm(kt.add(d * page_len + j0 + BLOCK * i)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let b = _mm512_set1_ps(*q.add(r * hd + d));
+                for (ai, ki) in a.iter_mut().zip(&k) {
+                    *ai = _mm512_fmadd_ps(b, *ki, *ai);
+                }
+            }
+        };
+        let mut d = 0;
+        while d + SCORE_SETS <= hd {
+            for (s, a) in acc.iter_mut().enumerate() {
+                step(a, d + s);
+            }
+            d += SCORE_SETS;
+        }
+        while d < hd {
+            step(&mut acc[0], d);
+            d += 1;
+        }
+        for r in 0..NR {
+            for i in 0..NV {
+                let mut v = acc[0][r][i];
+                for a in &acc[1..] {
+                    v = _mm512_add_ps(v, a[r][i]);
+                }
+                _mm512_storeu_ps(out.add(r * stride + j0 + BLOCK * i), v);
+            }
+        }
+    }
+
+    /// [`super::page_scores`] on pages a multiple of [`BLOCK`] long. In a profile of SmolLM2
+    /// decode on the 2-core Zen 5 machine (three query heads per KV head, ~190 positions),
+    /// the AVX2 page kernels took ~5.2% as long as the layer products, these ~4.6%: what is
+    /// left is mostly waiting on the loads of keys and values.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx2, fma and f16c; `page_len % 16 == 0`, `kt` is
+    /// `[hd, page_len]`, `q` is `[rows, hd]` and `out` holds `rows` rows of `page_len` scores
+    /// `stride` apart.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn page_scores<T: Avx512Load>(
+        kt: &[T],
+        page_len: usize,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let (k, o) = (kt.as_ptr(), out.as_mut_ptr());
+        let mut r = 0;
+        while r < rows {
+            let nr = (rows - r).min(4);
+            let (qr, or) = (q.as_ptr().add(r * hd), o.add(r * stride));
+            let mut j = 0;
+            while j < page_len {
+                // At most eight accumulators: enough chains in flight for the FMA latency.
+                let wide = page_len - j >= 2 * BLOCK && nr <= 2;
+                match (nr, wide) {
+                    (2, true) => scores_block::<T, 2, 2>(k, page_len, j, qr, hd, or, stride),
+                    (1, true) => scores_block::<T, 1, 2>(k, page_len, j, qr, hd, or, stride),
+                    (4, _) => scores_block::<T, 4, 1>(k, page_len, j, qr, hd, or, stride),
+                    (3, _) => scores_block::<T, 3, 1>(k, page_len, j, qr, hd, or, stride),
+                    (2, _) => scores_block::<T, 2, 1>(k, page_len, j, qr, hd, or, stride),
+                    _ => scores_block::<T, 1, 1>(k, page_len, j, qr, hd, or, stride),
+                }
+                j += if wide { 2 * BLOCK } else { BLOCK };
+            }
+            r += nr;
+        }
+    }
+
+    /// `NR` rows × `16 * NV` columns (from `c0`) of `o += p · v`, each lane as in the AVX2
+    /// block.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn values_block<T: Avx512Load, const NR: usize, const NV: usize>(
+        p: *const f32,
+        stride: usize,
+        v: *const T,
+        n: usize,
+        hd: usize,
+        c0: usize,
+        o: *mut f32,
+    ) {
+        let mut acc: [[__m512; NV]; NR] =
+            std::array::from_fn(|r| std::array::from_fn(|i| _mm512_loadu_ps(o.add(r * hd + c0 + BLOCK * i))));
+        for j in 0..n {
+            let x: [__m512; NV] = std::array::from_fn(|i| T::load_zmm(v.add(j * hd + c0 + BLOCK * i)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let b = _mm512_set1_ps(*p.add(r * stride + j));
+                for (ai, xi) in a.iter_mut().zip(&x) {
+                    *ai = _mm512_fmadd_ps(b, *xi, *ai);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (i, ai) in a.iter().enumerate() {
+                _mm512_storeu_ps(o.add(r * hd + c0 + BLOCK * i), *ai);
+            }
+        }
+    }
+
+    /// [`super::page_values`]: columns by sixteen, the rest (fewer than sixteen) by the AVX2
+    /// kernel.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx2, fma and f16c; `p` holds `rows` rows of at least `n`
+    /// values `stride` apart, `v` is `[n, hd]`, `o` is `[rows, hd]`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn page_values<T: Avx2Load>(
+        p: &[f32],
+        stride: usize,
+        v: &[T],
+        n: usize,
+        hd: usize,
+        o: &mut [f32],
+    ) {
+        let rows = o.len() / hd;
+        let (pp, vp, op) = (p.as_ptr(), v.as_ptr(), o.as_mut_ptr());
+        let wide = hd / BLOCK * BLOCK;
+        let mut r = 0;
+        while r < rows {
+            let nr = (rows - r).min(4);
+            let (pr, or) = (pp.add(r * stride), op.add(r * hd));
+            let mut c = 0;
+            while c < wide {
+                // Up to sixteen accumulators (rows × column vectors): with the value vectors
+                // and a broadcast they stay in the 32 registers.
+                let nv = match (nr, wide - c) {
+                    (1, cols) if cols >= 8 * BLOCK => 8,
+                    (_, cols) if cols >= 4 * BLOCK => 4,
+                    (_, cols) if cols >= 2 * BLOCK => 2,
+                    _ => 1,
+                };
+                match (nr, nv) {
+                    (1, 8) => values_block::<T, 1, 8>(pr, stride, vp, n, hd, c, or),
+                    (1, 4) => values_block::<T, 1, 4>(pr, stride, vp, n, hd, c, or),
+                    (1, 2) => values_block::<T, 1, 2>(pr, stride, vp, n, hd, c, or),
+                    (1, _) => values_block::<T, 1, 1>(pr, stride, vp, n, hd, c, or),
+                    (2, 4) => values_block::<T, 2, 4>(pr, stride, vp, n, hd, c, or),
+                    (2, 2) => values_block::<T, 2, 2>(pr, stride, vp, n, hd, c, or),
+                    (2, _) => values_block::<T, 2, 1>(pr, stride, vp, n, hd, c, or),
+                    (3, 4) => values_block::<T, 3, 4>(pr, stride, vp, n, hd, c, or),
+                    (3, 2) => values_block::<T, 3, 2>(pr, stride, vp, n, hd, c, or),
+                    (3, _) => values_block::<T, 3, 1>(pr, stride, vp, n, hd, c, or),
+                    (_, 4) => values_block::<T, 4, 4>(pr, stride, vp, n, hd, c, or),
+                    (_, 2) => values_block::<T, 4, 2>(pr, stride, vp, n, hd, c, or),
+                    _ => values_block::<T, 4, 1>(pr, stride, vp, n, hd, c, or),
+                }
+                c += BLOCK * nv;
+            }
+            r += nr;
+        }
+        if wide < hd {
+            page_values_avx2(p, stride, v, n, hd, wide, o);
+        }
     }
 
     /// Consecutive packed panels against one prepared input, as [`super::avx2_panels`]: four

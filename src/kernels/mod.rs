@@ -661,15 +661,49 @@ mod tests {
         }
     }
 
+    /// The AVX-512 page kernels give the AVX2 ones' sums bit for bit (every blocking and tail
+    /// of both), so attention does not change with the SIMD width of the machine.
+    #[test]
+    fn page_kernels_agree_between_avx2_and_avx512() {
+        let isas = isas();
+        if !isas.contains(&dot::Isa::Avx512) {
+            return;
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (page_len, hd, rows) in [(16, 64, 3), (32, 64, 2), (16, 24, 5), (48, 136, 1), (32, 200, 9)] {
+            let kt: Vec<f16> = rand_vec(hd * page_len, 7).into_iter().map(f16::from_f32).collect();
+            let q = rand_vec(rows * hd, 8);
+            let p = rand_vec(rows * page_len, 9);
+            let o0 = rand_vec(rows * hd, 10);
+            let run = |isa| {
+                let mut s = vec![0.0f32; rows * page_len];
+                dot::page_scores(&kt, page_len, &q, &mut s, page_len, isa);
+                let mut o = o0.clone();
+                dot::page_values(&p, page_len, &kt, hd, &mut o, isa);
+                (bits(&s), bits(&o))
+            };
+            assert_eq!(run(dot::Isa::Avx2), run(dot::Isa::Avx512), "{page_len}/{hd}/{rows}");
+        }
+    }
+
     /// Page scores and page value sums against f64 sums, for every key type and on every
     /// SIMD path, with row counts and head sizes that reach every register blocking and tail.
     #[test]
     fn page_kernels_match_reference() {
         fn check<T: dot::Elem + dot::Avx2Load>() {
             for isa in isas() {
-                for (page_len, hd, rows) in
-                    [(16, 64, 3), (16, 17, 5), (8, 40, 1), (16, 128, 4), (24, 8, 2), (5, 9, 2)]
-                {
+                for (page_len, hd, rows) in [
+                    (16, 64, 3),
+                    (16, 17, 5),
+                    (8, 40, 1),
+                    (16, 128, 4),
+                    (24, 8, 2),
+                    (5, 9, 2),
+                    (32, 64, 2),
+                    (48, 24, 1),
+                    (16, 136, 1),
+                    (32, 200, 6),
+                ] {
                     let kt: Vec<T> = rand_vec(hd * page_len, 1).into_iter().map(T::from_f32).collect();
                     let q = rand_vec(rows * hd, 2);
                     // Rows of scores `stride` apart; what lies between them is not written.
