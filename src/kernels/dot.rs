@@ -975,7 +975,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 pub use avx512::{
     panel_quad as avx512_panel_quad, panel_quad_bf16 as avx512_panel_quad_bf16, panels as avx512_panels,
-    panels_bf16 as avx512_panels_bf16, Avx512Load,
+    panels_bf16 as avx512_panels_bf16, panels_many_bf16 as avx512_panels_many_bf16, Avx512Load,
 };
 
 /// The float panel kernels in 512-bit registers. A chunk row of a panel ([`BLOCK`] columns) is
@@ -1361,9 +1361,76 @@ mod avx512 {
     pub unsafe fn panel_quad_bf16<const NT: usize>(panel: &[bf16], xs: [&[bf16]; NT]) -> [[f32; 4]; NT] {
         let n = panel.len() / 4;
         debug_assert!(xs.iter().all(|x| x.len() == 2 * n));
-        let x: [*const bf16; NT] = std::array::from_fn(|i| xs[i].as_ptr());
+        by_token(quad_sums_bf16::<NT>(panel.as_ptr(), n, std::array::from_fn(|i| xs[i].as_ptr())))
+    }
+
+    /// Consecutive whole bf16 panels (`w`, `n` columns each) against `n_tok` inputs paired by
+    /// [`super::pair_for_dot_bf16`] (`xs`, `2 n` entries each), each panel against groups of up
+    /// to four tokens as [`panel_quad_bf16`] (the same sums, bit for bit), every group's sums
+    /// stored straight from their register: token `t`'s sum for the panels' row `r` goes to
+    /// `out[t * stride + r]`, for `r` below `rows` (the last panel's padding rows are not
+    /// written). Unlike the scheduled many-token path, nothing passes through per-panel calls
+    /// or copies of the sums.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
+    /// [`BLOCK`], `w.len()` a multiple of `4 n`, `xs.len() == 2 n n_tok`, `rows <=
+    /// w.len() / n`; `out` is valid for writes at every such `t * stride + r`, and nothing else
+    /// reads or writes those elements during the call.
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+    pub unsafe fn panels_many_bf16(
+        w: &[bf16],
+        n: usize,
+        xs: &[bf16],
+        n_tok: usize,
+        out: *mut f32,
+        stride: usize,
+        rows: usize,
+    ) {
+        debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && xs.len() == 2 * n * n_tok);
+        let x = |t: usize| xs.as_ptr().add(2 * n * t);
+        for (p, panel) in w.chunks_exact(4 * n).enumerate() {
+            let r0 = 4 * p;
+            let nr = rows.saturating_sub(r0).min(4);
+            let mut t = 0;
+            while t < n_tok {
+                let nt = (n_tok - t).min(4);
+                let wp = panel.as_ptr();
+                let v = match nt {
+                    4 => quad_sums_bf16::<4>(wp, n, [x(t), x(t + 1), x(t + 2), x(t + 3)]),
+                    3 => quad_sums_bf16::<3>(wp, n, [x(t), x(t + 1), x(t + 2)]),
+                    2 => quad_sums_bf16::<2>(wp, n, [x(t), x(t + 1)]),
+                    _ => quad_sums_bf16::<1>(wp, n, [x(t)]),
+                };
+                // Token t + i's four sums are the register's 128-bit lane i.
+                let lanes = [
+                    _mm512_castps512_ps128(v),
+                    _mm512_extractf32x4_ps::<1>(v),
+                    _mm512_extractf32x4_ps::<2>(v),
+                    _mm512_extractf32x4_ps::<3>(v),
+                ];
+                for (i, lane) in lanes.into_iter().take(nt).enumerate() {
+                    let o = out.add((t + i) * stride + r0);
+                    if nr == 4 {
+                        _mm_storeu_ps(o, lane);
+                    } else {
+                        let mut four = [0.0f32; 4];
+                        _mm_storeu_ps(four.as_mut_ptr(), lane);
+                        std::ptr::copy_nonoverlapping(four.as_ptr(), o, nr);
+                    }
+                }
+                t += nt;
+            }
+        }
+    }
+
+    /// The sums of [`panel_quad_bf16`] in one register (element `4 t + L`: token `t`, row `L`;
+    /// zeros past `NT`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+    unsafe fn quad_sums_bf16<const NT: usize>(panel: *const bf16, n: usize, x: [*const bf16; NT]) -> __m512 {
         let mut acc = [[_mm512_setzero_ps(); 2]; NT];
-        let mut wp = panel.as_ptr();
+        let mut wp = panel;
         let mut c = 0;
         while c < n {
             // 16 KiB ahead: on the 2-core Zen 4 machine SmolLM2's layer products of 8 tokens
@@ -1384,10 +1451,10 @@ mod avx512 {
         // `panel_quad`, all tokens' sums in one register (element 4 L + t: token t, row L).
         let v: [__m512; 4] =
             std::array::from_fn(|t| if t < NT { rows_by_lane(acc[t]) } else { _mm512_setzero_ps() });
-        by_token(_mm512_permutexvar_ps(
+        _mm512_permutexvar_ps(
             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
             lanes4(v),
-        ))
+        )
     }
 
     /// The first `NT` tokens' four row sums from a register holding token `t`'s in elements

@@ -296,6 +296,13 @@ impl SharedSlice {
         assert!(start + len <= self.len, "SharedSlice range out of bounds");
         std::slice::from_raw_parts_mut(self.ptr.add(start), len)
     }
+    /// Where element `start` is, for a kernel that writes some elements of
+    /// `start..start+len` while other threads write others (no reference to the whole span is
+    /// made).
+    pub fn span(&self, start: usize, len: usize) -> *mut f32 {
+        assert!(start + len <= self.len, "SharedSlice span out of bounds");
+        self.ptr.wrapping_add(start)
+    }
 }
 
 #[cfg(test)]

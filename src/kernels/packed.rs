@@ -328,6 +328,22 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
         let paired = &mut buf[..2 * n_tok * cols_p];
         dot::pair_for_dot_bf16(xp, paired, Isa::Avx512Bf16);
         let paired = &*paired;
+        if cols_p <= K_BLOCK && n_tok <= tile_tokens(cols_p) {
+            // One column block and one tile (decode of a batch): each thread streams its
+            // panels through one kernel call per range, the sums stored from their registers.
+            let (rows, shared) = (w.rows, SharedSlice::new(out));
+            team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
+                let ws = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
+                let r0 = panels.start * PANEL;
+                // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f,
+                // avx512bf16, avx2, fma and f16c; `ws` is whole panels of `cols_p` columns and
+                // `paired` `2 cols_p` entries per token; token t's rows r0.. of this range lie
+                // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
+                let o = shared.span(r0, (n_tok - 1) * rows + (rows - r0).min(ws.len() / cols_p));
+                unsafe { dot::avx512_panels_many_bf16(ws, cols_p, paired, n_tok, o, rows, rows - r0) };
+            });
+            return;
+        }
         schedule(team, (w.rows, cols_p, K_BLOCK), n_tok, out, &|p, cr, ts, emit| {
             let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
             let x = |t: usize| &paired[2 * t * cols_p..][2 * cr.start..2 * cr.end];
@@ -629,6 +645,11 @@ const WIDE_K_BLOCK: usize = 1024;
 /// Bytes of inputs (one column block of a tile of tokens) kept in L2.
 const TILE_BYTES: usize = 256 << 10;
 
+/// Tokens per tile of a many-token product whose column blocks are `kb` wide.
+fn tile_tokens(kb: usize) -> usize {
+    (TILE_BYTES / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP)
+}
+
 /// Runs `panel_fn` over every panel, column block and token group, spread over the team, and
 /// writes the sums into `out` (`[n_tok, rows]`).
 ///
@@ -666,7 +687,7 @@ fn schedule(
     };
     // Equal blocks, each starting on an input group (int8 inputs have a scale per group).
     let kb = cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p);
-    let tile = (TILE_BYTES / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP);
+    let tile = tile_tokens(kb);
     for c0 in (0..cols_p).step_by(kb) {
         let cr = c0..(c0 + kb).min(cols_p);
         for t0 in (0..n_tok).step_by(tile) {

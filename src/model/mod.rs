@@ -493,15 +493,21 @@ impl Shard {
                             kv.prefetch_write(li, &tables[seq], pos);
                         }
                     }
-                    // The pages of the attention items this thread takes first (its share, see
-                    // `Region::for_ranges`), into L2 while the QKV product streams. An item asks
-                    // for the next one's when it starts, but a thread's first item had its pages
-                    // come from memory while it computed: on the 2-core Zen 5 machine the
-                    // page kernels' profile share fell from ~4.6% to ~3.4% of the layer
-                    // products' with this.
+                    // The first pages (up to `FAR_PAGES`) of the attention items this thread
+                    // takes first (its share, see `Region::for_ranges`), into L2 while the QKV
+                    // product streams. An item asks for the next one's when it starts, but a
+                    // thread's first item had its pages come from memory while it computed: on
+                    // the 2-core Zen 5 machine the page kernels' profile share fell from ~4.6%
+                    // to ~3.4% of the layer products' with this (SmolLM2, batch 1).
+                    let mut budget = kernels::FAR_PAGES * PAGE;
                     for (_, kvl, (t0, _), keys) in r.share(n_items).map(item) {
-                        if !keys.is_empty() {
-                            kv.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, keys.end - 1);
+                        let end = keys.end.min(keys.start + budget);
+                        if end > keys.start {
+                            kv.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, end - 1);
+                            budget -= end - keys.start;
+                        }
+                        if budget == 0 {
+                            break;
                         }
                     }
                 }
