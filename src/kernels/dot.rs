@@ -389,6 +389,96 @@ pub fn widen_for_avx2<T: Elem + Avx2Load>(w: &[T], out: &mut [f32], isa: Isa) {
     }
 }
 
+/// The register blocks of attention's page kernels, written once for both vector widths
+/// (instantiated in [`avx2`] with eight lanes and in [`avx512`] with sixteen): every lane goes
+/// through the same operations in the same order on either, so the two paths give the same
+/// scores and sums bit for bit.
+///
+/// `scores_block`: `NR` rows of scores against one page of transposed keys, keys
+/// `j0..j0 + LANES * NV`. The dimensions go round-robin over [`SCORE_SETS`] sets of
+/// accumulators, so several FMA chains are in flight however few the rows (one row alone would
+/// wait on FMA latency). `values_block`: `NR` rows × `LANES * NV` columns (from `c0`) of
+/// `o += p · v`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! page_blocks {
+    ($feat:literal, $v:ty, $lanes:expr, $bound:ident, $load:ident, $zero:ident, $set1:ident,
+     $fma:ident, $add:ident, $loadu:ident, $storeu:ident) => {
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn scores_block<T: $bound, const NR: usize, const NV: usize>(
+            kt: *const T,
+            page_len: usize,
+            j0: usize,
+            q: *const f32,
+            hd: usize,
+            out: *mut f32,
+            stride: usize,
+        ) {
+            let mut acc = [[[$zero(); NV]; NR]; SCORE_SETS];
+            let step = |acc: &mut [[$v; NV]; NR], d: usize| {
+                let k: [$v; NV] = std::array::from_fn(|i| T::$load(kt.add(d * page_len + j0 + $lanes * i)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let b = $set1(*q.add(r * hd + d));
+                    for (ai, ki) in a.iter_mut().zip(&k) {
+                        *ai = $fma(b, *ki, *ai);
+                    }
+                }
+            };
+            let mut d = 0;
+            while d + SCORE_SETS <= hd {
+                for (s, a) in acc.iter_mut().enumerate() {
+                    step(a, d + s);
+                }
+                d += SCORE_SETS;
+            }
+            while d < hd {
+                step(&mut acc[0], d);
+                d += 1;
+            }
+            for r in 0..NR {
+                for i in 0..NV {
+                    let mut v = acc[0][r][i];
+                    for a in &acc[1..] {
+                        v = $add(v, a[r][i]);
+                    }
+                    $storeu(out.add(r * stride + j0 + $lanes * i), v);
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn values_block<T: $bound, const NR: usize, const NV: usize>(
+            p: *const f32,
+            stride: usize,
+            v: *const T,
+            n: usize,
+            hd: usize,
+            c0: usize,
+            o: *mut f32,
+        ) {
+            let mut acc: [[$v; NV]; NR] =
+                std::array::from_fn(|r| std::array::from_fn(|i| $loadu(o.add(r * hd + c0 + $lanes * i))));
+            for j in 0..n {
+                let x: [$v; NV] = std::array::from_fn(|i| T::$load(v.add(j * hd + c0 + $lanes * i)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let b = $set1(*p.add(r * stride + j));
+                    for (ai, xi) in a.iter_mut().zip(&x) {
+                        *ai = $fma(b, *xi, *ai);
+                    }
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                for (i, ai) in a.iter().enumerate() {
+                    $storeu(o.add(r * hd + c0 + $lanes * i), *ai);
+                }
+            }
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use page_blocks;
+
 #[cfg(not(target_arch = "x86_64"))]
 pub trait Avx2Load {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -466,51 +556,19 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// `NR` rows of scores against one page of transposed keys, keys `j0..j0 + 8 * NV`. The
-    /// dimensions go round-robin over [`SCORE_SETS`] sets of accumulators, so several FMA
-    /// chains are in flight however few the rows (one row alone would wait on FMA latency).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scores_block<T: Avx2Load, const NR: usize, const NV: usize>(
-        kt: *const T,
-        page_len: usize,
-        j0: usize,
-        q: *const f32,
-        hd: usize,
-        out: *mut f32,
-        stride: usize,
-    ) {
-        let mut acc = [[[_mm256_setzero_ps(); NV]; NR]; SCORE_SETS];
-        let step = |acc: &mut [[__m256; NV]; NR], d: usize| {
-            let k: [__m256; NV] = std::array::from_fn(|i| T::load8(kt.add(d * page_len + j0 + 8 * i)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let b = _mm256_broadcast_ss(&*q.add(r * hd + d));
-                for (ai, ki) in a.iter_mut().zip(&k) {
-                    *ai = _mm256_fmadd_ps(b, *ki, *ai);
-                }
-            }
-        };
-        let mut d = 0;
-        while d + SCORE_SETS <= hd {
-            for (s, a) in acc.iter_mut().enumerate() {
-                step(a, d + s);
-            }
-            d += SCORE_SETS;
-        }
-        while d < hd {
-            step(&mut acc[0], d);
-            d += 1;
-        }
-        for r in 0..NR {
-            for i in 0..NV {
-                let mut v = acc[0][r][i];
-                for a in &acc[1..] {
-                    v = _mm256_add_ps(v, a[r][i]);
-                }
-                _mm256_storeu_ps(out.add(r * stride + j0 + 8 * i), v);
-            }
-        }
-    }
+    super::page_blocks!(
+        "avx2,fma,f16c",
+        __m256,
+        8,
+        Avx2Load,
+        load8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_add_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps
+    );
 
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `page_len % 8 == 0`, `kt` is `[hd, page_len]`,
@@ -551,36 +609,6 @@ mod avx2 {
                 j += if wide { 16 } else { 8 };
             }
             r += nr;
-        }
-    }
-
-    /// `NR` rows × `8 * NV` columns (from `c0`) of `o += p · v`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn values_block<T: Avx2Load, const NR: usize, const NV: usize>(
-        p: *const f32,
-        stride: usize,
-        v: *const T,
-        n: usize,
-        hd: usize,
-        c0: usize,
-        o: *mut f32,
-    ) {
-        let mut acc: [[__m256; NV]; NR] =
-            std::array::from_fn(|r| std::array::from_fn(|i| _mm256_loadu_ps(o.add(r * hd + c0 + 8 * i))));
-        for j in 0..n {
-            let x: [__m256; NV] = std::array::from_fn(|i| T::load8(v.add(j * hd + c0 + 8 * i)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let b = _mm256_broadcast_ss(&*p.add(r * stride + j));
-                for (ai, xi) in a.iter_mut().zip(&x) {
-                    *ai = _mm256_fmadd_ps(b, *xi, *ai);
-                }
-            }
-        }
-        for (r, a) in acc.iter().enumerate() {
-            for (i, ai) in a.iter().enumerate() {
-                _mm256_storeu_ps(o.add(r * hd + c0 + 8 * i), *ai);
-            }
         }
     }
 
@@ -1031,51 +1059,19 @@ mod avx512 {
         fetch_chunk::<T, 256, _MM_HINT_T0>(wp);
     }
 
-    /// `NR` rows of scores against one page of transposed keys, keys `j0..j0 + 16 * NV`: the
-    /// AVX2 block's work (its dimensions over [`SCORE_SETS`] sets of accumulators, added in
-    /// the same order at the end) with sixteen keys to a register.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn scores_block<T: Avx512Load, const NR: usize, const NV: usize>(
-        kt: *const T,
-        page_len: usize,
-        j0: usize,
-        q: *const f32,
-        hd: usize,
-        out: *mut f32,
-        stride: usize,
-    ) {
-        let mut acc = [[[_mm512_setzero_ps(); NV]; NR]; SCORE_SETS];
-        let step = |acc: &mut [[__m512; NV]; NR], d: usize| {
-            let k: [__m512; NV] = std::array::from_fn(|i| T::load_zmm(kt.add(d * page_len + j0 + BLOCK * i)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let b = _mm512_set1_ps(*q.add(r * hd + d));
-                for (ai, ki) in a.iter_mut().zip(&k) {
-                    *ai = _mm512_fmadd_ps(b, *ki, *ai);
-                }
-            }
-        };
-        let mut d = 0;
-        while d + SCORE_SETS <= hd {
-            for (s, a) in acc.iter_mut().enumerate() {
-                step(a, d + s);
-            }
-            d += SCORE_SETS;
-        }
-        while d < hd {
-            step(&mut acc[0], d);
-            d += 1;
-        }
-        for r in 0..NR {
-            for i in 0..NV {
-                let mut v = acc[0][r][i];
-                for a in &acc[1..] {
-                    v = _mm512_add_ps(v, a[r][i]);
-                }
-                _mm512_storeu_ps(out.add(r * stride + j0 + BLOCK * i), v);
-            }
-        }
-    }
+    super::page_blocks!(
+        "avx512f,avx2,fma,f16c",
+        __m512,
+        BLOCK,
+        Avx512Load,
+        load_zmm,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_add_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps
+    );
 
     /// [`super::page_scores`] on pages a multiple of [`BLOCK`] long. In a profile of SmolLM2
     /// decode on the 2-core Zen 5 machine (three query heads per KV head, ~190 positions),
@@ -1116,37 +1112,6 @@ mod avx512 {
                 j += if wide { 2 * BLOCK } else { BLOCK };
             }
             r += nr;
-        }
-    }
-
-    /// `NR` rows × `16 * NV` columns (from `c0`) of `o += p · v`, each lane as in the AVX2
-    /// block.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn values_block<T: Avx512Load, const NR: usize, const NV: usize>(
-        p: *const f32,
-        stride: usize,
-        v: *const T,
-        n: usize,
-        hd: usize,
-        c0: usize,
-        o: *mut f32,
-    ) {
-        let mut acc: [[__m512; NV]; NR] =
-            std::array::from_fn(|r| std::array::from_fn(|i| _mm512_loadu_ps(o.add(r * hd + c0 + BLOCK * i))));
-        for j in 0..n {
-            let x: [__m512; NV] = std::array::from_fn(|i| T::load_zmm(v.add(j * hd + c0 + BLOCK * i)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let b = _mm512_set1_ps(*p.add(r * stride + j));
-                for (ai, xi) in a.iter_mut().zip(&x) {
-                    *ai = _mm512_fmadd_ps(b, *xi, *ai);
-                }
-            }
-        }
-        for (r, a) in acc.iter().enumerate() {
-            for (i, ai) in a.iter().enumerate() {
-                _mm512_storeu_ps(o.add(r * hd + c0 + BLOCK * i), *ai);
-            }
         }
     }
 
