@@ -26,6 +26,10 @@ pub struct RankReport {
     /// Heap allocations per decode step on this rank, kernel threads included (`None` where
     /// they are not counted).
     pub allocations_per_step: Option<f64>,
+    /// How the rank's one-token products prefetch (`none`, `near` or `far`,
+    /// [`crate::kernels::Fetch`]), and what decided it (`timed`, `GRIDLM_PREFETCH` or `default`).
+    pub prefetch: String,
+    pub prefetch_by: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -232,7 +236,7 @@ impl BenchReport {
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({})\n",
                 r.rank,
                 r.stage,
                 r.tp,
@@ -242,7 +246,9 @@ impl BenchReport {
                 r.compute_ms,
                 r.allreduce_ms,
                 r.allgather_ms,
-                r.sendrecv_ms
+                r.sendrecv_ms,
+                r.prefetch,
+                r.prefetch_by
             );
         }
         s

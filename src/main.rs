@@ -11,10 +11,10 @@ use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
 use gridlm::engine::sampling::SamplingParams;
-use gridlm::engine::{check_prompt, Completion, Engine, Request, RunOptions};
+use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::host;
-use gridlm::kernels::Quant;
+use gridlm::kernels::{Fetch, Quant};
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
@@ -570,6 +570,8 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
     let t = engine.profile().per_step_ms().map(f64::to_bits);
     // u64::MAX: not counted (no decode step, or allocations are not counted).
     let allocs = engine.profile().allocations_per_step().map_or(u64::MAX, f64::to_bits);
+    // Sent as indices into `Fetch::ALL` and `PrefetchBy::ALL` (the order they are declared in).
+    let prefetch = engine.prefetch();
     let mine = [
         grid.stage() as u64,
         grid.tp_rank() as u64,
@@ -583,6 +585,8 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
         t[3],
         t[4],
         allocs,
+        prefetch.0 as u64,
+        prefetch.1 as u64,
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -602,6 +606,8 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
             allgather_ms: f64::from_bits(v[9]),
             sendrecv_ms: f64::from_bits(v[10]),
             allocations_per_step: (v[11] != u64::MAX).then(|| f64::from_bits(v[11])),
+            prefetch: Fetch::ALL.get(v[12] as usize).map_or("?", |f| f.name()).to_string(),
+            prefetch_by: PrefetchBy::ALL.get(v[13] as usize).map_or("?", |b| b.name()).to_string(),
         })
         .collect()
 }

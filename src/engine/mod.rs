@@ -202,6 +202,48 @@ pub struct Engine {
     /// `RANK:STEP:panic` makes a kernel thread panic there instead.
     exit_at: Option<(usize, usize, bool)>,
     steps: usize,
+    /// How this rank's one-token products prefetch, and what decided it.
+    prefetch: (kernels::Fetch, PrefetchBy),
+}
+
+/// What decided a rank's one-token prefetch ([`kernels::Fetch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchBy {
+    /// `GRIDLM_PREFETCH` named it.
+    Env,
+    /// It was the fastest on the rank's own layers ([`Shard::pick_fetch`]).
+    Timed,
+    /// The layers were too small to time; the kernels' default.
+    Default,
+}
+
+impl PrefetchBy {
+    pub const ALL: [PrefetchBy; 3] = [PrefetchBy::Env, PrefetchBy::Timed, PrefetchBy::Default];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefetchBy::Env => "GRIDLM_PREFETCH",
+            PrefetchBy::Timed => "timed",
+            PrefetchBy::Default => "default",
+        }
+    }
+}
+
+/// This rank's one-token prefetch: the one `GRIDLM_PREFETCH` names (none, near or far), else
+/// the fastest on its own layers, timed on `team`, else the kernels' default. Set for the
+/// process ([`kernels::dot::set_fetch`]).
+fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
+    if let Some(v) = std::env::var_os("GRIDLM_PREFETCH") {
+        let v = v.to_string_lossy();
+        let f = kernels::Fetch::parse(v.trim())
+            .ok_or_else(|| Error::Input(format!("GRIDLM_PREFETCH is '{v}': expected none, near or far")))?;
+        kernels::dot::set_fetch(f);
+        return Ok((f, PrefetchBy::Env));
+    }
+    Ok(match shard.pick_fetch(team) {
+        Some((f, _)) => (f, PrefetchBy::Timed),
+        None => (kernels::dot::fetch(), PrefetchBy::Default),
+    })
 }
 
 impl Engine {
@@ -216,6 +258,7 @@ impl Engine {
             let (r, s) = (parts.next()?.parse().ok()?, parts.next()?.parse().ok()?);
             Some((r, s, parts.next() == Some("panic")))
         });
+        let prefetch = choose_prefetch(&shard, &team)?;
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
         let kv = shard.new_kv_pool(0, kv_dtype);
         Ok(Engine {
@@ -243,6 +286,7 @@ impl Engine {
             profile: StepProfile::default(),
             exit_at,
             steps: 0,
+            prefetch,
         })
     }
 
@@ -270,6 +314,11 @@ impl Engine {
     /// The kernel threads (for measurements that should use the same threads).
     pub fn team(&self) -> &Team {
         &self.team
+    }
+
+    /// How this rank's one-token products prefetch, and what decided it.
+    pub fn prefetch(&self) -> (kernels::Fetch, PrefetchBy) {
+        self.prefetch
     }
 
     /// Largest number of positions a sequence may have.
@@ -647,4 +696,17 @@ pub fn greedy_pick(
         let pairs = all.chunks_exact(2 * m).map(|rank| (rank[2 * row] as f64, rank[2 * row + 1].to_bits()));
         pairs.fold((f64::NEG_INFINITY, u32::MAX), sampling::better).1
     }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rank reports send a [`PrefetchBy`] as its index in `ALL`.
+    #[test]
+    fn prefetch_by_lists_in_declared_order() {
+        for (i, b) in PrefetchBy::ALL.into_iter().enumerate() {
+            assert_eq!(b as usize, i, "{}", b.name());
+        }
+    }
 }

@@ -303,6 +303,88 @@ pub fn page_values<T: Elem + Avx2Load>(
     }
 }
 
+/// How a one-token product asks for its weights ahead of its loads. A decode step streams
+/// each weight once, from memory; which way streams fastest depends on the CPU and on where
+/// its cores sit, not on the model, and no choice changes a result. On the 2-core Zen 4
+/// machine, while the cores sat apart (`handoff_us` ~0.6, the probe at ~58 GB/s), one
+/// token's SmolLM2 layer products in `vdpbf16ps` read at 0.69–0.77 of the probe with
+/// [`Fetch::Far`], 0.87–0.99 with [`Fetch::Near`] and 0.95–1.08 with [`Fetch::None`] (0.88–0.93,
+/// 0.94–1.00 and 0.96–0.99 while they sat together); on Zen 5, apart, `Far` decoded SmolLM2
+/// 5% faster than `Near`. So each rank times its own layers under every way at start-up
+/// ([`super::packed::pick_fetch`]) and keeps the fastest; `GRIDLM_PREFETCH` names one instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fetch {
+    /// No software prefetch: the hardware prefetchers alone.
+    None,
+    /// The kernel's own short prefetch: 256 bytes ahead into L1 in 512-bit registers, 1 KiB
+    /// ahead non-temporal in AVX2, 4 KiB ahead for int8.
+    Near,
+    /// [`Fetch::Near`], and 8 KiB ahead into L2 as well (as the many-token kernels ask), so
+    /// the start of each thread's share is asked for before the hardware sees a stream.
+    Far,
+}
+
+impl Fetch {
+    pub const ALL: [Fetch; 3] = [Fetch::None, Fetch::Near, Fetch::Far];
+    /// Each way as the const parameter of the kernels (`F` below).
+    const NONE: u8 = 0;
+    const NEAR: u8 = 1;
+    const FAR: u8 = 2;
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fetch::None => "none",
+            Fetch::Near => "near",
+            Fetch::Far => "far",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Fetch> {
+        Fetch::ALL.into_iter().find(|f| f.name() == s)
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Fetch::None => Fetch::NONE,
+            Fetch::Near => Fetch::NEAR,
+            Fetch::Far => Fetch::FAR,
+        }
+    }
+}
+
+/// The process's [`Fetch`], as its code; [`Fetch::Near`] until one is set.
+static FETCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(Fetch::NEAR);
+
+/// The way one-token products prefetch in this process.
+pub fn fetch() -> Fetch {
+    match FETCH.load(std::sync::atomic::Ordering::Relaxed) {
+        Fetch::NONE => Fetch::None,
+        Fetch::FAR => Fetch::Far,
+        _ => Fetch::Near,
+    }
+}
+
+/// Sets the way one-token products prefetch in this process, from their next call on.
+pub fn set_fetch(f: Fetch) {
+    FETCH.store(f.code(), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Held by the tests that set the process's one-token prefetch ([`set_fetch`]), so that one
+/// does not change it under another's comparison.
+#[cfg(test)]
+pub(crate) static FETCH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Calls the kernel `$k` (generic last over `const F: u8`) with `F` the code of `$fetch`.
+macro_rules! with_fetch {
+    ($fetch:expr, $k:ident $(::<$($g:ty),*>)? ($($a:expr),* $(,)?)) => {
+        match $fetch {
+            Fetch::None => $k::<$($($g,)*)? { Fetch::NONE }>($($a),*),
+            Fetch::Near => $k::<$($($g,)*)? { Fetch::NEAR }>($($a),*),
+            Fetch::Far => $k::<$($($g,)*)? { Fetch::FAR }>($($a),*),
+        }
+    };
+}
+
 /// Asks the CPU to start loading `data` into cache (a hint: no effect on results). A raw
 /// slice, so memory another thread may be writing can be asked for; any `&[T]` passes.
 pub fn prefetch<T>(data: *const [T]) {
@@ -493,7 +575,7 @@ pub use avx2::{panel_pair as avx2_panel_pair, panels as avx2_panels, panels_q8 a
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Elem, BLOCK, SCORE_SETS};
+    use super::{Elem, Fetch, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -816,8 +898,8 @@ mod avx2 {
     ///
     /// and 8 tokens of four llama-3.2-1b-shaped layers 21.7–22.1 ms instead of 31.5–31.9.
     /// Distances of 6–16 KiB did as well, 4 KiB 7–11% worse, the T0 and NTA hints at 8 KiB
-    /// ~25% worse. The one-token kernels keep their shorter prefetch: with the T1 hint 4–8 KiB
-    /// ahead they streamed ~6% slower while the host read ~70 GB/s, and no faster at ~38.
+    /// ~25% worse. One-token kernels ask for it only under [`super::Fetch::Far`]: on Zen 4 they
+    /// streamed slower with it (see there), on Zen 5 faster.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn fetch_far<T>(wp: *const T) {
@@ -845,8 +927,13 @@ mod avx2 {
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
     /// `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
+    pub unsafe fn panels<T: Avx2Load>(w: &[T], x: &[f32], out: &mut [f32], fetch: Fetch) {
+        with_fetch!(fetch, panels_with::<T>(w, x, out))
+    }
+
+    /// [`panels`], prefetching as the [`Fetch`] of code `F` says.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn panels<T: Avx2Load>(w: &[T], x: &[f32], out: &mut [f32]) {
+    unsafe fn panels_with<T: Avx2Load, const F: u8>(w: &[T], x: &[f32], out: &mut [f32]) {
         let n = x.len();
         debug_assert_eq!(n % BLOCK, 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
@@ -856,7 +943,12 @@ mod avx2 {
             let mut acc = [_mm256_setzero_ps(); 4];
             let mut c = 0;
             while c < n {
-                fetch_ahead(wp);
+                if F >= Fetch::NEAR {
+                    fetch_ahead(wp);
+                }
+                if F == Fetch::FAR {
+                    fetch_far(wp);
+                }
                 let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let (lo, hi) = T::load16(wp.add(r * BLOCK));
@@ -948,8 +1040,26 @@ mod avx2 {
     /// The CPU must have avx2, fma and f16c; every |q| ≤ 64, `q.len()` is a multiple of
     /// [`BLOCK`], `s.len() == q.len().div_ceil(2 * BLOCK)`, `w.len() == 4 * q.len() * np`
     /// and `row_scales.len() == 4 * np` with `np = out.len().div_ceil(4)`.
+    pub unsafe fn panels_q8(
+        w: &[i8],
+        q: &[i8],
+        s: &[f32],
+        row_scales: &[f32],
+        out: &mut [f32],
+        fetch: Fetch,
+    ) {
+        with_fetch!(fetch, panels_q8_with(w, q, s, row_scales, out))
+    }
+
+    /// [`panels_q8`], prefetching as the [`Fetch`] of code `F` says.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn panels_q8(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &mut [f32]) {
+    unsafe fn panels_q8_with<const F: u8>(
+        w: &[i8],
+        q: &[i8],
+        s: &[f32],
+        row_scales: &[f32],
+        out: &mut [f32],
+    ) {
         let n = q.len();
         debug_assert_eq!(n % BLOCK, 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
@@ -964,7 +1074,12 @@ mod avx2 {
         let chunk = |wp: *const i8, k: usize| {
             let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(qp.add(k * BLOCK) as *const __m128i));
             let ax = _mm256_sign_epi8(x, x);
-            _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
+            if F >= Fetch::NEAR {
+                _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
+            }
+            if F == Fetch::FAR {
+                fetch_far(wp);
+            }
             let w01 = _mm256_loadu_si256(wp as *const __m256i);
             let w23 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
             (
@@ -1012,7 +1127,7 @@ pub use avx512::{
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::avx2::{fetch_chunk, fetch_far, page_values as page_values_avx2, store_rows, Avx2Load};
-    use super::{Elem, BLOCK, SCORE_SETS};
+    use super::{Elem, Fetch, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -1177,8 +1292,13 @@ mod avx512 {
     /// # Safety
     /// The CPU must have avx512f, avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
     /// `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
+    pub unsafe fn panels<T: Avx512Load>(w: &[T], x: &[f32], out: &mut [f32], fetch: Fetch) {
+        with_fetch!(fetch, panels_with::<T>(w, x, out))
+    }
+
+    /// [`panels`], prefetching as the [`Fetch`] of code `F` says.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn panels<T: Avx512Load>(w: &[T], x: &[f32], out: &mut [f32]) {
+    unsafe fn panels_with<T: Avx512Load, const F: u8>(w: &[T], x: &[f32], out: &mut [f32]) {
         let n = x.len();
         debug_assert_eq!(n % BLOCK, 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
@@ -1188,7 +1308,12 @@ mod avx512 {
             let mut acc = [_mm512_setzero_ps(); 4];
             let mut c = 0;
             while c < n {
-                fetch_near(wp);
+                if F >= Fetch::NEAR {
+                    fetch_near(wp);
+                }
+                if F == Fetch::FAR {
+                    fetch_far(wp);
+                }
                 let xv = _mm512_loadu_ps(xp.add(c));
                 for (r, a) in acc.iter_mut().enumerate() {
                     *a = _mm512_fmadd_ps(T::load_zmm(wp.add(r * BLOCK)), xv, *a);
@@ -1265,8 +1390,13 @@ mod avx512 {
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `x.len()` is a multiple of
     /// [`BLOCK`] and `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
+    pub unsafe fn panels_bf16(w: &[bf16], x: &[f32], out: &mut [f32], fetch: Fetch) {
+        with_fetch!(fetch, panels_bf16_with(w, x, out))
+    }
+
+    /// [`panels_bf16`], prefetching as the [`Fetch`] of code `F` says.
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn panels_bf16(w: &[bf16], x: &[f32], out: &mut [f32]) {
+    unsafe fn panels_bf16_with<const F: u8>(w: &[bf16], x: &[f32], out: &mut [f32]) {
         let n = x.len();
         debug_assert_eq!(n % BLOCK, 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
@@ -1279,7 +1409,7 @@ mod avx512 {
             let mut a = [zero; 2];
             let mut c = 0;
             while c < n {
-                a = chunk_bf16(a, wp, pair_block(xp.add(c)));
+                a = chunk_bf16::<F>(a, wp, pair_block(xp.add(c)));
                 wp = wp.add(4 * BLOCK);
                 c += BLOCK;
             }
@@ -1297,18 +1427,19 @@ mod avx512 {
     }
 
     /// One chunk of a bf16 panel (at `wp`) against a paired input block, added to `acc` (rows
-    /// 0–1, 2–3). Besides [`fetch_near`] it asks for the chunk 8 KiB ahead into L2
-    /// ([`fetch_far`]). On the 2-core Zen 5 machine, while the cores sat apart (`handoff_us`
-    /// ~0.7), SmolLM2 bf16 decode ran at 263–273 tokens/s (0.85–0.94 of the bandwidth, six
-    /// runs) against 248–263 (0.80–0.90, seven) with `fetch_near` alone, interleaved: its
-    /// products are small, and each thread's share starts a new stream. The llama-3.2-1b
-    /// shape, whose long streams the hardware follows by itself, lost a little: 0.90–0.91
-    /// against 0.91–0.94 (two and three runs). While the cores sat together, both the same.
+    /// 0–1, 2–3), prefetching as the [`Fetch`] of code `F` says. ([`Fetch::Far`] came from
+    /// the 2-core Zen 5 machine: while the cores sat apart (`handoff_us` ~0.7), SmolLM2 bf16
+    /// decode ran at 263–273 tokens/s with it against 248–263 with `Near`; on Zen 4 it was the
+    /// slowest of the three, see [`Fetch`].)
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    unsafe fn chunk_bf16(acc: [__m512; 2], wp: *const bf16, xb: __m512bh) -> [__m512; 2] {
-        fetch_near(wp);
-        fetch_far(wp);
+    unsafe fn chunk_bf16<const F: u8>(acc: [__m512; 2], wp: *const bf16, xb: __m512bh) -> [__m512; 2] {
+        if F >= Fetch::NEAR {
+            fetch_near(wp);
+        }
+        if F == Fetch::FAR {
+            fetch_far(wp);
+        }
         [
             _mm512_dpbf16_ps(acc[0], load_pbh(wp), xb),
             _mm512_dpbf16_ps(acc[1], load_pbh(wp.add(2 * BLOCK)), xb),

@@ -9,7 +9,8 @@ pub mod limits;
 pub mod packed;
 pub mod team;
 
-pub use packed::{matmul, PackedMat, Quant};
+pub use dot::Fetch;
+pub use packed::{matmul, pick_fetch, PackedMat, Quant};
 pub use team::{Par, Region, Team};
 
 /// RMSNorm of each `w.len()`-sized row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
@@ -396,6 +397,45 @@ mod tests {
                 check_matmul(&team, dtype, 9, 4100, 170);
             }
         }
+    }
+
+    #[test]
+    fn one_token_products_are_the_same_whatever_the_prefetch() {
+        let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let before = dot::fetch();
+        let team = Team::new(2).unwrap();
+        for &(rows, cols) in &[(5, 16), (17, 33), (130, 577), (1000, 96)] {
+            let wf = Data::F32(rand_vec(rows * cols, (rows * 5 + cols) as u64));
+            let x = rand_vec(cols, 3);
+            let mats = [DType::F32, DType::BF16, DType::F16]
+                .map(|d| PackedMat::pack(&Mat { rows, cols, data: wf.cast(d) }))
+                .into_iter()
+                .chain([PackedMat::pack_as(&Mat { rows, cols, data: wf.clone() }, Some(Quant::Int8))]);
+            for w in mats {
+                for isa in isas() {
+                    let run = |f: Fetch| {
+                        dot::set_fetch(f);
+                        let mut out = vec![f32::NAN; rows];
+                        dot::with_isa(isa, || matmul(&team, &w, &x, 1, &mut out));
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    };
+                    let near = run(Fetch::Near);
+                    for f in [Fetch::None, Fetch::Far] {
+                        assert_eq!(run(f), near, "{isa:?} {} {rows}x{cols} {f:?}", w.dtype_name());
+                    }
+                }
+            }
+        }
+        dot::set_fetch(before);
+    }
+
+    #[test]
+    fn fetch_names_round_trip_and_list_in_declared_order() {
+        for (i, f) in Fetch::ALL.into_iter().enumerate() {
+            assert_eq!(f as usize, i);
+            assert_eq!(Fetch::parse(f.name()), Some(f));
+        }
+        assert_eq!(Fetch::parse("sideways"), None);
     }
 
     #[test]

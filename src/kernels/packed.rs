@@ -13,7 +13,7 @@
 //! have no ragged tails; padded outputs are never written back.
 
 use super::arena::HugeBuf;
-use super::dot::{self, Isa};
+use super::dot::{self, Fetch, Isa};
 use super::{Par, SharedSlice};
 use crate::weights::{DType, Data, Mat};
 use half::{bf16, f16};
@@ -228,6 +228,58 @@ pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut 
     }
 }
 
+/// Bytes of weights [`pick_fetch`] times at the least: past the last-level cache of the CPUs
+/// measured (32 MiB), so the products stream from memory as a decode step's do.
+const PICK_MIN_BYTES: usize = 64 << 20;
+/// Bytes it times at the most, so a large shard does not slow its start: each way is timed
+/// three times, nine passes of ~3–6 ms per 256 MiB on the 2-core test machines.
+const PICK_MAX_BYTES: usize = 256 << 20;
+
+/// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
+/// `mats` in order (the first of them up to [`PICK_MAX_BYTES`]), in one region of `team` as a
+/// decode step runs them, three times under each way, interleaved. Sets the fastest for the
+/// process ([`dot::set_fetch`]) and returns it, with each way's fastest pass in seconds (in
+/// [`Fetch::ALL`]'s order). `None`, and nothing set, when the matrices hold less than
+/// [`PICK_MIN_BYTES`]: they would be timed in cache, where the prefetch hardly matters.
+pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; 3])> {
+    let (mut timed, mut bytes) = (Vec::new(), 0);
+    for &m in mats {
+        if bytes >= PICK_MAX_BYTES {
+            break;
+        }
+        timed.push(m);
+        bytes += m.bytes();
+    }
+    if bytes < PICK_MIN_BYTES {
+        return None;
+    }
+    let cols = timed.iter().map(|m| m.cols).max().unwrap_or(0);
+    let rows = timed.iter().map(|m| m.rows).max().unwrap_or(0);
+    let x: Vec<f32> = (0..cols).map(|c| ((c % 13) as f32 - 6.0) / 64.0).collect();
+    let mut out = vec![0.0f32; rows];
+    let shared = SharedSlice::new(&mut out);
+    let mut best = [f64::INFINITY; 3];
+    for round in 0..3 {
+        for k in 0..3 {
+            // Each round starts with another way, so none is always the first after the last.
+            let k = (k + round) % 3;
+            dot::set_fetch(Fetch::ALL[k]);
+            let t = std::time::Instant::now();
+            team.region(&|r| {
+                for m in &timed {
+                    // SAFETY: each product writes its rows in disjoint ranges and ends with a
+                    // barrier before the next one writes them again.
+                    matmul(r, m, &x[..m.cols], 1, unsafe { shared.range(0, m.rows) });
+                }
+            });
+            best[k] = best[k].min(t.elapsed().as_secs_f64());
+        }
+    }
+    let k = (0..3).min_by(|&a, &b| best[a].total_cmp(&best[b])).unwrap_or(1);
+    dot::set_fetch(Fetch::ALL[k]);
+    Some((Fetch::ALL[k], best))
+}
+
 thread_local! {
     /// The inputs in the kernel's order and padding; grows to the largest input, then is reused.
     static PREPARED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -286,8 +338,9 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
 ) {
     let cols_p = w.cols_p;
     if n_tok == 1 {
+        let fetch = dot::fetch();
         one_token(team, w.rows, out, &|panels, o| {
-            float_panels(&d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p], xp, o, isa);
+            float_panels(&d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p], xp, o, isa, fetch);
         });
         return;
     }
@@ -423,20 +476,22 @@ fn matmul_int8(
         }
         let (xq, xs) = (&xq[..n_tok * cols_p], &xs[..n_tok * kc]);
         // Weights of `o`'s panels against input `q` (scales `s`), times `row_scales`.
-        let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32]| match isa {
+        let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32], fetch: Fetch| match isa
+        {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every non-portable `Isa` is only produced after detecting avx2, fma
             // and f16c; `wp` holds the panels of `o`'s rows over the columns of `q` (a multiple
             // of CHUNK), with one scale per XGROUP columns and one row scale per panel row.
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-                dot::avx2_panels_q8(wp, q, s, row_scales, o)
+                dot::avx2_panels_q8(wp, q, s, row_scales, o, fetch)
             },
             _ => panels_q8_portable(wp, q, s, row_scales, o),
         };
         if n_tok == 1 {
+            let fetch = dot::fetch();
             one_token(team, w.rows, out, &|panels, o| {
                 let rows = panels.start * PANEL..panels.end * PANEL;
-                run(&d[rows.start * cols_p..rows.end * cols_p], xq, xs, &scales[rows], o);
+                run(&d[rows.start * cols_p..rows.end * cols_p], xq, xs, &scales[rows], o, fetch);
             });
             return;
         }
@@ -446,7 +501,7 @@ fn matmul_int8(
             by_groups(ts, emit, |t, acc| {
                 for (i, a) in acc.iter_mut().enumerate() {
                     let (q, s) = (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
-                    run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a);
+                    run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a, Fetch::Near);
                 }
             });
         });
@@ -555,8 +610,9 @@ fn panels_q8_portable(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &m
 }
 
 /// Float panels against one prepared input on `isa`: `out[PANEL·p + lane] = row lane of
-/// panel p · x`, for the panels `w` holds (`out` may end inside the last one).
-fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32], isa: Isa) {
+/// panel p · x`, for the panels `w` holds (`out` may end inside the last one), prefetching
+/// the weights as `fetch` says.
+fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32], isa: Isa, fetch: Fetch) {
     assert!(
         x.len().is_multiple_of(CHUNK) && w.len() == PANEL * x.len() * out.len().div_ceil(PANEL),
         "float_panels: shapes"
@@ -565,18 +621,18 @@ fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the shapes
         // are the kernel's, checked above.
-        Isa::Avx2 => unsafe { dot::avx2_panels(w, x, out) },
+        Isa::Avx2 => unsafe { dot::avx2_panels(w, x, out, fetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512` is only produced after detecting avx512f, avx2, fma and f16c;
         // shapes as above.
-        Isa::Avx512 => unsafe { dot::avx512_panels(w, x, out) },
+        Isa::Avx512 => unsafe { dot::avx512_panels(w, x, out, fetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f, avx512bf16, avx2,
         // fma and f16c; shapes as above.
         Isa::Avx512Bf16 => unsafe {
             match as_bf16(w) {
-                Some(w) => dot::avx512_panels_bf16(w, x, out),
-                None => dot::avx512_panels(w, x, out),
+                Some(w) => dot::avx512_panels_bf16(w, x, out, fetch),
+                None => dot::avx512_panels(w, x, out, fetch),
             }
         },
         _ => panels_portable(w, x, out),
@@ -760,7 +816,8 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut
         // One input, or the portable path.
         _ => {
             for (x, a) in xs.iter().zip(acc.iter_mut()) {
-                float_panels(panel, x, a, isa);
+                // The panel's block is in L1 (see `schedule`): the kernel's own prefetch.
+                float_panels(panel, x, a, isa, Fetch::Near);
             }
         }
     }
@@ -774,4 +831,34 @@ pub(crate) fn unpack(w: &PackedMat) -> Vec<f32> {
         w.row_f32(r, &mut out[r * w.cols..(r + 1) * w.cols]);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    // Not among `kernels::tests`: `launch/test-avx512` runs those under an emulator, where
+    // timing 80 MiB of products nine times would take far too long.
+    use super::*;
+    use crate::kernels::Team;
+
+    #[test]
+    fn pick_fetch_times_only_matrices_past_the_cache() {
+        let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let before = dot::fetch();
+        let team = Team::new(2).unwrap();
+        let mat = |rows: usize, cols: usize| {
+            PackedMat::pack(&Mat { rows, cols, data: Data::F32(vec![0.5; rows * cols]).cast(DType::BF16) })
+        };
+        // 8 MiB: in cache, not timed, nothing set.
+        dot::set_fetch(Fetch::Far);
+        assert!(pick_fetch(&team, &[&mat(4096, 1024)]).is_none());
+        assert_eq!(dot::fetch(), Fetch::Far);
+        // 2 x 40 MiB: timed; every way once at least, and the fastest is set.
+        let (a, b) = (mat(20480, 1024), mat(20480, 1024));
+        let (f, secs) = pick_fetch(&team, &[&a, &b]).expect("80 MiB are timed");
+        assert!(secs.iter().all(|s| s.is_finite() && *s > 0.0), "{secs:?}");
+        let k = Fetch::ALL.iter().position(|&w| w == f).unwrap();
+        assert!(secs.iter().all(|&s| s >= secs[k]), "{f:?} {secs:?}");
+        assert_eq!(dot::fetch(), f);
+        dot::set_fetch(before);
+    }
 }

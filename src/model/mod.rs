@@ -300,6 +300,15 @@ impl Shard {
         n
     }
 
+    /// Chooses how this rank's one-token products prefetch ([`kernels::pick_fetch`]) by timing
+    /// its own layers' products, in the order a decode step runs them; `None` when they are
+    /// too small to tell.
+    pub fn pick_fetch(&self, team: &Team) -> Option<(kernels::Fetch, [f64; 3])> {
+        let mats: Vec<&PackedMat> =
+            self.layers.iter().flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]).collect();
+        kernels::pick_fetch(team, &mats)
+    }
+
     /// A KV pool of `pages` pages for this rank's layers and KV heads.
     pub fn new_kv_pool(&self, pages: usize, dtype: DType) -> KvPool {
         KvPool::new(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, pages, dtype)

@@ -61,7 +61,9 @@ fn check(j: &serde_json::Value, ranks: usize) {
 
 #[test]
 fn bench_synthetic_shape_one_rank() {
-    let out = gridlm(&[
+    let mut cmd = std::process::Command::new(bin());
+    // The rank chooses its one-token prefetch itself, unless told.
+    cmd.env_remove("GRIDLM_PREFETCH").args([
         "bench",
         "--shape",
         "smollm2-135m",
@@ -77,9 +79,14 @@ fn bench_synthetic_shape_one_rank() {
         "64",
         "--json",
     ]);
+    let out = gridlm_reference::run_with_timeout(cmd, 600);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     check(&j, 1);
+    // SmolLM2's ~210 MB of layers are past any cache: the prefetch was timed on them.
+    let rank = &j["ranks"][0];
+    assert_eq!(rank["prefetch_by"], "timed", "{rank}");
+    assert!(["none", "near", "far"].contains(&rank["prefetch"].as_str().unwrap()), "{rank}");
     // bf16 SmolLM2: ~135M weights at 2 bytes, all read for each token.
     let bytes = j["weight_bytes_per_token"].as_f64().unwrap();
     assert!((2.5e8..2.9e8).contains(&bytes), "{bytes}");
@@ -93,7 +100,8 @@ fn bench_model_folder_on_two_stages() {
     let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
     cmd.args(["bench", "--model", path_str(&dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
         .args(["--new-tokens", "4", "--warmup", "1", "--reps", "1", "--bandwidth-mib", "32", "--json"])
-        .args(["--batch", "3", "--quant", "int8", "--kv-dtype", "bf16"]);
+        .args(["--batch", "3", "--quant", "int8", "--kv-dtype", "bf16"])
+        .env("GRIDLM_PREFETCH", "far");
     let out = gridlm_reference::run_with_timeout(cmd, 120);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -102,6 +110,10 @@ fn bench_model_folder_on_two_stages() {
     assert_eq!(j["batch"], 3);
     assert_eq!(j["weight_dtype"], "int8");
     assert_eq!(j["kv_dtype"], "bf16");
+    // Every rank prefetches as it was told.
+    for r in j["ranks"].as_array().unwrap() {
+        assert_eq!((&r["prefetch"], &r["prefetch_by"]), (&"far".into(), &"GRIDLM_PREFETCH".into()), "{r}");
+    }
     // Two stages: two micro-batches in flight by default.
     assert_eq!(j["micro_batches"], 2);
     assert_eq!(j["overlap"], true);

@@ -111,6 +111,13 @@ fn a_rank_with_a_corrupt_shard_ends_the_job() {
 }
 
 #[test]
+fn a_bad_prefetch_name_is_one_error_line_on_every_rank() {
+    let (_t, dir) = tiny_llama();
+    let out = local(2, &dir, &["--prompt", "t1", "--pp", "2"], &[("GRIDLM_PREFETCH", "sideways")]);
+    assert_every_rank_says(&out, 2, "GRIDLM_PREFETCH is 'sideways': expected none, near or far");
+}
+
+#[test]
 fn a_rank_that_dies_mid_generation_ends_the_job() {
     let (_t, dir) = tiny_llama();
     let t0 = std::time::Instant::now();
