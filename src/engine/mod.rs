@@ -213,7 +213,7 @@ pub enum PrefetchBy {
     Env,
     /// It was the fastest on the rank's own layers ([`Shard::pick_fetch`]).
     Timed,
-    /// The layers were too small to time; the kernels' default.
+    /// The layers were too small to time: [`kernels::Fetch::Near`], the kernels' own.
     Default,
 }
 
@@ -230,7 +230,7 @@ impl PrefetchBy {
 }
 
 /// This rank's one-token prefetch: the one `GRIDLM_PREFETCH` names (none, near or far), else
-/// the fastest on its own layers, timed on `team`, else the kernels' default. Set for the
+/// the fastest on its own layers, timed on `team`, else [`kernels::Fetch::Near`]. Set for the
 /// process ([`kernels::dot::set_fetch`]).
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
     if let Some(v) = std::env::var_os("GRIDLM_PREFETCH") {
@@ -242,7 +242,10 @@ fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, Prefet
     }
     Ok(match shard.pick_fetch(team) {
         Some((f, _)) => (f, PrefetchBy::Timed),
-        None => (kernels::dot::fetch(), PrefetchBy::Default),
+        None => {
+            kernels::dot::set_fetch(kernels::Fetch::Near);
+            (kernels::Fetch::Near, PrefetchBy::Default)
+        }
     })
 }
 

@@ -232,15 +232,15 @@ pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut 
 /// measured (32 MiB), so the products stream from memory as a decode step's do.
 const PICK_MIN_BYTES: usize = 64 << 20;
 /// Bytes it times at the most, so a large shard does not slow its start: each way is timed
-/// three times, nine passes of ~3–6 ms per 256 MiB on the 2-core test machines.
+/// three times, nine passes of ~4–7 ms per 256 MiB on the 2-core test machines.
 const PICK_MAX_BYTES: usize = 256 << 20;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
-/// `mats` in order (the first of them up to [`PICK_MAX_BYTES`]), in one region of `team` as a
+/// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a
 /// decode step runs them, three times under each way, interleaved. Sets the fastest for the
 /// process ([`dot::set_fetch`]) and returns it, with each way's fastest pass in seconds (in
 /// [`Fetch::ALL`]'s order). `None`, and nothing set, when the matrices hold less than
-/// [`PICK_MIN_BYTES`]: they would be timed in cache, where the prefetch hardly matters.
+/// 64 MiB: they would be timed in cache, where the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; 3])> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
     for &m in mats {
