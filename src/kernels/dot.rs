@@ -325,11 +325,12 @@ pub enum Fetch {
 }
 
 impl Fetch {
+    /// In declared order, so a way's discriminant is its index.
     pub const ALL: [Fetch; 3] = [Fetch::None, Fetch::Near, Fetch::Far];
-    /// Each way as the const parameter of the kernels (`F` below).
-    const NONE: u8 = 0;
-    const NEAR: u8 = 1;
-    const FAR: u8 = 2;
+    /// Each way as the const parameter of the kernels (`F` below): its discriminant.
+    const NONE: u8 = Fetch::None as u8;
+    const NEAR: u8 = Fetch::Near as u8;
+    const FAR: u8 = Fetch::Far as u8;
 
     pub fn name(self) -> &'static str {
         match self {
@@ -342,31 +343,20 @@ impl Fetch {
     pub fn parse(s: &str) -> Option<Fetch> {
         Fetch::ALL.into_iter().find(|f| f.name() == s)
     }
-
-    fn code(self) -> u8 {
-        match self {
-            Fetch::None => Fetch::NONE,
-            Fetch::Near => Fetch::NEAR,
-            Fetch::Far => Fetch::FAR,
-        }
-    }
 }
 
-/// The process's [`Fetch`], as its code; [`Fetch::Near`] until one is set.
+/// The process's [`Fetch`], as its discriminant; [`Fetch::Near`] until one is set.
 static FETCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(Fetch::NEAR);
 
 /// The way one-token products prefetch in this process.
 pub fn fetch() -> Fetch {
-    match FETCH.load(std::sync::atomic::Ordering::Relaxed) {
-        Fetch::NONE => Fetch::None,
-        Fetch::FAR => Fetch::Far,
-        _ => Fetch::Near,
-    }
+    let code = FETCH.load(std::sync::atomic::Ordering::Relaxed);
+    Fetch::ALL.get(code as usize).copied().unwrap_or(Fetch::Near)
 }
 
 /// Sets the way one-token products prefetch in this process, from their next call on.
 pub fn set_fetch(f: Fetch) {
-    FETCH.store(f.code(), std::sync::atomic::Ordering::Relaxed);
+    FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Held by the tests that set the process's one-token prefetch ([`set_fetch`]), so that one
