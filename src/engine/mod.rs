@@ -233,20 +233,18 @@ impl PrefetchBy {
 /// the fastest on its own layers, timed on `team`, else [`kernels::Fetch::Near`]. Set for the
 /// process ([`kernels::dot::set_fetch`]).
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
-    if let Some(v) = std::env::var_os("GRIDLM_PREFETCH") {
+    let chosen = if let Some(v) = std::env::var_os("GRIDLM_PREFETCH") {
         let v = v.to_string_lossy();
         let f = kernels::Fetch::parse(v.trim())
             .ok_or_else(|| Error::Input(format!("GRIDLM_PREFETCH is '{v}': expected none, near or far")))?;
-        kernels::dot::set_fetch(f);
-        return Ok((f, PrefetchBy::Env));
-    }
-    Ok(match shard.pick_fetch(team) {
-        Some((f, _)) => (f, PrefetchBy::Timed),
-        None => {
-            kernels::dot::set_fetch(kernels::Fetch::Near);
-            (kernels::Fetch::Near, PrefetchBy::Default)
-        }
-    })
+        (f, PrefetchBy::Env)
+    } else if let Some((f, _)) = shard.pick_fetch(team) {
+        (f, PrefetchBy::Timed)
+    } else {
+        (kernels::Fetch::Near, PrefetchBy::Default)
+    };
+    kernels::dot::set_fetch(chosen.0);
+    Ok(chosen)
 }
 
 impl Engine {
