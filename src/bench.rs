@@ -55,8 +55,13 @@ pub struct BenchReport {
     pub prefill_tokens_per_s: f64,
     pub weight_bytes_per_token: u64,
     pub achieved_gb_per_s: f64,
-    /// Read bandwidth around the timed runs (every rank's reads, summed): decode's measure.
+    /// Read bandwidth while the timed runs ran (every rank's reads, summed; the mean of the
+    /// runs', as `decode_tokens_per_s` is the mean of their rates): decode's measure.
     pub measured_gb_per_s: f64,
+    /// When that bandwidth was read: `between_steps` (a slice of the probe's buffer after each
+    /// step, every rank at once, its time left out of the step times) or `around_runs` (before
+    /// and after each run; where steps overlap in a pipeline, or when asked).
+    pub bandwidth_reads: &'static str,
     /// The fastest read before or after the timed runs (every rank's, summed).
     pub best_gb_per_s: f64,
     pub decode_efficiency: f64,
@@ -73,9 +78,10 @@ pub struct BenchReport {
     pub ranks: Vec<RankReport>,
 }
 
-/// One timed run: its decode rate, the read bandwidth of the readings just before and just
-/// after it (every rank's, summed), the efficiency of the two, and the team's handoff in
-/// those readings (their mean; the slowest rank's).
+/// One timed run: its decode rate, the read bandwidth of the readings between its steps or
+/// just before and just after it ([`BenchReport::bandwidth_reads`]; every rank's, summed),
+/// the efficiency of the two, and the team's handoff read just before and just after it
+/// (their mean; the slowest rank's).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunReport {
     pub decode_tokens_per_s: f64,
@@ -85,7 +91,7 @@ pub struct RunReport {
 }
 
 /// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
-/// all their time, every read counted (`measured_gb_per_s` of the whole bench).
+/// all their time, every read counted (a run's bandwidth from the readings between its steps).
 pub fn gb_per_s(readings: &[(f64, f64)]) -> f64 {
     let (bytes, secs) = readings.iter().fold((0.0, 0.0), |a, r| (a.0 + r.0, a.1 + r.1));
     bytes / secs.max(1e-9) / 1e9
@@ -201,9 +207,10 @@ impl BenchReport {
             (
                 "decode bandwidth",
                 format!(
-                    "{:.1} GB/s of {:.1} GB/s measured around the runs = {:.2} (fastest read {:.1} GB/s)",
+                    "{:.1} GB/s of {:.1} GB/s measured {} = {:.2} (fastest read {:.1} GB/s)",
                     self.achieved_gb_per_s,
                     self.measured_gb_per_s,
+                    self.bandwidth_reads.replace('_', " the "),
                     self.decode_efficiency,
                     self.best_gb_per_s
                 ),
@@ -226,9 +233,10 @@ impl BenchReport {
         if self.runs.len() > 1 {
             let each = |f: fn(&RunReport) -> String| self.runs.iter().map(f).collect::<Vec<_>>().join(", ");
             s += &format!(
-                "  {:<24} {} (around each: {} GB/s; handoff {} µs)\n",
+                "  {:<24} {} (read {}: {} GB/s; handoff around each {} µs)\n",
                 "decode efficiency by run",
                 each(|r| format!("{:.2}", r.decode_efficiency)),
+                self.bandwidth_reads.replace('_', " the "),
                 each(|r| format!("{:.1}", r.measured_gb_per_s)),
                 each(|r| format!("{:.2}", r.handoff_us))
             );

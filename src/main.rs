@@ -279,6 +279,7 @@ impl BatchArgs {
             step_tokens: self.step_tokens,
             kv_bytes: self.kv_mem_mib.map(|m| m << 20),
             eos_ids,
+            read_between_steps: false,
         }
     }
 
@@ -350,12 +351,29 @@ struct BenchArgs {
     #[arg(long, default_value_t = 1024,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     bandwidth_mib: usize,
+    /// When decode's bandwidth is read: `between-steps`, a slice of the buffer (a sixteenth)
+    /// after each step, its time left out of the step times, so decode and the reads meet the
+    /// same moments of a host whose bandwidth wanders; or `around-runs`, whole reads before and
+    /// after each run. Steps that overlap in a pipeline are always read around the runs.
+    #[arg(long, value_enum, default_value_t = BandwidthReads::BetweenSteps)]
+    bandwidth_reads: BandwidthReads,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
     #[command(flatten)]
     grid: GridArgs,
 }
+
+/// When `gridlm bench` reads decode's bandwidth (see `--bandwidth-reads`).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BandwidthReads {
+    BetweenSteps,
+    AroundRuns,
+}
+
+/// Slices of the probe's buffer read between steps: each a sixteenth (64 MiB of the default
+/// 1 GiB), a millisecond or two at these machines' bandwidth.
+const READ_PARTS: usize = 16;
 
 #[derive(Args)]
 struct ConvertArgs {
@@ -1064,7 +1082,7 @@ fn run_bench(
     // The FMA peak and the fastest read (and the way of reading that made it) are measured
     // before and after the timed runs; each rank's best of the two counts, so a passing
     // disturbance of the machine during one measurement does not lower them.
-    let probe = gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20);
+    let probe = std::rc::Rc::new(gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20));
     let limits = |engine: &Engine| {
         let (gb, way) = probe.best(engine.team(), 5);
         (gb, way, gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000))
@@ -1077,10 +1095,29 @@ fn run_bench(
     // reads the one probe buffer, held until the end (see `ReadProbe` for why).
     // With each reading, the team's handoff (see `handoff_us`): how far apart its cores are
     // at that moment, which sets what every product's start and end cost.
+    // Between steps instead (`--bandwidth-reads`, the default): a slice of the buffer after
+    // every step, every rank at once (`Plan::Read`), its time left out of the step times; a
+    // run's bandwidth is that of the readings between its steps. Decode and the reads then
+    // meet the same moments, where the readings around a run are seconds from most of its
+    // steps. Steps that overlap in a pipeline leave no moment between them, so those runs are
+    // read around.
+    let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
+    let overlapped = micro_batches > 1 && !a.overlap.no_overlap;
+    let between = a.bandwidth_reads == BandwidthReads::BetweenSteps && !overlapped;
+    let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+    if between {
+        let (probe, log, way) = (probe.clone(), log.clone(), before.1);
+        engine.set_reader(Some(Box::new(move |team| {
+            log.borrow_mut().push(probe.rate_next(team, way, READ_PARTS));
+        })));
+    }
     let mut readings = Vec::new();
+    let mut by_run = Vec::new();
     let mut handoffs = Vec::new();
     let mut read_around = |engine: &Engine| {
-        readings.push(probe.rate(engine.team(), before.1, 4));
+        if !between {
+            readings.push(probe.rate(engine.team(), before.1, 4));
+        }
         handoffs.push(gridlm::kernels::limits::handoff_us(engine.team(), 1000));
     };
     let driver = grid.rank == 0;
@@ -1103,7 +1140,6 @@ fn run_bench(
             keep_logits: false,
         })
         .collect();
-    let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
     let opts = RunOptions {
         max_batch: a.work.batch,
         micro_batches,
@@ -1111,6 +1147,7 @@ fn run_bench(
         step_tokens: a.step_tokens.unwrap_or(a.work.batch.div_ceil(micro_batches) * a.work.prompt_len),
         kv_bytes: None,
         eos_ids: Vec::new(),
+        read_between_steps: between,
     };
     let mut firsts = Vec::new();
     let mut gaps = Vec::new();
@@ -1155,33 +1192,46 @@ fn run_bench(
         if failed {
             break;
         }
+        // The readings taken between this run's steps (the warm-up's are dropped); one after
+        // it if its steps left no moment between them (a single new token).
+        let mut run_log = std::mem::take(&mut *log.borrow_mut());
         if i >= a.warmup {
+            if between {
+                if run_log.is_empty() {
+                    run_log.push(probe.rate_next(engine.team(), before.1, READ_PARTS));
+                }
+                by_run.push(gb_per_s(&run_log));
+            }
             read_around(&engine);
         }
     }
     let after = limits(&engine);
     // The resident memory reported below is the engine's, without the probe's buffer.
+    engine.set_reader(None);
     drop(probe);
+    if !between {
+        by_run = gb_per_s_around_runs(&readings);
+    }
     // Every rank read as often (all leave the runs together), so all send as many figures:
     // the limits, the median handoff, then per run its bandwidth and handoff. Bandwidths add
     // up over ranks; the handoff is the slowest rank's.
-    let runs = readings.len().saturating_sub(1);
-    let mine: Vec<u64> =
-        [before.0.max(after.0), before.2.max(after.2), gb_per_s(&readings), percentile(&handoffs, 0.5)]
-            .into_iter()
-            .chain(gb_per_s_around_runs(&readings))
-            .chain(mean_around_runs(&handoffs))
-            .map(f64::to_bits)
-            .collect();
+    let runs = handoffs.len().saturating_sub(1);
+    let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), percentile(&handoffs, 0.5)]
+        .into_iter()
+        .chain(by_run)
+        .chain(mean_around_runs(&handoffs))
+        .map(f64::to_bits)
+        .collect();
     let mut all = vec![0u64; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
     let of_ranks = || all.chunks_exact(mine.len());
     let sum = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).sum::<f64>();
     let max = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).fold(0.0, f64::max);
-    let (best_gb_per_s, measured_peak_gflops, measured_gb_per_s) = (sum(0), sum(1), sum(2));
-    let handoff_us = max(3);
-    let gb_per_s_by_run: Vec<f64> = (4..4 + runs).map(sum).collect();
-    let handoff_by_run: Vec<f64> = (4 + runs..4 + 2 * runs).map(max).collect();
+    let (best_gb_per_s, measured_peak_gflops, handoff_us) = (sum(0), sum(1), max(2));
+    let gb_per_s_by_run: Vec<f64> = (3..3 + runs).map(sum).collect();
+    let handoff_by_run: Vec<f64> = (3 + runs..3 + 2 * runs).map(max).collect();
+    // The runs' mean, as decode's rate is theirs: their efficiencies' spread holds the report's.
+    let measured_gb_per_s = gb_per_s_by_run.iter().sum::<f64>() / runs.max(1) as f64;
     let ranks = gather_rank_reports(link, &engine, weight_rss);
     if !driver {
         return Ok(());
@@ -1222,6 +1272,7 @@ fn run_bench(
         weight_bytes_per_token,
         achieved_gb_per_s,
         measured_gb_per_s,
+        bandwidth_reads: if between { "between_steps" } else { "around_runs" },
         best_gb_per_s,
         decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
         prefill_gflops,

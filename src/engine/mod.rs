@@ -53,6 +53,9 @@ pub enum Plan {
         slots: usize,
     },
     Step(Step),
+    /// Every rank calls its reader ([`Engine::set_reader`]), then waits for all the others to
+    /// be done: a measurement taken between steps, at the same moment on every rank.
+    Read,
     /// The job is over.
     End,
 }
@@ -189,11 +192,13 @@ pub struct Engine {
     /// Driver: results computed here (one stage) not yet collected.
     ready: VecDeque<StepResult>,
     /// Reused from step to step, so a decode step allocates nothing: the plan and result as
-    /// bytes, the plan as received (ranks other than the driver), the emitting spans' slots,
+    /// bytes, the plan as received (ranks other than the driver) and the buffers of the last
+    /// step received while another plan is there, the emitting spans' slots,
     /// this rank's greedy candidates, and token lists of results the driver has handed back.
     plan_wire: Vec<u8>,
     result_wire: Vec<u8>,
     incoming: Plan,
+    spare_step: Step,
     emitting: Vec<usize>,
     mine: Vec<f32>,
     spare_tokens: Vec<Vec<u32>>,
@@ -204,7 +209,12 @@ pub struct Engine {
     steps: usize,
     /// How this rank's one-token products prefetch, and what decided it.
     prefetch: (kernels::Fetch, PrefetchBy),
+    /// What [`Plan::Read`] runs on this rank (see [`Engine::set_reader`]).
+    reader: Option<Reader>,
 }
+
+/// A measurement a rank takes between steps with its kernel team ([`Plan::Read`]).
+pub type Reader = Box<dyn FnMut(&Team)>;
 
 /// What decided a rank's one-token prefetch ([`kernels::Fetch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,6 +291,7 @@ impl Engine {
             plan_wire: Vec::new(),
             result_wire: Vec::new(),
             incoming: Plan::End,
+            spare_step: Step::default(),
             emitting: Vec::new(),
             mine: Vec::new(),
             spare_tokens: Vec::new(),
@@ -288,6 +299,7 @@ impl Engine {
             exit_at,
             steps: 0,
             prefetch,
+            reader: None,
         })
     }
 
@@ -315,6 +327,12 @@ impl Engine {
     /// The kernel threads (for measurements that should use the same threads).
     pub fn team(&self) -> &Team {
         &self.team
+    }
+
+    /// What this rank does for each [`Plan::Read`] (nothing without one): `gridlm bench` reads
+    /// memory between decode steps with it ([`RunOptions::read_between_steps`]).
+    pub fn set_reader(&mut self, reader: Option<Reader>) {
+        self.reader = reader;
     }
 
     /// How this rank's one-token products prefetch, and what decided it.
@@ -346,6 +364,15 @@ impl Engine {
             link.send_bytes(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Plan, bytes);
         }
         if own.is_none() {
+            // A step's buffers wait in `spare_step` while other plans pass (a `Read` between
+            // every two steps of a bench), so the next step reuses them.
+            match (&mut self.incoming, wire::is_step(bytes)) {
+                (Plan::Step(s), false) => std::mem::swap(s, &mut self.spare_step),
+                (other, true) if !matches!(other, Plan::Step(_)) => {
+                    *other = Plan::Step(std::mem::take(&mut self.spare_step))
+                }
+                _ => {}
+            }
             wire::decode_plan(bytes, &mut self.incoming)?;
         }
         Ok(())
@@ -400,6 +427,15 @@ impl Engine {
                 return Ok(None);
             }
             Plan::End => return Ok(None),
+            Plan::Read => {
+                if let Some(read) = &mut self.reader {
+                    read(&self.team);
+                }
+                // Every rank leaves together, so the next step starts at once on all of them.
+                let mut all = vec![0u64; link.world_size()];
+                link.allgather_u64(&[0], &mut all);
+                return Ok(None);
+            }
             Plan::Step(step) => step,
         };
         self.steps += 1;

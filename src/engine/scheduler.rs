@@ -45,6 +45,10 @@ pub struct RunOptions {
     /// full length, at most a quarter of the memory available on this node per local rank.
     pub kv_bytes: Option<usize>,
     pub eos_ids: Vec<u32>,
+    /// After each step, when no other is in flight and work remains, every rank runs its
+    /// reader ([`Engine::set_reader`], through [`Plan::Read`]). The time that takes is left
+    /// out of the run's clock: token times and `elapsed_ms` are those of the steps alone.
+    pub read_between_steps: bool,
 }
 
 impl Default for RunOptions {
@@ -56,6 +60,7 @@ impl Default for RunOptions {
             step_tokens: 512,
             kv_bytes: None,
             eos_ids: Vec::new(),
+            read_between_steps: false,
         }
     }
 }
@@ -139,7 +144,9 @@ impl Engine {
             return Err(Error::Input("max batch, micro-batches and step tokens must be at least 1".into()));
         }
         let t0 = Instant::now();
-        let ms = |t0: Instant| t0.elapsed().as_secs_f64() * 1e3;
+        // Milliseconds since `t0`, less `paused` (the readers' time, see `read_between_steps`).
+        let ms = |t0: Instant, paused: f64| t0.elapsed().as_secs_f64() * 1e3 - paused;
+        let mut paused = 0.0;
         let ctx = self.max_context();
         let positions = |r: &Request| (r.prompt.len() + r.max_tokens).min(ctx);
         let pages_of = |r: &Request| positions(r).div_ceil(PAGE);
@@ -273,7 +280,7 @@ impl Engine {
                     c.prompt_logits = r.logits.take();
                 }
                 c.token_ids.push(tok);
-                c.times_ms.push(ms(t0));
+                c.times_ms.push(ms(t0, paused));
                 let go_on = on_token(i, tok)?;
                 let pos = req.prompt.len() + c.token_ids.len() - 1;
                 let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
@@ -297,8 +304,16 @@ impl Engine {
             }
             self.recycle(r);
             spare.push(f.emitting);
+            if opts.read_between_steps
+                && flight.is_empty()
+                && (!waiting.is_empty() || seqs.iter().any(Option::is_some))
+            {
+                let t = Instant::now();
+                self.launch(&Plan::Read, comm, link)?;
+                paused += t.elapsed().as_secs_f64() * 1e3;
+            }
         }
-        stats.elapsed_ms = ms(t0);
+        stats.elapsed_ms = ms(t0, paused);
         Ok((out, stats))
     }
 }

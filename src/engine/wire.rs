@@ -1,7 +1,7 @@
 //! Plans and step results as bytes, written into and read back into buffers that are reused
 //! from step to step, so a decode step allocates nothing on any rank. A step's spans and tokens
 //! are little-endian words; what is rare goes through bincode: admissions (once per sequence),
-//! `Begin` and `End`, and the prompt logits a caller may ask for.
+//! `Begin`, `Read` and `End`, and the prompt logits a caller may ask for.
 //!
 //! ```text
 //! step:   0u8, want_logits u8, spans u64, admit bytes u64,
@@ -58,6 +58,11 @@ pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
         out[admit_at..admit_at + 8].copy_from_slice(&n.to_le_bytes());
     }
     Ok(())
+}
+
+/// Whether `bytes` (from [`encode_plan`]) hold a step.
+pub fn is_step(bytes: &[u8]) -> bool {
+    bytes.first() == Some(&STEP)
 }
 
 /// Reads what [`encode_plan`] wrote into `into`, reusing its buffers when both are steps.
@@ -228,10 +233,12 @@ mod tests {
             Plan::Step(step()),
             Plan::Step(Step { admit: Vec::new(), want_logits: false, ..step() }),
             Plan::Begin { pages: 12, slots: 3 },
+            Plan::Read,
             Plan::End,
             Plan::Step(Step::default()),
         ] {
             encode_plan(&plan, &mut bytes).unwrap();
+            assert_eq!(is_step(&bytes), matches!(plan, Plan::Step(_)), "{plan:?}");
             decode_plan(&bytes, &mut into).unwrap();
             assert!(same(&plan, &into), "{plan:?} came back as {into:?}");
         }

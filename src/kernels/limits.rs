@@ -5,7 +5,7 @@ use super::arena::HugeBuf;
 use super::dot::{detect, Isa};
 use super::team::Team;
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
 /// The ways the probe reads, as prefetch distances: 0 is plain loads (the hardware prefetcher
@@ -59,12 +59,14 @@ fn time_read(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f64 {
 /// slower: in the middle of the next timed decode run.
 pub struct ReadProbe {
     buf: HugeBuf<f32>,
+    /// The slice [`ReadProbe::rate_next`] reads next.
+    next: AtomicUsize,
 }
 
 impl ReadProbe {
     /// A probe over `bytes` bytes (rounded down to whole f32s).
     pub fn new(bytes: usize) -> ReadProbe {
-        ReadProbe { buf: filled(bytes) }
+        ReadProbe { buf: filled(bytes), next: AtomicUsize::new(0) }
     }
 
     /// The fastest read of the buffer by every thread of `team` over `passes` passes, in
@@ -92,6 +94,18 @@ impl ReadProbe {
         let isa = detect();
         let secs: f64 = (0..reads).map(|_| time_read(team, &self.buf, isa, READS[way.0])).sum();
         (reads as f64 * self.bytes(), secs)
+    }
+
+    /// As [`ReadProbe::rate`] for one read of the next of `parts` slices of the buffer, taken
+    /// in turn: short readings to set between steps of other work. Each slice was last read
+    /// `parts − 1` slices ago, the rest of the buffer, so it comes from memory as the whole
+    /// buffer does.
+    pub fn rate_next(&self, team: &Team, way: ReadWay, parts: usize) -> (f64, f64) {
+        let parts = parts.clamp(1, self.buf.len().max(1));
+        let len = self.buf.len() / parts;
+        let k = self.next.fetch_add(1, Relaxed) % parts;
+        let secs = time_read(team, &self.buf[k * len..(k + 1) * len], detect(), READS[way.0]);
+        (len as f64 * 4.0, secs)
     }
 
     fn bytes(&self) -> f64 {

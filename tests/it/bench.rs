@@ -38,7 +38,8 @@ fn check(j: &serde_json::Value, ranks: usize) {
         "handoff {handoff} with {threads} threads"
     );
     assert_eq!(j["ranks"].as_array().unwrap().len(), ranks);
-    // One entry per timed run, each with its own bandwidth; their mean rate is the report's.
+    // One entry per timed run, each with its own bandwidth; their mean rate and bandwidth are
+    // the report's.
     let runs = j["runs"].as_array().unwrap();
     assert_eq!(runs.len() as u64, j["reps"].as_u64().unwrap(), "{j}");
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
@@ -50,8 +51,10 @@ fn check(j: &serde_json::Value, ranks: usize) {
         let achieved = f(j, "weight_bytes_per_token") * f(r, "decode_tokens_per_s") / 1e9;
         assert!((achieved / f(r, "measured_gb_per_s") / f(r, "decode_efficiency") - 1.0).abs() < 1e-9, "{r}");
     }
-    let mean = runs.iter().map(|r| f(r, "decode_tokens_per_s")).sum::<f64>() / runs.len() as f64;
-    assert!((mean / f(j, "decode_tokens_per_s") - 1.0).abs() < 1e-9, "{mean} vs {j}");
+    let mean = |k: &str| runs.iter().map(|r| f(r, k)).sum::<f64>() / runs.len() as f64;
+    for k in ["decode_tokens_per_s", "measured_gb_per_s"] {
+        assert!((mean(k) / f(j, k) - 1.0).abs() < 1e-9, "{k}: {} vs {j}", mean(k));
+    }
     // The last repetition's decode steps, after the earlier runs grew every buffer: no heap
     // allocation on any rank, kernel threads included.
     for r in j["ranks"].as_array().unwrap() {
@@ -83,6 +86,8 @@ fn bench_synthetic_shape_one_rank() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     check(&j, 1);
+    // One rank, nothing overlaps: decode's bandwidth is read between its steps.
+    assert_eq!(j["bandwidth_reads"], "between_steps", "{j}");
     // SmolLM2's ~210 MB of layers are past any cache: the prefetch was timed on them.
     let rank = &j["ranks"][0];
     assert_eq!(rank["prefetch_by"], "timed", "{rank}");
@@ -117,6 +122,8 @@ fn bench_model_folder_on_two_stages() {
     // Two stages: two micro-batches in flight by default.
     assert_eq!(j["micro_batches"], 2);
     assert_eq!(j["overlap"], true);
+    // Overlapping steps leave no moment between them: the bandwidth is read around the runs.
+    assert_eq!(j["bandwidth_reads"], "around_runs", "{j}");
     // Bytes per generated token: each micro-batch's step reads the weights once, shared by
     // its sequences.
     let per_step: f64 =
@@ -135,4 +142,64 @@ fn bench_rejects_unknown_shape() {
 fn bench_rejects_an_empty_bandwidth_buffer() {
     let out = gridlm(&["bench", "--limits", "--bandwidth-mib", "0"]);
     assert_one_line_error(&out, &["--bandwidth-mib", "1..=1048576"]);
+}
+
+/// `RunOptions::read_between_steps`: every rank's reader runs after each step while work is
+/// left, with the rank's kernel team, and its time is left out of the run's clock.
+#[test]
+fn readers_run_between_steps_off_the_clock() {
+    use gridlm::comm::Single;
+    use gridlm::engine::{Request, RunOptions};
+    use std::{cell::Cell, rc::Rc, time::Duration, time::Instant};
+    let (_t, dir) = tiny_llama();
+    let mut engine = local_engine(&dir, None);
+    let calls = Rc::new(Cell::new(0));
+    let seen = calls.clone();
+    engine.set_reader(Some(Box::new(move |team| {
+        assert_eq!(team.threads(), 2);
+        seen.set(seen.get() + 1);
+        std::thread::sleep(Duration::from_millis(100));
+    })));
+    let request = Request {
+        prompt: vec![1, 2, 3],
+        max_tokens: 5,
+        ignore_eos: true,
+        params: Default::default(),
+        keep_logits: false,
+    };
+    let mut opts = RunOptions { max_batch: 1, read_between_steps: true, ..RunOptions::default() };
+    let t = Instant::now();
+    let (done, stats) = engine
+        .run_with_stats(std::slice::from_ref(&request), &opts, &Single, &Single, |_, _| Ok(true))
+        .unwrap();
+    let wall_ms = t.elapsed().as_secs_f64() * 1e3;
+    // Five steps (the prompt, then four single tokens): a reading after each but the last.
+    assert_eq!(calls.get(), 4);
+    assert_eq!(done[0].token_ids.len(), 5);
+    // Their 400 ms and more are on neither the run's clock nor its tokens'.
+    assert!(wall_ms - stats.elapsed_ms >= 400.0, "{wall_ms} ms in all, {} on the clock", stats.elapsed_ms);
+    let times = &done[0].times_ms;
+    assert!(times.windows(2).all(|w| w[0] <= w[1]) && times[4] <= stats.elapsed_ms, "{times:?}");
+    // The same tokens as a run without readings, which calls no reader.
+    opts.read_between_steps = false;
+    let plain = engine.run(&[request], &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
+    assert_eq!(plain[0].token_ids, done[0].token_ids);
+    assert_eq!(calls.get(), 4);
+}
+
+/// Between-step readings on a pipeline without overlap: every rank reads at each `Read` plan
+/// passed down the stages, and each run has its own bandwidth.
+#[test]
+fn bench_reads_between_steps_on_two_stages() {
+    let (_t, dir) = tiny_llama();
+    std::env::set_var("GRIDLM_BIN", bin());
+    let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
+    cmd.args(["bench", "--model", path_str(&dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
+        .args(["--new-tokens", "6", "--warmup", "1", "--reps", "2", "--bandwidth-mib", "32", "--json"])
+        .arg("--no-overlap");
+    let out = gridlm_reference::run_with_timeout(cmd, 120);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    check(&j, 2);
+    assert_eq!((&j["overlap"], &j["bandwidth_reads"]), (&false.into(), &"between_steps".into()), "{j}");
 }
