@@ -15,6 +15,9 @@ pub struct RankReport {
     pub rss_bytes: u64,
     pub weight_rss_bytes: u64,
     pub bytes_per_token: u64,
+    /// Keys and values of one position on this rank (all its layers and KV heads, in the KV
+    /// cache's dtype): what attention reads per position a token sees.
+    pub kv_bytes_per_position: u64,
     /// Per decode step on this rank (ms): from taking the plan to finishing its part, split
     /// into compute and the time inside allreduce, allgather and point-to-point calls (waiting
     /// for the stage before included).
@@ -54,6 +57,10 @@ pub struct BenchReport {
     pub decode_tokens_per_s: f64,
     pub prefill_tokens_per_s: f64,
     pub weight_bytes_per_token: u64,
+    /// Keys and values attention reads for a decode token, on average over the decode window
+    /// ([`kv_positions_per_token`] × every rank's bytes per position).
+    pub kv_bytes_per_token: u64,
+    /// What decode reads from memory, weights and keys and values, per second.
     pub achieved_gb_per_s: f64,
     /// Read bandwidth while the timed runs ran (every rank's reads, summed; the mean of the
     /// runs', as `decode_tokens_per_s` is the mean of their rates): decode's measure.
@@ -111,12 +118,12 @@ pub fn mean_around_runs(readings: &[f64]) -> Vec<f64> {
 }
 
 /// Each run's report from its decode rate, the bandwidth around it ([`gb_per_s_around_runs`],
-/// summed over ranks), the handoff around it and the weight bytes read per generated token.
+/// summed over ranks), the handoff around it and the bytes read per generated token.
 pub fn run_reports(
     rates: &[f64],
     gb_per_s: &[f64],
     handoff_us: &[f64],
-    weight_bytes_per_token: u64,
+    bytes_per_token: u64,
 ) -> Vec<RunReport> {
     rates
         .iter()
@@ -125,7 +132,7 @@ pub fn run_reports(
         .map(|((&tps, &gb), &handoff_us)| RunReport {
             decode_tokens_per_s: tps,
             measured_gb_per_s: gb,
-            decode_efficiency: weight_bytes_per_token as f64 * tps / 1e9 / gb,
+            decode_efficiency: bytes_per_token as f64 * tps / 1e9 / gb,
             handoff_us,
         })
         .collect()
@@ -152,6 +159,17 @@ pub fn decode_window(times: &[&[f64]]) -> Option<(f64, Vec<f64>)> {
         tokens += t.iter().filter(|&&x| x > start && x <= end).count();
     }
     (end > start && !gaps.is_empty()).then(|| (tokens as f64 / ((end - start) / 1e3), gaps))
+}
+
+/// Positions a decode token's attention reads, on average over the tokens the decode rate is
+/// measured on (the second to the last of `new_tokens` after a prompt of `prompt_len`, as
+/// [`decode_window`] counts them for sequences of equal length): new token `k` comes from the
+/// step that feeds token `k − 1` at position `prompt_len + k − 1`, which sees `prompt_len + k`
+/// positions, or `window` of them under a sliding window.
+pub fn kv_positions_per_token(prompt_len: usize, new_tokens: usize, window: Option<usize>) -> f64 {
+    let seen = |k: usize| (prompt_len + k).min(window.unwrap_or(usize::MAX));
+    let tokens = new_tokens.saturating_sub(1);
+    (1..new_tokens).map(seen).sum::<usize>() as f64 / tokens.max(1) as f64
 }
 
 /// The `q`-quantile (0..=1) of `v`, by nearest rank.
@@ -203,7 +221,14 @@ impl BenchReport {
             ),
             ("decode", format!("{:.1} tokens/s", self.decode_tokens_per_s)),
             ("prefill", format!("{:.1} tokens/s", self.prefill_tokens_per_s)),
-            ("weights read per token", format!("{:.1} MB", mb(self.weight_bytes_per_token))),
+            (
+                "read per token",
+                format!(
+                    "{:.1} MB of weights, {:.2} MB of keys and values",
+                    mb(self.weight_bytes_per_token),
+                    mb(self.kv_bytes_per_token)
+                ),
+            ),
             (
                 "decode bandwidth",
                 format!(
@@ -304,6 +329,16 @@ mod tests {
         assert_eq!(percentile(&v, 0.5), 5.0);
         assert_eq!(percentile(&v, 0.9), 9.0);
         assert_eq!(percentile(&[3.0], 0.9), 3.0);
+    }
+
+    #[test]
+    fn kv_positions_are_those_the_decode_window_steps_see() {
+        // Tokens 2..=4 of 4 after 10: steps feeding positions 10, 11, 12 see 11, 12, 13.
+        assert_eq!(kv_positions_per_token(10, 4, None), 12.0);
+        assert_eq!(kv_positions_per_token(10, 4, Some(12)), (11.0 + 12.0 + 12.0) / 3.0);
+        // No decode window, no reads counted.
+        assert_eq!(kv_positions_per_token(10, 1, None), 0.0);
+        assert_eq!(kv_positions_per_token(10, 0, None), 0.0);
     }
 
     #[test]

@@ -4,8 +4,8 @@
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use gridlm::bench::{
-    decode_window, gb_per_s, gb_per_s_around_runs, mean_around_runs, percentile, prefill_flops, run_reports,
-    BenchReport, RankReport,
+    decode_window, gb_per_s, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, percentile,
+    prefill_flops, run_reports, BenchReport, RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -597,6 +597,7 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
         host::rss_bytes() as u64,
         weight_rss as u64,
         shard.bytes_per_token() as u64,
+        (shard.kv_page_bytes(engine.kv_dtype()) / gridlm::model::PAGE) as u64,
         t[0],
         t[1],
         t[2],
@@ -618,14 +619,15 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
             rss_bytes: v[3],
             weight_rss_bytes: v[4],
             bytes_per_token: v[5],
-            step_ms: f64::from_bits(v[6]),
-            compute_ms: f64::from_bits(v[7]),
-            allreduce_ms: f64::from_bits(v[8]),
-            allgather_ms: f64::from_bits(v[9]),
-            sendrecv_ms: f64::from_bits(v[10]),
-            allocations_per_step: (v[11] != u64::MAX).then(|| f64::from_bits(v[11])),
-            prefetch: Fetch::ALL.get(v[12] as usize).map_or("?", |f| f.name()).to_string(),
-            prefetch_by: PrefetchBy::ALL.get(v[13] as usize).map_or("?", |b| b.name()).to_string(),
+            kv_bytes_per_position: v[6],
+            step_ms: f64::from_bits(v[7]),
+            compute_ms: f64::from_bits(v[8]),
+            allreduce_ms: f64::from_bits(v[9]),
+            allgather_ms: f64::from_bits(v[10]),
+            sendrecv_ms: f64::from_bits(v[11]),
+            allocations_per_step: (v[12] != u64::MAX).then(|| f64::from_bits(v[12])),
+            prefetch: Fetch::ALL.get(v[13] as usize).map_or("?", |f| f.name()).to_string(),
+            prefetch_by: PrefetchBy::ALL.get(v[14] as usize).map_or("?", |b| b.name()).to_string(),
         })
         .collect()
 }
@@ -1243,7 +1245,12 @@ fn run_bench(
     let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.work.batch as u64;
     let first_token_ms = percentile(&firsts, 0.5);
     let decode_tokens_per_s = decode_rates.iter().sum::<f64>() / decode_rates.len().max(1) as f64;
-    let achieved_gb_per_s = weight_bytes_per_token as f64 * decode_tokens_per_s / 1e9;
+    // Each decode token's attention reads its own sequence's keys and values, on every rank.
+    let kv_per_position: u64 = ranks.iter().map(|r| r.kv_bytes_per_position).sum();
+    let positions = kv_positions_per_token(a.work.prompt_len, a.work.new_tokens, full_cfg.sliding_window);
+    let kv_bytes_per_token = (kv_per_position as f64 * positions).round() as u64;
+    let bytes_per_token = weight_bytes_per_token + kv_bytes_per_token;
+    let achieved_gb_per_s = bytes_per_token as f64 * decode_tokens_per_s / 1e9;
     let prefill_gflops =
         a.work.batch as f64 * prefill_flops(&full_cfg, a.work.prompt_len) / (first_token_ms / 1e3) / 1e9;
     let report = BenchReport {
@@ -1270,6 +1277,7 @@ fn run_bench(
         decode_tokens_per_s,
         prefill_tokens_per_s: (a.work.batch * a.work.prompt_len) as f64 / (first_token_ms / 1e3),
         weight_bytes_per_token,
+        kv_bytes_per_token,
         achieved_gb_per_s,
         measured_gb_per_s,
         bandwidth_reads: if between { "between_steps" } else { "around_runs" },
@@ -1279,7 +1287,7 @@ fn run_bench(
         measured_peak_gflops,
         prefill_efficiency: prefill_gflops / measured_peak_gflops,
         handoff_us,
-        runs: run_reports(&decode_rates, &gb_per_s_by_run, &handoff_by_run, weight_bytes_per_token),
+        runs: run_reports(&decode_rates, &gb_per_s_by_run, &handoff_by_run, bytes_per_token),
         ranks,
     };
     let mut stdout = std::io::stdout().lock();

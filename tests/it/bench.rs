@@ -11,6 +11,7 @@ const KEYS: &[&str] = &[
     "decode_tokens_per_s",
     "prefill_tokens_per_s",
     "weight_bytes_per_token",
+    "kv_bytes_per_token",
     "achieved_gb_per_s",
     "measured_gb_per_s",
     "best_gb_per_s",
@@ -48,7 +49,8 @@ fn check(j: &serde_json::Value, ranks: usize) {
             assert!(f(r, k).is_finite() && f(r, k) > 0.0, "{k} in {r}");
         }
         assert!((f(r, "handoff_us") > 0.0) == (threads > 1), "handoff_us in {r}");
-        let achieved = f(j, "weight_bytes_per_token") * f(r, "decode_tokens_per_s") / 1e9;
+        let bytes = f(j, "weight_bytes_per_token") + f(j, "kv_bytes_per_token");
+        let achieved = bytes * f(r, "decode_tokens_per_s") / 1e9;
         assert!((achieved / f(r, "measured_gb_per_s") / f(r, "decode_efficiency") - 1.0).abs() < 1e-9, "{r}");
     }
     let mean = |k: &str| runs.iter().map(|r| f(r, k)).sum::<f64>() / runs.len() as f64;
@@ -95,6 +97,10 @@ fn bench_synthetic_shape_one_rank() {
     // bf16 SmolLM2: ~135M weights at 2 bytes, all read for each token.
     let bytes = j["weight_bytes_per_token"].as_f64().unwrap();
     assert!((2.5e8..2.9e8).contains(&bytes), "{bytes}");
+    // Its keys and values in f16: 30 layers × 3 KV heads × 64 × 2 × 2 bytes a position, and
+    // the decode steps of 4 new tokens after 8 see 10 positions on average.
+    assert_eq!(j["kv_bytes_per_token"], 30 * 3 * 64 * 2 * 2 * 10, "{j}");
+    assert_eq!(rank["kv_bytes_per_position"], 30 * 3 * 64 * 2 * 2, "{rank}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("bench: rep 2/2"), "progress lines");
 }
 
