@@ -4,8 +4,8 @@
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use gridlm::bench::{
-    decode_window, gb_per_s, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, percentile,
-    prefill_flops, run_reports, BenchReport, RankReport,
+    decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
+    percentile, prefill_flops, run_reports, BenchReport, RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -1099,7 +1099,8 @@ fn run_bench(
     // at that moment, which sets what every product's start and end cost.
     // Between steps instead (`--bandwidth-reads`, the default): a slice of the buffer after
     // every step, every rank at once (`Plan::Read`), its time left out of the step times; a
-    // run's bandwidth is that of the readings between its steps. Decode and the reads then
+    // run's bandwidth is the median rate of the readings between its steps (see
+    // `median_gb_per_s`: one paused reading must not halve it). Decode and the reads then
     // meet the same moments, where the readings around a run are seconds from most of its
     // steps. Steps that overlap in a pipeline leave no moment between them, so those runs are
     // read around.
@@ -1202,7 +1203,7 @@ fn run_bench(
                 if run_log.is_empty() {
                     run_log.push(probe.rate_next(engine.team(), before.1, READ_PARTS));
                 }
-                by_run.push(gb_per_s(&run_log));
+                by_run.push(median_gb_per_s(&run_log));
             }
             read_around(&engine);
         }
