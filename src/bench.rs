@@ -98,7 +98,8 @@ pub struct RunReport {
 }
 
 /// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
-/// all their time, every read counted (a run's bandwidth from the readings between its steps).
+/// all their time, every read counted (a run's bandwidth from the whole reads around it; those
+/// between its steps are too short for it, see [`median_gb_per_s`]).
 pub fn gb_per_s(readings: &[(f64, f64)]) -> f64 {
     let (bytes, secs) = readings.iter().fold((0.0, 0.0), |a, r| (a.0 + r.0, a.1 + r.1));
     bytes / secs.max(1e-9) / 1e9

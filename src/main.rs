@@ -354,8 +354,8 @@ struct BenchArgs {
     /// When decode's bandwidth is read: `between-steps`, a slice of the buffer (a sixteenth)
     /// after each step, its time left out of the step times, so decode and the reads meet the
     /// same moments of a host whose bandwidth wanders (a run's bandwidth is the median rate of
-    /// its slices); or `around-runs`, whole reads before and
-    /// after each run. Steps that overlap in a pipeline are always read around the runs.
+    /// its slices); or `around-runs`, whole reads before and after each run. Steps that
+    /// overlap in a pipeline are always read around the runs.
     #[arg(long, value_enum, default_value_t = BandwidthReads::BetweenSteps)]
     bandwidth_reads: BandwidthReads,
     /// Print one JSON object instead of the table.

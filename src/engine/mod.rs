@@ -194,7 +194,8 @@ pub struct Engine {
     /// Reused from step to step, so a decode step allocates nothing: the plan and result as
     /// bytes, the plan as received (ranks other than the driver) and the buffers of the last
     /// step received while another plan is there, the emitting spans' slots,
-    /// this rank's greedy candidates, and token lists of results the driver has handed back.
+    /// this rank's greedy candidates, token lists of results the driver has handed back, and
+    /// the every-rank buffer a [`Plan::Read`] ends with.
     plan_wire: Vec<u8>,
     result_wire: Vec<u8>,
     incoming: Plan,
@@ -202,6 +203,7 @@ pub struct Engine {
     emitting: Vec<usize>,
     mine: Vec<f32>,
     spare_tokens: Vec<Vec<u32>>,
+    read_sync: Vec<u64>,
     profile: StepProfile,
     /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step;
     /// `RANK:STEP:panic` makes a kernel thread panic there instead.
@@ -295,6 +297,7 @@ impl Engine {
             emitting: Vec::new(),
             mine: Vec::new(),
             spare_tokens: Vec::new(),
+            read_sync: Vec::new(),
             profile: StepProfile::default(),
             exit_at,
             steps: 0,
@@ -432,8 +435,8 @@ impl Engine {
                     read(&self.team);
                 }
                 // Every rank leaves together, so the next step starts at once on all of them.
-                let mut all = vec![0u64; link.world_size()];
-                link.allgather_u64(&[0], &mut all);
+                self.read_sync.resize(link.world_size(), 0);
+                link.allgather_u64(&[0], &mut self.read_sync);
                 return Ok(None);
             }
             Plan::Step(step) => step,
