@@ -104,19 +104,30 @@ fn bench_synthetic_shape_one_rank() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("bench: rep 2/2"), "progress lines");
 }
 
-#[test]
-fn bench_model_folder_on_two_stages() {
-    let (_t, dir) = tiny_llama();
+/// `gridlm bench --json` of the tiny model on two stages of one thread each (`launch/local 2`),
+/// with `args` after the common ones and `GRIDLM_PREFETCH` set to `prefetch` if given; checked
+/// by [`check`].
+fn bench_two_stages(dir: &Path, args: &[&str], prefetch: Option<&str>) -> serde_json::Value {
     std::env::set_var("GRIDLM_BIN", bin());
     let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
-    cmd.args(["bench", "--model", path_str(&dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
-        .args(["--new-tokens", "4", "--warmup", "1", "--reps", "1", "--bandwidth-mib", "32", "--json"])
-        .args(["--batch", "3", "--quant", "int8", "--kv-dtype", "bf16"])
-        .env("GRIDLM_PREFETCH", "far");
+    cmd.args(["bench", "--model", path_str(dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
+        .args(["--warmup", "1", "--bandwidth-mib", "32", "--json"])
+        .args(args);
+    if let Some(p) = prefetch {
+        cmd.env("GRIDLM_PREFETCH", p);
+    }
     let out = gridlm_reference::run_with_timeout(cmd, 120);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     check(&j, 2);
+    j
+}
+
+#[test]
+fn bench_model_folder_on_two_stages() {
+    let (_t, dir) = tiny_llama();
+    let args = ["--new-tokens", "4", "--reps", "1", "--batch", "3", "--quant", "int8", "--kv-dtype", "bf16"];
+    let j = bench_two_stages(&dir, &args, Some("far"));
     assert_eq!(j["pp"], 2);
     assert_eq!(j["batch"], 3);
     assert_eq!(j["weight_dtype"], "int8");
@@ -198,14 +209,6 @@ fn readers_run_between_steps_off_the_clock() {
 #[test]
 fn bench_reads_between_steps_on_two_stages() {
     let (_t, dir) = tiny_llama();
-    std::env::set_var("GRIDLM_BIN", bin());
-    let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
-    cmd.args(["bench", "--model", path_str(&dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
-        .args(["--new-tokens", "6", "--warmup", "1", "--reps", "2", "--bandwidth-mib", "32", "--json"])
-        .arg("--no-overlap");
-    let out = gridlm_reference::run_with_timeout(cmd, 120);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    check(&j, 2);
+    let j = bench_two_stages(&dir, &["--new-tokens", "6", "--reps", "2", "--no-overlap"], None);
     assert_eq!((&j["overlap"], &j["bandwidth_reads"]), (&false.into(), &"between_steps".into()), "{j}");
 }
