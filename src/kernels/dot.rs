@@ -384,15 +384,6 @@ pub fn prefetch<T>(data: *const [T]) {
     let _ = data;
 }
 
-/// As [`prefetch`], into L2 only (the T1 hint): for data wanted a while later, which would
-/// otherwise crowd L1 and its few outstanding misses.
-pub fn prefetch_l2<T>(data: *const [T]) {
-    #[cfg(target_arch = "x86_64")]
-    prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T1 }>(data);
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
-}
-
 /// Every cache line of `data` with the prefetch hint `HINT`.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_lines<T, const HINT: i32>(data: *const [T]) {

@@ -118,20 +118,16 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         };
         let (first_page, last_page) = (lo / page_len, hi / page_len);
         // Pages may be scattered through the pool, each too short for the hardware prefetcher
-        // to follow: fetch AHEAD pages ahead of the one being scored into L1, and
-        // [`FAR_PAGES`] ahead into L2.
+        // to follow: fetch the pages AHEAD and [`FAR_PAGES`] ahead of the one being scored.
         const AHEAD: usize = 2;
-        let ask = |p: usize, prefetch: fn(*const [T])| {
+        let fetch = |p: usize| {
             if p <= last_page {
                 let (k, v) = page(p);
-                prefetch(&k[..hd * page_len]);
-                prefetch(&v[..hd * page_len]);
+                dot::prefetch(&k[..hd * page_len]);
+                dot::prefetch(&v[..hd * page_len]);
             }
         };
-        let fetch = |p: usize| ask(p, dot::prefetch);
-        let fetch_far = |p: usize| ask(p, dot::prefetch_l2);
-        (first_page + AHEAD..first_page + FAR_PAGES).for_each(fetch_far);
-        (first_page..first_page + AHEAD).for_each(fetch);
+        (first_page..first_page + FAR_PAGES).for_each(fetch);
         let mut tile = first_page;
         while tile <= last_page {
             let tile_end = (tile + TILE_PAGES).min(last_page + 1);
@@ -139,7 +135,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
             // Keys of this tile that some row sees, from the tile's start.
             let (ja, jb) = (base.max(lo) - base, (tile_end * page_len).min(hi + 1) - base);
             for p in tile..tile_end {
-                fetch_far(p + FAR_PAGES);
+                fetch(p + FAR_PAGES);
                 fetch(p + AHEAD);
                 let at = (p - tile) * page_len;
                 dot::page_scores(&page(p).0[..hd * page_len], page_len, q, &mut s[at..], tile_len, isa);
@@ -226,12 +222,17 @@ pub fn merge_attention_parts(parts: &[f32], stats: &[f32], out: &mut [f32]) {
 /// Pages per tile of keys in [`attend_tiled`].
 const TILE_PAGES: usize = 8;
 
-/// Pages [`attend_tiled`] asks for ahead into L2 (and a caller may ask for before it starts,
-/// see `KvPool::prefetch_read`). A decode step's KV pages come from memory: the weights
-/// streamed since the step before have pushed them out of cache. On the 2-core Zen 4 machine
-/// the attention of a SmolLM2 batch of 8 (positions 64–128) took 2.2–2.5 ms of a ~14.5 ms
-/// step when only the next two pages were fetched, its time spent waiting on their loads;
-/// 1.3–1.7 ms with these and the next item's pages asked for, batch 8 decoding 3–6% faster.
+/// Pages [`attend_tiled`] asks for ahead (and a caller may ask for before it starts, see
+/// `KvPool::prefetch_read`). A decode step's KV pages come from memory: the weights streamed
+/// since the step before have pushed them out of cache. On the 2-core Zen 4 machine the
+/// attention of a SmolLM2 batch of 8 (positions 64–128) took 2.2–2.5 ms of a ~14.5 ms step
+/// when only the next two pages were fetched, its time spent waiting on their loads; 1.3–1.7
+/// ms with these and the next item's pages asked for, batch 8 decoding 3–6% faster.
+///
+/// They are asked for with the T0 hint, into L1 and L2. With T1, into L2 only, each thread of
+/// a SmolLM2 decode step (batch 1, positions 64–192, 2-core Zen 5 machine) spent 178–222 µs a
+/// step in its attention items, against 160–168 with T0 (eight runs each, interleaved), and a
+/// profile found the page kernels mostly waiting on their loads of values.
 pub const FAR_PAGES: usize = 16;
 
 thread_local! {

@@ -224,13 +224,13 @@ impl KvPool {
         }
     }
 
-    /// Asks for (into L2) the first [`kernels::FAR_PAGES`] pages an attention of local KV
-    /// head `kv` of `layer` over positions from `first` to `last` will read, so an item of
-    /// attention can fetch the next one's while it computes.
+    /// Asks for the first [`kernels::FAR_PAGES`] pages an attention of local KV head `kv` of
+    /// `layer` over positions from `first` to `last` will read, so an item of attention can
+    /// fetch the next one's while it computes.
     pub fn prefetch_read(&self, layer: usize, kv: usize, table: &[u32], first: usize, last: usize) {
         fn lines<T>(s: &Store<T>, layer: usize, a: usize, len: usize) {
-            kernels::dot::prefetch_l2(s.span(&s.k, layer, a, len));
-            kernels::dot::prefetch_l2(s.span(&s.v, layer, a, len));
+            kernels::dot::prefetch(s.span(&s.k, layer, a, len));
+            kernels::dot::prefetch(s.span(&s.v, layer, a, len));
         }
         let (hd, pages) = (self.head_dim, self.pages);
         let first_page = first / PAGE;

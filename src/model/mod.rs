@@ -503,8 +503,8 @@ impl Shard {
                         }
                     }
                     // The first pages (up to `FAR_PAGES`) of the attention items this thread
-                    // takes first (its share, see `Region::for_ranges`), into L2 while the QKV
-                    // product streams. An item asks for the next one's when it starts, but a
+                    // takes first (its share, see `Region::for_ranges`), while the QKV product
+                    // streams. An item asks for the next one's when it starts, but a
                     // thread's first item had its pages come from memory while it computed: on
                     // the 2-core Zen 5 machine the page kernels' profile share fell from ~4.6%
                     // to ~3.4% of the layer products' with this (SmolLM2, batch 1).
