@@ -118,7 +118,9 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         };
         let (first_page, last_page) = (lo / page_len, hi / page_len);
         // Pages may be scattered through the pool, each too short for the hardware prefetcher
-        // to follow: fetch the pages AHEAD and [`FAR_PAGES`] ahead of the one being scored.
+        // to follow: fetch each page [`FAR_PAGES`] ahead of the one being scored, and again
+        // AHEAD: sixteen pages are more than L1 holds, so one asked for far ahead may have
+        // gone back to L2 by the time it is near.
         const AHEAD: usize = 2;
         let fetch = |p: usize| {
             if p <= last_page {
