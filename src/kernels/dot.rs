@@ -375,23 +375,22 @@ macro_rules! with_fetch {
     };
 }
 
-/// Asks the CPU to start loading `data` into cache (a hint: no effect on results). A raw
-/// slice, so memory another thread may be writing can be asked for; any `&[T]` passes.
+/// Asks the CPU to start loading every cache line of `data` into L1 and L2 (the T0 hint; a
+/// hint: no effect on results). A raw slice, so memory another thread may be writing can be
+/// asked for; any `&[T]` passes.
 pub fn prefetch<T>(data: *const [T]) {
     #[cfg(target_arch = "x86_64")]
-    prefetch_lines::<T, { std::arch::x86_64::_MM_HINT_T0 }>(data);
+    {
+        let p = data.cast::<i8>();
+        for off in (0..data.len() * std::mem::size_of::<T>()).step_by(64) {
+            // SAFETY: prefetching is a hint, never faults and reads nothing into the program.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(off))
+            };
+        }
+    }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
-}
-
-/// Every cache line of `data` with the prefetch hint `HINT`.
-#[cfg(target_arch = "x86_64")]
-fn prefetch_lines<T, const HINT: i32>(data: *const [T]) {
-    let p = data.cast::<i8>();
-    for off in (0..data.len() * std::mem::size_of::<T>()).step_by(64) {
-        // SAFETY: prefetching is a hint, never faults and reads nothing into the program.
-        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(off)) };
-    }
 }
 
 /// `s[i] *= scale`; returns the largest result (−∞ when `s` is empty).
