@@ -160,6 +160,96 @@ thread_local! {
     static FORCED: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
 }
 
+/// How int8 products are summed, for inputs quantized per group to |q| ≤ [`Int8Path::input_max`]
+/// (see `packed::matmul_int8`). Every path gives the same integer sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Path {
+    Portable,
+    /// AVX2 `maddubs`: neighbouring products summed into 16 bits, inputs to |q| ≤ 64 so a
+    /// group's sums fit them and one `madd` per group widens them.
+    Maddubs,
+    /// AVX-VNNI `vpdpbusd` (VEX, 256 bits): four products at a time summed straight into 32
+    /// bits, so the inputs keep 255 levels (|q| ≤ 127) at no cost.
+    AvxVnni,
+    /// The same instruction in its AVX512-VNNI form (EVEX, 256 bits; with AVX512VL): Zen 4,
+    /// Cascade Lake and Ice Lake have it without AVX-VNNI.
+    Avx512Vnni,
+}
+
+impl Int8Path {
+    /// The largest |q| of an input quantized for this path.
+    pub fn input_max(self) -> i8 {
+        match self {
+            Int8Path::Maddubs => 64,
+            _ => 127,
+        }
+    }
+}
+
+thread_local! {
+    static NO_VNNI: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The int8 path for [`detect`]'s ISA: a VNNI one where the CPU has it (AVX512-VNNI only from
+/// [`Isa::Avx512`] on) unless `GRIDLM_NO_VNNI` is set, else `maddubs`.
+pub fn int8_path() -> Int8Path {
+    let isa = detect();
+    if isa == Isa::Portable {
+        return Int8Path::Portable;
+    }
+    let (avx, evex) = if NO_VNNI.get() { (false, false) } else { vnni_native() };
+    if avx {
+        Int8Path::AvxVnni
+    } else if evex && matches!(isa, Isa::Avx512 | Isa::Avx512Bf16) {
+        Int8Path::Avx512Vnni
+    } else {
+        Int8Path::Maddubs
+    }
+}
+
+/// Whether this CPU has AVX-VNNI, and AVX512-VNNI with AVX512VL (both false where
+/// `GRIDLM_NO_VNNI` is set).
+fn vnni_native() -> (bool, bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VNNI: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| {
+            if std::env::var_os("GRIDLM_NO_VNNI").is_some() {
+                return (false, false);
+            }
+            (
+                is_x86_feature_detected!("avxvnni"),
+                is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl"),
+            )
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        (false, false)
+    }
+}
+
+/// Every SIMD int8 path this CPU runs (tests compare them all; [`int8_path`] picks one).
+pub fn int8_kernels() -> Vec<Int8Path> {
+    if detect_native() == Isa::Portable {
+        return vec![];
+    }
+    let (avx, evex) = vnni_native();
+    let mut all = vec![Int8Path::Maddubs];
+    all.extend(avx.then_some(Int8Path::AvxVnni));
+    all.extend(evex.then_some(Int8Path::Avx512Vnni));
+    all
+}
+
+/// Runs `f` with [`int8_path`] answering `maddubs` rather than a VNNI path on this thread
+/// (tests compare both).
+pub fn without_vnni<R>(f: impl FnOnce() -> R) -> R {
+    let before = NO_VNNI.replace(true);
+    let r = f();
+    NO_VNNI.set(before);
+    r
+}
+
 /// Every implementation this CPU can run, the portable one first and [`detect`]'s last.
 pub fn available() -> Vec<Isa> {
     match detect_native() {
@@ -555,7 +645,7 @@ pub use avx2::{panel_pair as avx2_panel_pair, panels as avx2_panels, panels_q8 a
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Elem, Fetch, BLOCK, SCORE_SETS};
+    use super::{Elem, Fetch, Int8Path, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -1005,21 +1095,24 @@ mod avx2 {
     }
 
     /// Consecutive int8 packed panels (four rows each, chunks of [`BLOCK`] columns side by
-    /// side) against an input quantized to |q| ≤ 64 per group of two chunks (`q`, one scale
-    /// per group in `s`), times the rows' own scales:
+    /// side) against an input quantized per group of two chunks (`q`, one scale per group in
+    /// `s`) for `path`, times the rows' own scales:
     /// `out[4p + lane] = row_scale · Σ_g s[g] · (row · q)_g`.
     ///
-    /// `maddubs` multiplies unsigned by signed bytes and adds neighbouring products into 16
-    /// bits, so each weight takes the sign of its input (`sign`) and meets |q|. With |q| ≤ 64
-    /// and |w| ≤ 127 the 16-bit sums of a whole group (four products) stay below 2^15: exact,
-    /// and one `madd` widens the group's sums to 32 bits instead of one per chunk. Per group
-    /// they are converted and scaled once. Two rows share one register: lanes 0–3 sum row 0
-    /// (or 2), lanes 4–7 row 1 (or 3). `out` may end inside the last panel.
+    /// Each weight takes the sign of its input (`sign`) and meets |q| as an unsigned byte.
+    /// `maddubs` adds neighbouring products into 16 bits: with |q| ≤ 64 and |w| ≤ 127 the
+    /// 16-bit sums of a whole group (four products) stay below 2^15, exact, and one `madd` per
+    /// group widens them. `vpdpbusd` adds four neighbouring products straight into 32 bits,
+    /// the same sums (the same four bytes to each 32-bit lane) at |q| ≤ 127. Per group they are
+    /// converted and scaled once, in the same order on every path, so the paths agree bit for
+    /// bit. Two rows share one register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
+    /// `out` may end inside the last panel.
     ///
     /// # Safety
-    /// The CPU must have avx2, fma and f16c; every |q| ≤ 64, `q.len()` is a multiple of
-    /// [`BLOCK`], `s.len() == q.len().div_ceil(2 * BLOCK)`, `w.len() == 4 * q.len() * np`
-    /// and `row_scales.len() == 4 * np` with `np = out.len().div_ceil(4)`.
+    /// The CPU must have avx2, fma and f16c, and what `path` names; every |q| ≤
+    /// `path.input_max()`, `q.len()` is a multiple of [`BLOCK`],
+    /// `s.len() == q.len().div_ceil(2 * BLOCK)`, `w.len() == 4 * q.len() * np` and
+    /// `row_scales.len() == 4 * np` with `np = out.len().div_ceil(4)`.
     pub unsafe fn panels_q8(
         w: &[i8],
         q: &[i8],
@@ -1027,72 +1120,108 @@ mod avx2 {
         row_scales: &[f32],
         out: &mut [f32],
         fetch: Fetch,
+        path: Int8Path,
     ) {
-        with_fetch!(fetch, panels_q8_with(w, q, s, row_scales, out))
-    }
-
-    /// [`panels_q8`], prefetching as the [`Fetch`] of code `F` says.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn panels_q8_with<const F: u8>(
-        w: &[i8],
-        q: &[i8],
-        s: &[f32],
-        row_scales: &[f32],
-        out: &mut [f32],
-    ) {
-        let n = q.len();
-        debug_assert_eq!(n % BLOCK, 0);
-        debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
-        debug_assert_eq!(row_scales.len(), 4 * out.len().div_ceil(4));
-        debug_assert_eq!(s.len(), n.div_ceil(2 * BLOCK));
-        let ones = _mm256_set1_epi16(1);
-        let qp = q.as_ptr();
-        // One chunk (four rows of BLOCK int8) is one cache line. Fetch this far ahead: the
-        // kernel has less spare time per byte than the float ones, so it needs more lead.
-        const AHEAD: usize = 4096;
-        // 16-bit sums of chunk `k` for rows (0,1) and (2,3).
-        let chunk = |wp: *const i8, k: usize| {
-            let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(qp.add(k * BLOCK) as *const __m128i));
-            let ax = _mm256_sign_epi8(x, x);
-            if F >= Fetch::NEAR {
-                _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
-            }
-            if F == Fetch::FAR {
-                fetch_far(wp);
-            }
-            let w01 = _mm256_loadu_si256(wp as *const __m256i);
-            let w23 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
-            (
-                _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w01, x)),
-                _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w23, x)),
-            )
-        };
-        let kc = n / BLOCK;
-        let mut wp = w.as_ptr();
-        for (o, rs) in out.chunks_mut(4).zip(row_scales.chunks_exact(4)) {
-            let (mut acc01, mut acc23) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut k = 0;
-            while k < kc {
-                let (mut p01, mut p23) = chunk(wp, k);
-                wp = wp.add(4 * BLOCK);
-                if k + 1 < kc {
-                    let (b01, b23) = chunk(wp, k + 1);
-                    p01 = _mm256_add_epi16(p01, b01);
-                    p23 = _mm256_add_epi16(p23, b23);
-                    wp = wp.add(4 * BLOCK);
-                }
-                let sc = _mm256_set1_ps(*s.get_unchecked(k / 2));
-                acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p01, ones)), sc, acc01);
-                acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p23, ones)), sc, acc23);
-                k += 2;
-            }
-            // [r0 r0 r2 r2 | r1 r1 r3 r3] pairwise, then [r0 r2 · · | r1 r3 · ·], then in order.
-            let h = _mm256_hadd_ps(acc01, acc23);
-            let h = _mm256_hadd_ps(h, h);
-            let v = _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            store_rows(_mm_mul_ps(v, _mm_loadu_ps(rs.as_ptr())), o);
+        match path {
+            Int8Path::AvxVnni => with_fetch!(fetch, panels_q8_avx_vnni(w, q, s, row_scales, out)),
+            Int8Path::Avx512Vnni => with_fetch!(fetch, panels_q8_avx512_vnni(w, q, s, row_scales, out)),
+            _ => with_fetch!(fetch, panels_q8_maddubs(w, q, s, row_scales, out)),
         }
     }
+
+    /// `acc` plus the 16-bit sums of neighbouring products of `ax` (unsigned) and `sw`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn add_maddubs(acc: __m256i, ax: __m256i, sw: __m256i) -> __m256i {
+        _mm256_add_epi16(acc, _mm256_maddubs_epi16(ax, sw))
+    }
+
+    /// 16-bit sums widened to 32 bits, neighbours added.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen_pairs(p: __m256i) -> __m256i {
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,avxvnni")]
+    unsafe fn add_dpbusd_avx(acc: __m256i, ax: __m256i, sw: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(acc, ax, sw)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+    unsafe fn add_dpbusd_evex(acc: __m256i, ax: __m256i, sw: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, ax, sw)
+    }
+
+    /// 32-bit sums, as they are.
+    #[inline(always)]
+    fn as_is(p: __m256i) -> __m256i {
+        p
+    }
+
+    /// One [`panels_q8`] kernel, prefetching as the [`Fetch`] of code `F` says: `$add(acc, ax,
+    /// sw)` adds a chunk's products to a group's sums, `$widen` makes those 32-bit.
+    macro_rules! panels_q8_kernel {
+        ($name:ident, $features:literal, $add:ident, $widen:ident) => {
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const F: u8>(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &mut [f32]) {
+                let n = q.len();
+                debug_assert_eq!(n % BLOCK, 0);
+                debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
+                debug_assert_eq!(row_scales.len(), 4 * out.len().div_ceil(4));
+                debug_assert_eq!(s.len(), n.div_ceil(2 * BLOCK));
+                let qp = q.as_ptr();
+                // One chunk (four rows of BLOCK int8) is one cache line. Fetch this far ahead:
+                // the kernel has less spare time per byte than the float ones, so it needs
+                // more lead.
+                const AHEAD: usize = 4096;
+                // Chunk `k`'s products for rows (0,1) and (2,3) added to `acc`.
+                let chunk = |wp: *const i8, k: usize, acc: (__m256i, __m256i)| {
+                    let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(qp.add(k * BLOCK) as *const __m128i));
+                    let ax = _mm256_sign_epi8(x, x);
+                    if F >= Fetch::NEAR {
+                        _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
+                    }
+                    if F == Fetch::FAR {
+                        fetch_far(wp);
+                    }
+                    let w01 = _mm256_loadu_si256(wp as *const __m256i);
+                    let w23 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
+                    ($add(acc.0, ax, _mm256_sign_epi8(w01, x)), $add(acc.1, ax, _mm256_sign_epi8(w23, x)))
+                };
+                let kc = n / BLOCK;
+                let mut wp = w.as_ptr();
+                for (o, rs) in out.chunks_mut(4).zip(row_scales.chunks_exact(4)) {
+                    let (mut acc01, mut acc23) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    let mut k = 0;
+                    while k < kc {
+                        let mut p = chunk(wp, k, (_mm256_setzero_si256(), _mm256_setzero_si256()));
+                        wp = wp.add(4 * BLOCK);
+                        if k + 1 < kc {
+                            p = chunk(wp, k + 1, p);
+                            wp = wp.add(4 * BLOCK);
+                        }
+                        let sc = _mm256_set1_ps(*s.get_unchecked(k / 2));
+                        acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps($widen(p.0)), sc, acc01);
+                        acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps($widen(p.1)), sc, acc23);
+                        k += 2;
+                    }
+                    // [r0 r0 r2 r2 | r1 r1 r3 r3] pairwise, then [r0 r2 · · | r1 r3 · ·], then
+                    // in order.
+                    let h = _mm256_hadd_ps(acc01, acc23);
+                    let h = _mm256_hadd_ps(h, h);
+                    let v = _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                    store_rows(_mm_mul_ps(v, _mm_loadu_ps(rs.as_ptr())), o);
+                }
+            }
+        };
+    }
+
+    panels_q8_kernel!(panels_q8_maddubs, "avx2,fma,f16c", add_maddubs, widen_pairs);
+    panels_q8_kernel!(panels_q8_avx_vnni, "avx2,fma,f16c,avxvnni", add_dpbusd_avx, as_is);
+    panels_q8_kernel!(panels_q8_avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", add_dpbusd_evex, as_is);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -341,6 +341,22 @@ mod tests {
         dot::available()
     }
 
+    /// Every (ISA, VNNI allowed) this CPU runs, the portable one first; with `int8`, each ISA
+    /// whose int8 path is a VNNI one also without it (`maddubs`).
+    fn paths(int8: bool) -> Vec<(dot::Isa, bool)> {
+        let vnni = |isa| dot::with_isa(isa, dot::int8_path);
+        let extra = |isa| int8 && !matches!(vnni(isa), dot::Int8Path::Portable | dot::Int8Path::Maddubs);
+        isas()
+            .into_iter()
+            .flat_map(|isa| std::iter::once((isa, true)).chain(extra(isa).then_some((isa, false))))
+            .collect()
+    }
+
+    /// `f` on path `p` of [`paths`].
+    fn on_path<R>(p: (dot::Isa, bool), f: impl FnOnce() -> R) -> R {
+        dot::with_isa(p.0, || if p.1 { f() } else { dot::without_vnni(f) })
+    }
+
     fn check_matmul(team: &Team, dtype: DType, rows: usize, cols: usize, n_tok: usize) {
         let wf = rand_vec(rows * cols, (rows * 31 + cols) as u64);
         let data = Data::F32(wf).cast(dtype);
@@ -354,7 +370,8 @@ mod tests {
 
     /// `matmul` of `w` and `x` on every SIMD path is within `1e-5 √cols + rel |want|` of
     /// `want(x)`, where `x` is rounded as the path rounds it (bf16 weights on
-    /// [`dot::Isa::Avx512Bf16`]).
+    /// [`dot::Isa::Avx512Bf16`]; int8's `want` is called on each path, as it quantizes the
+    /// input as the path does).
     fn assert_matmul_on_every_isa(
         team: &Team,
         w: &PackedMat,
@@ -365,18 +382,27 @@ mod tests {
         what: &str,
     ) {
         let (rows, cols) = (w.rows, w.cols);
+        let int8 = w.dtype_name() == "int8";
         let rounded: Vec<f32> = x.iter().map(|&v| dot::round_like_dot_bf16(v)).collect();
-        let (plain, rounded) = (want(x), want(&rounded));
-        for isa in isas() {
-            let want =
-                if isa == dot::Isa::Avx512Bf16 && w.dtype_name() == "bf16" { &rounded } else { &plain };
+        let (plain, rounded) = if int8 { (vec![], vec![]) } else { (want(x), want(&rounded)) };
+        for path in paths(int8) {
+            let isa = path.0;
+            let own;
+            let want = if int8 {
+                own = on_path(path, || want(x));
+                &own
+            } else if isa == dot::Isa::Avx512Bf16 && w.dtype_name() == "bf16" {
+                &rounded
+            } else {
+                &plain
+            };
             let mut got = vec![f32::NAN; n_tok * rows];
-            dot::with_isa(isa, || matmul(team, w, x, n_tok, &mut got));
+            on_path(path, || matmul(team, w, x, n_tok, &mut got));
             for (i, (g, e)) in got.iter().zip(want).enumerate() {
                 let tol = 1e-5 * (cols as f64).sqrt() + rel * e.abs();
                 assert!(
                     (*g as f64 - e).abs() <= tol,
-                    "{isa:?} {what} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
+                    "{path:?} {what} {rows}x{cols} t={n_tok} at {i}: {g} vs {e}"
                 );
             }
         }
@@ -415,16 +441,16 @@ mod tests {
                 .into_iter()
                 .chain([PackedMat::pack_as(&Mat { rows, cols, data: wf.clone() }, Some(Quant::Int8))]);
             for w in mats {
-                for isa in isas() {
+                for path in paths(w.dtype_name() == "int8") {
                     let run = |f: Fetch| {
                         dot::set_fetch(f);
                         let mut out = vec![f32::NAN; rows];
-                        dot::with_isa(isa, || matmul(&team, &w, &x, 1, &mut out));
+                        on_path(path, || matmul(&team, &w, &x, 1, &mut out));
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                     };
                     let near = run(Fetch::Near);
                     for f in [Fetch::None, Fetch::Far] {
-                        assert_eq!(run(f), near, "{isa:?} {} {rows}x{cols} {f:?}", w.dtype_name());
+                        assert_eq!(run(f), near, "{path:?} {} {rows}x{cols} {f:?}", w.dtype_name());
                     }
                 }
             }
@@ -504,11 +530,12 @@ mod tests {
             let g = packed::XGROUP;
             let mut q = vec![0i8; cols_p];
             let mut s = vec![0.0f32; cols_p.div_ceil(g)];
-            packed::quantize_groups(&x[t * cols..(t + 1) * cols], &mut q, &mut s);
+            let max = dot::int8_path().input_max();
+            packed::quantize_groups(&x[t * cols..(t + 1) * cols], &mut q, &mut s, max);
             for c in 0..cols {
                 xd[t * cols + c] = q[c] as f32 * s[c / g];
                 assert!((xd[t * cols + c] - x[t * cols + c]).abs() <= s[c / g] * 0.501 + 1e-7);
-                assert!(q[c].abs() <= packed::XMAX);
+                assert!(q[c].abs() <= max);
             }
         }
         let w64: Vec<f64> = packed::unpack(w).iter().map(|&v| v as f64).collect();
@@ -529,25 +556,30 @@ mod tests {
         x[100] = f32::INFINITY;
         x[140] = f32::NAN;
         x[150] = -1e30;
-        for len in [0usize, 5, 32, 64, 96, 131, 200] {
+        for (len, max) in [0usize, 5, 32, 64, 96, 131, 200].into_iter().flat_map(|l| [(l, 64), (l, 127)]) {
             let padded = len.next_multiple_of(packed::XGROUP) + packed::XGROUP;
             let groups = padded / packed::XGROUP;
             let (mut q0, mut s0) = (vec![7i8; padded], vec![7.0f32; groups]);
-            packed::quantize_groups_body(&x[..len], &mut q0, &mut s0);
+            packed::quantize_groups_body(&x[..len], &mut q0, &mut s0, max);
+            assert!(q0.iter().all(|q| q.abs() <= max));
             for isa in isas() {
                 let (mut q, mut s) = (vec![7i8; padded], vec![7.0f32; groups]);
-                dot::with_isa(isa, || packed::quantize_groups(&x[..len], &mut q, &mut s));
-                assert_eq!(q, q0, "{isa:?} len {len}");
+                dot::with_isa(isa, || packed::quantize_groups(&x[..len], &mut q, &mut s, max));
+                assert_eq!(q, q0, "{isa:?} len {len} max {max}");
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&s), bits(&s0), "{isa:?} len {len}");
+                assert_eq!(bits(&s), bits(&s0), "{isa:?} len {len} max {max}");
             }
         }
-        // Halves round away from zero: the second group's max is 64, so its scale is 1.
+        // Halves round away from zero: the second group's max is 64, so its scale is 1 at 64
+        // levels a side and 64 / 127 at 127.
         let (mut q, mut s) = (vec![0i8; 64], vec![0.0f32; 2]);
-        packed::quantize_groups(&x[..64], &mut q, &mut s);
+        packed::quantize_groups(&x[..64], &mut q, &mut s, 64);
         assert_eq!(s[1], 1.0);
         assert_eq!(&q[33..37], &[-15, -14, -13, -12]);
         assert_eq!(&q[47..51], &[-1, 1, 2, 0]);
+        packed::quantize_groups(&x[..64], &mut q, &mut s, 127);
+        assert_eq!(s[1], 64.0 / 127.0);
+        assert_eq!((q[32], q[33], q[47], q[48]), (127, -29, -1, 1));
     }
 
     /// The largest products the int8 kernels can meet (every weight at its row's maximum,
@@ -564,6 +596,64 @@ mod tests {
                 (0..rows).map(|r| if r % 2 == 0 { 1.0 } else { -1.0 } * sign as f64 * 600.0).collect()
             };
             assert_matmul_on_every_isa(&team, &w, &x, 1, &want, 1e-6, "int8 extremes");
+        }
+    }
+
+    /// The int8 kernels sum the same integers in the same order: on inputs every path takes
+    /// (|q| ≤ 64), `maddubs` and each VNNI path this CPU has (AVX512-VNNI too where AVX-VNNI
+    /// is preferred) give the same bits, with
+    /// extreme weights and inputs among random ones, and odd row counts.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn int8_kernels_agree_bit_for_bit() {
+        let kernels = dot::int8_kernels();
+        if kernels.is_empty() {
+            return;
+        }
+        assert!(kernels.contains(&dot::Int8Path::Maddubs));
+        for &(rows, n) in &[(1usize, 16usize), (4, 32), (7, 48), (13, 2048)] {
+            let np = rows.div_ceil(4);
+            let ints = |len: usize, max: i32, seed: u64| -> Vec<i8> {
+                rand_vec(len, seed)
+                    .iter()
+                    .map(|v| (v * (max as f32 + 1.0)).floor().clamp(-(max as f32), max as f32) as i8)
+                    .collect()
+            };
+            let mut w = ints(4 * n * np, 127, n as u64);
+            let mut q = ints(n, 64, 5);
+            w.iter_mut().step_by(5).for_each(|v| *v = -127);
+            w[..32].fill(127);
+            q[..16].fill(64);
+            q[16..].iter_mut().step_by(7).for_each(|v| *v = -64);
+            let s: Vec<f32> = rand_vec(n.div_ceil(32), 9).iter().map(|v| v.abs() + 0.01).collect();
+            let rs: Vec<f32> = rand_vec(4 * np, 3).iter().map(|v| v.abs() + 0.01).collect();
+            let run = |k: dot::Int8Path| {
+                let mut out = vec![f32::NAN; rows];
+                // SAFETY: `k` is a path this CPU runs (from `int8_path`); the lengths are as
+                // the kernel asks, |q| ≤ 64.
+                unsafe { dot::avx2_panels_q8(&w, &q, &s, &rs, &mut out, Fetch::Near, k) };
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let base = run(dot::Int8Path::Maddubs);
+            for &k in &kernels {
+                assert_eq!(run(k), base, "{k:?} {rows}x{n}");
+            }
+            // And the exact value: the integers summed per group, scaled.
+            for r in 0..rows {
+                let (p, lane) = (r / 4, r % 4);
+                let weight = |c: usize| w[((p * (n / 16) + c / 16) * 4 + lane) * 16 + c % 16] as i64;
+                let mut want = 0.0f64;
+                for (g, (qg, sg)) in q.chunks(32).zip(&s).enumerate() {
+                    let isum: i64 = qg.iter().enumerate().map(|(i, &x)| weight(g * 32 + i) * x as i64).sum();
+                    want += isum as f64 * *sg as f64;
+                }
+                want *= rs[r] as f64;
+                let got = f32::from_bits(base[r]) as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "row {r} of {rows}x{n}: {got} vs {want}"
+                );
+            }
         }
     }
 

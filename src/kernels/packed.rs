@@ -448,9 +448,9 @@ fn as_bf16<T: 'static>(w: &[T]) -> Option<&[bf16]> {
         .then(|| unsafe { std::slice::from_raw_parts(w.as_ptr() as *const bf16, w.len()) })
 }
 
-/// Int8 weights: each input is quantized per group of [`XGROUP`] columns to |q| ≤ [`XMAX`]
-/// (its own scale per group, so an outlier only coarsens its own group), and the products
-/// are summed in integers.
+/// Int8 weights: each input is quantized per group of [`XGROUP`] columns to |q| ≤ the
+/// [`dot::int8_path`]'s `input_max` (its own scale per group, so an outlier only coarsens its
+/// own group), and the products are summed in integers.
 #[allow(clippy::too_many_arguments)]
 fn matmul_int8(
     team: &dyn Par,
@@ -464,6 +464,7 @@ fn matmul_int8(
 ) {
     let (cols, cols_p) = (w.cols, w.cols_p);
     let kc = cols_p.div_ceil(XGROUP);
+    let path = dot::int8_path();
     QUANTIZED.with_borrow_mut(|(xq, xs)| {
         crate::grow(xq, n_tok * cols_p);
         crate::grow(xs, n_tok * kc);
@@ -472,6 +473,7 @@ fn matmul_int8(
                 &x[t * cols..(t + 1) * cols],
                 &mut xq[t * cols_p..(t + 1) * cols_p],
                 &mut xs[t * kc..(t + 1) * kc],
+                path.input_max(),
             );
         }
         let (xq, xs) = (&xq[..n_tok * cols_p], &xs[..n_tok * kc]);
@@ -480,10 +482,11 @@ fn matmul_int8(
         {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every non-portable `Isa` is only produced after detecting avx2, fma
-            // and f16c; `wp` holds the panels of `o`'s rows over the columns of `q` (a multiple
+            // and f16c, and a VNNI `path` after detecting its VNNI; `q` was quantized for
+            // `path`; `wp` holds the panels of `o`'s rows over the columns of `q` (a multiple
             // of CHUNK), with one scale per XGROUP columns and one row scale per panel row.
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-                dot::avx2_panels_q8(wp, q, s, row_scales, o, fetch)
+                dot::avx2_panels_q8(wp, q, s, row_scales, o, fetch, path)
             },
             _ => panels_q8_portable(wp, q, s, row_scales, o),
         };
@@ -512,20 +515,16 @@ fn matmul_int8(
 pub(crate) const XGROUP: usize = 2 * CHUNK;
 const _: () = assert!(XGROUP.is_multiple_of(CHUNK));
 
-/// Largest |q| of a quantized input: the AVX2 kernel's 16-bit sums of a group's products
-/// (four per lane, each |w · q| ≤ 127 · 64) cannot overflow. 129 levels per group; the
-/// int8 top-1 test on the real model shows what that costs against bf16.
-pub(crate) const XMAX: i8 = 64;
-
-/// `x` (padded with zeros to `q.len()`) as integers |q| ≤ `XMAX` with one scale per group of
-/// `XGROUP` columns: `x ≈ q · s[group]`.
-pub fn quantize_groups(x: &[f32], q: &mut [i8], s: &mut [f32]) {
+/// `x` (padded with zeros to `q.len()`) as integers |q| ≤ `max` (at most 127) with one scale
+/// per group of `XGROUP` columns: `x ≈ q · s[group]`.
+pub fn quantize_groups(x: &[f32], q: &mut [i8], s: &mut [f32], max: i8) {
+    assert!((1..=127).contains(&max), "quantize_groups: |q| ≤ {max}");
     #[cfg(target_arch = "x86_64")]
     if dot::detect() != Isa::Portable {
         // SAFETY: every non-portable Isa is only produced after detecting avx2 and fma.
-        return unsafe { quantize_groups_avx2(x, q, s) };
+        return unsafe { quantize_groups_avx2(x, q, s, max) };
     }
-    quantize_groups_body(x, q, s);
+    quantize_groups_body(x, q, s, max);
 }
 
 /// [`quantize_groups`] in AVX2 for the groups wholly inside `x` (the rest as the portable
@@ -538,16 +537,16 @@ pub fn quantize_groups(x: &[f32], q: &mut [i8], s: &mut [f32]) {
 /// The CPU must have avx2 and fma.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_groups_avx2(x: &[f32], q: &mut [i8], s: &mut [f32]) {
+unsafe fn quantize_groups_avx2(x: &[f32], q: &mut [i8], s: &mut [f32], max_q: i8) {
     use std::arch::x86_64::*;
-    const MAX: f32 = XMAX as f32;
+    let max_f = max_q as f32;
     const _: () = assert!(XGROUP == 32);
     let full = (x.len() / XGROUP).min(s.len()).min(q.len() / XGROUP);
     let sign = _mm256_set1_ps(-0.0);
     // `round` goes half away from zero: truncate after adding the largest float below one half,
     // with the value's sign.
     let half = _mm256_set1_ps(f32::from_bits(0.5f32.to_bits() - 1));
-    let (lo, hi) = (_mm256_set1_epi32(-(XMAX as i32)), _mm256_set1_epi32(XMAX as i32));
+    let (lo, hi) = (_mm256_set1_epi32(-(max_q as i32)), _mm256_set1_epi32(max_q as i32));
     // The two packs leave the group's four-byte runs in the order 0 2 4 6 1 3 5 7.
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (k, sk) in s[..full].iter_mut().enumerate() {
@@ -558,8 +557,8 @@ unsafe fn quantize_groups_avx2(x: &[f32], q: &mut [i8], s: &mut [f32]) {
         let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         let max = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-        *sk = max / MAX;
-        let inv = _mm256_set1_ps(if max > 0.0 { MAX / max } else { 0.0 });
+        *sk = max / max_f;
+        let inv = _mm256_set1_ps(if max > 0.0 { max_f / max } else { 0.0 });
         let t: [__m256i; 4] = std::array::from_fn(|i| {
             let r = _mm256_mul_ps(v[i], inv);
             // NaN becomes 0, as `as i8` makes it.
@@ -571,19 +570,19 @@ unsafe fn quantize_groups_avx2(x: &[f32], q: &mut [i8], s: &mut [f32]) {
         let b = _mm256_permutevar8x32_epi32(b, order);
         _mm256_storeu_si256(q.as_mut_ptr().add(k * XGROUP) as *mut __m256i, b);
     }
-    quantize_groups_body(&x[full * XGROUP..], &mut q[full * XGROUP..], &mut s[full..]);
+    quantize_groups_body(&x[full * XGROUP..], &mut q[full * XGROUP..], &mut s[full..], max_q);
 }
 
 /// The portable [`quantize_groups`].
-pub(crate) fn quantize_groups_body(x: &[f32], q: &mut [i8], s: &mut [f32]) {
-    const MAX: f32 = XMAX as f32;
+pub(crate) fn quantize_groups_body(x: &[f32], q: &mut [i8], s: &mut [f32], max_q: i8) {
+    let max_f = max_q as f32;
     for (k, (qc, sc)) in q.chunks_mut(XGROUP).zip(s.iter_mut()).enumerate() {
         let xc = x.get(k * XGROUP..((k + 1) * XGROUP).min(x.len())).unwrap_or(&[]);
         let max = xc.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-        *sc = max / MAX;
-        let inv = if max > 0.0 { MAX / max } else { 0.0 };
+        *sc = max / max_f;
+        let inv = if max > 0.0 { max_f / max } else { 0.0 };
         for (i, d) in qc.iter_mut().enumerate() {
-            *d = xc.get(i).map_or(0, |&v| (v * inv).round().clamp(-MAX, MAX) as i8);
+            *d = xc.get(i).map_or(0, |&v| (v * inv).round().clamp(-max_f, max_f) as i8);
         }
     }
 }
