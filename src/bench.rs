@@ -33,6 +33,11 @@ pub struct RankReport {
     /// [`crate::kernels::Fetch`]), and what decided it (`timed`, `GRIDLM_PREFETCH` or `default`).
     pub prefetch: String,
     pub prefetch_by: String,
+    /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
+    /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
+    /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
+    pub isa: String,
+    pub int8_kernel: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -282,7 +287,7 @@ impl BenchReport {
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({})\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}); kernels {}{}\n",
                 r.rank,
                 r.stage,
                 r.tp,
@@ -294,7 +299,9 @@ impl BenchReport {
                 r.allgather_ms,
                 r.sendrecv_ms,
                 r.prefetch,
-                r.prefetch_by
+                r.prefetch_by,
+                r.isa,
+                r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );
         }
         s

@@ -14,7 +14,7 @@ use gridlm::engine::sampling::SamplingParams;
 use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::host;
-use gridlm::kernels::{Fetch, Quant};
+use gridlm::kernels::{dot, Fetch, Quant};
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
@@ -589,8 +589,11 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
     let t = engine.profile().per_step_ms().map(f64::to_bits);
     // u64::MAX: not counted (no decode step, or allocations are not counted).
     let allocs = engine.profile().allocations_per_step().map_or(u64::MAX, f64::to_bits);
-    // Sent as indices into `Fetch::ALL` and `PrefetchBy::ALL` (the order they are declared in).
+    // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL` and `Int8Path::ALL` (the
+    // order they are declared in; u64::MAX: weights not int8).
     let prefetch = engine.prefetch();
+    let isa = dot::detect();
+    let int8 = if shard.weight_dtype() == "int8" { dot::int8_path() as u64 } else { u64::MAX };
     let mine = [
         grid.stage() as u64,
         grid.tp_rank() as u64,
@@ -607,6 +610,8 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
         allocs,
         prefetch.0 as u64,
         prefetch.1 as u64,
+        isa as u64,
+        int8,
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -629,6 +634,9 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
             allocations_per_step: (v[12] != u64::MAX).then(|| f64::from_bits(v[12])),
             prefetch: Fetch::ALL.get(v[13] as usize).map_or("?", |f| f.name()).to_string(),
             prefetch_by: PrefetchBy::ALL.get(v[14] as usize).map_or("?", |b| b.name()).to_string(),
+            isa: dot::Isa::ALL.get(v[15] as usize).map_or("?", |i| i.name()).to_string(),
+            int8_kernel: (v[16] != u64::MAX)
+                .then(|| dot::Int8Path::ALL.get(v[16] as usize).map_or("?", |k| k.name()).to_string()),
         })
         .collect()
 }

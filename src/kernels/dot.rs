@@ -156,6 +156,20 @@ pub enum Isa {
     Avx512Bf16,
 }
 
+impl Isa {
+    /// Every ISA, in the order declared.
+    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
+        }
+    }
+}
+
 thread_local! {
     static FORCED: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
 }
@@ -177,6 +191,19 @@ pub enum Int8Path {
 }
 
 impl Int8Path {
+    /// Every path, in the order declared.
+    pub const ALL: [Int8Path; 4] =
+        [Int8Path::Portable, Int8Path::Maddubs, Int8Path::AvxVnni, Int8Path::Avx512Vnni];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Int8Path::Portable => "portable",
+            Int8Path::Maddubs => "maddubs",
+            Int8Path::AvxVnni => "avx-vnni",
+            Int8Path::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
     /// The largest |q| of an input quantized for this path.
     pub fn input_max(self) -> i8 {
         match self {

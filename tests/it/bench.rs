@@ -94,6 +94,10 @@ fn bench_synthetic_shape_one_rank() {
     let rank = &j["ranks"][0];
     assert_eq!(rank["prefetch_by"], "timed", "{rank}");
     assert!(["none", "near", "far"].contains(&rank["prefetch"].as_str().unwrap()), "{rank}");
+    // The kernels it ran: a SIMD path, and no int8 ones for bf16 weights.
+    let isas = ["portable", "avx2", "avx512", "avx512bf16"];
+    assert!(isas.contains(&rank["isa"].as_str().unwrap()), "{rank}");
+    assert!(rank["int8_kernel"].is_null(), "{rank}");
     // bf16 SmolLM2: ~135M weights at 2 bytes, all read for each token.
     let bytes = j["weight_bytes_per_token"].as_f64().unwrap();
     assert!((2.5e8..2.9e8).contains(&bytes), "{bytes}");
@@ -135,6 +139,8 @@ fn bench_model_folder_on_two_stages() {
     // Every rank prefetches as it was told.
     for r in j["ranks"].as_array().unwrap() {
         assert_eq!((&r["prefetch"], &r["prefetch_by"]), (&"far".into(), &"GRIDLM_PREFETCH".into()), "{r}");
+        let int8 = ["portable", "maddubs", "avx-vnni", "avx512-vnni"];
+        assert!(int8.contains(&r["int8_kernel"].as_str().unwrap_or("none")), "{r}");
     }
     // Two stages: two micro-batches in flight by default.
     assert_eq!(j["micro_batches"], 2);
