@@ -593,7 +593,7 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
     // order they are declared in; u64::MAX: weights not int8).
     let prefetch = engine.prefetch();
     let isa = dot::detect();
-    let int8 = if shard.weight_dtype() == "int8" { dot::int8_path() as u64 } else { u64::MAX };
+    let int8 = if shard.weight_dtype() == "int8" { dot::int8_path_for(isa) as u64 } else { u64::MAX };
     let mine = [
         grid.stage() as u64,
         grid.tp_rank() as u64,

@@ -217,10 +217,14 @@ thread_local! {
     static NO_VNNI: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// The int8 path for [`detect`]'s ISA: a VNNI one where the CPU has it (AVX512-VNNI only from
-/// [`Isa::Avx512`] on) unless `GRIDLM_NO_VNNI` is set, else `maddubs`.
+/// The int8 path for [`detect`]'s ISA ([`int8_path_for`]).
 pub fn int8_path() -> Int8Path {
-    let isa = detect();
+    int8_path_for(detect())
+}
+
+/// The int8 path on `isa`: a VNNI one where the CPU has it (AVX512-VNNI only from
+/// [`Isa::Avx512`] on) unless `GRIDLM_NO_VNNI` is set or [`without_vnni`] runs, else `maddubs`.
+pub fn int8_path_for(isa: Isa) -> Int8Path {
     if isa == Isa::Portable {
         return Int8Path::Portable;
     }

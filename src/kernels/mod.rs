@@ -601,8 +601,8 @@ mod tests {
 
     /// The int8 kernels sum the same integers in the same order: on inputs every path takes
     /// (|q| ≤ 64), `maddubs` and each VNNI path this CPU has (AVX512-VNNI too where AVX-VNNI
-    /// is preferred) give the same bits, with
-    /// extreme weights and inputs among random ones, and odd row counts.
+    /// is preferred) give the same bits, with extreme weights and inputs among random ones,
+    /// and odd row counts.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn int8_kernels_agree_bit_for_bit() {
@@ -629,7 +629,7 @@ mod tests {
             let rs: Vec<f32> = rand_vec(4 * np, 3).iter().map(|v| v.abs() + 0.01).collect();
             let run = |k: dot::Int8Path| {
                 let mut out = vec![f32::NAN; rows];
-                // SAFETY: `k` is a path this CPU runs (from `int8_path`); the lengths are as
+                // SAFETY: `k` is a path this CPU runs (from `int8_kernels`); the lengths are as
                 // the kernel asks, |q| ≤ 64.
                 unsafe { dot::avx2_panels_q8(&w, &q, &s, &rs, &mut out, Fetch::Near, k) };
                 out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()

@@ -13,7 +13,7 @@
 //! have no ragged tails; padded outputs are never written back.
 
 use super::arena::HugeBuf;
-use super::dot::{self, Fetch, Isa};
+use super::dot::{self, Fetch, Int8Path, Isa};
 use super::{Par, SharedSlice};
 use crate::weights::{DType, Data, Mat};
 use half::{bf16, f16};
@@ -464,7 +464,7 @@ fn matmul_int8(
 ) {
     let (cols, cols_p) = (w.cols, w.cols_p);
     let kc = cols_p.div_ceil(XGROUP);
-    let path = dot::int8_path();
+    let path = dot::int8_path_for(isa);
     QUANTIZED.with_borrow_mut(|(xq, xs)| {
         crate::grow(xq, n_tok * cols_p);
         crate::grow(xs, n_tok * kc);
@@ -478,16 +478,17 @@ fn matmul_int8(
         }
         let (xq, xs) = (&xq[..n_tok * cols_p], &xs[..n_tok * kc]);
         // Weights of `o`'s panels against input `q` (scales `s`), times `row_scales`.
-        let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32], fetch: Fetch| match isa
+        let run = |wp: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], o: &mut [f32], fetch: Fetch| match path
         {
+            Int8Path::Portable => panels_q8_portable(wp, q, s, row_scales, o),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: every non-portable `Isa` is only produced after detecting avx2, fma
-            // and f16c, and a VNNI `path` after detecting its VNNI; `q` was quantized for
-            // `path`; `wp` holds the panels of `o`'s rows over the columns of `q` (a multiple
-            // of CHUNK), with one scale per XGROUP columns and one row scale per panel row.
-            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-                dot::avx2_panels_q8(wp, q, s, row_scales, o, fetch, path)
-            },
+            // SAFETY: every other path is only produced on a non-portable `Isa`, itself only
+            // produced after detecting avx2, fma and f16c, and a VNNI path after detecting its
+            // VNNI; `q` was quantized for `path`; `wp` holds the panels of `o`'s rows over the
+            // columns of `q` (a multiple of CHUNK), with one scale per XGROUP columns and one
+            // row scale per panel row.
+            _ => unsafe { dot::avx2_panels_q8(wp, q, s, row_scales, o, fetch, path) },
+            #[cfg(not(target_arch = "x86_64"))]
             _ => panels_q8_portable(wp, q, s, row_scales, o),
         };
         if n_tok == 1 {
