@@ -1257,8 +1257,9 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 pub use avx512::{
-    panel_quad as avx512_panel_quad, panel_quad_bf16 as avx512_panel_quad_bf16, panels as avx512_panels,
-    panels_bf16 as avx512_panels_bf16, panels_many_bf16 as avx512_panels_many_bf16, Avx512Load,
+    pair_acc_bf16_n as avx512_pair_acc_bf16_n, pair_acc_sums as avx512_pair_acc_sums,
+    panel_quad as avx512_panel_quad, panels as avx512_panels, panels_bf16 as avx512_panels_bf16,
+    panels_many_bf16 as avx512_panels_many_bf16, Avx512Load, PairAcc,
 };
 
 /// The float panel kernels in 512-bit registers. A chunk row of a panel ([`BLOCK`] columns) is
@@ -1519,7 +1520,7 @@ mod avx512 {
 
     /// Consecutive packed bf16 panels against one prepared input (f32), in `vdpbf16ps`: per
     /// chunk, the input block rounded to bf16 in both halves of one register meets a register
-    /// of rows 0–1 and one of rows 2–3. Each panel's sums are those [`panel_quad_bf16`] gives
+    /// of rows 0–1 and one of rows 2–3. Each panel's sums are those [`pair_acc_bf16`] gives
     /// the same input, bit for bit (the same chains of instructions, the same additions
     /// after), so one token agrees with many. (The FMA kernel on the same
     /// rounded inputs sums in another order; on the 2-core Zen 4 machine it streamed SmolLM2's
@@ -1586,33 +1587,20 @@ mod avx512 {
         ]
     }
 
-    /// One bf16 panel against `NT` inputs paired by [`super::pair_for_dot_bf16`], as
-    /// [`panel_quad`]: each pair of weight registers (rows 0–1, 2–3) serves `NT` tokens, and
-    /// each input register two rows. With NT = 4, 6 loads per 8 instructions of 32 products.
-    ///
-    /// # Safety
-    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; every input has `2 n`
-    /// entries, `n` a multiple of [`BLOCK`], and `panel.len() == 4 * n`.
-    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn panel_quad_bf16<const NT: usize>(panel: &[bf16], xs: [&[bf16]; NT]) -> [[f32; 4]; NT] {
-        let n = panel.len() / 4;
-        debug_assert!(xs.iter().all(|x| x.len() == 2 * n));
-        by_token(quad_sums_bf16::<NT>(panel.as_ptr(), n, std::array::from_fn(|i| xs[i].as_ptr())))
-    }
-
     /// Consecutive whole bf16 panels (`w`, `n` columns each) against `n_tok` inputs paired by
     /// [`super::pair_for_dot_bf16`] (`xs`, `2 n` entries each), each panel against groups of up
-    /// to four tokens as [`panel_quad_bf16`] (the same sums, bit for bit), every group's sums
+    /// to four tokens as [`pair_acc_bf16`] (the same sums, bit for bit), every group's sums
     /// stored straight from their register: token `t`'s sum for the panels' row `r` goes to
     /// `out[t * stride + r]`, for `r` below `rows` (the last panel's padding rows are not
     /// written). Unlike the scheduled many-token path, nothing passes through per-panel calls
-    /// or copies of the sums.
+    /// or copies of the sums. With `pairs`, two panels at a time (the same sums again).
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
     /// [`BLOCK`], `w.len()` a multiple of `4 n`, `xs.len() == 2 n n_tok`, `rows <=
     /// w.len() / n`; `out` is valid for writes at every such `t * stride + r`, and nothing else
     /// reads or writes those elements during the call.
+    #[allow(clippy::too_many_arguments)] // the weights, the inputs, where the sums go, and how
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
     pub unsafe fn panels_many_bf16(
         w: &[bf16],
@@ -1622,75 +1610,154 @@ mod avx512 {
         out: *mut f32,
         stride: usize,
         rows: usize,
+        pairs: bool,
     ) {
         debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && xs.len() == 2 * n * n_tok);
         let x = |t: usize| xs.as_ptr().add(2 * n * t);
-        for (p, panel) in w.chunks_exact(4 * n).enumerate() {
-            let r0 = 4 * p;
+        // Token t + i's four sums for the panel's rows r0.. are `v`'s 128-bit lane i.
+        let put = |v: __m512, t: usize, nt: usize, r0: usize| {
             let nr = rows.saturating_sub(r0).min(4);
+            let lanes = [
+                _mm512_castps512_ps128(v),
+                _mm512_extractf32x4_ps::<1>(v),
+                _mm512_extractf32x4_ps::<2>(v),
+                _mm512_extractf32x4_ps::<3>(v),
+            ];
+            for (i, lane) in lanes.into_iter().take(nt).enumerate() {
+                let o = out.add((t + i) * stride + r0);
+                if nr == 4 {
+                    _mm_storeu_ps(o, lane);
+                } else if nr > 0 {
+                    let mut four = [0.0f32; 4];
+                    _mm_storeu_ps(four.as_mut_ptr(), lane);
+                    std::ptr::copy_nonoverlapping(four.as_ptr(), o, nr);
+                }
+            }
+        };
+        let panels = w.len() / (4 * n);
+        let step = if pairs { 2 } else { 1 };
+        let mut p = 0;
+        while p < panels {
+            let np = step.min(panels - p);
             let mut t = 0;
             while t < n_tok {
                 let nt = (n_tok - t).min(4);
-                let wp = panel.as_ptr();
-                let v = match nt {
-                    4 => quad_sums_bf16::<4>(wp, n, [x(t), x(t + 1), x(t + 2), x(t + 3)]),
-                    3 => quad_sums_bf16::<3>(wp, n, [x(t), x(t + 1), x(t + 2)]),
-                    2 => quad_sums_bf16::<2>(wp, n, [x(t), x(t + 1)]),
-                    _ => quad_sums_bf16::<1>(wp, n, [x(t)]),
-                };
-                // Token t + i's four sums are the register's 128-bit lane i.
-                let lanes = [
-                    _mm512_castps512_ps128(v),
-                    _mm512_extractf32x4_ps::<1>(v),
-                    _mm512_extractf32x4_ps::<2>(v),
-                    _mm512_extractf32x4_ps::<3>(v),
-                ];
-                for (i, lane) in lanes.into_iter().take(nt).enumerate() {
-                    let o = out.add((t + i) * stride + r0);
-                    if nr == 4 {
-                        _mm_storeu_ps(o, lane);
-                    } else {
-                        let mut four = [0.0f32; 4];
-                        _mm_storeu_ps(four.as_mut_ptr(), lane);
-                        std::ptr::copy_nonoverlapping(four.as_ptr(), o, nr);
-                    }
+                let mut acc: PairAcc = std::mem::zeroed();
+                let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)));
+                pair_acc_bf16_n(np, nt, w.as_ptr().add(4 * n * p), 4 * n, n, xs, &mut acc);
+                for k in 0..np {
+                    put(pair_acc_finish(&acc, k), t, nt, 4 * (p + k));
                 }
                 t += nt;
             }
+            p += np;
         }
     }
 
-    /// The sums of [`panel_quad_bf16`] in one register (element `4 t + L`: token `t`, row `L`;
-    /// zeros past `NT`).
+    /// The running sums of up to two bf16 panels against up to four tokens in 512-bit
+    /// registers: `[panel][token][rows 0–1, 2–3]`, each row's partial sums in eight lanes.
+    pub type PairAcc = [[[__m512; 2]; 4]; 2];
+
+    /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at
+    /// `w`, the next `stride` elements on) against `NT` inputs paired by
+    /// [`super::pair_for_dot_bf16`] (`x`), over `n` more columns: `w` and each `x[i]` point at
+    /// the columns' first chunk. As in [`panel_quad`], each pair of weight registers (rows
+    /// 0–1, 2–3) serves `NT` tokens, and each input register two rows of each panel. A
+    /// panel's accumulators take the chunks in column order whatever `P` and `NT` are and
+    /// however the columns are split between calls, so finished sums ([`pair_acc_sums`]) are
+    /// the same bits for each, and the one-token kernel's. At four tokens one panel takes 8
+    /// `vdpbf16ps` per 6 loads, two panels 16 per 8 (on the 2-core Zen 5 machine, 4 × 1024
+    /// columns against four tokens from L1 ran at 353 GFLOP/s on one core, 2 × 4 × 1024 at 520,
+    /// 3 × 4 × 1024 no faster).
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
+    /// [`BLOCK`]; `w + p stride` is valid for `4 n` reads for each panel `p`, `x[i]` for `2 n`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    unsafe fn quad_sums_bf16<const NT: usize>(panel: *const bf16, n: usize, x: [*const bf16; NT]) -> __m512 {
-        let mut acc = [[_mm512_setzero_ps(); 2]; NT];
-        let mut wp = panel;
+    pub unsafe fn pair_acc_bf16<const P: usize, const NT: usize>(
+        w: *const bf16,
+        stride: usize,
+        n: usize,
+        x: [*const bf16; NT],
+        acc: &mut PairAcc,
+    ) {
+        let mut a = *acc;
         let mut c = 0;
         while c < n {
-            // 16 KiB ahead: on the 2-core Zen 4 machine SmolLM2's layer products of 8 tokens
-            // took 3% less than with `fetch_far`'s 8 KiB (7.27 against 7.47 ms while the host
-            // read slowly, 8.61 against 8.92 while it read fast); 32 KiB did as well as 8.
-            fetch_chunk::<bf16, { 16 << 10 }, _MM_HINT_T1>(wp);
-            let w = [load_pbh(wp), load_pbh(wp.add(2 * BLOCK))];
-            for (a, xi) in acc.iter_mut().zip(x) {
+            let wr: [[__m512bh; 2]; P] = std::array::from_fn(|p| {
+                let wp = w.add(p * stride + 4 * c);
+                // 16 KiB ahead: on the 2-core Zen 4 machine SmolLM2's layer products of 8
+                // tokens took 3% less than with `fetch_far`'s 8 KiB (7.27 against 7.47 ms while
+                // the host read slowly, 8.61 against 8.92 while it read fast); 32 KiB did as
+                // well as 8.
+                fetch_chunk::<bf16, { 16 << 10 }, _MM_HINT_T1>(wp);
+                [load_pbh(wp), load_pbh(wp.add(2 * BLOCK))]
+            });
+            for (t, xi) in x.iter().enumerate() {
                 let xb = load_pbh(xi.add(2 * c));
-                for (ah, wh) in a.iter_mut().zip(w) {
-                    *ah = _mm512_dpbf16_ps(*ah, wh, xb);
+                for (ap, wp) in a.iter_mut().zip(&wr) {
+                    for (ah, wh) in ap[t].iter_mut().zip(wp) {
+                        *ah = _mm512_dpbf16_ps(*ah, *wh, xb);
+                    }
                 }
             }
-            wp = wp.add(4 * BLOCK);
             c += BLOCK;
         }
-        // Per token a register whose 128-bit lane L holds row L's partial sums; then, as in
-        // `panel_quad`, all tokens' sums in one register (element 4 L + t: token t, row L).
-        let v: [__m512; 4] =
-            std::array::from_fn(|t| if t < NT { rows_by_lane(acc[t]) } else { _mm512_setzero_ps() });
+        *acc = a;
+    }
+
+    /// [`pair_acc_bf16`] on `np` panels (1 or 2) and the first `nt` inputs of `x` (1 to 4; the
+    /// others are not read).
+    ///
+    /// # Safety
+    /// As [`pair_acc_bf16`].
+    #[inline]
+    #[allow(clippy::too_many_arguments)] // the panels, the inputs, and the sums to continue
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+    pub unsafe fn pair_acc_bf16_n(
+        np: usize,
+        nt: usize,
+        w: *const bf16,
+        stride: usize,
+        n: usize,
+        x: [*const bf16; 4],
+        acc: &mut PairAcc,
+    ) {
+        let [a, b, c, d] = x;
+        match (np, nt) {
+            (2, 4) => pair_acc_bf16::<2, 4>(w, stride, n, [a, b, c, d], acc),
+            (2, 3) => pair_acc_bf16::<2, 3>(w, stride, n, [a, b, c], acc),
+            (2, 2) => pair_acc_bf16::<2, 2>(w, stride, n, [a, b], acc),
+            (2, _) => pair_acc_bf16::<2, 1>(w, stride, n, [a], acc),
+            (_, 4) => pair_acc_bf16::<1, 4>(w, stride, n, [a, b, c, d], acc),
+            (_, 3) => pair_acc_bf16::<1, 3>(w, stride, n, [a, b, c], acc),
+            (_, 2) => pair_acc_bf16::<1, 2>(w, stride, n, [a, b], acc),
+            _ => pair_acc_bf16::<1, 1>(w, stride, n, [a], acc),
+        }
+    }
+
+    /// Panel `p`'s finished sums from `acc` ([`pair_acc_bf16`]) in one register (element
+    /// `4 t + L`: token `t`, row `L`): per token a register whose 128-bit lane L holds row L's
+    /// partial sums; then, as in `panel_quad`, all tokens' sums in one register. Each token's
+    /// sums are finished apart from the others' (tokens not summed give zeros).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pair_acc_finish(acc: &PairAcc, p: usize) -> __m512 {
+        let v: [__m512; 4] = std::array::from_fn(|t| rows_by_lane(acc[p][t]));
         _mm512_permutexvar_ps(
             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
             lanes4(v),
         )
+    }
+
+    /// Panel `p`'s finished sums from `acc` ([`pair_acc_bf16`]): token `t`'s four row sums.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pair_acc_sums(acc: &PairAcc, p: usize) -> [[f32; 4]; 4] {
+        by_token(pair_acc_finish(acc, p))
     }
 
     /// The first `NT` tokens' four row sums from a register holding token `t`'s in elements

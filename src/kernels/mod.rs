@@ -424,6 +424,9 @@ mod tests {
                 // 170 tokens the last tile, of 10, is not widened.
                 check_matmul(&team, dtype, 9, 4100, 70);
                 check_matmul(&team, dtype, 9, 4100, 170);
+                // One block and one tile of 33 tokens over 33 panels: bf16 on AVX512_BF16 two
+                // panels at a time, the last alone.
+                check_matmul(&team, dtype, 130, 577, 33);
             }
         }
     }
@@ -750,10 +753,13 @@ mod tests {
     fn one_token_sums_equal_many_token_sums() {
         let team = Team::new(2).unwrap();
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for &(rows, cols) in &[(9, 64), (130, 576), (64, 1536)] {
+            for &(rows, cols) in &[(9, 64), (130, 576), (64, 1536), (9, 1536)] {
                 let data = Data::F32(rand_vec(rows * cols, cols as u64)).cast(dtype);
                 let w = PackedMat::pack(&Mat { rows, cols, data });
-                for n_tok in [2, 3, 5, 6, 7] {
+                // bf16 on AVX512_BF16 goes two panels at a time from 16 tokens; past one tile
+                // (44 tokens at 1536 columns) by column blocks and tiles, in two sub-blocks
+                // past 768 columns. 45 to 48 end on each size of token group.
+                for n_tok in [2, 3, 5, 6, 7, 45, 46, 47, 48] {
                     let x = rand_vec(n_tok * cols, 3);
                     for isa in
                         isas().into_iter().filter(|i| matches!(i, dot::Isa::Avx512 | dot::Isa::Avx512Bf16))

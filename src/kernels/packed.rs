@@ -287,15 +287,26 @@ thread_local! {
     static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The inputs rounded to bf16 and paired for [`Isa::Avx512Bf16`]'s many-token kernel.
     static PAIRED: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Each token group's running sums between the column sub-blocks of a paired product
+    /// ([`PAIR_SUB_BLOCK`]), reused.
+    #[cfg(target_arch = "x86_64")]
+    static RUNNING: std::cell::RefCell<Vec<dot::PairAcc>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The inputs quantized for int8 weights: values, and one scale per chunk.
     static QUANTIZED: std::cell::RefCell<(Vec<i8>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Sizes the calling thread's buffer for widened panels, so that many-token products allocate
-/// nothing on it.
-pub fn reserve_widened() {
+/// Sizes the calling thread's buffers for widened panels and for the running sums of paired
+/// products, so that many-token products allocate nothing on it.
+pub fn reserve_thread_buffers() {
     WIDE.with_borrow_mut(|buf| crate::grow(buf, PANEL * WIDE_K_BLOCK));
+    #[cfg(target_arch = "x86_64")]
+    RUNNING.with_borrow_mut(|running| {
+        if running.len() < running_groups() {
+            // SAFETY: all-zero bits are valid f32 registers.
+            running.resize(running_groups(), unsafe { std::mem::zeroed() });
+        }
+    });
 }
 
 /// Tokens summed together against one panel.
@@ -349,24 +360,28 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
     }
     let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
     let k_max = if widen && n_tok >= WIDEN_FROM { WIDE_K_BLOCK } else { K_BLOCK };
-    schedule(team, (w.rows, cols_p, k_max), n_tok, out, &|p, cr, ts, emit| {
-        let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+    schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
         let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
             std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()])
         };
-        if widen && ts.len() >= WIDEN_FROM {
-            // Widening the panel is then cheaper than widening it again for every group
-            // (in the AVX2 bf16 kernel the widening takes a fifth of the time).
-            WIDE.with_borrow_mut(|buf| {
-                crate::grow(buf, panel.len());
-                let wide = &mut buf[..panel.len()];
-                dot::widen_for_avx2(panel, wide, isa);
-                by_groups(ts, emit, |t, acc| {
-                    panel_dot::<f32>(wide, &xs(t, acc.len())[..acc.len()], acc, isa)
+        for p in panels {
+            let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+            if widen && ts.len() >= WIDEN_FROM {
+                // Widening the panel is then cheaper than widening it again for every group
+                // (in the AVX2 bf16 kernel the widening takes a fifth of the time).
+                WIDE.with_borrow_mut(|buf| {
+                    crate::grow(buf, panel.len());
+                    let wide = &mut buf[..panel.len()];
+                    dot::widen_for_avx2(panel, wide, isa);
+                    by_groups(p, ts.clone(), emit, |t, acc| {
+                        panel_dot::<f32>(wide, &xs(t, acc.len())[..acc.len()], acc, isa)
+                    });
                 });
-            });
-        } else {
-            by_groups(ts, emit, |t, acc| panel_dot(panel, &xs(t, acc.len())[..acc.len()], acc, isa));
+            } else {
+                by_groups(p, ts.clone(), emit, |t, acc| {
+                    panel_dot(panel, &xs(t, acc.len())[..acc.len()], acc, isa)
+                });
+            }
         }
     });
 }
@@ -381,9 +396,11 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
         let paired = &mut buf[..2 * n_tok * cols_p];
         dot::pair_for_dot_bf16(xp, paired, Isa::Avx512Bf16);
         let paired = &*paired;
-        if cols_p <= K_BLOCK && n_tok <= tile_tokens(cols_p) {
-            // One column block and one tile (decode of a batch): each thread streams its
-            // panels through one kernel call per range, the sums stored from their registers.
+        if cols_p <= K_BLOCK && n_tok <= tile_tokens(cols_p, TILE_BYTES) {
+            // One column block and one tile (decode of a batch, a short prompt): each thread
+            // streams its panels through one kernel call per range, the sums stored from their
+            // registers; two panels at a time for a prompt's tokens.
+            let pairs = n_tok >= PAIRED_FROM && cols_p <= PAIR_SUB_BLOCK;
             let (rows, shared) = (w.rows, SharedSlice::new(out));
             team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
                 let ws = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
@@ -393,45 +410,107 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
                 // `paired` `2 cols_p` entries per token; token t's rows r0.. of this range lie
                 // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
                 let o = shared.span(r0, (n_tok - 1) * rows + (rows - r0).min(ws.len() / cols_p));
-                unsafe { dot::avx512_panels_many_bf16(ws, cols_p, paired, n_tok, o, rows, rows - r0) };
+                unsafe { dot::avx512_panels_many_bf16(ws, cols_p, paired, n_tok, o, rows, rows - r0, pairs) };
             });
             return;
         }
-        schedule(team, (w.rows, cols_p, K_BLOCK), n_tok, out, &|p, cr, ts, emit| {
-            let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
-            let x = |t: usize| &paired[2 * t * cols_p..][2 * cr.start..2 * cr.end];
-            by_groups(ts, emit, |t, acc| {
-                // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f,
-                // avx512bf16, avx2, fma and f16c; a panel's block is PANEL × the block's
-                // columns, each paired input twice the block's columns.
-                unsafe {
-                    match acc.len() {
-                        1 => put(acc, dot::avx512_panel_quad_bf16::<1>(panel, [x(t)])),
-                        2 => put(acc, dot::avx512_panel_quad_bf16::<2>(panel, [x(t), x(t + 1)])),
-                        3 => put(acc, dot::avx512_panel_quad_bf16::<3>(panel, [x(t), x(t + 1), x(t + 2)])),
-                        _ => put(
-                            acc,
-                            dot::avx512_panel_quad_bf16::<4>(panel, std::array::from_fn(|i| x(t + i))),
-                        ),
-                    }
-                }
-            });
+        schedule(team, (w.rows, cols_p, K_BLOCK, PAIRED_TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
+            // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f, avx512bf16,
+            // avx2, fma and f16c; `panels` lie in `d` (PANEL × cols_p each), `cr` in every
+            // paired input (2 cols_p each), `ts` among the `n_tok` inputs.
+            unsafe { paired_panels(d, cols_p, paired, panels, cr, ts, emit) }
         });
     });
 }
 
-/// Copies a kernel's per-token sums into a group's accumulators (`NT` of them) by a copy of
-/// fixed size: a slice copy of a length known only at run time is a call to `memmove`.
-fn put<const NT: usize>(acc: &mut [[f32; PANEL]], sums: [[f32; PANEL]; NT]) {
-    *<&mut [[f32; PANEL]; NT]>::try_from(acc).expect("a group's accumulators, one per token") = sums;
+/// Most columns the paired kernel sums against a group of tokens before the next group: two
+/// panels' 768 columns (12 KiB) and four tokens' paired inputs (12 KiB) stay in L1, even in
+/// the 32 KiB of a Zen 4 core. A wider column block goes by sub-blocks of at most this, each
+/// token group's running sums kept between them ([`RUNNING`]), so that they are the sums of
+/// one pass, bit for bit. (On the 2-core Zen 5 machine, 48 KiB of L1, llama-3.2-1b's products
+/// of 512 tokens ran at 485–651 GFLOP/s two panels at a time in sub-blocks of 1024, against
+/// 321–439 one panel at a time over 2048 columns; its prefill of 512 tokens took 2.03–2.04 s
+/// in sub-blocks of 768, 2.07 in 1024 and 2.09 in 512.)
+const PAIR_SUB_BLOCK: usize = 768;
+
+/// Tokens from which a product of one column block and one tile goes two panels at a time.
+/// (On the 2-core Zen 5 machine SmolLM2's prompt of 64 tokens prefilled at 0.91 of the FMA
+/// peak with pairs, 0.68–0.71 without; at a batch of 8 decode steps, memory-bound, pairs
+/// made no difference beyond the noise.)
+const PAIRED_FROM: usize = 16;
+
+/// Token groups whose running sums a paired product keeps between sub-blocks at most: those
+/// of a tile of the narrowest block that has two (see [`tile_tokens`]).
+fn running_groups() -> usize {
+    tile_tokens(PAIR_SUB_BLOCK + CHUNK, PAIRED_TILE_BYTES).div_ceil(TOK_GROUP)
+}
+
+/// Sums columns `cr` of `panels` of bf16 weights `d` against tokens `ts` of the paired
+/// inputs (`2 cols_p` each), two panels at a time ([`dot::avx512_pair_acc_bf16`]), handing
+/// each panel's sums per group of [`TOK_GROUP`] tokens to `emit` as [`PanelFn`] says.
+///
+/// # Safety
+/// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `panels` are whole panels of
+/// `d` (PANEL × cols_p each), `cr` lies within `cols_p` on chunk boundaries, and every token of
+/// `ts` has its paired input in `paired`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn paired_panels(
+    d: &[bf16],
+    cols_p: usize,
+    paired: &[bf16],
+    panels: Range<usize>,
+    cr: Range<usize>,
+    ts: Range<usize>,
+    emit: &mut Emit,
+) {
+    assert!(
+        panels.end * PANEL * cols_p <= d.len() && cr.end <= cols_p && ts.end * 2 * cols_p <= paired.len()
+    );
+    let subs = cr.len().div_ceil(PAIR_SUB_BLOCK);
+    let sub = cr.len().div_ceil(subs).next_multiple_of(CHUNK);
+    let groups = ts.len().div_ceil(TOK_GROUP);
+    let stride = PANEL * cols_p;
+    // SAFETY: all-zero bits are valid f32 registers.
+    let zero = || -> dot::PairAcc { unsafe { std::mem::zeroed() } };
+    RUNNING.with_borrow_mut(|running| {
+        if subs > 1 && running.len() < groups {
+            running.resize(groups, zero());
+        }
+        let mut own = zero();
+        let mut p = panels.start;
+        while p < panels.end {
+            let np = (panels.end - p).min(2);
+            let mut s0 = cr.start;
+            while s0 < cr.end {
+                let s1 = (s0 + sub).min(cr.end);
+                let wp = d.as_ptr().add(p * stride + s0 * PANEL);
+                for (g, t) in ts.clone().step_by(TOK_GROUP).enumerate() {
+                    let nt = TOK_GROUP.min(ts.end - t);
+                    let acc = if subs > 1 { &mut running[g] } else { &mut own };
+                    if s0 == cr.start {
+                        *acc = zero();
+                    }
+                    let x = |i: usize| paired.as_ptr().add(2 * (t + i.min(nt - 1)) * cols_p + 2 * s0);
+                    dot::avx512_pair_acc_bf16_n(np, nt, wp, stride, s1 - s0, std::array::from_fn(x), acc);
+                    if s1 == cr.end {
+                        for k in 0..np {
+                            emit(p + k, t, &dot::avx512_pair_acc_sums(acc, k)[..nt]);
+                        }
+                    }
+                }
+                s0 = s1;
+            }
+            p += np;
+        }
+    });
 }
 
 /// Writes (`first`) or adds one token's sums for a panel's rows into `o` (the panel's rows
 /// of the output, fewer than [`PANEL`] in a matrix's last panel). A whole panel goes by a
 /// copy of fixed size, not by a call to `memmove` as a slice copy of a length known only at
 /// run time does: such calls, one per panel and token here and one per panel and token group
-/// in [`put`], took a tenth of the decode time of SmolLM2 at batch 8 on the 2-core Zen 5
-/// machine.
+/// where a kernel's sums were copied into a group's accumulators, took a tenth of the decode
+/// time of SmolLM2 at batch 8 on the 2-core Zen 5 machine.
 #[inline]
 fn store(o: &mut [f32], sums: &[f32; PANEL], first: bool) {
     match <&mut [f32; PANEL]>::try_from(&mut *o) {
@@ -499,15 +578,18 @@ fn matmul_int8(
             });
             return;
         }
-        schedule(team, (w.rows, cols_p, K_BLOCK), n_tok, out, &|p, cr, ts, emit| {
-            let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+        schedule(team, (w.rows, cols_p, K_BLOCK, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
             let groups = cr.start / XGROUP..cr.end.div_ceil(XGROUP);
-            by_groups(ts, emit, |t, acc| {
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let (q, s) = (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
-                    run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a, Fetch::Near);
-                }
-            });
+            for p in panels {
+                let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+                by_groups(p, ts.clone(), emit, |t, acc| {
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let (q, s) =
+                            (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
+                        run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a, Fetch::Near);
+                    }
+                });
+            }
         });
     });
 }
@@ -665,21 +747,23 @@ fn one_token(team: &dyn Par, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<u
     });
 }
 
-/// Sums columns `cols` of panel `p` against tokens `ts`, handing the sums of each group of at
-/// most [`TOK_GROUP`] tokens, in order, to `emit(first token, sums)` (see [`by_groups`]).
-type PanelFn<'a> = dyn Fn(usize, Range<usize>, Range<usize>, &mut Emit) + Sync + 'a;
-/// Takes one group's sums: `sums[i][lane]` is token `t + i`'s sum for the panel's row `lane`.
-type Emit<'a> = dyn FnMut(usize, &[[f32; PANEL]]) + 'a;
+/// Sums columns `cols` of a run of panels against tokens `ts`, handing the sums of each panel
+/// and group of at most [`TOK_GROUP`] tokens to `emit(panel, first token, sums)` (see
+/// [`by_groups`]), every panel's groups in order.
+type PanelFn<'a> = dyn Fn(Range<usize>, Range<usize>, Range<usize>, &mut Emit) + Sync + 'a;
+/// Takes one group's sums: `sums[i][lane]` is token `t + i`'s sum for panel `p`'s row `lane`.
+type Emit<'a> = dyn FnMut(usize, usize, &[[f32; PANEL]]) + 'a;
 
 /// Runs `sum(t, acc)` for each group of at most [`TOK_GROUP`] tokens of `ts` in order (`acc`
-/// zeroed, one entry per token of the group), and hands each group's sums to `emit`.
-fn by_groups(ts: Range<usize>, emit: &mut Emit, mut sum: impl FnMut(usize, &mut [[f32; PANEL]])) {
+/// zeroed, one entry per token of the group), and hands each group's sums for panel `p` to
+/// `emit`.
+fn by_groups(p: usize, ts: Range<usize>, emit: &mut Emit, mut sum: impl FnMut(usize, &mut [[f32; PANEL]])) {
     let mut t = ts.start;
     while t < ts.end {
         let nt = TOK_GROUP.min(ts.end - t);
         let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
         sum(t, &mut acc[..nt]);
-        emit(t, &acc[..nt]);
+        emit(p, t, &acc[..nt]);
         t += nt;
     }
 }
@@ -700,10 +784,16 @@ const K_BLOCK: usize = 2048;
 const WIDE_K_BLOCK: usize = 1024;
 /// Bytes of inputs (one column block of a tile of tokens) kept in L2.
 const TILE_BYTES: usize = 256 << 10;
+/// The same for paired products ([`paired_panels`]), on CPUs with AVX512_BF16, whose L2 holds
+/// 1 MiB or more. (On the 2-core Zen 5 machine, in sub-blocks of 1024, the 16384 × 2048
+/// product of 512 tokens ran at 583–595 GFLOP/s with tiles of 512 KiB, 512–521 with 256 KiB,
+/// llama-3.2-1b's other products the same within the noise.)
+const PAIRED_TILE_BYTES: usize = 512 << 10;
 
-/// Tokens per tile of a many-token product whose column blocks are `kb` wide.
-fn tile_tokens(kb: usize) -> usize {
-    (TILE_BYTES / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP)
+/// Tokens per tile of a many-token product whose column blocks are `kb` wide, when a tile's
+/// inputs fill `bytes` (f32, or paired bf16: 4 bytes a column).
+fn tile_tokens(kb: usize, bytes: usize) -> usize {
+    (bytes / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP)
 }
 
 /// Runs `panel_fn` over every panel, column block and token group, spread over the team, and
@@ -718,7 +808,7 @@ fn tile_tokens(kb: usize) -> usize {
 /// per panel from L2, not from memory.
 fn schedule(
     team: &dyn Par,
-    (rows, cols_p, k_max): (usize, usize, usize),
+    (rows, cols_p, k_max, tile_bytes): (usize, usize, usize, usize),
     n_tok: usize,
     out: &mut [f32],
     panel_fn: &PanelFn,
@@ -729,21 +819,19 @@ fn schedule(
     // others add.
     let run = |panels: Range<usize>, cr: Range<usize>, t0: usize, t1: usize| {
         let first = cr.start == 0;
-        for p in panels {
+        panel_fn(panels, cr, t0..t1, &mut |p, t, sums| {
             let r0 = p * PANEL;
             let nr = PANEL.min(rows - r0);
-            panel_fn(p, cr.clone(), t0..t1, &mut |t, sums| {
-                for (i, a) in sums.iter().enumerate() {
-                    // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel is
-                    // in exactly one range handed out by the team for this pass.
-                    store(unsafe { shared.range((t + i) * rows + r0, nr) }, a, first);
-                }
-            });
-        }
+            for (i, a) in sums.iter().enumerate() {
+                // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel is in
+                // exactly one range handed out by the team for this pass.
+                store(unsafe { shared.range((t + i) * rows + r0, nr) }, a, first);
+            }
+        });
     };
     // Equal blocks, each starting on an input group (int8 inputs have a scale per group).
     let kb = cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p);
-    let tile = tile_tokens(kb);
+    let tile = tile_tokens(kb, tile_bytes);
     for c0 in (0..cols_p).step_by(kb) {
         let cr = c0..(c0 + kb).min(cols_p);
         for t0 in (0..n_tok).step_by(tile) {

@@ -108,7 +108,7 @@ thread_local! {
 }
 
 /// Sizes the calling thread's buffers for attention items of up to `rows` query rows of `hd`
-/// and for widened weight panels.
+/// and for many-token products (widened weight panels, running sums).
 fn reserve_thread_buffers(rows: usize, hd: usize) {
     QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
         crate::grow(q, rows * hd);
@@ -117,7 +117,7 @@ fn reserve_thread_buffers(rows: usize, hd: usize) {
         crate::grow(stats, 2 * rows);
     });
     kernels::reserve_attention(rows, PAGE);
-    kernels::packed::reserve_widened();
+    kernels::packed::reserve_thread_buffers();
 }
 
 /// A run of consecutive tokens of one sequence in a step: positions `pos0..pos0 + len` of
