@@ -1257,9 +1257,9 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 pub use avx512::{
-    pair_acc_bf16_n as avx512_pair_acc_bf16_n, pair_acc_sums as avx512_pair_acc_sums,
-    panel_quad as avx512_panel_quad, panels as avx512_panels, panels_bf16 as avx512_panels_bf16,
-    panels_many_bf16 as avx512_panels_many_bf16, Avx512Load, PairAcc,
+    pair_acc_bf16 as avx512_pair_acc_bf16, pair_acc_bf16_n as avx512_pair_acc_bf16_n,
+    pair_acc_sums as avx512_pair_acc_sums, panel_quad as avx512_panel_quad, panels as avx512_panels,
+    panels_bf16 as avx512_panels_bf16, panels_many_bf16 as avx512_panels_many_bf16, Avx512Load, PairAcc,
 };
 
 /// The float panel kernels in 512-bit registers. A chunk row of a panel ([`BLOCK`] columns) is

@@ -464,7 +464,8 @@ unsafe fn paired_panels(
     emit: &mut Emit,
 ) {
     assert!(
-        panels.end * PANEL * cols_p <= d.len() && cr.end <= cols_p && ts.end * 2 * cols_p <= paired.len()
+        panels.end * PANEL * cols_p <= d.len() && cr.end <= cols_p && ts.end * 2 * cols_p <= paired.len(),
+        "paired_panels: panels, columns or tokens out of range"
     );
     let subs = cr.len().div_ceil(PAIR_SUB_BLOCK);
     let sub = cr.len().div_ceil(subs).next_multiple_of(CHUNK);
@@ -800,12 +801,13 @@ fn tile_tokens(kb: usize, bytes: usize) -> usize {
 /// writes the sums into `out` (`[n_tok, rows]`).
 ///
 /// Many tokens (one token goes by [`one_token`]) go by column blocks of equal width, at most
-/// `k_max`, and tiles of tokens whose inputs fill [`TILE_BYTES`] (in L2); each thread streams
+/// `k_max`, and tiles of tokens whose inputs fill `tile_bytes` (in L2); each thread streams
 /// its own run of panels, as one token does ([`Team::for_ranges`]: on the 2-core Zen 4 machine
 /// 8 and 16 tokens of SmolLM2's layer products took 2–3% less than with eight blocks handed
-/// out in turn), and each panel's column block (see [`K_BLOCK`]) stays in L1 while every
-/// token group of the tile passes over it. Weights are then read once per tile and inputs once
-/// per panel from L2, not from memory.
+/// out in turn), and each panel's column block (see [`K_BLOCK`]; two panels' sub-block in
+/// [`paired_panels`]) stays in L1 while every token group of the tile passes over it. Weights
+/// are then read once per tile and inputs once per panel from L2, not from memory.
+/// `panel_fn` gets each thread's run of panels whole.
 fn schedule(
     team: &dyn Par,
     (rows, cols_p, k_max, tile_bytes): (usize, usize, usize, usize),
