@@ -364,9 +364,10 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
         let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
             std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()])
         };
-        for p in panels {
-            let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
-            if widen && ts.len() >= WIDEN_FROM {
+        let panel = |p: usize| &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+        if widen && ts.len() >= WIDEN_FROM {
+            for p in panels {
+                let panel = panel(p);
                 // Widening the panel is then cheaper than widening it again for every group
                 // (in the AVX2 bf16 kernel the widening takes a fifth of the time).
                 WIDE.with_borrow_mut(|buf| {
@@ -377,11 +378,29 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
                         panel_dot::<f32>(wide, &xs(t, acc.len())[..acc.len()], acc, isa)
                     });
                 });
-            } else {
-                by_groups(p, ts.clone(), emit, |t, acc| {
-                    panel_dot(panel, &xs(t, acc.len())[..acc.len()], acc, isa)
-                });
             }
+            return;
+        }
+        // A prompt: token groups outer and panels inner, over runs of panels whose blocks fill
+        // `PANEL_RUN_BYTES`, so that a group's inputs stay in L1 while the run's weights come
+        // from L2. A batch's decode step: each panel against every group while it is in L1.
+        let run = if ts.len() < PROMPT_FROM {
+            1
+        } else {
+            (PANEL_RUN_BYTES / (PANEL * cr.len() * std::mem::size_of::<T>())).max(1)
+        };
+        let mut r0 = panels.start;
+        while r0 < panels.end {
+            let r1 = (r0 + run).min(panels.end);
+            for t in ts.clone().step_by(TOK_GROUP) {
+                let group = t..(t + TOK_GROUP).min(ts.end);
+                for p in r0..r1 {
+                    by_groups(p, group.clone(), emit, |t, acc| {
+                        panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa)
+                    });
+                }
+            }
+            r0 = r1;
         }
     });
 }
@@ -400,7 +419,7 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
             // One column block and one tile (decode of a batch, a short prompt): each thread
             // streams its panels through one kernel call per range, the sums stored from their
             // registers; two panels at a time for a prompt's tokens.
-            let pairs = n_tok >= PAIRED_FROM && cols_p <= PAIR_SUB_BLOCK;
+            let pairs = n_tok >= PROMPT_FROM && cols_p <= PAIR_SUB_BLOCK;
             let (rows, shared) = (w.rows, SharedSlice::new(out));
             team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
                 let ws = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
@@ -433,11 +452,15 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
 /// in sub-blocks of 768, 2.07 in 1024 and 2.09 in 512.)
 const PAIR_SUB_BLOCK: usize = 768;
 
-/// Tokens from which a product of one column block and one tile goes two panels at a time.
-/// (On the 2-core Zen 5 machine SmolLM2's prompt of 64 tokens prefilled at 0.91 of the FMA
-/// peak with pairs, 0.68–0.71 without; at a batch of 8 decode steps, memory-bound, pairs
-/// made no difference beyond the noise.)
-const PAIRED_FROM: usize = 16;
+/// Tokens (of a tile) from which a many-token product is taken as a prompt's rather than a
+/// batch's decode step: bf16 on AVX512_BF16 then goes two panels at a time in the one-tile
+/// path, and the float kernels take token groups outer ([`PANEL_RUN_BYTES`]). (On the 2-core
+/// Zen 5 machine SmolLM2's prompt of 64 tokens prefilled at 0.91 of the FMA peak with pairs,
+/// 0.68–0.71 without, while at a batch of 8 decode steps, memory-bound, pairs made no
+/// difference beyond the noise; with its products in FMAs (`GRIDLM_NO_AVX512BF16=1`) a batch
+/// of 8 decoded at 857–875 tokens/s with groups outer against 893–906 with panels outer, as
+/// now: 903–972 against 909–924 the build before.)
+const PROMPT_FROM: usize = 16;
 
 /// Token groups whose running sums a paired product keeps between sub-blocks at most: those
 /// of a tile of the narrowest block that has two (see [`tile_tokens`]).
@@ -785,6 +808,18 @@ const K_BLOCK: usize = 2048;
 const WIDE_K_BLOCK: usize = 1024;
 /// Bytes of inputs (one column block of a tile of tokens) kept in L2.
 const TILE_BYTES: usize = 256 << 10;
+/// Bytes of weights (a run of panels' column blocks) that the float kernels' many-token
+/// products keep in L2 while every token group of a tile passes over them, each group's
+/// inputs in L1 meanwhile: with the panel outer and the groups inner, each group's inputs
+/// (four tokens, 32 KiB of f32 at 2048 columns) came from L2 for every panel, twice the bytes
+/// of an f16 panel's block. Beside a tile's inputs ([`TILE_BYTES`]) it fits the 512 KiB L2 of
+/// Zen 2 and 3. (On the 2-core Zen 5 machine llama-3.2-1b's products of 512 tokens ran, in
+/// GFLOP/s, f16 weights: 344–415 against 302–339; bf16 in FMAs (`GRIDLM_NO_AVX512BF16=1`):
+/// 352–420 against 308–350; f32: 221–270 against 224–232; f32 in AVX2: 160–170 against
+/// 127–145; runs of 96 to 768 KiB did about as well. Its prefill of 512 tokens went from
+/// 0.58–0.60 of the FMA peak to 0.67 with f16 weights, from 0.56–0.57 to 0.67–0.68 with bf16
+/// in FMAs, from 0.43–0.44 to 0.46–0.47 with f32.)
+const PANEL_RUN_BYTES: usize = 192 << 10;
 /// The same for paired products ([`paired_panels`]), on CPUs with AVX512_BF16, whose L2 holds
 /// 1 MiB or more. (On the 2-core Zen 5 machine, in sub-blocks of 1024, the 16384 × 2048
 /// product of 512 tokens ran at 583–595 GFLOP/s with tiles of 512 KiB, 512–521 with 256 KiB,
