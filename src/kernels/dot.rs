@@ -1627,7 +1627,7 @@ mod avx512 {
                 let o = out.add((t + i) * stride + r0);
                 if nr == 4 {
                     _mm_storeu_ps(o, lane);
-                } else if nr > 0 {
+                } else {
                     let mut four = [0.0f32; 4];
                     _mm_storeu_ps(four.as_mut_ptr(), lane);
                     std::ptr::copy_nonoverlapping(four.as_ptr(), o, nr);

@@ -302,9 +302,10 @@ pub fn reserve_thread_buffers() {
     WIDE.with_borrow_mut(|buf| crate::grow(buf, PANEL * WIDE_K_BLOCK));
     #[cfg(target_arch = "x86_64")]
     RUNNING.with_borrow_mut(|running| {
-        if running.len() < running_groups() {
+        let groups = running_groups();
+        if running.len() < groups {
             // SAFETY: all-zero bits are valid f32 registers.
-            running.resize(running_groups(), unsafe { std::mem::zeroed() });
+            running.resize(groups, unsafe { std::mem::zeroed() });
         }
     });
 }
@@ -415,7 +416,8 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
         let paired = &mut buf[..2 * n_tok * cols_p];
         dot::pair_for_dot_bf16(xp, paired, Isa::Avx512Bf16);
         let paired = &*paired;
-        if n_tok < PROMPT_FROM || (cols_p <= K_BLOCK && n_tok <= tile_tokens(cols_p, TILE_BYTES)) {
+        let (kb, tile) = blocks(cols_p, K_BLOCK, n_tok, TILE_BYTES);
+        if kb == cols_p && n_tok <= tile {
             // One column block and one tile (decode of a batch, a short prompt): each thread
             // streams its panels through one kernel call per range, the sums stored from their
             // registers; two panels at a time for a prompt's tokens.
@@ -832,6 +834,25 @@ fn tile_tokens(kb: usize, bytes: usize) -> usize {
     (bytes / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP)
 }
 
+/// The column block width and the tokens per tile of an `n_tok`-token product over `cols_p`
+/// columns (see [`schedule`]): equal blocks of at most `k_max`, each starting on an input
+/// group (int8 inputs have a scale per group), and tiles whose inputs fill `tile_bytes`.
+///
+/// A batch's decode step (under [`PROMPT_FROM`] tokens) goes in one block and one tile however
+/// wide the rows: its inputs fit L2 (8 tokens of 8192 columns: 256 KiB), each row is summed in
+/// one pass as one token's is (so a sequence decodes to the same bits in a batch as alone), and
+/// the kernels' prefetch, which runs ahead along a panel, fetches what the same pass reads. In
+/// column blocks it fetched the next block's columns, read only a pass later: on the 2-core Zen
+/// 5 machine the llama-2-7b shape decoded a batch of 8 at 10.7 tokens/s in blocks and 15.8 in
+/// one, a batch of 4 at 6.2 and 10.2 (batch 1: 4.7).
+fn blocks(cols_p: usize, k_max: usize, n_tok: usize, tile_bytes: usize) -> (usize, usize) {
+    if n_tok < PROMPT_FROM {
+        return (cols_p, n_tok);
+    }
+    let kb = cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p);
+    (kb, tile_tokens(kb, tile_bytes))
+}
+
 /// Runs `panel_fn` over every panel, column block and token group, spread over the team, and
 /// writes the sums into `out` (`[n_tok, rows]`).
 ///
@@ -866,20 +887,7 @@ fn schedule(
             }
         });
     };
-    // Equal blocks, each starting on an input group (int8 inputs have a scale per group). A
-    // batch's decode step (under `PROMPT_FROM` tokens) goes in one block and one tile however
-    // wide the rows: its inputs fit L2 (8 tokens of 8192 columns: 256 KiB), each row is summed
-    // in one pass as one token's is (so a sequence decodes to the same bits in a batch as
-    // alone), and the kernels' prefetch, which runs ahead along a panel, fetches what the same
-    // pass reads. In column blocks it fetched the next block's columns, read only a pass later:
-    // on the 2-core Zen 5 machine the llama-2-7b shape decoded a batch of 8 at 10.7 tokens/s in
-    // blocks and 15.8 in one, a batch of 4 at 6.2 and 10.2 (batch 1: 4.7).
-    let (kb, tile) = if n_tok < PROMPT_FROM {
-        (cols_p, n_tok)
-    } else {
-        let kb = cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p);
-        (kb, tile_tokens(kb, tile_bytes))
-    };
+    let (kb, tile) = blocks(cols_p, k_max, n_tok, tile_bytes);
     for c0 in (0..cols_p).step_by(kb) {
         let cr = c0..(c0 + kb).min(cols_p);
         for t0 in (0..n_tok).step_by(tile) {
