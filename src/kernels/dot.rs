@@ -1020,6 +1020,24 @@ mod avx2 {
         }
     }
 
+    /// Four rows' sums over `n` columns summed in column blocks of `kb`: `block(c0, end)`
+    /// sums columns `c0..end` in one pass, and the blocks' sums are added in column order (the
+    /// first block's as they are), as a many-token product adds the sums of its column blocks.
+    #[inline(always)]
+    pub(super) unsafe fn by_blocks(
+        n: usize,
+        kb: usize,
+        mut block: impl FnMut(usize, usize) -> __m128,
+    ) -> __m128 {
+        let mut sums = block(0, kb.min(n));
+        let mut c = kb;
+        while c < n {
+            sums = _mm_add_ps(sums, block(c, (c + kb).min(n)));
+            c += kb;
+        }
+        sums
+    }
+
     /// Consecutive packed panels (four rows each, chunks of [`BLOCK`] columns side by side)
     /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
     /// inside the last panel (the matrix's padding rows are not written). The panels are read
@@ -1028,37 +1046,39 @@ mod avx2 {
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
     /// `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
-    pub unsafe fn panels<T: Avx2Load>(w: &[T], x: &[f32], out: &mut [f32], fetch: Fetch) {
-        with_fetch!(fetch, panels_with::<T>(w, x, out))
+    pub unsafe fn panels<T: Avx2Load>(w: &[T], x: &[f32], kb: usize, out: &mut [f32], fetch: Fetch) {
+        with_fetch!(fetch, panels_with::<T>(w, x, kb, out))
     }
 
     /// [`panels`], prefetching as the [`Fetch`] of code `F` says.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn panels_with<T: Avx2Load, const F: u8>(w: &[T], x: &[f32], out: &mut [f32]) {
+    unsafe fn panels_with<T: Avx2Load, const F: u8>(w: &[T], x: &[f32], kb: usize, out: &mut [f32]) {
         let n = x.len();
-        debug_assert_eq!(n % BLOCK, 0);
+        debug_assert!(n.is_multiple_of(BLOCK) && kb.is_multiple_of(BLOCK) && kb > 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
         let xp = x.as_ptr();
         let mut wp = w.as_ptr();
         for o in out.chunks_mut(4) {
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut c = 0;
-            while c < n {
-                if F >= Fetch::NEAR {
-                    fetch_ahead(wp);
+            let sums = by_blocks(n, kb, |mut c, end| {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                while c < end {
+                    if F >= Fetch::NEAR {
+                        fetch_ahead(wp);
+                    }
+                    if F == Fetch::FAR {
+                        fetch_far(wp);
+                    }
+                    let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let (lo, hi) = T::load16(wp.add(r * BLOCK));
+                        *a = _mm256_fmadd_ps(hi, xh, _mm256_fmadd_ps(lo, xl, *a));
+                    }
+                    wp = wp.add(4 * BLOCK);
+                    c += BLOCK;
                 }
-                if F == Fetch::FAR {
-                    fetch_far(wp);
-                }
-                let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let (lo, hi) = T::load16(wp.add(r * BLOCK));
-                    *a = _mm256_fmadd_ps(hi, xh, _mm256_fmadd_ps(lo, xl, *a));
-                }
-                wp = wp.add(4 * BLOCK);
-                c += BLOCK;
-            }
-            store_rows(hsum4(acc), o);
+                hsum4(acc)
+            });
+            store_rows(sums, o);
         }
     }
 
@@ -1098,9 +1118,18 @@ mod avx2 {
             wp = wp.add(4 * BLOCK);
             c += BLOCK;
         }
+        // Each row's sum in the order [`panels`] sums it (`hsum4`), two tokens at a time, so
+        // that one token's sums and many tokens' are the same bits.
         let mut out = [[0.0f32; 2]; NT];
-        for (o, a) in out.iter_mut().zip(&acc) {
-            *o = [hsum(a[0]), hsum(a[1])];
+        let zero = _mm256_setzero_ps();
+        for t in (0..NT).step_by(2) {
+            let next = acc.get(t + 1).copied().unwrap_or([zero; 2]);
+            let mut v = [0.0f32; 4];
+            _mm_storeu_ps(v.as_mut_ptr(), hsum4([acc[t][0], acc[t][1], next[0], next[1]]));
+            out[t] = [v[0], v[1]];
+            if t + 1 < NT {
+                out[t + 1] = [v[2], v[3]];
+            }
         }
         out
     }
@@ -1267,7 +1296,9 @@ pub use avx512::{
 /// it is widened with a zero-extend and a shift, not split into even and odd columns).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{fetch_chunk, fetch_far, page_values as page_values_avx2, store_rows, Avx2Load};
+    use super::avx2::{
+        by_blocks, fetch_chunk, fetch_far, page_values as page_values_avx2, store_rows, Avx2Load,
+    };
     use super::{Elem, Fetch, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -1428,45 +1459,50 @@ mod avx512 {
     }
 
     /// Consecutive packed panels against one prepared input, as [`super::avx2_panels`]: four
-    /// rows of a chunk meet one register of `x`, one accumulator per row.
+    /// rows of a chunk meet one register of `x`, one accumulator per row. A row is summed in
+    /// column blocks of `kb` (the last may be shorter), each block's sums finished as
+    /// [`panel_quad`] finishes a many-token product's block and added in column order, so one
+    /// token's sums are the many-token ones, bit for bit, however wide the rows.
     ///
     /// # Safety
-    /// The CPU must have avx512f, avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
-    /// `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
-    pub unsafe fn panels<T: Avx512Load>(w: &[T], x: &[f32], out: &mut [f32], fetch: Fetch) {
-        with_fetch!(fetch, panels_with::<T>(w, x, out))
+    /// The CPU must have avx512f, avx2, fma and f16c; `x.len()` and `kb` (not 0) are multiples
+    /// of [`BLOCK`] and `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
+    pub unsafe fn panels<T: Avx512Load>(w: &[T], x: &[f32], kb: usize, out: &mut [f32], fetch: Fetch) {
+        with_fetch!(fetch, panels_with::<T>(w, x, kb, out))
     }
 
     /// [`panels`], prefetching as the [`Fetch`] of code `F` says.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn panels_with<T: Avx512Load, const F: u8>(w: &[T], x: &[f32], out: &mut [f32]) {
+    unsafe fn panels_with<T: Avx512Load, const F: u8>(w: &[T], x: &[f32], kb: usize, out: &mut [f32]) {
         let n = x.len();
-        debug_assert_eq!(n % BLOCK, 0);
+        debug_assert!(n.is_multiple_of(BLOCK) && kb.is_multiple_of(BLOCK) && kb > 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
         let xp = x.as_ptr();
         let mut wp = w.as_ptr();
         for o in out.chunks_mut(4) {
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let mut c = 0;
-            while c < n {
-                if F >= Fetch::NEAR {
-                    fetch_near(wp);
+            let sums = by_blocks(n, kb, |mut c, end| {
+                let mut acc = [_mm512_setzero_ps(); 4];
+                while c < end {
+                    if F >= Fetch::NEAR {
+                        fetch_near(wp);
+                    }
+                    if F == Fetch::FAR {
+                        fetch_far(wp);
+                    }
+                    let xv = _mm512_loadu_ps(xp.add(c));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(T::load_zmm(wp.add(r * BLOCK)), xv, *a);
+                    }
+                    wp = wp.add(4 * BLOCK);
+                    c += BLOCK;
                 }
-                if F == Fetch::FAR {
-                    fetch_far(wp);
-                }
-                let xv = _mm512_loadu_ps(xp.add(c));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(T::load_zmm(wp.add(r * BLOCK)), xv, *a);
-                }
-                wp = wp.add(4 * BLOCK);
-                c += BLOCK;
-            }
-            // The four rows' sums at once: by 128-bit lane, then the lanes added across.
-            let v = lanes4(acc);
-            let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
-            let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
-            store_rows(_mm512_castps512_ps128(v), o);
+                // The four rows' sums at once: by 128-bit lane, then the lanes added across.
+                let v = lanes4(acc);
+                let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
+                let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
+                _mm512_castps512_ps128(v)
+            });
+            store_rows(sums, o);
         }
     }
 
@@ -1526,20 +1562,20 @@ mod avx512 {
     /// rounded inputs sums in another order; on the 2-core Zen 4 machine it streamed SmolLM2's
     /// layer products 2–3% faster, 0.866 of the measured bandwidth against 0.841 while the host
     /// read fast, 1.047 against 1.025 while it read slowly. Two panels at a time, four chains,
-    /// read at 0.48 and 0.82.)
+    /// read at 0.48 and 0.82.) Rows are summed in column blocks of `kb`, as in [`panels`].
     ///
     /// # Safety
-    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `x.len()` is a multiple of
-    /// [`BLOCK`] and `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
-    pub unsafe fn panels_bf16(w: &[bf16], x: &[f32], out: &mut [f32], fetch: Fetch) {
-        with_fetch!(fetch, panels_bf16_with(w, x, out))
+    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `x.len()` and `kb` (not 0)
+    /// are multiples of [`BLOCK`] and `w.len() == 4 * x.len() * out.len().div_ceil(4)`.
+    pub unsafe fn panels_bf16(w: &[bf16], x: &[f32], kb: usize, out: &mut [f32], fetch: Fetch) {
+        with_fetch!(fetch, panels_bf16_with(w, x, kb, out))
     }
 
     /// [`panels_bf16`], prefetching as the [`Fetch`] of code `F` says.
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    unsafe fn panels_bf16_with<const F: u8>(w: &[bf16], x: &[f32], out: &mut [f32]) {
+    unsafe fn panels_bf16_with<const F: u8>(w: &[bf16], x: &[f32], kb: usize, out: &mut [f32]) {
         let n = x.len();
-        debug_assert_eq!(n % BLOCK, 0);
+        debug_assert!(n.is_multiple_of(BLOCK) && kb.is_multiple_of(BLOCK) && kb > 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
         let xp = x.as_ptr();
         let mut wp = w.as_ptr();
@@ -1547,15 +1583,17 @@ mod avx512 {
         // Element 4 L of `lanes4`'s result is the first register's row L.
         let order = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
         for o in out.chunks_mut(4) {
-            let mut a = [zero; 2];
-            let mut c = 0;
-            while c < n {
-                a = chunk_bf16::<F>(a, wp, pair_block(xp.add(c)));
-                wp = wp.add(4 * BLOCK);
-                c += BLOCK;
-            }
-            let v = _mm512_permutexvar_ps(order, lanes4([rows_by_lane(a), zero, zero, zero]));
-            store_rows(_mm512_castps512_ps128(v), o);
+            let sums = by_blocks(n, kb, |mut c, end| {
+                let mut a = [zero; 2];
+                while c < end {
+                    a = chunk_bf16::<F>(a, wp, pair_block(xp.add(c)));
+                    wp = wp.add(4 * BLOCK);
+                    c += BLOCK;
+                }
+                let v = _mm512_permutexvar_ps(order, lanes4([rows_by_lane(a), zero, zero, zero]));
+                _mm512_castps512_ps128(v)
+            });
+            store_rows(sums, o);
         }
     }
 
@@ -1593,13 +1631,17 @@ mod avx512 {
     /// stored straight from their register: token `t`'s sum for the panels' row `r` goes to
     /// `out[t * stride + r]`, for `r` below `rows` (the last panel's padding rows are not
     /// written). Unlike the scheduled many-token path, nothing passes through per-panel calls
-    /// or copies of the sums. With `pairs`, two panels at a time (the same sums again).
+    /// or copies of the sums. With `pairs`, two panels at a time (the same sums again). Rows
+    /// are summed in column blocks of `kb` (each block of a panel against every token group,
+    /// then the next block), the blocks' sums added in column order as the one-token kernel
+    /// ([`panels_bf16`]) adds them.
     ///
     /// # Safety
-    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
-    /// [`BLOCK`], `w.len()` a multiple of `4 n`, `xs.len() == 2 n n_tok`, `rows <=
-    /// w.len() / n`; `out` is valid for writes at every such `t * stride + r`, and nothing else
-    /// reads or writes those elements during the call.
+    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` and `kb` (not 0) are
+    /// multiples of [`BLOCK`], `kb >= n` with `pairs`, `w.len()` a multiple of `4 n`,
+    /// `xs.len() == 2 n n_tok`, `rows <= w.len() / n`; `out` is valid for reads and writes at
+    /// every such `t * stride + r`, and nothing else reads or writes those elements during the
+    /// call.
     #[allow(clippy::too_many_arguments)] // the weights, the inputs, where the sums go, and how
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
     pub unsafe fn panels_many_bf16(
@@ -1611,11 +1653,14 @@ mod avx512 {
         stride: usize,
         rows: usize,
         pairs: bool,
+        kb: usize,
     ) {
         debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && xs.len() == 2 * n * n_tok);
+        debug_assert!(kb.is_multiple_of(BLOCK) && kb > 0 && (!pairs || kb >= n));
         let x = |t: usize| xs.as_ptr().add(2 * n * t);
-        // Token t + i's four sums for the panel's rows r0.. are `v`'s 128-bit lane i.
-        let put = |v: __m512, t: usize, nt: usize, r0: usize| {
+        // Token t + i's four sums for the panel's rows r0.. are `v`'s 128-bit lane i, stored
+        // for the first column block (`c0` 0) and added to what is there for the others.
+        let put = |v: __m512, t: usize, nt: usize, r0: usize, c0: usize| {
             let nr = rows.saturating_sub(r0).min(4);
             let lanes = [
                 _mm512_castps512_ps128(v),
@@ -1625,10 +1670,16 @@ mod avx512 {
             ];
             for (i, lane) in lanes.into_iter().take(nt).enumerate() {
                 let o = out.add((t + i) * stride + r0);
+                let mut four = [0.0f32; 4];
+                let lane = if c0 == 0 {
+                    lane
+                } else {
+                    std::ptr::copy_nonoverlapping(o, four.as_mut_ptr(), nr);
+                    _mm_add_ps(_mm_loadu_ps(four.as_ptr()), lane)
+                };
                 if nr == 4 {
                     _mm_storeu_ps(o, lane);
                 } else {
-                    let mut four = [0.0f32; 4];
                     _mm_storeu_ps(four.as_mut_ptr(), lane);
                     std::ptr::copy_nonoverlapping(four.as_ptr(), o, nr);
                 }
@@ -1639,16 +1690,23 @@ mod avx512 {
         let mut p = 0;
         while p < panels {
             let np = step.min(panels - p);
-            let mut t = 0;
-            while t < n_tok {
-                let nt = (n_tok - t).min(4);
-                let mut acc: PairAcc = std::mem::zeroed();
-                let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)));
-                pair_acc_bf16_n(np, nt, w.as_ptr().add(4 * n * p), 4 * n, n, xs, &mut acc);
-                for k in 0..np {
-                    put(pair_acc_finish(&acc, k), t, nt, 4 * (p + k));
+            // Each column block of the panels against every token group, then the next block:
+            // the panels are still read in memory order.
+            let mut c0 = 0;
+            while c0 < n {
+                let cn = kb.min(n - c0);
+                let mut t = 0;
+                while t < n_tok {
+                    let nt = (n_tok - t).min(4);
+                    let mut acc: PairAcc = std::mem::zeroed();
+                    let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)).add(2 * c0));
+                    pair_acc_bf16_n(np, nt, w.as_ptr().add(4 * n * p + 4 * c0), 4 * n, cn, xs, &mut acc);
+                    for k in 0..np {
+                        put(pair_acc_finish(&acc, k), t, nt, 4 * (p + k), c0);
+                    }
+                    t += nt;
                 }
-                t += nt;
+                c0 += cn;
             }
             p += np;
         }

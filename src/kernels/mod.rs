@@ -747,39 +747,37 @@ mod tests {
     }
 
     /// One token's product equals, bit for bit, the same token's row of a many-token product,
-    /// on the 512-bit paths (so a prompt decoded alone gives the tokens it gives in a batch),
-    /// for rows of up to 2048 columns, and for a batch's decode step (under 16 tokens) however
-    /// wide. The AVX2 and portable paths sum in other orders for one token and for many.
+    /// however many tokens share it and however wide the rows (every path sums a row in the
+    /// same column blocks, each block's sum added in order), so a sequence gives the same
+    /// tokens alone as in a batch or beside a prompt: on every path (portable, AVX2, 512-bit,
+    /// AVX512_BF16; every int8 kernel).
     #[test]
     fn one_token_sums_equal_many_token_sums() {
         let team = Team::new(2).unwrap();
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let float = [DType::F32, DType::BF16, DType::F16].map(|d| (d, None));
+        for (dtype, quant) in float.into_iter().chain([(DType::F32, Some(Quant::Int8))]) {
+            // 4100 columns go in three column blocks (1376, 1376, 1360), or on AVX2 in five
+            // (832 × 4, 784); 1536 on AVX2 in two.
             for &(rows, cols) in &[(9, 64), (130, 576), (64, 1536), (9, 1536), (9, 4100)] {
                 let data = Data::F32(rand_vec(rows * cols, cols as u64)).cast(dtype);
-                let w = PackedMat::pack(&Mat { rows, cols, data });
+                let w = PackedMat::pack_as(&Mat { rows, cols, data }, quant);
                 // bf16 on AVX512_BF16 goes two panels at a time from 16 tokens; past one tile
                 // (44 tokens at 1536 columns) by column blocks and tiles, in two sub-blocks
                 // past 768 columns. 45 to 48 end on each size of token group.
-                for n_tok in
-                    [2, 3, 5, 6, 7, 15, 45, 46, 47, 48].into_iter().filter(|&n| cols <= 2048 || n < 16)
-                {
+                for n_tok in [2, 3, 5, 6, 7, 15, 16, 45, 46, 47, 48] {
                     let x = rand_vec(n_tok * cols, 3);
-                    for isa in
-                        isas().into_iter().filter(|i| matches!(i, dot::Isa::Avx512 | dot::Isa::Avx512Bf16))
-                    {
+                    for path in paths(quant.is_some()) {
                         let mut many = vec![0.0f32; n_tok * rows];
-                        dot::with_isa(isa, || matmul(&team, &w, &x, n_tok, &mut many));
+                        on_path(path, || matmul(&team, &w, &x, n_tok, &mut many));
                         for t in 0..n_tok {
                             let mut one = vec![0.0f32; rows];
-                            dot::with_isa(isa, || {
-                                matmul(&team, &w, &x[t * cols..(t + 1) * cols], 1, &mut one)
-                            });
+                            on_path(path, || matmul(&team, &w, &x[t * cols..(t + 1) * cols], 1, &mut one));
                             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                             let many = &many[t * rows..(t + 1) * rows];
                             assert_eq!(
                                 bits(&one),
                                 bits(many),
-                                "{isa:?} {dtype:?} {rows}x{cols} token {t} of {n_tok}"
+                                "{path:?} {dtype:?} {quant:?} {rows}x{cols} token {t} of {n_tok}"
                             );
                         }
                     }

@@ -360,7 +360,7 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
         return paired_products(team, w, d, xp, n_tok, out);
     }
     let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
-    let k_max = if widen && n_tok >= WIDEN_FROM { WIDE_K_BLOCK } else { K_BLOCK };
+    let k_max = float_k_max(isa);
     schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
         let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
             std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()])
@@ -417,10 +417,11 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
         dot::pair_for_dot_bf16(xp, paired, Isa::Avx512Bf16);
         let paired = &*paired;
         let (kb, tile) = blocks(cols_p, K_BLOCK, n_tok, TILE_BYTES);
-        if kb == cols_p && n_tok <= tile {
-            // One column block and one tile (decode of a batch, a short prompt): each thread
+        if n_tok < PROMPT_FROM || (kb == cols_p && n_tok <= tile) {
+            // One tile (decode of a batch, a short prompt in one column block): each thread
             // streams its panels through one kernel call per range, the sums stored from their
-            // registers; two panels at a time for a prompt's tokens.
+            // registers (and added, for the column blocks of a batch's wide rows); two panels
+            // at a time for a prompt's tokens.
             let pairs = n_tok >= PROMPT_FROM && cols_p <= PAIR_SUB_BLOCK;
             let (rows, shared) = (w.rows, SharedSlice::new(out));
             team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
@@ -429,9 +430,12 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
                 // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f,
                 // avx512bf16, avx2, fma and f16c; `ws` is whole panels of `cols_p` columns and
                 // `paired` `2 cols_p` entries per token; token t's rows r0.. of this range lie
-                // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
+                // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range;
+                // `kb` is `cols_p` with `pairs` (at most `PAIR_SUB_BLOCK` columns).
                 let o = shared.span(r0, (n_tok - 1) * rows + (rows - r0).min(ws.len() / cols_p));
-                unsafe { dot::avx512_panels_many_bf16(ws, cols_p, paired, n_tok, o, rows, rows - r0, pairs) };
+                unsafe {
+                    dot::avx512_panels_many_bf16(ws, cols_p, paired, n_tok, o, rows, rows - r0, pairs, kb)
+                };
             });
             return;
         }
@@ -604,7 +608,10 @@ fn matmul_int8(
             });
             return;
         }
-        schedule(team, (w.rows, cols_p, K_BLOCK, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
+        // A row in one column block, as one token sums it, however many tokens: a token's
+        // sums are then the same bits in any step. The inputs are a byte a column, so a tile's
+        // fill `TILE_BYTES` with four times the tokens of a float tile.
+        schedule(team, (w.rows, cols_p, cols_p, 4 * TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
             let groups = cr.start / XGROUP..cr.end.div_ceil(XGROUP);
             for p in panels {
                 let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
@@ -725,39 +732,45 @@ fn float_panels<T: dot::Elem + dot::Avx2Load>(w: &[T], x: &[f32], out: &mut [f32
         x.len().is_multiple_of(CHUNK) && w.len() == PANEL * x.len() * out.len().div_ceil(PANEL),
         "float_panels: shapes"
     );
+    let kb = column_block(x.len(), float_k_max(isa));
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; the shapes
         // are the kernel's, checked above.
-        Isa::Avx2 => unsafe { dot::avx2_panels(w, x, out, fetch) },
+        Isa::Avx2 => unsafe { dot::avx2_panels(w, x, kb, out, fetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512` is only produced after detecting avx512f, avx2, fma and f16c;
         // shapes as above.
-        Isa::Avx512 => unsafe { dot::avx512_panels(w, x, out, fetch) },
+        Isa::Avx512 => unsafe { dot::avx512_panels(w, x, kb, out, fetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f, avx512bf16, avx2,
         // fma and f16c; shapes as above.
         Isa::Avx512Bf16 => unsafe {
             match as_bf16(w) {
-                Some(w) => dot::avx512_panels_bf16(w, x, out, fetch),
-                None => dot::avx512_panels(w, x, out, fetch),
+                Some(w) => dot::avx512_panels_bf16(w, x, kb, out, fetch),
+                None => dot::avx512_panels(w, x, kb, out, fetch),
             }
         },
-        _ => panels_portable(w, x, out),
+        _ => panels_portable(w, x, kb, out),
     }
 }
 
 /// The portable [`float_panels`].
-fn panels_portable<T: dot::Elem>(w: &[T], x: &[f32], out: &mut [f32]) {
+fn panels_portable<T: dot::Elem>(w: &[T], x: &[f32], kb: usize, out: &mut [f32]) {
     let n = x.len();
     for (p, o) in out.chunks_mut(PANEL).enumerate() {
         let panel = &w[p * PANEL * n..(p + 1) * PANEL * n];
         for (lane, ol) in o.iter_mut().enumerate() {
-            *ol = x
-                .chunks_exact(CHUNK)
-                .enumerate()
-                .map(|(k, xc)| dot::dot1_portable(&panel[(k * PANEL + lane) * CHUNK..][..CHUNK], xc))
-                .sum();
+            let chunk =
+                |k: usize, xc: &[f32]| dot::dot1_portable(&panel[(k * PANEL + lane) * CHUNK..][..CHUNK], xc);
+            // Column blocks of `kb`, the first block's sum as it is and then each added in
+            // order, as `store` adds a many-token product's blocks.
+            let block = |b: usize, xb: &[f32]| -> f32 {
+                xb.chunks_exact(CHUNK).enumerate().map(|(k, xc)| chunk(b * kb / CHUNK + k, xc)).sum()
+            };
+            let mut blocks = x.chunks(kb).enumerate();
+            let first = blocks.next().map_or(0.0, |(b, xb)| block(b, xb));
+            *ol = blocks.fold(first, |sums, (b, xb)| sums + block(b, xb));
         }
     }
 }
@@ -838,19 +851,45 @@ fn tile_tokens(kb: usize, bytes: usize) -> usize {
 /// columns (see [`schedule`]): equal blocks of at most `k_max`, each starting on an input
 /// group (int8 inputs have a scale per group), and tiles whose inputs fill `tile_bytes`.
 ///
-/// A batch's decode step (under [`PROMPT_FROM`] tokens) goes in one block and one tile however
-/// wide the rows: its inputs fit L2 (8 tokens of 8192 columns: 256 KiB), each row is summed in
-/// one pass as one token's is (so a sequence decodes to the same bits in a batch as alone), and
-/// the kernels' prefetch, which runs ahead along a panel, fetches what the same pass reads. In
-/// column blocks it fetched the next block's columns, read only a pass later: on the 2-core Zen
-/// 5 machine the llama-2-7b shape decoded a batch of 8 at 10.7 tokens/s in blocks and 15.8 in
-/// one, a batch of 4 at 6.2 and 10.2 (batch 1: 4.7).
+/// A batch's decode step (under [`PROMPT_FROM`] tokens) goes in one tile however wide the
+/// rows: its inputs fit L2 (8 tokens of 8192 columns: 256 KiB). Its column blocks are the same
+/// as every other step's ([`column_block`]), but `schedule` takes each panel's blocks one after
+/// the other, so the kernels' prefetch, which runs ahead along a panel, fetches what is read
+/// next. Each block over all panels before the next, it fetched the next block's columns, read
+/// only a pass later: on the 2-core Zen 5 machine the llama-2-7b shape decoded a batch of 8 at
+/// 10.7 tokens/s that way and 15.8–16.7 a panel at a time, a batch of 4 at 6.2 and 10.2.
 fn blocks(cols_p: usize, k_max: usize, n_tok: usize, tile_bytes: usize) -> (usize, usize) {
-    if n_tok < PROMPT_FROM {
-        return (cols_p, n_tok);
-    }
     let kb = cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p);
+    if n_tok < PROMPT_FROM {
+        return (kb, n_tok);
+    }
     (kb, tile_tokens(kb, tile_bytes))
+}
+
+/// The width of the column blocks a product sums a row of `cols_p` columns in, given the
+/// widest it takes (`k_max`): equal blocks, each summed in one pass, their sums added in f32
+/// in column order. One token, a batch's decode step and a prompt's tiles all sum a row this
+/// way (the one-token kernels add their blocks' sums as `schedule` does), so a token's products
+/// are the same bits whatever else shares its step.
+#[inline]
+fn column_block(cols_p: usize, k_max: usize) -> usize {
+    // A row of one block without `blocks`' divisions: many-token products ask this of every
+    // block of every panel.
+    if cols_p <= k_max {
+        return cols_p;
+    }
+    blocks(cols_p, k_max, 1, TILE_BYTES).0
+}
+
+/// The widest column block of a float product on `isa`: [`WIDE_K_BLOCK`] on AVX2, whose
+/// many-token products widen a panel's block to f32 at once, else [`K_BLOCK`]. (Int8 products
+/// sum a row in one block on every path: see `matmul_int8`.)
+fn float_k_max(isa: Isa) -> usize {
+    if isa == Isa::Avx2 {
+        WIDE_K_BLOCK
+    } else {
+        K_BLOCK
+    }
 }
 
 /// Runs `panel_fn` over every panel, column block and token group, spread over the team, and
@@ -888,6 +927,19 @@ fn schedule(
         });
     };
     let (kb, tile) = blocks(cols_p, k_max, n_tok, tile_bytes);
+    if kb < cols_p && n_tok < PROMPT_FROM {
+        // A batch's decode step over wide rows: each panel's column blocks one after the
+        // other, so the panels are read in memory order, as one token reads them, and the
+        // kernels' prefetch, which runs ahead along a panel, fetches the next block.
+        team.for_ranges(n_panels, 2, &|panels| {
+            for p in panels {
+                for c0 in (0..cols_p).step_by(kb) {
+                    run(p..p + 1, c0..(c0 + kb).min(cols_p), 0, n_tok);
+                }
+            }
+        });
+        return;
+    }
     for c0 in (0..cols_p).step_by(kb) {
         let cr = c0..(c0 + kb).min(cols_p);
         for t0 in (0..n_tok).step_by(tile) {

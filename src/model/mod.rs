@@ -775,8 +775,54 @@ impl Scratch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::Single;
     use crate::grid::Grid;
+    use crate::model::kv_cache::KvPool;
     use crate::weights::synthetic::{self, Synthetic};
+
+    /// A sequence's decode step gives the same hidden state, bit for bit, alone and beside
+    /// another sequence's prompt chunk (which sends the step's products through the
+    /// many-token path's column blocks and tiles), with rows wider than one column block (the
+    /// down product's 4100 columns), on two kernel threads, for float and int8 weights.
+    #[test]
+    fn a_decode_token_is_the_same_beside_a_prompt_chunk() {
+        let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
+        // Four KV heads: a lone decode token's step then has as many attention items as
+        // twice the threads, so its keys are not split into parts (which merge in another
+        // order).
+        (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (64, 16, 4, 4);
+        (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (4100, 2, 300);
+        let team = Team::new(2).unwrap();
+        let plan = ShardPlan::new(&cfg, &Grid::new(1, 1, 0, 1).unwrap(), None).unwrap();
+        let h = cfg.hidden_size;
+        for (dtype, quant) in [(DType::BF16, None), (DType::F32, None), (DType::F16, Some(Quant::Int8))] {
+            let shard =
+                Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg.clone(), plan.clone(), quant).unwrap();
+            // Seq 0's prompt of 5 tokens, then its next token, alone or beside seq 1's first
+            // 20 prompt tokens; seq 0's hidden state after that step.
+            let run = |beside: bool| -> Vec<u32> {
+                let mut kv = shard.new_kv_pool(8, DType::F16);
+                let tables = vec![vec![0u32, 1], vec![2, 3, 4]];
+                let mut s = Scratch::default();
+                let step = |kv: &mut KvPool, s: &mut Scratch, spans: &[Span], tokens: &[u32]| {
+                    let mut x = vec![0.0f32; tokens.len() * h];
+                    shard.embed(tokens, &mut x, &Single);
+                    shard.forward(&mut x, spans, kv, &tables, s, &Single, &team);
+                    x
+                };
+                let span = |seq, pos0, len| Span { seq, pos0, len, emit: true };
+                step(&mut kv, &mut s, &[span(0, 0, 5)], &[11, 12, 13, 14, 15]);
+                let x = if beside {
+                    let tokens: Vec<u32> = std::iter::once(16).chain(100..120).collect();
+                    step(&mut kv, &mut s, &[span(0, 5, 1), span(1, 0, 20)], &tokens)
+                } else {
+                    step(&mut kv, &mut s, &[span(0, 5, 1)], &[16])
+                };
+                x[..h].iter().map(|v| v.to_bits()).collect()
+            };
+            assert_eq!(run(false), run(true), "{dtype:?} {quant:?}");
+        }
+    }
 
     /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
     /// tied and untied heads, one or several stages, every dtype and int8.
