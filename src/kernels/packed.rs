@@ -848,8 +848,8 @@ fn tile_tokens(kb: usize, bytes: usize) -> usize {
 }
 
 /// The column block width and the tokens per tile of an `n_tok`-token product over `cols_p`
-/// columns (see [`schedule`]): equal blocks of at most `k_max`, each starting on an input
-/// group (int8 inputs have a scale per group), and tiles whose inputs fill `tile_bytes`.
+/// columns (see [`schedule`]): the blocks of [`column_block`], at most `k_max` wide, and tiles
+/// whose inputs fill `tile_bytes`.
 ///
 /// A batch's decode step (under [`PROMPT_FROM`] tokens) goes in one tile however wide the
 /// rows: its inputs fit L2 (8 tokens of 8192 columns: 256 KiB). Its column blocks are the same
@@ -859,7 +859,7 @@ fn tile_tokens(kb: usize, bytes: usize) -> usize {
 /// only a pass later: on the 2-core Zen 5 machine the llama-2-7b shape decoded a batch of 8 at
 /// 10.7 tokens/s that way and 15.8–16.7 a panel at a time, a batch of 4 at 6.2 and 10.2.
 fn blocks(cols_p: usize, k_max: usize, n_tok: usize, tile_bytes: usize) -> (usize, usize) {
-    let kb = cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p);
+    let kb = column_block(cols_p, k_max);
     if n_tok < PROMPT_FROM {
         return (kb, n_tok);
     }
@@ -867,18 +867,19 @@ fn blocks(cols_p: usize, k_max: usize, n_tok: usize, tile_bytes: usize) -> (usiz
 }
 
 /// The width of the column blocks a product sums a row of `cols_p` columns in, given the
-/// widest it takes (`k_max`): equal blocks, each summed in one pass, their sums added in f32
-/// in column order. One token, a batch's decode step and a prompt's tiles all sum a row this
-/// way (the one-token kernels add their blocks' sums as `schedule` does), so a token's products
-/// are the same bits whatever else shares its step.
+/// widest it takes (`k_max`): equal blocks, each starting on an input group (int8 inputs have
+/// a scale per group), each summed in one pass, their sums added in f32 in column order. One
+/// token, a batch's decode step and a prompt's tiles all sum a row this way (the one-token
+/// kernels add their blocks' sums as `schedule` does), so a token's products are the same bits
+/// whatever else shares its step.
 #[inline]
 fn column_block(cols_p: usize, k_max: usize) -> usize {
-    // A row of one block without `blocks`' divisions: many-token products ask this of every
-    // block of every panel.
+    // A row of one block without the divisions: many-token products ask this of every block of
+    // every panel.
     if cols_p <= k_max {
         return cols_p;
     }
-    blocks(cols_p, k_max, 1, TILE_BYTES).0
+    cols_p.div_ceil(cols_p.div_ceil(k_max)).next_multiple_of(XGROUP).min(cols_p)
 }
 
 /// The widest column block of a float product on `isa`: [`WIDE_K_BLOCK`] on AVX2, whose
