@@ -132,6 +132,18 @@ impl ShardPlan {
                 grid.pp, cfg.n_layers
             )));
         }
+        // FFN columns and vocabulary rows are split in blocks of `FFN_ALIGN`: every tp rank
+        // needs at least one of each (a rank with none would hold empty products).
+        for (what, n) in [("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)] {
+            if n.div_ceil(FFN_ALIGN) < grid.tp {
+                return Err(Error::Input(format!(
+                    "invalid grid: --tp {} leaves a tp rank nothing of the model's {what} {n} \
+                     (split in blocks of {FFN_ALIGN}, so at most {} tp ranks)",
+                    grid.tp,
+                    n.div_ceil(FFN_ALIGN)
+                )));
+            }
+        }
         let stage = grid.stage();
         let split = match layer_split {
             Some(split) => {
@@ -205,6 +217,15 @@ mod tests {
         assert_eq!((p1.q_heads.clone(), p1.kv_heads.clone()), (5..9, 1..3));
         assert!(Grid::new(2, 2, 0, 3).is_err());
         assert!(ShardPlan::new(&cfg, &Grid::new(1, 10, 0, 10).unwrap(), None).is_err());
+        // Every tp rank needs FFN columns and vocabulary rows (blocks of 16).
+        let mut narrow = cfg.clone();
+        narrow.intermediate_size = 32;
+        assert!(ShardPlan::new(&narrow, &Grid::new(1, 2, 1, 2).unwrap(), None).is_ok());
+        let e = ShardPlan::new(&narrow, &Grid::new(1, 3, 2, 3).unwrap(), None).unwrap_err();
+        assert!(e.to_string().contains("intermediate_size 32"), "{e}");
+        let mut small_vocab = cfg.clone();
+        small_vocab.vocab_size = 40;
+        assert!(ShardPlan::new(&small_vocab, &Grid::new(1, 4, 0, 4).unwrap(), None).is_err());
         let split = ShardPlan::new(&cfg, &Grid::new(2, 1, 1, 2).unwrap(), Some(&[16, 14])).unwrap();
         assert_eq!(split.layers, 16..30);
     }
