@@ -60,62 +60,78 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     dot::silu_mul(gate, up, dot::detect());
 }
 
+/// Takes a row's state over one tile: `(row, tile, max, sum, weighted values)`
+/// ([`AttendOut::Tiles`]).
+pub type TileSink<'a> = &'a mut dyn FnMut(usize, usize, f32, f32, &[f32]);
+
+/// Where [`attend_tiled`] puts its results.
+pub enum AttendOut<'a> {
+    /// The attention itself, `[rows, head_dim]` (0 for a row that saw nothing).
+    Rows(&'a mut [f32]),
+    /// Every row's state over each tile of `tiles` (tile `t` holds the pages
+    /// [`tile_pages`]`(t)`), given to `emit(row, tile, max, sum, values)`: the max of the
+    /// row's scaled scores in the tile, the sum of their exponentials less that max, and the
+    /// values weighted by those exponentials (−∞, 0 and zeros for a tile the row sees nothing
+    /// of). [`merge_tiles`] folds a row's tiles, from any number of calls, into exactly the
+    /// bits one call over all of them gives.
+    Tiles { tiles: std::ops::Range<usize>, emit: TileSink<'a> },
+}
+
 /// Flash-style attention of several query rows against one KV head's cache, stored in pages
 /// of `page_len` positions: `page(i)` gives the keys and values of positions
 /// `i * page_len ..`, keys transposed (`[head_dim, page_len]`: per dimension, the page's keys
 /// side by side) and values as rows (`[page_len, head_dim]`), so a sequence's cache need not
 /// be contiguous. Row `r` (`q[r]`, `head_dim` long) sees keys `bounds[r].0 ..= bounds[r].1`.
-/// Keys go a tile of up to `TILE_PAGES` pages at a time: each page is scored against every
-/// row at once (each converted vector of keys serves several rows), the tile's scores are
-/// folded into each row's online softmax (running max and sum, earlier sums rescaled when the
-/// max grows; keys a row does not see get weight 0), and each page's values are summed into
-/// every row the same way. A page is read once for all rows, and no score buffer longer than
-/// a tile exists. Pages that no row sees (past the causal edge of the last row) are never
-/// touched. `out` is `[rows, head_dim]`.
 ///
-/// A row whose bounds are empty (`first > last`) sees nothing. With `stats` (`[rows, 2]`),
-/// the result is one part of a row's attention, to be merged with the others by
-/// [`merge_attention_parts`]: `out` is left unnormalized and `stats` gets each row's
-/// running max and sum (−∞ and 0 for a row that saw nothing). Without, `out` is the
-/// attention itself (0 for a row that saw nothing).
+/// Keys go a tile at a time, tiles fixed by position ([`tile_pages`]). Each page is scored
+/// against every row at once (each converted vector of keys serves several rows); a row's
+/// scores in the tile give its tile state (their max, the sum of their exponentials less it,
+/// the values weighted by those; keys a row does not see get weight 0), and the tile states
+/// are folded in order into the row's running state (`fold_tile`). A page is read once for
+/// all rows, and no score buffer longer than a tile exists. Pages that no row sees (past the
+/// causal edge of the last row) are never touched. A row's result depends on its own query
+/// and keys only, never on the other rows of the call, and its keys may be split over calls on
+/// tile boundaries ([`AttendOut::Tiles`], [`merge_tiles`]) without changing a bit of it.
+///
+/// A row whose bounds are empty (`first > last`) sees nothing.
 pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     q: &[f32],
     bounds: &[(usize, usize)],
     page_len: usize,
     page: impl Fn(usize) -> (&'a [T], &'a [T]),
     scale: f32,
-    out: &mut [f32],
-    stats: Option<&mut [f32]>,
+    mut out: AttendOut,
 ) {
     let nr = bounds.len();
-    assert!(
-        nr > 0 && q.len().is_multiple_of(nr) && out.len() == q.len() && page_len > 0,
-        "attend_tiled: shapes"
-    );
-    assert!(stats.as_ref().is_none_or(|s| s.len() == 2 * nr), "attend_tiled: stats shape");
+    assert!(nr > 0 && q.len().is_multiple_of(nr) && page_len > 0, "attend_tiled: shapes");
+    assert!(!matches!(&out, AttendOut::Rows(o) if o.len() != q.len()), "attend_tiled: out shape");
     let hd = q.len() / nr;
     let isa = dot::detect();
-    // Keys go in tiles of up to TILE_PAGES pages: the softmax bookkeeping of a row (max, rescale,
-    // exp, sum) runs once per tile on a long vector instead of once per short page.
     let tile_len = TILE_PAGES * page_len;
     TILE.with_borrow_mut(|work| {
-        // Running max and sum per row, and one tile of scores per row ([`reserve_attention`]).
-        work.resize(nr * (2 + tile_len), 0.0);
+        // Per row: its running max and sum, its tile's max and sum, the two factors of their
+        // fold, one tile of scores and the tile's weighted values ([`reserve_attention`]).
+        work.resize(nr * (WORK_PER_ROW + tile_len + hd), 0.0);
         let (m, rest) = work.split_at_mut(nr);
-        let (l, s) = rest.split_at_mut(nr);
+        let (l, rest) = rest.split_at_mut(nr);
+        let (mt, rest) = rest.split_at_mut(nr);
+        let (lt, rest) = rest.split_at_mut(nr);
+        let (ab, rest) = rest.split_at_mut(2 * nr);
+        let (s, acc) = rest.split_at_mut(nr * tile_len);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
-        out.fill(0.0);
+        if let AttendOut::Rows(o) = &mut out {
+            o.fill(0.0);
+        }
         let seen = bounds.iter().filter(|b| b.0 <= b.1);
-        let (lo, hi) = match (seen.clone().map(|b| b.0).min(), seen.map(|b| b.1).max()) {
-            (Some(lo), Some(hi)) => (lo, hi),
-            _ => {
-                if let Some(st) = stats {
-                    st.chunks_exact_mut(2).for_each(|v| v.copy_from_slice(&[f32::NEG_INFINITY, 0.0]));
-                }
-                return;
-            }
+        let span = seen.clone().map(|b| b.0).min().zip(seen.map(|b| b.1).max());
+        // The tiles to visit: those some row sees, or (`Tiles`) those asked for.
+        let tiles = match (&out, span) {
+            (AttendOut::Tiles { tiles, .. }, _) => tiles.clone(),
+            (AttendOut::Rows(_), Some((lo, hi))) => tile_of(lo / page_len)..tile_of(hi / page_len) + 1,
+            (AttendOut::Rows(_), None) => return,
         };
+        let (lo, hi) = span.unwrap_or((usize::MAX, 0));
         let (first_page, last_page) = (lo / page_len, hi / page_len);
         // Pages may be scattered through the pool, each too short for the hardware prefetcher
         // to follow: fetch each page [`FAR_PAGES`] ahead of the one being scored, and again
@@ -129,100 +145,169 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                 dot::prefetch(&v[..hd * page_len]);
             }
         };
-        (first_page..first_page + FAR_PAGES).for_each(fetch);
-        let mut tile = first_page;
-        while tile <= last_page {
-            let tile_end = (tile + TILE_PAGES).min(last_page + 1);
-            let base = tile * page_len;
-            // Keys of this tile that some row sees, from the tile's start.
-            let (ja, jb) = (base.max(lo) - base, (tile_end * page_len).min(hi + 1) - base);
-            for p in tile..tile_end {
-                fetch(p + FAR_PAGES);
-                fetch(p + AHEAD);
-                let at = (p - tile) * page_len;
-                dot::page_scores(&page(p).0[..hd * page_len], page_len, q, &mut s[at..], tile_len, isa);
-            }
-            for (r, &(first, last)) in bounds.iter().enumerate() {
-                let row = &mut s[r * tile_len..(r + 1) * tile_len];
-                let (a, b) = (first.max(base + ja) - base, (last + 1).min(base + jb).saturating_sub(base));
-                if a >= b {
-                    row[ja..jb].fill(0.0);
-                    continue;
-                }
-                let m_new = m[r].max(dot::scale_max(&mut row[a..b], scale, isa));
-                if m[r] != f32::NEG_INFINITY && m[r] != m_new {
-                    let corr = (m[r] - m_new).exp();
-                    l[r] *= corr;
-                    out[r * hd..(r + 1) * hd].iter_mut().for_each(|v| *v *= corr);
-                }
-                m[r] = m_new;
-                l[r] += dot::exp_sub_sum(&mut row[a..b], m_new, isa);
-                row[ja..a].fill(0.0);
-                row[b..jb].fill(0.0);
-            }
-            for p in tile..tile_end {
-                // This page's keys within ja..jb, from the tile's start.
-                let at = (p - tile) * page_len;
-                let (ka, kb) = (at.max(ja), (at + page_len).min(jb));
-                if ka < kb {
-                    let values = page(p).1;
-                    dot::page_values(
-                        &s[ka..],
-                        tile_len,
-                        &values[(ka - at) * hd..(kb - at) * hd],
-                        hd,
-                        out,
-                        isa,
-                    );
-                }
-            }
-            tile = tile_end;
+        if span.is_some() {
+            (first_page..first_page + FAR_PAGES).for_each(fetch);
         }
-        match stats {
-            Some(st) => {
-                for (r, v) in st.chunks_exact_mut(2).enumerate() {
-                    v.copy_from_slice(&[m[r], l[r]]);
+        for tile in tiles {
+            let tp = tile_pages(tile);
+            let (base, end) = (tp.start * page_len, tp.end * page_len);
+            // The tile's pages and keys that some row sees (keys from the tile's start).
+            let pages = tp.start.max(first_page)..tp.end.min(last_page + 1);
+            let (ja, jb) = (lo.clamp(base, end) - base, (hi + 1).clamp(base, end) - base);
+            mt.fill(f32::NEG_INFINITY);
+            lt.fill(0.0);
+            acc.fill(0.0);
+            if ja < jb {
+                for p in pages.clone() {
+                    fetch(p + FAR_PAGES);
+                    fetch(p + AHEAD);
+                    let at = (p - tp.start) * page_len;
+                    dot::page_scores(&page(p).0[..hd * page_len], page_len, q, &mut s[at..], tile_len, isa);
+                }
+                for (r, &(first, last)) in bounds.iter().enumerate() {
+                    let row = &mut s[r * tile_len..(r + 1) * tile_len];
+                    let (a, b) =
+                        (first.max(base + ja) - base, (last + 1).min(base + jb).saturating_sub(base));
+                    if a >= b {
+                        row[ja..jb].fill(0.0);
+                        continue;
+                    }
+                    mt[r] = dot::scale_max(&mut row[a..b], scale, isa);
+                    lt[r] = dot::exp_sub_sum(&mut row[a..b], mt[r], isa);
+                    row[ja..a].fill(0.0);
+                    row[b..jb].fill(0.0);
+                }
+                for p in pages {
+                    // This page's keys within ja..jb, from the tile's start.
+                    let at = (p - tp.start) * page_len;
+                    let (ka, kb) = (at.max(ja), (at + page_len).min(jb));
+                    if ka < kb {
+                        let values = page(p).1;
+                        dot::page_values(
+                            &s[ka..],
+                            tile_len,
+                            &values[(ka - at) * hd..(kb - at) * hd],
+                            hd,
+                            acc,
+                            isa,
+                        );
+                    }
                 }
             }
-            None => {
-                for (r, o) in out.chunks_exact_mut(hd).enumerate() {
-                    let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
-                    o.iter_mut().for_each(|v| *v *= inv);
+            match &mut out {
+                AttendOut::Rows(o) => {
+                    // The rows' fold factors in one pass of the vector exp (rows whose fold
+                    // takes none get values they do not use).
+                    for (r, ab) in ab.chunks_exact_mut(2).enumerate() {
+                        let mx = m[r].max(mt[r]);
+                        ab.copy_from_slice(&[m[r] - mx, mt[r] - mx]);
+                    }
+                    dot::exp_sub_sum(ab, 0.0, isa);
+                    for (r, o) in o.chunks_exact_mut(hd).enumerate() {
+                        let tile = (mt[r], lt[r], &acc[r * hd..(r + 1) * hd]);
+                        fold_tile((&mut m[r], &mut l[r], o), tile, (ab[2 * r], ab[2 * r + 1]));
+                    }
                 }
+                AttendOut::Tiles { emit, .. } => {
+                    for r in 0..nr {
+                        emit(r, tile, mt[r], lt[r], &acc[r * hd..(r + 1) * hd]);
+                    }
+                }
+            }
+        }
+        if let AttendOut::Rows(o) = out {
+            for (o, &l) in o.chunks_exact_mut(hd).zip(l.iter()) {
+                finish_row(o, l);
             }
         }
     });
 }
 
-/// One row's attention from parts over disjoint key ranges (each from [`attend_tiled`] with
-/// stats): `parts` is `[n, head_dim]` unnormalized sums, `stats` `[n, 2]` their (max, sum).
-/// Each part is rescaled to the overall max, and the total divided by the overall sum.
-pub fn merge_attention_parts(parts: &[f32], stats: &[f32], out: &mut [f32]) {
-    let hd = out.len();
-    assert!(
-        hd > 0 && parts.len().is_multiple_of(hd) && stats.len() == 2 * (parts.len() / hd),
-        "merge: shapes"
-    );
-    let m = stats.chunks_exact(2).map(|v| v[0]).fold(f32::NEG_INFINITY, f32::max);
-    out.fill(0.0);
-    if m == f32::NEG_INFINITY {
+/// [`attend_tiled`]'s working floats per row besides its tile of scores and values.
+const WORK_PER_ROW: usize = 6;
+
+/// Folds a row's tile state (`(max, sum, weighted values)`, see [`AttendOut::Tiles`]) into its
+/// running state: both rescaled to the larger max and added. `(a, b)`: [`dot::exp_sub_sum`]'s
+/// exp (an element-wise function) of the running max and the tile's less the larger, used
+/// only when both are finite. The one fold of both [`attend_tiled`] and [`merge_tiles`], so
+/// that they give the same bits.
+#[inline]
+fn fold_tile(
+    (m, l, acc): (&mut f32, &mut f32, &mut [f32]),
+    (mt, lt, at): (f32, f32, &[f32]),
+    (a, b): (f32, f32),
+) {
+    if mt == f32::NEG_INFINITY {
         return;
     }
-    let mut l = 0.0;
-    for (part, v) in parts.chunks_exact(hd).zip(stats.chunks_exact(2)) {
-        if v[0] == f32::NEG_INFINITY {
-            continue;
-        }
-        let w = (v[0] - m).exp();
-        l += v[1] * w;
-        out.iter_mut().zip(part).for_each(|(o, p)| *o += w * p);
+    if *m == f32::NEG_INFINITY {
+        (*m, *l) = (mt, lt);
+        acc.copy_from_slice(at);
+        return;
     }
-    let inv = 1.0 / l;
-    out.iter_mut().for_each(|o| *o *= inv);
+    *l = *l * a + lt * b;
+    acc.iter_mut().zip(at).for_each(|(x, y)| *x = *x * a + y * b);
+    *m = m.max(mt);
 }
 
-/// Pages per tile of keys in [`attend_tiled`].
-const TILE_PAGES: usize = 8;
+/// A row's running state made its attention: the weighted values over their sum (0 for a row
+/// that saw nothing).
+#[inline]
+fn finish_row(acc: &mut [f32], l: f32) {
+    let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+    acc.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// One row's attention from its tile states in order of position, each from
+/// [`AttendOut::Tiles`] (a row's tiles may come from several calls): `acc` is `[n, head_dim]`
+/// weighted values, `stats` `[n, 2]` their (max, sum). The bits of one [`attend_tiled`] call
+/// over all the row's keys.
+pub fn merge_tiles(acc: &[f32], stats: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    assert!(hd > 0 && acc.len().is_multiple_of(hd) && stats.len() == 2 * (acc.len() / hd), "merge: shapes");
+    let isa = dot::detect();
+    let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
+    out.fill(0.0);
+    for (at, v) in acc.chunks_exact(hd).zip(stats.chunks_exact(2)) {
+        let mx = m.max(v[0]);
+        let mut ab = [m - mx, v[0] - mx];
+        dot::exp_sub_sum(&mut ab, 0.0, isa);
+        fold_tile((&mut m, &mut l, out), (v[0], v[1], at), (ab[0], ab[1]));
+    }
+    finish_row(out, l);
+}
+
+/// Pages per tile of keys in [`attend_tiled`] (the unit its softmax bookkeeping runs on, and on
+/// whose boundaries a row's keys may be split between calls), but for the first
+/// [`TILE_PAGES`] pages, which go in tiles of [`SMALL_TILE_PAGES`]: a decode step of a short
+/// sequence can then still split its keys evenly, and a long one keeps the long tiles. Tiles
+/// of 4 pages throughout made prefill attention over 2000 positions ~12% slower than tiles
+/// of 8 (a timed loop on the 2-core Zen 5 machine, 48 rows of 64), the bookkeeping (a max,
+/// a sum and the fold of each row) running twice as often.
+pub const TILE_PAGES: usize = 8;
+
+/// Pages per tile among the first [`TILE_PAGES`] pages.
+pub const SMALL_TILE_PAGES: usize = 2;
+
+/// The pages of attention tile `t`: tiles of [`SMALL_TILE_PAGES`] pages up to page
+/// [`TILE_PAGES`], then of [`TILE_PAGES`].
+pub fn tile_pages(t: usize) -> std::ops::Range<usize> {
+    const SMALL: usize = TILE_PAGES / SMALL_TILE_PAGES;
+    if t < SMALL {
+        t * SMALL_TILE_PAGES..(t + 1) * SMALL_TILE_PAGES
+    } else {
+        (t + 1 - SMALL) * TILE_PAGES..(t + 2 - SMALL) * TILE_PAGES
+    }
+}
+
+/// The attention tile that holds page `p` ([`tile_pages`]).
+pub fn tile_of(p: usize) -> usize {
+    if p < TILE_PAGES {
+        p / SMALL_TILE_PAGES
+    } else {
+        TILE_PAGES / SMALL_TILE_PAGES - 1 + p / TILE_PAGES
+    }
+}
 
 /// Pages [`attend_tiled`] asks for ahead (and a caller may ask for before it starts, see
 /// `KvPool::prefetch_read`). A decode step's KV pages come from memory: the weights streamed
@@ -238,14 +323,15 @@ const TILE_PAGES: usize = 8;
 pub const FAR_PAGES: usize = 16;
 
 thread_local! {
-    /// Running maxima, sums and one tile of scores for [`attend_tiled`].
+    /// Running and tile maxima and sums, one tile of scores and the tile's weighted values, per
+    /// row, for [`attend_tiled`].
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Sizes the calling thread's [`attend_tiled`] buffer for calls of up to `rows` rows over pages
-/// of `page_len` positions, so that those calls allocate nothing.
-pub fn reserve_attention(rows: usize, page_len: usize) {
-    TILE.with_borrow_mut(|work| crate::grow(work, rows * (2 + TILE_PAGES * page_len)));
+/// Sizes the calling thread's [`attend_tiled`] buffer for calls of up to `rows` rows of
+/// `head_dim` over pages of `page_len` positions, so that those calls allocate nothing.
+pub fn reserve_attention(rows: usize, page_len: usize, head_dim: usize) {
+    TILE.with_borrow_mut(|work| crate::grow(work, rows * (WORK_PER_ROW + TILE_PAGES * page_len + head_dim)));
 }
 
 /// Index and value of the largest element; the lowest index wins a tie. NaN never wins; with
@@ -984,7 +1070,9 @@ mod tests {
     const PAGE: usize = 16;
 
     /// Tiled attention over query rows with causal and windowed bounds, keys in pages out of
-    /// order, equals softmax attention computed in f64 from the same (rounded) keys and values.
+    /// order, equals softmax attention computed in f64 from the same (rounded) keys and values;
+    /// each row alone, and the rows' tile states from three calls over disjoint tiles merged,
+    /// give the same bits as the whole call.
     fn check_tiled<T: dot::Elem + dot::Avx2Load>() {
         for isa in isas() {
             for (hd, n_keys, rows, window) in [
@@ -1022,29 +1110,51 @@ mod tests {
                     })
                     .collect();
                 let mut got = vec![f32::NAN; rows * hd];
-                dot::with_isa(isa, || attend_tiled(&q, &bounds, PAGE, page, scale, &mut got, None));
-                // The same rows in three parts over disjoint page ranges (a part may hold no
-                // keys of a row, or none at all), merged.
-                let cuts = [0, pages / 3, 2 * pages / 3, pages];
-                let (mut parts, mut stats) = (vec![f32::NAN; 3 * rows * hd], vec![f32::NAN; 3 * rows * 2]);
-                for (i, (po, ps)) in
-                    parts.chunks_exact_mut(rows * hd).zip(stats.chunks_exact_mut(rows * 2)).enumerate()
-                {
-                    let (ka, kb) = (cuts[i] * PAGE, cuts[i + 1] * PAGE);
+                dot::with_isa(isa, || {
+                    attend_tiled(&q, &bounds, PAGE, page, scale, AttendOut::Rows(&mut got))
+                });
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                // Each row alone: the same bits as among the others.
+                for (r, b) in bounds.iter().enumerate() {
+                    let mut one = vec![f32::NAN; hd];
+                    let qr = &q[r * hd..(r + 1) * hd];
+                    dot::with_isa(isa, || {
+                        attend_tiled(qr, &[*b], PAGE, page, scale, AttendOut::Rows(&mut one))
+                    });
+                    assert_eq!(bits(&one), bits(&got[r * hd..(r + 1) * hd]), "{isa:?} hd={hd} row {r} alone");
+                }
+                // The same rows in three parts over disjoint ranges of tiles (a part may hold
+                // no keys of a row, or none at all), merged: the same bits as one call.
+                let tiles = tile_of((n_keys - 1) / PAGE) + 1;
+                let cuts = [0, tiles / 3, 2 * tiles / 3, tiles];
+                let (mut acc, mut st) = (vec![f32::NAN; rows * tiles * hd], vec![f32::NAN; rows * tiles * 2]);
+                for w in cuts.windows(2) {
+                    let (ka, kb) =
+                        (tile_pages(w[0]).start * PAGE, (tile_pages(w[1]).start * PAGE).min(n_keys));
                     let clipped: Vec<(usize, usize)> = bounds
                         .iter()
-                        .map(|&(f, l)| if ka == kb { (1, 0) } else { (f.max(ka), l.min(kb - 1)) })
+                        .map(|&(f, l)| if ka >= kb { (1, 0) } else { (f.max(ka), l.min(kb - 1)) })
                         .collect();
-                    dot::with_isa(isa, || attend_tiled(&q, &clipped, PAGE, page, scale, po, Some(ps)));
+                    let mut emit = |r: usize, t: usize, m: f32, l: f32, a: &[f32]| {
+                        acc[(r * tiles + t) * hd..][..hd].copy_from_slice(a);
+                        st[(r * tiles + t) * 2..][..2].copy_from_slice(&[m, l]);
+                    };
+                    let out = AttendOut::Tiles { tiles: w[0]..w[1], emit: &mut emit };
+                    dot::with_isa(isa, || attend_tiled(&q, &clipped, PAGE, page, scale, out));
                 }
                 let mut merged = vec![f32::NAN; rows * hd];
-                for (r, o) in merged.chunks_exact_mut(hd).enumerate() {
-                    let p: Vec<f32> =
-                        (0..3).flat_map(|i| parts[(i * rows + r) * hd..][..hd].to_vec()).collect();
-                    let st: Vec<f32> =
-                        (0..3).flat_map(|i| stats[(i * rows + r) * 2..][..2].to_vec()).collect();
-                    merge_attention_parts(&p, &st, o);
-                }
+                // The merge takes its exp from the same kernels as the call.
+                dot::with_isa(isa, || {
+                    for (r, o) in merged.chunks_exact_mut(hd).enumerate() {
+                        merge_tiles(
+                            &acc[r * tiles * hd..(r + 1) * tiles * hd],
+                            &st[r * tiles * 2..(r + 1) * tiles * 2],
+                            o,
+                        );
+                    }
+                });
+                let differ = bits(&merged).iter().zip(bits(&got)).filter(|(a, b)| **a != *b).count();
+                assert_eq!(differ, 0, "{isa:?} hd={hd}: merged tiles against one call, values that differ");
                 for (r, &(first, last)) in bounds.iter().enumerate() {
                     let s: Vec<f64> = (first..=last)
                         .map(|pos| {
@@ -1060,14 +1170,22 @@ mod tests {
                         let want: f64 = (first..=last).zip(&e).map(|(pos, w)| w / z * value(pos, d)).sum();
                         let g = got[r * hd + d] as f64;
                         assert!((g - want).abs() < 1e-5, "{isa:?} hd={hd} row {r} col {d}: {g} vs {want}");
-                        let g = merged[r * hd + d] as f64;
-                        assert!(
-                            (g - want).abs() < 1e-5,
-                            "{isa:?} merged, hd={hd} row {r} col {d}: {g} vs {want}"
-                        );
                     }
                 }
             }
+        }
+    }
+
+    /// The attention tiles cover the pages in order, without gaps: small ones first.
+    #[test]
+    fn attention_tiles_cover_the_pages() {
+        let mut next = 0;
+        for t in 0..12 {
+            let pages = tile_pages(t);
+            assert_eq!(pages.start, next, "tile {t}");
+            assert_eq!(pages.len(), if pages.start < TILE_PAGES { SMALL_TILE_PAGES } else { TILE_PAGES });
+            assert!(pages.clone().all(|p| tile_of(p) == t), "tile {t}");
+            next = pages.end;
         }
     }
 

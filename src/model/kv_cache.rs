@@ -250,8 +250,8 @@ impl KvPool {
 
     /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer` of
     /// the sequence whose pages are `table`, row `r` seeing positions
-    /// `bounds[r].0 ..= bounds[r].1`; with `stats`, one part of it over those keys. See
-    /// [`kernels::attend_tiled`].
+    /// `bounds[r].0 ..= bounds[r].1`, into `out`: the rows, or their states over some of the
+    /// attention tiles (one part of their keys). See [`kernels::attend_tiled`].
     #[allow(clippy::too_many_arguments)] // which cache (layer, head, sequence), the queries and the output
     pub fn attend(
         &self,
@@ -261,21 +261,20 @@ impl KvPool {
         q: &[f32],
         bounds: &[(usize, usize)],
         scale: f32,
-        out: &mut [f32],
-        stats: Option<&mut [f32]>,
+        out: kernels::AttendOut,
     ) {
         let (hd, pages) = (self.head_dim, self.pages);
         let len = PAGE * hd;
         let at = |p: usize| block(pages, hd, kv, table[p] as usize);
         match &self.data {
             Data::F32(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, stats)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out)
             }
             Data::F16(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, stats)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out)
             }
             Data::BF16(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, stats)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out)
             }
         }
     }

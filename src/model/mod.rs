@@ -15,7 +15,7 @@ use crate::comm::Comm;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::grid::ShardPlan;
-use crate::kernels::{self, Region, SharedSlice, Team};
+use crate::kernels::{self, AttendOut, Region, SharedSlice, Team};
 use crate::kernels::{PackedMat, Quant};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::{DType, Mat, Source};
@@ -44,6 +44,38 @@ const QUERY_BLOCK: usize = 16;
 /// Most parts one row's keys are split into when a step has too few (KV head, block) items
 /// to keep every kernel thread busy.
 const MAX_PARTS: usize = 8;
+
+/// The pages the queries of block `(t0, nt)` of `tokens` see: (first page, count).
+fn key_pages(tokens: &[(usize, usize)], window: Option<usize>, (t0, nt): (usize, usize)) -> (usize, usize) {
+    let (pos0, last) = (tokens[t0].1, tokens[t0 + nt - 1].1);
+    let lo = window.map_or(0, |w| (pos0 + 1).saturating_sub(w)) / PAGE;
+    (lo, last / PAGE + 1 - lo)
+}
+
+/// The attention tiles (fixed by position, [`kernels::tile_pages`]) that the queries of block
+/// `(t0, nt)` of `tokens` see.
+fn key_tiles(tokens: &[(usize, usize)], window: Option<usize>, b: (usize, usize)) -> std::ops::Range<usize> {
+    let (lo, np) = key_pages(tokens, window, b);
+    kernels::tile_of(lo)..kernels::tile_of(lo + np - 1) + 1
+}
+
+/// One attention item of a step: a local KV head, a block of a span's positions and a part of
+/// the keys its rows see.
+struct AttItem {
+    /// Index into the step's blocks, with the block's first token and count.
+    block: usize,
+    t0: usize,
+    nt: usize,
+    kvl: usize,
+    part: usize,
+    parts: usize,
+    /// The block's tiles, and the part's share of them (whole tiles).
+    tiles: std::ops::Range<usize>,
+    mine: std::ops::Range<usize>,
+    /// Positions whose keys the item reads: those of its tiles that the block's rows see
+    /// (empty for a part with none).
+    keys: std::ops::Range<usize>,
+}
 
 /// Steps of at most this many tokens (decode) ask for the KV lines they will write before the
 /// QKV product, so those lines arrive while it streams its weights.
@@ -98,25 +130,23 @@ fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32]) {
     x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
 }
 
-/// A tile's query rows, its output rows, each row's key bounds and (for a part) each row's
-/// softmax max and sum.
-type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>, Vec<f32>);
+/// An attention item's query rows, its output rows and each row's key bounds.
+type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>);
 
 thread_local! {
     static QROWS: std::cell::RefCell<TileRows> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Sizes the calling thread's buffers for attention items of up to `rows` query rows of `hd`
 /// and for many-token products (widened weight panels, running sums).
 fn reserve_thread_buffers(rows: usize, hd: usize) {
-    QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
+    QROWS.with_borrow_mut(|(q, o, bounds)| {
         crate::grow(q, rows * hd);
         crate::grow(o, rows * hd);
         crate::grow(bounds, rows);
-        crate::grow(stats, 2 * rows);
     });
-    kernels::reserve_attention(rows, PAGE);
+    kernels::reserve_attention(rows, PAGE, hd);
     kernels::packed::reserve_thread_buffers();
 }
 
@@ -391,15 +421,34 @@ impl Shard {
             let g = kv0 + kvl;
             (g * group).max(q0) - q0..((g + 1) * group).min(q0 + nq) - q0
         };
-        // Decode steps (one token per block) with fewer (KV head, block) items than twice
-        // the kernel threads split each row's keys into parts, so every thread has work
-        // (one KV head per rank under tensor parallelism would otherwise run on one thread).
-        let items = nkv * s.blocks.len();
-        let parts = if s.blocks.iter().all(|b| b.1 == 1) && items < 2 * team.threads() {
-            (2 * team.threads()).div_ceil(items).min(MAX_PARTS)
-        } else {
-            1
-        };
+        let window = cfg.sliding_window;
+        // Decode steps (one token per block) with fewer (KV head, block) items than twice the
+        // kernel threads split each row's keys into parts, on the attention tiles'
+        // boundaries, so every thread has work (one KV head per rank under tensor parallelism
+        // would otherwise run on one thread). A split row's tiles are merged as one pass over
+        // them folds them, so its bits are the same split or not.
+        let few = nkv * s.blocks.len() < 2 * team.threads() && s.blocks.iter().all(|b| b.1 == 1);
+        let parts = if few { (2 * team.threads()).div_ceil(nkv * s.blocks.len()).min(MAX_PARTS) } else { 1 };
+        // Each block's first item and first stored tile state (`splits`, one entry more than
+        // blocks): a block has an item per (local KV head, part of its keys), and a split
+        // block (one query) stores a state per (local query head, tile).
+        s.splits.clear();
+        let (mut n_items, mut n_slots, mut n_split, mut room) = (0, 0, 0, 0);
+        for &b in &s.blocks {
+            let tiles = key_tiles(&s.tokens, window, b).len();
+            let parts = parts.min(tiles);
+            s.splits.push((n_items, n_slots));
+            n_items += nkv * parts;
+            if parts > 1 {
+                n_slots += nq * tiles;
+                n_split += 1;
+                // Room for every tile the sequence can reach (its page table holds its whole
+                // length), so that its later steps allocate nothing as it grows.
+                let pages = tables[s.tokens[b.0].0].len();
+                room += nq * tiles.max(kernels::tile_of(pages.max(1) - 1) + 1);
+            }
+        }
+        s.splits.push((n_items, n_slots));
         // Every kernel thread's buffers are sized for the largest attention item before the
         // first step runs, not grown by the items a thread happens to take: otherwise a thread
         // that took only short items so far allocates in a later step.
@@ -408,32 +457,39 @@ impl Shard {
             team.run(&|_| reserve_thread_buffers(item_rows, hd));
             s.thread_rows = item_rows;
         }
-        // Parts are stored only when a step splits; otherwise rows go straight to `att`.
-        let stored = if parts > 1 { parts } else { 0 };
-        s.ensure_parts(stored, n, self);
+        // Tile states are stored only for split blocks; other rows go straight to `att`.
+        s.ensure_parts(room, self);
         // Each thread's own buffers: its copy of the residual stream and of its norm, of the
-        // merged attention rows of a split step, and of the activations of a short one; each
-        // thread's on cache lines of its own.
+        // attention rows of a short step with split blocks (merged on every thread), and of
+        // the activations of a short one; each thread's on cache lines of its own.
         let replicate = n <= REPLICATE_TOKENS;
-        let att_own_len = if parts > 1 { n * nq * hd } else { 0 };
+        let att_own_len = if replicate && n_split > 0 { n * nq * hd } else { 0 };
         let act_own_len = if replicate { n * ffl } else { 0 };
         let own_len = (2 * n * h + att_own_len + act_own_len).next_multiple_of(16);
         crate::grow(&mut s.own, team.threads() * own_len);
-        let window = cfg.sliding_window;
-        let n_items = nkv * s.blocks.len() * parts;
-        let Scratch { tokens, blocks, cos, sin, qkv, att, o, gu, act, part_out, part_stats, own, .. } = s;
-        let (tokens, blocks, cos, sin) = (&*tokens, &*blocks, &*cos, &*sin);
-        // Item `i`: its part, local KV head, block (first token, count) and the positions
-        // whose keys it reads: its part's share of the pages the block's rows see, whole
-        // pages each (empty for a part with none).
+        let Scratch {
+            tokens, blocks, splits, cos, sin, qkv, att, o, gu, act, part_out, part_stats, own, ..
+        } = s;
+        let (tokens, blocks, splits, cos, sin) = (&*tokens, &*blocks, &*splits, &*cos, &*sin);
+        // Item `i`: a block's items are its local KV heads' parts, in that order.
         let item = |i: usize| {
-            let (part, i) = (i % parts, i / parts);
-            let (kvl, (t0, nt)) = (i % nkv, blocks[i / nkv]);
-            let (pos0, last) = (tokens[t0].1, tokens[t0 + nt - 1].1);
-            let lo = window.map_or(0, |w| (pos0 + 1).saturating_sub(w)) / PAGE;
-            let np = last / PAGE + 1 - lo;
-            let (ka, kb) = (lo + part * np / parts, lo + (part + 1) * np / parts);
-            (part, kvl, (t0, nt), ka * PAGE..(kb * PAGE).min(last + 1))
+            let block = splits.partition_point(|sp| sp.0 <= i) - 1;
+            let (first, (t0, nt)) = (splits[block].0, blocks[block]);
+            let parts = (splits[block + 1].0 - first) / nkv;
+            let (kvl, part) = ((i - first) / parts, (i - first) % parts);
+            let tiles = key_tiles(tokens, window, (t0, nt));
+            // Parts begin at the tiles holding the even shares' first pages.
+            let (lo, np) = key_pages(tokens, window, (t0, nt));
+            let cut = |p: usize| if p == parts { tiles.end } else { kernels::tile_of(lo + p * np / parts) };
+            let mine = cut(part)..cut(part + 1);
+            let keys = if mine.is_empty() {
+                0..0
+            } else {
+                let pages =
+                    kernels::tile_pages(mine.start).start.max(lo)..kernels::tile_pages(mine.end - 1).end;
+                pages.start * PAGE..(pages.end * PAGE).min(tokens[t0 + nt - 1].1 + 1)
+            };
+            AttItem { block, t0, nt, kvl, part, parts, tiles, mine, keys }
         };
         // Decode steps (every span one token, of distinct sequences) leave the bias, RoPE and
         // the write of each new key and value to the attention items: an item's block is one
@@ -459,8 +515,8 @@ impl Shard {
         let o = SharedSlice::new(&mut o[..n * h]);
         let gu = SharedSlice::new(&mut gu[..n * 2 * ffl]);
         let act = SharedSlice::new(&mut act[..n * ffl]);
-        let part_out = SharedSlice::new(&mut part_out[..stored * n * nq * hd]);
-        let part_stats = SharedSlice::new(&mut part_stats[..stored * n * nq * 2]);
+        let part_out = SharedSlice::new(&mut part_out[..n_slots * hd]);
+        let part_stats = SharedSlice::new(&mut part_stats[..n_slots * 2]);
         let own = SharedSlice::new(&mut own[..team.threads() * own_len]);
         let kv = KvAccess(kv);
         let comm = MainThread(comm);
@@ -491,10 +547,10 @@ impl Shard {
                     if fold {
                         // The heads whose new position this thread will likely write: those of
                         // the last parts in its first share of the items.
-                        for (part, kvl, (t0, _), _) in r.share(n_items).map(item) {
-                            if part == parts - 1 {
-                                let (seq, pos) = tokens[t0];
-                                kv.prefetch_write_heads(li, &tables[seq], pos, kvl..kvl + 1);
+                        for it in r.share(n_items).map(item) {
+                            if it.part == it.parts - 1 {
+                                let (seq, pos) = tokens[it.t0];
+                                kv.prefetch_write_heads(li, &tables[seq], pos, it.kvl..it.kvl + 1);
                             }
                         }
                     } else if tid == 0 {
@@ -509,7 +565,7 @@ impl Shard {
                     // the 2-core Zen 5 machine the page kernels' profile share fell from ~4.6%
                     // to ~3.4% of the layer products' with this (SmolLM2, batch 1).
                     let mut budget = kernels::FAR_PAGES * PAGE;
-                    for (_, kvl, (t0, _), keys) in r.share(n_items).map(item) {
+                    for AttItem { kvl, t0, keys, .. } in r.share(n_items).map(item) {
                         let end = keys.end.min(keys.start + budget);
                         if end > keys.start {
                             kv.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, end - 1);
@@ -553,16 +609,17 @@ impl Shard {
                         // Ask for the pages of the next item while this one computes: with
                         // short items (decode) the pages of one come from memory in less time
                         // than its own prefetches can cover.
-                        if let Some((_, kvl, (t0, _), keys)) = Some(i + 1).filter(|&i| i < n_items).map(item)
+                        if let Some(AttItem { kvl, t0, keys, .. }) =
+                            Some(i + 1).filter(|&i| i < n_items).map(item)
                         {
                             if !keys.is_empty() {
                                 kv_r.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, keys.end - 1);
                             }
                         }
-                        let (part, kvl, (t0, nt), keys) = item(i);
+                        let AttItem { block, t0, nt, kvl, part, parts, tiles, mine, keys } = item(i);
                         let heads = q_heads_of_kv(kvl);
                         let seq = tokens[t0].0;
-                        QROWS.with_borrow_mut(|(q, o, bounds, stats)| {
+                        QROWS.with_borrow_mut(|(q, o, bounds)| {
                             q.clear();
                             bounds.clear();
                             // Where row `t`'s vector `j` (of q, then k, then v heads) begins.
@@ -591,62 +648,83 @@ impl Shard {
                                 // of this sequence (other parts read earlier pages only).
                                 unsafe { kv_r.write_head(li, &tables[seq], tokens[t0].1, kvl, ko, vo) };
                             }
-                            o.resize(q.len(), 0.0);
-                            let split = parts > 1;
-                            if split {
-                                // Rows see only this part's keys (their bounds lie within the
-                                // block's).
-                                for b in bounds.iter_mut() {
-                                    *b = if keys.is_empty() {
-                                        (1, 0)
-                                    } else {
-                                        (b.0.max(keys.start), b.1.min(keys.end - 1))
-                                    };
-                                }
-                                stats.resize(2 * bounds.len(), 0.0);
-                            }
-                            kv_r.attend(
-                                li,
-                                kvl,
-                                &tables[seq],
-                                q,
-                                bounds,
-                                scale,
-                                o,
-                                split.then_some(&mut stats[..]),
-                            );
-                            for (i, row) in o.chunks_exact(hd).enumerate() {
-                                let dst = (t0 + i % nt) * nq + heads.start + i / nt;
-                                // SAFETY: (token, head) rows, and their parts, are disjoint
-                                // between items.
-                                if split {
-                                    let at = dst * parts + part;
-                                    unsafe { part_out.range(at * hd, hd) }.copy_from_slice(row);
-                                    unsafe { part_stats.range(at * 2, 2) }
-                                        .copy_from_slice(&stats[2 * i..2 * i + 2]);
-                                } else {
+                            if parts == 1 {
+                                o.resize(q.len(), 0.0);
+                                kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, AttendOut::Rows(o));
+                                for (i, row) in o.chunks_exact(hd).enumerate() {
+                                    let dst = (t0 + i % nt) * nq + heads.start + i / nt;
+                                    // SAFETY: (token, head) rows are disjoint between items.
                                     unsafe { att.range(dst * hd, hd) }.copy_from_slice(row);
                                 }
+                                return;
                             }
+                            // Rows see only this part's keys (their bounds lie within the
+                            // block's), and leave a state per tile of the part. A split block
+                            // is one token: row `r` is head `heads.start + r`.
+                            for b in bounds.iter_mut() {
+                                *b = if keys.is_empty() {
+                                    (1, 0)
+                                } else {
+                                    (b.0.max(keys.start), b.1.min(keys.end - 1))
+                                };
+                            }
+                            let slot0 = splits[block].1;
+                            let mut emit = |r: usize, tile: usize, m: f32, l: f32, acc: &[f32]| {
+                                let at = slot0 + (heads.start + r) * tiles.len() + tile - tiles.start;
+                                // SAFETY: (head, tile) states of a block are disjoint between
+                                // items (each takes its own tiles of its own heads).
+                                unsafe { part_out.range(at * hd, hd) }.copy_from_slice(acc);
+                                unsafe { part_stats.range(at * 2, 2) }.copy_from_slice(&[m, l]);
+                            };
+                            let out = AttendOut::Tiles { tiles: mine.clone(), emit: &mut emit };
+                            kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, out);
                         });
                     }
                 });
-                let att_in: &[f32] = if parts > 1 {
-                    // Few rows (decode): every thread merges them all into its own copy.
-                    let rows = n * nq;
+                // Block `b`'s rows merged from their tile states into `out` (its `nt * nq`
+                // rows), if it is split; returns whether it was.
+                let merge = |b: usize, out: &mut [f32]| {
+                    let ((_, slot), (_, end)) = (splits[b], splits[b + 1]);
+                    if end == slot {
+                        return false;
+                    }
+                    let tiles = (end - slot) / nq;
+                    // SAFETY: the states were written before the barrier that ended attention.
                     let (po, ps) = unsafe {
-                        (&*part_out.range(0, rows * parts * hd), &*part_stats.range(0, rows * parts * 2))
+                        (
+                            &*part_out.range(slot * hd, (end - slot) * hd),
+                            &*part_stats.range(slot * 2, (end - slot) * 2),
+                        )
                     };
-                    for (row, out) in att_own.chunks_exact_mut(hd).enumerate() {
-                        let at = row * parts;
-                        kernels::merge_attention_parts(
-                            &po[at * hd..(at + parts) * hd],
-                            &ps[at * 2..(at + parts) * 2],
-                            out,
-                        );
+                    for ((out, po), ps) in out
+                        .chunks_exact_mut(hd)
+                        .zip(po.chunks_exact(tiles * hd))
+                        .zip(ps.chunks_exact(tiles * 2))
+                    {
+                        kernels::merge_tiles(po, ps, out);
+                    }
+                    true
+                };
+                let att_in: &[f32] = if n_split == 0 {
+                    unsafe { &*att.range(0, n * nq * hd) }
+                } else if replicate {
+                    // Few rows (decode): every thread merges the split rows into its own copy,
+                    // and copies the others, without a barrier.
+                    for (b, &(t0, nt)) in blocks.iter().enumerate() {
+                        let rows = t0 * nq * hd..(t0 + nt) * nq * hd;
+                        if !merge(b, &mut att_own[rows.clone()]) {
+                            att_own[rows.clone()]
+                                .copy_from_slice(unsafe { att.range(rows.start, rows.len()) });
+                        }
                     }
                     att_own
                 } else {
+                    for b in r.share(blocks.len()) {
+                        let (t0, nt) = blocks[b];
+                        // SAFETY: blocks' rows are disjoint, and only this thread merges block `b`.
+                        merge(b, unsafe { att.range(t0 * nq * hd, nt * nq * hd) });
+                    }
+                    r.barrier();
                     unsafe { &*att.range(0, n * nq * hd) }
                 };
                 kernels::matmul(r, &l.o_proj, att_in, n, unsafe { o.range(0, n * h) });
@@ -722,6 +800,8 @@ pub struct Scratch {
     tokens: Vec<(usize, usize)>,
     /// (first token, count) of each block of consecutive positions of one span.
     blocks: Vec<(usize, usize)>,
+    /// (first attention item, first stored tile state) of each block, and the totals.
+    splits: Vec<(usize, usize)>,
     tok_cap: usize,
     xn: Vec<f32>,
     qkv: Vec<f32>,
@@ -731,8 +811,9 @@ pub struct Scratch {
     act: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
-    /// Attention parts of a split step, a row's parts side by side:
-    /// `[token, head, part, head_dim]` and `[token, head, part, 2]` (softmax max and sum).
+    /// Attention tile states of the split blocks (one token each), a row's tiles side by side:
+    /// `[block, head, tile, head_dim]` weighted values and `[block, head, tile, 2]` (max and
+    /// sum, [`kernels::AttendOut::Tiles`]).
     part_out: Vec<f32>,
     part_stats: Vec<f32>,
     /// Query rows per attention item that every kernel thread's buffers are sized for
@@ -754,6 +835,7 @@ impl Scratch {
         self.tok_cap = n;
         self.tokens = Vec::with_capacity(n);
         self.blocks = Vec::with_capacity(n);
+        self.splits = Vec::with_capacity(n + 1);
         self.xn = vec![0.0; n * cfg.hidden_size];
         self.qkv = vec![0.0; n * (nq + 2 * nkv) * hd];
         self.att = vec![0.0; n * nq * hd];
@@ -764,11 +846,10 @@ impl Scratch {
         self.sin = vec![0.0; n * hd / 2];
     }
 
-    /// Room for `parts` attention parts of `n` tokens (grows only).
-    fn ensure_parts(&mut self, parts: usize, n: usize, m: &Shard) {
-        let (nq, hd) = (m.plan.q_heads.len(), m.cfg.head_dim);
-        crate::grow(&mut self.part_out, parts * n * nq * hd);
-        crate::grow(&mut self.part_stats, parts * n * nq * 2);
+    /// Room for `rows` stored attention tile states (grows only).
+    fn ensure_parts(&mut self, rows: usize, m: &Shard) {
+        crate::grow(&mut self.part_out, rows * m.cfg.head_dim);
+        crate::grow(&mut self.part_stats, rows * 2);
     }
 }
 
@@ -777,50 +858,62 @@ mod tests {
     use super::*;
     use crate::comm::Single;
     use crate::grid::Grid;
-    use crate::model::kv_cache::KvPool;
     use crate::weights::synthetic::{self, Synthetic};
 
-    /// A sequence's decode step gives the same hidden state, bit for bit, alone and beside
-    /// another sequence's prompt chunk (which sends the step's products through the
-    /// many-token path's column blocks and tiles), with rows wider than one column block (the
-    /// down product's 4100 columns), on two kernel threads, for float and int8 weights.
+    /// A sequence's decode step gives the same hidden state, bit for bit, alone, in a batch of
+    /// other sequences' decode tokens and beside another sequence's prompt chunk (which sends
+    /// the step's products through the many-token path's column blocks and tiles), on one, two
+    /// or three kernel threads, for float and int8 weights. The model has one KV head, so its
+    /// keys (six attention tiles) are split into two, four or six parts alone on one, two or
+    /// three threads, into two in the batch on two or three, and not at all beside the prompt;
+    /// and rows wider than one column block (the down product's 4100 columns).
     #[test]
-    fn a_decode_token_is_the_same_beside_a_prompt_chunk() {
+    fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
-        // Four KV heads: a lone decode token's step then has as many attention items as
-        // twice the threads, so its keys are not split into parts (which merge in another
-        // order).
-        (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (64, 16, 4, 4);
+        (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (64, 16, 4, 1);
         (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (4100, 2, 300);
-        let team = Team::new(2).unwrap();
         let plan = ShardPlan::new(&cfg, &Grid::new(1, 1, 0, 1).unwrap(), None).unwrap();
         let h = cfg.hidden_size;
+        // Seq 0's prompt of 290 tokens (its next token sees 19 pages: tiles of pages 0–1, 2–3,
+        // 4–5, 6–7, 8–15 and 16–18), seq 1's of 20 and seq 2's of 3; seq 3 is a new prompt.
+        let tables: Vec<Vec<u32>> = vec![(0..19).collect(), vec![19, 20], vec![21], vec![22, 23]];
+        let span = |seq, pos0, len| Span { seq, pos0, len, emit: true };
+        let prompt =
+            |len: usize, from: u32| -> Vec<u32> { (0..len as u32).map(|i| (from + 7 * i) % 300).collect() };
         for (dtype, quant) in [(DType::BF16, None), (DType::F32, None), (DType::F16, Some(Quant::Int8))] {
             let shard =
                 Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg.clone(), plan.clone(), quant).unwrap();
-            // Seq 0's prompt of 5 tokens, then its next token, alone or beside seq 1's first
-            // 20 prompt tokens; seq 0's hidden state after that step.
-            let run = |beside: bool| -> Vec<u32> {
-                let mut kv = shard.new_kv_pool(8, DType::F16);
-                let tables = vec![vec![0u32, 1], vec![2, 3, 4]];
+            // Seq 0's hidden state after its decode step at position 290, in a step of `spans`
+            // (tokens `toks`, seq 0's at `at`).
+            let run = |threads: usize, spans: &[Span], toks: &[u32], at: usize| -> Vec<u32> {
+                let team = Team::new(threads).unwrap();
+                let mut kv = shard.new_kv_pool(24, DType::F16);
                 let mut s = Scratch::default();
-                let step = |kv: &mut KvPool, s: &mut Scratch, spans: &[Span], tokens: &[u32]| {
+                let mut step = |spans: &[Span], tokens: &[u32]| {
                     let mut x = vec![0.0f32; tokens.len() * h];
                     shard.embed(tokens, &mut x, &Single);
-                    shard.forward(&mut x, spans, kv, &tables, s, &Single, &team);
+                    shard.forward(&mut x, spans, &mut kv, &tables, &mut s, &Single, &team);
                     x
                 };
-                let span = |seq, pos0, len| Span { seq, pos0, len, emit: true };
-                step(&mut kv, &mut s, &[span(0, 0, 5)], &[11, 12, 13, 14, 15]);
-                let x = if beside {
-                    let tokens: Vec<u32> = std::iter::once(16).chain(100..120).collect();
-                    step(&mut kv, &mut s, &[span(0, 5, 1), span(1, 0, 20)], &tokens)
-                } else {
-                    step(&mut kv, &mut s, &[span(0, 5, 1)], &[16])
-                };
-                x[..h].iter().map(|v| v.to_bits()).collect()
+                step(&[span(0, 0, 290)], &prompt(290, 11));
+                step(&[span(1, 0, 20)], &prompt(20, 5));
+                step(&[span(2, 0, 3)], &prompt(3, 2));
+                let x = step(spans, toks);
+                x[at * h..(at + 1) * h].iter().map(|v| v.to_bits()).collect()
             };
-            assert_eq!(run(false), run(true), "{dtype:?} {quant:?}");
+            let alone = run(1, &[span(0, 290, 1)], &[16], 0);
+            for threads in 1..=3 {
+                let name = format!("{dtype:?} {quant:?} {threads} threads");
+                assert_eq!(run(threads, &[span(0, 290, 1)], &[16], 0), alone, "alone, {name}");
+                let batch = [span(1, 20, 1), span(0, 290, 1), span(2, 3, 1)];
+                assert_eq!(run(threads, &batch, &[40, 16, 41], 1), alone, "in a batch, {name}");
+                let beside: Vec<u32> = std::iter::once(16).chain(prompt(20, 100)).collect();
+                assert_eq!(
+                    run(threads, &[span(0, 290, 1), span(3, 0, 20)], &beside, 0),
+                    alone,
+                    "beside a prompt, {name}"
+                );
+            }
         }
     }
 
