@@ -266,14 +266,25 @@ pub fn merge_tiles(acc: &[f32], stats: &[f32], out: &mut [f32]) {
     let hd = out.len();
     assert!(hd > 0 && acc.len().is_multiple_of(hd) && stats.len() == 2 * (acc.len() / hd), "merge: shapes");
     let isa = dot::detect();
-    let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
     out.fill(0.0);
-    for (at, v) in acc.chunks_exact(hd).zip(stats.chunks_exact(2)) {
-        let mx = m.max(v[0]);
-        let mut ab = [m - mx, v[0] - mx];
-        dot::exp_sub_sum(&mut ab, 0.0, isa);
-        fold_tile((&mut m, &mut l, out), (v[0], v[1], at), (ab[0], ab[1]));
-    }
+    // Every tile's fold factors in one pass of the vector exp (the running max before and
+    // after each tile follows from the tiles' maxima alone), in [`attend_tiled`]'s buffer.
+    let l = TILE.with_borrow_mut(|ab| {
+        crate::grow(ab, stats.len());
+        let ab = &mut ab[..stats.len()];
+        let mut m = f32::NEG_INFINITY;
+        for (f, v) in ab.chunks_exact_mut(2).zip(stats.chunks_exact(2)) {
+            let mx = m.max(v[0]);
+            f.copy_from_slice(&[m - mx, v[0] - mx]);
+            m = mx;
+        }
+        dot::exp_sub_sum(ab, 0.0, isa);
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
+        for ((at, v), f) in acc.chunks_exact(hd).zip(stats.chunks_exact(2)).zip(ab.chunks_exact(2)) {
+            fold_tile((&mut m, &mut l, out), (v[0], v[1], at), (f[0], f[1]));
+        }
+        l
+    });
     finish_row(out, l);
 }
 
