@@ -865,8 +865,9 @@ mod tests {
     /// the step's products through the many-token path's column blocks and tiles), on one, two
     /// or three kernel threads, for float and int8 weights. The model has one KV head, so its
     /// keys (six attention tiles) are split into two, four or six parts alone on one, two or
-    /// three threads, into two in the batch on two or three, and not at all beside the prompt;
-    /// and rows wider than one column block (the down product's 4100 columns).
+    /// three threads, into two in the batch on two or three, and not at all beside the prompt
+    /// (with a sliding window, into two); and rows wider than one column block (the down
+    /// product's 4100 columns).
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
@@ -880,9 +881,13 @@ mod tests {
         let span = |seq, pos0, len| Span { seq, pos0, len, emit: true };
         let prompt =
             |len: usize, from: u32| -> Vec<u32> { (0..len as u32).map(|i| (from + 7 * i) % 300).collect() };
-        for (dtype, quant) in [(DType::BF16, None), (DType::F32, None), (DType::F16, Some(Quant::Int8))] {
-            let shard =
-                Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg.clone(), plan.clone(), quant).unwrap();
+        // Bf16, f32 and int8 weights; and bf16 with a sliding window of 100 positions (seq 0's
+        // token then sees pages 11–18: tiles 8–15 and 16–23).
+        let cases =
+            [(DType::BF16, None, None), (DType::F32, None, None), (DType::F16, Some(Quant::Int8), None)];
+        for (dtype, quant, window) in cases.into_iter().chain([(DType::BF16, None, Some(100))]) {
+            let cfg = ModelConfig { sliding_window: window, ..cfg.clone() };
+            let shard = Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg, plan.clone(), quant).unwrap();
             // Seq 0's hidden state after its decode step at position 290, in a step of `spans`
             // (tokens `toks`, seq 0's at `at`).
             let run = |threads: usize, spans: &[Span], toks: &[u32], at: usize| -> Vec<u32> {
@@ -903,7 +908,7 @@ mod tests {
             };
             let alone = run(1, &[span(0, 290, 1)], &[16], 0);
             for threads in 1..=3 {
-                let name = format!("{dtype:?} {quant:?} {threads} threads");
+                let name = format!("{dtype:?} {quant:?} window {window:?}, {threads} threads");
                 assert_eq!(run(threads, &[span(0, 290, 1)], &[16], 0), alone, "alone, {name}");
                 let batch = [span(1, 20, 1), span(0, 290, 1), span(2, 3, 1)];
                 assert_eq!(run(threads, &batch, &[40, 16, 41], 1), alone, "in a batch, {name}");
