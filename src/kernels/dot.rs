@@ -527,6 +527,80 @@ pub fn scale_max(s: &mut [f32], scale: f32, isa: Isa) -> f32 {
     }
 }
 
+/// Each of `max.len()` rows of scores (`stride` apart in `s`) through [`scale_max`] and then
+/// [`exp_sub_sum`] over the keys `keys(r)` it sees (from the row's start), with the rest of
+/// `clear` zeroed (the whole of it for a row that sees none of them, whose max and sum are left
+/// alone): the same bits as those calls row by row, in one call.
+#[allow(clippy::too_many_arguments)] // the rows, their keys and what they give
+pub fn softmax_rows(
+    s: &mut [f32],
+    stride: usize,
+    keys: impl Fn(usize) -> std::ops::Range<usize>,
+    clear: std::ops::Range<usize>,
+    scale: f32,
+    max: &mut [f32],
+    sum: &mut [f32],
+    isa: Isa,
+) {
+    assert!(sum.len() == max.len() && s.len() >= max.len() * stride, "softmax_rows: shapes");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+            avx2::softmax_rows(s, stride, keys, clear, scale, max, sum)
+        },
+        _ => softmax_rows_with(
+            s,
+            stride,
+            keys,
+            clear,
+            max,
+            sum,
+            |v| scale_max(v, scale, isa),
+            |v, m| exp_sub_sum(v, m, isa),
+        ),
+    }
+}
+
+/// [`softmax_rows`] with the two row kernels given.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)] // as softmax_rows
+fn softmax_rows_with(
+    s: &mut [f32],
+    stride: usize,
+    keys: impl Fn(usize) -> std::ops::Range<usize>,
+    clear: std::ops::Range<usize>,
+    max: &mut [f32],
+    sum: &mut [f32],
+    scale_max: impl Fn(&mut [f32]) -> f32,
+    exp_sub_sum: impl Fn(&mut [f32], f32) -> f32,
+) {
+    for (r, (m, l)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
+        let row = &mut s[r * stride..(r + 1) * stride];
+        let k = keys(r);
+        if k.start >= k.end {
+            row[clear.clone()].fill(0.0);
+            continue;
+        }
+        *m = scale_max(&mut row[k.clone()]);
+        *l = exp_sub_sum(&mut row[k.clone()], *m);
+        row[clear.start..k.start].fill(0.0);
+        row[k.end..clear.end].fill(0.0);
+    }
+}
+
+/// `x[i] = x[i] · a + y[i] · b`, each product rounded and then their sum (no fused
+/// multiply-add), so every path gives the same bits.
+pub fn scale_add(x: &mut [f32], a: f32, y: &[f32], b: f32, isa: Isa) {
+    assert_eq!(x.len(), y.len(), "scale_add: lengths");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::scale_add(x, a, y, b) },
+        _ => x.iter_mut().zip(y).for_each(|(x, y)| *x = *x * a + y * b),
+    }
+}
+
 /// `s[i] = exp(s[i] − m)`; returns the sum of the results. The SIMD path's exp is a
 /// polynomial within 2 ulp of the true value (inputs below −87.3 give ≈1e-38, not 0).
 pub fn exp_sub_sum(s: &mut [f32], m: f32, isa: Isa) -> f32 {
@@ -900,6 +974,52 @@ mod avx2 {
             m = m.max(*v);
         }
         m
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `x.len() == y.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scale_add(x: &mut [f32], a: f32, y: &[f32], b: f32) {
+        let (n, px, py) = (x.len(), x.as_mut_ptr(), y.as_ptr());
+        let (av, bv) = (_mm256_set1_ps(a), _mm256_set1_ps(b));
+        let mut c = 0;
+        while c + 8 <= n {
+            let v = _mm256_add_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(px.add(c)), av),
+                _mm256_mul_ps(_mm256_loadu_ps(py.add(c)), bv),
+            );
+            _mm256_storeu_ps(px.add(c), v);
+            c += 8;
+        }
+        for (x, y) in x[c..].iter_mut().zip(&y[c..]) {
+            *x = *x * a + y * b;
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; as [`super::softmax_rows`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)] // as softmax_rows
+    pub unsafe fn softmax_rows(
+        s: &mut [f32],
+        stride: usize,
+        keys: impl Fn(usize) -> std::ops::Range<usize>,
+        clear: std::ops::Range<usize>,
+        scale: f32,
+        max: &mut [f32],
+        sum: &mut [f32],
+    ) {
+        // SAFETY (both): this function has the kernels' features.
+        super::softmax_rows_with(
+            s,
+            stride,
+            keys,
+            clear,
+            max,
+            sum,
+            |v| unsafe { scale_max(v, scale) },
+            |v, m| unsafe { exp_sub_sum(v, m) },
+        )
     }
 
     /// # Safety

@@ -164,19 +164,12 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                     let at = (p - tp.start) * page_len;
                     dot::page_scores(&page(p).0[..hd * page_len], page_len, q, &mut s[at..], tile_len, isa);
                 }
-                for (r, &(first, last)) in bounds.iter().enumerate() {
-                    let row = &mut s[r * tile_len..(r + 1) * tile_len];
-                    let (a, b) =
-                        (first.max(base + ja) - base, (last + 1).min(base + jb).saturating_sub(base));
-                    if a >= b {
-                        row[ja..jb].fill(0.0);
-                        continue;
-                    }
-                    mt[r] = dot::scale_max(&mut row[a..b], scale, isa);
-                    lt[r] = dot::exp_sub_sum(&mut row[a..b], mt[r], isa);
-                    row[ja..a].fill(0.0);
-                    row[b..jb].fill(0.0);
-                }
+                // Each row's keys in the tile (from its start).
+                let keys = |r: usize| {
+                    let (first, last) = bounds[r];
+                    first.max(base + ja) - base..(last + 1).min(base + jb).saturating_sub(base)
+                };
+                dot::softmax_rows(s, tile_len, keys, ja..jb, scale, mt, lt, isa);
                 for p in pages {
                     // This page's keys within ja..jb, from the tile's start.
                     let at = (p - tp.start) * page_len;
@@ -205,7 +198,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                     dot::exp_sub_sum(ab, 0.0, isa);
                     for (r, o) in o.chunks_exact_mut(hd).enumerate() {
                         let tile = (mt[r], lt[r], &acc[r * hd..(r + 1) * hd]);
-                        fold_tile((&mut m[r], &mut l[r], o), tile, (ab[2 * r], ab[2 * r + 1]));
+                        fold_tile((&mut m[r], &mut l[r], o), tile, (ab[2 * r], ab[2 * r + 1]), isa);
                     }
                 }
                 AttendOut::Tiles { emit, .. } => {
@@ -236,6 +229,7 @@ fn fold_tile(
     (m, l, acc): (&mut f32, &mut f32, &mut [f32]),
     (mt, lt, at): (f32, f32, &[f32]),
     (a, b): (f32, f32),
+    isa: dot::Isa,
 ) {
     if mt == f32::NEG_INFINITY {
         return;
@@ -246,7 +240,7 @@ fn fold_tile(
         return;
     }
     *l = *l * a + lt * b;
-    acc.iter_mut().zip(at).for_each(|(x, y)| *x = *x * a + y * b);
+    dot::scale_add(acc, a, at, b, isa);
     *m = m.max(mt);
 }
 
@@ -281,7 +275,7 @@ pub fn merge_tiles(acc: &[f32], stats: &[f32], out: &mut [f32]) {
         dot::exp_sub_sum(ab, 0.0, isa);
         let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
         for ((at, v), f) in acc.chunks_exact(hd).zip(stats.chunks_exact(2)).zip(ab.chunks_exact(2)) {
-            fold_tile((&mut m, &mut l, out), (v[0], v[1], at), (f[0], f[1]));
+            fold_tile((&mut m, &mut l, out), (v[0], v[1], at), (f[0], f[1]), isa);
         }
         l
     });
@@ -997,13 +991,20 @@ mod tests {
         check::<bf16>();
     }
 
-    /// The vector exp (inside exp_sub_sum and silu_mul) and scale_max against f64, on every
-    /// path, over lengths that leave every kind of tail.
+    /// The vector exp (inside exp_sub_sum and silu_mul) and scale_max against f64, and
+    /// scale_add bit for bit against its scalar formula, on every path, over lengths that leave
+    /// every kind of tail.
     #[test]
     fn softmax_parts_and_silu_match_reference() {
         for isa in isas() {
             for n in [1, 7, 8, 16, 37] {
                 let x: Vec<f32> = rand_vec(n, n as u64).iter().map(|v| v * 30.0).collect();
+                // The fold's scale-and-add: each product rounded, then the sum, on every path.
+                let (mut z, y) = (x.clone(), rand_vec(n, 99));
+                dot::scale_add(&mut z, 0.3, &y, 1.7, isa);
+                for ((z, x), y) in z.iter().zip(&x).zip(&y) {
+                    assert_eq!(z.to_bits(), (x * 0.3 + y * 1.7).to_bits(), "{isa:?} scale_add n={n}");
+                }
                 let mut s = x.clone();
                 let m = dot::scale_max(&mut s, 0.7, isa);
                 let want_m = x.iter().map(|v| v * 0.7).fold(f32::NEG_INFINITY, f32::max);
