@@ -422,13 +422,14 @@ impl Shard {
             (g * group).max(q0) - q0..((g + 1) * group).min(q0 + nq) - q0
         };
         let window = cfg.sliding_window;
-        // Decode steps (one token per block) with fewer (KV head, block) items than twice the
-        // kernel threads split each row's keys into parts, on the attention tiles'
+        // Steps with fewer (KV head, block) items than twice the kernel threads split the keys
+        // of each one-token block (a decode step's) into parts, on the attention tiles'
         // boundaries, so every thread has work (one KV head per rank under tensor parallelism
         // would otherwise run on one thread). A split row's tiles are merged as one pass over
         // them folds them, so its bits are the same split or not.
-        let few = nkv * s.blocks.len() < 2 * team.threads() && s.blocks.iter().all(|b| b.1 == 1);
-        let parts = if few { (2 * team.threads()).div_ceil(nkv * s.blocks.len()).min(MAX_PARTS) } else { 1 };
+        let items = nkv * s.blocks.len();
+        let parts =
+            if items < 2 * team.threads() { (2 * team.threads()).div_ceil(items).min(MAX_PARTS) } else { 1 };
         // Each block's first item and first stored tile state (`splits`, one entry more than
         // blocks): a block has an item per (local KV head, part of its keys), and a split
         // block (one query) stores a state per (local query head, tile).
@@ -436,7 +437,7 @@ impl Shard {
         let (mut n_items, mut n_slots, mut n_split, mut room) = (0, 0, 0, 0);
         for &b in &s.blocks {
             let tiles = key_tiles(&s.tokens, window, b).len();
-            let parts = parts.min(tiles);
+            let parts = if b.1 == 1 { parts.min(tiles) } else { 1 };
             s.splits.push((n_items, n_slots));
             n_items += nkv * parts;
             if parts > 1 {
@@ -865,9 +866,10 @@ mod tests {
     /// the step's products through the many-token path's column blocks and tiles), on one, two
     /// or three kernel threads, for float and int8 weights. The model has one KV head, so its
     /// keys (six attention tiles) are split into two, four or six parts alone on one, two or
-    /// three threads, into two in the batch on two or three, and not at all beside the prompt
-    /// (with a sliding window, into two); and rows wider than one column block (the down
-    /// product's 4100 columns).
+    /// three threads, and into two in the batch and beside the prompt on two or three (there
+    /// merged by the team, the step being too long to merge on every thread), with a sliding
+    /// window into two at most; and rows wider than one column block (the down product's 4100
+    /// columns).
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
