@@ -192,8 +192,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                     // The rows' fold factors in one pass of the vector exp (rows whose fold
                     // takes none get values they do not use).
                     for (r, ab) in ab.chunks_exact_mut(2).enumerate() {
-                        let mx = m[r].max(mt[r]);
-                        ab.copy_from_slice(&[m[r] - mx, mt[r] - mx]);
+                        ab.copy_from_slice(&fold_exponents(m[r], mt[r]));
                     }
                     dot::exp_sub_sum(ab, 0.0, isa);
                     for (r, o) in o.chunks_exact_mut(hd).enumerate() {
@@ -219,10 +218,19 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
 /// [`attend_tiled`]'s working floats per row besides its tile of scores and values.
 const WORK_PER_ROW: usize = 6;
 
+/// The exponents of [`fold_tile`]'s two factors for a running max `m` and a tile's max `mt`:
+/// each less the larger. Both [`attend_tiled`] and [`merge_tiles`] take them from here, through
+/// the same vector exp.
+#[inline]
+fn fold_exponents(m: f32, mt: f32) -> [f32; 2] {
+    let mx = m.max(mt);
+    [m - mx, mt - mx]
+}
+
 /// Folds a row's tile state (`(max, sum, weighted values)`, see [`AttendOut::Tiles`]) into its
 /// running state: both rescaled to the larger max and added. `(a, b)`: [`dot::exp_sub_sum`]'s
-/// exp (an element-wise function) of the running max and the tile's less the larger, used
-/// only when both are finite. The one fold of both [`attend_tiled`] and [`merge_tiles`], so
+/// exp (an element-wise function) of [`fold_exponents`], used only when both maxima are
+/// finite. The one fold of both [`attend_tiled`] and [`merge_tiles`], so
 /// that they give the same bits.
 #[inline]
 fn fold_tile(
@@ -268,9 +276,8 @@ pub fn merge_tiles(acc: &[f32], stats: &[f32], out: &mut [f32]) {
         let ab = &mut ab[..stats.len()];
         let mut m = f32::NEG_INFINITY;
         for (f, v) in ab.chunks_exact_mut(2).zip(stats.chunks_exact(2)) {
-            let mx = m.max(v[0]);
-            f.copy_from_slice(&[m - mx, v[0] - mx]);
-            m = mx;
+            f.copy_from_slice(&fold_exponents(m, v[0]));
+            m = m.max(v[0]);
         }
         dot::exp_sub_sum(ab, 0.0, isa);
         let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);

@@ -52,10 +52,9 @@ fn key_pages(tokens: &[(usize, usize)], window: Option<usize>, (t0, nt): (usize,
     (lo, last / PAGE + 1 - lo)
 }
 
-/// The attention tiles (fixed by position, [`kernels::tile_pages`]) that the queries of block
-/// `(t0, nt)` of `tokens` see.
-fn key_tiles(tokens: &[(usize, usize)], window: Option<usize>, b: (usize, usize)) -> std::ops::Range<usize> {
-    let (lo, np) = key_pages(tokens, window, b);
+/// The attention tiles (fixed by position, [`kernels::tile_pages`]) that hold the `np` pages
+/// from page `lo` ([`key_pages`]).
+fn key_tiles((lo, np): (usize, usize)) -> std::ops::Range<usize> {
     kernels::tile_of(lo)..kernels::tile_of(lo + np - 1) + 1
 }
 
@@ -436,7 +435,7 @@ impl Shard {
         s.splits.clear();
         let (mut n_items, mut n_slots, mut n_split, mut room) = (0, 0, 0, 0);
         for &b in &s.blocks {
-            let tiles = key_tiles(&s.tokens, window, b).len();
+            let tiles = key_tiles(key_pages(&s.tokens, window, b)).len();
             let parts = if b.1 == 1 { parts.min(tiles) } else { 1 };
             s.splits.push((n_items, n_slots));
             n_items += nkv * parts;
@@ -478,9 +477,9 @@ impl Shard {
             let (first, (t0, nt)) = (splits[block].0, blocks[block]);
             let parts = (splits[block + 1].0 - first) / nkv;
             let (kvl, part) = ((i - first) / parts, (i - first) % parts);
-            let tiles = key_tiles(tokens, window, (t0, nt));
-            // Parts begin at the tiles holding the even shares' first pages.
             let (lo, np) = key_pages(tokens, window, (t0, nt));
+            let tiles = key_tiles((lo, np));
+            // Parts begin at the tiles holding the even shares' first pages.
             let cut = |p: usize| if p == parts { tiles.end } else { kernels::tile_of(lo + p * np / parts) };
             let mine = cut(part)..cut(part + 1);
             let keys = if mine.is_empty() {
