@@ -518,8 +518,12 @@ pub fn prefetch<T>(data: *const [T]) {
 pub fn scale_max(s: &mut [f32], scale: f32, isa: Isa) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: every AVX-512 `Isa` is only produced after detecting avx512f besides avx2, fma
+        // and f16c.
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx512::scale_max(s, scale) },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: every non-portable `Isa` is only produced after detecting avx2, fma and f16c.
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::scale_max(s, scale) },
+        Isa::Avx2 => unsafe { avx2::scale_max(s, scale) },
         _ => s.iter_mut().fold(f32::NEG_INFINITY, |m, v| {
             *v *= scale;
             m.max(*v)
@@ -546,9 +550,12 @@ pub fn softmax_rows(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-            avx2::softmax_rows(s, stride, keys, clear, scale, max, sum)
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+            avx512::softmax_rows(s, stride, keys, clear, scale, max, sum)
         },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::softmax_rows(s, stride, keys, clear, scale, max, sum) },
         _ => softmax_rows_with(
             s,
             stride,
@@ -589,6 +596,18 @@ fn softmax_rows_with(
     }
 }
 
+/// The vector exp's constants (`avx2::exp8`, `avx512::exp16`): its clamp, ln 2 in two parts and
+/// the polynomial for `exp(r)` beyond `1 + r` (Cephes' coefficients), highest degree first.
+#[cfg(target_arch = "x86_64")]
+mod exp_consts {
+    pub const LOW: f32 = -87.3;
+    pub const HIGH: f32 = 88.0;
+    pub const LN2_HI: f32 = 0.693_359_4;
+    pub const LN2_LO: f32 = -2.121_944_4e-4;
+    pub const POLY: [f32; 6] =
+        [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+}
+
 /// `x[i] = x[i] · a + y[i] · b`, each product rounded and then their sum (no fused
 /// multiply-add), so every path gives the same bits.
 pub fn scale_add(x: &mut [f32], a: f32, y: &[f32], b: f32, isa: Isa) {
@@ -607,7 +626,10 @@ pub fn exp_sub_sum(s: &mut [f32], m: f32, isa: Isa) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::exp_sub_sum(s, m) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx512::exp_sub_sum(s, m) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::exp_sub_sum(s, m) },
         _ => s.iter_mut().fold(0.0, |sum, v| {
             *v = (*v - m).exp();
             sum + *v
@@ -935,17 +957,18 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn exp8(x: __m256) -> __m256 {
-        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.0));
+        use super::exp_consts::*;
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(LOW)), _mm256_set1_ps(HIGH));
         let n = _mm256_round_ps(
             _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
         );
         // ln 2 in two parts, so n · ln 2 is subtracted without rounding error.
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut y = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut y = _mm256_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
         }
         y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
         let pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -956,10 +979,19 @@ mod avx2 {
     /// The CPU must have avx2, fma and f16c.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn scale_max(s: &mut [f32], scale: f32) -> f32 {
+        scale_max_from(s, scale, 0, _mm256_set1_ps(f32::NEG_INFINITY))
+    }
+
+    /// [`scale_max`] of `s[c..]`, the lanes' maxima so far in `mv` (the 512-bit kernel's
+    /// remainder).
+    ///
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `c <= s.len()`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scale_max_from(s: &mut [f32], scale: f32, mut c: usize, mut mv: __m256) -> f32 {
         let (n, p) = (s.len(), s.as_mut_ptr());
         let sc = _mm256_set1_ps(scale);
-        let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
-        let mut c = 0;
         while c + 8 <= n {
             let v = _mm256_mul_ps(_mm256_loadu_ps(p.add(c)), sc);
             _mm256_storeu_ps(p.add(c), v);
@@ -1026,10 +1058,19 @@ mod avx2 {
     /// The CPU must have avx2, fma and f16c.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
+        exp_sub_sum_from(s, m, 0, _mm256_setzero_ps())
+    }
+
+    /// [`exp_sub_sum`] of `s[c..]`, the lanes' sums so far in `acc` (the 512-bit kernel's
+    /// remainder).
+    ///
+    /// # Safety
+    /// The CPU must have avx2, fma and f16c; `c <= s.len()`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn exp_sub_sum_from(s: &mut [f32], m: f32, mut c: usize, mut acc: __m256) -> f32 {
         let (n, p) = (s.len(), s.as_mut_ptr());
         let mv = _mm256_set1_ps(m);
-        let mut acc = _mm256_setzero_ps();
-        let mut c = 0;
         while c + 8 <= n {
             let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(c)), mv));
             _mm256_storeu_ps(p.add(c), e);
@@ -1417,7 +1458,8 @@ pub use avx512::{
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::avx2::{
-        by_blocks, fetch_chunk, fetch_far, page_values as page_values_avx2, store_rows, Avx2Load,
+        by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far,
+        page_values as page_values_avx2, scale_max_from as scale_max_avx2, store_rows, Avx2Load,
     };
     use super::{Elem, Fetch, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
@@ -1464,6 +1506,106 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn fetch_near<T>(wp: *const T) {
         fetch_chunk::<T, 256, _MM_HINT_T0>(wp);
+    }
+
+    /// `exp(x)` on sixteen lanes, each through exactly [`exp8`](super::avx2::exp8)'s operations,
+    /// so a lane gives the same bits in either.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        use super::exp_consts::*;
+        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(LOW)), _mm512_set1_ps(HIGH));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            x,
+            _mm512_set1_ps(std::f32::consts::LOG2_E),
+        ));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut y = _mm512_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
+        }
+        y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+        _mm512_mul_ps(y, _mm512_castsi512_ps(pow2))
+    }
+
+    /// The low and high eight lanes of `v`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn halves(v: __m512) -> (__m256, __m256) {
+        (_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))))
+    }
+
+    /// [`super::scale_max`] sixteen at a time, the rest by the AVX2 kernel: the products are
+    /// the same, and so is the max.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx2, fma and f16c.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn scale_max(s: &mut [f32], scale: f32) -> f32 {
+        let (n, p) = (s.len(), s.as_mut_ptr());
+        let sc = _mm512_set1_ps(scale);
+        let mut mv = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut c = 0;
+        while c + BLOCK <= n {
+            let v = _mm512_mul_ps(_mm512_loadu_ps(p.add(c)), sc);
+            _mm512_storeu_ps(p.add(c), v);
+            mv = _mm512_max_ps(mv, v);
+            c += BLOCK;
+        }
+        let (lo, hi) = halves(mv);
+        scale_max_avx2(s, scale, c, _mm256_max_ps(lo, hi))
+    }
+
+    /// [`super::exp_sub_sum`] sixteen at a time, the rest by the AVX2 kernel, with the AVX2
+    /// kernel's bits: each lane's exp through the same operations, and the sums kept in eight
+    /// lanes, a register's low half added before its high half, as eight at a time would.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx2, fma and f16c.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn exp_sub_sum(s: &mut [f32], m: f32) -> f32 {
+        let (n, p) = (s.len(), s.as_mut_ptr());
+        let mv = _mm512_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let mut c = 0;
+        while c + BLOCK <= n {
+            let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(c)), mv));
+            _mm512_storeu_ps(p.add(c), e);
+            let (lo, hi) = halves(e);
+            acc = _mm256_add_ps(_mm256_add_ps(acc, lo), hi);
+            c += BLOCK;
+        }
+        exp_sub_sum_avx2(s, m, c, acc)
+    }
+
+    /// [`super::softmax_rows`] with the kernels above.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx2, fma and f16c; as [`super::softmax_rows`].
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)] // as softmax_rows
+    pub unsafe fn softmax_rows(
+        s: &mut [f32],
+        stride: usize,
+        keys: impl Fn(usize) -> std::ops::Range<usize>,
+        clear: std::ops::Range<usize>,
+        scale: f32,
+        max: &mut [f32],
+        sum: &mut [f32],
+    ) {
+        // SAFETY (both): this function has the kernels' features.
+        super::softmax_rows_with(
+            s,
+            stride,
+            keys,
+            clear,
+            max,
+            sum,
+            |v| unsafe { scale_max(v, scale) },
+            |v, m| unsafe { exp_sub_sum(v, m) },
+        )
     }
 
     super::page_blocks!(

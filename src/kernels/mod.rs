@@ -1068,6 +1068,30 @@ mod tests {
         }
     }
 
+    /// The softmax kernels (scale and max, exp and sum) give the same bits on every SIMD path,
+    /// over lengths that leave every kind of tail, with scores near each other (many terms of
+    /// a sum alike) and far apart.
+    #[test]
+    fn softmax_kernels_give_the_same_bits_on_every_simd_path() {
+        let simd: Vec<_> = isas().into_iter().filter(|&i| i != dot::Isa::Portable).collect();
+        let lengths = [1, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 100, 128, 129];
+        for (n, spread) in lengths.into_iter().flat_map(|n| [(n, 1.0), (n, 30.0)]) {
+            let x: Vec<f32> = rand_vec(n, n as u64).iter().map(|v| v * spread).collect();
+            let run = |isa| {
+                let mut s = x.clone();
+                let m = dot::scale_max(&mut s, 0.7, isa);
+                let scaled = s.clone();
+                let sum = dot::exp_sub_sum(&mut s, m, isa);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                (m.to_bits(), bits(&scaled), sum.to_bits(), bits(&s))
+            };
+            let first = simd.first().map(|&i| run(i));
+            for &isa in &simd {
+                assert!(Some(run(isa)) == first, "{isa:?} n={n} spread {spread}");
+            }
+        }
+    }
+
     #[test]
     fn rmsnorm_matches_reference() {
         for d in [1, 7, 64, 577] {
