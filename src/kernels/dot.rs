@@ -391,6 +391,42 @@ pub fn page_scores<T: Elem + Avx2Load>(
     }
 }
 
+/// [`page_scores`] of two pages at once, their scores side by side: `out[r * stride + j]` for
+/// `j` in `0..page_len` from `kt[0]`, in `page_len..2 * page_len` from `kt[1]`. The same bits
+/// as two calls; where the CPU has AVX-512, one pass over both (more chains in flight, fewer
+/// loads of the queries).
+pub fn page_scores_pair<T: Elem + Avx2Load>(
+    kt: [&[T]; 2],
+    page_len: usize,
+    q: &[f32],
+    out: &mut [f32],
+    stride: usize,
+    isa: Isa,
+) {
+    let hd = kt[0].len() / page_len.max(1);
+    let rows = q.len() / hd.max(1);
+    assert!(
+        hd > 0
+            && kt[0].len() == hd * page_len
+            && kt[1].len() == kt[0].len()
+            && q.len() == rows * hd
+            && stride >= 2 * page_len
+            && out.len() >= rows.saturating_sub(1) * stride + 2 * page_len,
+        "page_scores_pair: shapes"
+    );
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in page_scores; shapes are checked above.
+        Isa::Avx512 | Isa::Avx512Bf16 if page_len.is_multiple_of(BLOCK) => unsafe {
+            avx512::page_scores_pair(kt, page_len, q, hd, rows, out, stride)
+        },
+        _ => {
+            page_scores(kt[0], page_len, q, out, stride, isa);
+            page_scores(kt[1], page_len, q, &mut out[page_len..], stride, isa);
+        }
+    }
+}
+
 /// `o[r] += Σ_j p[r][j] · v[j]` for `rows` rows: `p` is `[rows, n]` with rows `stride` apart
 /// (only the first `n` of each row are read), `v` is `[n, hd]`, `o` is `[rows, hd]`. Each
 /// converted vector of values serves up to four rows. The AVX-512 path gives the AVX2 path's
@@ -693,9 +729,27 @@ macro_rules! page_blocks {
             out: *mut f32,
             stride: usize,
         ) {
+            let keys = std::array::from_fn(|i| kt.add(j0 + $lanes * i));
+            let outs = std::array::from_fn(|i| out.add(j0 + $lanes * i));
+            scores_block_at::<T, NR, NV>(keys, page_len, q, hd, outs, stride)
+        }
+
+        /// [`scores_block`] with each vector of keys where it lies: vector `i` of dimension `d`
+        /// at `kt[i] + d * page_len`, its scores for row `r` to `out[i] + r * stride` (so a
+        /// block may take keys from two pages).
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn scores_block_at<T: $bound, const NR: usize, const NV: usize>(
+            kt: [*const T; NV],
+            page_len: usize,
+            q: *const f32,
+            hd: usize,
+            out: [*mut f32; NV],
+            stride: usize,
+        ) {
             let mut acc = [[[$zero(); NV]; NR]; SCORE_SETS];
             let step = |acc: &mut [[$v; NV]; NR], d: usize| {
-                let k: [$v; NV] = std::array::from_fn(|i| T::$load(kt.add(d * page_len + j0 + $lanes * i)));
+                let k: [$v; NV] = std::array::from_fn(|i| T::$load(kt[i].add(d * page_len)));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let b = $set1(*q.add(r * hd + d));
                     for (ai, ki) in a.iter_mut().zip(&k) {
@@ -720,7 +774,7 @@ macro_rules! page_blocks {
                     for a in &acc[1..] {
                         v = $add(v, a[r][i]);
                     }
-                    $storeu(out.add(r * stride + j0 + $lanes * i), v);
+                    $storeu(out[i].add(r * stride), v);
                 }
             }
         }
@@ -1659,6 +1713,44 @@ mod avx512 {
                     _ => scores_block::<T, 1, 1>(k, page_len, j, qr, hd, or, stride),
                 }
                 j += if wide { 2 * BLOCK } else { BLOCK };
+            }
+            r += nr;
+        }
+    }
+
+    /// [`super::page_scores_pair`] on pages a multiple of [`BLOCK`] long: a vector of each page's
+    /// keys per block, so twice the chains in flight and a broadcast of the query for every two
+    /// multiply-adds; each score summed as [`page_scores`] sums it.
+    ///
+    /// # Safety
+    /// As [`page_scores`], for both pages; `out` holds `rows` rows of `2 * page_len` scores.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)] // as page_scores, with a second page
+    pub unsafe fn page_scores_pair<T: Avx512Load>(
+        kt: [&[T]; 2],
+        page_len: usize,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let (k, o) = ([kt[0].as_ptr(), kt[1].as_ptr()], out.as_mut_ptr());
+        let mut r = 0;
+        while r < rows {
+            let nr = (rows - r).min(4);
+            let (qr, or) = (q.as_ptr().add(r * hd), o.add(r * stride));
+            let mut j = 0;
+            while j < page_len {
+                let keys = [k[0].add(j), k[1].add(j)];
+                let outs = [or.add(j), or.add(page_len + j)];
+                match nr {
+                    4 => scores_block_at::<T, 4, 2>(keys, page_len, qr, hd, outs, stride),
+                    3 => scores_block_at::<T, 3, 2>(keys, page_len, qr, hd, outs, stride),
+                    2 => scores_block_at::<T, 2, 2>(keys, page_len, qr, hd, outs, stride),
+                    _ => scores_block_at::<T, 1, 2>(keys, page_len, qr, hd, outs, stride),
+                }
+                j += BLOCK;
             }
             r += nr;
         }
