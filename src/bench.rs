@@ -135,6 +135,20 @@ pub fn mean_around_runs(readings: &[f64]) -> Vec<f64> {
     readings.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect()
 }
 
+/// A run whose bandwidth readings came in under this fraction of the fastest read of the
+/// limits taken before and after the runs met a stall of the host, not its memory: in one run
+/// on the 2-core Zen 5 machine the readings between its steps fell to 5.2 GB/s through most
+/// of it (the fastest read ~80) while decode went at its usual rate, for an efficiency of
+/// 9.46. The two placements of the cores read 26–54 and 46–85 GB/s, so a run in the slower
+/// placement, with the limits read in the faster, stays above it (26 of 85 is 0.31).
+pub const STALLED_READS: f64 = 0.25;
+
+/// The runs (numbered from 1) whose bandwidth readings (`gb_per_s`, per run) fell under
+/// [`STALLED_READS`] of `best`, the fastest read of the limits.
+pub fn stalled_runs(gb_per_s: &[f64], best: f64) -> Vec<usize> {
+    (1..=gb_per_s.len()).filter(|&i| gb_per_s[i - 1] < STALLED_READS * best).collect()
+}
+
 /// Each run's report from its decode rate, the bandwidth around it ([`gb_per_s_around_runs`],
 /// summed over ranks), the handoff around it and the bytes read per generated token.
 pub fn run_reports(
@@ -215,6 +229,22 @@ pub fn prefill_flops(cfg: &ModelConfig, n: usize) -> f64 {
 }
 
 impl BenchReport {
+    /// One line naming the runs whose bandwidth readings look stalled ([`stalled_runs`]), if
+    /// any: their efficiencies say nothing about the kernels.
+    pub fn stall_warning(&self) -> Option<String> {
+        let gb: Vec<f64> = self.runs.iter().map(|r| r.measured_gb_per_s).collect();
+        let stalled = stalled_runs(&gb, self.best_gb_per_s);
+        (!stalled.is_empty()).then(|| {
+            let list = stalled.iter().map(|i| format!("{i}")).collect::<Vec<_>>().join(", ");
+            format!(
+                "warning: the bandwidth readings of run {list} of {} fell under {:.0}% of the fastest read ({:.1} GB/s): the host stalled them, so their efficiency is not the kernels'",
+                gb.len(),
+                STALLED_READS * 100.0,
+                self.best_gb_per_s
+            )
+        })
+    }
+
     /// A readable table.
     pub fn table(&self) -> String {
         let mb = |b: u64| b as f64 / 1e6;
@@ -304,6 +334,9 @@ impl BenchReport {
                 r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );
         }
+        if let Some(w) = self.stall_warning() {
+            s += &format!("  {w}\n");
+        }
         s
     }
 }
@@ -353,6 +386,15 @@ mod tests {
         assert!((runs[1].decode_efficiency - 0.75).abs() < 1e-9, "{runs:?}");
         assert_eq!(runs[1].measured_gb_per_s, 10.0);
         assert_eq!((runs[0].handoff_us, runs[1].handoff_us), (0.1, 0.6));
+    }
+
+    #[test]
+    fn runs_whose_reads_stalled_are_named() {
+        // Fastest read 80 GB/s: a run read at 5.2 is stalled, one at 26 (the slower placement
+        // of the cores) is not.
+        assert_eq!(stalled_runs(&[75.0, 5.2, 26.0, 19.9], 80.0), vec![2, 4]);
+        assert!(stalled_runs(&[75.0, 26.0], 80.0).is_empty());
+        assert!(stalled_runs(&[], 80.0).is_empty());
     }
 
     #[test]

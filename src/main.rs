@@ -1302,6 +1302,9 @@ fn run_bench(
     };
     let mut stdout = std::io::stdout().lock();
     if a.json {
+        if let Some(w) = report.stall_warning() {
+            let _ = std::io::stderr().write_all(format!("bench: {w}\n").as_bytes());
+        }
         writeln!(stdout, "{}", serde_json::to_string(&report)?)?;
     } else {
         write!(stdout, "{}", report.table())?;
