@@ -1992,7 +1992,7 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` and `kb` (not 0) are
-    /// multiples of [`BLOCK`], `kb >= n` with `pairs`, `w.len()` a multiple of `4 n`,
+    /// multiples of [`BLOCK`], `w.len()` a multiple of `4 n`,
     /// `xs.len() == 2 n n_tok`, `rows <= w.len() / n`; `out` is valid for reads and writes at
     /// every such `t * stride + r`, and nothing else reads or writes those elements during the
     /// call.
@@ -2010,7 +2010,7 @@ mod avx512 {
         kb: usize,
     ) {
         debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && xs.len() == 2 * n * n_tok);
-        debug_assert!(kb.is_multiple_of(BLOCK) && kb > 0 && (!pairs || kb >= n));
+        debug_assert!(kb.is_multiple_of(BLOCK) && kb > 0);
         let x = |t: usize| xs.as_ptr().add(2 * n * t);
         // Token t + i's four sums for the panel's rows r0.. are `v`'s 128-bit lane i, stored
         // for the first column block (`c0` 0) and added to what is there for the others.

@@ -907,10 +907,11 @@ mod tests {
             for &(rows, cols) in &[(9, 64), (130, 576), (64, 1536), (9, 1536), (9, 4100)] {
                 let data = Data::F32(rand_vec(rows * cols, cols as u64)).cast(dtype);
                 let w = PackedMat::pack_as(&Mat { rows, cols, data }, quant);
-                // bf16 on AVX512_BF16 goes two panels at a time from 16 tokens; past one tile
+                // bf16 on AVX512_BF16 goes two panels at a time from 8 tokens (a batch's decode
+                // step, in column blocks past 1376 columns) and from 16 (a prompt's); past one tile
                 // (44 tokens at 1536 columns) by column blocks and tiles, in two sub-blocks
                 // past 768 columns. 45 to 48 end on each size of token group.
-                for n_tok in [2, 3, 5, 6, 7, 15, 16, 45, 46, 47, 48] {
+                for n_tok in [2, 3, 5, 6, 7, 8, 15, 16, 45, 46, 47, 48] {
                     let x = rand_vec(n_tok * cols, 3);
                     for path in paths(quant.is_some()) {
                         let mut many = vec![0.0f32; n_tok * rows];

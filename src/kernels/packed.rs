@@ -421,8 +421,9 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
             // One tile (decode of a batch, a short prompt in one column block): each thread
             // streams its panels through one kernel call per range, the sums stored from their
             // registers (and added, for the column blocks of a batch's wide rows); two panels
-            // at a time for a prompt's tokens.
-            let pairs = n_tok >= PROMPT_FROM && cols_p <= PAIR_SUB_BLOCK;
+            // at a time for a prompt's tokens, and for a batch of more than one token group.
+            let pairs = (n_tok >= PROMPT_FROM && cols_p <= PAIR_SUB_BLOCK)
+                || (PAIRS_FROM..PROMPT_FROM).contains(&n_tok);
             let (rows, shared) = (w.rows, SharedSlice::new(out));
             team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
                 let ws = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
@@ -430,8 +431,7 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
                 // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f,
                 // avx512bf16, avx2, fma and f16c; `ws` is whole panels of `cols_p` columns and
                 // `paired` `2 cols_p` entries per token; token t's rows r0.. of this range lie
-                // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range;
-                // `kb` is `cols_p` with `pairs` (at most `PAIR_SUB_BLOCK` columns).
+                // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
                 let o = shared.span(r0, (n_tok - 1) * rows + (rows - r0).min(ws.len() / cols_p));
                 unsafe {
                     dot::avx512_panels_many_bf16(ws, cols_p, paired, n_tok, o, rows, rows - r0, pairs, kb)
@@ -458,12 +458,25 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
 /// in sub-blocks of 768, 2.07 in 1024 and 2.09 in 512.)
 const PAIR_SUB_BLOCK: usize = 768;
 
+/// Tokens of a batch's decode step from which its bf16 products on AVX512_BF16 go two panels
+/// at a time (two full token groups or more): each input chunk then meets two panels' weights,
+/// half the loads of inputs per multiply-add. On the 2-core Zen 5 machine SmolLM2 at a batch of
+/// 8 decoded at 1002–1036 tokens/s against 837–911 while the cores sat apart (five pairs,
+/// interleaved) and at 895–898 against 834–879 together (two pairs); the llama-2-7b shape the
+/// same or faster (19.2 against 19.5, 20.6 against 17.3 tokens/s); a batch of 12 the same or
+/// faster (1061 against 1066, 1126 against 1071). With fewer tokens pairs did not pay: a batch
+/// of 2 slower (317 and 363 against 362 and 416 tokens/s), of 4 and 6 the same, of 5 slower
+/// (582 against 648), its last group of one token reading two panels' weights from L2 again.
+/// The sums are the same bits either way.
+const PAIRS_FROM: usize = 2 * TOK_GROUP;
+
 /// Tokens (of a tile) from which a many-token product is taken as a prompt's rather than a
 /// batch's decode step: bf16 on AVX512_BF16 then goes two panels at a time in the one-tile
 /// path, and the float kernels take token groups outer ([`PANEL_RUN_BYTES`]). (On the 2-core
 /// Zen 5 machine SmolLM2's prompt of 64 tokens prefilled at 0.91 of the FMA peak with pairs,
-/// 0.68–0.71 without, while at a batch of 8 decode steps, memory-bound, pairs made no
-/// difference beyond the noise; with its products in FMAs (`GRIDLM_NO_AVX512BF16=1`) a batch
+/// 0.68–0.71 without, while at a batch of 8 decode steps pairs made no difference beyond the
+/// noise where they applied only to rows of up to 768 columns (over every width they pay, see
+/// [`PAIRS_FROM`]); with its products in FMAs (`GRIDLM_NO_AVX512BF16=1`) a batch
 /// of 8 decoded at 857–875 tokens/s with groups outer against 893–906 with panels outer, as
 /// now: 903–972 against 909–924 the build before.)
 const PROMPT_FROM: usize = 16;
