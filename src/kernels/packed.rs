@@ -421,7 +421,7 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
             // One tile (decode of a batch, a short prompt in one column block): each thread
             // streams its panels through one kernel call per range, the sums stored from their
             // registers (and added, for the column blocks of a batch's wide rows); two panels
-            // at a time for a prompt's tokens, and for a batch of more than one token group.
+            // at a time for a prompt's tokens, and for a batch of two token groups or more.
             let pairs = (n_tok >= PROMPT_FROM && cols_p <= PAIR_SUB_BLOCK)
                 || (PAIRS_FROM..PROMPT_FROM).contains(&n_tok);
             let (rows, shared) = (w.rows, SharedSlice::new(out));
@@ -462,8 +462,9 @@ const PAIR_SUB_BLOCK: usize = 768;
 /// at a time (two full token groups or more): each input chunk then meets two panels' weights,
 /// half the loads of inputs per multiply-add. On the 2-core Zen 5 machine SmolLM2 at a batch of
 /// 8 decoded at 1002–1036 tokens/s against 837–911 while the cores sat apart (five pairs,
-/// interleaved) and at 895–898 against 834–879 together (two pairs); the llama-2-7b shape the
-/// same or faster (19.2 against 19.5, 20.6 against 17.3 tokens/s); a batch of 12 the same or
+/// interleaved) and at 895–898 against 834–879 together (two pairs); the llama-2-7b shape at
+/// 19.2 against 19.5 tokens/s together and 20.6 against 17.3 in a pair whose runs met different
+/// spells; a batch of 12 the same or
 /// faster (1061 against 1066, 1126 against 1071). With fewer tokens pairs did not pay: a batch
 /// of 2 slower (317 and 363 against 362 and 416 tokens/s), of 4 and 6 the same, of 5 slower
 /// (582 against 648), its last group of one token reading two panels' weights from L2 again.
