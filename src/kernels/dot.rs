@@ -1592,7 +1592,8 @@ mod avx512 {
     }
 
     /// [`super::scale_max`] sixteen at a time, the rest by the AVX2 kernel: the products are
-    /// the same, and so is the max.
+    /// the same, and so is the max (of the same values in another order: where +0 and −0 tie
+    /// for it either may come back, which no exp or fold after it tells apart).
     ///
     /// # Safety
     /// The CPU must have avx512f, avx2, fma and f16c.
