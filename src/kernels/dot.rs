@@ -715,6 +715,43 @@ pub fn widen_for_avx2<T: Elem + Avx2Load>(w: &[T], out: &mut [f32], isa: Isa) {
 /// wait on FMA latency). `values_block`: `NR` rows × `LANES * NV` columns (from `c0`) of
 /// `o += p · v`.
 #[cfg(target_arch = "x86_64")]
+/// [`softmax_rows`] in a SIMD module, on that module's `scale_max` and `exp_sub_sum`, compiled
+/// with its features (`$feat`) so that both are inlined into the loop over the rows.
+macro_rules! softmax_rows_kernel {
+    ($feat:literal) => {
+        /// [`super::softmax_rows`] with this module's `scale_max` and `exp_sub_sum`.
+        ///
+        /// # Safety
+        /// The CPU must have the features this function is compiled with; as
+        /// [`super::softmax_rows`].
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)] // as softmax_rows
+        pub unsafe fn softmax_rows(
+            s: &mut [f32],
+            stride: usize,
+            keys: impl Fn(usize) -> std::ops::Range<usize>,
+            clear: std::ops::Range<usize>,
+            scale: f32,
+            max: &mut [f32],
+            sum: &mut [f32],
+        ) {
+            // SAFETY (both): this function has the kernels' features.
+            super::softmax_rows_with(
+                s,
+                stride,
+                keys,
+                clear,
+                max,
+                sum,
+                |v| unsafe { scale_max(v, scale) },
+                |v, m| unsafe { exp_sub_sum(v, m) },
+            )
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use softmax_rows_kernel;
+
 macro_rules! page_blocks {
     ($feat:literal, $v:ty, $lanes:expr, $bound:ident, $load:ident, $zero:ident, $set1:ident,
      $fma:ident, $add:ident, $loadu:ident, $storeu:ident) => {
@@ -1082,31 +1119,7 @@ mod avx2 {
         }
     }
 
-    /// # Safety
-    /// The CPU must have avx2, fma and f16c; as [`super::softmax_rows`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)] // as softmax_rows
-    pub unsafe fn softmax_rows(
-        s: &mut [f32],
-        stride: usize,
-        keys: impl Fn(usize) -> std::ops::Range<usize>,
-        clear: std::ops::Range<usize>,
-        scale: f32,
-        max: &mut [f32],
-        sum: &mut [f32],
-    ) {
-        // SAFETY (both): this function has the kernels' features.
-        super::softmax_rows_with(
-            s,
-            stride,
-            keys,
-            clear,
-            max,
-            sum,
-            |v| unsafe { scale_max(v, scale) },
-            |v, m| unsafe { exp_sub_sum(v, m) },
-        )
-    }
+    super::softmax_rows_kernel!("avx2,fma,f16c");
 
     /// # Safety
     /// The CPU must have avx2, fma and f16c.
@@ -1635,33 +1648,7 @@ mod avx512 {
         exp_sub_sum_avx2(s, m, c, acc)
     }
 
-    /// [`super::softmax_rows`] with the kernels above.
-    ///
-    /// # Safety
-    /// The CPU must have avx512f, avx2, fma and f16c; as [`super::softmax_rows`].
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)] // as softmax_rows
-    pub unsafe fn softmax_rows(
-        s: &mut [f32],
-        stride: usize,
-        keys: impl Fn(usize) -> std::ops::Range<usize>,
-        clear: std::ops::Range<usize>,
-        scale: f32,
-        max: &mut [f32],
-        sum: &mut [f32],
-    ) {
-        // SAFETY (both): this function has the kernels' features.
-        super::softmax_rows_with(
-            s,
-            stride,
-            keys,
-            clear,
-            max,
-            sum,
-            |v| unsafe { scale_max(v, scale) },
-            |v, m| unsafe { exp_sub_sum(v, m) },
-        )
-    }
+    super::softmax_rows_kernel!("avx512f,avx2,fma,f16c");
 
     super::page_blocks!(
         "avx512f,avx2,fma,f16c",
