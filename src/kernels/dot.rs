@@ -704,16 +704,6 @@ pub fn widen_for_avx2<T: Elem + Avx2Load>(w: &[T], out: &mut [f32], isa: Isa) {
     }
 }
 
-/// The register blocks of attention's page kernels, written once for both vector widths
-/// (instantiated in [`avx2`] with eight lanes and in [`avx512`] with sixteen): every lane goes
-/// through the same operations in the same order on either, so the two paths give the same
-/// scores and sums bit for bit.
-///
-/// `scores_block`: `NR` rows of scores against one page of transposed keys, keys
-/// `j0..j0 + LANES * NV`. The dimensions go round-robin over [`SCORE_SETS`] sets of
-/// accumulators, so several FMA chains are in flight however few the rows (one row alone would
-/// wait on FMA latency). `values_block`: `NR` rows × `LANES * NV` columns (from `c0`) of
-/// `o += p · v`.
 #[cfg(target_arch = "x86_64")]
 /// [`softmax_rows`] in a SIMD module, on that module's `scale_max` and `exp_sub_sum`, compiled
 /// with its features (`$feat`) so that both are inlined into the loop over the rows.
@@ -752,6 +742,17 @@ macro_rules! softmax_rows_kernel {
 #[cfg(target_arch = "x86_64")]
 use softmax_rows_kernel;
 
+/// The register blocks of attention's page kernels, written once for both vector widths
+/// (instantiated in [`avx2`] with eight lanes and in [`avx512`] with sixteen): every lane goes
+/// through the same operations in the same order on either, so the two paths give the same
+/// scores and sums bit for bit.
+///
+/// `scores_block`: `NR` rows of scores against one page of transposed keys, keys
+/// `j0..j0 + LANES * NV`. The dimensions go round-robin over [`SCORE_SETS`] sets of
+/// accumulators, so several FMA chains are in flight however few the rows (one row alone would
+/// wait on FMA latency). `values_block`: `NR` rows × `LANES * NV` columns (from `c0`) of
+/// `o += p · v`.
+#[cfg(target_arch = "x86_64")]
 macro_rules! page_blocks {
     ($feat:literal, $v:ty, $lanes:expr, $bound:ident, $load:ident, $zero:ident, $set1:ident,
      $fma:ident, $add:ident, $loadu:ident, $storeu:ident) => {
