@@ -464,11 +464,10 @@ const PAIR_SUB_BLOCK: usize = 768;
 /// 8 decoded at 1002–1036 tokens/s against 837–911 while the cores sat apart (five pairs,
 /// interleaved) and at 895–898 against 834–879 together (two pairs); the llama-2-7b shape at
 /// 19.2 against 19.5 tokens/s together and 20.6 against 17.3 in a pair whose runs met different
-/// spells; a batch of 12 the same or
-/// faster (1061 against 1066, 1126 against 1071). With fewer tokens pairs did not pay: a batch
-/// of 2 slower (317 and 363 against 362 and 416 tokens/s), of 4 and 6 the same, of 5 slower
-/// (582 against 648), its last group of one token reading two panels' weights from L2 again.
-/// The sums are the same bits either way.
+/// spells; a batch of 12 the same or faster (1061 against 1066, 1126 against 1071). With fewer
+/// tokens pairs did not pay: a batch of 2 slower (317 and 363 against 362 and 416 tokens/s), of
+/// 4 and 6 the same, of 5 slower (582 against 648), its last group of one token reading two
+/// panels' weights from L2 again. The sums are the same bits either way.
 const PAIRS_FROM: usize = 2 * TOK_GROUP;
 
 /// Tokens (of a tile) from which a many-token product is taken as a prompt's rather than a
