@@ -29,7 +29,7 @@ pub struct RankReport {
     /// Heap allocations per decode step on this rank, kernel threads included (`None` where
     /// they are not counted).
     pub allocations_per_step: Option<f64>,
-    /// How the rank's one-token products prefetch (`none`, `near` or `far`,
+    /// How the rank's one-token products prefetch (`none`, `near`, `far` or `nta`,
     /// [`crate::kernels::Fetch`]), and what decided it (`timed`, `GRIDLM_PREFETCH` or `default`).
     pub prefetch: String,
     pub prefetch_by: String,

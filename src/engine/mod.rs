@@ -241,14 +241,15 @@ impl PrefetchBy {
     }
 }
 
-/// This rank's one-token prefetch: the one `GRIDLM_PREFETCH` names (none, near or far), else
+/// This rank's one-token prefetch: the one `GRIDLM_PREFETCH` names (none, near, far or nta), else
 /// the fastest on its own layers, timed on `team`, else [`kernels::Fetch::Near`]. Set for the
 /// process ([`kernels::dot::set_fetch`]).
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
     let chosen = if let Some(v) = std::env::var_os("GRIDLM_PREFETCH") {
         let v = v.to_string_lossy();
-        let f = kernels::Fetch::parse(v.trim())
-            .ok_or_else(|| Error::Input(format!("GRIDLM_PREFETCH is '{v}': expected none, near or far")))?;
+        let f = kernels::Fetch::parse(v.trim()).ok_or_else(|| {
+            Error::Input(format!("GRIDLM_PREFETCH is '{v}': expected none, near, far or nta"))
+        })?;
         (f, PrefetchBy::Env)
     } else if let Some((f, _)) = shard.pick_fetch(team) {
         (f, PrefetchBy::Timed)

@@ -467,8 +467,9 @@ pub fn page_values<T: Elem + Avx2Load>(
 /// token's SmolLM2 layer products in `vdpbf16ps` read at 0.69–0.77 of the probe with
 /// [`Fetch::Far`], 0.87–0.99 with [`Fetch::Near`] and 0.95–1.08 with [`Fetch::None`] (0.88–0.93,
 /// 0.94–1.00 and 0.96–0.99 while they sat together); on Zen 5, apart, `Far` decoded SmolLM2
-/// 5% faster than `Near`. So each rank times its own layers under every way at start-up
-/// ([`super::packed::pick_fetch`]) and keeps the fastest; `GRIDLM_PREFETCH` names one instead.
+/// 5% faster than `Near`, and [`Fetch::Nta`] 2–5% faster than either, together and apart. So
+/// each rank times its own layers under every way at start-up ([`super::packed::pick_fetch`])
+/// and keeps the fastest; `GRIDLM_PREFETCH` names one instead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fetch {
     /// No software prefetch: the hardware prefetchers alone.
@@ -479,21 +480,27 @@ pub enum Fetch {
     /// [`Fetch::Near`], and 8 KiB ahead into L2 as well (as the many-token kernels ask), so
     /// the start of each thread's share is asked for before the hardware sees a stream.
     Far,
+    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8), as the bandwidth probe reads:
+    /// weights read once per step then displace less of what a step reads again (inputs,
+    /// activations, KV pages).
+    Nta,
 }
 
 impl Fetch {
     /// In declared order, so a way's discriminant is its index.
-    pub const ALL: [Fetch; 3] = [Fetch::None, Fetch::Near, Fetch::Far];
+    pub const ALL: [Fetch; 4] = [Fetch::None, Fetch::Near, Fetch::Far, Fetch::Nta];
     /// Each way as the const parameter of the kernels (`F` below): its discriminant.
     const NONE: u8 = Fetch::None as u8;
     const NEAR: u8 = Fetch::Near as u8;
     const FAR: u8 = Fetch::Far as u8;
+    const NTA: u8 = Fetch::Nta as u8;
 
     pub fn name(self) -> &'static str {
         match self {
             Fetch::None => "none",
             Fetch::Near => "near",
             Fetch::Far => "far",
+            Fetch::Nta => "nta",
         }
     }
 
@@ -528,6 +535,7 @@ macro_rules! with_fetch {
             Fetch::None => $k::<$($($g,)*)? { Fetch::NONE }>($($a),*),
             Fetch::Near => $k::<$($($g,)*)? { Fetch::NEAR }>($($a),*),
             Fetch::Far => $k::<$($($g,)*)? { Fetch::FAR }>($($a),*),
+            Fetch::Nta => $k::<$($($g,)*)? { Fetch::NTA }>($($a),*),
         }
     };
 }
@@ -1236,6 +1244,17 @@ mod avx2 {
         fetch_chunk::<T, { 8 << 10 }, _MM_HINT_T1>(wp);
     }
 
+    /// The one-token prefetch of [`super::Fetch::Nta`]: the chunk 2 KiB past the one at `wp`,
+    /// non-temporal. On the 2-core Zen 5 machine, SmolLM2 bf16 decode in `vdpbf16ps` (steps
+    /// alternating between two ways within a run) took 2–5% less time a step with it than
+    /// with `Near` or `Far`, while the cores sat apart and together; 1 KiB ahead was ~1%
+    /// slower than 2 KiB, 512 bytes 2–3%, and 4 KiB the same.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fetch_stream<T>(wp: *const T) {
+        fetch_chunk::<T, { 2 << 10 }, _MM_HINT_NTA>(wp);
+    }
+
     /// Writes the first `out.len()` (at most four) lanes of `v` to `out`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1291,11 +1310,14 @@ mod avx2 {
             let sums = by_blocks(n, kb, |mut c, end| {
                 let mut acc = [_mm256_setzero_ps(); 4];
                 while c < end {
-                    if F >= Fetch::NEAR {
+                    if F == Fetch::NEAR || F == Fetch::FAR {
                         fetch_ahead(wp);
                     }
                     if F == Fetch::FAR {
                         fetch_far(wp);
+                    }
+                    if F == Fetch::NTA {
+                        fetch_stream(wp);
                     }
                     let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
                     for (r, a) in acc.iter_mut().enumerate() {
@@ -1470,8 +1492,11 @@ mod avx2 {
                 let chunk = |wp: *const i8, k: usize, acc: (__m256i, __m256i)| {
                     let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(qp.add(k * BLOCK) as *const __m128i));
                     let ax = _mm256_sign_epi8(x, x);
-                    if F >= Fetch::NEAR {
+                    if F == Fetch::NEAR || F == Fetch::FAR {
                         _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_T0);
+                    }
+                    if F == Fetch::NTA {
+                        _mm_prefetch(wp.wrapping_add(AHEAD), _MM_HINT_NTA);
                     }
                     if F == Fetch::FAR {
                         fetch_far(wp);
@@ -1526,7 +1551,7 @@ pub use avx512::{
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::avx2::{
-        by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far,
+        by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far, fetch_stream,
         page_values as page_values_avx2, scale_max_from as scale_max_avx2, store_rows, Avx2Load,
     };
     use super::{Elem, Fetch, BLOCK, SCORE_SETS};
@@ -1826,11 +1851,14 @@ mod avx512 {
             let sums = by_blocks(n, kb, |mut c, end| {
                 let mut acc = [_mm512_setzero_ps(); 4];
                 while c < end {
-                    if F >= Fetch::NEAR {
+                    if F == Fetch::NEAR || F == Fetch::FAR {
                         fetch_near(wp);
                     }
                     if F == Fetch::FAR {
                         fetch_far(wp);
+                    }
+                    if F == Fetch::NTA {
+                        fetch_stream(wp);
                     }
                     let xv = _mm512_loadu_ps(xp.add(c));
                     for (r, a) in acc.iter_mut().enumerate() {
@@ -1956,11 +1984,14 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
     unsafe fn chunk_bf16<const F: u8>(acc: [__m512; 2], wp: *const bf16, xb: __m512bh) -> [__m512; 2] {
-        if F >= Fetch::NEAR {
+        if F == Fetch::NEAR || F == Fetch::FAR {
             fetch_near(wp);
         }
         if F == Fetch::FAR {
             fetch_far(wp);
+        }
+        if F == Fetch::NTA {
+            fetch_stream(wp);
         }
         [
             _mm512_dpbf16_ps(acc[0], load_pbh(wp), xb),

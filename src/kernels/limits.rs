@@ -9,8 +9,10 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
 /// The ways the probe reads, as prefetch distances: 0 is plain loads (the hardware prefetcher
-/// alone); the others prefetch that many bytes ahead, as the matrix kernels stream weights.
-const READS: [usize; 3] = [0, 512, 1024];
+/// alone); the others prefetch that many bytes ahead, non-temporal, as the matrix kernels may
+/// stream weights ([`super::Fetch::Nta`] asks 2 KiB ahead), so that no way the kernels read
+/// is faster than the fastest of these.
+const READS: [usize; 4] = [0, 512, 1024, 2048];
 
 /// Sums `buf` with every team thread, each over its own contiguous share (as the kernels
 /// split a matrix), with wide independent accumulators so loads are the limit, prefetching

@@ -598,7 +598,7 @@ mod tests {
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                     };
                     let near = run(Fetch::Near);
-                    for f in [Fetch::None, Fetch::Far] {
+                    for f in [Fetch::None, Fetch::Far, Fetch::Nta] {
                         assert_eq!(run(f), near, "{path:?} {} {rows}x{cols} {f:?}", w.dtype_name());
                     }
                 }

@@ -232,16 +232,20 @@ pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut 
 /// measured (32 MiB), so the products stream from memory as a decode step's do.
 const PICK_MIN_BYTES: usize = 64 << 20;
 /// Bytes it times at the most, so a large shard does not slow its start: each way is timed
-/// three times, nine passes of ~4–7 ms per 256 MiB on the 2-core test machines.
+/// [`PICK_ROUNDS`] times, twenty passes of ~3–7 ms per 256 MiB on the 2-core test machines.
 const PICK_MAX_BYTES: usize = 256 << 20;
+/// Passes per way. Each way's median pass decides: on the 2-core Zen 5 machine the fastest of
+/// three passes picked a way that decoded 3% slower than the best in about one start in five.
+const PICK_ROUNDS: usize = 5;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
 /// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a
-/// decode step runs them, three times under each way, interleaved. Sets the fastest for the
-/// process ([`dot::set_fetch`]) and returns it, with each way's fastest pass in seconds (in
-/// [`Fetch::ALL`]'s order). `None`, and nothing set, when the matrices hold less than
-/// 64 MiB: they would be timed in cache, where the prefetch hardly matters.
-pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; 3])> {
+/// decode step runs them, [`PICK_ROUNDS`] times under each way, interleaved. Sets the way
+/// with the shortest median pass for the process ([`dot::set_fetch`]) and returns it, with
+/// each way's median pass in seconds (in [`Fetch::ALL`]'s order). `None`, and nothing set,
+/// when the matrices hold less than 64 MiB: they would be timed in cache, where the prefetch
+/// hardly matters.
+pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
     for &m in mats {
         if bytes >= PICK_MAX_BYTES {
@@ -258,11 +262,12 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
     let x: Vec<f32> = (0..cols).map(|c| ((c % 13) as f32 - 6.0) / 64.0).collect();
     let mut out = vec![0.0f32; rows];
     let shared = SharedSlice::new(&mut out);
-    let mut best = [f64::INFINITY; 3];
-    for round in 0..3 {
-        for k in 0..3 {
+    let ways = Fetch::ALL.len();
+    let mut secs: [Vec<f64>; Fetch::ALL.len()] = Default::default();
+    for round in 0..PICK_ROUNDS {
+        for k in 0..ways {
             // Each round starts with another way, so none is always the first after the last.
-            let k = (k + round) % 3;
+            let k = (k + round) % ways;
             dot::set_fetch(Fetch::ALL[k]);
             let t = std::time::Instant::now();
             team.region(&|r| {
@@ -272,12 +277,16 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
                     matmul(r, m, &x[..m.cols], 1, unsafe { shared.range(0, m.rows) });
                 }
             });
-            best[k] = best[k].min(t.elapsed().as_secs_f64());
+            secs[k].push(t.elapsed().as_secs_f64());
         }
     }
-    let k = (0..3).min_by(|&a, &b| best[a].total_cmp(&best[b])).unwrap_or(1);
+    let median = secs.map(|mut s| {
+        s.sort_by(f64::total_cmp);
+        s[s.len() / 2]
+    });
+    let k = (0..ways).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(1);
     dot::set_fetch(Fetch::ALL[k]);
-    Some((Fetch::ALL[k], best))
+    Some((Fetch::ALL[k], median))
 }
 
 thread_local! {

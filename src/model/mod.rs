@@ -332,7 +332,7 @@ impl Shard {
     /// Chooses how this rank's one-token products prefetch ([`kernels::pick_fetch`]) by timing
     /// its own layers' products, in the order a decode step runs them; `None` when they are
     /// too small to tell.
-    pub fn pick_fetch(&self, team: &Team) -> Option<(kernels::Fetch, [f64; 3])> {
+    pub fn pick_fetch(&self, team: &Team) -> Option<(kernels::Fetch, [f64; kernels::Fetch::ALL.len()])> {
         let mats: Vec<&PackedMat> =
             self.layers.iter().flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]).collect();
         kernels::pick_fetch(team, &mats)
