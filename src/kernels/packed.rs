@@ -232,17 +232,20 @@ pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut 
 /// measured (32 MiB), so the products stream from memory as a decode step's do.
 const PICK_MIN_BYTES: usize = 64 << 20;
 /// Bytes it times at the most, so a large shard does not slow its start: each way is timed
-/// [`PICK_ROUNDS`] times, twenty passes of ~3–7 ms per 256 MiB on the 2-core test machines.
+/// [`PICK_ROUNDS`] times, 28 passes of ~3–7 ms per 256 MiB on the 2-core test machines.
 const PICK_MAX_BYTES: usize = 256 << 20;
-/// Passes per way. Each way's median pass decides: on the 2-core Zen 5 machine the fastest of
-/// three passes picked a way that decoded 3% slower than the best in about one start in five.
-const PICK_ROUNDS: usize = 5;
+/// Passes per way. Each way's median pass, as a share of its round, decides. On the 2-core
+/// Zen 5 machine (SmolLM2 bf16) the fastest of three passes picked a way that decoded ~3%
+/// slower than the best in 4 starts of 14, the plain median of five in 6 of 40, this in 1 of
+/// 12.
+const PICK_ROUNDS: usize = 7;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
 /// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a
 /// decode step runs them, [`PICK_ROUNDS`] times under each way, interleaved. Sets the way
 /// with the shortest median pass for the process ([`dot::set_fetch`]) and returns it, with
-/// each way's median pass in seconds (in [`Fetch::ALL`]'s order). `None`, and nothing set,
+/// each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order).
+/// `None`, and nothing set,
 /// when the matrices hold less than 64 MiB: they would be timed in cache, where the prefetch
 /// hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
@@ -280,9 +283,14 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
             secs[k].push(t.elapsed().as_secs_f64());
         }
     }
-    let median = secs.map(|mut s| {
-        s.sort_by(f64::total_cmp);
-        s[s.len() / 2]
+    // Each pass as a share of its round's mean, so that a host's drift from round to round
+    // does not count for the ways timed while it read faster.
+    let mean: Vec<f64> =
+        (0..PICK_ROUNDS).map(|r| secs.iter().map(|s| s[r]).sum::<f64>() / ways as f64).collect();
+    let median = secs.map(|s| {
+        let mut rel: Vec<f64> = s.iter().zip(&mean).map(|(t, m)| t / m).collect();
+        rel.sort_by(f64::total_cmp);
+        rel[rel.len() / 2]
     });
     let k = (0..ways).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(1);
     dot::set_fetch(Fetch::ALL[k]);
