@@ -480,9 +480,10 @@ pub enum Fetch {
     /// [`Fetch::Near`], and 8 KiB ahead into L2 as well (as the many-token kernels ask), so
     /// the start of each thread's share is asked for before the hardware sees a stream.
     Far,
-    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8), as the bandwidth probe reads:
-    /// weights read once per step then displace less of what a step reads again (inputs,
-    /// activations, KV pages).
+    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8), as the bandwidth probe reads.
+    /// The hint is meant to let weights, read once a step, displace less of what a step reads
+    /// again (inputs, activations, KV pages); why it streams faster on Zen 5 (by how much:
+    /// the kernels' `fetch_stream`) was not measured.
     Nta,
 }
 

@@ -242,7 +242,7 @@ const PICK_ROUNDS: usize = 7;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
 /// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a
-/// decode step runs them, [`PICK_ROUNDS`] times under each way, interleaved. Sets the way
+/// decode step runs them, seven times (`PICK_ROUNDS`) under each way, interleaved. Sets the way
 /// with the shortest median pass for the process ([`dot::set_fetch`]) and returns it, with
 /// each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order).
 /// `None`, and nothing set,
