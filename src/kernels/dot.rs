@@ -1249,7 +1249,8 @@ mod avx2 {
     /// non-temporal. On the 2-core Zen 5 machine, SmolLM2 bf16 decode in `vdpbf16ps` (steps
     /// alternating between two ways within a run) took 2–5% less time a step with it than
     /// with `Near` or `Far`, while the cores sat apart and together; 1 KiB ahead was ~1%
-    /// slower than 2 KiB, 512 bytes 2–3%, and 4 KiB the same.
+    /// slower than 2 KiB, 512 bytes 2–3%, and 4 KiB the same. At 2 KiB the hint counts: T0
+    /// (into L1 and L2) 1–3% slower, T1 (into L2) 2–5% slower.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn fetch_stream<T>(wp: *const T) {
