@@ -482,8 +482,8 @@ pub enum Fetch {
     Far,
     /// 2 KiB ahead with the non-temporal hint (4 KiB for int8), as the bandwidth probe reads.
     /// The hint is meant to let weights, read once a step, displace less of what a step reads
-    /// again (inputs, activations, KV pages); why it streams faster on Zen 5 (by how much:
-    /// the kernels' `fetch_stream`) was not measured.
+    /// again (inputs, activations, KV pages). How much faster it streamed on Zen 5 is given at
+    /// the kernels' `fetch_stream`; why was not measured.
     Nta,
 }
 
@@ -1603,6 +1603,22 @@ mod avx512 {
         fetch_chunk::<T, 256, _MM_HINT_T0>(wp);
     }
 
+    /// What the 512-bit one-token kernels ask for ahead of the chunk at `wp`, as the
+    /// [`Fetch`] of code `F` says.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn fetch_one_token<T, const F: u8>(wp: *const T) {
+        if F == Fetch::NEAR || F == Fetch::FAR {
+            fetch_near(wp);
+        }
+        if F == Fetch::FAR {
+            fetch_far(wp);
+        }
+        if F == Fetch::NTA {
+            fetch_stream(wp);
+        }
+    }
+
     /// `exp(x)` on sixteen lanes, each through exactly [`exp8`](super::avx2::exp8)'s operations,
     /// so a lane gives the same bits in either.
     #[inline]
@@ -1853,15 +1869,7 @@ mod avx512 {
             let sums = by_blocks(n, kb, |mut c, end| {
                 let mut acc = [_mm512_setzero_ps(); 4];
                 while c < end {
-                    if F == Fetch::NEAR || F == Fetch::FAR {
-                        fetch_near(wp);
-                    }
-                    if F == Fetch::FAR {
-                        fetch_far(wp);
-                    }
-                    if F == Fetch::NTA {
-                        fetch_stream(wp);
-                    }
+                    fetch_one_token::<T, F>(wp);
                     let xv = _mm512_loadu_ps(xp.add(c));
                     for (r, a) in acc.iter_mut().enumerate() {
                         *a = _mm512_fmadd_ps(T::load_zmm(wp.add(r * BLOCK)), xv, *a);
@@ -1986,15 +1994,7 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
     unsafe fn chunk_bf16<const F: u8>(acc: [__m512; 2], wp: *const bf16, xb: __m512bh) -> [__m512; 2] {
-        if F == Fetch::NEAR || F == Fetch::FAR {
-            fetch_near(wp);
-        }
-        if F == Fetch::FAR {
-            fetch_far(wp);
-        }
-        if F == Fetch::NTA {
-            fetch_stream(wp);
-        }
+        fetch_one_token::<bf16, F>(wp);
         [
             _mm512_dpbf16_ps(acc[0], load_pbh(wp), xb),
             _mm512_dpbf16_ps(acc[1], load_pbh(wp.add(2 * BLOCK)), xb),

@@ -244,10 +244,9 @@ const PICK_ROUNDS: usize = 7;
 /// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a
 /// decode step runs them, seven times (`PICK_ROUNDS`) under each way, interleaved. Sets the way
 /// with the shortest median pass for the process ([`dot::set_fetch`]) and returns it, with
-/// each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order).
-/// `None`, and nothing set,
-/// when the matrices hold less than 64 MiB: they would be timed in cache, where the prefetch
-/// hardly matters.
+/// each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order). `None`,
+/// and nothing set, when the matrices hold less than 64 MiB: they would be timed in cache,
+/// where the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
     for &m in mats {
