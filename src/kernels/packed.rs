@@ -301,8 +301,8 @@ thread_local! {
     static PREPARED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// One panel's column block widened to f32 ([`dot::widen_for_avx2`]), reused.
     static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// The inputs rounded to bf16 and paired for [`Isa::Avx512Bf16`]'s many-token kernel.
-    static PAIRED: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The inputs rounded to bf16 for [`Isa::Avx512Bf16`]'s many-token kernel.
+    static ROUNDED: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Each token group's running sums between the column sub-blocks of a paired product
     /// ([`PAIR_SUB_BLOCK`]), reused.
     #[cfg(target_arch = "x86_64")]
@@ -423,15 +423,15 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
 }
 
 /// Many tokens of bf16 weights on [`Isa::Avx512Bf16`]: the prepared inputs `xp` (`[n_tok,
-/// cols_p]`) rounded to bf16 and paired once ([`dot::pair_for_dot_bf16`]), then scheduled as
+/// cols_p]`) rounded to bf16 once ([`dot::round_for_dot_bf16`]), then scheduled as
 /// [`float_products`] does.
 fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok: usize, out: &mut [f32]) {
     let cols_p = w.cols_p;
-    PAIRED.with_borrow_mut(|buf| {
-        crate::grow(buf, 2 * n_tok * cols_p);
-        let paired = &mut buf[..2 * n_tok * cols_p];
-        dot::pair_for_dot_bf16(xp, paired, Isa::Avx512Bf16);
-        let paired = &*paired;
+    ROUNDED.with_borrow_mut(|buf| {
+        crate::grow(buf, n_tok * cols_p);
+        let rounded = &mut buf[..n_tok * cols_p];
+        dot::round_for_dot_bf16(xp, rounded, Isa::Avx512Bf16);
+        let rounded = &*rounded;
         let (kb, tile) = blocks(cols_p, K_BLOCK, n_tok, TILE_BYTES);
         if n_tok < PROMPT_FROM || (kb == cols_p && n_tok <= tile) {
             // One tile (decode of a batch, a short prompt in one column block): each thread
@@ -446,26 +446,26 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
                 let r0 = panels.start * PANEL;
                 // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f,
                 // avx512bf16, avx2, fma and f16c; `ws` is whole panels of `cols_p` columns and
-                // `paired` `2 cols_p` entries per token; token t's rows r0.. of this range lie
+                // `rounded` `cols_p` entries per token; token t's rows r0.. of this range lie
                 // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
                 let o = shared.span(r0, (n_tok - 1) * rows + (rows - r0).min(ws.len() / cols_p));
                 unsafe {
-                    dot::avx512_panels_many_bf16(ws, cols_p, paired, n_tok, o, rows, rows - r0, pairs, kb)
+                    dot::avx512_panels_many_bf16(ws, cols_p, rounded, n_tok, o, rows, rows - r0, pairs, kb)
                 };
             });
             return;
         }
-        schedule(team, (w.rows, cols_p, K_BLOCK, PAIRED_TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
+        schedule(team, (w.rows, cols_p, K_BLOCK, PAIRED_TILE), n_tok, out, &|panels, cr, ts, emit| {
             // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f, avx512bf16,
             // avx2, fma and f16c; `panels` lie in `d` (PANEL × cols_p each), `cr` in every
-            // paired input (2 cols_p each), `ts` among the `n_tok` inputs.
-            unsafe { paired_panels(d, cols_p, paired, panels, cr, ts, emit) }
+            // rounded input (cols_p each), `ts` among the `n_tok` inputs.
+            unsafe { paired_panels(d, cols_p, rounded, panels, cr, ts, emit) }
         });
     });
 }
 
 /// Most columns the paired kernel sums against a group of tokens before the next group: two
-/// panels' 768 columns (12 KiB) and four tokens' paired inputs (12 KiB) stay in L1, even in
+/// panels' 768 columns (12 KiB) and four tokens' inputs (6 KiB) stay in L1, even in
 /// the 32 KiB of a Zen 4 core. A wider column block goes by sub-blocks of at most this, each
 /// token group's running sums kept between them ([`RUNNING`]), so that they are the sums of
 /// one pass, bit for bit. (On the 2-core Zen 5 machine, 48 KiB of L1, llama-3.2-1b's products
@@ -500,29 +500,29 @@ const PROMPT_FROM: usize = 16;
 /// Token groups whose running sums a paired product keeps between sub-blocks at most: those
 /// of a tile of the narrowest block that has two (see [`tile_tokens`]).
 fn running_groups() -> usize {
-    tile_tokens(PAIR_SUB_BLOCK + CHUNK, PAIRED_TILE_BYTES).div_ceil(TOK_GROUP)
+    tile_tokens(PAIR_SUB_BLOCK + CHUNK, PAIRED_TILE).div_ceil(TOK_GROUP)
 }
 
-/// Sums columns `cr` of `panels` of bf16 weights `d` against tokens `ts` of the paired
-/// inputs (`2 cols_p` each), two panels at a time ([`dot::avx512_pair_acc_bf16`]), handing
+/// Sums columns `cr` of `panels` of bf16 weights `d` against tokens `ts` of the rounded
+/// inputs (`cols_p` each), two panels at a time ([`dot::avx512_pair_acc_bf16`]), handing
 /// each panel's sums per group of [`TOK_GROUP`] tokens to `emit` as [`PanelFn`] says.
 ///
 /// # Safety
 /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `panels` are whole panels of
 /// `d` (PANEL × cols_p each), `cr` lies within `cols_p` on chunk boundaries, and every token of
-/// `ts` has its paired input in `paired`.
+/// `ts` has its rounded input in `rounded`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn paired_panels(
     d: &[bf16],
     cols_p: usize,
-    paired: &[bf16],
+    rounded: &[bf16],
     panels: Range<usize>,
     cr: Range<usize>,
     ts: Range<usize>,
     emit: &mut Emit,
 ) {
     assert!(
-        panels.end * PANEL * cols_p <= d.len() && cr.end <= cols_p && ts.end * 2 * cols_p <= paired.len(),
+        panels.end * PANEL * cols_p <= d.len() && cr.end <= cols_p && ts.end * cols_p <= rounded.len(),
         "paired_panels: panels, columns or tokens out of range"
     );
     let subs = cr.len().div_ceil(PAIR_SUB_BLOCK);
@@ -549,7 +549,7 @@ unsafe fn paired_panels(
                     if s0 == cr.start {
                         *acc = zero();
                     }
-                    let x = |i: usize| paired.as_ptr().add(2 * (t + i.min(nt - 1)) * cols_p + 2 * s0);
+                    let x = |i: usize| rounded.as_ptr().add((t + i.min(nt - 1)) * cols_p + s0);
                     dot::avx512_pair_acc_bf16_n(np, nt, wp, stride, s1 - s0, std::array::from_fn(x), acc);
                     if s1 == cr.end {
                         for k in 0..np {
@@ -867,11 +867,18 @@ const PANEL_RUN_BYTES: usize = 192 << 10;
 /// The same for paired products ([`paired_panels`]), on CPUs with AVX512_BF16, whose L2 holds
 /// 1 MiB or more. (On the 2-core Zen 5 machine, in sub-blocks of 1024, the 16384 × 2048
 /// product of 512 tokens ran at 583–595 GFLOP/s with tiles of 512 KiB, 512–521 with 256 KiB,
-/// llama-3.2-1b's other products the same within the noise.)
+/// llama-3.2-1b's other products the same within the noise. Since its inputs are rounded to
+/// bf16 once, not stored twice over, llama-3.2-1b's prefill of 512 tokens ran at 305–332
+/// tokens/s with tiles of 512 KiB of them, 128 tokens, against 270–315 with 256 KiB, as many
+/// tokens as before, and 294–307 with 1 MiB.)
 const PAIRED_TILE_BYTES: usize = 512 << 10;
+/// [`PAIRED_TILE_BYTES`] as [`tile_tokens`] counts inputs (4 bytes a column): the rounded bf16
+/// inputs take 2.
+const PAIRED_TILE: usize = 2 * PAIRED_TILE_BYTES;
 
 /// Tokens per tile of a many-token product whose column blocks are `kb` wide, when a tile's
-/// inputs fill `bytes` (f32, or paired bf16: 4 bytes a column).
+/// inputs fill `bytes` at 4 bytes a column (f32; the rounded bf16 inputs of
+/// [`paired_products`] take half that).
 fn tile_tokens(kb: usize, bytes: usize) -> usize {
     (bytes / (kb * 4)).max(TOK_GROUP).next_multiple_of(TOK_GROUP)
 }
