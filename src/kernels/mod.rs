@@ -806,6 +806,73 @@ mod tests {
         }
     }
 
+    /// The many-token VNNI kernel, in 256-bit registers (AVX-VNNI) and in 512-bit ones
+    /// (AVX512-VNNI), whichever this CPU has, gives each token of a group the bits the
+    /// one-token kernel of every VNNI path gives it alone (inputs at the VNNI range, |q| ≤ 127,
+    /// extremes among random ones), for one to four tokens.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn int8_many_token_kernel_matches_one_token() {
+        let vnni: Vec<_> = dot::int8_kernels()
+            .into_iter()
+            .filter(|k| matches!(k, dot::Int8Path::AvxVnni | dot::Int8Path::Avx512Vnni))
+            .collect();
+        // The 256-bit kernel with AVX-VNNI, the 512-bit one with AVX512-VNNI.
+        let wide: Vec<bool> = vnni.iter().map(|&k| k == dot::Int8Path::Avx512Vnni).collect();
+        for &n in &[16usize, 32, 48, 2048] {
+            let ints = |len: usize, seed: u64| -> Vec<i8> {
+                rand_vec(len, seed).iter().map(|v| (v * 128.0).floor().clamp(-127.0, 127.0) as i8).collect()
+            };
+            let mut w = ints(4 * n, n as u64);
+            w.iter_mut().step_by(5).for_each(|v| *v = -127);
+            w[..16].fill(127);
+            let qs: Vec<Vec<i8>> = (0..4)
+                .map(|t| {
+                    let mut q = ints(n, 11 + t as u64);
+                    q[..16].fill(if t % 2 == 0 { 127 } else { -127 });
+                    q
+                })
+                .collect();
+            let us: Vec<Vec<u8>> = qs
+                .iter()
+                .map(|q| {
+                    let mut u = vec![0u8; n];
+                    dot::offset_q8(q, &mut u);
+                    u
+                })
+                .collect();
+            let ss: Vec<Vec<f32>> = (0..4)
+                .map(|t| rand_vec(n.div_ceil(32), 20 + t).iter().map(|v| v.abs() + 0.01).collect())
+                .collect();
+            let rs: Vec<f32> = rand_vec(4, 3).iter().map(|v| v.abs() + 0.01).collect();
+            for &k in &vnni {
+                let alone: Vec<[f32; 4]> = (0..4)
+                    .map(|t| {
+                        let mut out = [f32::NAN; 4];
+                        // SAFETY: `k` is a path this CPU runs; the lengths are as the kernel asks.
+                        unsafe { dot::avx2_panels_q8(&w, &qs[t], &ss[t], &rs, &mut out, Fetch::Near, k) };
+                        out
+                    })
+                    .collect();
+                for (nt, &wide) in (1..=4).flat_map(|nt| wide.iter().map(move |w| (nt, w))) {
+                    let mut out = vec![[f32::NAN; 4]; nt];
+                    let x = std::array::from_fn(|t| us[t.min(nt - 1)].as_ptr());
+                    let s = std::array::from_fn(|t| ss[t.min(nt - 1)].as_ptr());
+                    // SAFETY: the CPU has AVX512-VNNI where `wide`, else AVX-VNNI; each token's
+                    // offset input and scales cover the `n` columns.
+                    unsafe { dot::avx2_panel_q8_many(&w, x, s, &rs, &mut out, wide) };
+                    for t in 0..nt {
+                        let (got, want) = (out[t].map(f32::to_bits), alone[t].map(f32::to_bits));
+                        assert_eq!(
+                            got, want,
+                            "one token on {k:?}, many wide {wide}: n {n}, {nt} tokens, token {t}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The int8 path keeps its quantized inputs between calls. A narrow matrix needs more
     /// group scales per input value than a wide one, so after a wide product a narrow one with
     /// many tokens must still find room for its scales.

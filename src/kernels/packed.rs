@@ -307,9 +307,10 @@ thread_local! {
     /// ([`PAIR_SUB_BLOCK`]), reused.
     #[cfg(target_arch = "x86_64")]
     static RUNNING: std::cell::RefCell<Vec<dot::PairAcc>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// The inputs quantized for int8 weights: values, and one scale per chunk.
-    static QUANTIZED: std::cell::RefCell<(Vec<i8>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// The inputs quantized for int8 weights: values, one scale per chunk, and for many
+    /// tokens on a VNNI path the values offset to unsigned ([`dot::offset_q8`]).
+    static QUANTIZED: std::cell::RefCell<(Vec<i8>, Vec<f32>, Vec<u8>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Sizes the calling thread's buffers for widened panels and for the running sums of paired
@@ -603,7 +604,7 @@ fn matmul_int8(
     let (cols, cols_p) = (w.cols, w.cols_p);
     let kc = cols_p.div_ceil(XGROUP);
     let path = dot::int8_path_for(isa);
-    QUANTIZED.with_borrow_mut(|(xq, xs)| {
+    QUANTIZED.with_borrow_mut(|(xq, xs, xu)| {
         crate::grow(xq, n_tok * cols_p);
         crate::grow(xs, n_tok * kc);
         for t in 0..n_tok {
@@ -637,6 +638,15 @@ fn matmul_int8(
             });
             return;
         }
+        // On a VNNI path a token group goes through each panel at once, its inputs offset to
+        // unsigned ([`dot::avx2_panel_q8_many`]); elsewhere token by token.
+        let many = matches!(path, Int8Path::AvxVnni | Int8Path::Avx512Vnni);
+        let wide = dot::int8_many_wide(isa);
+        if many {
+            crate::grow(xu, n_tok * cols_p);
+            dot::offset_q8(xq, &mut xu[..n_tok * cols_p]);
+        }
+        let xu = &xu[..if many { n_tok * cols_p } else { 0 }];
         // A row in one column block, as one token sums it, however many tokens: a token's
         // sums are then the same bits in any step. The inputs are a byte a column, so a tile's
         // fill `TILE_BYTES` with four times the tokens of a float tile.
@@ -644,11 +654,25 @@ fn matmul_int8(
             let groups = cr.start / XGROUP..cr.end.div_ceil(XGROUP);
             for p in panels {
                 let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+                let row_scales = &scales[p * PANEL..(p + 1) * PANEL];
                 by_groups(p, ts.clone(), emit, |t, acc| {
+                    #[cfg(target_arch = "x86_64")]
+                    if many {
+                        let i = |i: usize| t + i.min(acc.len() - 1);
+                        let x = std::array::from_fn(|k| xu[i(k) * cols_p + cr.start..].as_ptr());
+                        let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
+                        // SAFETY: a VNNI path is only produced after detecting avx2, fma, f16c
+                        // and its VNNI, `wide` only after detecting AVX512-VNNI on a 512-bit
+                        // ISA (else the path is AVX-VNNI); `panel` is four rows of the block's
+                        // columns (a multiple of CHUNK), and each token's offset input and
+                        // scales cover them.
+                        unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc, wide) };
+                        return;
+                    }
                     for (i, a) in acc.iter_mut().enumerate() {
                         let (q, s) =
                             (&xq[(t + i) * cols_p..][cr.clone()], &xs[(t + i) * kc..][groups.clone()]);
-                        run(panel, q, s, &scales[p * PANEL..(p + 1) * PANEL], a, Fetch::Near);
+                        run(panel, q, s, row_scales, a, Fetch::Near);
                     }
                 });
             }
