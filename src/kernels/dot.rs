@@ -246,10 +246,10 @@ pub fn offset_q8(q: &[i8], out: &mut [u8]) {
     }
 }
 
-/// Whether int8 products of many tokens on `isa` run the many-token kernel in 512-bit
-/// registers ([`avx2_panel_q8_many`]'s `wide`): where the CPU has AVX512-VNNI and `isa` is a
-/// 512-bit one, as for [`Int8Path::Avx512Vnni`].
-pub fn int8_many_wide(isa: Isa) -> bool {
+/// Whether int8 products of many tokens on `isa` take a token group through each panel at once
+/// ([`avx2_panel_q8_many`]): where the CPU has AVX512-VNNI and `isa` is a 512-bit one, as for
+/// [`Int8Path::Avx512Vnni`] (the int8 path is then a VNNI one, its inputs |q| ≤ 127).
+pub fn int8_many(isa: Isa) -> bool {
     let evex = !NO_VNNI.get() && vnni_native().1;
     evex && matches!(isa, Isa::Avx512 | Isa::Avx512Bf16)
 }
@@ -1559,47 +1559,35 @@ mod avx2 {
     /// `i`'s input offset to unsigned (`q + 128`, [`super::offset_q8`]), `s[i]` its scales.
     ///
     /// [`panels_q8`] multiplies |q| by the weights with their signs flipped where q is
-    /// negative: three sign operations and two `vpdpbusd` per chunk and token. Here each
-    /// chunk's weights meet every token's `q + 128` in `vpdpbusd` alone, and the `128 · w` this
-    /// adds is taken off every lane once per group of two chunks (a `vpdpbusd` of 128s per
-    /// chunk, shared by the tokens): each lane then holds the integer the one-token kernel's
-    /// lane holds (the sums are exact), and is scaled and added in f32 as there. With `wide`
-    /// (AVX512-VNNI) a chunk is one 512-bit register whose lanes are those of the one-token
-    /// kernel's two, four tokens a call; else (AVX-VNNI, 16 registers) two 256-bit registers,
-    /// two tokens a call.
+    /// negative: three sign operations and two `vpdpbusd` per chunk and token. Here a chunk
+    /// (four rows, one 512-bit register whose lanes are those of the one-token kernel's two)
+    /// meets every token's `q + 128` in one `vpdpbusd`, and the `128 · w` this adds is taken
+    /// off every lane once per group of two chunks (a `vpdpbusd` of 128s per chunk, shared by
+    /// the tokens): each lane then holds the integer the one-token kernel's lane holds (the
+    /// sums are exact), and is scaled and added in f32 as there. (In 256-bit registers, two
+    /// tokens a call with AVX-VNNI's 16 registers, it was no faster than token by token on the
+    /// 2-core Zen 5 machine: int8 prefill of 512 tokens on the llama-3.2-1b shape at 177–186
+    /// tokens/s against 185–191 with `GRIDLM_NO_AVX512=1`.)
     ///
     /// # Safety
-    /// The CPU must have avx2, fma and f16c, and avx512f with avx512vnni if `wide`, else
-    /// avxvnni; `n` is a multiple of [`BLOCK`], `w.len() == 4 n`, `row_scales.len() == 4`,
-    /// `1 <= out.len() <= 4`, and for each `i` below `out.len()` `xu[i]` is valid for `n`
-    /// reads and `s[i]` for `n.div_ceil(2 BLOCK)`.
+    /// The CPU must have avx2, fma, f16c, avx512f and avx512vnni; `n` is a multiple of
+    /// [`BLOCK`], `w.len() == 4 n`, `row_scales.len() == 4`, `1 <= out.len() <= 4`, and for
+    /// each `i` below `out.len()` `xu[i]` is valid for `n` reads and `s[i]` for
+    /// `n.div_ceil(2 BLOCK)`.
     pub unsafe fn panel_q8_many(
         w: &[i8],
         xu: [*const u8; 4],
         s: [*const f32; 4],
         row_scales: &[f32],
         out: &mut [[f32; 4]],
-        wide: bool,
     ) {
         let [a, b, c, d] = xu;
         let [sa, sb, sc, sd] = s;
-        if wide {
-            return match out.len() {
-                4 => panel_q8_many_zmm::<4>(w, [a, b, c, d], [sa, sb, sc, sd], row_scales, out),
-                3 => panel_q8_many_zmm::<3>(w, [a, b, c], [sa, sb, sc], row_scales, out),
-                2 => panel_q8_many_zmm::<2>(w, [a, b], [sa, sb], row_scales, out),
-                _ => panel_q8_many_zmm::<1>(w, [a], [sa], row_scales, out),
-            };
-        }
-        let (first, rest) = out.split_at_mut(out.len().min(2));
-        match first.len() {
-            1 => panel_q8_many_avx::<1>(w, [a], [sa], row_scales, first),
-            _ => panel_q8_many_avx::<2>(w, [a, b], [sa, sb], row_scales, first),
-        }
-        match rest.len() {
-            0 => {}
-            1 => panel_q8_many_avx::<1>(w, [c], [sc], row_scales, rest),
-            _ => panel_q8_many_avx::<2>(w, [c, d], [sc, sd], row_scales, rest),
+        match out.len() {
+            4 => panel_q8_many_zmm::<4>(w, [a, b, c, d], [sa, sb, sc, sd], row_scales, out),
+            3 => panel_q8_many_zmm::<3>(w, [a, b, c], [sa, sb, sc], row_scales, out),
+            2 => panel_q8_many_zmm::<2>(w, [a, b], [sa, sb], row_scales, out),
+            _ => panel_q8_many_zmm::<1>(w, [a], [sa], row_scales, out),
         }
     }
 
@@ -1615,53 +1603,8 @@ mod avx2 {
         _mm_mul_ps(v, rs)
     }
 
-    /// [`panel_q8_many`] on `NT` tokens in 256-bit registers (AVX-VNNI).
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn panel_q8_many_avx<const NT: usize>(
-        w: &[i8],
-        xu: [*const u8; NT],
-        s: [*const f32; NT],
-        row_scales: &[f32],
-        out: &mut [[f32; 4]],
-    ) {
-        let n = w.len() / 4;
-        debug_assert!(n.is_multiple_of(BLOCK) && out.len() == NT && row_scales.len() == 4);
-        let ones = _mm256_set1_epi8(-128); // 128 as the unsigned operand
-        let zero = _mm256_setzero_si256();
-        let mut acc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); NT];
-        let kc = n / BLOCK;
-        let mut wp = w.as_ptr();
-        let mut k = 0;
-        while k < kc {
-            // Chunks k and k + 1 (one scale group): each token's (q + 128) · w, and 128 · w.
-            let mut p = [(zero, zero); NT];
-            let mut off = (zero, zero);
-            for kk in k..(k + 2).min(kc) {
-                _mm_prefetch(wp.wrapping_add(4096), _MM_HINT_T0);
-                let w01 = _mm256_loadu_si256(wp as *const __m256i);
-                let w23 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
-                off = (add_dpbusd_avx(off.0, ones, w01), add_dpbusd_avx(off.1, ones, w23));
-                for (pt, x) in p.iter_mut().zip(xu) {
-                    let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(x.add(kk * BLOCK) as *const __m128i));
-                    *pt = (add_dpbusd_avx(pt.0, x, w01), add_dpbusd_avx(pt.1, x, w23));
-                }
-                wp = wp.add(4 * BLOCK);
-            }
-            for ((a, pt), st) in acc.iter_mut().zip(p).zip(s) {
-                let sc = _mm256_set1_ps(*st.add(k / 2));
-                a.0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(pt.0, off.0)), sc, a.0);
-                a.1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(pt.1, off.1)), sc, a.1);
-            }
-            k += 2;
-        }
-        let rs = _mm_loadu_ps(row_scales.as_ptr());
-        for ((acc01, acc23), o) in acc.into_iter().zip(out.iter_mut()) {
-            _mm_storeu_ps(o.as_mut_ptr(), finish_q8(acc01, acc23, rs));
-        }
-    }
-
-    /// [`panel_q8_many`] on `NT` tokens in 512-bit registers (AVX512-VNNI): a chunk's four rows
-    /// in one register, lanes 0–7 those of rows 0–1, 8–15 those of rows 2–3.
+    /// [`panel_q8_many`] on `NT` tokens: a chunk's four rows in one register, lanes 0–7 those of
+    /// rows 0–1, 8–15 those of rows 2–3.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni")]
     unsafe fn panel_q8_many_zmm<const NT: usize>(
         w: &[i8],

@@ -638,10 +638,9 @@ fn matmul_int8(
             });
             return;
         }
-        // On a VNNI path a token group goes through each panel at once, its inputs offset to
+        // With AVX512-VNNI a token group goes through each panel at once, its inputs offset to
         // unsigned ([`dot::avx2_panel_q8_many`]); elsewhere token by token.
-        let many = matches!(path, Int8Path::AvxVnni | Int8Path::Avx512Vnni);
-        let wide = dot::int8_many_wide(isa);
+        let many = dot::int8_many(isa);
         if many {
             crate::grow(xu, n_tok * cols_p);
             dot::offset_q8(xq, &mut xu[..n_tok * cols_p]);
@@ -661,12 +660,11 @@ fn matmul_int8(
                         let i = |i: usize| t + i.min(acc.len() - 1);
                         let x = std::array::from_fn(|k| xu[i(k) * cols_p + cr.start..].as_ptr());
                         let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
-                        // SAFETY: a VNNI path is only produced after detecting avx2, fma, f16c
-                        // and its VNNI, `wide` only after detecting AVX512-VNNI on a 512-bit
-                        // ISA (else the path is AVX-VNNI); `panel` is four rows of the block's
-                        // columns (a multiple of CHUNK), and each token's offset input and
-                        // scales cover them.
-                        unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc, wide) };
+                        // SAFETY: `many` only after detecting AVX512-VNNI on a 512-bit ISA
+                        // (itself only after detecting avx512f, avx2, fma and f16c), where the
+                        // path is a VNNI one; `panel` is four rows of the block's columns (a
+                        // multiple of CHUNK), and each token's offset input and scales cover them.
+                        unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc) };
                         return;
                     }
                     for (i, a) in acc.iter_mut().enumerate() {
