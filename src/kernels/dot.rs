@@ -228,10 +228,9 @@ pub fn int8_path_for(isa: Isa) -> Int8Path {
     if isa == Isa::Portable {
         return Int8Path::Portable;
     }
-    let (avx, evex) = if NO_VNNI.get() { (false, false) } else { vnni_native() };
-    if avx {
+    if !NO_VNNI.get() && vnni_native().0 {
         Int8Path::AvxVnni
-    } else if evex && matches!(isa, Isa::Avx512 | Isa::Avx512Bf16) {
+    } else if int8_many(isa) {
         Int8Path::Avx512Vnni
     } else {
         Int8Path::Maddubs
@@ -247,11 +246,12 @@ pub fn offset_q8(q: &[i8], out: &mut [u8]) {
 }
 
 /// Whether int8 products of many tokens on `isa` take a token group through each panel at once
-/// ([`avx2_panel_q8_many`]): where the CPU has AVX512-VNNI and `isa` is a 512-bit one, as for
-/// [`Int8Path::Avx512Vnni`] (the int8 path is then a VNNI one, its inputs |q| ≤ 127).
+/// ([`avx2_panel_q8_many`]): where `isa` may run AVX512-VNNI, as [`int8_path_for`] asks before
+/// picking [`Int8Path::Avx512Vnni`] (the CPU has it, `isa` is a 512-bit one, and neither
+/// `GRIDLM_NO_VNNI` nor [`without_vnni`] holds). The int8 path is then a VNNI one, its inputs
+/// |q| ≤ 127.
 pub fn int8_many(isa: Isa) -> bool {
-    let evex = !NO_VNNI.get() && vnni_native().1;
-    evex && matches!(isa, Isa::Avx512 | Isa::Avx512Bf16)
+    !NO_VNNI.get() && vnni_native().1 && matches!(isa, Isa::Avx512 | Isa::Avx512Bf16)
 }
 
 /// Whether this CPU has AVX-VNNI, and AVX512-VNNI with AVX512VL (both false where
