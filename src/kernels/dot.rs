@@ -2338,7 +2338,7 @@ mod avx512 {
         std::mem::transmute(_mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i)))
     }
 
-    /// 32 bf16 values (two rows' chunks of a panel, or a paired input block) as one register.
+    /// 32 bf16 values, two rows' chunks of a panel, as one register.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn load_pbh(p: *const bf16) -> __m512bh {
