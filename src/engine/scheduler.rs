@@ -273,6 +273,12 @@ impl Engine {
             };
             let mut r: StepResult = self.collect(f.emitting.len(), link)?;
             busy[f.group] = false;
+            // A step's tokens arrive together: one time for all of them, not one per token
+            // taken after the ones before it were handed on (and, for `generate`, printed).
+            // (Stamped one by one, a batch of 4 with 2 new tokens each had no gap that began
+            // after the last first token and ended before the first last one, and `bench`
+            // reported no decode at all.)
+            let now = ms(t0, paused);
             for (&i, &tok) in f.emitting.iter().zip(&r.tokens) {
                 let req = &requests[i];
                 let c = &mut out[i];
@@ -280,7 +286,7 @@ impl Engine {
                     c.prompt_logits = r.logits.take();
                 }
                 c.token_ids.push(tok);
-                c.times_ms.push(ms(t0, paused));
+                c.times_ms.push(now);
                 let go_on = on_token(i, tok)?;
                 let pos = req.prompt.len() + c.token_ids.len() - 1;
                 let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
