@@ -33,6 +33,11 @@ pub struct RankReport {
     /// [`crate::kernels::Fetch`]), and what decided it (`timed`, `GRIDLM_PREFETCH` or `default`).
     pub prefetch: String,
     pub prefetch_by: String,
+    /// How its many-token bf16 products on AVX512_BF16 prefetch (`l2` or `nta`,
+    /// [`crate::kernels::ManyFetch`]), and what decided it (`timed`, `GRIDLM_MANY_PREFETCH` or
+    /// `default`: not timed, as for a run of one token a step).
+    pub many_prefetch: String,
+    pub many_prefetch_by: String,
     /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
     /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
     /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
@@ -317,7 +322,7 @@ impl BenchReport {
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}); kernels {}{}\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}), many tokens {} ({}); kernels {}{}\n",
                 r.rank,
                 r.stage,
                 r.tp,
@@ -330,6 +335,8 @@ impl BenchReport {
                 r.sendrecv_ms,
                 r.prefetch,
                 r.prefetch_by,
+                r.many_prefetch,
+                r.many_prefetch_by,
                 r.isa,
                 r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );

@@ -14,7 +14,7 @@ use gridlm::engine::sampling::SamplingParams;
 use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::host;
-use gridlm::kernels::{dot, Fetch, Quant};
+use gridlm::kernels::{dot, Fetch, ManyFetch, Quant};
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
@@ -589,9 +589,9 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
     let t = engine.profile().per_step_ms().map(f64::to_bits);
     // u64::MAX: not counted (no decode step, or allocations are not counted).
     let allocs = engine.profile().allocations_per_step().map_or(u64::MAX, f64::to_bits);
-    // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL` and `Int8Path::ALL` (the
-    // order they are declared in; u64::MAX: weights not int8).
-    let prefetch = engine.prefetch();
+    // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL`, `Int8Path::ALL` and
+    // `ManyFetch::ALL` (the order they are declared in; u64::MAX: weights not int8).
+    let (prefetch, many_prefetch) = (engine.prefetch(), engine.many_prefetch());
     let isa = dot::detect();
     let int8 = if shard.weight_dtype() == "int8" { dot::int8_path_for(isa) as u64 } else { u64::MAX };
     let mine = [
@@ -612,6 +612,8 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
         prefetch.1 as u64,
         isa as u64,
         int8,
+        many_prefetch.0 as u64,
+        many_prefetch.1 as u64,
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -637,6 +639,8 @@ fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> V
             isa: dot::Isa::ALL.get(v[15] as usize).map_or("?", |i| i.name()).to_string(),
             int8_kernel: (v[16] != u64::MAX)
                 .then(|| dot::Int8Path::ALL.get(v[16] as usize).map_or("?", |k| k.name()).to_string()),
+            many_prefetch: ManyFetch::ALL.get(v[17] as usize).map_or("?", |f| f.name()).to_string(),
+            many_prefetch_by: PrefetchBy::ALL.get(v[18] as usize).map_or("?", |b| b.many_name()).to_string(),
         })
         .collect()
 }
@@ -815,6 +819,13 @@ fn run_generate(
     let mut engine = agree(link, Engine::new(shard, grid, threads, a.kv_dtype))?;
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
+    // The most tokens a decode step will hold, known to the driver (its prompts), for each
+    // rank's many-token prefetch.
+    let batch = prompts.as_ref().map_or(0, |(_, p)| p.len().min(a.batching.max_batch));
+    let mut all = vec![0u64; link.world_size()];
+    link.allgather_u64(&[batch as u64], &mut all);
+    let micro_batches = a.batching.overlap.micro_batches(grid.pp);
+    engine.pick_many_prefetch((all.into_iter().max().unwrap_or(0) as usize).div_ceil(micro_batches));
 
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
@@ -1087,6 +1098,8 @@ fn run_bench(
     let mut engine = agree(link, Engine::new(shard, grid, threads, a.kv_dtype))?;
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
+    let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
+    engine.pick_many_prefetch(a.work.batch.div_ceil(micro_batches));
 
     // The machine's limits, measured by every rank at once with its own kernel team, summed: the
     // same threads that run the kernels, competing for the same memory.
@@ -1113,7 +1126,6 @@ fn run_bench(
     // meet the same moments, where the readings around a run are seconds from most of its
     // steps. Steps that overlap in a pipeline leave no moment between them, so those runs are
     // read around.
-    let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
     let overlapped = micro_batches > 1 && !a.overlap.no_overlap;
     let between = a.bandwidth_reads == BandwidthReads::BetweenSteps && !overlapped;
     let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));

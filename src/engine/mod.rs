@@ -211,6 +211,8 @@ pub struct Engine {
     steps: usize,
     /// How this rank's one-token products prefetch, and what decided it.
     prefetch: (kernels::Fetch, PrefetchBy),
+    /// How this rank's many-token bf16 products prefetch, and what decided it.
+    many_prefetch: (kernels::ManyFetch, PrefetchBy),
     /// What [`Plan::Read`] runs on this rank (see [`Engine::set_reader`]).
     reader: Option<Reader>,
 }
@@ -218,14 +220,18 @@ pub struct Engine {
 /// A measurement a rank takes between steps with its kernel team ([`Plan::Read`]).
 pub type Reader = Box<dyn FnMut(&Team)>;
 
-/// What decided a rank's one-token prefetch ([`kernels::Fetch`]).
+/// What decided a rank's one-token prefetch ([`kernels::Fetch`]) or its many-token one
+/// ([`kernels::ManyFetch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefetchBy {
-    /// `GRIDLM_PREFETCH` named it.
+    /// `GRIDLM_PREFETCH` (`GRIDLM_MANY_PREFETCH`) named it.
     Env,
-    /// It was the fastest on the rank's own layers ([`Shard::pick_fetch`]).
+    /// It was the fastest on the rank's own layers ([`Shard::pick_fetch`],
+    /// [`Shard::pick_many_fetch`]).
     Timed,
-    /// The layers were too small to time: [`kernels::Fetch::Near`], the kernels' own.
+    /// Not timed: the kernels' own ([`kernels::Fetch::Near`], [`kernels::ManyFetch::L2`]).
+    /// The layers were too small to time, or (many tokens) the run decodes one token a step
+    /// or its products do not go through that kernel.
     Default,
 }
 
@@ -237,6 +243,14 @@ impl PrefetchBy {
             PrefetchBy::Env => "GRIDLM_PREFETCH",
             PrefetchBy::Timed => "timed",
             PrefetchBy::Default => "default",
+        }
+    }
+
+    /// [`PrefetchBy::name`] for the many-token prefetch, whose variable is another.
+    pub fn many_name(self) -> &'static str {
+        match self {
+            PrefetchBy::Env => "GRIDLM_MANY_PREFETCH",
+            b => b.name(),
         }
     }
 }
@@ -260,6 +274,22 @@ fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, Prefet
     Ok(chosen)
 }
 
+/// This rank's many-token prefetch as `GRIDLM_MANY_PREFETCH` names it (l2 or nta), set for the
+/// process ([`kernels::dot::set_many_fetch`]); else [`kernels::ManyFetch::L2`], until
+/// [`Engine::pick_many_prefetch`] times it.
+fn many_prefetch_from_env() -> Result<(kernels::ManyFetch, PrefetchBy)> {
+    let chosen = if let Some(v) = std::env::var_os("GRIDLM_MANY_PREFETCH") {
+        let v = v.to_string_lossy();
+        let f = kernels::ManyFetch::parse(v.trim())
+            .ok_or_else(|| Error::Input(format!("GRIDLM_MANY_PREFETCH is '{v}': expected l2 or nta")))?;
+        (f, PrefetchBy::Env)
+    } else {
+        (kernels::ManyFetch::L2, PrefetchBy::Default)
+    };
+    kernels::dot::set_many_fetch(chosen.0);
+    Ok(chosen)
+}
+
 impl Engine {
     /// `threads`: size of the kernel team; the calling (main) thread is its worker 0, so
     /// kernels start without crossing threads and every MPI call stays on the main thread.
@@ -273,6 +303,7 @@ impl Engine {
             Some((r, s, parts.next() == Some("panic")))
         });
         let prefetch = choose_prefetch(&shard, &team)?;
+        let many_prefetch = many_prefetch_from_env()?;
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
         let kv = shard.new_kv_pool(0, kv_dtype);
         Ok(Engine {
@@ -303,6 +334,7 @@ impl Engine {
             exit_at,
             steps: 0,
             prefetch,
+            many_prefetch,
             reader: None,
         })
     }
@@ -342,6 +374,24 @@ impl Engine {
     /// How this rank's one-token products prefetch, and what decided it.
     pub fn prefetch(&self) -> (kernels::Fetch, PrefetchBy) {
         self.prefetch
+    }
+
+    /// How this rank's many-token bf16 products prefetch, and what decided it.
+    pub fn many_prefetch(&self) -> (kernels::ManyFetch, PrefetchBy) {
+        self.many_prefetch
+    }
+
+    /// Times this rank's many-token prefetch on its own layers at `tokens` a decode step (the
+    /// most its run decodes at once; [`Shard::pick_many_fetch`]) and keeps the faster, unless
+    /// `GRIDLM_MANY_PREFETCH` named one or that kernel would not run such steps. Local to the
+    /// rank: no MPI.
+    pub fn pick_many_prefetch(&mut self, tokens: usize) {
+        if self.many_prefetch.1 == PrefetchBy::Env {
+            return;
+        }
+        if let Some((f, _)) = self.shard.pick_many_fetch(&self.team, tokens) {
+            self.many_prefetch = (f, PrefetchBy::Timed);
+        }
     }
 
     /// Largest number of positions a sequence may have.

@@ -540,8 +540,55 @@ pub fn set_fetch(f: Fetch) {
     FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Held by the tests that set the process's one-token prefetch ([`set_fetch`]), so that one
-/// does not change it under another's comparison.
+/// How the many-token bf16 kernel of AVX512_BF16 (a batch's decode step, a short prompt) asks
+/// for its weights, 16 KiB ahead: into L2 or non-temporal. On the 2-core Zen 5 machine the
+/// non-temporal hint made SmolLM2's layer products of 8 tokens 7–12% faster and of 12 tokens
+/// 3% (of 2 and 4 the same), and whole runs at a batch of 8 decode at 965–1009 tokens/s
+/// against 881–908 (together) and 1130–1169 against 1078 (apart); but an 8192 × 2048 product
+/// of 8 tokens ran 4% slower with it and of 4 tokens 7% faster. The better one depends on
+/// the shapes and the batch, so a run that decodes a batch times its own layers under both
+/// at start-up ([`super::packed::pick_many_fetch`]); `GRIDLM_MANY_PREFETCH` names one
+/// instead. No choice changes a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ManyFetch {
+    /// The T1 hint: into L2, where every token group of the call reads the chunk again.
+    L2,
+    /// The non-temporal hint.
+    Nta,
+}
+
+impl ManyFetch {
+    /// In declared order, so a way's discriminant is its index.
+    pub const ALL: [ManyFetch; 2] = [ManyFetch::L2, ManyFetch::Nta];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ManyFetch::L2 => "l2",
+            ManyFetch::Nta => "nta",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ManyFetch> {
+        ManyFetch::ALL.into_iter().find(|f| f.name() == s)
+    }
+}
+
+/// The process's [`ManyFetch`], as its discriminant; [`ManyFetch::L2`] until one is set.
+static MANY_FETCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(ManyFetch::L2 as u8);
+
+/// The way the many-token bf16 kernel prefetches in this process.
+pub fn many_fetch() -> ManyFetch {
+    let code = MANY_FETCH.load(std::sync::atomic::Ordering::Relaxed);
+    ManyFetch::ALL.get(code as usize).copied().unwrap_or(ManyFetch::L2)
+}
+
+/// Sets the way the many-token bf16 kernel prefetches in this process, from its next call on.
+pub fn set_many_fetch(f: ManyFetch) {
+    MANY_FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Held by the tests that set the process's one-token or many-token prefetch ([`set_fetch`],
+/// [`set_many_fetch`]), so that one does not change it under another's comparison.
 #[cfg(test)]
 pub(crate) static FETCH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -1664,7 +1711,7 @@ mod avx512 {
         by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far, fetch_stream,
         page_values as page_values_avx2, scale_max_from as scale_max_avx2, store_rows, Avx2Load,
     };
-    use super::{Elem, Fetch, BLOCK, SCORE_SETS};
+    use super::{Elem, Fetch, ManyFetch, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -2138,6 +2185,27 @@ mod avx512 {
         rows: usize,
         pairs: bool,
         kb: usize,
+        fetch: ManyFetch,
+    ) {
+        match fetch {
+            ManyFetch::L2 => panels_many_bf16_with::<false>(w, n, xs, n_tok, out, stride, rows, pairs, kb),
+            ManyFetch::Nta => panels_many_bf16_with::<true>(w, n, xs, n_tok, out, stride, rows, pairs, kb),
+        }
+    }
+
+    /// [`panels_many_bf16`], prefetching non-temporally with `NTA`, else into L2.
+    #[allow(clippy::too_many_arguments)] // as above
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+    unsafe fn panels_many_bf16_with<const NTA: bool>(
+        w: &[bf16],
+        n: usize,
+        xs: &[bf16],
+        n_tok: usize,
+        out: *mut f32,
+        stride: usize,
+        rows: usize,
+        pairs: bool,
+        kb: usize,
     ) {
         debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && xs.len() == n * n_tok);
         debug_assert!(kb.is_multiple_of(BLOCK) && kb > 0);
@@ -2184,7 +2252,15 @@ mod avx512 {
                     let nt = (n_tok - t).min(4);
                     let mut acc: PairAcc = std::mem::zeroed();
                     let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)).add(c0));
-                    pair_acc_bf16_n(np, nt, w.as_ptr().add(4 * n * p + 4 * c0), 4 * n, cn, xs, &mut acc);
+                    pair_acc_bf16_n::<NTA>(
+                        np,
+                        nt,
+                        w.as_ptr().add(4 * n * p + 4 * c0),
+                        4 * n,
+                        cn,
+                        xs,
+                        &mut acc,
+                    );
                     for k in 0..np {
                         put(pair_acc_finish(&acc, k), t, nt, 4 * (p + k), c0);
                     }
@@ -2217,7 +2293,7 @@ mod avx512 {
     /// [`BLOCK`]; `w + p stride` is valid for `4 n` reads for each panel `p`, `x[i]` for `n`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn pair_acc_bf16<const P: usize, const NT: usize>(
+    pub unsafe fn pair_acc_bf16<const P: usize, const NT: usize, const NTA: bool>(
         w: *const bf16,
         stride: usize,
         n: usize,
@@ -2232,8 +2308,12 @@ mod avx512 {
                 // 16 KiB ahead: on the 2-core Zen 4 machine SmolLM2's layer products of 8
                 // tokens took 3% less than with `fetch_far`'s 8 KiB (7.27 against 7.47 ms while
                 // the host read slowly, 8.61 against 8.92 while it read fast); 32 KiB did as
-                // well as 8.
-                fetch_chunk::<bf16, { 16 << 10 }, _MM_HINT_T1>(wp);
+                // well as 8. Into L2, or non-temporal ([`super::ManyFetch`]).
+                if NTA {
+                    fetch_chunk::<bf16, { 16 << 10 }, _MM_HINT_NTA>(wp);
+                } else {
+                    fetch_chunk::<bf16, { 16 << 10 }, _MM_HINT_T1>(wp);
+                }
                 [load_pbh(wp), load_pbh(wp.add(2 * BLOCK))]
             });
             for (t, xi) in x.iter().enumerate() {
@@ -2257,7 +2337,7 @@ mod avx512 {
     #[inline]
     #[allow(clippy::too_many_arguments)] // the panels, the inputs, and the sums to continue
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn pair_acc_bf16_n(
+    pub unsafe fn pair_acc_bf16_n<const NTA: bool>(
         np: usize,
         nt: usize,
         w: *const bf16,
@@ -2268,14 +2348,14 @@ mod avx512 {
     ) {
         let [a, b, c, d] = x;
         match (np, nt) {
-            (2, 4) => pair_acc_bf16::<2, 4>(w, stride, n, [a, b, c, d], acc),
-            (2, 3) => pair_acc_bf16::<2, 3>(w, stride, n, [a, b, c], acc),
-            (2, 2) => pair_acc_bf16::<2, 2>(w, stride, n, [a, b], acc),
-            (2, _) => pair_acc_bf16::<2, 1>(w, stride, n, [a], acc),
-            (_, 4) => pair_acc_bf16::<1, 4>(w, stride, n, [a, b, c, d], acc),
-            (_, 3) => pair_acc_bf16::<1, 3>(w, stride, n, [a, b, c], acc),
-            (_, 2) => pair_acc_bf16::<1, 2>(w, stride, n, [a, b], acc),
-            _ => pair_acc_bf16::<1, 1>(w, stride, n, [a], acc),
+            (2, 4) => pair_acc_bf16::<2, 4, NTA>(w, stride, n, [a, b, c, d], acc),
+            (2, 3) => pair_acc_bf16::<2, 3, NTA>(w, stride, n, [a, b, c], acc),
+            (2, 2) => pair_acc_bf16::<2, 2, NTA>(w, stride, n, [a, b], acc),
+            (2, _) => pair_acc_bf16::<2, 1, NTA>(w, stride, n, [a], acc),
+            (_, 4) => pair_acc_bf16::<1, 4, NTA>(w, stride, n, [a, b, c, d], acc),
+            (_, 3) => pair_acc_bf16::<1, 3, NTA>(w, stride, n, [a, b, c], acc),
+            (_, 2) => pair_acc_bf16::<1, 2, NTA>(w, stride, n, [a, b], acc),
+            _ => pair_acc_bf16::<1, 1, NTA>(w, stride, n, [a], acc),
         }
     }
 

@@ -9,8 +9,8 @@ pub mod limits;
 pub mod packed;
 pub mod team;
 
-pub use dot::Fetch;
-pub use packed::{matmul, pick_fetch, PackedMat, Quant};
+pub use dot::{Fetch, ManyFetch};
+pub use packed::{matmul, pick_fetch, pick_many_fetch, PackedMat, Quant};
 pub use team::{Par, Region, Team};
 
 /// RMSNorm of each `w.len()`-sized row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
@@ -607,6 +607,37 @@ mod tests {
         dot::set_fetch(before);
     }
 
+    /// The many-token bf16 kernel's prefetch ([`ManyFetch`]) changes no bit either: a batch's
+    /// tokens (in one panel at a time and in pairs, in column blocks past 1376 columns) and a
+    /// short prompt's, on every path (only AVX512_BF16 runs that kernel).
+    #[test]
+    fn many_token_products_are_the_same_whatever_the_prefetch() {
+        let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let before = dot::many_fetch();
+        let team = Team::new(2).unwrap();
+        for &(rows, cols) in &[(9, 64), (130, 577), (17, 4100)] {
+            let data = Data::F32(rand_vec(rows * cols, (rows * 7 + cols) as u64)).cast(DType::BF16);
+            let w = PackedMat::pack(&Mat { rows, cols, data });
+            for n_tok in [2, 5, 8, 13, 16] {
+                let x = rand_vec(n_tok * cols, 5);
+                for path in paths(false) {
+                    let run = |f: ManyFetch| {
+                        dot::set_many_fetch(f);
+                        let mut out = vec![f32::NAN; n_tok * rows];
+                        on_path(path, || matmul(&team, &w, &x, n_tok, &mut out));
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    };
+                    assert_eq!(
+                        run(ManyFetch::Nta),
+                        run(ManyFetch::L2),
+                        "{path:?} {rows}x{cols} {n_tok} tokens"
+                    );
+                }
+            }
+        }
+        dot::set_many_fetch(before);
+    }
+
     #[test]
     fn fetch_names_round_trip_and_list_in_declared_order() {
         for (i, f) in Fetch::ALL.into_iter().enumerate() {
@@ -614,6 +645,11 @@ mod tests {
             assert_eq!(Fetch::parse(f.name()), Some(f));
         }
         assert_eq!(Fetch::parse("sideways"), None);
+        for (i, f) in ManyFetch::ALL.into_iter().enumerate() {
+            assert_eq!(f as usize, i);
+            assert_eq!(ManyFetch::parse(f.name()), Some(f));
+        }
+        assert_eq!(ManyFetch::parse("far"), None);
     }
 
     #[test]

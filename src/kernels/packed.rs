@@ -13,7 +13,7 @@
 //! have no ragged tails; padded outputs are never written back.
 
 use super::arena::HugeBuf;
-use super::dot::{self, Fetch, Int8Path, Isa};
+use super::dot::{self, Fetch, Int8Path, Isa, ManyFetch};
 use super::{Par, SharedSlice};
 use crate::weights::{DType, Data, Mat};
 use half::{bf16, f16};
@@ -248,6 +248,44 @@ const PICK_ROUNDS: usize = 7;
 /// and nothing set, when the matrices hold less than 64 MiB: they would be timed in cache,
 /// where the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
+    let median = time_ways(team, mats, 1, |k| dot::set_fetch(Fetch::ALL[k]))?;
+    let k = (0..median.len()).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(1);
+    dot::set_fetch(Fetch::ALL[k]);
+    Some((Fetch::ALL[k], median))
+}
+
+/// Chooses the way the many-token bf16 kernel of AVX512_BF16 prefetches ([`ManyFetch`]) as
+/// [`pick_fetch`] chooses the one-token way: `n_tok` tokens (2 to 15, a batch's decode
+/// step) through `mats`, every way timed seven times, interleaved; sets the fastest for the
+/// process ([`dot::set_many_fetch`]). `None`, and nothing set, where that kernel does not run
+/// them (not bf16 weights, not AVX512_BF16, a token count outside that range) or they hold
+/// less than 64 MiB.
+pub fn pick_many_fetch(
+    team: &super::Team,
+    mats: &[&PackedMat],
+    n_tok: usize,
+) -> Option<(ManyFetch, [f64; ManyFetch::ALL.len()])> {
+    let bf16 = mats.iter().all(|m| matches!(m.store, Store::BF16(_)));
+    if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
+        return None;
+    }
+    let median = time_ways(team, mats, n_tok, |k| dot::set_many_fetch(ManyFetch::ALL[k]))?;
+    let k = (0..median.len()).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(0);
+    dot::set_many_fetch(ManyFetch::ALL[k]);
+    Some((ManyFetch::ALL[k], median))
+}
+
+/// Times `W` ways of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]: `n_tok`
+/// tokens through the matrices in order (the first of them up to 256 MiB) in one region of
+/// `team`, [`PICK_ROUNDS`] times under each way (`set(k)` makes way `k` the process's),
+/// interleaved. Each way's median pass as a share of its round's mean; `None`, and no way
+/// set, when the matrices hold less than 64 MiB.
+fn time_ways<const W: usize>(
+    team: &super::Team,
+    mats: &[&PackedMat],
+    n_tok: usize,
+    set: impl Fn(usize),
+) -> Option<[f64; W]> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
     for &m in mats {
         if bytes >= PICK_MAX_BYTES {
@@ -261,22 +299,22 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
     }
     let cols = timed.iter().map(|m| m.cols).max().unwrap_or(0);
     let rows = timed.iter().map(|m| m.rows).max().unwrap_or(0);
-    let x: Vec<f32> = (0..cols).map(|c| ((c % 13) as f32 - 6.0) / 64.0).collect();
-    let mut out = vec![0.0f32; rows];
+    let x: Vec<f32> = (0..n_tok * cols).map(|c| ((c % 13) as f32 - 6.0) / 64.0).collect();
+    let mut out = vec![0.0f32; n_tok * rows];
     let shared = SharedSlice::new(&mut out);
-    let ways = Fetch::ALL.len();
-    let mut secs: [Vec<f64>; Fetch::ALL.len()] = Default::default();
+    let mut secs: [Vec<f64>; W] = std::array::from_fn(|_| Vec::new());
     for round in 0..PICK_ROUNDS {
-        for k in 0..ways {
+        for k in 0..W {
             // Each round starts with another way, so none is always the first after the last.
-            let k = (k + round) % ways;
-            dot::set_fetch(Fetch::ALL[k]);
+            let k = (k + round) % W;
+            set(k);
             let t = std::time::Instant::now();
             team.region(&|r| {
                 for m in &timed {
                     // SAFETY: each product writes its rows in disjoint ranges and ends with a
                     // barrier before the next one writes them again.
-                    matmul(r, m, &x[..m.cols], 1, unsafe { shared.range(0, m.rows) });
+                    let out = unsafe { shared.range(0, n_tok * m.rows) };
+                    matmul(r, m, &x[..n_tok * m.cols], n_tok, out);
                 }
             });
             secs[k].push(t.elapsed().as_secs_f64());
@@ -285,15 +323,12 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
     // Each pass as a share of its round's mean, so that a host's drift from round to round
     // does not count for the ways timed while it read faster.
     let mean: Vec<f64> =
-        (0..PICK_ROUNDS).map(|r| secs.iter().map(|s| s[r]).sum::<f64>() / ways as f64).collect();
-    let median = secs.map(|s| {
+        (0..PICK_ROUNDS).map(|r| secs.iter().map(|s| s[r]).sum::<f64>() / W as f64).collect();
+    Some(secs.map(|s| {
         let mut rel: Vec<f64> = s.iter().zip(&mean).map(|(t, m)| t / m).collect();
         rel.sort_by(f64::total_cmp);
         rel[rel.len() / 2]
-    });
-    let k = (0..ways).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(1);
-    dot::set_fetch(Fetch::ALL[k]);
-    Some((Fetch::ALL[k], median))
+    }))
 }
 
 thread_local! {
@@ -441,7 +476,7 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
             // at a time for a prompt's tokens, and for a batch of two token groups or more.
             let pairs = (n_tok >= PROMPT_FROM && cols_p <= PAIR_SUB_BLOCK)
                 || (PAIRS_FROM..PROMPT_FROM).contains(&n_tok);
-            let (rows, shared) = (w.rows, SharedSlice::new(out));
+            let (rows, shared, fetch) = (w.rows, SharedSlice::new(out), dot::many_fetch());
             team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
                 let ws = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
                 let r0 = panels.start * PANEL;
@@ -451,7 +486,18 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
                 // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
                 let o = shared.span(r0, (n_tok - 1) * rows + (rows - r0).min(ws.len() / cols_p));
                 unsafe {
-                    dot::avx512_panels_many_bf16(ws, cols_p, rounded, n_tok, o, rows, rows - r0, pairs, kb)
+                    dot::avx512_panels_many_bf16(
+                        ws,
+                        cols_p,
+                        rounded,
+                        n_tok,
+                        o,
+                        rows,
+                        rows - r0,
+                        pairs,
+                        kb,
+                        fetch,
+                    )
                 };
             });
             return;
@@ -551,7 +597,15 @@ unsafe fn paired_panels(
                         *acc = zero();
                     }
                     let x = |i: usize| rounded.as_ptr().add((t + i.min(nt - 1)) * cols_p + s0);
-                    dot::avx512_pair_acc_bf16_n(np, nt, wp, stride, s1 - s0, std::array::from_fn(x), acc);
+                    dot::avx512_pair_acc_bf16_n::<false>(
+                        np,
+                        nt,
+                        wp,
+                        stride,
+                        s1 - s0,
+                        std::array::from_fn(x),
+                        acc,
+                    );
                     if s1 == cr.end {
                         for k in 0..np {
                             emit(p + k, t, &dot::avx512_pair_acc_sums(acc, k)[..nt]);
@@ -1115,5 +1169,38 @@ mod tests {
         assert!(secs.iter().all(|&s| s >= secs[k]), "{f:?} {secs:?}");
         assert_eq!(dot::fetch(), f);
         dot::set_fetch(before);
+    }
+
+    #[test]
+    fn pick_many_fetch_times_only_where_its_kernel_streams_a_batch() {
+        let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let before = dot::many_fetch();
+        let team = Team::new(2).unwrap();
+        let mat = |rows: usize, dtype: DType| {
+            PackedMat::pack(&Mat { rows, cols: 1024, data: Data::F32(vec![0.5; rows * 1024]).cast(dtype) })
+        };
+        let (a, b) = (mat(20480, DType::BF16), mat(20480, DType::BF16));
+        dot::set_many_fetch(ManyFetch::Nta);
+        // Not a batch's decode step (one token, or a prompt's 16), 8 MiB in cache, f16
+        // weights: not timed, nothing set.
+        for n_tok in [1, 16] {
+            assert!(pick_many_fetch(&team, &[&a, &b], n_tok).is_none());
+        }
+        assert!(pick_many_fetch(&team, &[&mat(4096, DType::BF16)], 8).is_none());
+        let (c, d) = (mat(20480, DType::F16), mat(20480, DType::F16));
+        assert!(pick_many_fetch(&team, &[&c, &d], 8).is_none());
+        assert_eq!(dot::many_fetch(), ManyFetch::Nta);
+        // 2 x 40 MiB of bf16 at 8 tokens: timed where the kernel runs, and the faster set.
+        match pick_many_fetch(&team, &[&a, &b], 8) {
+            Some((f, secs)) => {
+                assert_eq!(dot::detect(), Isa::Avx512Bf16);
+                assert!(secs.iter().all(|s| s.is_finite() && *s > 0.0), "{secs:?}");
+                let k = ManyFetch::ALL.iter().position(|&w| w == f).unwrap();
+                assert!(secs.iter().all(|&s| s >= secs[k]), "{f:?} {secs:?}");
+                assert_eq!(dot::many_fetch(), f);
+            }
+            None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
+        }
+        dot::set_many_fetch(before);
     }
 }

@@ -333,9 +333,23 @@ impl Shard {
     /// its own layers' products, in the order a decode step runs them; `None` when they are
     /// too small to tell.
     pub fn pick_fetch(&self, team: &Team) -> Option<(kernels::Fetch, [f64; kernels::Fetch::ALL.len()])> {
-        let mats: Vec<&PackedMat> =
-            self.layers.iter().flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]).collect();
-        kernels::pick_fetch(team, &mats)
+        kernels::pick_fetch(team, &self.layer_mats())
+    }
+
+    /// Chooses how this rank's many-token bf16 products prefetch ([`kernels::pick_many_fetch`])
+    /// by timing `tokens` tokens through its own layers' products, in the order a decode step
+    /// runs them; `None` when they are too small to tell or do not go through that kernel.
+    pub fn pick_many_fetch(
+        &self,
+        team: &Team,
+        tokens: usize,
+    ) -> Option<(kernels::ManyFetch, [f64; kernels::ManyFetch::ALL.len()])> {
+        kernels::pick_many_fetch(team, &self.layer_mats(), tokens)
+    }
+
+    /// This rank's layers' products, in the order a decode step runs them.
+    fn layer_mats(&self) -> Vec<&PackedMat> {
+        self.layers.iter().flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]).collect()
     }
 
     /// A KV pool of `pages` pages for this rank's layers and KV heads.

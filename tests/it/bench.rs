@@ -94,6 +94,12 @@ fn bench_synthetic_shape_one_rank() {
     let rank = &j["ranks"][0];
     assert_eq!(rank["prefetch_by"], "timed", "{rank}");
     assert!(["none", "near", "far", "nta"].contains(&rank["prefetch"].as_str().unwrap()), "{rank}");
+    // One token a step: the many-token prefetch is not timed.
+    assert_eq!(
+        (&rank["many_prefetch"], &rank["many_prefetch_by"]),
+        (&"l2".into(), &"default".into()),
+        "{rank}"
+    );
     // The kernels it ran: a SIMD path, and no int8 ones for bf16 weights.
     let isas = ["portable", "avx2", "avx512", "avx512bf16"];
     assert!(isas.contains(&rank["isa"].as_str().unwrap()), "{rank}");
@@ -108,18 +114,40 @@ fn bench_synthetic_shape_one_rank() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("bench: rep 2/2"), "progress lines");
 }
 
+/// A batch's decode steps on AVX512_BF16 go through the many-token bf16 kernel, whose prefetch
+/// the rank then times on its own layers at the batch's tokens; elsewhere it is not timed.
+#[test]
+fn bench_times_the_many_token_prefetch_for_a_batch() {
+    let mut cmd = std::process::Command::new(bin());
+    cmd.env_remove("GRIDLM_MANY_PREFETCH").args(["bench", "--shape", "smollm2-135m", "--batch", "4"]);
+    cmd.args(["--prompt-len", "4", "--new-tokens", "2", "--warmup", "0", "--reps", "1"]);
+    cmd.args(["--bandwidth-mib", "64", "--json"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 600);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    check(&j, 1);
+    let rank = &j["ranks"][0];
+    if rank["isa"] == "avx512bf16" {
+        assert_eq!(rank["many_prefetch_by"], "timed", "{rank}");
+        assert!(["l2", "nta"].contains(&rank["many_prefetch"].as_str().unwrap()), "{rank}");
+    } else {
+        assert_eq!(
+            (&rank["many_prefetch"], &rank["many_prefetch_by"]),
+            (&"l2".into(), &"default".into()),
+            "{rank}"
+        );
+    }
+}
+
 /// `gridlm bench --json` of the tiny model on two stages of one thread each (`launch/local 2`),
-/// with `args` after the common ones and `GRIDLM_PREFETCH` set to `prefetch` if given; checked
-/// by [`check`].
-fn bench_two_stages(dir: &Path, args: &[&str], prefetch: Option<&str>) -> serde_json::Value {
+/// with `args` after the common ones and `envs` set; checked by [`check`].
+fn bench_two_stages(dir: &Path, args: &[&str], envs: &[(&str, &str)]) -> serde_json::Value {
     std::env::set_var("GRIDLM_BIN", bin());
     let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
     cmd.args(["bench", "--model", path_str(dir), "--pp", "2", "--threads", "1", "--prompt-len", "5"])
         .args(["--warmup", "1", "--bandwidth-mib", "32", "--json"])
         .args(args);
-    if let Some(p) = prefetch {
-        cmd.env("GRIDLM_PREFETCH", p);
-    }
+    cmd.envs(envs.iter().copied());
     let out = gridlm_reference::run_with_timeout(cmd, 120);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -131,7 +159,7 @@ fn bench_two_stages(dir: &Path, args: &[&str], prefetch: Option<&str>) -> serde_
 fn bench_model_folder_on_two_stages() {
     let (_t, dir) = tiny_llama();
     let args = ["--new-tokens", "4", "--reps", "1", "--batch", "3", "--quant", "int8", "--kv-dtype", "bf16"];
-    let j = bench_two_stages(&dir, &args, Some("far"));
+    let j = bench_two_stages(&dir, &args, &[("GRIDLM_PREFETCH", "far"), ("GRIDLM_MANY_PREFETCH", "nta")]);
     assert_eq!(j["pp"], 2);
     assert_eq!(j["batch"], 3);
     assert_eq!(j["weight_dtype"], "int8");
@@ -139,6 +167,8 @@ fn bench_model_folder_on_two_stages() {
     // Every rank prefetches as it was told.
     for r in j["ranks"].as_array().unwrap() {
         assert_eq!((&r["prefetch"], &r["prefetch_by"]), (&"far".into(), &"GRIDLM_PREFETCH".into()), "{r}");
+        let many = (&r["many_prefetch"], &r["many_prefetch_by"]);
+        assert_eq!(many, (&"nta".into(), &"GRIDLM_MANY_PREFETCH".into()), "{r}");
         let int8 = ["portable", "maddubs", "avx-vnni", "avx512-vnni"];
         assert!(int8.contains(&r["int8_kernel"].as_str().unwrap_or("none")), "{r}");
     }
@@ -215,6 +245,6 @@ fn readers_run_between_steps_off_the_clock() {
 #[test]
 fn bench_reads_between_steps_on_two_stages() {
     let (_t, dir) = tiny_llama();
-    let j = bench_two_stages(&dir, &["--new-tokens", "6", "--reps", "2", "--no-overlap"], None);
+    let j = bench_two_stages(&dir, &["--new-tokens", "6", "--reps", "2", "--no-overlap"], &[]);
     assert_eq!((&j["overlap"], &j["bandwidth_reads"]), (&false.into(), &"between_steps".into()), "{j}");
 }

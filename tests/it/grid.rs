@@ -115,6 +115,8 @@ fn a_bad_prefetch_name_is_one_error_line_on_every_rank() {
     let (_t, dir) = tiny_llama();
     let out = local(2, &dir, &["--prompt", "t1", "--pp", "2"], &[("GRIDLM_PREFETCH", "sideways")]);
     assert_every_rank_says(&out, 2, "GRIDLM_PREFETCH is 'sideways': expected none, near, far or nta");
+    let out = local(2, &dir, &["--prompt", "t1", "--pp", "2"], &[("GRIDLM_MANY_PREFETCH", "far")]);
+    assert_every_rank_says(&out, 2, "GRIDLM_MANY_PREFETCH is 'far': expected l2 or nta");
 }
 
 #[test]
