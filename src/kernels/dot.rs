@@ -2165,7 +2165,7 @@ mod avx512 {
     /// or copies of the sums. With `pairs`, two panels at a time (the same sums again). Rows
     /// are summed in column blocks of `kb` (each block of a panel against every token group,
     /// then the next block), the blocks' sums added in column order as the one-token kernel
-    /// ([`panels_bf16`]) adds them.
+    /// ([`panels_bf16`]) adds them. Weights are asked for 16 KiB ahead as `fetch` says.
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` and `kb` (not 0) are
@@ -2186,26 +2186,6 @@ mod avx512 {
         pairs: bool,
         kb: usize,
         fetch: ManyFetch,
-    ) {
-        match fetch {
-            ManyFetch::L2 => panels_many_bf16_with::<false>(w, n, xs, n_tok, out, stride, rows, pairs, kb),
-            ManyFetch::Nta => panels_many_bf16_with::<true>(w, n, xs, n_tok, out, stride, rows, pairs, kb),
-        }
-    }
-
-    /// [`panels_many_bf16`], prefetching non-temporally with `NTA`, else into L2.
-    #[allow(clippy::too_many_arguments)] // as above
-    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    unsafe fn panels_many_bf16_with<const NTA: bool>(
-        w: &[bf16],
-        n: usize,
-        xs: &[bf16],
-        n_tok: usize,
-        out: *mut f32,
-        stride: usize,
-        rows: usize,
-        pairs: bool,
-        kb: usize,
     ) {
         debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && xs.len() == n * n_tok);
         debug_assert!(kb.is_multiple_of(BLOCK) && kb > 0);
@@ -2252,15 +2232,11 @@ mod avx512 {
                     let nt = (n_tok - t).min(4);
                     let mut acc: PairAcc = std::mem::zeroed();
                     let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)).add(c0));
-                    pair_acc_bf16_n::<NTA>(
-                        np,
-                        nt,
-                        w.as_ptr().add(4 * n * p + 4 * c0),
-                        4 * n,
-                        cn,
-                        xs,
-                        &mut acc,
-                    );
+                    let wp = w.as_ptr().add(4 * n * p + 4 * c0);
+                    match fetch {
+                        ManyFetch::L2 => pair_acc_bf16_n::<false>(np, nt, wp, 4 * n, cn, xs, &mut acc),
+                        ManyFetch::Nta => pair_acc_bf16_n::<true>(np, nt, wp, 4 * n, cn, xs, &mut acc),
+                    }
                     for k in 0..np {
                         put(pair_acc_finish(&acc, k), t, nt, 4 * (p + k), c0);
                     }
@@ -2279,7 +2255,8 @@ mod avx512 {
     /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at
     /// `w`, the next `stride` elements on) against `NT` inputs rounded by
     /// [`super::round_for_dot_bf16`] (`x`), over `n` more columns: `w` and each `x[i]` point at
-    /// the columns' first chunk. As in [`panel_quad`], each pair of weight registers (rows
+    /// the columns' first chunk, and weights are asked for 16 KiB ahead, non-temporally with
+    /// `NTA`, else into L2. As in [`panel_quad`], each pair of weight registers (rows
     /// 0–1, 2–3) serves `NT` tokens, and each input register (an input block in both halves)
     /// two rows of each panel. A panel's accumulators take the chunks in column order whatever
     /// `P` and `NT` are and however the columns are split between calls, so finished sums
