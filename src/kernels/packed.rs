@@ -248,9 +248,7 @@ const PICK_ROUNDS: usize = 7;
 /// and nothing set, when the matrices hold less than 64 MiB: they would be timed in cache,
 /// where the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
-    let median = time_ways(team, mats, 1, |k| dot::set_fetch(Fetch::ALL[k]))?;
-    let k = (0..median.len()).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(1);
-    dot::set_fetch(Fetch::ALL[k]);
+    let (k, median) = pick_way(team, mats, 1, |k| dot::set_fetch(Fetch::ALL[k]))?;
     Some((Fetch::ALL[k], median))
 }
 
@@ -269,23 +267,22 @@ pub fn pick_many_fetch(
     if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
         return None;
     }
-    let median = time_ways(team, mats, n_tok, |k| dot::set_many_fetch(ManyFetch::ALL[k]))?;
-    let k = (0..median.len()).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(0);
-    dot::set_many_fetch(ManyFetch::ALL[k]);
+    let (k, median) = pick_way(team, mats, n_tok, |k| dot::set_many_fetch(ManyFetch::ALL[k]))?;
     Some((ManyFetch::ALL[k], median))
 }
 
-/// Times `W` ways of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]: `n_tok`
-/// tokens through the matrices in order (the first of them up to 256 MiB) in one region of
-/// `team`, [`PICK_ROUNDS`] times under each way (`set(k)` makes way `k` the process's),
-/// interleaved. Each way's median pass as a share of its round's mean; `None`, and no way
+/// Picks one of `W` ways of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
+/// `n_tok` tokens through the matrices in order (the first of them up to 256 MiB) in one
+/// region of `team`, [`PICK_ROUNDS`] times under each way (`set(k)` makes way `k` the
+/// process's), interleaved. Sets the way with the shortest median pass, each pass as a share
+/// of its round's mean, and returns its index with every way's median; `None`, and no way
 /// set, when the matrices hold less than 64 MiB.
-fn time_ways<const W: usize>(
+fn pick_way<const W: usize>(
     team: &super::Team,
     mats: &[&PackedMat],
     n_tok: usize,
     set: impl Fn(usize),
-) -> Option<[f64; W]> {
+) -> Option<(usize, [f64; W])> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
     for &m in mats {
         if bytes >= PICK_MAX_BYTES {
@@ -324,11 +321,14 @@ fn time_ways<const W: usize>(
     // does not count for the ways timed while it read faster.
     let mean: Vec<f64> =
         (0..PICK_ROUNDS).map(|r| secs.iter().map(|s| s[r]).sum::<f64>() / W as f64).collect();
-    Some(secs.map(|s| {
+    let median = secs.map(|s| {
         let mut rel: Vec<f64> = s.iter().zip(&mean).map(|(t, m)| t / m).collect();
         rel.sort_by(f64::total_cmp);
         rel[rel.len() / 2]
-    }))
+    });
+    let k = (0..W).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(0);
+    set(k);
+    Some((k, median))
 }
 
 thread_local! {
@@ -1149,24 +1149,31 @@ mod tests {
     use super::*;
     use crate::kernels::Team;
 
+    /// A `rows` × 1024 matrix of `dtype`, every weight 0.5.
+    fn filled(rows: usize, dtype: DType) -> PackedMat {
+        PackedMat::pack(&Mat { rows, cols: 1024, data: Data::F32(vec![0.5; rows * 1024]).cast(dtype) })
+    }
+
+    /// Every way of `all` was timed (`secs`, in `all`'s order), and `picked` was the fastest.
+    fn assert_fastest<T: PartialEq + std::fmt::Debug>(all: &[T], picked: T, secs: &[f64]) {
+        assert!(secs.iter().all(|s| s.is_finite() && *s > 0.0), "{secs:?}");
+        let k = all.iter().position(|w| *w == picked).unwrap();
+        assert!(secs.iter().all(|&s| s >= secs[k]), "{picked:?} {secs:?}");
+    }
+
     #[test]
     fn pick_fetch_times_only_matrices_past_the_cache() {
         let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let before = dot::fetch();
         let team = Team::new(2).unwrap();
-        let mat = |rows: usize, cols: usize| {
-            PackedMat::pack(&Mat { rows, cols, data: Data::F32(vec![0.5; rows * cols]).cast(DType::BF16) })
-        };
         // 8 MiB: in cache, not timed, nothing set.
         dot::set_fetch(Fetch::Far);
-        assert!(pick_fetch(&team, &[&mat(4096, 1024)]).is_none());
+        assert!(pick_fetch(&team, &[&filled(4096, DType::BF16)]).is_none());
         assert_eq!(dot::fetch(), Fetch::Far);
         // 2 x 40 MiB: timed; every way once at least, and the fastest is set.
-        let (a, b) = (mat(20480, 1024), mat(20480, 1024));
+        let (a, b) = (filled(20480, DType::BF16), filled(20480, DType::BF16));
         let (f, secs) = pick_fetch(&team, &[&a, &b]).expect("80 MiB are timed");
-        assert!(secs.iter().all(|s| s.is_finite() && *s > 0.0), "{secs:?}");
-        let k = Fetch::ALL.iter().position(|&w| w == f).unwrap();
-        assert!(secs.iter().all(|&s| s >= secs[k]), "{f:?} {secs:?}");
+        assert_fastest(&Fetch::ALL, f, &secs);
         assert_eq!(dot::fetch(), f);
         dot::set_fetch(before);
     }
@@ -1176,27 +1183,22 @@ mod tests {
         let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let before = dot::many_fetch();
         let team = Team::new(2).unwrap();
-        let mat = |rows: usize, dtype: DType| {
-            PackedMat::pack(&Mat { rows, cols: 1024, data: Data::F32(vec![0.5; rows * 1024]).cast(dtype) })
-        };
-        let (a, b) = (mat(20480, DType::BF16), mat(20480, DType::BF16));
+        let (a, b) = (filled(20480, DType::BF16), filled(20480, DType::BF16));
         dot::set_many_fetch(ManyFetch::Nta);
         // Not a batch's decode step (one token, or a prompt's 16), 8 MiB in cache, f16
         // weights: not timed, nothing set.
         for n_tok in [1, 16] {
             assert!(pick_many_fetch(&team, &[&a, &b], n_tok).is_none());
         }
-        assert!(pick_many_fetch(&team, &[&mat(4096, DType::BF16)], 8).is_none());
-        let (c, d) = (mat(20480, DType::F16), mat(20480, DType::F16));
+        assert!(pick_many_fetch(&team, &[&filled(4096, DType::BF16)], 8).is_none());
+        let (c, d) = (filled(20480, DType::F16), filled(20480, DType::F16));
         assert!(pick_many_fetch(&team, &[&c, &d], 8).is_none());
         assert_eq!(dot::many_fetch(), ManyFetch::Nta);
         // 2 x 40 MiB of bf16 at 8 tokens: timed where the kernel runs, and the faster set.
         match pick_many_fetch(&team, &[&a, &b], 8) {
             Some((f, secs)) => {
                 assert_eq!(dot::detect(), Isa::Avx512Bf16);
-                assert!(secs.iter().all(|s| s.is_finite() && *s > 0.0), "{secs:?}");
-                let k = ManyFetch::ALL.iter().position(|&w| w == f).unwrap();
-                assert!(secs.iter().all(|&s| s >= secs[k]), "{f:?} {secs:?}");
+                assert_fastest(&ManyFetch::ALL, f, &secs);
                 assert_eq!(dot::many_fetch(), f);
             }
             None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
