@@ -259,11 +259,8 @@ impl PrefetchBy {
 /// the fastest on its own layers, timed on `team`, else [`kernels::Fetch::Near`]. Set for the
 /// process ([`kernels::dot::set_fetch`]).
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
-    let chosen = if let Some(v) = std::env::var_os("GRIDLM_PREFETCH") {
-        let v = v.to_string_lossy();
-        let f = kernels::Fetch::parse(v.trim()).ok_or_else(|| {
-            Error::Input(format!("GRIDLM_PREFETCH is '{v}': expected none, near, far or nta"))
-        })?;
+    let named = named_in_env("GRIDLM_PREFETCH", kernels::Fetch::parse, "none, near, far or nta")?;
+    let chosen = if let Some(f) = named {
         (f, PrefetchBy::Env)
     } else if let Some((f, _)) = shard.pick_fetch(team) {
         (f, PrefetchBy::Timed)
@@ -278,16 +275,20 @@ fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, Prefet
 /// process ([`kernels::dot::set_many_fetch`]); else [`kernels::ManyFetch::L2`], until
 /// [`Engine::pick_many_prefetch`] times it.
 fn many_prefetch_from_env() -> Result<(kernels::ManyFetch, PrefetchBy)> {
-    let chosen = if let Some(v) = std::env::var_os("GRIDLM_MANY_PREFETCH") {
-        let v = v.to_string_lossy();
-        let f = kernels::ManyFetch::parse(v.trim())
-            .ok_or_else(|| Error::Input(format!("GRIDLM_MANY_PREFETCH is '{v}': expected l2 or nta")))?;
-        (f, PrefetchBy::Env)
-    } else {
-        (kernels::ManyFetch::L2, PrefetchBy::Default)
-    };
+    let named = named_in_env("GRIDLM_MANY_PREFETCH", kernels::ManyFetch::parse, "l2 or nta")?;
+    let chosen = named.map_or((kernels::ManyFetch::L2, PrefetchBy::Default), |f| (f, PrefetchBy::Env));
     kernels::dot::set_many_fetch(chosen.0);
     Ok(chosen)
+}
+
+/// The way the environment variable `var` names, if it is set (`parse` reads its trimmed
+/// value); a value `parse` does not know is an input error that lists the `expected` names.
+fn named_in_env<T>(var: &str, parse: fn(&str) -> Option<T>, expected: &str) -> Result<Option<T>> {
+    let Some(v) = std::env::var_os(var) else {
+        return Ok(None);
+    };
+    let v = v.to_string_lossy();
+    parse(v.trim()).map(Some).ok_or_else(|| Error::Input(format!("{var} is '{v}': expected {expected}")))
 }
 
 impl Engine {
