@@ -362,8 +362,20 @@ pub fn reserve_thread_buffers() {
     });
 }
 
-/// Tokens summed together against one panel.
+/// Tokens summed together against one panel: at most four, four in 512-bit registers and in
+/// int8 ([`float_group`]).
 const TOK_GROUP: usize = 4;
+
+/// Tokens a float product sums together against one panel on `isa`: three in AVX2, whose
+/// kernel takes all four rows of a panel and fills its 16 registers with three tokens
+/// ([`dot::avx2_panel_rows`]), else [`TOK_GROUP`].
+fn float_group(isa: Isa) -> usize {
+    if isa == Isa::Avx2 {
+        3
+    } else {
+        TOK_GROUP
+    }
+}
 
 /// Float weights: inputs in f32, rearranged for the weight type.
 fn matmul_float<T: dot::Elem + dot::Avx2Load>(
@@ -413,6 +425,7 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
     }
     let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
     let k_max = float_k_max(isa);
+    let g = float_group(isa);
     schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
         let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
             std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()])
@@ -427,8 +440,8 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
                     crate::grow(buf, panel.len());
                     let wide = &mut buf[..panel.len()];
                     dot::widen_for_avx2(panel, wide, isa);
-                    by_groups(p, ts.clone(), emit, |t, acc| {
-                        panel_dot::<f32>(wide, &xs(t, acc.len())[..acc.len()], acc, isa)
+                    by_groups(p, ts.clone(), g, emit, |t, acc| {
+                        panel_dot::<f32>(wide, &xs(t, acc.len())[..acc.len()], acc, isa, false)
                     });
                 });
             }
@@ -445,11 +458,10 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
         let mut r0 = panels.start;
         while r0 < panels.end {
             let r1 = (r0 + run).min(panels.end);
-            for t in ts.clone().step_by(TOK_GROUP) {
-                let group = t..(t + TOK_GROUP).min(ts.end);
+            for group in groups(ts.clone(), g) {
                 for p in r0..r1 {
-                    by_groups(p, group.clone(), emit, |t, acc| {
-                        panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa)
+                    by_groups(p, group.clone(), g, emit, |t, acc| {
+                        panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa, true)
                     });
                 }
             }
@@ -708,7 +720,7 @@ fn matmul_int8(
             for p in panels {
                 let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
                 let row_scales = &scales[p * PANEL..(p + 1) * PANEL];
-                by_groups(p, ts.clone(), emit, |t, acc| {
+                by_groups(p, ts.clone(), TOK_GROUP, emit, |t, acc| {
                     #[cfg(target_arch = "x86_64")]
                     if many {
                         let i = |i: usize| t + i.min(acc.len() - 1);
@@ -898,18 +910,39 @@ type PanelFn<'a> = dyn Fn(Range<usize>, Range<usize>, Range<usize>, &mut Emit) +
 /// Takes one group's sums: `sums[i][lane]` is token `t + i`'s sum for panel `p`'s row `lane`.
 type Emit<'a> = dyn FnMut(usize, usize, &[[f32; PANEL]]) + 'a;
 
-/// Runs `sum(t, acc)` for each group of at most [`TOK_GROUP`] tokens of `ts` in order (`acc`
+/// Runs `sum(t, acc)` for each of the [`groups`] of `ts` of at most `g` tokens in order (`acc`
 /// zeroed, one entry per token of the group), and hands each group's sums for panel `p` to
 /// `emit`.
-fn by_groups(p: usize, ts: Range<usize>, emit: &mut Emit, mut sum: impl FnMut(usize, &mut [[f32; PANEL]])) {
-    let mut t = ts.start;
-    while t < ts.end {
-        let nt = TOK_GROUP.min(ts.end - t);
+fn by_groups(
+    p: usize,
+    ts: Range<usize>,
+    g: usize,
+    emit: &mut Emit,
+    mut sum: impl FnMut(usize, &mut [[f32; PANEL]]),
+) {
+    for group in groups(ts, g) {
         let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
-        sum(t, &mut acc[..nt]);
-        emit(p, t, &acc[..nt]);
-        t += nt;
+        let acc = &mut acc[..group.len()];
+        sum(group.start, acc);
+        emit(p, group.start, acc);
     }
+}
+
+/// `ts` in order, cut into groups of `g` (at most [`TOK_GROUP`]) tokens and what is left,
+/// except that groups of three leave no lone token where they can: four tokens left go as two
+/// and two, since one token takes the one-token kernel, a quarter as many sums in flight.
+fn groups(ts: Range<usize>, g: usize) -> impl Iterator<Item = Range<usize>> {
+    debug_assert!((1..=TOK_GROUP).contains(&g));
+    let mut t = ts.start;
+    std::iter::from_fn(move || {
+        let nt = match ts.end - t {
+            0 => return None,
+            4 if g == 3 => 2,
+            left => g.min(left),
+        };
+        t += nt;
+        Some(t - nt..t)
+    })
 }
 
 /// Tokens of a tile from which a float panel is widened to f32 once for all of them (on AVX2,
@@ -1062,21 +1095,24 @@ fn schedule(
     }
 }
 
-/// Rows 0–1, then 2–3, of a panel against `NT` inputs.
+/// All four rows of a panel against `NT` (two or three) inputs in AVX2.
 ///
 /// # Safety
-/// As [`dot::avx2_panel_pair`].
+/// As [`dot::avx2_panel_rows`].
 #[cfg(target_arch = "x86_64")]
-unsafe fn pairs<T: dot::Elem + dot::Avx2Load, const NT: usize>(
+unsafe fn rows<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     panel: &[T],
     xs: [&[f32]; NT],
     acc: &mut [[f32; PANEL]],
+    fetch: bool,
 ) {
-    for lane in [0, 2] {
-        let r = dot::avx2_panel_pair::<T, NT>(panel, lane, xs);
-        for (a, v) in acc.iter_mut().zip(r) {
-            a[lane..lane + 2].copy_from_slice(&v);
-        }
+    let sums = if fetch {
+        dot::avx2_panel_rows::<T, NT, true>(panel, xs)
+    } else {
+        dot::avx2_panel_rows::<T, NT, false>(panel, xs)
+    };
+    for (a, v) in acc.iter_mut().zip(sums) {
+        *a = v;
     }
 }
 
@@ -1095,20 +1131,25 @@ unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     }
 }
 
-/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
+/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`. With
+/// `fetch` the AVX2 kernel asks for the weights ahead of the panel (it is read from memory);
+/// a panel widened into a buffer of its own is not.
 #[inline]
-fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
+fn panel_dot<T: dot::Elem + dot::Avx2Load>(
+    panel: &[T],
+    xs: &[&[f32]],
+    acc: &mut [[f32; PANEL]],
+    isa: Isa,
+    fetch: bool,
+) {
     match (isa, xs.len()) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
         // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
-        (Isa::Avx2, 2) => unsafe { pairs::<T, 2>(panel, [xs[0], xs[1]], acc) },
+        (Isa::Avx2, 2) => unsafe { rows::<T, 2>(panel, [xs[0], xs[1]], acc, fetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx2, 3) => unsafe { pairs::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        (Isa::Avx2, 4) => unsafe { pairs::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc) },
+        (Isa::Avx2, 3) => unsafe { rows::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc, fetch) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512` and `Isa::Avx512Bf16` are only produced after detecting
         // avx512f, avx2, fma and f16c; lengths as above (bf16 weights do not come here on
@@ -1159,6 +1200,34 @@ mod tests {
         assert!(secs.iter().all(|s| s.is_finite() && *s > 0.0), "{secs:?}");
         let k = all.iter().position(|w| *w == picked).unwrap();
         assert!(secs.iter().all(|&s| s >= secs[k]), "{picked:?} {secs:?}");
+    }
+
+    /// Token groups cover their range in order, each of at most `g` tokens; groups of three
+    /// leave no lone token where there are two or more, and the other sizes cut as before.
+    #[test]
+    fn token_groups_cover_the_range_without_a_lone_token() {
+        let sizes = |n: usize, g: usize| groups(10..10 + n, g).map(|r| r.len()).collect::<Vec<_>>();
+        assert_eq!(sizes(8, 3), [3, 3, 2]);
+        assert_eq!(sizes(4, 3), [2, 2]);
+        assert_eq!(sizes(7, 3), [3, 2, 2]);
+        assert_eq!(sizes(1, 3), [1]);
+        assert_eq!(sizes(0, 3), [0usize; 0]);
+        assert_eq!(sizes(9, 4), [4, 4, 1]);
+        assert_eq!(sizes(5, 2), [2, 2, 1]);
+        for g in 1..=TOK_GROUP {
+            for n in 0..40 {
+                let gs: Vec<_> = groups(10..10 + n, g).collect();
+                let mut next = 10;
+                for r in &gs {
+                    assert!(r.start == next && (1..=g).contains(&r.len()), "{n} tokens by {g}: {gs:?}");
+                    next = r.end;
+                }
+                assert_eq!(next, 10 + n, "{n} tokens by {g}");
+                if g == 3 && n >= 2 {
+                    assert!(gs.iter().all(|r| r.len() > 1), "{n} tokens by 3: {gs:?}");
+                }
+            }
+        }
     }
 
     #[test]
