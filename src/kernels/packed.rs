@@ -362,8 +362,8 @@ pub fn reserve_thread_buffers() {
     });
 }
 
-/// Tokens summed together against one panel: at most four, four in 512-bit registers and in
-/// int8 ([`float_group`]).
+/// Most tokens summed together against one panel: a group in 512-bit registers and in int8
+/// (AVX2 float products take three: [`float_group`]).
 const TOK_GROUP: usize = 4;
 
 /// Tokens a float product sums together against one panel on `isa`: three in AVX2, whose
@@ -946,7 +946,7 @@ fn groups(ts: Range<usize>, g: usize) -> impl Iterator<Item = Range<usize>> {
 }
 
 /// Tokens of a tile from which a float panel is widened to f32 once for all of them (on AVX2,
-/// for bf16 and f16 weights) rather than by the kernel for each group of [`TOK_GROUP`].
+/// for bf16 and f16 weights) rather than by the kernel for each group ([`float_group`]).
 const WIDEN_FROM: usize = 4 * TOK_GROUP;
 
 /// Most columns per pass of a many-token product: a block's inputs for a tile of tokens stay
