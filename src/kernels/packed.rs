@@ -423,8 +423,25 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
     if let (Isa::Avx512Bf16, Some(d)) = (isa, as_bf16(d)) {
         return paired_products(team, w, d, xp, n_tok, out);
     }
-    let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
     let k_max = float_k_max(isa);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && n_tok < PROMPT_FROM {
+        // A batch's decode step: each thread streams its panels through one kernel call per
+        // range, every panel against every token group while it is in L1.
+        let (rows, kb, shared) = (w.rows, column_block(cols_p, k_max), SharedSlice::new(out));
+        team.for_ranges(rows.div_ceil(PANEL), 2, &|panels| {
+            let ws = &d[panels.start * PANEL * cols_p..panels.end * PANEL * cols_p];
+            let r0 = panels.start * PANEL;
+            let o = shared.span(r0, (n_tok - 1) * rows + (rows - r0).min(ws.len() / cols_p));
+            // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; `ws` is
+            // whole panels of `cols_p` columns (a multiple of the chunk, as `kb` is) and `xp`
+            // `cols_p` entries per token; token t's rows r0.. of this range lie in `out`
+            // (`[n_tok, rows]`), and the team hands out each panel in one range.
+            unsafe { dot::avx2_panels_many(ws, cols_p, xp, n_tok, o, rows, rows - r0, kb) };
+        });
+        return;
+    }
+    let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
     let g = float_group(isa);
     schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
         let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
@@ -928,18 +945,16 @@ fn by_groups(
     }
 }
 
-/// `ts` in order, cut into groups of `g` (at most [`TOK_GROUP`]) tokens and what is left,
-/// except that groups of three leave no lone token where they can: four tokens left go as two
-/// and two, since one token takes the one-token kernel, a quarter as many sums in flight.
+/// `ts` in order, cut into groups of `g` (at most [`TOK_GROUP`]) tokens as
+/// [`dot::group_len`] cuts them.
 fn groups(ts: Range<usize>, g: usize) -> impl Iterator<Item = Range<usize>> {
     debug_assert!((1..=TOK_GROUP).contains(&g));
     let mut t = ts.start;
     std::iter::from_fn(move || {
-        let nt = match ts.end - t {
-            0 => return None,
-            4 if g == 3 => 2,
-            left => g.min(left),
-        };
+        if t == ts.end {
+            return None;
+        }
+        let nt = dot::group_len(ts.end - t, g);
         t += nt;
         Some(t - nt..t)
     })
