@@ -488,12 +488,23 @@ mod tests {
     }
 
     /// Every (ISA, VNNI allowed) this CPU runs, the portable one first; with `int8`, each ISA
-    /// whose int8 path is a VNNI one also without it (`maddubs`).
+    /// whose int8 path is a VNNI one also without it (`maddubs`). Where `GRIDLM_TEST_ISAS_FROM`
+    /// names an ISA, only that one and those after it in [`dot::Isa::ALL`]: the emulated
+    /// AVX-512 run sets it to `avx512`, since the host's own run of the same tests took the
+    /// portable and AVX2 paths, which under emulation took more time than the AVX-512 ones
+    /// (the portable one most: scalar code, an instruction per element).
     fn paths(int8: bool) -> Vec<(dot::Isa, bool)> {
         let vnni = |isa| dot::with_isa(isa, dot::int8_path);
         let extra = |isa| int8 && !matches!(vnni(isa), dot::Int8Path::Portable | dot::Int8Path::Maddubs);
+        let from = std::env::var("GRIDLM_TEST_ISAS_FROM").ok().map(|name| {
+            dot::Isa::ALL
+                .iter()
+                .position(|i| format!("{i:?}").eq_ignore_ascii_case(&name))
+                .unwrap_or_else(|| panic!("GRIDLM_TEST_ISAS_FROM={name} names no ISA"))
+        });
         isas()
             .into_iter()
+            .filter(|isa| from.is_none_or(|k| dot::Isa::ALL[k..].contains(isa)))
             .flat_map(|isa| std::iter::once((isa, true)).chain(extra(isa).then_some((isa, false))))
             .collect()
     }
@@ -529,8 +540,11 @@ mod tests {
     ) {
         let (rows, cols) = (w.rows, w.cols);
         let int8 = w.dtype_name() == "int8";
-        let rounded: Vec<f32> = x.iter().map(|&v| dot::round_like_dot_bf16(v)).collect();
-        let (plain, rounded) = if int8 { (vec![], vec![]) } else { (want(x), want(&rounded)) };
+        // Each reference is computed once, when a path first needs it: the f64 reference took a
+        // fifth of the kernel tests' instructions, and the rounded one is needed only where
+        // AVX512_BF16 runs.
+        let plain = std::cell::OnceCell::new();
+        let rounded = std::cell::OnceCell::new();
         for path in paths(int8) {
             let isa = path.0;
             let own;
@@ -538,9 +552,10 @@ mod tests {
                 own = on_path(path, || want(x));
                 &own
             } else if isa == dot::Isa::Avx512Bf16 && w.dtype_name() == "bf16" {
-                &rounded
+                rounded
+                    .get_or_init(|| want(&x.iter().map(|&v| dot::round_like_dot_bf16(v)).collect::<Vec<_>>()))
             } else {
-                &plain
+                plain.get_or_init(|| want(x))
             };
             let mut got = vec![f32::NAN; n_tok * rows];
             on_path(path, || matmul(team, w, x, n_tok, &mut got));
