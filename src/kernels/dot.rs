@@ -1014,9 +1014,9 @@ mod avx2 {
             // half to the second and, in [`panel_rows`] with three tokens, whose sums take
             // twelve registers, spilled them to the stack. The odd columns' mask is read from
             // memory by the `vpand` itself: given the mask as a constant, the compiler made it
-            // a blend with a zero register, which took a sum's register, spilled it once a
-            // chunk, and ran on the shuffle pipes beside the FMAs (one core of Zen 3, three
-            // tokens through a panel in L1: 69–74 GFLOP/s this way, 54–60 before).
+            // a blend with a zero register, which took a sum's register and spilled it once a
+            // chunk (one core of Zen 3, three tokens through a panel in L1: 69–74 GFLOP/s this
+            // way, 54–60 before).
             let v: __m256i;
             if HI {
                 std::arch::asm!(
