@@ -1545,7 +1545,7 @@ mod avx2 {
     /// A batch's decode step (2 to 15 tokens) through consecutive whole panels (`w`, `n`
     /// columns each) against prepared inputs `xs` (`n` entries per token): each panel's column
     /// blocks of `kb` in order, each block against every group of two or three tokens
-    /// ([`super::group_len`]) by [`panel_rows`], the
+    /// (cut as `group_len` cuts them) by [`panel_rows`], the
     /// same sums bit for bit, stored straight into `out` (the first block's) or added to it
     /// (the others', in column order as the one-token kernel adds them): token `t`'s sum for
     /// the panels' row `r` goes to `out[t * stride + r]`, for `r` below `rows` (the last
