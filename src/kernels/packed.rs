@@ -371,7 +371,7 @@ const TOK_GROUP: usize = 4;
 /// ([`dot::avx2_panel_rows`]), else [`TOK_GROUP`].
 fn float_group(isa: Isa) -> usize {
     if isa == Isa::Avx2 {
-        3
+        dot::AVX2_FLOAT_GROUP
     } else {
         TOK_GROUP
     }
@@ -646,21 +646,6 @@ unsafe fn paired_panels(
             p += np;
         }
     });
-}
-
-/// Writes (`first`) or adds one token's sums for a panel's rows into `o` (the panel's rows
-/// of the output, fewer than [`PANEL`] in a matrix's last panel). A whole panel goes by a
-/// copy of fixed size, not by a call to `memmove` as a slice copy of a length known only at
-/// run time does: such calls, one per panel and token here and one per panel and token group
-/// where a kernel's sums were copied into a group's accumulators, took a tenth of the decode
-/// time of SmolLM2 at batch 8 on the 2-core Zen 5 machine.
-#[inline]
-fn store(o: &mut [f32], sums: &[f32; PANEL], first: bool) {
-    match <&mut [f32; PANEL]>::try_from(&mut *o) {
-        Ok(whole) if first => *whole = *sums,
-        _ if first => o.iter_mut().zip(sums).for_each(|(o, v)| *o = *v),
-        _ => o.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
-    }
 }
 
 /// `w` as bf16, if its elements are bf16.
@@ -1083,7 +1068,7 @@ fn schedule(
             for (i, a) in sums.iter().enumerate() {
                 // SAFETY: rows r0..r0+nr of token t+i belong to panel p, and each panel is in
                 // exactly one range handed out by the team for this pass.
-                store(unsafe { shared.range((t + i) * rows + r0, nr) }, a, first);
+                dot::store_sums(unsafe { shared.range((t + i) * rows + r0, nr) }, a, first);
             }
         });
     };
