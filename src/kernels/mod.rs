@@ -1043,6 +1043,24 @@ mod tests {
         }
     }
 
+    /// A product of no tokens does nothing, on every path and weight type, from a team or
+    /// inside a region (the batch kernels would otherwise index a last token that is not there).
+    #[test]
+    fn a_product_of_no_tokens_does_nothing() {
+        let team = Team::new(2).unwrap();
+        let float = [DType::F32, DType::BF16, DType::F16].map(|d| (d, None));
+        for (dtype, quant) in float.into_iter().chain([(DType::F32, Some(Quant::Int8))]) {
+            let data = Data::F32(rand_vec(9 * 64, 5)).cast(dtype);
+            let w = PackedMat::pack_as(&Mat { rows: 9, cols: 64, data }, quant);
+            for path in paths(quant.is_some()) {
+                on_path(path, || {
+                    matmul(&team, &w, &[], 0, &mut []);
+                    team.region(&|r| matmul(r, &w, &[], 0, &mut []));
+                });
+            }
+        }
+    }
+
     /// A row's scores are the same bits however many rows share the call (1 to 9: every
     /// register blocking), so a query's attention does not depend on the rest of its step.
     #[test]

@@ -213,12 +213,18 @@ fn pack_t<T: dot::Elem + bytemuck::Zeroable>(
 }
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok, w.cols]`, `out` is
-/// `[n_tok, w.rows]`. Parallel over runs of panels; see `schedule` for the order of work.
+/// `[n_tok, w.rows]` (no tokens: nothing to do). Parallel over runs of panels; see `schedule`
+/// for the order of work.
 /// `team` is a whole [`Team`](super::Team), called from its owner, or one thread of a
 /// [`Region`](super::Region), where every thread calls it at once with the same inputs.
 pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n_tok * w.cols, "matmul: input length");
     assert_eq!(out.len(), n_tok * w.rows, "matmul: output length");
+    if n_tok == 0 {
+        // Nothing to sum (the batch kernels index their last token). Every thread of a region
+        // gets the same inputs, so all of them return here, before any barrier.
+        return;
+    }
     let isa = dot::detect();
     match &w.store {
         Store::F32(d) => matmul_float(team, w, d, x, n_tok, out, isa),
