@@ -775,18 +775,23 @@ pub(crate) fn store_sums(o: &mut [f32], sums: &[f32; 4], first: bool) {
     }
 }
 
-/// How many of the `left` (at least one) tokens of a many-token product go in the next group
-/// against a panel, in groups of at most `g` ([1, 4]): `g` or what is left, except that groups of
-/// three leave no lone token where they can: four left go as two and two, since one token
-/// would take the one-token kernel, a quarter as many sums in flight.
+/// `ts` in order, cut into the groups of a many-token product against a panel: `g` ([1, 4])
+/// tokens at a time and what is left, except that groups of three leave no lone token where
+/// they can: four left go as two and two, since one token would take the one-token kernel, a
+/// quarter as many sums in flight.
 #[inline]
-pub(crate) fn group_len(left: usize, g: usize) -> usize {
-    debug_assert!(left > 0 && (1..=4).contains(&g));
-    if left == 4 && g == 3 {
-        2
-    } else {
-        g.min(left)
-    }
+pub(crate) fn groups(ts: std::ops::Range<usize>, g: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    debug_assert!((1..=4).contains(&g));
+    let mut t = ts.start;
+    std::iter::from_fn(move || {
+        let nt = match ts.end - t {
+            0 => return None,
+            4 if g == 3 => 2,
+            left => g.min(left),
+        };
+        t += nt;
+        Some(t - nt..t)
+    })
 }
 
 /// Writes `w` (a run of AVX2 panel chunks of `T`) to `out` as f32, each [`BLOCK`] as the two
@@ -1564,7 +1569,7 @@ mod avx2 {
     /// A batch's decode step (2 to 15 tokens) through consecutive whole panels (`w`, `n`
     /// columns each) against prepared inputs `xs` (`n` entries per token): each panel's column
     /// blocks of `kb` in order, each block against every group of two or three tokens
-    /// (cut as `group_len` cuts them) by [`panel_rows`], the
+    /// (cut as `groups` cuts them) by [`panel_rows`], the
     /// same sums bit for bit, stored straight into `out` (the first block's) or added to it
     /// (the others', in column order as the one-token kernel adds them): token `t`'s sum for
     /// the panels' row `r` goes to `out[t * stride + r]`, for `r` below `rows` (the last
@@ -1600,10 +1605,9 @@ mod avx2 {
                 let cn = kb.min(n - c0);
                 let panel = std::slice::from_raw_parts(w.as_ptr().add(4 * n * p + 4 * c0), 4 * cn);
                 let block = |t: usize| std::slice::from_raw_parts(x.add(n * t + c0), cn);
-                let mut t = 0;
-                while t < n_tok {
-                    let nt = super::group_len(n_tok - t, super::AVX2_FLOAT_GROUP);
-                    let sums: &[[f32; 4]] = match nt {
+                for ts in super::groups(0..n_tok, super::AVX2_FLOAT_GROUP) {
+                    let t = ts.start;
+                    let sums: &[[f32; 4]] = match ts.len() {
                         3 => &panel_rows::<T, 3, true>(panel, [block(t), block(t + 1), block(t + 2)]),
                         _ => &panel_rows::<T, 2, true>(panel, [block(t), block(t + 1)]),
                     };
@@ -1611,7 +1615,6 @@ mod avx2 {
                         let o = std::slice::from_raw_parts_mut(out.add((t + i) * stride + r0), nr);
                         super::store_sums(o, s, c0 == 0);
                     }
-                    t += nt;
                 }
                 c0 += cn;
             }

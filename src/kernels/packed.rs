@@ -13,7 +13,7 @@
 //! have no ragged tails; padded outputs are never written back.
 
 use super::arena::HugeBuf;
-use super::dot::{self, Fetch, Int8Path, Isa, ManyFetch};
+use super::dot::{self, groups, Fetch, Int8Path, Isa, ManyFetch};
 use super::{Par, SharedSlice};
 use crate::weights::{DType, Data, Mat};
 use half::{bf16, f16};
@@ -934,21 +934,6 @@ fn by_groups(
         sum(group.start, acc);
         emit(p, group.start, acc);
     }
-}
-
-/// `ts` in order, cut into groups of `g` (at most [`TOK_GROUP`]) tokens as
-/// [`dot::group_len`] cuts them.
-fn groups(ts: Range<usize>, g: usize) -> impl Iterator<Item = Range<usize>> {
-    debug_assert!((1..=TOK_GROUP).contains(&g));
-    let mut t = ts.start;
-    std::iter::from_fn(move || {
-        if t == ts.end {
-            return None;
-        }
-        let nt = dot::group_len(ts.end - t, g);
-        t += nt;
-        Some(t - nt..t)
-    })
 }
 
 /// Tokens of a tile from which a float panel is widened to f32 once for all of them (on AVX2,
