@@ -162,6 +162,21 @@ struct GenerateArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     batching: BatchArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    grid: GridArgs,
+    /// Write the logits of the last prompt position (f32, little-endian) to this file.
+    #[arg(long, hide = true)]
+    logits_out: Option<PathBuf>,
+}
+
+/// How each rank runs its shard (generate and bench).
+#[derive(Args)]
+struct EngineArgs {
     /// Kernel threads per rank (default: the cores this process may run on).
     #[arg(long)]
     threads: Option<usize>,
@@ -171,14 +186,20 @@ struct GenerateArgs {
     /// Quantize the weight matrices at load: `int8` (per output row; half the bytes of bf16).
     #[arg(long, value_parser = parse_quant)]
     quant: Option<Quant>,
-    /// Print one JSON object at the end instead of streaming text.
-    #[arg(long)]
-    json: bool,
-    #[command(flatten)]
-    grid: GridArgs,
-    /// Write the logits of the last prompt position (f32, little-endian) to this file.
-    #[arg(long, hide = true)]
-    logits_out: Option<PathBuf>,
+}
+
+impl EngineArgs {
+    /// Kernel threads per rank: as asked, else the cores this process may run on.
+    fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(default_threads)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.threads == Some(0) {
+            anyhow::bail!("--threads must be at least 1");
+        }
+        Ok(())
+    }
 }
 
 /// How tokens are picked.
@@ -326,15 +347,8 @@ struct BenchArgs {
     /// Measured sequences.
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// Kernel threads per rank (default: the cores this process may run on).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Element type of the KV cache: f16 halves its memory and the bytes attention reads.
-    #[arg(long, default_value = "f16", value_parser = parse_dtype)]
-    kv_dtype: DType,
-    /// Quantize the weight matrices at load: `int8` (per output row; half the bytes of bf16).
-    #[arg(long, value_parser = parse_quant)]
-    quant: Option<Quant>,
+    #[command(flatten)]
+    engine: EngineArgs,
     #[command(flatten)]
     overlap: OverlapArgs,
     /// Most tokens in one step (default: every prompt of a micro-batch in one step).
@@ -689,9 +703,7 @@ fn load_shard(
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    if a.threads == Some(0) {
-        anyhow::bail!("--threads must be at least 1");
-    }
+    a.engine.check()?;
     a.batching.check()?;
     if a.stop.iter().any(String::is_empty) {
         anyhow::bail!("--stop needs a non-empty string");
@@ -793,7 +805,7 @@ fn run_generate(
     link: &dyn Link,
 ) -> Result<()> {
     let driver = grid.rank == 0;
-    let threads = a.threads.unwrap_or_else(default_threads);
+    let threads = a.engine.threads();
     // Phase 1: configuration, layout, and (driver) tokenizer and prompts.
     let setup = (|| -> gridlm::Result<_> {
         let cfg = ModelConfig::from_dir(&a.model)?;
@@ -815,8 +827,8 @@ fn run_generate(
     let rss_before = host::rss_bytes();
     let mut eos_ids = cfg.eos_token_ids.clone();
     let ckpt = Checkpoint::open(&a.model).map(|c| Box::new(c) as Box<dyn Source>);
-    let shard = load_shard(link, ckpt, cfg, plan, a.quant)?;
-    let mut engine = agree(link, Engine::new(shard, grid, threads, a.kv_dtype))?;
+    let shard = load_shard(link, ckpt, cfg, plan, a.engine.quant)?;
+    let mut engine = agree(link, Engine::new(shard, grid, threads, a.engine.kv_dtype))?;
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
     // The most tokens a decode step will hold, known to the driver (its prompts), for each
@@ -1002,9 +1014,7 @@ fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
-    if a.threads == Some(0) {
-        anyhow::bail!("--threads must be at least 1");
-    }
+    a.engine.check()?;
     if a.reps == 0 || a.work.new_tokens < 2 || a.work.prompt_len == 0 || a.work.batch == 0 {
         anyhow::bail!(
             "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"
@@ -1024,7 +1034,7 @@ fn bench(a: BenchArgs) -> Result<()> {
 /// `bench --limits`: every rank measures with its own threads at the same time; the sums are
 /// what the job's ranks get together.
 fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
-    let threads = a.threads.unwrap_or_else(default_threads);
+    let threads = a.engine.threads();
     let team = agree(
         link,
         gridlm::kernels::Team::new(threads)
@@ -1076,7 +1086,7 @@ fn run_bench(
     comm: &dyn Comm,
     link: &dyn Link,
 ) -> Result<()> {
-    let threads = a.threads.unwrap_or_else(default_threads);
+    let threads = a.engine.threads();
     let setup = (|| -> gridlm::Result<_> {
         let cfg = match (&a.model, &a.shape) {
             (Some(dir), _) => ModelConfig::from_dir(dir)?,
@@ -1094,8 +1104,8 @@ fn run_bench(
         Some(dir) => Checkpoint::open(dir).map(|c| Box::new(c) as Box<dyn Source>),
         None => Ok(Box::new(synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 }) as Box<dyn Source>),
     };
-    let shard = load_shard(link, src, cfg, plan, a.quant)?;
-    let mut engine = agree(link, Engine::new(shard, grid, threads, a.kv_dtype))?;
+    let shard = load_shard(link, src, cfg, plan, a.engine.quant)?;
+    let mut engine = agree(link, Engine::new(shard, grid, threads, a.engine.kv_dtype))?;
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
     let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
