@@ -1,6 +1,7 @@
 //! Decoding allocates nothing per token: a run of the scheduler and engine over a small
 //! synthetic model makes exactly as many heap allocations for 40 new tokens as for 4, greedy
-//! and sampled. (The `bench` tests check the same per decode step on every rank of a grid.)
+//! and sampled, and a fresh engine's first run makes none in its decode steps. (The `bench`
+//! tests check the same per decode step on every rank of a grid.)
 //!
 //! One test in its own binary: the count is the whole process's, so no other test may run
 //! beside it.
@@ -38,11 +39,14 @@ fn decode_steps_allocate_nothing_per_token() {
     cfg.n_layers = 2;
     cfg.vocab_size = 3000;
     cfg.max_position_embeddings = 256;
-    let grid = Grid::single();
-    let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
-    let src = Synthetic { dtype: DType::BF16, seed: 7 };
-    let shard = Shard::from_source(&src, cfg, plan, None).unwrap();
-    let mut engine = Engine::new(shard, grid, 2, DType::F16).unwrap();
+    let new_engine = || {
+        let grid = Grid::single();
+        let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
+        let src = Synthetic { dtype: DType::BF16, seed: 7 };
+        let shard = Shard::from_source(&src, cfg.clone(), plan, None).unwrap();
+        Engine::new(shard, grid, 2, DType::F16).unwrap()
+    };
+    let mut engine = new_engine();
     let request = |len: usize, params: SamplingParams| Request {
         prompt: (0..len as u32).map(|i| (i * 37 + 11) % 3000).collect(),
         max_tokens: 0,
@@ -71,6 +75,16 @@ fn decode_steps_allocate_nothing_per_token() {
         ),
     ];
     for (name, requests) in &cases {
+        // A fresh engine's first run: its decode steps, from the first, allocate nothing. The
+        // buffers they reuse are sized when the run begins: the attention tile states of a
+        // lone sequence's rows (past position 32 its keys span two tiles, split between the
+        // two threads, its three KV heads being fewer items than twice the threads), and
+        // sampling's (the sampled rows of the third case).
+        let mut fresh = new_engine();
+        allocations(&mut fresh, requests, 40);
+        let first = fresh.profile();
+        assert!(first.steps >= 39, "{name}: {} decode steps", first.steps);
+        assert_eq!(first.allocations, Some(0), "{name}: the first run's {} decode steps", first.steps);
         // Buffers grow to their size in the first run; the two counted runs then differ only
         // in the number of decode steps.
         allocations(&mut engine, requests, 40);

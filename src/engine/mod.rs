@@ -476,6 +476,8 @@ impl Engine {
         let step = match plan {
             Plan::Begin { pages, slots } => {
                 self.kv = self.shard.new_kv_pool(*pages, self.kv_dtype);
+                self.scratch.reserve_decode(&self.shard, *pages, *slots);
+                self.sampling.reserve(*slots, comm.size(), self.max_vocab_shard());
                 self.tables = vec![Vec::new(); *slots];
                 self.slots.clear();
                 self.slots.resize_with(*slots, SlotState::default);
@@ -591,6 +593,12 @@ impl Engine {
         Ok(None)
     }
 
+    /// The largest vocabulary shard of the stage (the same on every rank).
+    fn max_vocab_shard(&self) -> usize {
+        let (vocab, tp) = (self.shard.cfg.vocab_size, self.grid.tp);
+        (0..tp).map(|t| vocab_range(vocab, tp, t).len()).max().unwrap_or(0)
+    }
+
     /// Last stage: the next token of each of the `m` emitting spans from `self.logits`, into
     /// `picked`, the same on every rank of the stage: greedy rows by one allgather of (value,
     /// index), sampled rows exactly over the whole vocabulary (see [`sampling`]).
@@ -615,8 +623,7 @@ impl Engine {
             }
         }
         if !draws.is_empty() {
-            let (vocab, tp) = (self.shard.cfg.vocab_size, self.grid.tp);
-            let max_shard = (0..tp).map(|t| vocab_range(vocab, tp, t).len()).max().unwrap_or(vl);
+            let max_shard = self.max_vocab_shard();
             let logits = &self.logits[..m * vl];
             sampling::sample_rows(logits, vl, max_shard, vr.start, &mut self.sampling, comm, picked);
         }

@@ -299,6 +299,29 @@ pub struct Buffers {
     thresholds: Vec<(usize, f32)>,
 }
 
+impl Buffers {
+    /// Room, before a run's first step, for sampling up to `rows` rows a step on a stage of
+    /// `ranks` ranks whose largest vocabulary shard is `max_shard`, in a first round of
+    /// [`first_candidates`] for `top_k` up to 64: such steps then allocate nothing from the
+    /// first. A row whose candidates do not settle it in that round (a wide top-p or min-p)
+    /// or a larger `top_k` still grows them, the first time a step needs more.
+    pub fn reserve(&mut self, rows: usize, ranks: usize, max_shard: usize) {
+        fn room<T>(v: &mut Vec<T>, n: usize) {
+            v.reserve(n.saturating_sub(v.len()));
+        }
+        let len = summary_len(first_candidates(&SamplingParams::default())) * rows;
+        room(&mut self.draws, rows);
+        room(&mut self.mine, len);
+        room(&mut self.all, len * ranks);
+        room(&mut self.idx, max_shard);
+        room(&mut self.merged, ranks * first_candidates(&SamplingParams::default()));
+        for v in [&mut self.c_of, &mut self.pending, &mut self.again] {
+            room(v, rows);
+        }
+        room(&mut self.thresholds, rows);
+    }
+}
+
 /// The stage agrees on a sampled token for each of `b.draws` (rows of `logits`, `[m, shard]`,
 /// already adjusted) and writes it to `picked[row]`. `max_shard`: the largest shard of the
 /// stage (the same on every rank). Collective over the stage: every rank calls it with the

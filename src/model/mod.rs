@@ -58,6 +58,12 @@ fn key_tiles((lo, np): (usize, usize)) -> std::ops::Range<usize> {
     kernels::tile_of(lo)..kernels::tile_of(lo + np - 1) + 1
 }
 
+/// Tile states a split row of a sequence whose page table holds `pages` pages may store: one
+/// per attention tile those pages reach.
+fn tile_room(pages: usize) -> usize {
+    kernels::tile_of(pages.max(1) - 1) + 1
+}
+
 /// One attention item of a step: a local KV head, a block of a span's positions and a part of
 /// the keys its rows see.
 struct AttItem {
@@ -458,8 +464,7 @@ impl Shard {
                 n_split += 1;
                 // Room for every tile the sequence can reach (its page table holds its whole
                 // length), so that its later steps allocate nothing as it grows.
-                let pages = tables[s.tokens[b.0].0].len();
-                room += nq * tiles.max(kernels::tile_of(pages.max(1) - 1) + 1);
+                room += nq * tiles.max(tile_room(tables[s.tokens[b.0].0].len()));
             }
         }
         s.splits.push((n_items, n_slots));
@@ -858,6 +863,19 @@ impl Scratch {
         self.act = vec![0.0; n * ffl];
         self.cos = vec![0.0; n * hd / 2];
         self.sin = vec![0.0; n * hd / 2];
+    }
+
+    /// Room, before a run's first step, for the tile states of any decode step of at most
+    /// `slots` sequences whose page tables hold at most `pages` pages together, so that its
+    /// first decode steps allocate nothing either (without this they grew these buffers, in
+    /// a run with no warm-up before it). A sequence of `P` pages has at most
+    /// `tile_room(P) ≤ SMALL + P / TILE_PAGES` tiles (`SMALL` of the small ones), so the
+    /// sequences together at most `SMALL · slots + pages / TILE_PAGES` per local query head:
+    /// for SmolLM2 9.5 KB a sequence and 0.3 KB a page, beside the 369 KB of a page of keys
+    /// and values.
+    pub fn reserve_decode(&mut self, m: &Shard, pages: usize, slots: usize) {
+        const SMALL: usize = kernels::TILE_PAGES / kernels::SMALL_TILE_PAGES;
+        self.ensure_parts(m.plan.q_heads.len() * (SMALL * slots + pages / kernels::TILE_PAGES), m);
     }
 
     /// Room for `rows` stored attention tile states (grows only).
