@@ -622,6 +622,28 @@ pub fn prefetch<T>(data: *const [T]) {
     let _ = data;
 }
 
+/// Asks the CPU to start loading share `part` of `parts` of `data`'s cache lines into L2 (the
+/// T1 hint; a hint: no effect on results): lines `part · n / parts` up to `(part + 1) · n /
+/// parts` of its `n`, none for `part ≥ parts`. A caller spreads the request for a block it will
+/// read next over the passes of the work before it, so that no one pass waits while a whole
+/// block's requests queue.
+pub fn prefetch_share<T>(data: &[T], part: usize, parts: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if part < parts {
+        let (p, n) = (data.as_ptr().cast::<i8>(), std::mem::size_of_val(data).div_ceil(64));
+        for line in part * n / parts..(part + 1) * n / parts {
+            // SAFETY: prefetching is a hint, never faults and reads nothing into the program.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    p.wrapping_add(64 * line),
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, part, parts);
+}
+
 /// `s[i] *= scale`; returns the largest result (−∞ when `s` is empty).
 pub fn scale_max(s: &mut [f32], scale: f32, isa: Isa) -> f32 {
     match isa {
@@ -798,18 +820,22 @@ pub(crate) fn groups(ts: std::ops::Range<usize>, g: usize) -> impl Iterator<Item
 /// halves `T`'s 16-element AVX2 load gives (for bf16 the even columns, then the odd), so the
 /// AVX2 f32 kernels read from `out` exactly the values the `T` kernels read from `w`, with the
 /// same inputs. A many-token product widens a panel once for all its tokens this way instead of
-/// once per group of tokens.
+/// once per group of tokens. With `fetch` it asks for what lies 8 KiB past each chunk of `w`
+/// as it goes (into L2), for a caller whose next block lies there.
 ///
 /// # Panics
 /// Unless `isa` is [`Isa::Avx2`], `w.len() == out.len()` and the length is a multiple of
 /// [`BLOCK`].
-pub fn widen_for_avx2<T: Elem + Avx2Load>(w: &[T], out: &mut [f32], isa: Isa) {
+pub fn widen_for_avx2<T: Elem + Avx2Load>(w: &[T], out: &mut [f32], isa: Isa, fetch: bool) {
     assert!(w.len() == out.len() && w.len().is_multiple_of(BLOCK), "widen_for_avx2: lengths");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths
         // checked above.
-        Isa::Avx2 => unsafe { avx2::widen(w, out) },
+        Isa::Avx2 if fetch => unsafe { avx2::widen::<T, true>(w, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::widen::<T, false>(w, out) },
         _ => panic!("widen_for_avx2: not on {isa:?}"),
     }
 }
@@ -1626,12 +1652,12 @@ mod avx2 {
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `w.len() == out.len()`, a multiple of [`BLOCK`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn widen<T: Avx2Load>(w: &[T], out: &mut [f32]) {
+    pub unsafe fn widen<T: Avx2Load, const FETCH: bool>(w: &[T], out: &mut [f32]) {
         debug_assert!(w.len() == out.len() && w.len().is_multiple_of(BLOCK));
         let (src, dst) = (w.as_ptr(), out.as_mut_ptr());
         let mut i = 0;
         while i < w.len() {
-            if i % (4 * BLOCK) == 0 {
+            if FETCH && i % (4 * BLOCK) == 0 {
                 fetch_far(src.add(i));
             }
             let (lo, hi) = T::load16(src.add(i));
