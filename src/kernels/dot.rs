@@ -1592,35 +1592,42 @@ mod avx2 {
         }
     }
 
-    /// A batch's decode step (2 to 15 tokens) through consecutive whole panels (`w`, `n`
-    /// columns each) against prepared inputs `xs` (`n` entries per token): each panel's column
-    /// blocks of `kb` in order, each block against every group of two or three tokens
-    /// (cut as `groups` cuts them) by [`panel_rows`], the
-    /// same sums bit for bit, stored straight into `out` (the first block's) or added to it
-    /// (the others', in column order as the one-token kernel adds them): token `t`'s sum for
-    /// the panels' row `r` goes to `out[t * stride + r]`, for `r` below `rows` (the last
-    /// panel's padding rows are not written). Nothing passes through per-group calls or
-    /// copies of the sums, which took about a tenth of a SmolLM2 batch step on Zen 3.
+    /// Many tokens through consecutive whole panels (`w`, `n` columns each) against prepared
+    /// inputs `xs` (token `t`'s `n` columns at `t * x_stride`): each panel's column blocks of
+    /// `kb` in order, each block against every group of two or three tokens (cut as `groups`
+    /// cuts them) by [`panel_rows`], the same sums bit for bit, stored straight into `out`
+    /// (the first block's, unless `add`) or added to it (the others', in column order as the
+    /// one-token kernel adds them): token `t`'s sum for the panels' row `r` goes to
+    /// `out[t * stride + r]`, for `r` below `rows` (the last panel's padding rows are not
+    /// written). Nothing passes through per-group calls or copies of the sums, which took
+    /// about a tenth of a SmolLM2 batch step on Zen 3. A batch's decode step (2 to 15 tokens)
+    /// streams its panels from memory this way, asking 8 KiB ahead (`FETCH`); a prompt's tile
+    /// takes a panel's column block widened to f32 (`n` its columns, `x_stride` the inputs'
+    /// rows, `add` for the blocks after the first), in L1. `before(k)` runs before the `k`th
+    /// group of each panel's block (a caller's requests for what it reads next).
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `n` and `kb` (not 0) are multiples of [`BLOCK`],
-    /// `w.len()` a multiple of `4 n`, `xs.len() == n n_tok` with `2 <= n_tok`,
-    /// `rows <= w.len() / n`; `out` is valid for reads and writes at every such
-    /// `t * stride + r`, and nothing else reads or writes those elements during the call.
+    /// `w.len()` a multiple of `4 n`, `xs.len() >= (n_tok - 1) x_stride + n` with `2 <= n_tok`
+    /// and `n <= x_stride`, `rows <= w.len() / n`; `out` is valid for reads and writes at
+    /// every such `t * stride + r`, and nothing else reads or writes those elements during the
+    /// call.
     #[allow(clippy::too_many_arguments)] // the weights, the inputs, where the sums go
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn panels_many<T: Avx2Load>(
+    pub unsafe fn panels_many<T: Avx2Load, const FETCH: bool>(
         w: &[T],
         n: usize,
-        xs: &[f32],
+        (xs, x_stride): (&[f32], usize),
         n_tok: usize,
         out: *mut f32,
         stride: usize,
         rows: usize,
-        kb: usize,
+        (kb, add): (usize, bool),
+        mut before: impl FnMut(usize),
     ) {
-        debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && xs.len() == n * n_tok);
+        debug_assert!(n.is_multiple_of(BLOCK) && w.len().is_multiple_of(4 * n) && n <= x_stride);
         debug_assert!(kb.is_multiple_of(BLOCK) && kb > 0 && n_tok >= 2);
+        debug_assert!(xs.len() >= (n_tok - 1) * x_stride + n);
         let x = xs.as_ptr();
         let panels = w.len() / (4 * n);
         for p in 0..panels {
@@ -1630,16 +1637,17 @@ mod avx2 {
             while c0 < n {
                 let cn = kb.min(n - c0);
                 let panel = std::slice::from_raw_parts(w.as_ptr().add(4 * n * p + 4 * c0), 4 * cn);
-                let block = |t: usize| std::slice::from_raw_parts(x.add(n * t + c0), cn);
-                for ts in super::groups(0..n_tok, super::AVX2_FLOAT_GROUP) {
+                let block = |t: usize| std::slice::from_raw_parts(x.add(x_stride * t + c0), cn);
+                for (k, ts) in super::groups(0..n_tok, super::AVX2_FLOAT_GROUP).enumerate() {
+                    before(k);
                     let t = ts.start;
                     let sums: &[[f32; 4]] = match ts.len() {
-                        3 => &panel_rows::<T, 3, true>(panel, [block(t), block(t + 1), block(t + 2)]),
-                        _ => &panel_rows::<T, 2, true>(panel, [block(t), block(t + 1)]),
+                        3 => &panel_rows::<T, 3, FETCH>(panel, [block(t), block(t + 1), block(t + 2)]),
+                        _ => &panel_rows::<T, 2, FETCH>(panel, [block(t), block(t + 1)]),
                     };
                     for (i, s) in sums.iter().enumerate() {
                         let o = std::slice::from_raw_parts_mut(out.add((t + i) * stride + r0), nr);
-                        super::store_sums(o, s, c0 == 0);
+                        super::store_sums(o, s, c0 == 0 && !add);
                     }
                 }
                 c0 += cn;

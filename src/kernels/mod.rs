@@ -1020,8 +1020,10 @@ mod tests {
                 // (44 tokens at 1536 columns) by column blocks and tiles, in two sub-blocks
                 // past 768 columns. 45 to 48 end on each size of token group. AVX2 sums three
                 // tokens at a time, four left as two and two (4, 7, 16), and widens its 16-bit
-                // panels to f32 from 16 tokens on.
-                for n_tok in [2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 45, 46, 47, 48] {
+                // panels to f32 from 16 tokens on; 120 tokens span two of its tiles (88 at 1536
+                // columns, 80 at 4100), the second widened too, and three of the others' (44 at
+                // 1536 columns).
+                for n_tok in [2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 45, 46, 47, 48, 120] {
                     let x = rand_vec(n_tok * cols, 3);
                     for path in paths(quant.is_some()) {
                         let mut many = vec![0.0f32; n_tok * rows];

@@ -443,17 +443,32 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
             // whole panels of `cols_p` columns (a multiple of the chunk, as `kb` is) and `xp`
             // `cols_p` entries per token; token t's rows r0.. of this range lie in `out`
             // (`[n_tok, rows]`), and the team hands out each panel in one range.
-            unsafe { dot::avx2_panels_many(ws, cols_p, xp, n_tok, o, rows, rows - r0, kb) };
+            unsafe {
+                dot::avx2_panels_many::<T, true>(
+                    ws,
+                    cols_p,
+                    (xp, cols_p),
+                    n_tok,
+                    o,
+                    rows,
+                    rows - r0,
+                    (kb, false),
+                    |_| {},
+                )
+            };
         });
         return;
     }
     let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
     let g = float_group(isa);
-    schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
+    schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit, dst| {
         let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
             std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()])
         };
         let panel = |p: usize| &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (widen, dst);
+        #[cfg(target_arch = "x86_64")]
         if widen && ts.len() >= WIDEN_FROM {
             // A panel's next block lies just past it where the block is the whole row: the
             // widening asks for it, 8 KiB ahead. Where the block is narrower than the row, the
@@ -463,22 +478,42 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
             // prefill on Zen 3 the widening then took an eighth of the time, waiting on
             // memory, and 3% this way; its products ran ~10% faster.)
             let (split, n_groups) = (cr.len() < cols_p, groups(ts.clone(), g).count());
+            let rows = w.rows;
+            let x = &xp[ts.start * cols_p + cr.start..];
             for p in panels.clone() {
                 let (next, panel) = ((split && p + 1 < panels.end).then(|| panel(p + 1)), panel(p));
-                let mut k = 0;
+                let r0 = p * PANEL;
+                let o = dst.span(ts.start * rows + r0, (ts.len() - 1) * rows + PANEL.min(rows - r0));
                 // Widening the panel is then cheaper than widening it again for every group
-                // (in the AVX2 bf16 kernel the widening takes a fifth of the time).
+                // (in the AVX2 bf16 kernel the widening takes a fifth of the time); its groups
+                // then go through one kernel call, which stores their sums itself.
                 WIDE.with_borrow_mut(|buf| {
                     crate::grow(buf, panel.len());
                     let wide = &mut buf[..panel.len()];
                     dot::widen_for_avx2(panel, wide, isa, !split);
-                    by_groups(p, ts.clone(), g, emit, |t, acc| {
+                    let ask = |k: usize| {
                         if let Some(next) = next {
                             dot::prefetch_share(next, k, n_groups);
-                            k += 1;
                         }
-                        panel_dot::<f32>(wide, &xs(t, acc.len())[..acc.len()], acc, isa, false)
-                    });
+                    };
+                    // SAFETY: `widen` only on `Isa::Avx2`, itself only produced after detecting
+                    // avx2, fma and f16c; `wide` is one panel of `cr.len()` columns (a multiple
+                    // of the chunk, as column blocks are), `x` holds `ts`'s inputs `cols_p`
+                    // apart from column `cr.start`; tokens `ts`' rows r0.. of panel p lie in
+                    // `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
+                    unsafe {
+                        dot::avx2_panels_many::<f32, false>(
+                            wide,
+                            cr.len(),
+                            (x, cols_p),
+                            ts.len(),
+                            o,
+                            rows,
+                            PANEL.min(rows - r0),
+                            (cr.len(), cr.start > 0),
+                            ask,
+                        )
+                    };
                 });
             }
             return;
@@ -550,7 +585,7 @@ fn paired_products(team: &dyn Par, w: &PackedMat, d: &[bf16], xp: &[f32], n_tok:
             });
             return;
         }
-        schedule(team, (w.rows, cols_p, K_BLOCK, PAIRED_TILE), n_tok, out, &|panels, cr, ts, emit| {
+        schedule(team, (w.rows, cols_p, K_BLOCK, PAIRED_TILE), n_tok, out, &|panels, cr, ts, emit, _| {
             // SAFETY: `Isa::Avx512Bf16` is only produced after detecting avx512f, avx512bf16,
             // avx2, fma and f16c; `panels` lie in `d` (PANEL × cols_p each), `cr` in every
             // rounded input (cols_p each), `ts` among the `n_tok` inputs.
@@ -736,7 +771,7 @@ fn matmul_int8(
         // A row in one column block, as one token sums it, however many tokens: a token's
         // sums are then the same bits in any step. The inputs are a byte a column, so a tile's
         // fill `TILE_BYTES` with four times the tokens of a float tile.
-        schedule(team, (w.rows, cols_p, cols_p, 4 * TILE_BYTES), n_tok, out, &|panels, cr, ts, emit| {
+        schedule(team, (w.rows, cols_p, cols_p, 4 * TILE_BYTES), n_tok, out, &|panels, cr, ts, emit, _| {
             let groups = cr.start / XGROUP..cr.end.div_ceil(XGROUP);
             for p in panels {
                 let panel = &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
@@ -927,7 +962,7 @@ fn one_token(team: &dyn Par, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<u
 /// Sums columns `cols` of a run of panels against tokens `ts`, handing the sums of each panel
 /// and group of at most [`TOK_GROUP`] tokens to `emit(panel, first token, sums)` (see
 /// [`by_groups`]), every panel's groups in order.
-type PanelFn<'a> = dyn Fn(Range<usize>, Range<usize>, Range<usize>, &mut Emit) + Sync + 'a;
+type PanelFn<'a> = dyn Fn(Range<usize>, Range<usize>, Range<usize>, &mut Emit, &SharedSlice) + Sync + 'a;
 /// Takes one group's sums: `sums[i][lane]` is token `t + i`'s sum for panel `p`'s row `lane`.
 type Emit<'a> = dyn FnMut(usize, usize, &[[f32; PANEL]]) + 'a;
 
@@ -1066,7 +1101,7 @@ fn schedule(
     // others add.
     let run = |panels: Range<usize>, cr: Range<usize>, t0: usize, t1: usize| {
         let first = cr.start == 0;
-        panel_fn(panels, cr, t0..t1, &mut |p, t, sums| {
+        let mut emit = |p: usize, t: usize, sums: &[[f32; PANEL]]| {
             let r0 = p * PANEL;
             let nr = PANEL.min(rows - r0);
             for (i, a) in sums.iter().enumerate() {
@@ -1074,7 +1109,8 @@ fn schedule(
                 // exactly one range handed out by the team for this pass.
                 dot::store_sums(unsafe { shared.range((t + i) * rows + r0, nr) }, a, first);
             }
-        });
+        };
+        panel_fn(panels, cr, t0..t1, &mut emit, &shared);
     };
     let (kb, tile) = blocks(cols_p, k_max, n_tok, tile_bytes);
     if kb < cols_p && n_tok < PROMPT_FROM {
