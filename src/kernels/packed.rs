@@ -532,7 +532,7 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
             for group in groups(ts.clone(), g) {
                 for p in r0..r1 {
                     by_groups(p, group.clone(), g, emit, |t, acc| {
-                        panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa, true)
+                        panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa)
                     });
                 }
             }
@@ -961,7 +961,8 @@ fn one_token(team: &dyn Par, rows: usize, out: &mut [f32], run: &(dyn Fn(Range<u
 
 /// Sums columns `cols` of a run of panels against tokens `ts`, handing the sums of each panel
 /// and group of at most [`TOK_GROUP`] tokens to `emit(panel, first token, sums)` (see
-/// [`by_groups`]), every panel's groups in order.
+/// [`by_groups`]), every panel's groups in order, or storing them itself into the output
+/// (`[n_tok, rows]`, the last argument) as `emit` would.
 type PanelFn<'a> = dyn Fn(Range<usize>, Range<usize>, Range<usize>, &mut Emit, &SharedSlice) + Sync + 'a;
 /// Takes one group's sums: `sums[i][lane]` is token `t + i`'s sum for panel `p`'s row `lane`.
 type Emit<'a> = dyn FnMut(usize, usize, &[[f32; PANEL]]) + 'a;
@@ -1135,7 +1136,8 @@ fn schedule(
     }
 }
 
-/// All four rows of a panel against `NT` (two or three) inputs in AVX2.
+/// All four rows of a panel against `NT` (two or three) inputs in AVX2, asking for the weights
+/// ahead of the panel (it is read from memory).
 ///
 /// # Safety
 /// As [`dot::avx2_panel_rows`].
@@ -1144,14 +1146,8 @@ unsafe fn rows<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     panel: &[T],
     xs: [&[f32]; NT],
     acc: &mut [[f32; PANEL]],
-    fetch: bool,
 ) {
-    let sums = if fetch {
-        dot::avx2_panel_rows::<T, NT, true>(panel, xs)
-    } else {
-        dot::avx2_panel_rows::<T, NT, false>(panel, xs)
-    };
-    for (a, v) in acc.iter_mut().zip(sums) {
+    for (a, v) in acc.iter_mut().zip(dot::avx2_panel_rows::<T, NT, true>(panel, xs)) {
         *a = v;
     }
 }
@@ -1171,25 +1167,17 @@ unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     }
 }
 
-/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`. With
-/// `fetch` the AVX2 kernel asks for the weights ahead of the panel (it is read from memory);
-/// a panel widened into a buffer of its own is not.
+/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
 #[inline]
-fn panel_dot<T: dot::Elem + dot::Avx2Load>(
-    panel: &[T],
-    xs: &[&[f32]],
-    acc: &mut [[f32; PANEL]],
-    isa: Isa,
-    fetch: bool,
-) {
+fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
     match (isa, xs.len()) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
         // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
-        (Isa::Avx2, 2) => unsafe { rows::<T, 2>(panel, [xs[0], xs[1]], acc, fetch) },
+        (Isa::Avx2, 2) => unsafe { rows::<T, 2>(panel, [xs[0], xs[1]], acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx2, 3) => unsafe { rows::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc, fetch) },
+        (Isa::Avx2, 3) => unsafe { rows::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512` and `Isa::Avx512Bf16` are only produced after detecting
         // avx512f, avx2, fma and f16c; lengths as above (bf16 weights do not come here on
