@@ -309,12 +309,13 @@ impl Buffers {
         fn room<T>(v: &mut Vec<T>, n: usize) {
             v.reserve(n.saturating_sub(v.len()));
         }
-        let len = summary_len(first_candidates(&SamplingParams::default())) * rows;
+        let c = first_candidates(&SamplingParams::default());
+        let len = summary_len(c) * rows;
         room(&mut self.draws, rows);
         room(&mut self.mine, len);
         room(&mut self.all, len * ranks);
         room(&mut self.idx, max_shard);
-        room(&mut self.merged, ranks * first_candidates(&SamplingParams::default()));
+        room(&mut self.merged, ranks * c);
         for v in [&mut self.c_of, &mut self.pending, &mut self.again] {
             room(v, rows);
         }

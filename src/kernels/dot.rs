@@ -608,18 +608,11 @@ macro_rules! with_fetch {
 /// hint: no effect on results). A raw slice, so memory another thread may be writing can be
 /// asked for; any `&[T]` passes.
 pub fn prefetch<T>(data: *const [T]) {
+    let lines = (data.len() * std::mem::size_of::<T>()).div_ceil(64);
     #[cfg(target_arch = "x86_64")]
-    {
-        let p = data.cast::<i8>();
-        for off in (0..data.len() * std::mem::size_of::<T>()).step_by(64) {
-            // SAFETY: prefetching is a hint, never faults and reads nothing into the program.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(off))
-            };
-        }
-    }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(data.cast(), 0..lines);
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
+    let _ = lines;
 }
 
 /// Asks the CPU to start loading share `part` of `parts` of `data`'s cache lines into L2 (the
@@ -628,20 +621,22 @@ pub fn prefetch<T>(data: *const [T]) {
 /// read next over the passes of the work before it, so that no one pass waits while a whole
 /// block's requests queue.
 pub fn prefetch_share<T>(data: &[T], part: usize, parts: usize) {
+    let n = std::mem::size_of_val(data).div_ceil(64);
+    let lines = if part < parts { part * n / parts..(part + 1) * n / parts } else { 0..0 };
     #[cfg(target_arch = "x86_64")]
-    if part < parts {
-        let (p, n) = (data.as_ptr().cast::<i8>(), std::mem::size_of_val(data).div_ceil(64));
-        for line in part * n / parts..(part + 1) * n / parts {
-            // SAFETY: prefetching is a hint, never faults and reads nothing into the program.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                    p.wrapping_add(64 * line),
-                )
-            };
-        }
-    }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(data.as_ptr().cast(), lines);
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (data, part, parts);
+    let _ = lines;
+}
+
+/// Asks for the 64-byte lines `lines` from `p` on with the prefetch hint `HINT`.
+#[inline]
+#[cfg(target_arch = "x86_64")]
+fn prefetch_lines<const HINT: i32>(p: *const i8, lines: std::ops::Range<usize>) {
+    for line in lines {
+        // SAFETY: prefetching is a hint, never faults and reads nothing into the program.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(64 * line)) };
+    }
 }
 
 /// `s[i] *= scale`; returns the largest result (−∞ when `s` is empty).
