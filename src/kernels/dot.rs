@@ -174,16 +174,20 @@ thread_local! {
     static FORCED: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
 }
 
-/// How int8 products are summed, for inputs quantized per group to |q| ≤ [`Int8Path::input_max`]
-/// (see `packed::matmul_int8`). Every path gives the same integer sums.
+/// The largest |q| of an int8 product's input, quantized per group (see `packed::matmul_int8`):
+/// 255 levels on every [`Int8Path`].
+pub const INT8_INPUT_MAX: i8 = 127;
+
+/// How int8 products are summed, for inputs quantized per group to |q| ≤ [`INT8_INPUT_MAX`].
+/// Every path gives the same integer sums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Int8Path {
     Portable,
-    /// AVX2 `maddubs`: neighbouring products summed into 16 bits, inputs to |q| ≤ 64 so a
-    /// group's sums fit them and one `madd` per group widens them.
+    /// AVX2 `maddubs`: neighbouring products summed into 16 bits (exact at |q|, |w| ≤ 127),
+    /// then pairs of those into 32 bits by a `madd` each chunk.
     Maddubs,
     /// AVX-VNNI `vpdpbusd` (VEX, 256 bits): four products at a time summed straight into 32
-    /// bits, so the inputs keep 255 levels (|q| ≤ 127) at no cost.
+    /// bits.
     AvxVnni,
     /// The same instruction in its AVX512-VNNI form (EVEX, 256 bits; with AVX512VL): Zen 4,
     /// Cascade Lake and Ice Lake have it without AVX-VNNI.
@@ -201,14 +205,6 @@ impl Int8Path {
             Int8Path::Maddubs => "maddubs",
             Int8Path::AvxVnni => "avx-vnni",
             Int8Path::Avx512Vnni => "avx512-vnni",
-        }
-    }
-
-    /// The largest |q| of an input quantized for this path.
-    pub fn input_max(self) -> i8 {
-        match self {
-            Int8Path::Maddubs => 64,
-            _ => 127,
         }
     }
 }
@@ -1676,17 +1672,19 @@ mod avx2 {
     /// `out[4p + lane] = row_scale · Σ_g s[g] · (row · q)_g`.
     ///
     /// Each weight takes the sign of its input (`sign`) and meets |q| as an unsigned byte.
-    /// `maddubs` adds neighbouring products into 16 bits: with |q| ≤ 64 and |w| ≤ 127 the
-    /// 16-bit sums of a whole group (four products) stay below 2^15, exact, and one `madd` per
-    /// group widens them. `vpdpbusd` adds four neighbouring products straight into 32 bits,
-    /// the same sums (the same four bytes to each 32-bit lane) at |q| ≤ 127. Per group they are
+    /// `maddubs` adds neighbouring products into 16 bits (with |q|, |w| ≤ 127 at most 32258,
+    /// exact) and a `madd` adds neighbouring pairs of those into 32 bits; `vpdpbusd` adds the
+    /// same four products (the same four bytes to each 32-bit lane) straight into 32 bits. (The
+    /// `madd` once a group of two chunks instead, which needed |q| ≤ 64 so that four products
+    /// fit 16 bits, streamed no faster: one core of Zen 3 read 30–39 G weights/s from L2 either
+    /// way, and memory delivers a third of that.) Per group they are
     /// converted and scaled once, in the same order on every path, so the paths agree bit for
     /// bit. Two rows share one register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
     /// `out` may end inside the last panel.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c, and what `path` names; every |q| ≤
-    /// `path.input_max()`, `q.len()` is a multiple of [`BLOCK`],
+    /// [`super::INT8_INPUT_MAX`], `q.len()` is a multiple of [`BLOCK`],
     /// `s.len() == q.len().div_ceil(2 * BLOCK)`, `w.len() == 4 * q.len() * np` and
     /// `row_scales.len() == 4 * np` with `np = out.len().div_ceil(4)`.
     pub unsafe fn panels_q8(
@@ -1705,18 +1703,13 @@ mod avx2 {
         }
     }
 
-    /// `acc` plus the 16-bit sums of neighbouring products of `ax` (unsigned) and `sw`.
+    /// `acc` plus the sums of four neighbouring products of `ax` (unsigned) and `sw`: pairs
+    /// summed into 16 bits by `maddubs` (|q|, |w| ≤ 127: at most 32258, exact), then pairs of
+    /// those into 32 bits by `madd`, as `vpdpbusd` sums them.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn add_maddubs(acc: __m256i, ax: __m256i, sw: __m256i) -> __m256i {
-        _mm256_add_epi16(acc, _mm256_maddubs_epi16(ax, sw))
-    }
-
-    /// 16-bit sums widened to 32 bits, neighbours added.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn widen_pairs(p: __m256i) -> __m256i {
-        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1)))
     }
 
     #[inline]
@@ -1731,16 +1724,10 @@ mod avx2 {
         _mm256_dpbusd_epi32(acc, ax, sw)
     }
 
-    /// 32-bit sums, as they are.
-    #[inline(always)]
-    fn as_is(p: __m256i) -> __m256i {
-        p
-    }
-
     /// One [`panels_q8`] kernel, prefetching as the [`Fetch`] of code `F` says: `$add(acc, ax,
-    /// sw)` adds a chunk's products to a group's sums, `$widen` makes those 32-bit.
+    /// sw)` adds a chunk's products to a group's 32-bit sums.
     macro_rules! panels_q8_kernel {
-        ($name:ident, $features:literal, $add:ident, $widen:ident) => {
+        ($name:ident, $features:literal, $add:ident) => {
             #[target_feature(enable = $features)]
             unsafe fn $name<const F: u8>(w: &[i8], q: &[i8], s: &[f32], row_scales: &[f32], out: &mut [f32]) {
                 let n = q.len();
@@ -1783,8 +1770,8 @@ mod avx2 {
                             wp = wp.add(4 * BLOCK);
                         }
                         let sc = _mm256_set1_ps(*s.get_unchecked(k / 2));
-                        acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps($widen(p.0)), sc, acc01);
-                        acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps($widen(p.1)), sc, acc23);
+                        acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.0), sc, acc01);
+                        acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.1), sc, acc23);
                         k += 2;
                     }
                     store_rows(finish_q8(acc01, acc23, _mm_loadu_ps(rs.as_ptr())), o);
@@ -1793,9 +1780,9 @@ mod avx2 {
         };
     }
 
-    panels_q8_kernel!(panels_q8_maddubs, "avx2,fma,f16c", add_maddubs, widen_pairs);
-    panels_q8_kernel!(panels_q8_avx_vnni, "avx2,fma,f16c,avxvnni", add_dpbusd_avx, as_is);
-    panels_q8_kernel!(panels_q8_avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", add_dpbusd_evex, as_is);
+    panels_q8_kernel!(panels_q8_maddubs, "avx2,fma,f16c", add_maddubs);
+    panels_q8_kernel!(panels_q8_avx_vnni, "avx2,fma,f16c,avxvnni", add_dpbusd_avx);
+    panels_q8_kernel!(panels_q8_avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", add_dpbusd_evex);
 
     /// One int8 panel (`w`: four rows of `n` columns, chunk by chunk) against up to four tokens
     /// at once, for inputs quantized for a VNNI path, each token's four sums into `out[i]`:

@@ -730,7 +730,7 @@ mod tests {
             let g = packed::XGROUP;
             let mut q = vec![0i8; cols_p];
             let mut s = vec![0.0f32; cols_p.div_ceil(g)];
-            let max = dot::int8_path().input_max();
+            let max = dot::INT8_INPUT_MAX;
             packed::quantize_groups(&x[t * cols..(t + 1) * cols], &mut q, &mut s, max);
             for c in 0..cols {
                 xd[t * cols + c] = q[c] as f32 * s[c / g];
@@ -799,10 +799,10 @@ mod tests {
         }
     }
 
-    /// The int8 kernels sum the same integers in the same order: on inputs every path takes
-    /// (|q| ≤ 64), `maddubs` and each VNNI path this CPU has (AVX512-VNNI too where AVX-VNNI
-    /// is preferred) give the same bits, with extreme weights and inputs among random ones,
-    /// and odd row counts.
+    /// The int8 kernels sum the same integers in the same order: `maddubs` and each VNNI path
+    /// this CPU has (AVX512-VNNI too where AVX-VNNI is preferred) give the same bits, and the
+    /// exact sums, with extreme weights and inputs (|q| = 127, whose pairs of products come
+    /// nearest `maddubs`'s 16 bits) among random ones, and odd row counts.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn int8_kernels_agree_bit_for_bit() {
@@ -820,17 +820,17 @@ mod tests {
                     .collect()
             };
             let mut w = ints(4 * n * np, 127, n as u64);
-            let mut q = ints(n, 64, 5);
+            let mut q = ints(n, 127, 5);
             w.iter_mut().step_by(5).for_each(|v| *v = -127);
             w[..32].fill(127);
-            q[..16].fill(64);
-            q[16..].iter_mut().step_by(7).for_each(|v| *v = -64);
+            q[..16].fill(127);
+            q[16..].iter_mut().step_by(7).for_each(|v| *v = -127);
             let s: Vec<f32> = rand_vec(n.div_ceil(32), 9).iter().map(|v| v.abs() + 0.01).collect();
             let rs: Vec<f32> = rand_vec(4 * np, 3).iter().map(|v| v.abs() + 0.01).collect();
             let run = |k: dot::Int8Path| {
                 let mut out = vec![f32::NAN; rows];
                 // SAFETY: `k` is a path this CPU runs (from `int8_kernels`); the lengths are as
-                // the kernel asks, |q| ≤ 64.
+                // the kernel asks, |q| ≤ 127.
                 unsafe { dot::avx2_panels_q8(&w, &q, &s, &rs, &mut out, Fetch::Near, k) };
                 out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
             };

@@ -709,8 +709,8 @@ fn as_bf16<T: 'static>(w: &[T]) -> Option<&[bf16]> {
         .then(|| unsafe { std::slice::from_raw_parts(w.as_ptr() as *const bf16, w.len()) })
 }
 
-/// Int8 weights: each input is quantized per group of [`XGROUP`] columns to |q| ≤ the
-/// [`dot::int8_path`]'s `input_max` (its own scale per group, so an outlier only coarsens its
+/// Int8 weights: each input is quantized per group of [`XGROUP`] columns to |q| ≤
+/// [`dot::INT8_INPUT_MAX`] (its own scale per group, so an outlier only coarsens its
 /// own group), and the products are summed in integers.
 #[allow(clippy::too_many_arguments)]
 fn matmul_int8(
@@ -734,7 +734,7 @@ fn matmul_int8(
                 &x[t * cols..(t + 1) * cols],
                 &mut xq[t * cols_p..(t + 1) * cols_p],
                 &mut xs[t * kc..(t + 1) * kc],
-                path.input_max(),
+                dot::INT8_INPUT_MAX,
             );
         }
         let (xq, xs) = (&xq[..n_tok * cols_p], &xs[..n_tok * kc]);

@@ -7,8 +7,8 @@ use gridlm::kernels::Quant;
 use gridlm::tokenizer::Tokenizer;
 
 /// bf16 generates 64 greedy tokens; int8, forced along the same text, picks the same top-1 at
-/// ≥ 90% of those 64 positions. (On Zen 5: 63 and 60 with `vpdpbusd`, whose inputs keep 255
-/// levels; 58 and 59 with `maddubs` at 129, as on CPUs without VNNI.)
+/// ≥ 90% of those 64 positions. (Inputs at 255 levels on every path: 63 and 60 with `vpdpbusd`
+/// on Zen 5, 63 and 61 with `maddubs` on Zen 3, where at 129 levels it gave 59 and 59.)
 #[test]
 fn int8_top1_agrees_with_bf16_over_64_positions() {
     let dir = smollm2("bf16");
