@@ -1019,8 +1019,9 @@ mod tests {
                 // step, in column blocks past 1376 columns) and from 16 (a prompt's); past one tile
                 // (44 tokens at 1536 columns) by column blocks and tiles, in two sub-blocks
                 // past 768 columns. 45 to 48 end on each size of token group. AVX2 sums three
-                // tokens at a time, four left as two and two (4, 7, 16), and widens its 16-bit
-                // panels to f32 from 16 tokens on; 120 tokens span two of its tiles (88 at 1536
+                // tokens at a time, four left as two and two (4, 7, 16), and from 16 tokens on
+                // takes each panel's block in f32 (16-bit ones widened) through one kernel
+                // call for all the tile's groups; 120 tokens span two of its tiles (88 at 1536
                 // columns, 80 at 4100), the second widened too, and three of the others' (44 at
                 // 1536 columns).
                 for n_tok in [2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 45, 46, 47, 48, 120] {

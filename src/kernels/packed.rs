@@ -459,7 +459,6 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
         });
         return;
     }
-    let widen = isa == Isa::Avx2 && std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>();
     let g = float_group(isa);
     schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit, dst| {
         let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
@@ -467,54 +466,64 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
         };
         let panel = |p: usize| &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (widen, dst);
+        let _ = dst;
         #[cfg(target_arch = "x86_64")]
-        if widen && ts.len() >= WIDEN_FROM {
-            // A panel's next block lies just past it where the block is the whole row: the
-            // widening asks for it, 8 KiB ahead. Where the block is narrower than the row, the
-            // next one lies a panel ahead, and a share of it is asked for before each group of
-            // this one, so that its widening finds it in L2. (Asking 8 KiB ahead there asked
-            // for this panel's next column block, read only in a later pass: in llama-3.2-1b's
+        if isa == Isa::Avx2 && ts.len() >= WIDEN_FROM {
+            // Each panel's block once in f32 for all the tile's groups: f32 weights as they
+            // are, others widened first (cheaper than widening again for every group: in the
+            // AVX2 bf16 kernel the widening takes a fifth of the time). The groups then go
+            // through one kernel call, which stores their sums itself (f32 weights went group
+            // by group over runs of panels before: llama-3.2-1b's prefill of 512 tokens on Zen
+            // 3 at 0.35–0.39 of the FMA peak, 0.55–0.66 this way).
+            //
+            // The next panel's block: where the block is the whole row and is widened, the
+            // widening asks for it, 8 KiB ahead. Otherwise a share of it is asked for before
+            // each group of this one, so that it is found in L2. (Where the block is narrower
+            // than the row, the next one lies a panel ahead: asking 8 KiB ahead there asked for
+            // this panel's next column block, read only in a later pass. In llama-3.2-1b's
             // prefill on Zen 3 the widening then took an eighth of the time, waiting on
             // memory, and 3% this way; its products ran ~10% faster.)
             let (split, n_groups) = (cr.len() < cols_p, groups(ts.clone(), g).count());
+            let as_is = as_elem::<f32, T>(d).is_some();
             let rows = w.rows;
             let x = &xp[ts.start * cols_p + cr.start..];
             for p in panels.clone() {
-                let (next, panel) = ((split && p + 1 < panels.end).then(|| panel(p + 1)), panel(p));
+                let next = ((split || as_is) && p + 1 < panels.end).then(|| panel(p + 1));
                 let r0 = p * PANEL;
                 let o = dst.span(ts.start * rows + r0, (ts.len() - 1) * rows + PANEL.min(rows - r0));
-                // Widening the panel is then cheaper than widening it again for every group
-                // (in the AVX2 bf16 kernel the widening takes a fifth of the time); its groups
-                // then go through one kernel call, which stores their sums itself.
-                WIDE.with_borrow_mut(|buf| {
-                    crate::grow(buf, panel.len());
-                    let wide = &mut buf[..panel.len()];
-                    dot::widen_for_avx2(panel, wide, isa, !split);
-                    let ask = |k: usize| {
-                        if let Some(next) = next {
-                            dot::prefetch_share(next, k, n_groups);
-                        }
-                    };
-                    // SAFETY: `widen` only on `Isa::Avx2`, itself only produced after detecting
-                    // avx2, fma and f16c; `wide` is one panel of `cr.len()` columns (a multiple
-                    // of the chunk, as column blocks are), `x` holds `ts`'s inputs `cols_p`
-                    // apart from column `cr.start`; tokens `ts`' rows r0.. of panel p lie in
-                    // `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
-                    unsafe {
-                        dot::avx2_panels_many::<f32, false>(
-                            wide,
-                            cr.len(),
-                            (x, cols_p),
-                            ts.len(),
-                            o,
-                            rows,
-                            PANEL.min(rows - r0),
-                            (cr.len(), cr.start > 0),
-                            ask,
-                        )
-                    };
-                });
+                let ask = |k: usize| {
+                    if let Some(next) = next {
+                        dot::prefetch_share(next, k, n_groups);
+                    }
+                };
+                // SAFETY: this path runs on `Isa::Avx2` alone, itself only produced after
+                // detecting avx2, fma and f16c; `block` is one panel of `cr.len()` columns (a
+                // multiple of the chunk, as column blocks are), `x` holds `ts`'s inputs
+                // `cols_p` apart from column `cr.start`; tokens `ts`' rows r0.. of panel p lie
+                // in `out` (`[n_tok, rows]`), and the team hands out each panel in one range.
+                let many = |block: &[f32]| unsafe {
+                    dot::avx2_panels_many::<f32, false>(
+                        block,
+                        cr.len(),
+                        (x, cols_p),
+                        ts.len(),
+                        o,
+                        rows,
+                        PANEL.min(rows - r0),
+                        (cr.len(), cr.start > 0),
+                        ask,
+                    )
+                };
+                match as_elem::<f32, T>(panel(p)) {
+                    Some(block) => many(block),
+                    None => WIDE.with_borrow_mut(|buf| {
+                        let block = panel(p);
+                        crate::grow(buf, block.len());
+                        let wide = &mut buf[..block.len()];
+                        dot::widen_for_avx2(block, wide, isa, !split);
+                        many(wide)
+                    }),
+                }
             }
             return;
         }
@@ -704,9 +713,14 @@ unsafe fn paired_panels(
 
 /// `w` as bf16, if its elements are bf16.
 fn as_bf16<T: 'static>(w: &[T]) -> Option<&[bf16]> {
-    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>())
-        // SAFETY: T is bf16 itself, so the slice is reinterpreted as its own type.
-        .then(|| unsafe { std::slice::from_raw_parts(w.as_ptr() as *const bf16, w.len()) })
+    as_elem::<bf16, T>(w)
+}
+
+/// `w` as `[U]`, if its elements are `U`.
+fn as_elem<U: 'static, T: 'static>(w: &[T]) -> Option<&[U]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>())
+        // SAFETY: T is U itself, so the slice is reinterpreted as its own type.
+        .then(|| unsafe { std::slice::from_raw_parts(w.as_ptr() as *const U, w.len()) })
 }
 
 /// Int8 weights: each input is quantized per group of [`XGROUP`] columns to |q| ≤
@@ -986,7 +1000,8 @@ fn by_groups(
 }
 
 /// Tokens of a tile from which a float panel is widened to f32 once for all of them (on AVX2,
-/// for bf16 and f16 weights) rather than by the kernel for each group ([`float_group`]).
+/// for bf16 and f16 weights) rather than by the kernel for each group ([`float_group`]), and
+/// meets them all in one kernel call (f32 panels too, as they are).
 const WIDEN_FROM: usize = 4 * TOK_GROUP;
 
 /// Most columns per pass of a many-token product: a block's inputs for a tile of tokens stay
