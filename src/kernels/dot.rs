@@ -1676,8 +1676,9 @@ mod avx2 {
     /// exact) and a `madd` adds neighbouring pairs of those into 32 bits; `vpdpbusd` adds the
     /// same four products (the same four bytes to each 32-bit lane) straight into 32 bits. (The
     /// `madd` once a group of two chunks instead, which needed |q| ≤ 64 so that four products
-    /// fit 16 bits, streamed no faster: one core of Zen 3 read 30–39 G weights/s from L2 either
-    /// way, and memory delivers a third of that.) Per group they are
+    /// fit 16 bits, was no faster where memory sets the pace: one core of Zen 3 read 24–40 G
+    /// weights/s from L2 with it and 31–43 without, in the host's noise, while memory delivers
+    /// 8–11.) Per group they are
     /// converted and scaled once, in the same order on every path, so the paths agree bit for
     /// bit. Two rows share one register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
     /// `out` may end inside the last panel.
