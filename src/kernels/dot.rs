@@ -1593,9 +1593,9 @@ mod avx2 {
     /// written). Nothing passes through per-group calls or copies of the sums, which took
     /// about a tenth of a SmolLM2 batch step on Zen 3. A batch's decode step (2 to 15 tokens)
     /// streams its panels from memory this way, asking 8 KiB ahead (`FETCH`); a prompt's tile
-    /// takes a panel's column block widened to f32 (`n` its columns, `x_stride` the inputs'
-    /// rows, `add` for the blocks after the first), in L1. `before(k)` runs before the `k`th
-    /// group of each panel's block (a caller's requests for what it reads next).
+    /// takes a panel's column block in f32, widened or as it is (`n` its columns, `x_stride`
+    /// the inputs' rows, `add` for the blocks after the first), in L1. `before(k)` runs before
+    /// the `k`th group of each panel's block (a caller's requests for what it reads next).
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `n` and `kb` (not 0) are multiples of [`BLOCK`],

@@ -488,7 +488,8 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
             let rows = w.rows;
             let x = &xp[ts.start * cols_p + cr.start..];
             for p in panels.clone() {
-                let next = ((split || as_is) && p + 1 < panels.end).then(|| panel(p + 1));
+                let (next, block) =
+                    (((split || as_is) && p + 1 < panels.end).then(|| panel(p + 1)), panel(p));
                 let r0 = p * PANEL;
                 let o = dst.span(ts.start * rows + r0, (ts.len() - 1) * rows + PANEL.min(rows - r0));
                 let ask = |k: usize| {
@@ -514,10 +515,9 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
                         ask,
                     )
                 };
-                match as_elem::<f32, T>(panel(p)) {
+                match as_elem::<f32, T>(block) {
                     Some(block) => many(block),
                     None => WIDE.with_borrow_mut(|buf| {
-                        let block = panel(p);
                         crate::grow(buf, block.len());
                         let wide = &mut buf[..block.len()];
                         dot::widen_for_avx2(block, wide, isa, !split);
