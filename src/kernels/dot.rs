@@ -23,6 +23,11 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// Rounds to nearest even.
     fn from_f32(v: f32) -> Self;
+    /// [`Elem::from_f32`] of each of `src` into `dst` (as long).
+    #[inline]
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        dst.iter_mut().zip(src).for_each(|(d, &v)| *d = Self::from_f32(v));
+    }
     /// Whether the AVX2 panel kernel wants `x` in even/odd order within each [`BLOCK`] (the
     /// portable and AVX-512 ones take column order).
     const SPLIT_EVEN_ODD: bool = false;
@@ -56,6 +61,13 @@ impl Elem for f16 {
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
+    }
+    /// Four at a time in F16C where the CPU has it (the same rounding, one call per four
+    /// values instead of one per value).
+    #[inline]
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
     }
 }
 
