@@ -1471,19 +1471,23 @@ mod avx2 {
         }
     }
 
-    /// Four rows' sums over `n` columns summed in column blocks of `kb`: `block(c0, end)`
-    /// sums columns `c0..end` in one pass, and the blocks' sums are added in column order (the
-    /// first block's as they are), as a many-token product adds the sums of its column blocks.
+    /// Four rows' sums over `n` columns summed in column blocks of `kb`, for each of `N` panels
+    /// summed side by side: `block(c0, end)` sums columns `c0..end` in one pass, and the
+    /// blocks' sums are added in column order (the first block's as they are), as a
+    /// many-token product adds the sums of its column blocks.
     #[inline(always)]
-    pub(super) unsafe fn by_blocks(
+    pub(super) unsafe fn by_blocks<const N: usize>(
         n: usize,
         kb: usize,
-        mut block: impl FnMut(usize, usize) -> __m128,
-    ) -> __m128 {
+        mut block: impl FnMut(usize, usize) -> [__m128; N],
+    ) -> [__m128; N] {
         let mut sums = block(0, kb.min(n));
         let mut c = kb;
         while c < n {
-            sums = _mm_add_ps(sums, block(c, (c + kb).min(n)));
+            let more = block(c, (c + kb).min(n));
+            for (s, m) in sums.iter_mut().zip(more) {
+                *s = _mm_add_ps(*s, m);
+            }
             c += kb;
         }
         sums
@@ -1491,8 +1495,9 @@ mod avx2 {
 
     /// Consecutive packed panels (four rows each, chunks of [`BLOCK`] columns side by side)
     /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
-    /// inside the last panel (the matrix's padding rows are not written). The panels are read
-    /// in order, once, as one stream, with nothing between two panels but four sums.
+    /// inside the last panel (the matrix's padding rows are not written). Each panel is read
+    /// once, with nothing between two panels but four sums, in two streams
+    /// ([`panels_with`]).
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
@@ -1501,39 +1506,76 @@ mod avx2 {
         with_fetch!(fetch, panels_with::<T>(w, x, kb, out))
     }
 
-    /// [`panels`], prefetching as the [`Fetch`] of code `F` says.
+    /// [`panels`], prefetching as the [`Fetch`] of code `F` says. The range's first half and
+    /// its second are read side by side, a panel of each at a time (an odd last panel alone):
+    /// two streams from memory instead of one, each panel's sums the same bits. On the 2-core
+    /// Zen 3 machine SmolLM2's layer and head products, one token in a loop, read at medians
+    /// of 0.98–1.03 of a probe read beside them with two streams against 0.90–0.96 with one
+    /// (three series of 30–40 interleaved rounds); two neighbouring panels at a time, one
+    /// stream read by two pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901
+    /// of the bandwidth against 0.832–0.871 (four interleaved pairs), less in the step than in
+    /// the loop; with the cores' placement changing between runs, pairs fell either way.
+    /// The hardware's prefetch alone ([`Fetch::None`]) gains most (0.78–0.82 → ~0.92 in the
+    /// loop), so the start-up pick now and then takes it over `Near` (~0.96).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn panels_with<T: Avx2Load, const F: u8>(w: &[T], x: &[f32], kb: usize, out: &mut [f32]) {
         let n = x.len();
         debug_assert!(n.is_multiple_of(BLOCK) && kb.is_multiple_of(BLOCK) && kb > 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
-        let xp = x.as_ptr();
-        let mut wp = w.as_ptr();
-        for o in out.chunks_mut(4) {
-            let sums = by_blocks(n, kb, |mut c, end| {
-                let mut acc = [_mm256_setzero_ps(); 4];
-                while c < end {
+        let (len, xp) = (out.len(), x.as_ptr());
+        let np = len.div_ceil(4);
+        let half = np / 2;
+        let panel = |p: usize| w.as_ptr().add(p * 4 * n);
+        for p in 0..half {
+            let [a, b] = panel_sums::<T, F, 2>([panel(p), panel(p + half)], xp, n, kb);
+            store_rows(a, &mut out[4 * p..4 * p + 4]);
+            let q = 4 * (p + half);
+            store_rows(b, &mut out[q..(q + 4).min(len)]);
+        }
+        if np % 2 == 1 {
+            let [s] = panel_sums::<T, F, 1>([panel(np - 1)], xp, n, kb);
+            store_rows(s, &mut out[4 * (np - 1)..]);
+        }
+    }
+
+    /// The sums of `S` panels (`wp[s]` each one's first chunk) against the prepared input at
+    /// `xp` (`n` columns), read side by side, chunk by chunk, prefetching as [`panels_with`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn panel_sums<T: Avx2Load, const F: u8, const S: usize>(
+        mut wp: [*const T; S],
+        xp: *const f32,
+        n: usize,
+        kb: usize,
+    ) -> [__m128; S] {
+        by_blocks(n, kb, |mut c, end| {
+            let mut acc = [[_mm256_setzero_ps(); 4]; S];
+            while c < end {
+                for &w in &wp {
                     if F == Fetch::NEAR || F == Fetch::FAR {
-                        fetch_ahead(wp);
+                        fetch_ahead(w);
                     }
                     if F == Fetch::FAR {
-                        fetch_far(wp);
+                        fetch_far(w);
                     }
                     if F == Fetch::NTA {
-                        fetch_stream(wp);
+                        fetch_stream(w);
                     }
-                    let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let (lo, hi) = T::load16(wp.add(r * BLOCK));
-                        *a = _mm256_fmadd_ps(hi, xh, _mm256_fmadd_ps(lo, xl, *a));
-                    }
-                    wp = wp.add(4 * BLOCK);
-                    c += BLOCK;
                 }
-                hsum4(acc)
-            });
-            store_rows(sums, o);
-        }
+                let (xl, xh) = (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8)));
+                for r in 0..4 {
+                    for (a, w) in acc.iter_mut().zip(&wp) {
+                        let (lo, hi) = T::load16(w.add(r * BLOCK));
+                        a[r] = _mm256_fmadd_ps(hi, xh, _mm256_fmadd_ps(lo, xl, a[r]));
+                    }
+                }
+                for w in &mut wp {
+                    *w = w.add(4 * BLOCK);
+                }
+                c += BLOCK;
+            }
+            acc.map(|a| hsum4(a))
+        })
     }
 
     /// All four rows of a packed panel against `NT` (at most three) prepared inputs
@@ -2249,7 +2291,7 @@ mod avx512 {
         let xp = x.as_ptr();
         let mut wp = w.as_ptr();
         for o in out.chunks_mut(4) {
-            let sums = by_blocks(n, kb, |mut c, end| {
+            let [sums] = by_blocks(n, kb, |mut c, end| {
                 let mut acc = [_mm512_setzero_ps(); 4];
                 while c < end {
                     fetch_one_token::<T, F>(wp);
@@ -2264,7 +2306,7 @@ mod avx512 {
                 let v = lanes4(acc);
                 let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
                 let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
-                _mm512_castps512_ps128(v)
+                [_mm512_castps512_ps128(v)]
             });
             store_rows(sums, o);
         }
@@ -2347,7 +2389,7 @@ mod avx512 {
         // Element 4 L of `lanes4`'s result is the first register's row L.
         let order = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
         for o in out.chunks_mut(4) {
-            let sums = by_blocks(n, kb, |mut c, end| {
+            let [sums] = by_blocks(n, kb, |mut c, end| {
                 let mut a = [zero; 2];
                 while c < end {
                     a = chunk_bf16::<F>(a, wp, pair_block(xp.add(c)));
@@ -2355,7 +2397,7 @@ mod avx512 {
                     c += BLOCK;
                 }
                 let v = _mm512_permutexvar_ps(order, lanes4([rows_by_lane(a), zero, zero, zero]));
-                _mm512_castps512_ps128(v)
+                [_mm512_castps512_ps128(v)]
             });
             store_rows(sums, o);
         }
