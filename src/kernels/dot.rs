@@ -1496,8 +1496,8 @@ mod avx2 {
     /// Consecutive packed panels (four rows each, chunks of [`BLOCK`] columns side by side)
     /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
     /// inside the last panel (the matrix's padding rows are not written). Each panel is read
-    /// once, with nothing between two panels but four sums, in two streams
-    /// ([`panels_with`]).
+    /// once, with nothing between two panels but four sums, in two streams: the range's first
+    /// half beside its second.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
