@@ -1522,20 +1522,32 @@ mod avx2 {
         let n = x.len();
         debug_assert!(n.is_multiple_of(BLOCK) && kb.is_multiple_of(BLOCK) && kb > 0);
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
-        let (len, xp) = (out.len(), x.as_ptr());
-        let np = len.div_ceil(4);
-        let half = np / 2;
+        let xp = x.as_ptr();
         let panel = |p: usize| w.as_ptr().add(p * 4 * n);
-        for p in 0..half {
-            let [a, b] = panel_sums::<T, F, 2>([panel(p), panel(p + half)], xp, n, kb);
-            store_rows(a, &mut out[4 * p..4 * p + 4]);
-            let q = 4 * (p + half);
-            store_rows(b, &mut out[q..(q + 4).min(len)]);
+        let (pairs, last) = two_streams(out.len().div_ceil(4));
+        for (p, q) in pairs {
+            let [a, b] = panel_sums::<T, F, 2>([panel(p), panel(q)], xp, n, kb);
+            store_rows(a, panel_out(out, p));
+            store_rows(b, panel_out(out, q));
         }
-        if np % 2 == 1 {
-            let [s] = panel_sums::<T, F, 1>([panel(np - 1)], xp, n, kb);
-            store_rows(s, &mut out[4 * (np - 1)..]);
+        if let Some(p) = last {
+            let [s] = panel_sums::<T, F, 1>([panel(p)], xp, n, kb);
+            store_rows(s, panel_out(out, p));
         }
+    }
+
+    /// The panels `0..np` of a thread's range as the one-token kernels read them, in two
+    /// streams: pairs `(p, p + np / 2)`, the first half beside the second, then an odd last
+    /// panel alone.
+    pub(super) fn two_streams(np: usize) -> (impl Iterator<Item = (usize, usize)>, Option<usize>) {
+        let half = np / 2;
+        ((0..half).map(move |p| (p, p + half)), (np % 2 == 1).then(|| np - 1))
+    }
+
+    /// Panel `p`'s rows of `out` (fewer than four where `out` ends inside it).
+    pub(super) fn panel_out(out: &mut [f32], p: usize) -> &mut [f32] {
+        let end = (4 * p + 4).min(out.len());
+        &mut out[4 * p..end]
     }
 
     /// The sums of `S` panels (`wp[s]` each one's first chunk) against the prepared input at
@@ -1824,21 +1836,19 @@ mod avx2 {
                 debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
                 debug_assert_eq!(row_scales.len(), 4 * out.len().div_ceil(4));
                 debug_assert_eq!(s.len(), n.div_ceil(2 * BLOCK));
-                let (len, np, kc) = (out.len(), out.len().div_ceil(4), n / BLOCK);
+                let kc = n / BLOCK;
                 let panel = |p: usize| w.as_ptr().add(p * 4 * n);
                 let rs = |p: usize| _mm_loadu_ps(row_scales.as_ptr().add(4 * p));
-                // Two streams, as in the float kernel ([`panels_with`]): the range's first half
-                // beside its second, a panel of each at a time, an odd last panel alone.
-                let half = np / 2;
-                for p in 0..half {
-                    let [a, b] = sums::<F, 2>([panel(p), panel(p + half)], q.as_ptr(), s, kc);
-                    store_rows(finish_q8(a.0, a.1, rs(p)), &mut out[4 * p..4 * p + 4]);
-                    let o = 4 * (p + half);
-                    store_rows(finish_q8(b.0, b.1, rs(p + half)), &mut out[o..(o + 4).min(len)]);
+                // Two streams, as in the float kernel ([`panels_with`]).
+                let (pairs, last) = two_streams(out.len().div_ceil(4));
+                for (p, o) in pairs {
+                    let [a, b] = sums::<F, 2>([panel(p), panel(o)], q.as_ptr(), s, kc);
+                    store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
+                    store_rows(finish_q8(b.0, b.1, rs(o)), panel_out(out, o));
                 }
-                if np % 2 == 1 {
-                    let [a] = sums::<F, 1>([panel(np - 1)], q.as_ptr(), s, kc);
-                    store_rows(finish_q8(a.0, a.1, rs(np - 1)), &mut out[4 * (np - 1)..]);
+                if let Some(p) = last {
+                    let [a] = sums::<F, 1>([panel(p)], q.as_ptr(), s, kc);
+                    store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
                 }
 
                 /// The group-scaled sums of `S` panels (`wp[i]` each one's first chunk), rows
@@ -1879,12 +1889,12 @@ mod avx2 {
                     let mut acc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); S];
                     let mut k = 0;
                     while k < kc {
-                        let (x0, x1) = (input(k), if k + 1 < kc { input(k + 1) } else { input(k) });
+                        let (x0, x1) = (input(k), (k + 1 < kc).then(|| input(k + 1)));
                         let sc = _mm256_set1_ps(*s.get_unchecked(k / 2));
                         for (a, w) in acc.iter_mut().zip(&mut wp) {
                             let mut p = chunk(*w, x0, (_mm256_setzero_si256(), _mm256_setzero_si256()));
                             *w = w.add(4 * BLOCK);
-                            if k + 1 < kc {
+                            if let Some(x1) = x1 {
                                 p = chunk(*w, x1, p);
                                 *w = w.add(4 * BLOCK);
                             }
