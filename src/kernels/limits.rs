@@ -8,16 +8,18 @@ use rayon::prelude::*;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
-/// The ways the probe reads, as prefetch distances: 0 is plain loads (the hardware prefetcher
-/// alone); the others prefetch that many bytes ahead, non-temporal, as the matrix kernels may
-/// stream weights ([`super::Fetch::Nta`] asks 2 KiB ahead), so that no way the kernels read
-/// is faster than the fastest of these.
-const READS: [usize; 4] = [0, 512, 1024, 2048];
+/// The ways the probe reads: `ahead`, a prefetch distance (0: plain loads, the hardware
+/// prefetcher alone; else that many bytes ahead, non-temporal, as the matrix kernels may
+/// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead); `two`, each thread's share read as
+/// two streams side by side (its first half beside its second), as the one-token AVX2 kernels
+/// read a range. So that no way the kernels read is faster than the fastest of these.
+const READS: [(usize, bool); 6] =
+    [(0, false), (512, false), (1024, false), (2048, false), (0, true), (1024, true)];
 
 /// Sums `buf` with every team thread, each over its own contiguous share (as the kernels
-/// split a matrix), with wide independent accumulators so loads are the limit, prefetching
-/// `ahead` bytes ahead (0: not at all).
-fn read_all(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f32 {
+/// split a matrix), with wide independent accumulators so loads are the limit, read the way
+/// `read` says ([`READS`]).
+fn read_all(team: &Team, buf: &[f32], isa: Isa, (ahead, two): (usize, bool)) -> f32 {
     let share = buf.len().div_ceil(team.threads()).max(1);
     let sums: Vec<AtomicU32> = (0..team.threads()).map(|_| AtomicU32::new(0)).collect();
     team.run(&|tid| {
@@ -25,7 +27,13 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f32 {
         let s = match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every non-portable Isa is only detected with avx2 and fma present.
-            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::sum(c, ahead) },
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+                if two {
+                    avx2::sum_two(c, ahead)
+                } else {
+                    avx2::sum(c, ahead)
+                }
+            },
             _ => c.iter().sum::<f32>(),
         };
         sums[tid].store(s.to_bits(), Relaxed);
@@ -44,10 +52,10 @@ fn filled(bytes: usize) -> HugeBuf<f32> {
     buf
 }
 
-/// Seconds one full read of `buf` by every thread of `team` takes, `ahead` as in [`READS`].
-fn time_read(team: &Team, buf: &[f32], isa: Isa, ahead: usize) -> f64 {
+/// Seconds one full read of `buf` by every thread of `team` takes, `read` one of [`READS`].
+fn time_read(team: &Team, buf: &[f32], isa: Isa, read: (usize, bool)) -> f64 {
     let t = Instant::now();
-    std::hint::black_box(read_all(team, buf, isa, ahead));
+    std::hint::black_box(read_all(team, buf, isa, read));
     t.elapsed().as_secs_f64()
 }
 
@@ -73,14 +81,14 @@ impl ReadProbe {
 
     /// The fastest read of the buffer by every thread of `team` over `passes` passes, in
     /// GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
-    /// per way of reading (`READS`: plain loads; loads with software prefetches at two
+    /// per way of reading (`READS`: plain loads; loads with software prefetches at three
     /// distances): the limit is what the best of them reaches, not what one happens to.
     pub fn best(&self, team: &Team, passes: usize) -> (f64, ReadWay) {
         let isa = detect();
         let mut best = (f64::INFINITY, ReadWay(0));
         for _ in 0..passes.max(1) {
-            for (way, ahead) in READS.into_iter().enumerate() {
-                let t = time_read(team, &self.buf, isa, ahead);
+            for (way, read) in READS.into_iter().enumerate() {
+                let t = time_read(team, &self.buf, isa, read);
                 if t < best.0 {
                     best = (t, ReadWay(way));
                 }
@@ -212,6 +220,41 @@ mod avx2 {
         out.iter().sum::<f32>() + c[i..].iter().sum::<f32>()
     }
 
+    /// As [`sum`], `c` read as two streams side by side: its first half and its second, a
+    /// pair of lines of each at a time (as the one-token AVX2 kernels read a thread's range).
+    ///
+    /// # Safety
+    /// The CPU must have avx2 and fma.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn sum_two(c: &[f32], ahead: usize) -> f32 {
+        let half = c.len() / 2 / 32 * 32;
+        let (first, second) = c.split_at(half);
+        let mut a = [_mm256_setzero_ps(); 8];
+        let (p, q) = (first.as_ptr(), second.as_ptr());
+        let mut i = 0;
+        while i + 32 <= half {
+            if ahead > 0 {
+                for s in [p, q] {
+                    let f = (s.add(i) as *const i8).wrapping_add(ahead);
+                    _mm_prefetch(f, _MM_HINT_NTA);
+                    _mm_prefetch(f.wrapping_add(64), _MM_HINT_NTA);
+                }
+            }
+            for k in 0..4 {
+                a[k] = _mm256_add_ps(a[k], _mm256_loadu_ps(p.add(i + 8 * k)));
+                a[4 + k] = _mm256_add_ps(a[4 + k], _mm256_loadu_ps(q.add(i + 8 * k)));
+            }
+            i += 32;
+        }
+        let mut v = a[0];
+        for x in &a[1..] {
+            v = _mm256_add_ps(v, *x);
+        }
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), v);
+        out.iter().sum::<f32>() + second[i..].iter().sum::<f32>()
+    }
+
     /// Twelve independent FMA chains (enough to cover FMA latency × ports) of `iterations` FMAs
     /// on eight lanes each.
     ///
@@ -257,6 +300,28 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_way_of_reading_sums_the_whole_buffer() {
+        // Small whole numbers, so every order of the additions gives the exact sum; lengths
+        // that leave a tail past the last pair of lines, and halves of unequal length.
+        for len in [0, 31, 64, 1000, 4099, 65_537] {
+            let buf: Vec<f32> = (0..len).map(|i| (i % 7) as f32).collect();
+            let want: f32 = (0..len).map(|i| (i % 7) as f32).sum();
+            for threads in [1, 2] {
+                let team = Team::new(threads).unwrap();
+                for isa in [Isa::Portable, detect()] {
+                    for read in READS {
+                        assert_eq!(
+                            read_all(&team, &buf, isa, read),
+                            want,
+                            "{len} {threads} {isa:?} {read:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn handoff_is_measured_between_threads_only() {
