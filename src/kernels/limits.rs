@@ -82,7 +82,8 @@ impl ReadProbe {
     /// The fastest read of the buffer by every thread of `team` over `passes` passes, in
     /// GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
     /// per way of reading (`READS`: plain loads; loads with software prefetches at three
-    /// distances): the limit is what the best of them reaches, not what one happens to.
+    /// distances; plain and at one distance, each thread's share as two streams): the limit is
+    /// what the best of them reaches, not what one happens to.
     pub fn best(&self, team: &Team, passes: usize) -> (f64, ReadWay) {
         let isa = detect();
         let mut best = (f64::INFINITY, ReadWay(0));

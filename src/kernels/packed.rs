@@ -254,9 +254,8 @@ const PICK_ROUNDS: usize = 7;
 /// decode step runs them, seven times (`PICK_ROUNDS`) under each way, interleaved, and seven
 /// more if a way other than `Near` was the fastest. Sets the way with the shortest median pass
 /// for the process ([`dot::set_fetch`]) and returns it, with each way's median pass as a share
-/// of its round's mean (in [`Fetch::ALL`]'s order). `None`,
-/// and nothing set, when the matrices hold less than 64 MiB: they would be timed in cache,
-/// where the prefetch hardly matters.
+/// of its round's mean (in [`Fetch::ALL`]'s order). `None`, and nothing set, when the matrices
+/// hold less than 64 MiB: they would be timed in cache, where the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
     let near = Fetch::ALL.iter().position(|&f| f == Fetch::Near).unwrap_or(0);
     let (k, median) = pick_way(team, mats, 1, near, |k| dot::set_fetch(Fetch::ALL[k]))?;
@@ -266,9 +265,9 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
 /// Chooses the way the many-token bf16 kernel of AVX512_BF16 prefetches ([`ManyFetch`]) as
 /// [`pick_fetch`] chooses the one-token way: `n_tok` tokens (2 to 15, a batch's decode
 /// step) through `mats`, every way timed seven times, interleaved (seven more if `L2` was not
-/// the fastest); sets the fastest for the process ([`dot::set_many_fetch`]). `None`, and nothing set, where that kernel does not run
-/// them (not bf16 weights, not AVX512_BF16, a token count outside that range) or they hold
-/// less than 64 MiB.
+/// the fastest); sets the fastest for the process ([`dot::set_many_fetch`]). `None`, and
+/// nothing set, where that kernel does not run them (not bf16 weights, not AVX512_BF16, a token
+/// count outside that range) or they hold less than 64 MiB.
 pub fn pick_many_fetch(
     team: &super::Team,
     mats: &[&PackedMat],
