@@ -257,9 +257,7 @@ const PICK_ROUNDS: usize = 7;
 /// of its round's mean (in [`Fetch::ALL`]'s order). `None`, and nothing set, when the matrices
 /// hold less than 64 MiB: they would be timed in cache, where the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
-    let near = Fetch::ALL.iter().position(|&f| f == Fetch::Near).unwrap_or(0);
-    let (k, median) = pick_way(team, mats, 1, near, |k| dot::set_fetch(Fetch::ALL[k]))?;
-    Some((Fetch::ALL[k], median))
+    pick_way(team, mats, 1, Fetch::ALL, Fetch::Near, dot::set_fetch)
 }
 
 /// Chooses the way the many-token bf16 kernel of AVX512_BF16 prefetches ([`ManyFetch`]) as
@@ -277,25 +275,24 @@ pub fn pick_many_fetch(
     if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
         return None;
     }
-    let l2 = ManyFetch::ALL.iter().position(|&f| f == ManyFetch::L2).unwrap_or(0);
-    let (k, median) = pick_way(team, mats, n_tok, l2, |k| dot::set_many_fetch(ManyFetch::ALL[k]))?;
-    Some((ManyFetch::ALL[k], median))
+    pick_way(team, mats, n_tok, ManyFetch::ALL, ManyFetch::L2, dot::set_many_fetch)
 }
 
-/// Picks one of `W` ways of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
+/// Picks one of the `ways` of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
 /// `n_tok` tokens through the matrices in order (the first of them up to 256 MiB) in one
-/// region of `team`, [`PICK_ROUNDS`] times under each way (`set(k)` makes way `k` the
-/// process's), interleaved; if the fastest is not way `default`, as many rounds again, and the
-/// fastest over all of them. Sets the way with the shortest median pass, each pass as a share
-/// of its round's mean, and returns its index with every way's median; `None`, and no way
-/// set, when the matrices hold less than 64 MiB.
-fn pick_way<const W: usize>(
+/// region of `team`, [`PICK_ROUNDS`] times under each way (`set` makes a way the process's),
+/// interleaved; if the fastest is not `default`, as many rounds again, and the fastest over
+/// all of them. Sets the way with the shortest median pass, each pass as a share of its
+/// round's mean, and returns it with every way's median (in `ways`' order); `None`, and no
+/// way set, when the matrices hold less than 64 MiB.
+fn pick_way<T: Copy + PartialEq, const W: usize>(
     team: &super::Team,
     mats: &[&PackedMat],
     n_tok: usize,
-    default: usize,
-    set: impl Fn(usize),
-) -> Option<(usize, [f64; W])> {
+    ways: [T; W],
+    default: T,
+    set: impl Fn(T),
+) -> Option<(T, [f64; W])> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
     for &m in mats {
         if bytes >= PICK_MAX_BYTES {
@@ -314,7 +311,7 @@ fn pick_way<const W: usize>(
     let shared = SharedSlice::new(&mut out);
     // One pass of every timed product under way `k`, in seconds.
     let pass = |k: usize| {
-        set(k);
+        set(ways[k]);
         let t = std::time::Instant::now();
         team.region(&|r| {
             for m in &timed {
@@ -326,9 +323,10 @@ fn pick_way<const W: usize>(
         });
         t.elapsed().as_secs_f64()
     };
+    let default = ways.iter().position(|&w| w == default).unwrap_or(0);
     let (k, median) = pick_by(default, pass);
-    set(k);
-    Some((k, median))
+    set(ways[k]);
+    Some((ways[k], median))
 }
 
 /// The timing behind [`pick_way`]: [`PICK_ROUNDS`] rounds of `pass(k)` (seconds) for every way
