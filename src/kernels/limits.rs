@@ -10,16 +10,16 @@ use std::time::Instant;
 
 /// The ways the probe reads: `ahead`, a prefetch distance (0: plain loads, the hardware
 /// prefetcher alone; else that many bytes ahead, non-temporal, as the matrix kernels may
-/// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead); `two`, each thread's share read as
-/// two streams side by side (its first half beside its second), as the one-token AVX2 kernels
-/// read a range. So that no way the kernels read is faster than the fastest of these.
-const READS: [(usize, bool); 6] =
-    [(0, false), (512, false), (1024, false), (2048, false), (0, true), (1024, true)];
+/// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead); `streams`, each thread's share
+/// read as one stream or as two side by side (its first half beside its second), as the
+/// one-token AVX2 kernels read a range. So that no way the kernels read is faster than the
+/// fastest of these.
+const READS: [(usize, usize); 6] = [(0, 1), (512, 1), (1024, 1), (2048, 1), (0, 2), (1024, 2)];
 
 /// Sums `buf` with every team thread, each over its own contiguous share (as the kernels
 /// split a matrix), with wide independent accumulators so loads are the limit, read the way
 /// `read` says ([`READS`]).
-fn read_all(team: &Team, buf: &[f32], isa: Isa, (ahead, two): (usize, bool)) -> f32 {
+fn read_all(team: &Team, buf: &[f32], isa: Isa, (ahead, streams): (usize, usize)) -> f32 {
     let share = buf.len().div_ceil(team.threads()).max(1);
     let sums: Vec<AtomicU32> = (0..team.threads()).map(|_| AtomicU32::new(0)).collect();
     team.run(&|tid| {
@@ -28,10 +28,9 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa, (ahead, two): (usize, bool)) -> 
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every non-portable Isa is only detected with avx2 and fma present.
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-                if two {
-                    avx2::sum_two(c, ahead)
-                } else {
-                    avx2::sum(c, ahead)
+                match streams {
+                    2 => avx2::sum::<2>(c, ahead),
+                    _ => avx2::sum::<1>(c, ahead),
                 }
             },
             _ => c.iter().sum::<f32>(),
@@ -53,7 +52,7 @@ fn filled(bytes: usize) -> HugeBuf<f32> {
 }
 
 /// Seconds one full read of `buf` by every thread of `team` takes, `read` one of [`READS`].
-fn time_read(team: &Team, buf: &[f32], isa: Isa, read: (usize, bool)) -> f64 {
+fn time_read(team: &Team, buf: &[f32], isa: Isa, read: (usize, usize)) -> f64 {
     let t = Instant::now();
     std::hint::black_box(read_all(team, buf, isa, read));
     t.elapsed().as_secs_f64()
@@ -193,67 +192,42 @@ pub fn handoff_us(team: &Team, calls: usize) -> f64 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// The sum of `c`; with `ahead > 0`, each pair of lines is asked for `ahead` bytes before
-    /// it is loaded (non-temporal hint, as the matrix kernels do).
+    /// The sum of `c`, read as `S` streams side by side (its `S` equal parts, a pair of lines
+    /// of each at a time, as the one-token AVX2 kernels read a thread's range in two); with
+    /// `ahead > 0`, each pair of lines is asked for `ahead` bytes before it is loaded
+    /// (non-temporal hint, as the matrix kernels do).
     ///
     /// # Safety
     /// The CPU must have avx2 and fma.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn sum(c: &[f32], ahead: usize) -> f32 {
-        let mut a = [_mm256_setzero_ps(); 4];
+    pub unsafe fn sum<const S: usize>(c: &[f32], ahead: usize) -> f32 {
+        let part = c.len() / S / 32 * 32;
+        let mut a = [[_mm256_setzero_ps(); 4]; S];
         let p = c.as_ptr();
         let mut i = 0;
-        while i + 32 <= c.len() {
-            if ahead > 0 {
-                // Prefetches never fault; the address is only computed, never read.
-                let f = (p.add(i) as *const i8).wrapping_add(ahead);
-                _mm_prefetch(f, _MM_HINT_NTA);
-                _mm_prefetch(f.wrapping_add(64), _MM_HINT_NTA);
-            }
-            for (k, acc) in a.iter_mut().enumerate() {
-                *acc = _mm256_add_ps(*acc, _mm256_loadu_ps(p.add(i + 8 * k)));
-            }
-            i += 32;
-        }
-        let v = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-        let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), v);
-        out.iter().sum::<f32>() + c[i..].iter().sum::<f32>()
-    }
-
-    /// As [`sum`], `c` read as two streams side by side: its first half and its second, a
-    /// pair of lines of each at a time (as the one-token AVX2 kernels read a thread's range).
-    ///
-    /// # Safety
-    /// The CPU must have avx2 and fma.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn sum_two(c: &[f32], ahead: usize) -> f32 {
-        let half = c.len() / 2 / 32 * 32;
-        let (first, second) = c.split_at(half);
-        let mut a = [_mm256_setzero_ps(); 8];
-        let (p, q) = (first.as_ptr(), second.as_ptr());
-        let mut i = 0;
-        while i + 32 <= half {
-            if ahead > 0 {
-                for s in [p, q] {
-                    let f = (s.add(i) as *const i8).wrapping_add(ahead);
+        while i < part {
+            for (s, acc) in a.iter_mut().enumerate() {
+                let at = p.add(s * part + i);
+                if ahead > 0 {
+                    // Prefetches never fault; the address is only computed, never read.
+                    let f = (at as *const i8).wrapping_add(ahead);
                     _mm_prefetch(f, _MM_HINT_NTA);
                     _mm_prefetch(f.wrapping_add(64), _MM_HINT_NTA);
                 }
-            }
-            for k in 0..4 {
-                a[k] = _mm256_add_ps(a[k], _mm256_loadu_ps(p.add(i + 8 * k)));
-                a[4 + k] = _mm256_add_ps(a[4 + k], _mm256_loadu_ps(q.add(i + 8 * k)));
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_add_ps(*acc, _mm256_loadu_ps(at.add(8 * k)));
+                }
             }
             i += 32;
         }
-        let mut v = a[0];
-        for x in &a[1..] {
-            v = _mm256_add_ps(v, *x);
-        }
         let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), v);
-        out.iter().sum::<f32>() + second[i..].iter().sum::<f32>()
+        for acc in a {
+            let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+            out.iter_mut().zip(lanes).for_each(|(o, l)| *o += l);
+        }
+        out.iter().sum::<f32>() + c[S * part..].iter().sum::<f32>()
     }
 
     /// Twelve independent FMA chains (enough to cover FMA latency × ports) of `iterations` FMAs
