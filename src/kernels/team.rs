@@ -527,7 +527,7 @@ mod tests {
     fn a_thread_takes_quarters_or_halves_of_its_share() {
         // The other thread sleeps in its first piece, long enough that the owner takes every
         // piece of its own share before anyone else can reach it.
-        let expect = |halves: bool| -> Vec<std::ops::Range<usize>> {
+        let own_pieces = |halves: bool| -> Vec<std::ops::Range<usize>> {
             let (mut a, mut out) = (0, Vec::new());
             while a < 500 {
                 let left = 500 - a;
@@ -537,8 +537,8 @@ mod tests {
             }
             out
         };
-        assert_eq!(expect(true)[..3], [0..250, 250..375, 375..437]);
-        assert_eq!(expect(false)[..3], [0..125, 125..218, 218..288]);
+        assert_eq!(own_pieces(true)[..3], [0..250, 250..375, 375..437]);
+        assert_eq!(own_pieces(false)[..3], [0..125, 125..218, 218..288]);
         for halves in [false, true] {
             let team = Team::new(2).unwrap();
             let owner = std::thread::current().id();
@@ -556,7 +556,7 @@ mod tests {
                 team.for_ranges(1000, 3, &f);
             }
             let taken = taken.into_inner().unwrap();
-            let own = expect(halves);
+            let own = own_pieces(halves);
             assert_eq!(taken[..own.len()], own, "halves {halves}");
         }
     }
