@@ -989,8 +989,9 @@ fn panels_portable<T: dot::Elem>(w: &[T], x: &[f32], kb: usize, out: &mut [f32])
 
 /// Least bytes of weights a thread takes at a time in a one-token product (and at least two
 /// panels): each piece starts a stream from memory anew (see `Pieces` in [`super::team`]). On
-/// the 2-core Zen 3 machine SmolLM2's decode steps took the same time with pieces of at least
-/// 32, 64 or 128 KiB or 16 panels, all 2–5% less than with two panels.
+/// the 2-core Zen 3 machine SmolLM2's decode steps took the same time (within 1%) with halves
+/// of at least 32, 64 or 128 KiB or 16 panels; halves of at least 64 KiB took 2–5% less than
+/// the quarters of at least two panels used before.
 const STREAM_PIECE_BYTES: usize = 64 << 10;
 
 /// One token: runs of whole panels (`panel_bytes` each), each thread streaming its own share
