@@ -640,8 +640,16 @@ pub fn prefetch<T>(data: *const [T]) {
 pub fn prefetch_share<T>(data: &[T], part: usize, parts: usize) {
     let n = std::mem::size_of_val(data).div_ceil(64);
     let lines = if part < parts { part * n / parts..(part + 1) * n / parts } else { 0..0 };
+    prefetch_l2(data, lines);
+}
+
+/// Asks the CPU to start loading the cache lines `lines` of `data` (those of them within it)
+/// into L2 (the T1 hint; a hint: no effect on results). A raw slice, as for [`prefetch`].
+pub fn prefetch_l2<T>(data: *const [T], lines: std::ops::Range<usize>) {
+    let n = (data.len() * std::mem::size_of::<T>()).div_ceil(64);
+    let lines = lines.start.min(n)..lines.end.min(n);
     #[cfg(target_arch = "x86_64")]
-    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(data.as_ptr().cast(), lines);
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(data.cast(), lines);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = lines;
 }

@@ -64,6 +64,9 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 /// ([`AttendOut::Tiles`]).
 pub type TileSink<'a> = &'a mut dyn FnMut(usize, usize, f32, f32, &[f32]);
 
+/// Called by [`attend_tiled`] at each page visit as `(visit, visits)`.
+pub type Ahead<'a> = &'a dyn Fn(usize, usize);
+
 /// Where [`attend_tiled`] puts its results.
 pub enum AttendOut<'a> {
     /// The attention itself, `[rows, head_dim]` (0 for a row that saw nothing).
@@ -94,6 +97,10 @@ pub enum AttendOut<'a> {
 /// tile boundaries ([`AttendOut::Tiles`], [`merge_tiles`]) without changing a bit of it.
 ///
 /// A row whose bounds are empty (`first > last`) sees nothing.
+///
+/// `ahead(visit, visits)` is called once at each of the call's `visits` page visits (each page
+/// it reads is visited twice, for its keys and for its values), `visit` counting from 0: the
+/// caller's hook for spreading its requests for what it reads next over this call's work.
 pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     q: &[f32],
     bounds: &[(usize, usize)],
@@ -101,6 +108,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     page: impl Fn(usize) -> (&'a [T], &'a [T]),
     scale: f32,
     mut out: AttendOut,
+    ahead: Ahead,
 ) {
     let nr = bounds.len();
     assert!(nr > 0 && q.len().is_multiple_of(nr) && page_len > 0, "attend_tiled: shapes");
@@ -163,6 +171,18 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         if span.is_some() {
             (first_page..first_page + FAR_PAGES).for_each(fetch);
         }
+        let visits: usize = tiles
+            .clone()
+            .map(|t| {
+                let tp = tile_pages(t);
+                2 * tp.end.min(last_page + 1).saturating_sub(tp.start.max(first_page))
+            })
+            .sum();
+        let mut visit = 0;
+        let mut step = || {
+            ahead(visit, visits);
+            visit += 1;
+        };
         for tile in tiles {
             let tp = tile_pages(tile);
             let (base, end) = (tp.start * page_len, tp.end * page_len);
@@ -180,6 +200,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                     for p in p..p + n {
                         fetch_gap(p + FAR_PAGES);
                         fetch_gap(p + AHEAD);
+                        step();
                     }
                     let at = (p - tp.start) * page_len;
                     let keys = |p: usize| &page(p).0[..hd * page_len];
@@ -204,6 +225,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                 };
                 dot::softmax_rows(s, tile_len, keys, ja..jb, scale, mt, lt, isa);
                 for p in pages {
+                    step();
                     // This page's keys within ja..jb, from the tile's start.
                     let at = (p - tp.start) * page_len;
                     let (ka, kb) = (at.max(ja), (at + page_len).min(jb));
@@ -1357,7 +1379,7 @@ mod tests {
                     .collect();
                 let mut got = vec![f32::NAN; rows * hd];
                 dot::with_isa(isa, || {
-                    attend_tiled(&q, &bounds, PAGE, page, scale, AttendOut::Rows(&mut got))
+                    attend_tiled(&q, &bounds, PAGE, page, scale, AttendOut::Rows(&mut got), &|_, _| {})
                 });
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 // Each row alone: the same bits as among the others.
@@ -1365,7 +1387,7 @@ mod tests {
                     let mut one = vec![f32::NAN; hd];
                     let qr = &q[r * hd..(r + 1) * hd];
                     dot::with_isa(isa, || {
-                        attend_tiled(qr, &[*b], PAGE, page, scale, AttendOut::Rows(&mut one))
+                        attend_tiled(qr, &[*b], PAGE, page, scale, AttendOut::Rows(&mut one), &|_, _| {})
                     });
                     assert_eq!(bits(&one), bits(&got[r * hd..(r + 1) * hd]), "{isa:?} hd={hd} row {r} alone");
                 }
@@ -1386,7 +1408,7 @@ mod tests {
                         st[(r * tiles + t) * 2..][..2].copy_from_slice(&[m, l]);
                     };
                     let out = AttendOut::Tiles { tiles: w[0]..w[1], emit: &mut emit };
-                    dot::with_isa(isa, || attend_tiled(&q, &clipped, PAGE, page, scale, out));
+                    dot::with_isa(isa, || attend_tiled(&q, &clipped, PAGE, page, scale, out, &|_, _| {}));
                 }
                 let mut merged = vec![f32::NAN; rows * hd];
                 // The merge takes its exp from the same kernels as the call.

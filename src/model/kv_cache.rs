@@ -235,26 +235,45 @@ impl KvPool {
         }
     }
 
-    /// Asks for the first [`kernels::FAR_PAGES`] pages an attention of local KV head `kv` of
-    /// `layer` over positions from `first` to `last` will read, so an item of attention can
-    /// fetch the next one's while it computes.
-    pub fn prefetch_read(&self, layer: usize, kv: usize, table: &[u32], first: usize, last: usize) {
-        fn lines<T>(s: &Store<T>, layer: usize, a: usize, len: usize) {
-            kernels::dot::prefetch(s.span(&s.k, layer, a, len));
-            kernels::dot::prefetch(s.span(&s.v, layer, a, len));
+    /// Asks, into L2, for share `part` of `parts` of the cache lines of the pages that an
+    /// attention of local KV head `kv` of `layer` over positions `first ..= last` reads (keys
+    /// and values; the lines of the pages one after another, cut in `parts` even shares). A
+    /// caller asks for all of them at once (`parts` = 1) or spreads the requests over the work
+    /// before it (see `Shard::forward`).
+    #[allow(clippy::too_many_arguments)] // which cache (layer, head, sequence), which positions, which share
+    pub fn prefetch_read(
+        &self,
+        layer: usize,
+        kv: usize,
+        table: &[u32],
+        (first, last): (usize, usize),
+        part: usize,
+        parts: usize,
+    ) {
+        fn lines<T>(s: &Store<T>, layer: usize, a: usize, len: usize, lines: std::ops::Range<usize>) {
+            kernels::dot::prefetch_l2(s.span(&s.k, layer, a, len), lines.clone());
+            kernels::dot::prefetch_l2(s.span(&s.v, layer, a, len), lines);
+        }
+        if part >= parts || first > last {
+            return;
         }
         let (hd, pages) = (self.head_dim, self.pages);
-        let first_page = first / PAGE;
-        let last_page = (last / PAGE).min(first_page + kernels::FAR_PAGES - 1);
-        for p in first_page..=last_page {
+        let per_page = (PAGE * hd * self.dtype().size_bytes()).div_ceil(64);
+        let (p0, p1) = (first / PAGE, last / PAGE + 1);
+        let n = (p1 - p0) * per_page;
+        let share = part * n / parts..(part + 1) * n / parts;
+        for p in p0 + share.start / per_page..(p0 + share.end.div_ceil(per_page)).min(p1) {
             let Some(page) = table.get(p).map(|&p| p as usize).filter(|&p| p < pages) else {
                 return;
             };
+            // The share's lines within this page's block.
+            let at = (p - p0) * per_page;
+            let mine = share.start.max(at) - at..share.end.min(at + per_page) - at;
             let a = block(pages, hd, kv, page);
             match &self.data {
-                Data::F32(s) => lines(s, layer, a, PAGE * hd),
-                Data::F16(s) => lines(s, layer, a, PAGE * hd),
-                Data::BF16(s) => lines(s, layer, a, PAGE * hd),
+                Data::F32(s) => lines(s, layer, a, PAGE * hd, mine),
+                Data::F16(s) => lines(s, layer, a, PAGE * hd, mine),
+                Data::BF16(s) => lines(s, layer, a, PAGE * hd, mine),
             }
         }
     }
@@ -262,7 +281,8 @@ impl KvPool {
     /// Attention of query rows `q` (`[rows, head_dim]`) over local KV head `kv` of `layer` of
     /// the sequence whose pages are `table`, row `r` seeing positions
     /// `bounds[r].0 ..= bounds[r].1`, into `out`: the rows, or their states over some of the
-    /// attention tiles (one part of their keys). See [`kernels::attend_tiled`].
+    /// attention tiles (one part of their keys), calling `ahead` at each page visit. See
+    /// [`kernels::attend_tiled`].
     #[allow(clippy::too_many_arguments)] // which cache (layer, head, sequence), the queries and the output
     pub fn attend(
         &self,
@@ -273,19 +293,20 @@ impl KvPool {
         bounds: &[(usize, usize)],
         scale: f32,
         out: kernels::AttendOut,
+        ahead: kernels::Ahead,
     ) {
         let (hd, pages) = (self.head_dim, self.pages);
         let len = PAGE * hd;
         let at = |p: usize| block(pages, hd, kv, table[p] as usize);
         match &self.data {
             Data::F32(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, ahead)
             }
             Data::F16(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, ahead)
             }
             Data::BF16(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out)
+                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, ahead)
             }
         }
     }

@@ -52,6 +52,16 @@ fn key_pages(tokens: &[(usize, usize)], window: Option<usize>, (t0, nt): (usize,
     (lo, last / PAGE + 1 - lo)
 }
 
+/// The first and last position of `keys` within the first [`kernels::FAR_PAGES`] pages'
+/// worth of them (`(1, 0)`, first after last, if `keys` is empty): what is asked for ahead of
+/// an attention item.
+fn first_pages(keys: &std::ops::Range<usize>) -> (usize, usize) {
+    if keys.is_empty() {
+        return (1, 0);
+    }
+    (keys.start, keys.end.min(keys.start + kernels::FAR_PAGES * PAGE) - 1)
+}
+
 /// The attention tiles (fixed by position, [`kernels::tile_pages`]) that hold the `np` pages
 /// from page `lo` ([`key_pages`]).
 fn key_tiles((lo, np): (usize, usize)) -> std::ops::Range<usize> {
@@ -577,22 +587,14 @@ impl Shard {
                             kv.prefetch_write(li, &tables[seq], pos);
                         }
                     }
-                    // The first pages (up to `FAR_PAGES`) of the attention items this thread
-                    // takes first (its share, see `Region::for_ranges`), while the QKV product
-                    // streams. An item asks for the next one's when it starts, but a
-                    // thread's first item had its pages come from memory while it computed: on
-                    // the 2-core Zen 5 machine the page kernels' profile share fell from ~4.6%
-                    // to ~3.4% of the layer products' with this (SmolLM2, batch 1).
-                    let mut budget = kernels::FAR_PAGES * PAGE;
-                    for AttItem { kvl, t0, keys, .. } in r.share(n_items).map(item) {
-                        let end = keys.end.min(keys.start + budget);
-                        if end > keys.start {
-                            kv.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, end - 1);
-                            budget -= end - keys.start;
-                        }
-                        if budget == 0 {
-                            break;
-                        }
+                    // The first pages (up to `FAR_PAGES`) of the attention item this thread
+                    // takes first (the start of its share, see `Region::for_ranges`), into L2
+                    // while the QKV product streams; each item asks for the next one's while
+                    // it computes (below). On the 2-core Zen 5 machine the page kernels'
+                    // profile share fell from ~4.6% to ~3.4% of the layer products' with the
+                    // first items' pages asked for here (SmolLM2, batch 1).
+                    if let Some(AttItem { kvl, t0, keys, .. }) = r.share(n_items).next().map(item) {
+                        kv.prefetch_read(li, kvl, &tables[tokens[t0].0], first_pages(&keys), 0, 1);
                     }
                 }
                 kernels::matmul(r, &l.qkv, xn, n, unsafe { qkv.range(0, n * qkv_rows) });
@@ -625,16 +627,23 @@ impl Shard {
                 // values are read (and widened) once for all its rows.
                 r.for_ranges(n_items, 1, &|items| {
                     for i in items {
-                        // Ask for the pages of the next item while this one computes: with
-                        // short items (decode) the pages of one come from memory in less time
-                        // than its own prefetches can cover.
-                        if let Some(AttItem { kvl, t0, keys, .. }) =
-                            Some(i + 1).filter(|&i| i < n_items).map(item)
-                        {
-                            if !keys.is_empty() {
-                                kv_r.prefetch_read(li, kvl, &tables[tokens[t0].0], keys.start, keys.end - 1);
+                        // The first pages (up to `FAR_PAGES`) of the next item, into L2, asked
+                        // for a share at each page this one visits: with short items (decode)
+                        // the pages of one come from memory in less time than its own
+                        // prefetches can cover, and asked for at once, when the item starts,
+                        // the requests queue ahead of its own reads. On the 2-core Zen 4
+                        // machine, spread so (and the first item's pages asked for into L2
+                        // rather than L1), SmolLM2 decode steps at positions 64–320 took
+                        // 1.6–3.0% less time while the cores sat apart (11 runs, the two ways
+                        // alternating step by step), ~1% less together; at positions
+                        // 1500–1630 the same time.
+                        let next = Some(i + 1).filter(|&i| i < n_items).map(item);
+                        let ahead = |visit: usize, visits: usize| {
+                            if let Some(AttItem { kvl, t0, keys, .. }) = &next {
+                                let table = &tables[tokens[*t0].0];
+                                kv_r.prefetch_read(li, *kvl, table, first_pages(keys), visit, visits);
                             }
-                        }
+                        };
                         let AttItem { block, t0, nt, kvl, part, parts, tiles, mine, keys } = item(i);
                         let heads = q_heads_of_kv(kvl);
                         let seq = tokens[t0].0;
@@ -669,7 +678,16 @@ impl Shard {
                             }
                             if parts == 1 {
                                 o.resize(q.len(), 0.0);
-                                kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, AttendOut::Rows(o));
+                                kv_r.attend(
+                                    li,
+                                    kvl,
+                                    &tables[seq],
+                                    q,
+                                    bounds,
+                                    scale,
+                                    AttendOut::Rows(o),
+                                    &ahead,
+                                );
                                 for (i, row) in o.chunks_exact(hd).enumerate() {
                                     let dst = (t0 + i % nt) * nq + heads.start + i / nt;
                                     // SAFETY: (token, head) rows are disjoint between items.
@@ -696,7 +714,7 @@ impl Shard {
                                 unsafe { part_stats.range(at * 2, 2) }.copy_from_slice(&[m, l]);
                             };
                             let out = AttendOut::Tiles { tiles: mine.clone(), emit: &mut emit };
-                            kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, out);
+                            kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, out, &ahead);
                         });
                     }
                 });
