@@ -136,6 +136,18 @@ impl<T: bytemuck::Zeroable + Copy> HugeBuf<T> {
         HugeBuf { _chunk: chunk, ptr, len }
     }
 
+    /// `len` zeroed elements in a mapping of their own, returned to the system when the buffer
+    /// is dropped. [`HugeBuf::zeroed`] carves small buffers out of shared chunks and never
+    /// reuses their space, which suits weights (made once); a buffer made again and again (a
+    /// KV pool, made anew for each run) must not leave its space behind in a chunk that other
+    /// buffers keep mapped.
+    pub fn alone(len: usize) -> HugeBuf<T> {
+        let bytes = (len * std::mem::size_of::<T>()).next_multiple_of(HUGE).max(HUGE);
+        let chunk = Arc::new(Chunk::new(bytes));
+        let ptr = chunk.ptr.cast::<T>();
+        HugeBuf { _chunk: chunk, ptr, len }
+    }
+
     /// A copy of `v`.
     pub fn from_slice(v: &[T]) -> HugeBuf<T> {
         let mut b = Self::zeroed(v.len());
@@ -192,5 +204,16 @@ mod tests {
         let c = a.clone();
         drop(a);
         assert!(c.iter().all(|&v| v == 1.5));
+    }
+
+    #[test]
+    fn a_buffer_alone_has_its_own_mapping() {
+        let mut a = HugeBuf::<u16>::alone(3000);
+        let b = HugeBuf::<u16>::alone(0);
+        assert!(a.len() == 3000 && a.iter().all(|&v| v == 0) && b.is_empty());
+        a.fill(9);
+        assert_eq!(a.as_ptr() as usize % HUGE, 0);
+        assert_eq!(b.as_ptr() as usize % HUGE, 0);
+        assert!(a.iter().all(|&v| v == 9));
     }
 }
