@@ -114,33 +114,33 @@ impl<T: bytemuck::Zeroable + Copy> HugeBuf<T> {
     /// `len` zeroed elements.
     pub fn zeroed(len: usize) -> HugeBuf<T> {
         let bytes = (len * std::mem::size_of::<T>()).next_multiple_of(LINE).max(LINE);
-        let (chunk, offset) = if bytes > CHUNK / 2 {
-            (Arc::new(Chunk::new(bytes.next_multiple_of(HUGE))), 0)
-        } else {
-            let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-            match cur.as_mut() {
-                Some((c, used)) if *used + bytes <= c.size => {
-                    let at = *used;
-                    *used += bytes;
-                    (c.clone(), at)
-                }
-                _ => {
-                    let c = Arc::new(Chunk::new(CHUNK));
-                    *cur = Some((c.clone(), bytes));
-                    (c, 0)
-                }
+        if bytes > CHUNK / 2 {
+            return Self::alone(len);
+        }
+        let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+        let (chunk, offset) = match cur.as_mut() {
+            Some((c, used)) if *used + bytes <= c.size => {
+                let at = *used;
+                *used += bytes;
+                (c.clone(), at)
+            }
+            _ => {
+                let c = Arc::new(Chunk::new(CHUNK));
+                *cur = Some((c.clone(), bytes));
+                (c, 0)
             }
         };
+        drop(cur);
         // SAFETY: offset + bytes lies inside the chunk; LINE keeps it aligned for T (align ≤ 64).
         let ptr = unsafe { NonNull::new_unchecked(chunk.ptr.as_ptr().add(offset) as *mut T) };
         HugeBuf { _chunk: chunk, ptr, len }
     }
 
     /// `len` zeroed elements in a mapping of their own, returned to the system when the buffer
-    /// is dropped. [`HugeBuf::zeroed`] carves small buffers out of shared chunks and never
-    /// reuses their space, which suits weights (made once); a buffer made again and again (a
-    /// KV pool, made anew for each run) must not leave its space behind in a chunk that other
-    /// buffers keep mapped.
+    /// is dropped (as [`HugeBuf::zeroed`] gives a large one). `zeroed` carves small buffers out
+    /// of shared chunks and never reuses their space, which suits weights (made once); a buffer
+    /// made again and again (a KV pool, made anew for each run) must not leave its space behind
+    /// in a chunk that other buffers keep mapped.
     pub fn alone(len: usize) -> HugeBuf<T> {
         let bytes = (len * std::mem::size_of::<T>()).next_multiple_of(HUGE).max(HUGE);
         let chunk = Arc::new(Chunk::new(bytes));
