@@ -365,10 +365,10 @@ struct BenchArgs {
     #[arg(long, default_value_t = 1024,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     bandwidth_mib: usize,
-    /// When decode's bandwidth is read: `between-steps`, a slice of the buffer (a sixteenth)
-    /// after each step, its time left out of the step times, so decode and the reads meet the
-    /// same moments of a host whose bandwidth wanders (a run's bandwidth is the median rate of
-    /// its slices); or `around-runs`, whole reads before and after each run. Steps that
+    /// When decode's bandwidth is read: `between-steps`, a slice of the buffer (its first
+    /// sixteenth, the same each time) after each step, its time left out of the step times, so
+    /// decode and the reads meet the same moments of a host whose bandwidth wanders (a run's
+    /// bandwidth is the median rate of its readings); or `around-runs`, whole reads before and after each run. Steps that
     /// overlap in a pipeline are always read around the runs.
     #[arg(long, value_enum, default_value_t = BandwidthReads::BetweenSteps)]
     bandwidth_reads: BandwidthReads,
@@ -386,8 +386,9 @@ enum BandwidthReads {
     AroundRuns,
 }
 
-/// Slices of the probe's buffer read between steps: each a sixteenth (64 MiB of the default
-/// 1 GiB), a millisecond or two at these machines' bandwidth.
+/// The slice of the probe's buffer read between steps: its first sixteenth (64 MiB of the
+/// default 1 GiB), the same every time (`ReadProbe::rate_slice`), a millisecond or two at
+/// these machines' bandwidth.
 const READ_PARTS: usize = 16;
 
 #[derive(Args)]
@@ -1129,8 +1130,8 @@ fn run_bench(
     // reads the one probe buffer, held until the end (see `ReadProbe` for why).
     // With each reading, the team's handoff (see `handoff_us`): how far apart its cores are
     // at that moment, which sets what every product's start and end cost.
-    // Between steps instead (`--bandwidth-reads`, the default): a slice of the buffer after
-    // every step, every rank at once (`Plan::Read`), its time left out of the step times; a
+    // Between steps instead (`--bandwidth-reads`, the default): a slice of the buffer (the
+    // same one each time, read once a step as the weights are) after every step, every rank at once (`Plan::Read`), its time left out of the step times; a
     // run's bandwidth is the median rate of the readings between its steps (see
     // `median_gb_per_s`: one paused reading must not halve it). Decode and the reads then
     // meet the same moments, where the readings around a run are seconds from most of its
@@ -1142,7 +1143,7 @@ fn run_bench(
     if between {
         let (probe, log, way) = (probe.clone(), log.clone(), before.1);
         engine.set_reader(Some(Box::new(move |team| {
-            log.borrow_mut().push(probe.rate_next(team, way, READ_PARTS));
+            log.borrow_mut().push(probe.rate_slice(team, way, READ_PARTS));
         })));
     }
     let mut readings = Vec::new();
@@ -1232,7 +1233,7 @@ fn run_bench(
         if i >= a.warmup {
             if between {
                 if run_log.is_empty() {
-                    run_log.push(probe.rate_next(engine.team(), before.1, READ_PARTS));
+                    run_log.push(probe.rate_slice(engine.team(), before.1, READ_PARTS));
                 }
                 by_run.push(median_gb_per_s(&run_log));
             }
