@@ -368,8 +368,8 @@ struct BenchArgs {
     /// When decode's bandwidth is read: `between-steps`, a slice of the buffer (its first
     /// sixteenth, the same each time) after each step, its time left out of the step times, so
     /// decode and the reads meet the same moments of a host whose bandwidth wanders (a run's
-    /// bandwidth is the median rate of its readings); or `around-runs`, whole reads before and after each run. Steps that
-    /// overlap in a pipeline are always read around the runs.
+    /// bandwidth is the median rate of its readings); or `around-runs`, whole reads before and
+    /// after each run. Steps that overlap in a pipeline are always read around the runs.
     #[arg(long, value_enum, default_value_t = BandwidthReads::BetweenSteps)]
     bandwidth_reads: BandwidthReads,
     /// Print one JSON object instead of the table.
@@ -1131,11 +1131,11 @@ fn run_bench(
     // With each reading, the team's handoff (see `handoff_us`): how far apart its cores are
     // at that moment, which sets what every product's start and end cost.
     // Between steps instead (`--bandwidth-reads`, the default): a slice of the buffer (the
-    // same one each time, read once a step as the weights are) after every step, every rank at once (`Plan::Read`), its time left out of the step times; a
-    // run's bandwidth is the median rate of the readings between its steps (see
-    // `median_gb_per_s`: one paused reading must not halve it). Decode and the reads then
-    // meet the same moments, where the readings around a run are seconds from most of its
-    // steps. Steps that overlap in a pipeline leave no moment between them, so those runs are
+    // same one each time, read once a step as the weights are) after every step, every rank
+    // at once (`Plan::Read`), its time left out of the step times; a run's bandwidth is the
+    // median rate of the readings between its steps (see `median_gb_per_s`: one paused
+    // reading must not halve it). Decode and the reads then meet the same moments, where the
+    // readings around a run are seconds from most of its steps. Steps that overlap in a pipeline leave no moment between them, so those runs are
     // read around.
     let overlapped = micro_batches > 1 && !a.overlap.no_overlap;
     let between = a.bandwidth_reads == BandwidthReads::BetweenSteps && !overlapped;

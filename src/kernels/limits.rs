@@ -114,7 +114,7 @@ impl ReadProbe {
     /// llama-3.2-1b decode, before) fell to 4–18 GB/s for a second or so while a reading of
     /// this slice right after each read 32–47 and the decode steps kept their pace, and two
     /// runs' efficiencies came out at 1.48 and 1.58 against 1.03 and 0.93 set against this
-    /// slice; in the other runs the two within ~2% of each other. Between two readings the
+    /// slice; in the others mostly within 2–3% of each other. Between two readings the
     /// step streams its weights (in a run bound by memory, many times the last-level cache),
     /// which pushes the slice out of the caches, so it is read from memory.
     pub fn rate_slice(&self, team: &Team, way: ReadWay, parts: usize) -> (f64, f64) {
