@@ -102,7 +102,31 @@ pub fn launch_command(launcher: &[&str]) -> Command {
 /// Runs a command, killing it (and failing the test) if it takes longer than `secs`. The
 /// command runs in its own process group, so a hang kills what it started too (mpirun's ranks),
 /// and output pipes still held open after it exits (by a leftover rank) count as a hang.
+///
+/// A run that fails only because Open MPI lost track of a rank's exit
+/// ([`launcher_lost_an_exit`]) runs once more.
 pub fn run_with_timeout(mut cmd: Command, secs: u64) -> std::process::Output {
+    let out = run_once(&mut cmd, secs);
+    if !out.status.success() && launcher_lost_an_exit(&String::from_utf8_lossy(&out.stderr)) {
+        eprintln!("{cmd:?}: Open MPI reported a rank with PID 0 exiting improperly; running it again");
+        return run_once(&mut cmd, secs);
+    }
+    out
+}
+
+/// Whether a failed run's stderr is Open MPI's report of a rank "with PID 0" "exiting
+/// improperly" and holds no error line of gridlm's own (`error: ...`): a race in the runtime of
+/// Open MPI 4.x, which now and then loses the exit of a rank that finished (open-mpi/ompi#7833:
+/// about one single-rank launch in one to two thousand; #12607: more often with unrelated
+/// mpiruns side by side, as the test threads run them). It ended one CI run here, a
+/// one-rank `generate` whose rank had finished; a rank that really fails has a PID there.
+pub fn launcher_lost_an_exit(stderr: &str) -> bool {
+    stderr.contains("with PID 0 on")
+        && stderr.contains("exiting improperly")
+        && !stderr.lines().any(|l| l.starts_with("error:"))
+}
+
+fn run_once(cmd: &mut Command, secs: u64) -> std::process::Output {
     use std::os::unix::process::CommandExt;
     use std::process::Stdio;
     use std::time::{Duration, Instant};
@@ -309,6 +333,39 @@ mod tests {
             .expect_err("a hang must fail");
         let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
         (msg, t0.elapsed())
+    }
+
+    /// Open MPI's message as it ended a CI run (a one-rank `generate` whose rank had finished).
+    const LOST_EXIT: &str = "--------------------------------------------------------------------------
+mpirun has exited due to process rank 0 with PID 0 on
+node vm exiting improperly. There are three reasons this could occur:
+";
+
+    #[test]
+    fn only_a_lost_exit_without_an_error_of_ours_runs_again() {
+        assert!(launcher_lost_an_exit(LOST_EXIT));
+        assert!(!launcher_lost_an_exit(&LOST_EXIT.replace("PID 0", "PID 4711")));
+        assert!(!launcher_lost_an_exit(&format!("error: rank 0: model.safetensors: truncated\n{LOST_EXIT}")));
+        assert!(!launcher_lost_an_exit("error: rank 1: exiting at step 3\n"));
+        // A command that fails that way runs twice: the second time it finds the mark of the
+        // first and succeeds.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mark = dir.path().join("ran");
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            "if [ -e \"$1\" ]; then echo second; else touch \"$1\"; printf '%s' \"$2\" >&2; exit 1; fi",
+            "sh",
+        ])
+        .arg(&mark)
+        .arg(LOST_EXIT);
+        let out = run_with_timeout(cmd, 10);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(&out.stdout[..], &b"second\n"[..]);
+        // Any other failure is returned as it is.
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo 'error: rank 0: bad' >&2; exit 1"]);
+        assert!(!run_with_timeout(cmd, 10).status.success());
     }
 
     #[test]
