@@ -112,7 +112,7 @@ impl ReadProbe {
     /// machines memory read less often reads slower at times: on the 2-core Zen 4 machine,
     /// readings of slices taken in turn (each last read sixteen readings, ~1.2 s of
     /// llama-3.2-1b decode, before) fell to 4–18 GB/s for a second or so while a reading of
-    /// this slice right after each read 32–47 and the decode steps kept their pace, and two
+    /// this slice right after each read 28–48 and the decode steps kept their pace, and two
     /// runs' efficiencies came out at 1.48 and 1.58 against 1.03 and 0.93 set against this
     /// slice; in the others mostly within 2–3% of each other. Between two readings the
     /// step streams its weights (in a run bound by memory, many times the last-level cache),
