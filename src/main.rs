@@ -1135,8 +1135,8 @@ fn run_bench(
     // at once (`Plan::Read`), its time left out of the step times; a run's bandwidth is the
     // median rate of the readings between its steps (see `median_gb_per_s`: one paused
     // reading must not halve it). Decode and the reads then meet the same moments, where the
-    // readings around a run are seconds from most of its steps. Steps that overlap in a pipeline leave no moment between them, so those runs are
-    // read around.
+    // readings around a run are seconds from most of its steps. Steps that overlap in a
+    // pipeline leave no moment between them, so those runs are read around.
     let overlapped = micro_batches > 1 && !a.overlap.no_overlap;
     let between = a.bandwidth_reads == BandwidthReads::BetweenSteps && !overlapped;
     let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
