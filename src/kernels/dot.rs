@@ -599,6 +599,20 @@ pub fn many_fetch() -> ManyFetch {
     ManyFetch::ALL.get(code as usize).copied().unwrap_or(ManyFetch::L2)
 }
 
+/// Columns of a row from which a batch's bf16 products ([`avx512_panels_many_bf16`]) ask for the
+/// next panels' weights a share in every pass over the current ones (the `SPREAD` way) rather
+/// than 16 KiB past each chunk they read. With several token groups, only a panel block's
+/// first pass then read it from memory: the later passes, over the block in L1 and L2,
+/// asked again for the lines the first had asked for, so memory went idle while they ran.
+/// On the 2-core Zen 4 machine, products of 8 tokens over two llama-2-7b-shaped layers (808
+/// MB of weights) ran at 29.6–40.9 GB/s against 26.1–33.8 in 36 of 40 interleaved rounds
+/// (the rounds where one token read at 44–50 GB/s: 36.2–40.9 against 31.0–33.8), over eight
+/// llama-3.2-1b-shaped layers at 28.3–31.1 against 23.9–27.2; over SmolLM2's shapes (rows
+/// of 576 and 1536 columns) no faster, also when asking two pairs of panels ahead. So the
+/// way [`ManyFetch`] names matters to narrower rows only, and is timed on them alone
+/// ([`super::packed::pick_many_fetch`]).
+pub const SPREAD_FROM: usize = 2048;
+
 /// Sets the way the many-token bf16 kernel prefetches in this process, from its next call on.
 pub fn set_many_fetch(f: ManyFetch) {
     MANY_FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
@@ -2021,6 +2035,7 @@ pub use avx512::{
     pair_acc_bf16 as avx512_pair_acc_bf16, pair_acc_bf16_n as avx512_pair_acc_bf16_n,
     pair_acc_sums as avx512_pair_acc_sums, panel_quad as avx512_panel_quad, panels as avx512_panels,
     panels_bf16 as avx512_panels_bf16, panels_many_bf16 as avx512_panels_many_bf16, Avx512Load, PairAcc,
+    NO_LINES as AVX512_NO_LINES, TO_L2 as AVX512_TO_L2,
 };
 
 /// The float panel kernels in 512-bit registers. A chunk row of a panel ([`BLOCK`] columns) is
@@ -2486,7 +2501,8 @@ mod avx512 {
     /// or copies of the sums. With `pairs`, two panels at a time (the same sums again). Rows
     /// are summed in column blocks of `kb` (each block of a panel against every token group,
     /// then the next block), the blocks' sums added in column order as the one-token kernel
-    /// ([`panels_bf16`]) adds them. Weights are asked for 16 KiB ahead as `fetch` says.
+    /// ([`panels_bf16`]) adds them. Weights are asked for 16 KiB ahead as `fetch` says, or,
+    /// in rows of [`super::SPREAD_FROM`] columns or more, the next panels a share in each pass.
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` and `kb` (not 0) are
@@ -2540,9 +2556,16 @@ mod avx512 {
         };
         let panels = w.len() / (4 * n);
         let step = if pairs { 2 } else { 1 };
+        let spread = n >= super::SPREAD_FROM;
+        let passes = n.div_ceil(kb) * n_tok.div_ceil(4);
         let mut p = 0;
         while p < panels {
             let np = step.min(panels - p);
+            // With wide rows, the next `np` panels' lines (each panel `4 n` weights, 2 bytes
+            // each), a share asked for in each of these panels' passes.
+            let (next, lines) =
+                (w.as_ptr().wrapping_add(4 * n * (p + np)) as *const u8, (np * 8 * n).div_ceil(64));
+            let mut pass = 0;
             // Each column block of the panels against every token group, then the next block:
             // the panels are still read in memory order.
             let mut c0 = 0;
@@ -2554,10 +2577,23 @@ mod avx512 {
                     let mut acc: PairAcc = std::mem::zeroed();
                     let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)).add(c0));
                     let wp = w.as_ptr().add(4 * n * p + 4 * c0);
-                    match fetch {
-                        ManyFetch::L2 => pair_acc_bf16_n::<false>(np, nt, wp, 4 * n, cn, xs, &mut acc),
-                        ManyFetch::Nta => pair_acc_bf16_n::<true>(np, nt, wp, 4 * n, cn, xs, &mut acc),
+                    if spread {
+                        let first = pass * lines / passes;
+                        let share = (pass + 1) * lines / passes - first;
+                        let ahead =
+                            Ahead { at: next.wrapping_add(64 * first), per: share.div_ceil(cn / BLOCK) };
+                        pair_acc_bf16_n::<SPREAD>(np, nt, wp, 4 * n, cn, xs, &mut acc, ahead);
+                    } else {
+                        match fetch {
+                            ManyFetch::L2 => {
+                                pair_acc_bf16_n::<TO_L2>(np, nt, wp, 4 * n, cn, xs, &mut acc, NO_LINES)
+                            }
+                            ManyFetch::Nta => {
+                                pair_acc_bf16_n::<NTA>(np, nt, wp, 4 * n, cn, xs, &mut acc, NO_LINES)
+                            }
+                        }
                     }
+                    pass += 1;
                     for k in 0..np {
                         put(pair_acc_finish(&acc, k), t, nt, 4 * (p + k), c0);
                     }
@@ -2573,11 +2609,30 @@ mod avx512 {
     /// registers: `[panel][token][rows 0–1, 2–3]`, each row's partial sums in eight lanes.
     pub type PairAcc = [[[__m512; 2]; 4]; 2];
 
+    /// How [`pair_acc_bf16`] asks for weights ahead of its loads (its `F`): each chunk the one
+    /// 16 KiB past it, into L2 ...
+    pub const TO_L2: u8 = 0;
+    /// ... or non-temporally, ...
+    pub const NTA: u8 = 1;
+    /// ... or [`Ahead::per`] lines a chunk from [`Ahead::at`] on, into L2.
+    pub const SPREAD: u8 = 2;
+
+    /// Lines a many-token bf16 pass asks for under [`SPREAD`]: `per` a chunk, from `at` on.
+    #[derive(Clone, Copy)]
+    pub struct Ahead {
+        pub at: *const u8,
+        pub per: usize,
+    }
+
+    /// The `Ahead` of the other ways, which ask for nothing beyond their chunks'.
+    pub const NO_LINES: Ahead = Ahead { at: std::ptr::null(), per: 0 };
+
     /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at
     /// `w`, the next `stride` elements on) against `NT` inputs rounded by
     /// [`super::round_for_dot_bf16`] (`x`), over `n` more columns: `w` and each `x[i]` point at
-    /// the columns' first chunk, and weights are asked for 16 KiB ahead, non-temporally with
-    /// `NTA`, else into L2. As in [`panel_quad`], each pair of weight registers (rows
+    /// the columns' first chunk, and weights are asked for as `F` says: 16 KiB ahead of each
+    /// chunk, into L2 ([`TO_L2`]) or non-temporally (`NTA`), or `ahead`'s lines
+    /// (`SPREAD`). As in [`panel_quad`], each pair of weight registers (rows
     /// 0–1, 2–3) serves `NT` tokens, and each input register (an input block in both halves)
     /// two rows of each panel. A panel's accumulators take the chunks in column order whatever
     /// `P` and `NT` are and however the columns are split between calls, so finished sums
@@ -2589,27 +2644,35 @@ mod avx512 {
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
     /// [`BLOCK`]; `w + p stride` is valid for `4 n` reads for each panel `p`, `x[i]` for `n`.
+    /// (`ahead`'s lines are only prefetched, which reads nothing: any address will do.)
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn pair_acc_bf16<const P: usize, const NT: usize, const NTA: bool>(
+    pub unsafe fn pair_acc_bf16<const P: usize, const NT: usize, const F: u8>(
         w: *const bf16,
         stride: usize,
         n: usize,
         x: [*const bf16; NT],
         acc: &mut PairAcc,
+        Ahead { mut at, per }: Ahead,
     ) {
         let mut a = *acc;
         let mut c = 0;
         while c < n {
+            if F == SPREAD {
+                for _ in 0..per {
+                    _mm_prefetch::<_MM_HINT_T1>(at as *const i8);
+                    at = at.wrapping_add(64);
+                }
+            }
             let wr: [[__m512bh; 2]; P] = std::array::from_fn(|p| {
                 let wp = w.add(p * stride + 4 * c);
                 // 16 KiB ahead: on the 2-core Zen 4 machine SmolLM2's layer products of 8
                 // tokens took 3% less than with `fetch_far`'s 8 KiB (7.27 against 7.47 ms while
                 // the host read slowly, 8.61 against 8.92 while it read fast); 32 KiB did as
                 // well as 8. Into L2, or non-temporal ([`super::ManyFetch`]).
-                if NTA {
+                if F == NTA {
                     fetch_chunk::<bf16, { 16 << 10 }, _MM_HINT_NTA>(wp);
-                } else {
+                } else if F == TO_L2 {
                     fetch_chunk::<bf16, { 16 << 10 }, _MM_HINT_T1>(wp);
                 }
                 [load_pbh(wp), load_pbh(wp.add(2 * BLOCK))]
@@ -2635,7 +2698,7 @@ mod avx512 {
     #[inline]
     #[allow(clippy::too_many_arguments)] // the panels, the inputs, and the sums to continue
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    pub unsafe fn pair_acc_bf16_n<const NTA: bool>(
+    pub unsafe fn pair_acc_bf16_n<const F: u8>(
         np: usize,
         nt: usize,
         w: *const bf16,
@@ -2643,17 +2706,18 @@ mod avx512 {
         n: usize,
         x: [*const bf16; 4],
         acc: &mut PairAcc,
+        ahead: Ahead,
     ) {
         let [a, b, c, d] = x;
         match (np, nt) {
-            (2, 4) => pair_acc_bf16::<2, 4, NTA>(w, stride, n, [a, b, c, d], acc),
-            (2, 3) => pair_acc_bf16::<2, 3, NTA>(w, stride, n, [a, b, c], acc),
-            (2, 2) => pair_acc_bf16::<2, 2, NTA>(w, stride, n, [a, b], acc),
-            (2, _) => pair_acc_bf16::<2, 1, NTA>(w, stride, n, [a], acc),
-            (_, 4) => pair_acc_bf16::<1, 4, NTA>(w, stride, n, [a, b, c, d], acc),
-            (_, 3) => pair_acc_bf16::<1, 3, NTA>(w, stride, n, [a, b, c], acc),
-            (_, 2) => pair_acc_bf16::<1, 2, NTA>(w, stride, n, [a, b], acc),
-            _ => pair_acc_bf16::<1, 1, NTA>(w, stride, n, [a], acc),
+            (2, 4) => pair_acc_bf16::<2, 4, F>(w, stride, n, [a, b, c, d], acc, ahead),
+            (2, 3) => pair_acc_bf16::<2, 3, F>(w, stride, n, [a, b, c], acc, ahead),
+            (2, 2) => pair_acc_bf16::<2, 2, F>(w, stride, n, [a, b], acc, ahead),
+            (2, _) => pair_acc_bf16::<2, 1, F>(w, stride, n, [a], acc, ahead),
+            (_, 4) => pair_acc_bf16::<1, 4, F>(w, stride, n, [a, b, c, d], acc, ahead),
+            (_, 3) => pair_acc_bf16::<1, 3, F>(w, stride, n, [a, b, c], acc, ahead),
+            (_, 2) => pair_acc_bf16::<1, 2, F>(w, stride, n, [a, b], acc, ahead),
+            _ => pair_acc_bf16::<1, 1, F>(w, stride, n, [a], acc, ahead),
         }
     }
 

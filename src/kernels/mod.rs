@@ -646,13 +646,14 @@ mod tests {
 
     /// The many-token bf16 kernel's prefetch ([`ManyFetch`]) changes no bit either: a batch's
     /// tokens (in one panel at a time and in pairs, in column blocks past 1376 columns) and a
-    /// short prompt's, on every path (only AVX512_BF16 runs that kernel).
+    /// short prompt's, on every path (only AVX512_BF16 runs that kernel). From 2048 columns
+    /// on it asks for the next panels instead, whatever the way ([`dot::avx512_panels_many_bf16`]).
     #[test]
     fn many_token_products_are_the_same_whatever_the_prefetch() {
         let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let before = dot::many_fetch();
         let team = Team::new(2).unwrap();
-        for &(rows, cols) in &[(9, 64), (130, 577), (17, 4100)] {
+        for &(rows, cols) in &[(9, 64), (130, 577), (9, 2032), (9, 2048), (17, 4100)] {
             let data = Data::F32(rand_vec(rows * cols, (rows * 7 + cols) as u64)).cast(DType::BF16);
             let w = PackedMat::pack(&Mat { rows, cols, data });
             for n_tok in [2, 5, 8, 13, 16] {

@@ -262,10 +262,11 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
 
 /// Chooses the way the many-token bf16 kernel of AVX512_BF16 prefetches ([`ManyFetch`]) as
 /// [`pick_fetch`] chooses the one-token way: `n_tok` tokens (2 to 15, a batch's decode
-/// step) through `mats`, every way timed seven times, interleaved (seven more if `L2` was not
+/// step) through those of `mats` whose rows the way applies to (narrower than
+/// [`dot::SPREAD_FROM`]), every way timed seven times, interleaved (seven more if `L2` was not
 /// the fastest); sets the fastest for the process ([`dot::set_many_fetch`]). `None`, and
 /// nothing set, where that kernel does not run them (not bf16 weights, not AVX512_BF16, a token
-/// count outside that range) or they hold less than 64 MiB.
+/// count outside that range) or those matrices hold less than 64 MiB.
 pub fn pick_many_fetch(
     team: &super::Team,
     mats: &[&PackedMat],
@@ -275,7 +276,8 @@ pub fn pick_many_fetch(
     if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
         return None;
     }
-    pick_way(team, mats, n_tok, ManyFetch::ALL, ManyFetch::L2, dot::set_many_fetch)
+    let narrow: Vec<&PackedMat> = mats.iter().copied().filter(|m| m.cols_p < dot::SPREAD_FROM).collect();
+    pick_way(team, &narrow, n_tok, ManyFetch::ALL, ManyFetch::L2, dot::set_many_fetch)
 }
 
 /// Picks one of the `ways` of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
@@ -714,7 +716,7 @@ unsafe fn paired_panels(
                         *acc = zero();
                     }
                     let x = |i: usize| rounded.as_ptr().add((t + i.min(nt - 1)) * cols_p + s0);
-                    dot::avx512_pair_acc_bf16_n::<false>(
+                    dot::avx512_pair_acc_bf16_n::<{ dot::AVX512_TO_L2 }>(
                         np,
                         nt,
                         wp,
@@ -722,6 +724,7 @@ unsafe fn paired_panels(
                         s1 - s0,
                         std::array::from_fn(x),
                         acc,
+                        dot::AVX512_NO_LINES,
                     );
                     if s1 == cr.end {
                         for k in 0..np {
@@ -1377,6 +1380,14 @@ mod tests {
         assert!(pick_many_fetch(&team, &[&filled(4096, DType::BF16)], 8).is_none());
         let (c, d) = (filled(20480, DType::F16), filled(20480, DType::F16));
         assert!(pick_many_fetch(&team, &[&c, &d], 8).is_none());
+        // 80 MiB of bf16 rows of 4096 columns, which ask for the next panels whatever the way:
+        // not timed either.
+        let wide = |rows| {
+            let data = Data::F32(vec![0.5; rows * 4096]).cast(DType::BF16);
+            PackedMat::pack(&Mat { rows, cols: 4096, data })
+        };
+        let (e, f) = (wide(5120), wide(5120));
+        assert!(pick_many_fetch(&team, &[&e, &f], 8).is_none());
         assert_eq!(dot::many_fetch(), ManyFetch::Nta);
         // 2 x 40 MiB of bf16 at 8 tokens: timed where the kernel runs, and the faster set.
         match pick_many_fetch(&team, &[&a, &b], 8) {
