@@ -613,6 +613,35 @@ pub fn many_fetch() -> ManyFetch {
 /// ([`super::packed::pick_many_fetch`]).
 pub const SPREAD_FROM: usize = 2048;
 
+/// Lines a many-token pass asks for, into L2, as it goes: `per` at each chunk, from `at` on.
+/// Prefetching reads nothing into the program and never faults, so any address will do.
+#[derive(Clone, Copy)]
+pub struct Ahead {
+    at: *const u8,
+    per: usize,
+}
+
+impl Ahead {
+    /// Nothing asked for.
+    pub const NONE: Ahead = Ahead { at: std::ptr::null(), per: 0 };
+
+    /// Pass `pass` of `passes`' even share of the `lines` lines from `next` on, over its
+    /// `chunks` chunks.
+    pub fn share(next: *const u8, lines: usize, (pass, passes): (usize, usize), chunks: usize) -> Ahead {
+        let first = pass * lines / passes;
+        let share = (pass + 1) * lines / passes - first;
+        Ahead { at: next.wrapping_add(64 * first), per: share.div_ceil(chunks.max(1)) }
+    }
+
+    /// Asks for this chunk's lines.
+    #[inline(always)]
+    pub fn ask(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.at as *const i8, 0..self.per);
+        self.at = self.at.wrapping_add(64 * self.per);
+    }
+}
+
 /// Sets the way the many-token bf16 kernel prefetches in this process, from its next call on.
 pub fn set_many_fetch(f: ManyFetch) {
     MANY_FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
@@ -2035,7 +2064,7 @@ pub use avx512::{
     pair_acc_bf16 as avx512_pair_acc_bf16, pair_acc_bf16_n as avx512_pair_acc_bf16_n,
     pair_acc_sums as avx512_pair_acc_sums, panel_quad as avx512_panel_quad, panels as avx512_panels,
     panels_bf16 as avx512_panels_bf16, panels_many_bf16 as avx512_panels_many_bf16, Avx512Load, PairAcc,
-    NO_LINES as AVX512_NO_LINES, TO_L2 as AVX512_TO_L2,
+    TO_L2 as AVX512_TO_L2,
 };
 
 /// The float panel kernels in 512-bit registers. A chunk row of a panel ([`BLOCK`] columns) is
@@ -2047,7 +2076,7 @@ mod avx512 {
         by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far, fetch_stream,
         page_values as page_values_avx2, scale_max_from as scale_max_avx2, store_rows, Avx2Load,
     };
-    use super::{Elem, Fetch, ManyFetch, BLOCK, SCORE_SETS};
+    use super::{Ahead, Elem, Fetch, ManyFetch, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -2578,18 +2607,15 @@ mod avx512 {
                     let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)).add(c0));
                     let wp = w.as_ptr().add(4 * n * p + 4 * c0);
                     if spread {
-                        let first = pass * lines / passes;
-                        let share = (pass + 1) * lines / passes - first;
-                        let ahead =
-                            Ahead { at: next.wrapping_add(64 * first), per: share.div_ceil(cn / BLOCK) };
+                        let ahead = Ahead::share(next, lines, (pass, passes), cn / BLOCK);
                         pair_acc_bf16_n::<SPREAD>(np, nt, wp, 4 * n, cn, xs, &mut acc, ahead);
                     } else {
                         match fetch {
                             ManyFetch::L2 => {
-                                pair_acc_bf16_n::<TO_L2>(np, nt, wp, 4 * n, cn, xs, &mut acc, NO_LINES)
+                                pair_acc_bf16_n::<TO_L2>(np, nt, wp, 4 * n, cn, xs, &mut acc, Ahead::NONE)
                             }
                             ManyFetch::Nta => {
-                                pair_acc_bf16_n::<NTA>(np, nt, wp, 4 * n, cn, xs, &mut acc, NO_LINES)
+                                pair_acc_bf16_n::<NTA>(np, nt, wp, 4 * n, cn, xs, &mut acc, Ahead::NONE)
                             }
                         }
                     }
@@ -2614,18 +2640,8 @@ mod avx512 {
     pub const TO_L2: u8 = 0;
     /// ... or non-temporally, ...
     pub const NTA: u8 = 1;
-    /// ... or [`Ahead::per`] lines a chunk from [`Ahead::at`] on, into L2.
+    /// ... or the lines of an [`Ahead`], into L2.
     pub const SPREAD: u8 = 2;
-
-    /// Lines a many-token bf16 pass asks for under [`SPREAD`]: `per` a chunk, from `at` on.
-    #[derive(Clone, Copy)]
-    pub struct Ahead {
-        pub at: *const u8,
-        pub per: usize,
-    }
-
-    /// The `Ahead` of the other ways, which ask for nothing beyond their chunks'.
-    pub const NO_LINES: Ahead = Ahead { at: std::ptr::null(), per: 0 };
 
     /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at
     /// `w`, the next `stride` elements on) against `NT` inputs rounded by
@@ -2653,16 +2669,13 @@ mod avx512 {
         n: usize,
         x: [*const bf16; NT],
         acc: &mut PairAcc,
-        Ahead { mut at, per }: Ahead,
+        mut ahead: Ahead,
     ) {
         let mut a = *acc;
         let mut c = 0;
         while c < n {
             if F == SPREAD {
-                for _ in 0..per {
-                    _mm_prefetch::<_MM_HINT_T1>(at as *const i8);
-                    at = at.wrapping_add(64);
-                }
+                ahead.ask();
             }
             let wr: [[__m512bh; 2]; P] = std::array::from_fn(|p| {
                 let wp = w.add(p * stride + 4 * c);
@@ -2805,5 +2818,29 @@ mod avx512 {
         let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
         let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
         _mm512_add_ps(_mm512_shuffle_ps::<0x44>(ab, cd), _mm512_shuffle_ps::<0xEE>(ab, cd))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ahead;
+
+    /// The passes' shares of the next panels' lines follow on from each other and together
+    /// cover them all, each asked for within its pass's chunks.
+    #[test]
+    fn the_passes_of_a_panel_ask_for_every_line_of_the_next() {
+        let next = 4096 as *const u8;
+        for (lines, passes, chunks) in [(1024, 4, 128), (144, 2, 36), (5, 3, 2), (3, 6, 1), (0, 2, 8)] {
+            let mut end = next;
+            for pass in 0..passes {
+                let mut a = Ahead::share(next, lines, (pass, passes), chunks);
+                assert!(a.at <= end, "{lines} lines, pass {pass} of {passes}: a gap before it");
+                for _ in 0..chunks {
+                    a.ask();
+                }
+                end = end.max(a.at);
+            }
+            assert!(end >= next.wrapping_add(64 * lines), "{lines} lines over {passes} passes");
+        }
     }
 }

@@ -724,7 +724,7 @@ unsafe fn paired_panels(
                         s1 - s0,
                         std::array::from_fn(x),
                         acc,
-                        dot::AVX512_NO_LINES,
+                        dot::Ahead::NONE,
                     );
                     if s1 == cr.end {
                         for k in 0..np {
