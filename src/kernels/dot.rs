@@ -599,46 +599,51 @@ pub fn many_fetch() -> ManyFetch {
     ManyFetch::ALL.get(code as usize).copied().unwrap_or(ManyFetch::L2)
 }
 
-/// Columns of a row from which a batch's bf16 products ([`avx512_panels_many_bf16`]) ask for the
-/// next panels' weights a share in every pass over the current ones (the `SPREAD` way) rather
-/// than 16 KiB past each chunk they read. With several token groups, only a panel block's
-/// first pass then read it from memory: the later passes, over the block in L1 and L2,
-/// asked again for the lines the first had asked for, so memory went idle while they ran.
-/// On the 2-core Zen 4 machine, products of 8 tokens over two llama-2-7b-shaped layers (808
-/// MB of weights) ran at 29.6–40.9 GB/s against 26.1–33.8 in 36 of 40 interleaved rounds
-/// (the rounds where one token read at 44–50 GB/s: 36.2–40.9 against 31.0–33.8), over eight
-/// llama-3.2-1b-shaped layers at 28.3–31.1 against 23.9–27.2; over SmolLM2's shapes (rows
-/// of 576 and 1536 columns) no faster, also when asking two pairs of panels ahead. So the
+/// Columns of a row from which a batch's bf16 products ([`avx512_panels_many_bf16`]), and its
+/// int8 products on AVX512-VNNI ([`avx2_panel_q8_many`]), ask for the next panels' weights a
+/// share in every pass over the current ones (an [`Ahead`]) rather than a fixed distance past
+/// each chunk they read. With several token groups, only a panel block's first pass then read
+/// it from memory: the later passes, over the block in L1 and L2, asked again for the lines the
+/// first had asked for, so memory went idle while they ran. On the 2-core Zen 4 machine,
+/// products of 8 tokens over two llama-2-7b-shaped layers (808 MB of weights) ran at 29.6–40.9
+/// GB/s against 26.1–33.8 in 36 of 40 interleaved rounds (the rounds where one token read at
+/// 44–50 GB/s: 36.2–40.9 against 31.0–33.8), over eight llama-3.2-1b-shaped layers at 28.3–31.1
+/// against 23.9–27.2; over SmolLM2's shapes (rows of 576 and 1536 columns) no faster, also when
+/// asking two pairs of panels ahead. (The int8 kernel likewise: [`avx2_panel_q8_many`].) So the
 /// way [`ManyFetch`] names matters to narrower rows only, and is timed on them alone
 /// ([`super::packed::pick_many_fetch`]).
 pub const SPREAD_FROM: usize = 2048;
 
-/// Lines a many-token pass asks for, into L2, as it goes: `per` at each chunk, from `at` on.
-/// Prefetching reads nothing into the program and never faults, so any address will do.
+/// Lines a many-token pass asks for, into L2, as it goes: `per` at each chunk, from `at` on,
+/// up to `end`. Prefetching reads nothing into the program and never faults, so any address
+/// will do.
 #[derive(Clone, Copy)]
 pub struct Ahead {
     at: *const u8,
+    end: *const u8,
     per: usize,
 }
 
 impl Ahead {
     /// Nothing asked for.
-    pub const NONE: Ahead = Ahead { at: std::ptr::null(), per: 0 };
+    pub const NONE: Ahead = Ahead { at: std::ptr::null(), end: std::ptr::null(), per: 0 };
 
     /// Pass `pass` of `passes`' even share of the `lines` lines from `next` on, over its
     /// `chunks` chunks.
     pub fn share(next: *const u8, lines: usize, (pass, passes): (usize, usize), chunks: usize) -> Ahead {
         let first = pass * lines / passes;
         let share = (pass + 1) * lines / passes - first;
-        Ahead { at: next.wrapping_add(64 * first), per: share.div_ceil(chunks.max(1)) }
+        let at = next.wrapping_add(64 * first);
+        Ahead { at, end: at.wrapping_add(64 * share), per: share.div_ceil(chunks.max(1)) }
     }
 
     /// Asks for this chunk's lines.
     #[inline(always)]
     pub fn ask(&mut self) {
+        let n = self.per.min((self.end as usize).saturating_sub(self.at as usize) / 64);
         #[cfg(target_arch = "x86_64")]
-        prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.at as *const i8, 0..self.per);
-        self.at = self.at.wrapping_add(64 * self.per);
+        prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.at as *const i8, 0..n);
+        self.at = self.at.wrapping_add(64 * n);
     }
 }
 
@@ -1066,7 +1071,7 @@ pub use avx2::{
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Elem, Fetch, Int8Path, BLOCK, SCORE_SETS};
+    use super::{Ahead, Elem, Fetch, Int8Path, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -1975,7 +1980,8 @@ mod avx2 {
     /// meets every token's `q + 128` in one `vpdpbusd`, and the `128 · w` this adds is taken
     /// off every lane once per group of two chunks (a `vpdpbusd` of 128s per chunk, shared by
     /// the tokens): each lane then holds the integer the one-token kernel's lane holds (the
-    /// sums are exact), and is scaled and added in f32 as there. (In 256-bit registers, two
+    /// sums are exact), and is scaled and added in f32 as there. Each chunk asks for the line
+    /// 4 KiB past it, or, with `SPREAD`, for `ahead`'s lines (see [`super::SPREAD_FROM`]). (In 256-bit registers, two
     /// tokens a call with AVX-VNNI's 16 registers, it was no faster than token by token on the
     /// 2-core Zen 5 machine: int8 prefill of 512 tokens on the llama-3.2-1b shape at 177–186
     /// tokens/s against 185–191 with `GRIDLM_NO_AVX512=1`.)
@@ -1985,20 +1991,21 @@ mod avx2 {
     /// [`BLOCK`], `w.len() == 4 n`, `row_scales.len() == 4`, `1 <= out.len() <= 4`, and for
     /// each `i` below `out.len()` `xu[i]` is valid for `n` reads and `s[i]` for
     /// `n.div_ceil(2 BLOCK)`.
-    pub unsafe fn panel_q8_many(
+    pub unsafe fn panel_q8_many<const SPREAD: bool>(
         w: &[i8],
         xu: [*const u8; 4],
         s: [*const f32; 4],
         row_scales: &[f32],
         out: &mut [[f32; 4]],
+        ahead: Ahead,
     ) {
         let [a, b, c, d] = xu;
         let [sa, sb, sc, sd] = s;
         match out.len() {
-            4 => panel_q8_many_zmm::<4>(w, [a, b, c, d], [sa, sb, sc, sd], row_scales, out),
-            3 => panel_q8_many_zmm::<3>(w, [a, b, c], [sa, sb, sc], row_scales, out),
-            2 => panel_q8_many_zmm::<2>(w, [a, b], [sa, sb], row_scales, out),
-            _ => panel_q8_many_zmm::<1>(w, [a], [sa], row_scales, out),
+            4 => panel_q8_many_zmm::<4, SPREAD>(w, [a, b, c, d], [sa, sb, sc, sd], row_scales, out, ahead),
+            3 => panel_q8_many_zmm::<3, SPREAD>(w, [a, b, c], [sa, sb, sc], row_scales, out, ahead),
+            2 => panel_q8_many_zmm::<2, SPREAD>(w, [a, b], [sa, sb], row_scales, out, ahead),
+            _ => panel_q8_many_zmm::<1, SPREAD>(w, [a], [sa], row_scales, out, ahead),
         }
     }
 
@@ -2017,12 +2024,13 @@ mod avx2 {
     /// [`panel_q8_many`] on `NT` tokens: a chunk's four rows in one register, lanes 0–7 those of
     /// rows 0–1, 8–15 those of rows 2–3.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni")]
-    unsafe fn panel_q8_many_zmm<const NT: usize>(
+    unsafe fn panel_q8_many_zmm<const NT: usize, const SPREAD: bool>(
         w: &[i8],
         xu: [*const u8; NT],
         s: [*const f32; NT],
         row_scales: &[f32],
         out: &mut [[f32; 4]],
+        mut ahead: Ahead,
     ) {
         let n = w.len() / 4;
         debug_assert!(n.is_multiple_of(BLOCK) && out.len() == NT && row_scales.len() == 4);
@@ -2036,7 +2044,11 @@ mod avx2 {
             let mut p = [zero; NT];
             let mut off = zero;
             for kk in k..(k + 2).min(kc) {
-                _mm_prefetch(wp.wrapping_add(4096), _MM_HINT_T0);
+                if SPREAD {
+                    ahead.ask();
+                } else {
+                    _mm_prefetch(wp.wrapping_add(4096), _MM_HINT_T0);
+                }
                 let wv = _mm512_loadu_si512(wp as *const __m512i);
                 off = _mm512_dpbusd_epi32(off, ones, wv);
                 for (pt, x) in p.iter_mut().zip(xu) {
@@ -2826,21 +2838,24 @@ mod tests {
     use super::Ahead;
 
     /// The passes' shares of the next panels' lines follow on from each other and together
-    /// cover them all, each asked for within its pass's chunks.
+    /// cover them all, each asked for within its pass's chunks, none twice.
     #[test]
-    fn the_passes_of_a_panel_ask_for_every_line_of_the_next() {
+    fn the_passes_of_a_panel_ask_for_every_line_of_the_next_once() {
         let next = 4096 as *const u8;
-        for (lines, passes, chunks) in [(1024, 4, 128), (144, 2, 36), (5, 3, 2), (3, 6, 1), (0, 2, 8)] {
+        for (lines, passes, chunks) in
+            [(1024, 4, 128), (144, 2, 36), (5, 3, 2), (3, 6, 1), (128, 128, 128), (0, 2, 8)]
+        {
             let mut end = next;
             for pass in 0..passes {
                 let mut a = Ahead::share(next, lines, (pass, passes), chunks);
-                assert!(a.at <= end, "{lines} lines, pass {pass} of {passes}: a gap before it");
+                assert_eq!(a.at, end, "{lines} lines, pass {pass} of {passes}: where the last ended");
                 for _ in 0..chunks {
                     a.ask();
                 }
-                end = end.max(a.at);
+                assert_eq!(a.at, a.end, "{lines} lines, pass {pass} of {passes}: its share asked for");
+                end = a.at;
             }
-            assert!(end >= next.wrapping_add(64 * lines), "{lines} lines over {passes} passes");
+            assert_eq!(end, next.wrapping_add(64 * lines), "{lines} lines over {passes} passes");
         }
     }
 }

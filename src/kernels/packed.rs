@@ -828,7 +828,25 @@ fn matmul_int8(
                         // (itself only after detecting avx512f, avx2, fma and f16c), where the
                         // path is a VNNI one; `panel` is four rows of the block's columns (a
                         // multiple of CHUNK), and each token's offset input and scales cover them.
-                        unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc) };
+                        if cols_p >= dot::SPREAD_FROM {
+                            // Each group's share of the next panel (see `dot::SPREAD_FROM`).
+                            let next = d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p) as *const u8;
+                            let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
+                            let ahead =
+                                dot::Ahead::share(next, (PANEL * cols_p).div_ceil(64), pass, cols_p / CHUNK);
+                            unsafe { dot::avx2_panel_q8_many::<true>(panel, x, s, row_scales, acc, ahead) };
+                        } else {
+                            unsafe {
+                                dot::avx2_panel_q8_many::<false>(
+                                    panel,
+                                    x,
+                                    s,
+                                    row_scales,
+                                    acc,
+                                    dot::Ahead::NONE,
+                                )
+                            };
+                        }
                         return;
                     }
                     for (i, a) in acc.iter_mut().enumerate() {
