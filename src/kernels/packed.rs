@@ -829,11 +829,12 @@ fn matmul_int8(
                         // path is a VNNI one; `panel` is four rows of the block's columns (a
                         // multiple of CHUNK), and each token's offset input and scales cover them.
                         if cols_p >= dot::SPREAD_FROM {
-                            // Each group's share of the next panel (see `dot::SPREAD_FROM`).
-                            let next = d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p) as *const u8;
+                            // Each group's share of the next panel's block (see
+                            // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it).
+                            let next = d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL);
                             let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
-                            let ahead =
-                                dot::Ahead::share(next, (PANEL * cols_p).div_ceil(64), pass, cols_p / CHUNK);
+                            let lines = (PANEL * cr.len()).div_ceil(64);
+                            let ahead = dot::Ahead::share(next as *const u8, lines, pass, cr.len() / CHUNK);
                             unsafe { dot::avx2_panel_q8_many::<true>(panel, x, s, row_scales, acc, ahead) };
                         } else {
                             unsafe {
