@@ -1980,18 +1980,36 @@ mod avx2 {
     /// meets every token's `q + 128` in one `vpdpbusd`, and the `128 · w` this adds is taken
     /// off every lane once per group of two chunks (a `vpdpbusd` of 128s per chunk, shared by
     /// the tokens): each lane then holds the integer the one-token kernel's lane holds (the
-    /// sums are exact), and is scaled and added in f32 as there. Each chunk asks for the line
-    /// 4 KiB past it, or, with `SPREAD`, for `ahead`'s lines (see [`super::SPREAD_FROM`]). (In 256-bit registers, two
-    /// tokens a call with AVX-VNNI's 16 registers, it was no faster than token by token on the
-    /// 2-core Zen 5 machine: int8 prefill of 512 tokens on the llama-3.2-1b shape at 177–186
-    /// tokens/s against 185–191 with `GRIDLM_NO_AVX512=1`.)
+    /// sums are exact), and is scaled and added in f32 as there. Each chunk asks for `ahead`'s
+    /// lines, if given (see [`super::SPREAD_FROM`]), else for the line 4 KiB past it. (In
+    /// 256-bit registers, two tokens a call with AVX-VNNI's 16 registers, it was no faster than
+    /// token by token on the 2-core Zen 5 machine: int8 prefill of 512 tokens on the
+    /// llama-3.2-1b shape at 177–186 tokens/s against 185–191 with `GRIDLM_NO_AVX512=1`.)
     ///
     /// # Safety
     /// The CPU must have avx2, fma, f16c, avx512f and avx512vnni; `n` is a multiple of
     /// [`BLOCK`], `w.len() == 4 n`, `row_scales.len() == 4`, `1 <= out.len() <= 4`, and for
     /// each `i` below `out.len()` `xu[i]` is valid for `n` reads and `s[i]` for
     /// `n.div_ceil(2 BLOCK)`.
-    pub unsafe fn panel_q8_many<const SPREAD: bool>(
+    pub unsafe fn panel_q8_many(
+        w: &[i8],
+        xu: [*const u8; 4],
+        s: [*const f32; 4],
+        row_scales: &[f32],
+        out: &mut [[f32; 4]],
+        ahead: Option<Ahead>,
+    ) {
+        match ahead {
+            Some(ahead) => panel_q8_many_by::<true>(w, xu, s, row_scales, out, ahead),
+            None => panel_q8_many_by::<false>(w, xu, s, row_scales, out, Ahead::NONE),
+        }
+    }
+
+    /// [`panel_q8_many`] asking for `ahead`'s lines (`SPREAD`) or 4 KiB past each chunk.
+    ///
+    /// # Safety
+    /// As [`panel_q8_many`].
+    unsafe fn panel_q8_many_by<const SPREAD: bool>(
         w: &[i8],
         xu: [*const u8; 4],
         s: [*const f32; 4],

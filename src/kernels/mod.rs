@@ -935,17 +935,10 @@ mod tests {
                     // The lines after the panel asked for as it goes, or each chunk 4 KiB ahead:
                     // the same sums.
                     let next = w.as_ptr_range().end as *const u8;
-                    let ahead = dot::Ahead::share(next, w.len() / 64, (0, 1), n / 16);
+                    let ahead = spread.then(|| dot::Ahead::share(next, w.len() / 64, (0, 1), n / 16));
                     // SAFETY: `int8_many` found AVX512-VNNI on a 512-bit ISA; each token's
                     // offset input and scales cover the `n` columns.
-                    unsafe {
-                        match spread {
-                            true => dot::avx2_panel_q8_many::<true>(&w, x, s, &rs, &mut out, ahead),
-                            false => {
-                                dot::avx2_panel_q8_many::<false>(&w, x, s, &rs, &mut out, dot::Ahead::NONE)
-                            }
-                        }
-                    };
+                    unsafe { dot::avx2_panel_q8_many(&w, x, s, &rs, &mut out, ahead) };
                     for t in 0..nt {
                         let (got, want) = (out[t].map(f32::to_bits), alone[t].map(f32::to_bits));
                         assert_eq!(

@@ -824,30 +824,19 @@ fn matmul_int8(
                         let i = |i: usize| t + i.min(acc.len() - 1);
                         let x = std::array::from_fn(|k| xu[i(k) * cols_p + cr.start..].as_ptr());
                         let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
+                        // In wide rows, each group's share of the next panel's block (see
+                        // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it).
+                        let ahead = (cols_p >= dot::SPREAD_FROM).then(|| {
+                            let next = d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL);
+                            let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
+                            let lines = (PANEL * cr.len()).div_ceil(64);
+                            dot::Ahead::share(next as *const u8, lines, pass, cr.len() / CHUNK)
+                        });
                         // SAFETY: `many` only after detecting AVX512-VNNI on a 512-bit ISA
                         // (itself only after detecting avx512f, avx2, fma and f16c), where the
                         // path is a VNNI one; `panel` is four rows of the block's columns (a
                         // multiple of CHUNK), and each token's offset input and scales cover them.
-                        if cols_p >= dot::SPREAD_FROM {
-                            // Each group's share of the next panel's block (see
-                            // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it).
-                            let next = d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL);
-                            let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
-                            let lines = (PANEL * cr.len()).div_ceil(64);
-                            let ahead = dot::Ahead::share(next as *const u8, lines, pass, cr.len() / CHUNK);
-                            unsafe { dot::avx2_panel_q8_many::<true>(panel, x, s, row_scales, acc, ahead) };
-                        } else {
-                            unsafe {
-                                dot::avx2_panel_q8_many::<false>(
-                                    panel,
-                                    x,
-                                    s,
-                                    row_scales,
-                                    acc,
-                                    dot::Ahead::NONE,
-                                )
-                            };
-                        }
+                        unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc, ahead) };
                         return;
                     }
                     for (i, a) in acc.iter_mut().enumerate() {
