@@ -626,7 +626,11 @@ impl Shard {
                 // holding every local query head that reads that KV head: the block's keys and
                 // values are read (and widened) once for all its rows.
                 r.for_ranges(n_items, 1, &|items| {
+                    // The item after each one, worked out once: for its pages' requests, then
+                    // (within a range) as the next item itself.
+                    let mut following: Option<AttItem> = None;
                     for i in items {
+                        let this = following.take().unwrap_or_else(|| item(i));
                         // The first pages (up to `FAR_PAGES`) of the next item, into L2, asked
                         // for a share at each page this one visits: with short items (decode)
                         // the pages of one come from memory in less time than its own
@@ -644,7 +648,7 @@ impl Shard {
                                 kv_r.prefetch_read(li, *kvl, table, first_pages(keys), visit, visits);
                             }
                         };
-                        let AttItem { block, t0, nt, kvl, part, parts, tiles, mine, keys } = item(i);
+                        let AttItem { block, t0, nt, kvl, part, parts, tiles, mine, keys } = this;
                         let heads = q_heads_of_kv(kvl);
                         let seq = tokens[t0].0;
                         QROWS.with_borrow_mut(|(q, o, bounds)| {
@@ -716,6 +720,7 @@ impl Shard {
                             let out = AttendOut::Tiles { tiles: mine.clone(), emit: &mut emit };
                             kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, out, &ahead);
                         });
+                        following = next;
                     }
                 });
                 // Block `b`'s rows merged from their tile states into `out` (its `nt * nq`
