@@ -558,14 +558,16 @@ pub fn set_fetch(f: Fetch) {
 }
 
 /// How the many-token bf16 kernel of AVX512_BF16 (a batch's decode step, a short prompt) asks
-/// for its weights, 16 KiB ahead: into L2 or non-temporal. On the 2-core Zen 5 machine the
+/// for its weights: into L2 or non-temporal, 16 KiB ahead, or in rows of [`SPREAD_FROM`]
+/// columns or more the next panels a share in every pass (see there). On the 2-core Zen 5 machine the
 /// non-temporal hint made SmolLM2's layer products of 8 tokens 7–12% faster and of 12 tokens
 /// 3% (of 2 and 4 the same), and whole runs at a batch of 8 decode at 965–1009 tokens/s
 /// against 881–908 (together) and 1130–1169 against 1078 (apart); but an 8192 × 2048 product
 /// of 8 tokens ran 4% slower with it and of 4 tokens 7% faster. The better one depends on
 /// the shapes and the batch, so a run that decodes a batch times its own layers under both
 /// at start-up ([`super::packed::pick_many_fetch`]); `GRIDLM_MANY_PREFETCH` names one
-/// instead. No choice changes a result.
+/// instead. No choice changes a result. (The requests of wide rows, spread over the passes,
+/// read faster non-temporal there too: see [`SPREAD_FROM`].)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ManyFetch {
     /// The T1 hint: into L2, where every token group of the call reads the chunk again.
@@ -609,12 +611,22 @@ pub fn many_fetch() -> ManyFetch {
 /// GB/s against 26.1–33.8 in 36 of 40 interleaved rounds (the rounds where one token read at
 /// 44–50 GB/s: 36.2–40.9 against 31.0–33.8), over eight llama-3.2-1b-shaped layers at 28.3–31.1
 /// against 23.9–27.2; over SmolLM2's shapes (rows of 576 and 1536 columns) no faster, also when
-/// asking two pairs of panels ahead. (The int8 kernel likewise: [`avx2_panel_q8_many`].) So the
-/// way [`ManyFetch`] names matters to narrower rows only, and is timed on them alone
-/// ([`super::packed::pick_many_fetch`]).
+/// asking two pairs of panels ahead. (The int8 kernel likewise: [`avx2_panel_q8_many`].)
+///
+/// The bf16 kernel asks with the hint of the process's [`ManyFetch`]: into L2 (T1) or
+/// non-temporal. On the 2-core Zen 5 machine, products of 8 tokens over four llama-3.2-1b-shaped
+/// layers read at a median of 44.0 GB/s non-temporal against 38.6 into L2 in one spell (the cores
+/// apart) and 36.1–37.3 against 35.1–35.7 in others (together; T0, into L1 and L2, as well as
+/// non-temporal), over two llama-2-7b-shaped layers 36.0–37.3 against 34.9–35.6; whole runs at a
+/// batch of 8 decoded the llama-3.2-1b shape at 119.6–127.0 tokens/s against 110.4–115.2 (six
+/// pairs, together), the llama-2-7b shape at 21.9 against 21.1. The int8 kernel, bound by its
+/// arithmetic, read as fast either way, and keeps T1.
 pub const SPREAD_FROM: usize = 2048;
 
-/// Lines a many-token pass asks for, into L2, as it goes: `per` at each chunk, from `at` on,
+/// `_MM_HINT_T1` (into L2), named where the arch module is not.
+const AHEAD_T1: i32 = 2;
+
+/// Lines a many-token pass asks for, into L2 or non-temporally, as it goes: `per` at each chunk, from `at` on,
 /// up to `end`. Prefetching reads nothing into the program and never faults, so any address
 /// will do.
 #[derive(Clone, Copy)]
@@ -637,12 +649,18 @@ impl Ahead {
         Ahead { at, end: at.wrapping_add(64 * share), per: share.div_ceil(chunks.max(1)) }
     }
 
-    /// Asks for this chunk's lines.
+    /// Asks for this chunk's lines, into L2 (the T1 hint).
     #[inline(always)]
     pub fn ask(&mut self) {
+        self.ask_with::<AHEAD_T1>();
+    }
+
+    /// Asks for this chunk's lines with the prefetch hint `HINT` (an `_MM_HINT_*` of x86-64).
+    #[inline(always)]
+    pub fn ask_with<const HINT: i32>(&mut self) {
         let n = self.per.min((self.end as usize).saturating_sub(self.at as usize) / 64);
         #[cfg(target_arch = "x86_64")]
-        prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.at as *const i8, 0..n);
+        prefetch_lines::<HINT>(self.at as *const i8, 0..n);
         self.at = self.at.wrapping_add(64 * n);
     }
 }
@@ -2560,8 +2578,9 @@ mod avx512 {
     /// or copies of the sums. With `pairs`, two panels at a time (the same sums again). Rows
     /// are summed in column blocks of `kb` (each block of a panel against every token group,
     /// then the next block), the blocks' sums added in column order as the one-token kernel
-    /// ([`panels_bf16`]) adds them. Weights are asked for 16 KiB ahead as `fetch` says, or,
-    /// in rows of [`super::SPREAD_FROM`] columns or more, the next panels a share in each pass.
+    /// ([`panels_bf16`]) adds them. Weights are asked for 16 KiB ahead, or, in rows of
+    /// [`super::SPREAD_FROM`] columns or more, the next panels a share in each pass, with the
+    /// hint `fetch` names.
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` and `kb` (not 0) are
@@ -2638,7 +2657,14 @@ mod avx512 {
                     let wp = w.as_ptr().add(4 * n * p + 4 * c0);
                     if spread {
                         let ahead = Ahead::share(next, lines, (pass, passes), cn / BLOCK);
-                        pair_acc_bf16_n::<SPREAD>(np, nt, wp, 4 * n, cn, xs, &mut acc, ahead);
+                        match fetch {
+                            ManyFetch::L2 => {
+                                pair_acc_bf16_n::<SPREAD>(np, nt, wp, 4 * n, cn, xs, &mut acc, ahead)
+                            }
+                            ManyFetch::Nta => {
+                                pair_acc_bf16_n::<SPREAD_NTA>(np, nt, wp, 4 * n, cn, xs, &mut acc, ahead)
+                            }
+                        }
                     } else {
                         match fetch {
                             ManyFetch::L2 => {
@@ -2670,15 +2696,17 @@ mod avx512 {
     pub const TO_L2: u8 = 0;
     /// ... or non-temporally, ...
     pub const NTA: u8 = 1;
-    /// ... or the lines of an [`Ahead`], into L2.
+    /// ... or the lines of an [`Ahead`], into L2, ...
     pub const SPREAD: u8 = 2;
+    /// ... or non-temporally.
+    pub const SPREAD_NTA: u8 = 3;
 
     /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at
     /// `w`, the next `stride` elements on) against `NT` inputs rounded by
     /// [`super::round_for_dot_bf16`] (`x`), over `n` more columns: `w` and each `x[i]` point at
     /// the columns' first chunk, and weights are asked for as `F` says: 16 KiB ahead of each
-    /// chunk, into L2 ([`TO_L2`]) or non-temporally (`NTA`), or `ahead`'s lines
-    /// (`SPREAD`). As in [`panel_quad`], each pair of weight registers (rows
+    /// chunk, into L2 ([`TO_L2`]) or non-temporally (`NTA`), or `ahead`'s lines, into L2
+    /// (`SPREAD`) or non-temporally (`SPREAD_NTA`). As in [`panel_quad`], each pair of weight registers (rows
     /// 0–1, 2–3) serves `NT` tokens, and each input register (an input block in both halves)
     /// two rows of each panel. A panel's accumulators take the chunks in column order whatever
     /// `P` and `NT` are and however the columns are split between calls, so finished sums
@@ -2706,6 +2734,8 @@ mod avx512 {
         while c < n {
             if F == SPREAD {
                 ahead.ask();
+            } else if F == SPREAD_NTA {
+                ahead.ask_with::<_MM_HINT_NTA>();
             }
             let wr: [[__m512bh; 2]; P] = std::array::from_fn(|p| {
                 let wp = w.add(p * stride + 4 * c);

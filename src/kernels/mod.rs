@@ -647,7 +647,8 @@ mod tests {
     /// The many-token bf16 kernel's prefetch ([`ManyFetch`]) changes no bit either: a batch's
     /// tokens (in one panel at a time and in pairs, in column blocks past 1376 columns) and a
     /// short prompt's, on every path (only AVX512_BF16 runs that kernel). From 2048 columns
-    /// on it asks for the next panels instead, whatever the way ([`dot::avx512_panels_many_bf16`]).
+    /// on it asks for the next panels instead, with the way's hint
+    /// ([`dot::avx512_panels_many_bf16`]).
     #[test]
     fn many_token_products_are_the_same_whatever_the_prefetch() {
         let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());

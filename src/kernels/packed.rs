@@ -262,11 +262,12 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
 
 /// Chooses the way the many-token bf16 kernel of AVX512_BF16 prefetches ([`ManyFetch`]) as
 /// [`pick_fetch`] chooses the one-token way: `n_tok` tokens (2 to 15, a batch's decode
-/// step) through those of `mats` whose rows the way applies to (narrower than
-/// [`dot::SPREAD_FROM`]), every way timed seven times, interleaved (seven more if `L2` was not
-/// the fastest); sets the fastest for the process ([`dot::set_many_fetch`]). `None`, and
-/// nothing set, where that kernel does not run them (not bf16 weights, not AVX512_BF16, a token
-/// count outside that range) or those matrices hold less than 64 MiB.
+/// step) through `mats` (the way names the hint of every row's requests: 16 KiB ahead in rows
+/// narrower than [`dot::SPREAD_FROM`], spread over the passes in wider ones), every way timed
+/// seven times, interleaved (seven more if `L2` was not the fastest); sets the fastest for the
+/// process ([`dot::set_many_fetch`]). `None`, and nothing set, where that kernel does not run
+/// them (not bf16 weights, not AVX512_BF16, a token count outside that range) or they hold
+/// less than 64 MiB.
 pub fn pick_many_fetch(
     team: &super::Team,
     mats: &[&PackedMat],
@@ -276,8 +277,7 @@ pub fn pick_many_fetch(
     if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
         return None;
     }
-    let narrow: Vec<&PackedMat> = mats.iter().copied().filter(|m| m.cols_p < dot::SPREAD_FROM).collect();
-    pick_way(team, &narrow, n_tok, ManyFetch::ALL, ManyFetch::L2, dot::set_many_fetch)
+    pick_way(team, mats, n_tok, ManyFetch::ALL, ManyFetch::L2, dot::set_many_fetch)
 }
 
 /// Picks one of the `ways` of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
@@ -1374,7 +1374,7 @@ mod tests {
     }
 
     #[test]
-    fn pick_many_fetch_times_only_where_its_kernel_streams_a_batch() {
+    fn pick_many_fetch_times_where_its_kernel_streams_a_batch() {
         let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let before = dot::many_fetch();
         let team = Team::new(2).unwrap();
@@ -1388,23 +1388,24 @@ mod tests {
         assert!(pick_many_fetch(&team, &[&filled(4096, DType::BF16)], 8).is_none());
         let (c, d) = (filled(20480, DType::F16), filled(20480, DType::F16));
         assert!(pick_many_fetch(&team, &[&c, &d], 8).is_none());
-        // 80 MiB of bf16 rows of 4096 columns, which ask for the next panels whatever the way:
-        // not timed either.
+        assert_eq!(dot::many_fetch(), ManyFetch::Nta);
+        // 2 x 40 MiB of bf16 at 8 tokens, in rows of 1024 columns (requests 16 KiB ahead) and
+        // of 4096 (spread over the passes, with the way's hint too): timed where the kernel
+        // runs, and the faster set.
         let wide = |rows| {
             let data = Data::F32(vec![0.5; rows * 4096]).cast(DType::BF16);
             PackedMat::pack(&Mat { rows, cols: 4096, data })
         };
         let (e, f) = (wide(5120), wide(5120));
-        assert!(pick_many_fetch(&team, &[&e, &f], 8).is_none());
-        assert_eq!(dot::many_fetch(), ManyFetch::Nta);
-        // 2 x 40 MiB of bf16 at 8 tokens: timed where the kernel runs, and the faster set.
-        match pick_many_fetch(&team, &[&a, &b], 8) {
-            Some((f, secs)) => {
-                assert_eq!(dot::detect(), Isa::Avx512Bf16);
-                assert_fastest(&ManyFetch::ALL, f, &secs);
-                assert_eq!(dot::many_fetch(), f);
+        for mats in [[&a, &b], [&e, &f]] {
+            match pick_many_fetch(&team, &mats, 8) {
+                Some((f, secs)) => {
+                    assert_eq!(dot::detect(), Isa::Avx512Bf16);
+                    assert_fastest(&ManyFetch::ALL, f, &secs);
+                    assert_eq!(dot::many_fetch(), f);
+                }
+                None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
             }
-            None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
         }
         dot::set_many_fetch(before);
     }
