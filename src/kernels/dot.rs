@@ -559,11 +559,11 @@ pub fn set_fetch(f: Fetch) {
 
 /// How the many-token bf16 kernel of AVX512_BF16 (a batch's decode step, a short prompt) asks
 /// for its weights: into L2 or non-temporal, 16 KiB ahead, or in rows of [`SPREAD_FROM`]
-/// columns or more the next panels a share in every pass (see there). On the 2-core Zen 5 machine the
-/// non-temporal hint made SmolLM2's layer products of 8 tokens 7–12% faster and of 12 tokens
-/// 3% (of 2 and 4 the same), and whole runs at a batch of 8 decode at 965–1009 tokens/s
-/// against 881–908 (together) and 1130–1169 against 1078 (apart); but an 8192 × 2048 product
-/// of 8 tokens ran 4% slower with it and of 4 tokens 7% faster. The better one depends on
+/// columns or more the next panels a share in every pass (see there). On the 2-core Zen 5
+/// machine the non-temporal hint made SmolLM2's layer products of 8 tokens 7–12% faster and of
+/// 12 tokens 3% (of 2 and 4 the same), and whole runs at a batch of 8 decode at 965–1009
+/// tokens/s against 881–908 (together) and 1130–1169 against 1078 (apart); but an 8192 × 2048
+/// product of 8 tokens ran 4% slower with it and of 4 tokens 7% faster. The better one depends on
 /// the shapes and the batch, so a run that decodes a batch times its own layers under both
 /// at start-up ([`super::packed::pick_many_fetch`]); `GRIDLM_MANY_PREFETCH` names one
 /// instead. No choice changes a result. (The requests of wide rows, spread over the passes,
@@ -626,9 +626,9 @@ pub const SPREAD_FROM: usize = 2048;
 /// `_MM_HINT_T1` (into L2), named where the arch module is not.
 const AHEAD_T1: i32 = 2;
 
-/// Lines a many-token pass asks for, into L2 or non-temporally, as it goes: `per` at each chunk, from `at` on,
-/// up to `end`. Prefetching reads nothing into the program and never faults, so any address
-/// will do.
+/// Lines a many-token pass asks for, into L2 or non-temporally, as it goes: `per` at each
+/// chunk, from `at` on, up to `end`. Prefetching reads nothing into the program and never
+/// faults, so any address will do.
 #[derive(Clone, Copy)]
 pub struct Ahead {
     at: *const u8,
@@ -2701,19 +2701,19 @@ mod avx512 {
     /// ... or non-temporally.
     pub const SPREAD_NTA: u8 = 3;
 
-    /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at
-    /// `w`, the next `stride` elements on) against `NT` inputs rounded by
-    /// [`super::round_for_dot_bf16`] (`x`), over `n` more columns: `w` and each `x[i]` point at
-    /// the columns' first chunk, and weights are asked for as `F` says: 16 KiB ahead of each
-    /// chunk, into L2 ([`TO_L2`]) or non-temporally (`NTA`), or `ahead`'s lines, into L2
-    /// (`SPREAD`) or non-temporally (`SPREAD_NTA`). As in [`panel_quad`], each pair of weight registers (rows
-    /// 0–1, 2–3) serves `NT` tokens, and each input register (an input block in both halves)
-    /// two rows of each panel. A panel's accumulators take the chunks in column order whatever
-    /// `P` and `NT` are and however the columns are split between calls, so finished sums
-    /// ([`pair_acc_sums`]) are the same bits for each, and the one-token kernel's. At four
-    /// tokens one panel takes 8 `vdpbf16ps` per 6 loads, two panels 16 per 8 (on the 2-core
-    /// Zen 5 machine, 4 × 1024 columns against four tokens from L1 ran at 353 GFLOP/s on one
-    /// core, 2 × 4 × 1024 at 520, 3 × 4 × 1024 no faster).
+    /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at `w`,
+    /// the next `stride` elements on) against `NT` inputs rounded by [`super::round_for_dot_bf16`]
+    /// (`x`), over `n` more columns: `w` and each `x[i]` point at the columns' first chunk, and
+    /// weights are asked for as `F` says: 16 KiB ahead of each chunk, into L2 ([`TO_L2`]) or
+    /// non-temporally (`NTA`), or `ahead`'s lines, into L2 (`SPREAD`) or non-temporally
+    /// (`SPREAD_NTA`). As in [`panel_quad`], each pair of weight registers (rows 0–1, 2–3) serves
+    /// `NT` tokens, and each input register (an input block in both halves) two rows of each
+    /// panel. A panel's accumulators take the chunks in column order whatever `P` and `NT` are and
+    /// however the columns are split between calls, so finished sums ([`pair_acc_sums`]) are the
+    /// same bits for each, and the one-token kernel's. At four tokens one panel takes 8
+    /// `vdpbf16ps` per 6 loads, two panels 16 per 8 (on the 2-core Zen 5 machine, 4 × 1024 columns
+    /// against four tokens from L1 ran at 353 GFLOP/s on one core, 2 × 4 × 1024 at 520,
+    /// 3 × 4 × 1024 no faster).
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
