@@ -1998,8 +1998,15 @@ mod avx2 {
     /// meets every token's `q + 128` in one `vpdpbusd`, and the `128 · w` this adds is taken
     /// off every lane once per group of two chunks (a `vpdpbusd` of 128s per chunk, shared by
     /// the tokens): each lane then holds the integer the one-token kernel's lane holds (the
-    /// sums are exact), and is scaled and added in f32 as there. Each chunk asks for `ahead`'s
-    /// lines, if given (see [`super::SPREAD_FROM`]), else for the line 4 KiB past it. (In
+    /// sums are exact), and is scaled and added in f32 as there. Each group of two chunks asks
+    /// for `ahead`'s lines, if given (see [`super::SPREAD_FROM`]; its share is cut for that
+    /// many requests), else each chunk for the line 4 KiB past it. (Asking at every chunk, the
+    /// requests' bookkeeping cost as much as a fifth of the kernel: on the 2-core Zen 5 machine
+    /// products of 8 tokens over llama-3.2-1b-shaped rows ran at 31–32 GB/s of weights in cache
+    /// asking every other chunk against 25–27, 31–37.6 from memory against 23–30; `gridlm
+    /// bench` at a batch of 8 with `--quant int8` decoded at 233–236 tokens/s against 188–192
+    /// and prefilled 512 tokens at 315–326 against 240–248. Every fourth chunk, prefill gained
+    /// 3% more and the batch lost 6–10%.) (In
     /// 256-bit registers, two tokens a call with AVX-VNNI's 16 registers, it was no faster than
     /// token by token on the 2-core Zen 5 machine: int8 prefill of 512 tokens on the
     /// llama-3.2-1b shape at 177–186 tokens/s against 185–191 with `GRIDLM_NO_AVX512=1`.)
@@ -2079,10 +2086,11 @@ mod avx2 {
         while k < kc {
             let mut p = [zero; NT];
             let mut off = zero;
+            if SPREAD {
+                ahead.ask();
+            }
             for kk in k..(k + 2).min(kc) {
-                if SPREAD {
-                    ahead.ask();
-                } else {
+                if !SPREAD {
                     _mm_prefetch(wp.wrapping_add(4096), _MM_HINT_T0);
                 }
                 let wv = _mm512_loadu_si512(wp as *const __m512i);

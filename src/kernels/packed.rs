@@ -825,12 +825,13 @@ fn matmul_int8(
                         let x = std::array::from_fn(|k| xu[i(k) * cols_p + cr.start..].as_ptr());
                         let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
                         // In wide rows, each group's share of the next panel's block (see
-                        // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it).
+                        // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it), asked
+                        // for once per two chunks (a scale group of the inputs).
                         let ahead = (cols_p >= dot::SPREAD_FROM).then(|| {
                             let next = d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL);
                             let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
                             let lines = (PANEL * cr.len()).div_ceil(64);
-                            dot::Ahead::share(next as *const u8, lines, pass, cr.len() / CHUNK)
+                            dot::Ahead::share(next as *const u8, lines, pass, (cr.len() / CHUNK).div_ceil(2))
                         });
                         // SAFETY: `many` only after detecting AVX512-VNNI on a 512-bit ISA
                         // (itself only after detecting avx512f, avx2, fma and f16c), where the
