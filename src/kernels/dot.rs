@@ -625,6 +625,8 @@ pub const SPREAD_FROM: usize = 2048;
 
 /// `_MM_HINT_T1` (into L2), named where the arch module is not.
 const AHEAD_T1: i32 = 2;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(AHEAD_T1 == std::arch::x86_64::_MM_HINT_T1);
 
 /// Lines a many-token pass asks for, into L2 or non-temporally, as it goes: `per` at each
 /// chunk, from `at` on, up to `end`. Prefetching reads nothing into the program and never
@@ -2673,24 +2675,26 @@ mod avx512 {
                     let mut acc: PairAcc = std::mem::zeroed();
                     let xs = std::array::from_fn(|i| x(t + i.min(nt - 1)).add(c0));
                     let wp = w.as_ptr().add(4 * n * p + 4 * c0);
-                    if spread {
-                        let ahead = Ahead::share(next, lines, (pass, passes), cn / BLOCK);
-                        match fetch {
-                            ManyFetch::L2 => {
-                                pair_acc_bf16_n::<SPREAD>(np, nt, wp, 4 * n, cn, xs, &mut acc, ahead)
-                            }
-                            ManyFetch::Nta => {
-                                pair_acc_bf16_n::<SPREAD_NTA>(np, nt, wp, 4 * n, cn, xs, &mut acc, ahead)
-                            }
-                        }
+                    let ahead = if spread {
+                        Ahead::share(next, lines, (pass, passes), cn / BLOCK)
                     } else {
-                        match fetch {
-                            ManyFetch::L2 => {
-                                pair_acc_bf16_n::<TO_L2>(np, nt, wp, 4 * n, cn, xs, &mut acc, Ahead::NONE)
-                            }
-                            ManyFetch::Nta => {
-                                pair_acc_bf16_n::<NTA>(np, nt, wp, 4 * n, cn, xs, &mut acc, Ahead::NONE)
-                            }
+                        Ahead::NONE
+                    };
+                    // The kernel's mode (a const generic): the way's hint, for the next panels'
+                    // lines in wide rows or 16 KiB ahead in others.
+                    let a = &mut acc;
+                    match (spread, fetch) {
+                        (true, ManyFetch::L2) => {
+                            pair_acc_bf16_n::<SPREAD>(np, nt, wp, 4 * n, cn, xs, a, ahead)
+                        }
+                        (true, ManyFetch::Nta) => {
+                            pair_acc_bf16_n::<SPREAD_NTA>(np, nt, wp, 4 * n, cn, xs, a, ahead)
+                        }
+                        (false, ManyFetch::L2) => {
+                            pair_acc_bf16_n::<TO_L2>(np, nt, wp, 4 * n, cn, xs, a, ahead)
+                        }
+                        (false, ManyFetch::Nta) => {
+                            pair_acc_bf16_n::<NTA>(np, nt, wp, 4 * n, cn, xs, a, ahead)
                         }
                     }
                     pass += 1;
