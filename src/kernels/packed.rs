@@ -567,8 +567,17 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
             let r1 = (r0 + run).min(panels.end);
             for group in groups(ts.clone(), g) {
                 for p in r0..r1 {
+                    // The block read after this one: for a prompt, the same column block of
+                    // the next panel (this panel's next block comes in a later pass; past
+                    // the last panel, an address only asked for); for a batch (`schedule`
+                    // then takes a panel's blocks in turn), the one that follows in memory.
+                    let next = if ts.len() < PROMPT_FROM {
+                        panel(p).as_ptr_range().end
+                    } else {
+                        d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL)
+                    };
                     by_groups(p, group.clone(), g, emit, |t, acc| {
-                        panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa)
+                        panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa, next)
                     });
                 }
             }
@@ -1213,8 +1222,9 @@ unsafe fn rows<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     panel: &[T],
     xs: [&[f32]; NT],
     acc: &mut [[f32; PANEL]],
+    next: *const T,
 ) {
-    for (a, v) in acc.iter_mut().zip(dot::avx2_panel_rows::<T, NT, true>(panel, xs)) {
+    for (a, v) in acc.iter_mut().zip(dot::avx2_panel_rows::<T, NT, true>(panel, xs, next)) {
         *a = v;
     }
 }
@@ -1228,35 +1238,45 @@ unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     panel: &[T],
     xs: [&[f32]; NT],
     acc: &mut [[f32; PANEL]],
+    next: *const T,
 ) {
-    for (a, v) in acc.iter_mut().zip(dot::avx512_panel_quad::<T, NT>(panel, xs)) {
+    for (a, v) in acc.iter_mut().zip(dot::avx512_panel_quad::<T, NT>(panel, xs, next)) {
         *a = v;
     }
 }
 
-/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`.
+/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`; the
+/// kernels' requests run on past the panel's block into `next` (the block read after it).
 #[inline]
-fn panel_dot<T: dot::Elem + dot::Avx2Load>(panel: &[T], xs: &[&[f32]], acc: &mut [[f32; PANEL]], isa: Isa) {
+fn panel_dot<T: dot::Elem + dot::Avx2Load>(
+    panel: &[T],
+    xs: &[&[f32]],
+    acc: &mut [[f32; PANEL]],
+    isa: Isa,
+    next: *const T,
+) {
     match (isa, xs.len()) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only produced after detecting avx2, fma and f16c; lengths are
         // checked by the callers (a panel is PANEL × cols_p, each input cols_p).
-        (Isa::Avx2, 2) => unsafe { rows::<T, 2>(panel, [xs[0], xs[1]], acc) },
+        (Isa::Avx2, 2) => unsafe { rows::<T, 2>(panel, [xs[0], xs[1]], acc, next) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx2, 3) => unsafe { rows::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
+        (Isa::Avx2, 3) => unsafe { rows::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc, next) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512` and `Isa::Avx512Bf16` are only produced after detecting
         // avx512f, avx2, fma and f16c; lengths as above (bf16 weights do not come here on
         // `Isa::Avx512Bf16`: see `paired_products`).
-        (Isa::Avx512 | Isa::Avx512Bf16, 2) => unsafe { quad::<T, 2>(panel, [xs[0], xs[1]], acc) },
+        (Isa::Avx512 | Isa::Avx512Bf16, 2) => unsafe { quad::<T, 2>(panel, [xs[0], xs[1]], acc, next) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        (Isa::Avx512 | Isa::Avx512Bf16, 3) => unsafe { quad::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc) },
+        (Isa::Avx512 | Isa::Avx512Bf16, 3) => unsafe {
+            quad::<T, 3>(panel, [xs[0], xs[1], xs[2]], acc, next)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (Isa::Avx512 | Isa::Avx512Bf16, 4) => unsafe {
-            quad::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc)
+            quad::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc, next)
         },
         // One input, or the portable path.
         _ => {
