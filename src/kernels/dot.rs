@@ -2030,23 +2030,27 @@ mod avx2 {
     /// the same sums as [`panels_q8`] gives each token alone, bit for bit. `xu[i]` is token
     /// `i`'s input offset to unsigned (`q + 128`, [`super::offset_q8`]), `s[i]` its scales.
     ///
-    /// [`panels_q8`] multiplies |q| by the weights with their signs flipped where q is
-    /// negative: three sign operations and two `vpdpbusd` per chunk and token. Here a chunk
-    /// (four rows, one 512-bit register whose lanes are those of the one-token kernel's two)
-    /// meets every token's `q + 128` in one `vpdpbusd`, and the `128 · w` this adds is taken
-    /// off every lane once per group of two chunks (a `vpdpbusd` of 128s per chunk, shared by
-    /// the tokens): each lane then holds the integer the one-token kernel's lane holds (the
-    /// sums are exact), and is scaled and added in f32 as there. Each group of two chunks asks
-    /// for `ahead`'s lines, if given (see [`super::SPREAD_FROM`]; its share is cut for that
-    /// many requests), else each chunk for the line 4 KiB past it. (Asking at every chunk, the
-    /// requests' bookkeeping cost as much as a fifth of the kernel: on the 2-core Zen 5 machine
-    /// products of 8 tokens over llama-3.2-1b-shaped rows ran at 31–32 GB/s of weights in cache
-    /// asking every other chunk against 25–27, 31–37.6 from memory against 23–30; `gridlm
-    /// bench` at a batch of 8 with `--quant int8` decoded at 233–236 tokens/s against 188–192
-    /// and prefilled 512 tokens at 315–326 against 240–248. Every fourth chunk, prefill gained
-    /// 3% more and the batch lost 6–10%.) (In
-    /// 256-bit registers, two tokens a call with AVX-VNNI's 16 registers, it was no faster than
-    /// token by token on the 2-core Zen 5 machine: int8 prefill of 512 tokens on the
+    /// [`panels_q8`] multiplies |q| by the weights with their signs flipped where q is negative:
+    /// three sign operations and two `vpdpbusd` per chunk and token. Here a chunk (four rows, one
+    /// 512-bit register whose lanes are those of the one-token kernel's two) meets every token's `q
+    /// + 128` in one `vpdpbusd`, and each token's sums over a group of two chunks start from the
+    /// `−128 · w` that takes off (a `vpdpbusd` of 128s per chunk and a negation, shared by the
+    /// tokens): each lane then holds the integer the one-token kernel's lane holds (the sums are
+    /// exact), and is scaled and added in f32 as there. (Subtracting it from each token's sums
+    /// after the group instead, one operation more a token, products of 512 tokens over
+    /// llama-3.2-1b-shaped int8 layers ran at 736–768 GOP/s against 755–801 this way on the 2-core
+    /// Zen 5 machine, of 8 tokens from memory at 653–724 against 658–751, five rounds each,
+    /// interleaved; the shape's int8 prefill of 512 tokens at 331.8–341.7 tokens/s against
+    /// 341.6–356.4, three pairs.) Each group of two chunks asks for `ahead`'s lines, if given (see
+    /// [`super::SPREAD_FROM`]; its share is cut for that many requests), else each chunk for the
+    /// line 4 KiB past it. (Asking at every chunk, the requests' bookkeeping cost as much as a
+    /// fifth of the kernel: on the 2-core Zen 5 machine products of 8 tokens over
+    /// llama-3.2-1b-shaped rows ran at 31–32 GB/s of weights in cache asking every other chunk
+    /// against 25–27, 31–37.6 from memory against 23–30; `gridlm bench` at a batch of 8 with
+    /// `--quant int8` decoded at 233–236 tokens/s against 188–192 and prefilled 512 tokens at
+    /// 315–326 against 240–248. Every fourth chunk, prefill gained 3% more and the batch lost
+    /// 6–10%.) (In 256-bit registers, two tokens a call with AVX-VNNI's 16 registers, it was no
+    /// faster than token by token on the 2-core Zen 5 machine: int8 prefill of 512 tokens on the
     /// llama-3.2-1b shape at 177–186 tokens/s against 185–191 with `GRIDLM_NO_AVX512=1`.)
     ///
     /// # Safety
@@ -2122,26 +2126,38 @@ mod avx2 {
         let mut wp = w.as_ptr();
         let mut k = 0;
         while k < kc {
-            let mut p = [zero; NT];
-            let mut off = zero;
             if SPREAD {
                 ahead.ask();
             }
-            for kk in k..(k + 2).min(kc) {
-                if !SPREAD {
-                    _mm_prefetch(wp.wrapping_add(4096), _MM_HINT_T0);
+            // The group's one or two chunks of weights, and their −128 · Σw to start each
+            // token's sums from.
+            let two = k + 1 < kc;
+            if !SPREAD {
+                _mm_prefetch(wp.wrapping_add(4096), _MM_HINT_T0);
+                if two {
+                    _mm_prefetch(wp.wrapping_add(4096 + 64), _MM_HINT_T0);
                 }
-                let wv = _mm512_loadu_si512(wp as *const __m512i);
-                off = _mm512_dpbusd_epi32(off, ones, wv);
-                for (pt, x) in p.iter_mut().zip(xu) {
-                    let x = _mm512_broadcast_i32x4(_mm_loadu_si128(x.add(kk * BLOCK) as *const __m128i));
-                    *pt = _mm512_dpbusd_epi32(*pt, x, wv);
-                }
-                wp = wp.add(4 * BLOCK);
             }
+            let w0 = _mm512_loadu_si512(wp as *const __m512i);
+            let w1 = if two { _mm512_loadu_si512(wp.add(64) as *const __m512i) } else { zero };
+            let off = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ones, w0), ones, w1);
+            let neg = _mm512_sub_epi32(zero, off);
+            let mut p = [neg; NT];
+            for (pt, x) in p.iter_mut().zip(xu) {
+                let x0 = _mm512_broadcast_i32x4(_mm_loadu_si128(x.add(k * BLOCK) as *const __m128i));
+                *pt = _mm512_dpbusd_epi32(*pt, x0, w0);
+            }
+            if two {
+                for (pt, x) in p.iter_mut().zip(xu) {
+                    let x1 =
+                        _mm512_broadcast_i32x4(_mm_loadu_si128(x.add((k + 1) * BLOCK) as *const __m128i));
+                    *pt = _mm512_dpbusd_epi32(*pt, x1, w1);
+                }
+            }
+            wp = wp.add(if two { 128 } else { 64 });
             for ((a, pt), st) in acc.iter_mut().zip(p).zip(s) {
                 let sc = _mm512_set1_ps(*st.add(k / 2));
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(pt, off)), sc, *a);
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pt), sc, *a);
             }
             k += 2;
         }
