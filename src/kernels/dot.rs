@@ -1714,7 +1714,8 @@ mod avx2 {
     /// of a 91–96 peak.
     ///
     /// # Safety
-    /// As [`panels`]; `panel.len() == 4 * xs[i].len()`.
+    /// As [`panels`]; `panel.len() == 4 * xs[i].len()`. (`next`, the block read after the
+    /// panel's, is only asked for: any address will do.)
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn panel_rows<T: Avx2Load, const NT: usize, const FETCH: bool>(
         panel: &[T],
@@ -2032,8 +2033,8 @@ mod avx2 {
     ///
     /// [`panels_q8`] multiplies |q| by the weights with their signs flipped where q is negative:
     /// three sign operations and two `vpdpbusd` per chunk and token. Here a chunk (four rows, one
-    /// 512-bit register whose lanes are those of the one-token kernel's two) meets every token's `q
-    /// + 128` in one `vpdpbusd`, and each token's sums over a group of two chunks start from the
+    /// 512-bit register whose lanes are those of the one-token kernel's two) meets every token's
+    /// `q + 128` in one `vpdpbusd`, and each token's sums over a group of two chunks start from the
     /// `−128 · w` that takes off (a `vpdpbusd` of 128s per chunk and a negation, shared by the
     /// tokens): each lane then holds the integer the one-token kernel's lane holds (the sums are
     /// exact), and is scaled and added in f32 as there. (Subtracting it from each token's sums
@@ -2525,7 +2526,8 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU must have avx512f, avx2, fma and f16c; every input has `n` entries, a multiple
-    /// of [`BLOCK`], and `panel.len() == 4 * n`.
+    /// of [`BLOCK`], and `panel.len() == 4 * n`. (`next`, the block read after the panel's, is
+    /// only asked for: any address will do.)
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn panel_quad<T: Avx512Load, const NT: usize>(
         panel: &[T],
