@@ -571,7 +571,7 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
                     // the next panel (this panel's next block comes in a later pass; past
                     // the last panel, an address only asked for); for a batch (`schedule`
                     // then takes a panel's blocks in turn), the one that follows in memory.
-                    let next = if ts.len() < PROMPT_FROM {
+                    let next = if n_tok < PROMPT_FROM {
                         panel(p).as_ptr_range().end
                     } else {
                         d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL)
