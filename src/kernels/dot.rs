@@ -2124,6 +2124,8 @@ mod avx2 {
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); NT];
         let kc = n / BLOCK;
+        // An int8 chunk's bytes: its four rows' BLOCK columns, one register.
+        const CHUNK_BYTES: usize = 4 * BLOCK;
         let mut wp = w.as_ptr();
         let mut k = 0;
         while k < kc {
@@ -2136,11 +2138,11 @@ mod avx2 {
             if !SPREAD {
                 _mm_prefetch(wp.wrapping_add(4096), _MM_HINT_T0);
                 if two {
-                    _mm_prefetch(wp.wrapping_add(4096 + 64), _MM_HINT_T0);
+                    _mm_prefetch(wp.wrapping_add(4096 + CHUNK_BYTES), _MM_HINT_T0);
                 }
             }
             let w0 = _mm512_loadu_si512(wp as *const __m512i);
-            let w1 = if two { _mm512_loadu_si512(wp.add(64) as *const __m512i) } else { zero };
+            let w1 = if two { _mm512_loadu_si512(wp.add(CHUNK_BYTES) as *const __m512i) } else { zero };
             let off = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ones, w0), ones, w1);
             let neg = _mm512_sub_epi32(zero, off);
             let mut p = [neg; NT];
@@ -2155,7 +2157,7 @@ mod avx2 {
                     *pt = _mm512_dpbusd_epi32(*pt, x1, w1);
                 }
             }
-            wp = wp.add(if two { 128 } else { 64 });
+            wp = wp.add(if two { 2 * CHUNK_BYTES } else { CHUNK_BYTES });
             for ((a, pt), st) in acc.iter_mut().zip(p).zip(s) {
                 let sc = _mm512_set1_ps(*st.add(k / 2));
                 *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pt), sc, *a);

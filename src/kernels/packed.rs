@@ -574,7 +574,7 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
                     let next = if n_tok < PROMPT_FROM {
                         panel(p).as_ptr_range().end
                     } else {
-                        d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL)
+                        block_at(d, p + 1, cols_p, cr.start)
                     };
                     by_groups(p, group.clone(), g, emit, |t, acc| {
                         panel_dot(panel(p), &xs(t, acc.len())[..acc.len()], acc, isa, next)
@@ -837,7 +837,7 @@ fn matmul_int8(
                         // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it), asked
                         // for once per two chunks (a scale group of the inputs).
                         let ahead = (cols_p >= dot::SPREAD_FROM).then(|| {
-                            let next = d.as_ptr().wrapping_add((p + 1) * PANEL * cols_p + cr.start * PANEL);
+                            let next = block_at(d, p + 1, cols_p, cr.start);
                             let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
                             let lines = (PANEL * cr.len()).div_ceil(64);
                             dot::Ahead::share(next as *const u8, lines, pass, (cr.len() / CHUNK).div_ceil(2))
@@ -1243,6 +1243,13 @@ unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
     for (a, v) in acc.iter_mut().zip(dot::avx512_panel_quad::<T, NT>(panel, xs, next)) {
         *a = v;
     }
+}
+
+/// Where the column block from `c0` of panel `p` begins in `d` (packed panels of `cols_p`
+/// columns): an address only, computed wrapping, so `p` may be one past the last panel (for
+/// requests ahead, which read nothing).
+fn block_at<T>(d: &[T], p: usize, cols_p: usize, c0: usize) -> *const T {
+    d.as_ptr().wrapping_add((p * cols_p + c0) * PANEL)
 }
 
 /// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`; the
