@@ -895,18 +895,19 @@ pub(crate) fn store_sums(o: &mut [f32], sums: &[f32; 4], first: bool) {
     }
 }
 
-/// `ts` in order, cut into the groups of a many-token product against a panel: `g` ([1, 4])
-/// tokens at a time and what is left, except that groups of three leave no lone token where
-/// they can: four left go as two and two, since one token would take the one-token kernel, a
-/// quarter as many sums in flight.
+/// `ts` in order, cut into the groups of a many-token product against a panel: `g` ([1, 6])
+/// tokens at a time and what is left, except that groups of three or more leave no lone token
+/// where they can: four left go as two and two in groups of three, seven as five and two in
+/// groups of six, since one token would take the one-token kernel, far fewer sums in flight.
 #[inline]
 pub(crate) fn groups(ts: std::ops::Range<usize>, g: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    debug_assert!((1..=4).contains(&g));
+    debug_assert!((1..=6).contains(&g));
     let mut t = ts.start;
     std::iter::from_fn(move || {
         let nt = match ts.end - t {
             0 => return None,
             4 if g == 3 => 2,
+            left if g > 4 && left == g + 1 => g - 1,
             left => g.min(left),
         };
         t += nt;
@@ -2521,10 +2522,12 @@ mod avx512 {
         }
     }
 
-    /// All four rows of a packed panel against `NT` prepared inputs (many-token products, the
-    /// panel in L1): `out[i][lane] = row lane · xs[i]`. Each weight register serves `NT`
-    /// tokens and each input register four rows: with NT = 4, 8 loads per 16 FMAs and 24 of
-    /// the 32 registers live.
+    /// All four rows of a packed panel against `NT` (at most six) prepared inputs (many-token
+    /// products, the panel in L1 or L2): `out[i][lane] = row lane · xs[i]`. Each weight
+    /// register serves `NT` tokens and each input register four rows: with NT = 4, 8 loads per
+    /// 16 FMAs and 24 of the 32 registers live; with NT = 6 (a prompt's groups, see
+    /// `PROMPT_GROUP` in `packed.rs`), 10 loads per 24 FMAs and 29 registers. Each token's sums
+    /// are finished the same way whatever `NT`, so they are the one-token kernel's bits.
     ///
     /// # Safety
     /// The CPU must have avx512f, avx2, fma and f16c; every input has `n` entries, a multiple
@@ -2554,21 +2557,31 @@ mod avx512 {
             wp = wp.add(4 * BLOCK);
             c += BLOCK;
         }
-        // All sums in one register: per token, its four rows' 128-bit lanes side by side, then
-        // the four lanes of every token added across. (Sixteen horizontal sums took ~128
-        // operations, and with them LLVM kept one accumulator of the loop on the stack: on a
-        // Zen 4 machine a panel of 576 columns against four tokens, in L1, ran at 62 or 108
+        // Four tokens' sums in one register: per token, its four rows' 128-bit lanes side by
+        // side, then the four lanes of every token added across. (Sixteen horizontal sums took
+        // ~128 operations, and with them LLVM kept one accumulator of the loop on the stack: on
+        // a Zen 4 machine a panel of 576 columns against four tokens, in L1, ran at 62 or 108
         // GFLOP/s per core from one run to the next, and at 112 with this.)
-        let v: [__m512; 4] =
-            std::array::from_fn(|t| if t < NT { lanes4(acc[t]) } else { _mm512_setzero_ps() });
-        let lo = |a, b| _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
-        let hi = |a, b| _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
-        let (s01, s23) =
-            (_mm512_add_ps(lo(v[0], v[1]), hi(v[0], v[1])), _mm512_add_ps(lo(v[2], v[3]), hi(v[2], v[3])));
-        by_token(_mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(s01, s23),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(s01, s23),
-        ))
+        let four = |t0: usize| {
+            let v: [__m512; 4] =
+                std::array::from_fn(|i| if t0 + i < NT { lanes4(acc[t0 + i]) } else { _mm512_setzero_ps() });
+            let lo = |a, b| _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+            let hi = |a, b| _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+            let (s01, s23) = (
+                _mm512_add_ps(lo(v[0], v[1]), hi(v[0], v[1])),
+                _mm512_add_ps(lo(v[2], v[3]), hi(v[2], v[3])),
+            );
+            by_token::<4>(_mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(s01, s23),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(s01, s23),
+            ))
+        };
+        let first = four(0);
+        if NT <= 4 {
+            return std::array::from_fn(|t| first[t]);
+        }
+        let rest = four(4);
+        std::array::from_fn(|t| if t < 4 { first[t] } else { rest[t - 4] })
     }
 
     /// Consecutive packed bf16 panels against one prepared input (f32), in `vdpbf16ps`: per

@@ -1054,8 +1054,11 @@ mod tests {
                 // takes each panel's block in f32 (16-bit ones widened) through one kernel
                 // call for all the tile's groups; 120 tokens span two of its tiles (88 at 1536
                 // columns, 80 at 4100), the second widened too, and three of the others' (44 at
-                // 1536 columns).
-                for n_tok in [2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 45, 46, 47, 48, 120] {
+                // 1536 columns). The 512-bit FMA kernels take a prompt's tokens six at a time,
+                // seven left as five and two (19); 16 and 17 end on groups of four and five, 45
+                // to 48 on groups of three to six; 120 tokens span two of their tiles (88 at 1536
+                // columns, 96 at 4100, in runs of two panels there).
+                for n_tok in [2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 19, 45, 46, 47, 48, 120] {
                     let x = rand_vec(n_tok * cols, 3);
                     for path in paths(quant.is_some()) {
                         let mut many = vec![0.0f32; n_tok * rows];

@@ -396,17 +396,34 @@ pub fn reserve_thread_buffers() {
 }
 
 /// Most tokens summed together against one panel: a group in 512-bit registers and in int8
-/// (AVX2 float products take three: [`float_group`]).
+/// (AVX2 float products take three: [`float_group`]; a prompt's float products in 512-bit
+/// registers six, [`PROMPT_GROUP`]).
 const TOK_GROUP: usize = 4;
 
-/// Tokens a float product sums together against one panel on `isa`: three in AVX2, whose
-/// kernel takes all four rows of a panel and fills its 16 registers with three tokens
-/// ([`dot::avx2_panel_rows`]), else [`TOK_GROUP`].
-fn float_group(isa: Isa) -> usize {
-    if isa == Isa::Avx2 {
-        dot::AVX2_FLOAT_GROUP
-    } else {
-        TOK_GROUP
+/// Tokens a prompt's float products sum together against one panel in 512-bit FMAs (f16 and
+/// f32 weights, bf16 without AVX512_BF16; [`dot::avx512_panel_quad`]): each group's pass over a
+/// run of panels reads their blocks from L2 ([`PANEL_RUN_BYTES`]), so groups of six read them
+/// two thirds as often as groups of four, 29 of the 32 registers live. With tiles of
+/// [`AVX512_TILE_BYTES`] (each pass of the weights from memory serving twice the tokens) and
+/// [`SPLIT_RUN_PANELS`], on the 2-core Zen 5 machine products of 512 tokens ran, in GFLOP/s, f16
+/// weights: 2048 × 2048 429–434 against 422–424, 16384 × 2048 426–429 against 386–399, 2048 ×
+/// 8192 385–389 against 351–355; f32 307–344 against 251–309; llama-3.2-1b's prefill of 512
+/// tokens at 0.735–0.749 of the FMA peak against 0.678–0.701 with f16 weights, 0.731–0.736
+/// against 0.694–0.706 with bf16 in FMAs, 0.508–0.552 against 0.448–0.457 with f32 (three pairs
+/// each, interleaved), SmolLM2's shape with f16 weights 1430–1539 tokens/s against 1307–1419.
+/// Groups of six with tiles of 256 KiB, or tiles of 512 KiB with groups of four, gained nothing
+/// alone. The sums are the same bits as in groups of four.
+const PROMPT_GROUP: usize = 6;
+
+/// Tokens a float product of `n_tok` tokens sums together against one panel on `isa`: three in
+/// AVX2, whose kernel takes all four rows of a panel and fills its 16 registers with three
+/// tokens ([`dot::avx2_panel_rows`]); [`PROMPT_GROUP`] for a prompt in 512-bit registers; else
+/// [`TOK_GROUP`].
+fn float_group(isa: Isa, n_tok: usize) -> usize {
+    match isa {
+        Isa::Avx2 => dot::AVX2_FLOAT_GROUP,
+        Isa::Avx512 | Isa::Avx512Bf16 if n_tok >= PROMPT_FROM => PROMPT_GROUP,
+        _ => TOK_GROUP,
     }
 }
 
@@ -486,9 +503,9 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
         });
         return;
     }
-    let g = float_group(isa);
-    schedule(team, (w.rows, cols_p, k_max, TILE_BYTES), n_tok, out, &|panels, cr, ts, emit, dst| {
-        let xs = |t: usize, nt: usize| -> [&[f32]; TOK_GROUP] {
+    let (g, tile_bytes) = (float_group(isa, n_tok), float_tile_bytes(isa));
+    schedule(team, (w.rows, cols_p, k_max, tile_bytes), n_tok, out, &|panels, cr, ts, emit, dst| {
+        let xs = |t: usize, nt: usize| -> [&[f32]; PROMPT_GROUP] {
             std::array::from_fn(|i| &xp[(t + i.min(nt - 1)) * cols_p..][cr.clone()])
         };
         let panel = |p: usize| &d[p * PANEL * cols_p..][cr.start * PANEL..cr.end * PANEL];
@@ -555,10 +572,13 @@ fn float_products<T: dot::Elem + dot::Avx2Load>(
             return;
         }
         // A prompt: token groups outer and panels inner, over runs of panels whose blocks fill
-        // `PANEL_RUN_BYTES`, so that a group's inputs stay in L1 while the run's weights come
+        // `PANEL_RUN_BYTES` (two panels where a block is narrower than the row:
+        // `SPLIT_RUN_PANELS`), so that a group's inputs stay in L1 while the run's weights come
         // from L2. A batch's decode step: each panel against every group while it is in L1.
         let run = if ts.len() < PROMPT_FROM {
             1
+        } else if cr.len() < cols_p {
+            SPLIT_RUN_PANELS
         } else {
             (PANEL_RUN_BYTES / (PANEL * cr.len() * std::mem::size_of::<T>())).max(1)
         };
@@ -1053,7 +1073,7 @@ fn by_groups(
     mut sum: impl FnMut(usize, &mut [[f32; PANEL]]),
 ) {
     for group in groups(ts, g) {
-        let mut acc = [[0.0f32; PANEL]; TOK_GROUP];
+        let mut acc = [[0.0f32; PANEL]; PROMPT_GROUP];
         let acc = &mut acc[..group.len()];
         sum(group.start, acc);
         emit(p, group.start, acc);
@@ -1077,6 +1097,30 @@ const K_BLOCK: usize = 2048;
 const WIDE_K_BLOCK: usize = 1024;
 /// Bytes of inputs (one column block of a tile of tokens) kept in L2.
 const TILE_BYTES: usize = 256 << 10;
+/// The same on CPUs with AVX-512, whose L2 holds 1 MiB or more a core: for paired products
+/// ([`paired_panels`]) and the float ones in 512-bit FMAs ([`float_tile_bytes`]). (On the
+/// 2-core Zen 5 machine, paired, in sub-blocks of 1024, the 16384 × 2048
+/// product of 512 tokens ran at 583–595 GFLOP/s with tiles of 512 KiB, 512–521 with 256 KiB,
+/// llama-3.2-1b's other products the same within the noise. Since its inputs are rounded to
+/// bf16 once, not stored twice over, llama-3.2-1b's prefill of 512 tokens ran at 305–332
+/// tokens/s with tiles of 512 KiB of them, 128 tokens, against 270–315 with 256 KiB, as many
+/// tokens as before, and 294–307 with 1 MiB. In FMAs, tiles of 512 KiB with groups of
+/// [`PROMPT_GROUP`] tokens: see there.)
+const AVX512_TILE_BYTES: usize = 512 << 10;
+/// [`AVX512_TILE_BYTES`] as [`tile_tokens`] counts inputs (4 bytes a column): the rounded bf16
+/// inputs take 2.
+const PAIRED_TILE: usize = 2 * AVX512_TILE_BYTES;
+
+/// Bytes of a float product's tile of inputs on `isa`: [`AVX512_TILE_BYTES`] in 512-bit
+/// registers, else [`TILE_BYTES`] (the 512 KiB L2 of Zen 2 and 3 holds no more beside a run of
+/// weights).
+fn float_tile_bytes(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 | Isa::Avx512Bf16 => AVX512_TILE_BYTES,
+        _ => TILE_BYTES,
+    }
+}
+
 /// Bytes of weights (a run of panels' column blocks) that the float kernels' many-token
 /// products keep in L2 while every token group of a tile passes over them, each group's
 /// inputs in L1 meanwhile: with the panel outer and the groups inner, each group's inputs
@@ -1089,17 +1133,15 @@ const TILE_BYTES: usize = 256 << 10;
 /// 0.58–0.60 of the FMA peak to 0.67 with f16 weights, from 0.56–0.57 to 0.67–0.68 with bf16
 /// in FMAs, from 0.43–0.44 to 0.46–0.47 with f32.)
 const PANEL_RUN_BYTES: usize = 192 << 10;
-/// The same for paired products ([`paired_panels`]), on CPUs with AVX512_BF16, whose L2 holds
-/// 1 MiB or more. (On the 2-core Zen 5 machine, in sub-blocks of 1024, the 16384 × 2048
-/// product of 512 tokens ran at 583–595 GFLOP/s with tiles of 512 KiB, 512–521 with 256 KiB,
-/// llama-3.2-1b's other products the same within the noise. Since its inputs are rounded to
-/// bf16 once, not stored twice over, llama-3.2-1b's prefill of 512 tokens ran at 305–332
-/// tokens/s with tiles of 512 KiB of them, 128 tokens, against 270–315 with 256 KiB, as many
-/// tokens as before, and 294–307 with 1 MiB.)
-const PAIRED_TILE_BYTES: usize = 512 << 10;
-/// [`PAIRED_TILE_BYTES`] as [`tile_tokens`] counts inputs (4 bytes a column): the rounded bf16
-/// inputs take 2.
-const PAIRED_TILE: usize = 2 * PAIRED_TILE_BYTES;
+/// Panels a prompt's run holds, instead of [`PANEL_RUN_BYTES`], where its column block is
+/// narrower than the row: the run's blocks then lie a whole panel apart (a panel holds its
+/// rows' blocks one after the other), and two of them a run did best; why two and not three
+/// was not found out. (On the 2-core Zen 5 machine, products of 512 tokens in groups of
+/// [`PROMPT_GROUP`], f16 weights, in GFLOP/s: 2048 × 8192 at 374–389 in runs of two panels
+/// against 343–353 in runs of 192 KiB, 326–349 of one panel, 355–358 of three; 3072 × 8192
+/// 359–368 against 337–347; 4096 × 11008 341–354 against 329–331; 896 × 4864 353–359 against
+/// 342–354; f32 weights 280–293 against 247–259.)
+const SPLIT_RUN_PANELS: usize = 2;
 
 /// Tokens per tile of a many-token product whose column blocks are `kb` wide, when a tile's
 /// inputs fill `bytes` at 4 bytes a column (f32; the rounded bf16 inputs of
@@ -1252,8 +1294,9 @@ fn block_at<T>(d: &[T], p: usize, cols_p: usize, c0: usize) -> *const T {
     d.as_ptr().wrapping_add((p * cols_p + c0) * PANEL)
 }
 
-/// Sums one panel against 1 to 4 prepared inputs: `acc[i][lane] = row lane · xs[i]`; the
-/// kernels' requests run on past the panel's block into `next` (the block read after it).
+/// Sums one panel against 1 to 6 prepared inputs (AVX2 takes up to 3): `acc[i][lane] = row
+/// lane · xs[i]`; the kernels' requests run on past the panel's block into `next` (the block
+/// read after it).
 #[inline]
 fn panel_dot<T: dot::Elem + dot::Avx2Load>(
     panel: &[T],
@@ -1284,6 +1327,16 @@ fn panel_dot<T: dot::Elem + dot::Avx2Load>(
         // SAFETY: as above.
         (Isa::Avx512 | Isa::Avx512Bf16, 4) => unsafe {
             quad::<T, 4>(panel, [xs[0], xs[1], xs[2], xs[3]], acc, next)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512 | Isa::Avx512Bf16, 5) => unsafe {
+            quad::<T, 5>(panel, [xs[0], xs[1], xs[2], xs[3], xs[4]], acc, next)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (Isa::Avx512 | Isa::Avx512Bf16, 6) => unsafe {
+            quad::<T, 6>(panel, [xs[0], xs[1], xs[2], xs[3], xs[4], xs[5]], acc, next)
         },
         // One input, or the portable path.
         _ => {
@@ -1325,7 +1378,8 @@ mod tests {
     }
 
     /// Token groups cover their range in order, each of at most `g` tokens; groups of three
-    /// leave no lone token where there are two or more, and the other sizes cut as before.
+    /// and of six leave no lone token where there are two or more, and the other sizes cut as
+    /// before.
     #[test]
     fn token_groups_cover_the_range_without_a_lone_token() {
         let sizes = |n: usize, g: usize| groups(10..10 + n, g).map(|r| r.len()).collect::<Vec<_>>();
@@ -1336,7 +1390,10 @@ mod tests {
         assert_eq!(sizes(0, 3), [0usize; 0]);
         assert_eq!(sizes(9, 4), [4, 4, 1]);
         assert_eq!(sizes(5, 2), [2, 2, 1]);
-        for g in 1..=TOK_GROUP {
+        assert_eq!(sizes(19, 6), [6, 6, 5, 2]);
+        assert_eq!(sizes(18, 6), [6, 6, 6]);
+        assert_eq!(sizes(16, 6), [6, 6, 4]);
+        for g in 1..=PROMPT_GROUP {
             for n in 0..40 {
                 let gs: Vec<_> = groups(10..10 + n, g).collect();
                 let mut next = 10;
@@ -1345,8 +1402,8 @@ mod tests {
                     next = r.end;
                 }
                 assert_eq!(next, 10 + n, "{n} tokens by {g}");
-                if g == 3 && n >= 2 {
-                    assert!(gs.iter().all(|r| r.len() > 1), "{n} tokens by 3: {gs:?}");
+                if (g == 3 || g == 6) && n >= 2 {
+                    assert!(gs.iter().all(|r| r.len() > 1), "{n} tokens by {g}: {gs:?}");
                 }
             }
         }
