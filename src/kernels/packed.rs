@@ -407,12 +407,13 @@ const TOK_GROUP: usize = 4;
 /// [`AVX512_TILE_BYTES`] (each pass of the weights from memory serving twice the tokens) and
 /// [`SPLIT_RUN_PANELS`], on the 2-core Zen 5 machine products of 512 tokens ran, in GFLOP/s, f16
 /// weights: 2048 × 2048 429–434 against 422–424, 16384 × 2048 426–429 against 386–399, 2048 ×
-/// 8192 385–389 against 351–355; f32 307–344 against 251–309; llama-3.2-1b's prefill of 512
-/// tokens at 0.735–0.749 of the FMA peak against 0.678–0.701 with f16 weights, 0.731–0.736
-/// against 0.694–0.706 with bf16 in FMAs, 0.508–0.552 against 0.448–0.457 with f32 (three pairs
-/// each, interleaved), SmolLM2's shape with f16 weights 1430–1539 tokens/s against 1307–1419.
-/// Groups of six with tiles of 256 KiB, or tiles of 512 KiB with groups of four, gained nothing
-/// alone. The sums are the same bits as in groups of four.
+/// 8192 385–389 against 351–355; f32 weights 342–344 against 296–309, 307–313 against 251–258
+/// and 283 against 227–233; llama-3.2-1b's prefill of 512 tokens at 0.735–0.749 of the FMA peak
+/// against 0.678–0.701 with f16 weights, 0.731–0.736 against 0.694–0.706 with bf16 in FMAs,
+/// 0.508–0.552 against 0.448–0.457 with f32 (three pairs each, interleaved), SmolLM2's shape
+/// with f16 weights 1430–1539 tokens/s against 1307–1419. Groups of six with tiles of 256 KiB,
+/// or tiles of 512 KiB with groups of four, gained nothing alone. The sums are the same bits as
+/// in groups of four.
 const PROMPT_GROUP: usize = 6;
 
 /// Tokens a float product of `n_tok` tokens sums together against one panel on `isa`: three in
@@ -1140,7 +1141,7 @@ const PANEL_RUN_BYTES: usize = 192 << 10;
 /// [`PROMPT_GROUP`], f16 weights, in GFLOP/s: 2048 × 8192 at 374–389 in runs of two panels
 /// against 343–353 in runs of 192 KiB, 326–349 of one panel, 355–358 of three; 3072 × 8192
 /// 359–368 against 337–347; 4096 × 11008 341–354 against 329–331; 896 × 4864 353–359 against
-/// 342–354; f32 weights 280–293 against 247–259.)
+/// 342–354; f32 weights 278–293 against 247–259.)
 const SPLIT_RUN_PANELS: usize = 2;
 
 /// Tokens per tile of a many-token product whose column blocks are `kb` wide, when a tile's
