@@ -2178,7 +2178,7 @@ pub use avx512::{
     pair_acc_bf16 as avx512_pair_acc_bf16, pair_acc_bf16_n as avx512_pair_acc_bf16_n,
     pair_acc_sums as avx512_pair_acc_sums, panel_quad as avx512_panel_quad, panels as avx512_panels,
     panels_bf16 as avx512_panels_bf16, panels_many_bf16 as avx512_panels_many_bf16, Avx512Load, PairAcc,
-    TO_L2 as AVX512_TO_L2,
+    NO_REQUESTS as AVX512_NO_REQUESTS, TO_L2 as AVX512_TO_L2,
 };
 
 /// The float panel kernels in 512-bit registers. A chunk row of a panel ([`BLOCK`] columns) is
@@ -2781,15 +2781,17 @@ mod avx512 {
     pub const NTA: u8 = 1;
     /// ... or the lines of an [`Ahead`], into L2, ...
     pub const SPREAD: u8 = 2;
-    /// ... or non-temporally.
+    /// ... or non-temporally, ...
     pub const SPREAD_NTA: u8 = 3;
+    /// ... or nothing.
+    pub const NO_REQUESTS: u8 = 4;
 
     /// Continues the running sums `acc` of `P` consecutive bf16 panels (1 or 2; the first at `w`,
     /// the next `stride` elements on) against `NT` inputs rounded by [`super::round_for_dot_bf16`]
     /// (`x`), over `n` more columns: `w` and each `x[i]` point at the columns' first chunk, and
     /// weights are asked for as `F` says: 16 KiB ahead of each chunk, into L2 ([`TO_L2`]) or
     /// non-temporally (`NTA`), or `ahead`'s lines, into L2 (`SPREAD`) or non-temporally
-    /// (`SPREAD_NTA`). As in [`panel_quad`], each pair of weight registers (rows 0–1, 2–3) serves
+    /// (`SPREAD_NTA`), or not at all (`NO_REQUESTS`). As in [`panel_quad`], each pair of weight registers (rows 0–1, 2–3) serves
     /// `NT` tokens, and each input register (an input block in both halves) two rows of each
     /// panel. A panel's accumulators take the chunks in column order whatever `P` and `NT` are and
     /// however the columns are split between calls, so finished sums ([`pair_acc_sums`]) are the
