@@ -2791,11 +2791,11 @@ mod avx512 {
     /// (`x`), over `n` more columns: `w` and each `x[i]` point at the columns' first chunk, and
     /// weights are asked for as `F` says: 16 KiB ahead of each chunk, into L2 ([`TO_L2`]) or
     /// non-temporally (`NTA`), or `ahead`'s lines, into L2 (`SPREAD`) or non-temporally
-    /// (`SPREAD_NTA`), or not at all (`NO_REQUESTS`). As in [`panel_quad`], each pair of weight registers (rows 0–1, 2–3) serves
-    /// `NT` tokens, and each input register (an input block in both halves) two rows of each
-    /// panel. A panel's accumulators take the chunks in column order whatever `P` and `NT` are and
-    /// however the columns are split between calls, so finished sums ([`pair_acc_sums`]) are the
-    /// same bits for each, and the one-token kernel's. At four tokens one panel takes 8
+    /// (`SPREAD_NTA`), or not at all (`NO_REQUESTS`). As in [`panel_quad`], each pair of weight
+    /// registers (rows 0–1, 2–3) serves `NT` tokens, and each input register (an input block in
+    /// both halves) two rows of each panel. A panel's accumulators take the chunks in column
+    /// order whatever `P` and `NT` are and however the columns are split between calls, so
+    /// finished sums ([`pair_acc_sums`]) are the same bits for each, and the one-token kernel's. At four tokens one panel takes 8
     /// `vdpbf16ps` per 6 loads, two panels 16 per 8 (on the 2-core Zen 5 machine, 4 × 1024 columns
     /// against four tokens from L1 ran at 353 GFLOP/s on one core, 2 × 4 × 1024 at 520,
     /// 3 × 4 × 1024 no faster).
