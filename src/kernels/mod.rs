@@ -163,6 +163,16 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         // Whether page `p` is past the first and begins, keys and values alike, where page
         // `p - 1` ends.
         let follows = |p: usize| p > first_page && p <= last_page && continues(page(p - 1), page(p));
+        // Whether the page kernels, reading page `p`, ask for what lies [`dot::PAGE_AHEAD`]
+        // on: for few rows, and only where that is still this call's pages, in one run.
+        let reach = dot::PAGE_AHEAD.div_ceil(hd * page_len * std::mem::size_of::<T>());
+        let ask = |p: usize| {
+            nr <= PAGE_AHEAD_ROWS && p + reach <= last_page && {
+                let ((k0, v0), (k1, v1)) = (page(p), page(p + reach));
+                let run = reach * hd * page_len;
+                k0.as_ptr().wrapping_add(run) == k1.as_ptr() && v0.as_ptr().wrapping_add(run) == v1.as_ptr()
+            }
+        };
         let fetch_gap = |p: usize| {
             if !follows(p) {
                 fetch(p);
@@ -214,7 +224,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                             isa,
                         );
                     } else {
-                        dot::page_scores(keys(p), page_len, q, &mut s[at..], tile_len, isa);
+                        dot::page_scores(keys(p), page_len, q, &mut s[at..], tile_len, ask(p), isa);
                     }
                     p += n;
                 }
@@ -237,6 +247,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                             &values[(ka - at) * hd..(kb - at) * hd],
                             hd,
                             acc,
+                            ask(p),
                             isa,
                         );
                     }
@@ -284,6 +295,12 @@ fn continues<T>(before: (&[T], &[T]), next: (&[T], &[T])) -> bool {
 /// (three rows a KV head, the pages from memory) ran at 0.80–0.82 of the bandwidth against
 /// 0.85–0.87 without, two pages read side by side a poorer stream than one after the other.
 const PAIR_ROWS: usize = 9;
+
+/// Rows up to which [`attend_tiled`] has the page kernels ask ahead ([`dot::PAGE_AHEAD`]): a
+/// decode token's query heads of one KV head (at most 8 in the models gridlm runs), whose pages
+/// come from memory. More rows are a prompt's, whose pages the same step has just written and
+/// reads from cache, many times over: there the requests would only take up load slots.
+const PAGE_AHEAD_ROWS: usize = 8;
 
 /// [`attend_tiled`]'s working floats per row besides its tile of scores and values.
 const WORK_PER_ROW: usize = 6;
@@ -1099,7 +1116,8 @@ mod tests {
     }
 
     /// A row's scores are the same bits however many rows share the call (1 to 9: every
-    /// register blocking), so a query's attention does not depend on the rest of its step.
+    /// register blocking), so a query's attention does not depend on the rest of its step,
+    /// and whether or not the kernel asks ahead.
     #[test]
     fn page_scores_of_a_row_do_not_depend_on_the_other_rows() {
         let (page_len, hd) = (16, 64);
@@ -1109,11 +1127,12 @@ mod tests {
             let mut alone = vec![0.0f32; 9 * page_len];
             for r in 0..9 {
                 let o = &mut alone[r * page_len..(r + 1) * page_len];
-                dot::page_scores(&kt, page_len, &q[r * hd..(r + 1) * hd], o, page_len, isa);
+                dot::page_scores(&kt, page_len, &q[r * hd..(r + 1) * hd], o, page_len, false, isa);
             }
             for rows in 1..=9 {
                 let mut s = vec![0.0f32; rows * page_len];
-                dot::page_scores(&kt, page_len, &q[..rows * hd], &mut s, page_len, isa);
+                let ahead = rows % 2 == 1;
+                dot::page_scores(&kt, page_len, &q[..rows * hd], &mut s, page_len, ahead, isa);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&s), bits(&alone[..rows * page_len]), "{isa:?}: {rows} rows");
             }
@@ -1133,8 +1152,8 @@ mod tests {
                     let q = rand_vec(rows * hd, 13);
                     let stride = 2 * page_len + 16;
                     let mut two = vec![0.0f32; rows * stride];
-                    dot::page_scores(&a, page_len, &q, &mut two, stride, isa);
-                    dot::page_scores(&b, page_len, &q, &mut two[page_len..], stride, isa);
+                    dot::page_scores(&a, page_len, &q, &mut two, stride, false, isa);
+                    dot::page_scores(&b, page_len, &q, &mut two[page_len..], stride, false, isa);
                     let mut pair = vec![0.0f32; rows * stride];
                     dot::page_scores_pair([&a, &b], page_len, &q, &mut pair, stride, isa);
                     assert_eq!(bits(&pair), bits(&two), "{isa:?} {page_len}/{hd}: {rows} rows");
@@ -1144,7 +1163,8 @@ mod tests {
     }
 
     /// The AVX-512 page kernels give the AVX2 ones' sums bit for bit (every blocking and tail
-    /// of both), so attention does not change with the SIMD width of the machine.
+    /// of both, asking ahead or not), so attention does not change with the SIMD width of the
+    /// machine.
     #[test]
     fn page_kernels_agree_between_avx2_and_avx512() {
         let isas = isas();
@@ -1157,14 +1177,18 @@ mod tests {
             let q = rand_vec(rows * hd, 8);
             let p = rand_vec(rows * page_len, 9);
             let o0 = rand_vec(rows * hd, 10);
-            let run = |isa| {
+            let run = |isa, ahead| {
                 let mut s = vec![0.0f32; rows * page_len];
-                dot::page_scores(&kt, page_len, &q, &mut s, page_len, isa);
+                dot::page_scores(&kt, page_len, &q, &mut s, page_len, ahead, isa);
                 let mut o = o0.clone();
-                dot::page_values(&p, page_len, &kt, hd, &mut o, isa);
+                dot::page_values(&p, page_len, &kt, hd, &mut o, ahead, isa);
                 (bits(&s), bits(&o))
             };
-            assert_eq!(run(dot::Isa::Avx2), run(dot::Isa::Avx512), "{page_len}/{hd}/{rows}");
+            let want = run(dot::Isa::Avx2, false);
+            for (isa, ahead) in [(dot::Isa::Avx2, true), (dot::Isa::Avx512, false), (dot::Isa::Avx512, true)]
+            {
+                assert_eq!(run(isa, ahead), want, "{page_len}/{hd}/{rows}, {isa:?}, ahead {ahead}");
+            }
         }
     }
 
@@ -1173,7 +1197,7 @@ mod tests {
     #[test]
     fn page_kernels_match_reference() {
         fn check<T: dot::Elem + dot::Avx2Load>() {
-            for isa in isas() {
+            for (isa, ahead) in isas().into_iter().flat_map(|isa| [(isa, false), (isa, true)]) {
                 for (page_len, hd, rows) in [
                     (16, 64, 3),
                     (16, 17, 5),
@@ -1191,7 +1215,7 @@ mod tests {
                     // Rows of scores `stride` apart; what lies between them is not written.
                     let stride = page_len + 3;
                     let mut s = vec![f32::NAN; (rows - 1) * stride + page_len];
-                    dot::page_scores(&kt, page_len, &q, &mut s, stride, isa);
+                    dot::page_scores(&kt, page_len, &q, &mut s, stride, ahead, isa);
                     for r in 0..rows {
                         for j in 0..page_len {
                             let want: f64 = (0..hd)
@@ -1213,7 +1237,7 @@ mod tests {
                     let p = rand_vec(rows * page_len, 4);
                     let o0 = rand_vec(rows * hd, 5);
                     let mut o = o0.clone();
-                    dot::page_values(&p, page_len, &v, hd, &mut o, isa);
+                    dot::page_values(&p, page_len, &v, hd, &mut o, ahead, isa);
                     for r in 0..rows {
                         for c in 0..hd {
                             let want = o0[r * hd + c] as f64
