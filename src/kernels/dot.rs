@@ -379,9 +379,10 @@ const SCORE_SETS: usize = 2;
 /// when their caller says so: 8 KiB, four pages of a SmolLM2 head's keys (or values) on. A
 /// sequence's pages mostly lie one after the other, so its keys and its values are each one
 /// stream; asked for a line for every line read, they come in while the kernels work on the
-/// lines before. On the 2-core Zen 5 machine one thread over a token's 90 items of 2000
-/// positions (SmolLM2) from memory took 1.65–1.75 ms asking so, against 2.07–2.36 with the hardware
-/// prefetchers alone; 4 KiB into L1 1.84–1.99, non-temporal 1.93–1.98, 16 KiB 1.70–2.01.
+/// lines before. On the 2-core Zen 5 machine one thread over a SmolLM2 token's 90 items of
+/// 2000 positions from memory took 1.65–1.75 ms asking so, against 2.07–2.36 with the
+/// hardware prefetchers alone; 4 KiB into L1 1.84–1.99, non-temporal 1.93–1.98, 16 KiB
+/// 1.70–2.01.
 pub const PAGE_AHEAD: usize = 8192;
 
 /// Asks for the lines of `bytes` bytes from `p`, [`PAGE_AHEAD`] further on, into L2 (a hint:
