@@ -162,16 +162,12 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
         };
         // Whether page `p` is past the first and begins, keys and values alike, where page
         // `p - 1` ends.
-        let follows = |p: usize| p > first_page && p <= last_page && continues(page(p - 1), page(p));
+        let follows = |p: usize| p > first_page && p <= last_page && runs_to(page(p - 1), page(p), 1);
         // Whether the page kernels, reading page `p`, ask for what lies [`dot::PAGE_AHEAD`]
         // on: for few rows, and only where that is still this call's pages, in one run.
         let reach = dot::PAGE_AHEAD.div_ceil(hd * page_len * std::mem::size_of::<T>());
         let ask = |p: usize| {
-            nr <= PAGE_AHEAD_ROWS && p + reach <= last_page && {
-                let ((k0, v0), (k1, v1)) = (page(p), page(p + reach));
-                let run = reach * hd * page_len;
-                k0.as_ptr().wrapping_add(run) == k1.as_ptr() && v0.as_ptr().wrapping_add(run) == v1.as_ptr()
-            }
+            nr <= PAGE_AHEAD_ROWS && p + reach <= last_page && runs_to(page(p), page(p + reach), reach)
         };
         let fetch_gap = |p: usize| {
             if !follows(p) {
@@ -281,9 +277,12 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     });
 }
 
-/// Whether a page's keys and values (`next`) each begin where those of `before` end.
-fn continues<T>(before: (&[T], &[T]), next: (&[T], &[T])) -> bool {
-    before.0.as_ptr_range().end == next.0.as_ptr() && before.1.as_ptr_range().end == next.1.as_ptr()
+/// Whether a page's keys and values (`next`) each begin `n` pages' lengths past those of
+/// `before` (`n = 1`: where they end), as they do where the pages from `before` to `next` lie
+/// one after the other.
+fn runs_to<T>(before: (&[T], &[T]), next: (&[T], &[T]), n: usize) -> bool {
+    before.0.as_ptr().wrapping_add(n * before.0.len()) == next.0.as_ptr()
+        && before.1.as_ptr().wrapping_add(n * before.1.len()) == next.1.as_ptr()
 }
 
 /// Rows from which [`attend_tiled`] scores two pages at a time: more than one query position's
@@ -1498,11 +1497,11 @@ mod tests {
     fn a_page_continues_only_where_keys_and_values_follow_on() {
         let (k, v) = (vec![0u16; 64], vec![0u16; 64]);
         let page = |p: usize, q: usize| (&k[p * 16..p * 16 + 16], &v[q * 16..q * 16 + 16]);
-        assert!(continues(page(0, 0), page(1, 1)));
-        assert!(continues(page(1, 2), page(2, 3)));
-        assert!(!continues(page(0, 0), page(2, 1)), "keys jump");
-        assert!(!continues(page(0, 0), page(1, 2)), "values jump");
-        assert!(!continues(page(1, 1), page(0, 0)), "backwards");
+        assert!(runs_to(page(0, 0), page(1, 1), 1));
+        assert!(runs_to(page(1, 2), page(2, 3), 1));
+        assert!(!runs_to(page(0, 0), page(2, 1), 1), "keys jump");
+        assert!(!runs_to(page(0, 0), page(1, 2), 1), "values jump");
+        assert!(!runs_to(page(1, 1), page(0, 0), 1), "backwards");
     }
 
     #[test]
