@@ -199,7 +199,10 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
             lt.fill(0.0);
             acc.fill(0.0);
             if ja < jb {
-                // Many rows score two pages at a time ([`dot::page_scores_pair`]).
+                // Many rows score two pages at a time ([`dot::page_scores_pair`]). Which pages'
+                // kernels ask ahead, by page from the tile's start: found once, as the keys are
+                // scored, and read again for the values (never for pairs: they have more rows).
+                let mut asks = 0u32;
                 let mut p = pages.start;
                 while p < pages.end {
                     let n = (pages.end - p).min(if nr >= PAIR_ROWS { 2 } else { 1 });
@@ -220,7 +223,9 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                             isa,
                         );
                     } else {
-                        dot::page_scores(keys(p), page_len, q, &mut s[at..], tile_len, ask(p), isa);
+                        let a = ask(p);
+                        asks |= u32::from(a) << (p - tp.start);
+                        dot::page_scores(keys(p), page_len, q, &mut s[at..], tile_len, a, isa);
                     }
                     p += n;
                 }
@@ -243,7 +248,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                             &values[(ka - at) * hd..(kb - at) * hd],
                             hd,
                             acc,
-                            ask(p),
+                            (asks >> (p - tp.start)) & 1 == 1,
                             isa,
                         );
                     }
@@ -300,6 +305,10 @@ const PAIR_ROWS: usize = 9;
 /// come from memory. More rows are a prompt's, whose pages the same step has just written and
 /// reads from cache, many times over: there the requests would only take up load slots.
 const PAGE_AHEAD_ROWS: usize = 8;
+
+// [`attend_tiled`] keeps which of a tile's pages ask ahead in a `u32`, and finds it only where
+// it scores a page alone: pairs of pages are for more rows than ask.
+const _: () = assert!(TILE_PAGES <= 32 && PAIR_ROWS > PAGE_AHEAD_ROWS);
 
 /// [`attend_tiled`]'s working floats per row besides its tile of scores and values.
 const WORK_PER_ROW: usize = 6;
