@@ -1650,6 +1650,20 @@ mod avx2 {
         fetch_chunk::<T, { 2 << 10 }, _MM_HINT_NTA>(wp);
     }
 
+    /// [`fetch_stream`] for the AVX2 one-token kernel ([`panel_sums`]), which reads a thread's
+    /// range as two streams: the chunk 4 KiB past the one at `wp`. On the 2-core Zen 5 machine
+    /// (`GRIDLM_NO_AVX512=1`), two threads streaming SmolLM2's 120 layer products in a loop
+    /// read, while the cores sat apart, at ~60 GB/s asking 2 KiB ahead, ~64 at 3 KiB, ~65.5 at
+    /// 4 KiB, ~62.5 at 6 KiB and ~59 at 8 KiB (medians of rounds taken in turn); while they
+    /// sat together within 1% of each other up to 4 KiB (~48). The 512-bit kernels, one
+    /// stream a thread, gained ~1% at 3–4 KiB in the same loop and nothing end to end, so
+    /// they keep 2 KiB.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fetch_streams<T>(wp: *const T) {
+        fetch_chunk::<T, { 4 << 10 }, _MM_HINT_NTA>(wp);
+    }
+
     /// Writes the first `out.len()` (at most four) lanes of `v` to `out`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1781,7 +1795,7 @@ mod avx2 {
                         fetch_far(w);
                     }
                     if F == Fetch::NTA {
-                        fetch_stream(w);
+                        fetch_streams(w);
                     }
                 }
                 // A panel's four rows, then the next panel's: with a row of each panel in turn
