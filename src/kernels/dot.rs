@@ -547,7 +547,8 @@ pub enum Fetch {
     /// [`Fetch::Near`], and 8 KiB ahead into L2 as well (as the many-token kernels ask), so
     /// the start of each thread's share is asked for before the hardware sees a stream.
     Far,
-    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8), as the bandwidth probe reads.
+    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8 and in the AVX2 float kernel's
+    /// two streams), as the bandwidth probe reads.
     /// The hint is meant to let weights, read once a step, displace less of what a step reads
     /// again (inputs, activations, KV pages). How much faster it streamed on Zen 5 is given at
     /// the kernels' `fetch_stream`; why was not measured.
@@ -1655,9 +1656,10 @@ mod avx2 {
     /// (`GRIDLM_NO_AVX512=1`), two threads streaming SmolLM2's 120 layer products in a loop
     /// read, while the cores sat apart, at ~60 GB/s asking 2 KiB ahead, ~64 at 3 KiB, ~65.5 at
     /// 4 KiB, ~62.5 at 6 KiB and ~59 at 8 KiB (medians of rounds taken in turn); while they
-    /// sat together within 1% of each other up to 4 KiB (~48). The 512-bit kernels, one
-    /// stream a thread, gained ~1% at 3–4 KiB in the same loop and nothing end to end, so
-    /// they keep 2 KiB.
+    /// sat together within 1% of each other up to 4 KiB (~48). SmolLM2 decode with `nta`
+    /// named, interleaved: apart 228–245 tokens/s against 218–222, together the same (medians
+    /// 0.905 and 0.906 of the probe). The 512-bit kernels, one stream a thread, gained ~1% at
+    /// 3–4 KiB in the same loop and nothing end to end, so they keep 2 KiB.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn fetch_streams<T>(wp: *const T) {
