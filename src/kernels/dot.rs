@@ -547,8 +547,8 @@ pub enum Fetch {
     /// [`Fetch::Near`], and 8 KiB ahead into L2 as well (as the many-token kernels ask), so
     /// the start of each thread's share is asked for before the hardware sees a stream.
     Far,
-    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8 and in the AVX2 float kernel's
-    /// two streams), as the bandwidth probe reads.
+    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8 and in the float kernels that
+    /// widen their weights: AVX2's, and the 512-bit FMA one), as the bandwidth probe reads.
     /// The hint is meant to let weights, read once a step, displace less of what a step reads
     /// again (inputs, activations, KV pages). How much faster it streamed on Zen 5 is given at
     /// the kernels' `fetch_stream`; why was not measured.
@@ -1651,18 +1651,22 @@ mod avx2 {
         fetch_chunk::<T, { 2 << 10 }, _MM_HINT_NTA>(wp);
     }
 
-    /// [`fetch_stream`] for the AVX2 one-token kernel ([`panel_sums`]), which reads a thread's
-    /// range as two streams: the chunk 4 KiB past the one at `wp`. On the 2-core Zen 5 machine
-    /// (`GRIDLM_NO_AVX512=1`), two threads streaming SmolLM2's 120 layer products in a loop
-    /// read, while the cores sat apart, at ~60 GB/s asking 2 KiB ahead, ~64 at 3 KiB, ~65.5 at
-    /// 4 KiB, ~62.5 at 6 KiB and ~59 at 8 KiB (medians of rounds taken in turn); while they
-    /// sat together within 1% of each other up to 4 KiB (~48). SmolLM2 decode with `nta`
-    /// named, interleaved: apart 228–245 tokens/s against 218–222, together the same (medians
-    /// 0.905 and 0.906 of the probe). The 512-bit kernels, one stream a thread, gained ~1% at
-    /// 3–4 KiB in the same loop and nothing end to end, so they keep 2 KiB.
+    /// [`fetch_stream`] for the float kernels that widen their weights, the AVX2 one-token
+    /// kernel ([`panel_sums`], a thread's range in two streams) and the 512-bit FMA one: the
+    /// chunk 4 KiB past the one at `wp`. On the 2-core Zen 5 machine, two threads streaming
+    /// SmolLM2's 120 layer products in a loop in AVX2 (`GRIDLM_NO_AVX512=1`) read, while the
+    /// cores sat apart, at ~60 GB/s asking 2 KiB ahead, ~64 at 3 KiB, ~65.5 at 4 KiB, ~62.5 at
+    /// 6 KiB and ~59 at 8 KiB (medians of rounds taken in turn), the 512-bit FMA kernel at
+    /// 68.2 at 4 KiB against 64.8 at 2; while they sat together within 1% of each other up to
+    /// 4 KiB (~48). SmolLM2 decode with `nta` named, interleaved, while the cores sat apart: in
+    /// AVX2 228–245 tokens/s against 218–222, in the 512-bit FMA kernel (bf16 widened,
+    /// `GRIDLM_NO_AVX512BF16=1`) 259–263 against 237–249 at the same reads; together the same
+    /// or a little faster (medians 0.905 against 0.906 of the probe, 0.953 against 0.944). The
+    /// `vdpbf16ps` kernel gained ~1% at 3–4 KiB in the loop and nothing end to end, so it
+    /// keeps 2 KiB.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn fetch_streams<T>(wp: *const T) {
+    pub(super) unsafe fn fetch_stream_long<T>(wp: *const T) {
         fetch_chunk::<T, { 4 << 10 }, _MM_HINT_NTA>(wp);
     }
 
@@ -1797,7 +1801,7 @@ mod avx2 {
                         fetch_far(w);
                     }
                     if F == Fetch::NTA {
-                        fetch_streams(w);
+                        fetch_stream_long(w);
                     }
                 }
                 // A panel's four rows, then the next panel's: with a row of each panel in turn
@@ -2310,8 +2314,8 @@ pub use avx512::{
 mod avx512 {
     use super::avx2::{
         by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far, fetch_far_then,
-        fetch_stream, page_values as page_values_avx2, scale_max_from as scale_max_avx2, store_rows,
-        Avx2Load,
+        fetch_stream, fetch_stream_long, page_values as page_values_avx2, scale_max_from as scale_max_avx2,
+        store_rows, Avx2Load,
     };
     use super::{Ahead, Elem, Fetch, ManyFetch, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
@@ -2361,10 +2365,11 @@ mod avx512 {
     }
 
     /// What the 512-bit one-token kernels ask for ahead of the chunk at `wp`, as the
-    /// [`Fetch`] of code `F` says.
+    /// [`Fetch`] of code `F` says; under [`Fetch::Nta`], 4 KiB ahead where `LONG` (the FMA
+    /// kernel, [`fetch_stream_long`]), else 2 KiB ([`fetch_stream`]).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn fetch_one_token<T, const F: u8>(wp: *const T) {
+    unsafe fn fetch_one_token<T, const F: u8, const LONG: bool>(wp: *const T) {
         if F == Fetch::NEAR || F == Fetch::FAR {
             fetch_near(wp);
         }
@@ -2372,7 +2377,11 @@ mod avx512 {
             fetch_far(wp);
         }
         if F == Fetch::NTA {
-            fetch_stream(wp);
+            if LONG {
+                fetch_stream_long(wp);
+            } else {
+                fetch_stream(wp);
+            }
         }
     }
 
@@ -2631,7 +2640,7 @@ mod avx512 {
             let [sums] = by_blocks(n, kb, |mut c, end| {
                 let mut acc = [_mm512_setzero_ps(); 4];
                 while c < end {
-                    fetch_one_token::<T, F>(wp);
+                    fetch_one_token::<T, F, true>(wp);
                     let xv = _mm512_loadu_ps(xp.add(c));
                     for (r, a) in acc.iter_mut().enumerate() {
                         *a = _mm512_fmadd_ps(T::load_zmm(wp.add(r * BLOCK)), xv, *a);
@@ -2770,7 +2779,7 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
     unsafe fn chunk_bf16<const F: u8>(acc: [__m512; 2], wp: *const bf16, xb: __m512bh) -> [__m512; 2] {
-        fetch_one_token::<bf16, F>(wp);
+        fetch_one_token::<bf16, F, false>(wp);
         [
             _mm512_dpbf16_ps(acc[0], load_pbh(wp), xb),
             _mm512_dpbf16_ps(acc[1], load_pbh(wp.add(2 * BLOCK)), xb),

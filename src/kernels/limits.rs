@@ -10,13 +10,14 @@ use std::time::Instant;
 
 /// The ways the probe reads: `ahead`, a prefetch distance (0: plain loads, the hardware
 /// prefetcher alone; else that many bytes ahead, non-temporal, as the matrix kernels may
-/// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead, 4 KiB in the AVX2 kernel's two
-/// streams); `streams`, each thread's share read as one stream or as two side by side (its
+/// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead, 4 KiB in the kernels that widen
+/// float weights); `streams`, each thread's share read as one stream or as two side by side (its
 /// first half beside its second), as the one-token AVX2 kernels read a range. So that no way
 /// the kernels read is faster than the fastest of these. (On the 2-core Zen 5 machine 3 and 4
 /// KiB ahead, one stream or two, read no faster than the fastest of the others, together or
 /// apart.)
-const READS: [(usize, usize); 7] = [(0, 1), (512, 1), (1024, 1), (2048, 1), (0, 2), (1024, 2), (4096, 2)];
+const READS: [(usize, usize); 8] =
+    [(0, 1), (512, 1), (1024, 1), (2048, 1), (4096, 1), (0, 2), (1024, 2), (4096, 2)];
 
 /// Sums `buf` with every team thread, each over its own contiguous share (as the kernels
 /// split a matrix), with wide independent accumulators so loads are the limit, read the way
@@ -80,7 +81,7 @@ impl ReadProbe {
 
     /// The fastest read of the buffer by every thread of `team` over `passes` passes, in
     /// GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
-    /// per way of reading (`READS`: plain loads; loads with software prefetches at three
+    /// per way of reading (`READS`: plain loads; loads with software prefetches at four
     /// distances; plain and at two distances, each thread's share as two streams): the limit
     /// is what the best of them reaches, not what one happens to.
     pub fn best(&self, team: &Team, passes: usize) -> (f64, ReadWay) {
