@@ -547,8 +547,8 @@ pub enum Fetch {
     /// [`Fetch::Near`], and 8 KiB ahead into L2 as well (as the many-token kernels ask), so
     /// the start of each thread's share is asked for before the hardware sees a stream.
     Far,
-    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8 and in the float kernels that
-    /// widen their weights: AVX2's, and the 512-bit FMA one), as the bandwidth probe reads.
+    /// 2 KiB ahead with the non-temporal hint (4 KiB for int8 and in the float FMA kernels:
+    /// AVX2's, and the 512-bit one), as the bandwidth probe reads.
     /// The hint is meant to let weights, read once a step, displace less of what a step reads
     /// again (inputs, activations, KV pages). How much faster it streamed on Zen 5 is given at
     /// the kernels' `fetch_stream`; why was not measured.
@@ -1651,7 +1651,7 @@ mod avx2 {
         fetch_chunk::<T, { 2 << 10 }, _MM_HINT_NTA>(wp);
     }
 
-    /// [`fetch_stream`] for the float kernels that widen their weights, the AVX2 one-token
+    /// [`fetch_stream`] for the float FMA kernels (all but `vdpbf16ps`), the AVX2 one-token
     /// kernel ([`panel_sums`], a thread's range in two streams) and the 512-bit FMA one: the
     /// chunk 4 KiB past the one at `wp`. On the 2-core Zen 5 machine, two threads streaming
     /// SmolLM2's 120 layer products in a loop in AVX2 (`GRIDLM_NO_AVX512=1`) read, while the

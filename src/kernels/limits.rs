@@ -10,8 +10,8 @@ use std::time::Instant;
 
 /// The ways the probe reads: `ahead`, a prefetch distance (0: plain loads, the hardware
 /// prefetcher alone; else that many bytes ahead, non-temporal, as the matrix kernels may
-/// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead, 4 KiB in the kernels that widen
-/// float weights); `streams`, each thread's share read as one stream or as two side by side (its
+/// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead, 4 KiB in the float FMA
+/// kernels); `streams`, each thread's share read as one stream or as two side by side (its
 /// first half beside its second), as the one-token AVX2 kernels read a range. So that no way
 /// the kernels read is faster than the fastest of these. (On the 2-core Zen 5 machine 3 and 4
 /// KiB ahead, one stream or two, read no faster than the fastest of the others, together or
