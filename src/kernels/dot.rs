@@ -1661,7 +1661,7 @@ mod avx2 {
     /// 4 KiB (~48). SmolLM2 decode with `nta` named, interleaved, while the cores sat apart: in
     /// AVX2 228–245 tokens/s against 218–222, in the 512-bit FMA kernel (bf16 widened,
     /// `GRIDLM_NO_AVX512BF16=1`) 259–263 against 237–249 at the same reads; together the same
-    /// or a little faster (medians 0.905 against 0.906 of the probe, 0.953 against 0.944). The
+    /// or a little faster (medians 0.905 against 0.906 of the probe, 0.952 against 0.944). The
     /// `vdpbf16ps` kernel gained ~1% at 3–4 KiB in the loop and nothing end to end, so it
     /// keeps 2 KiB.
     #[inline]
