@@ -494,6 +494,18 @@ fn error_line(msg: &str) {
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
+/// Prints a status line on stderr after what went to stdout. An MPI launcher forwards the two
+/// streams by separate channels (Open MPI: a pseudo-terminal and a pipe), so a line written to
+/// stderr right after the answer can overtake the answer's end and land on its last line; under
+/// a launcher this pauses 50 ms after flushing stdout, once, at the end of a run.
+fn status_line(stdout: &mut impl Write, line: &str) {
+    let _ = stdout.flush();
+    if launched_by_mpirun() {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
 fn plan(a: PlanArgs) -> Result<()> {
     use gridlm::plan::{layouts, table, Cluster, Workload};
     let cfg = match (&a.model, &a.shape) {
@@ -928,7 +940,7 @@ fn run_generate(
                 grid.pp,
                 grid.tp
             );
-            let _ = std::io::stderr().write_all(summary.as_bytes());
+            status_line(&mut stdout, &summary);
         }
         return Ok(());
     }
@@ -979,7 +991,7 @@ fn run_generate(
             writeln!(stdout, "{head}\n{text}\n")?;
         }
         let summary = format!(
-            "[{} prompts, {} new tokens in {:.1} s, {:.1} tokens/s, {} steps, KV peak {}/{} pages, {} ranks ({}x{})]\n",
+            "[{} prompts, {} new tokens in {:.2} s, {:.1} tokens/s, {} steps, KV peak {}/{} pages, {} ranks ({}x{})]\n",
             done.len(),
             generated,
             stats.elapsed_ms / 1e3,
@@ -991,7 +1003,7 @@ fn run_generate(
             grid.pp,
             grid.tp
         );
-        let _ = std::io::stderr().write_all(summary.as_bytes());
+        status_line(&mut stdout, &summary);
     }
     let _ = stdout.flush();
     let failed: Vec<(usize, &Completion)> =
