@@ -205,25 +205,27 @@ impl EngineArgs {
 /// How tokens are picked.
 #[derive(Args)]
 struct SamplingArgs {
+    // Negative values reach the checks below and get their message (a bare `-1` would
+    // otherwise read as an unknown option).
     /// Sampling temperature; 0 (the default) picks the most likely token.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     temperature: f32,
     /// Sample among the k most likely tokens only (0: all).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     top_k: usize,
     /// Sample among the fewest most likely tokens whose probability reaches p (1: all).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     top_p: f32,
     /// Sample among tokens at least this fraction as likely as the most likely one (0: all).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     min_p: f32,
     /// Penalty on tokens already in the sequence (1: none; 1.1–1.3 is usual).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     repetition_penalty: f32,
     /// Seed of the sampling draws (default: from the clock, printed with --json). The same
     /// seed gives the same tokens on every grid layout. Prompt i of a prompts file uses
     /// seed + i unless its line sets one.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
 }
 

@@ -191,6 +191,10 @@ fn bad_sampling_and_batching_flags() {
     };
     assert_one_line_error(&run(&["--top-p", "0"]), &["--top-p must be in (0, 1]"]);
     assert_one_line_error(&run(&["--temperature=-1"]), &["--temperature must be a number >= 0"]);
+    // A negative value as its own word is a value, not an unknown option.
+    assert_one_line_error(&run(&["--temperature", "-1"]), &["--temperature must be a number >= 0"]);
+    assert_one_line_error(&run(&["--min-p", "-0.5"]), &["--min-p must be in [0, 1]"]);
+    assert_one_line_error(&run(&["--seed", "-3"]), &["invalid value '-3'", "--seed"]);
     assert_one_line_error(
         &run(&["--repetition-penalty", "0"]),
         &["--repetition-penalty must be a number > 0"],
