@@ -2,7 +2,7 @@
 //! the work. Errors print as one line on stderr with a non-zero exit.
 
 use anyhow::{Context, Result};
-use clap::{ArgGroup, Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
     decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
     percentile, prefill_flops, run_reports, BenchReport, RankReport,
@@ -481,6 +481,10 @@ fn usage_error(e: clap::Error) -> ExitCode {
     if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
         e.exit();
     }
+    if let Some(msg) = negative_value(&e) {
+        error_line(&msg);
+        return ExitCode::FAILURE;
+    }
     // The message is the first paragraph (a list of missing arguments continues it).
     let text = e.render().to_string();
     let para: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
@@ -488,6 +492,40 @@ fn usage_error(e: clap::Error) -> ExitCode {
     let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
     error_line(&format!("{msg} (gridlm --help lists the options)"));
     ExitCode::FAILURE
+}
+
+/// A negative number given as an option's value (`--warmup -1`), which clap reads as an
+/// unknown option: the message names the option and says what is wrong with the value.
+fn negative_value(e: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue};
+    use std::any::TypeId;
+    if e.kind() != clap::error::ErrorKind::UnknownArgument {
+        return None;
+    }
+    let Some(ContextValue::String(value)) = e.get(ContextKind::InvalidArg) else { return None };
+    if !value.starts_with('-') || value.parse::<f64>().is_err() {
+        return None;
+    }
+    // clap names `-3` of `-3.5`: the word on the command line is the one it starts.
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a.starts_with(value.as_str()) && a.parse::<f64>().is_ok())?;
+    let (option, value) = (args[..at].last().filter(|o| o.starts_with("--"))?, &args[at]);
+    let cli = Cli::command();
+    let arg =
+        cli.get_subcommands().flat_map(|c| c.get_arguments()).find(|a| a.get_long() == Some(&option[2..]))?;
+    let ty = arg.get_value_parser().type_id();
+    let numeric = [
+        TypeId::of::<usize>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+    ];
+    Some(if numeric.iter().any(|t| ty == *t) {
+        format!("invalid value '{value}' for '{option}': it must not be negative")
+    } else {
+        format!("'{value}' after '{option}' reads as an option; write {option}={value} for that value")
+    })
 }
 
 /// Prints `error: MSG` as one write, so lines from several ranks never interleave.

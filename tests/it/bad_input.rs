@@ -220,6 +220,10 @@ fn bad_command_lines() {
     assert_one_line_error(&gridlm(&["generate", "--prompt", "hi"]), &["--model"]);
     assert_one_line_error(&gridlm(&["bench", "--reps", "many"]), &["invalid value 'many'", "--reps"]);
     assert_one_line_error(&gridlm(&["frobnicate"]), &["frobnicate"]);
+    // A negative number as a value, which clap reads as an option: named, and what to do.
+    assert_one_line_error(&gridlm(&["bench", "--warmup", "-1"]), &["'-1' for '--warmup'", "not be negative"]);
+    assert_one_line_error(&gridlm(&["generate", "--max-tokens", "-2.5"]), &["'-2.5' for '--max-tokens'"]);
+    assert_one_line_error(&gridlm(&["generate", "--prompt", "-1"]), &["write --prompt=-1"]);
     let help = gridlm(&["generate", "--help"]);
     assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--model"));
 }
