@@ -764,6 +764,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if a.prompts_file.is_some() && a.logits_out.is_some() {
         anyhow::bail!("--logits-out works with --prompt only");
     }
+    if a.logits_out.is_some() && a.max_tokens == 0 {
+        // The prompt's logits come with its first new token; without one there are none.
+        anyhow::bail!("--logits-out needs --max-tokens of at least 1");
+    }
     let params = a.sampling.params()?;
     on_grid(&a.grid, |grid, comm, link| run_generate(&a, &params, grid, comm, link))
 }

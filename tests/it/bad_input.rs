@@ -201,6 +201,7 @@ fn bad_sampling_and_batching_flags() {
     );
     assert_one_line_error(&run(&["--max-batch", "0"]), &["--max-batch"]);
     assert_one_line_error(&run(&["--stop", ""]), &["--stop"]);
+    assert_one_line_error(&run(&["--max-tokens", "0", "--logits-out", "l.f32"]), &["--logits-out needs"]);
 }
 
 /// One prompt that does not fit the KV memory: the job fails with one line (no half output).
