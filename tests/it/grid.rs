@@ -323,3 +323,21 @@ fn a_memory_cgroup_too_small_for_the_weights_is_refused() {
     let out = limit.run(&["generate", "--model", path_str(&dir), "--prompt", "hi", "--max-tokens", "2"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A launch script given a rank count that is not a whole number of at least 1 says so in one
+/// line (mpirun -n 0 would start a rank on every slot instead).
+#[test]
+fn a_bad_rank_count_is_one_line_from_the_launch_script() {
+    for n in ["0", "x", "-1"] {
+        let mut cmd = launch_command(&["local", n]);
+        cmd.args(["generate", "--prompt", "hi"]);
+        let out = run_with_timeout(cmd, 60);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains(&format!("RANKS must be a whole number of at least 1, got '{n}'")),
+            "{stderr}"
+        );
+    }
+}
