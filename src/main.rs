@@ -75,13 +75,16 @@ struct PlanArgs {
     /// Weight dtype: f32, bf16, f16 (or int8 with --quant int8).
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     dtype: DType,
+    /// Weights quantized at load: `int8` (as for generate and bench).
     #[arg(long, value_parser = parse_quant)]
     quant: Option<Quant>,
+    /// Element type of the KV cache: f32, bf16, f16.
     #[arg(long, default_value = "f16", value_parser = parse_dtype)]
     kv_dtype: DType,
     /// Nodes of the cluster.
     #[arg(long, default_value_t = 1)]
     nodes: usize,
+    /// Sockets of each node; one memory and one set of cores each.
     #[arg(long, default_value_t = 1)]
     sockets_per_node: usize,
     /// MPI ranks per socket, sharing its bandwidth and cores.
