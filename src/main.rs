@@ -203,6 +203,23 @@ impl EngineArgs {
         }
         Ok(())
     }
+
+    /// Warns (once a node: from its first rank) when `--threads` asks for more kernel threads
+    /// than this rank has cores: its threads then take turns on them, several times slower.
+    fn warn_if_oversubscribed(&self) {
+        let (Some(asked), cores) = (self.threads, default_threads()) else { return };
+        let first_here = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok())
+            .is_none_or(|r| r == "0");
+        if asked > cores && first_here {
+            let line = format!(
+                "warning: --threads {asked} is more than the {cores} core(s) each rank here has; \
+                 kernel threads will take turns on them, several times slower\n"
+            );
+            let _ = std::io::stderr().write_all(line.as_bytes());
+        }
+    }
 }
 
 /// How tokens are picked.
@@ -760,6 +777,7 @@ fn load_shard(
 
 fn generate(a: GenerateArgs) -> Result<()> {
     a.engine.check()?;
+    a.engine.warn_if_oversubscribed();
     a.batching.check()?;
     if a.stop.iter().any(String::is_empty) {
         anyhow::bail!("--stop needs a non-empty string");
@@ -1075,6 +1093,7 @@ fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
 
 fn bench(a: BenchArgs) -> Result<()> {
     a.engine.check()?;
+    a.engine.warn_if_oversubscribed();
     if a.reps == 0 || a.work.new_tokens < 2 || a.work.prompt_len == 0 || a.work.batch == 0 {
         anyhow::bail!(
             "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"

@@ -159,6 +159,26 @@ fn zero_threads() {
     assert_one_line_error(&out, &["--threads"]);
 }
 
+/// More kernel threads than cores runs, with a warning (it is several times slower).
+#[test]
+fn more_threads_than_cores_warns() {
+    let (_t, dir) = tiny_llama();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let run = |n: usize| {
+        let threads = n.to_string();
+        let args = ["generate", "--model", path_str(&dir), "--prompt", "t1", "--max-tokens", "2"];
+        let out = gridlm(&[&args[..], &["--threads", &threads]].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let warned = run(cores + 1);
+    assert!(
+        warned.contains(&format!("warning: --threads {} is more than the {cores} core", cores + 1)),
+        "{warned}"
+    );
+    assert!(!run(cores).contains("warning"));
+}
+
 #[test]
 fn bad_prompts_files() {
     let (_t, dir) = tiny_llama();
