@@ -206,6 +206,7 @@ impl EngineArgs {
 
     /// Warns (once a node: from its first rank) when `--threads` asks for more kernel threads
     /// than this rank has cores: its threads then take turns on them, several times slower.
+    /// Called once the threads have started, so that bad input before it stays one line.
     fn warn_if_oversubscribed(&self) {
         let (Some(asked), cores) = (self.threads, default_threads()) else { return };
         let first_here = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
@@ -777,7 +778,6 @@ fn load_shard(
 
 fn generate(a: GenerateArgs) -> Result<()> {
     a.engine.check()?;
-    a.engine.warn_if_oversubscribed();
     a.batching.check()?;
     if a.stop.iter().any(String::is_empty) {
         anyhow::bail!("--stop needs a non-empty string");
@@ -907,6 +907,7 @@ fn run_generate(
     let ckpt = Checkpoint::open(&a.model).map(|c| Box::new(c) as Box<dyn Source>);
     let shard = load_shard(link, ckpt, cfg, plan, a.engine.quant)?;
     let mut engine = agree(link, Engine::new(shard, grid, threads, a.engine.kv_dtype))?;
+    a.engine.warn_if_oversubscribed();
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
     // The most tokens a decode step will hold, known to the driver (its prompts), for each
@@ -1093,7 +1094,6 @@ fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
 
 fn bench(a: BenchArgs) -> Result<()> {
     a.engine.check()?;
-    a.engine.warn_if_oversubscribed();
     if a.reps == 0 || a.work.new_tokens < 2 || a.work.prompt_len == 0 || a.work.batch == 0 {
         anyhow::bail!(
             "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"
@@ -1119,6 +1119,7 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
         gridlm::kernels::Team::new(threads)
             .map_err(|e| gridlm::Error::Input(format!("cannot start {threads} kernel threads: {e}"))),
     )?;
+    a.engine.warn_if_oversubscribed();
     // The probe's buffer is held until every figure is taken: once freed, its pages go back
     // to the host on these cores (see `ReadProbe`).
     let probe = gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20);
@@ -1185,6 +1186,7 @@ fn run_bench(
     };
     let shard = load_shard(link, src, cfg, plan, a.engine.quant)?;
     let mut engine = agree(link, Engine::new(shard, grid, threads, a.engine.kv_dtype))?;
+    a.engine.warn_if_oversubscribed();
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
     let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
