@@ -146,7 +146,8 @@ struct GenerateArgs {
     prompt: Option<String>,
     /// A file of prompts generated together: one per line (`\n` for a newline), or JSONL
     /// objects with `prompt` and optional `id`, `max_tokens`, `ignore_eos`, `chat`, `stop`,
-    /// `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`.
+    /// `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`. `-` reads
+    /// standard input.
     #[arg(long)]
     prompts_file: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.

@@ -92,14 +92,24 @@ impl Defaults {
 /// with `{`: each non-blank line is an object with `prompt` and optional `id`, `max_tokens`,
 /// `ignore_eos`, `chat`, `stop` (string or list), `temperature`, `top_k`, `top_p`, `min_p`,
 /// `repetition_penalty`, `seed`. Otherwise each non-blank line is a prompt, with `\n` and `\\`
-/// as escapes. Errors name the file and line.
+/// as escapes. The path `-` reads standard input (under mpirun, the first rank's, where the
+/// prompts are read). Errors name the file (or `stdin`) and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::Input(format!("{}: cannot read the prompts file: {e}", path.display())))?;
+    let (name, text) = if path == Path::new("-") {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .map_err(|e| Error::Input(format!("stdin: cannot read the prompts: {e}")))?;
+        ("stdin".to_string(), text)
+    } else {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Input(format!("{name}: cannot read the prompts file: {e}")))?;
+        (name, text)
+    };
     let lines: Vec<(usize, &str)> =
         text.lines().enumerate().map(|(i, l)| (i + 1, l)).filter(|(_, l)| !l.trim().is_empty()).collect();
     if lines.is_empty() {
-        return Err(Error::Input(format!("{}: the prompts file has no prompts", path.display())));
+        return Err(Error::Input(format!("{name}: the prompts file has no prompts")));
     }
     let jsonl = path.extension().is_some_and(|e| e == "jsonl") || lines[0].1.trim_start().starts_with('{');
     let mut out = Vec::with_capacity(lines.len());
@@ -108,7 +118,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             out.push(d.spec(n, index, unescape(l)));
             continue;
         }
-        let at = |msg: String| Error::Input(format!("{}:{n}: {msg}", path.display()));
+        let at = |msg: String| Error::Input(format!("{name}:{n}: {msg}"));
         let obj: serde_json::Map<String, serde_json::Value> =
             serde_json::from_str(l).map_err(|e| at(format!("not a prompt object: {e}")))?;
         if let Some(k) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {

@@ -211,3 +211,34 @@ fn a_prompt_that_never_fits_the_kv_memory_fails_alone() {
     assert_eq!(r[0]["text"], " 5,", "the text is cut before the stop string");
     assert_eq!(r[1]["finish_reason"], "length");
 }
+
+/// `--prompts-file -` reads the prompts from standard input, under mpirun too (the launcher
+/// hands it to the first rank, where prompts are read): the same completions as from the file.
+#[test]
+fn prompts_from_stdin_match_the_file() {
+    let (_t, dir) = tiny_llama();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.txt");
+    std::fs::write(&file, "t1 t2\nt5 t7 t9\n\nt3\n").unwrap();
+    let run = |from_stdin: bool| {
+        std::env::set_var("GRIDLM_BIN", bin());
+        let mut cmd = launch_command(&["local", "2"]);
+        let source = if from_stdin { "-" } else { path_str(&file) };
+        cmd.args(["generate", "--model", path_str(&dir), "--threads", "1", "--tp", "2"]).args([
+            "--prompts-file",
+            source,
+            "--max-tokens",
+            "4",
+            "--json",
+        ]);
+        if from_stdin {
+            cmd.stdin(std::fs::File::open(&file).unwrap());
+        }
+        let v = json_of(&run_with_timeout(cmd, 300));
+        let results = v["results"].as_array().unwrap().clone();
+        results.iter().map(|r| (r["line"].as_u64().unwrap(), ids(r))).collect::<Vec<_>>()
+    };
+    let from_file = run(false);
+    assert_eq!(from_file.len(), 3);
+    assert_eq!(run(true), from_file);
+}
