@@ -486,6 +486,9 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of stdout went away (`| head`): nothing is left to say, nor anyone to say
+        // it to, so the run ends quietly, as a Unix tool's does.
+        Err(e) if broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             if e.downcast_ref::<Reported>().is_none() {
                 let _ = std::io::stdout().flush();
@@ -494,6 +497,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Whether `e` comes from writing to a closed pipe.
+fn broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 /// A command line clap rejects gets one `error:` line and status 1, like any other bad
@@ -949,8 +959,11 @@ fn run_generate(
     let run = engine.run_with_stats(&requests, &opts, comm, link, |i, id| {
         let (piece, go_on) = trackers[i].push(&tok, id)?;
         if stream_text && !piece.is_empty() {
-            let _ = stdout.write_all(piece.as_bytes());
-            let _ = stdout.flush();
+            let sent = stdout.write_all(piece.as_bytes()).and_then(|()| stdout.flush());
+            // Nobody reads the answer any more: stop generating it.
+            if sent.is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) {
+                return Ok(false);
+            }
         }
         Ok(go_on)
     });

@@ -99,3 +99,28 @@ fn streaming_decode_keeps_multibyte_characters_whole() {
     }
     assert_eq!(pieces.concat(), text);
 }
+
+/// A reader of the answer that goes away (`gridlm generate ... | head -c 1`) ends the run
+/// quietly: exit status 0, no error line, for a streamed answer and for JSON alike.
+#[test]
+fn a_closed_stdout_ends_the_run_quietly() {
+    let (_t, dir) = tiny_llama();
+    for json in [false, true] {
+        let mut cmd = std::process::Command::new(bin());
+        cmd.args(["generate", "--model", path_str(&dir), "--prompt", "t1 t2", "--max-tokens", "40"]);
+        cmd.arg("--ignore-eos");
+        if json {
+            cmd.arg("--json");
+        }
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        drop(child.stdout.take()); // closed before the first token
+        let out = child.wait_with_output().expect("wait");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "json {json}: {stderr}");
+        assert!(!stderr.contains("error"), "json {json}: {stderr}");
+    }
+}
