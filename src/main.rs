@@ -538,13 +538,20 @@ fn negative_value(e: &clap::Error) -> Option<String> {
     if !value.starts_with('-') || value.parse::<f64>().is_err() {
         return None;
     }
-    // clap names `-3` of `-3.5`: the word on the command line is the one it starts.
-    let args: Vec<String> = std::env::args().collect();
-    let at = args.iter().position(|a| a.starts_with(value.as_str()) && a.parse::<f64>().is_ok())?;
-    let (option, value) = (args[..at].last().filter(|o| o.starts_with("--"))?, &args[at]);
+    // clap names `-3` of `-3.5`: the word on the command line is the one it starts. An
+    // option that takes negative values (`--temperature -1`) kept its word, so the rejected
+    // one is the first such word after any other option.
     let cli = Cli::command();
-    let arg =
-        cli.get_subcommands().flat_map(|c| c.get_arguments()).find(|a| a.get_long() == Some(&option[2..]))?;
+    let args: Vec<String> = std::env::args().collect();
+    let (option, arg, value) = args.windows(2).find_map(|w| {
+        let (option, word) = (w[0].strip_prefix("--")?, &w[1]);
+        if !word.starts_with(value.as_str()) || word.parse::<f64>().is_err() {
+            return None;
+        }
+        let arg =
+            cli.get_subcommands().flat_map(|c| c.get_arguments()).find(|a| a.get_long() == Some(option))?;
+        (!arg.is_allow_negative_numbers_set()).then_some((&w[0], arg, word))
+    })?;
     let ty = arg.get_value_parser().type_id();
     let numeric = [
         TypeId::of::<usize>(),

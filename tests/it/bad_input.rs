@@ -244,6 +244,9 @@ fn bad_command_lines() {
     // A negative number as a value, which clap reads as an option: named, and what to do.
     assert_one_line_error(&gridlm(&["bench", "--warmup", "-1"]), &["'-1' for '--warmup'", "not be negative"]);
     assert_one_line_error(&gridlm(&["generate", "--max-tokens", "-2.5"]), &["'-2.5' for '--max-tokens'"]);
+    // Not the earlier option that takes the same word as a value of its own.
+    let both = ["bench", "--temperature", "-1", "--warmup", "-1"];
+    assert_one_line_error(&gridlm(&both), &["'-1' for '--warmup'"]);
     assert_one_line_error(&gridlm(&["generate", "--prompt", "-1"]), &["write --prompt=-1"]);
     let help = gridlm(&["generate", "--help"]);
     assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--model"));
