@@ -210,11 +210,7 @@ impl EngineArgs {
     /// Called once the threads have started, so that bad input before it stays one line.
     fn warn_if_oversubscribed(&self) {
         let (Some(asked), cores) = (self.threads, default_threads()) else { return };
-        let first_here = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
-            .iter()
-            .find_map(|v| std::env::var(v).ok())
-            .is_none_or(|r| r == "0");
-        if asked > cores && first_here {
+        if asked > cores && gridlm::comm::mpi::local_rank() == 0 {
             let line = format!(
                 "warning: --threads {asked} is more than the {cores} core(s) each rank here has; \
                  kernel threads will take turns on them, several times slower\n"

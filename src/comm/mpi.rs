@@ -24,6 +24,14 @@ pub fn launched_by_mpirun() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
+/// This rank's index among the ranks on its node, as the launcher says (0 without one).
+pub fn local_rank() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(0)
+}
+
 /// Ranks of this job on this node, as the launcher says (1 without one).
 pub fn local_ranks() -> usize {
     ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
