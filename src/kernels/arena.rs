@@ -98,6 +98,14 @@ impl Drop for Chunk {
 /// The shared chunk being filled and how many bytes of it are taken.
 static CURRENT: Mutex<Option<(Arc<Chunk>, usize)>> = Mutex::new(None);
 
+/// Ends the shared chunk being filled: buffers made from now on go into new chunks. A set of
+/// buffers made between two calls (a shard's weights, [`crate::model::Shard::from_source`])
+/// then shares no chunk with any other, so dropping it returns all its memory (`gridlm bench
+/// --compare-unquantized` drops one shard and reports the resident memory of the other).
+pub fn close_chunk() {
+    *CURRENT.lock().unwrap_or_else(|e| e.into_inner()) = None;
+}
+
 /// A fixed-length buffer of `T` inside a chunk, zeroed when made.
 pub struct HugeBuf<T> {
     /// Keeps the mapping alive.

@@ -203,6 +203,8 @@ impl Shard {
         plan: ShardPlan,
         quant: Option<Quant>,
     ) -> Result<Self> {
+        // The shard's weights in chunks of their own, which it returns whole when dropped.
+        kernels::arena::close_chunk();
         let pack = |m: &Mat| PackedMat::pack_as(m, quant);
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
@@ -257,6 +259,7 @@ impl Shard {
             (None, None)
         };
         let inv_freq = cfg.rope_inv_freq();
+        kernels::arena::close_chunk();
         Ok(Shard { cfg, plan, layers, embed, final_norm, lm_head, inv_freq })
     }
 
