@@ -92,7 +92,84 @@ pub struct BenchReport {
     /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
     /// between runs shows how much of a low efficiency is the host's.
     pub runs: Vec<RunReport>,
+    /// With `--compare-unquantized`: the same weights unquantized, run in turn with these.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unquantized: Option<Unquantized>,
     pub ranks: Vec<RankReport>,
+}
+
+/// What the driver measured of one set of weights' timed runs, in order: each run's
+/// first-token latency (the median over its sequences) and decode rate, and the gaps between
+/// tokens of all of them.
+#[derive(Debug, Clone, Default)]
+pub struct Measured {
+    pub firsts: Vec<f64>,
+    pub rates: Vec<f64>,
+    pub gaps: Vec<f64>,
+}
+
+/// The same weights unquantized, run in turn with the quantized ones (`bench
+/// --compare-unquantized`): every warm-up and rep runs both, one right after the other, so
+/// the two meet the same moments of a host whose bandwidth wanders, and their speeds compare
+/// without its drift between two separate runs of bench.
+#[derive(Debug, Clone, Serialize)]
+pub struct Unquantized {
+    pub weight_dtype: String,
+    pub first_token_ms: f64,
+    pub next_token_ms_p50: f64,
+    pub next_token_ms_p90: f64,
+    pub decode_tokens_per_s: f64,
+    pub weight_bytes_per_token: u64,
+    pub achieved_gb_per_s: f64,
+    pub measured_gb_per_s: f64,
+    pub decode_efficiency: f64,
+    pub runs: Vec<RunReport>,
+    /// The quantized weights' decode tokens/s over these (each the mean of its runs' rates).
+    pub speedup: f64,
+    /// Per rep, the quantized run's decode rate over the unquantized run's beside it.
+    pub speedup_by_rep: Vec<f64>,
+    /// The speed-up were both to read memory at the same rate: the quantized runs' decode
+    /// tokens per GB/s of their bandwidth readings over the unquantized runs' (`speedup` ×
+    /// this report's `measured_gb_per_s` ÷ the quantized one's). Runs a second apart can still
+    /// meet different reads on a shared host (the two placements of its cores).
+    pub speedup_at_same_reads: f64,
+}
+
+impl Unquantized {
+    /// From the unquantized runs (`m`, and `runs`, their reports) and the quantized runs'
+    /// decode rates, rep by rep. Bytes are per decode token: the weights' (every rank's) and
+    /// the keys and values attention reads.
+    pub fn new(
+        weight_dtype: String,
+        weight_bytes_per_token: u64,
+        kv_bytes_per_token: u64,
+        m: &Measured,
+        runs: Vec<RunReport>,
+        quantized_rates: &[f64],
+        quantized_gb_per_s: f64,
+    ) -> Self {
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let decode_tokens_per_s = mean(&m.rates);
+        let achieved_gb_per_s =
+            (weight_bytes_per_token + kv_bytes_per_token) as f64 * decode_tokens_per_s / 1e9;
+        let measured_gb_per_s = mean(&runs.iter().map(|r| r.measured_gb_per_s).collect::<Vec<_>>());
+        Unquantized {
+            weight_dtype,
+            first_token_ms: percentile(&m.firsts, 0.5),
+            next_token_ms_p50: percentile(&m.gaps, 0.5),
+            next_token_ms_p90: percentile(&m.gaps, 0.9),
+            decode_tokens_per_s,
+            weight_bytes_per_token,
+            achieved_gb_per_s,
+            measured_gb_per_s,
+            decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
+            runs,
+            speedup: mean(quantized_rates) / decode_tokens_per_s,
+            speedup_by_rep: quantized_rates.iter().zip(&m.rates).map(|(q, u)| q / u).collect(),
+            speedup_at_same_reads: mean(quantized_rates) / decode_tokens_per_s * measured_gb_per_s
+                / quantized_gb_per_s,
+        }
+    }
 }
 
 /// One timed run: its decode rate, the read bandwidth of the readings between its steps or
@@ -237,13 +314,18 @@ impl BenchReport {
     /// One line naming the runs whose bandwidth readings look stalled ([`stalled_runs`]), if
     /// any: their efficiencies say nothing about the kernels.
     pub fn stall_warning(&self) -> Option<String> {
-        let gb: Vec<f64> = self.runs.iter().map(|r| r.measured_gb_per_s).collect();
-        let stalled = stalled_runs(&gb, self.best_gb_per_s);
-        (!stalled.is_empty()).then(|| {
+        let stalled = |runs: &[RunReport], what: &str| {
+            let gb: Vec<f64> = runs.iter().map(|r| r.measured_gb_per_s).collect();
+            let stalled = stalled_runs(&gb, self.best_gb_per_s);
             let list = stalled.iter().map(|i| format!("{i}")).collect::<Vec<_>>().join(", ");
+            (!stalled.is_empty()).then(|| format!("{what}run {list} of {}", gb.len()))
+        };
+        let unquantized = self.unquantized.as_ref().and_then(|u| stalled(&u.runs, "unquantized "));
+        let named: Vec<String> = stalled(&self.runs, "").into_iter().chain(unquantized).collect();
+        (!named.is_empty()).then(|| {
             format!(
-                "warning: the bandwidth readings of run {list} of {} fell under {:.0}% of the fastest read ({:.1} GB/s): the host stalled them, so their efficiency is not the kernels'",
-                gb.len(),
+                "warning: the bandwidth readings of {} fell under {:.0}% of the fastest read ({:.1} GB/s): the host stalled them, so their efficiency is not the kernels'",
+                named.join(" and "),
                 STALLED_READS * 100.0,
                 self.best_gb_per_s
             )
@@ -318,6 +400,46 @@ impl BenchReport {
                 each(|r| format!("{:.1}", r.measured_gb_per_s)),
                 each(|r| format!("{:.2}", r.handoff_us))
             );
+        }
+        if let Some(u) = &self.unquantized {
+            let each = |v: &mut dyn Iterator<Item = f64>, places: usize| {
+                v.map(|x| format!("{x:.places$}")).collect::<Vec<_>>().join(", ")
+            };
+            let rows = [
+                (
+                    format!("unquantized ({})", u.weight_dtype),
+                    format!(
+                        "decode {:.1} tokens/s, next token p50 / p90 {:.2} / {:.2} ms, {:.1} MB of weights a token",
+                        u.decode_tokens_per_s,
+                        u.next_token_ms_p50,
+                        u.next_token_ms_p90,
+                        mb(u.weight_bytes_per_token)
+                    ),
+                ),
+                (
+                    "  decode bandwidth".into(),
+                    format!(
+                        "{:.1} GB/s of {:.1} GB/s measured = {:.2}; by run {} (read {} GB/s)",
+                        u.achieved_gb_per_s,
+                        u.measured_gb_per_s,
+                        u.decode_efficiency,
+                        each(&mut u.runs.iter().map(|r| r.decode_efficiency), 2),
+                        each(&mut u.runs.iter().map(|r| r.measured_gb_per_s), 1)
+                    ),
+                ),
+                (
+                    format!("{} speed-up", self.weight_dtype),
+                    format!(
+                        "{:.2}x the unquantized decode tokens/s (by rep {}); {:.2}x at the same reads",
+                        u.speedup,
+                        each(&mut u.speedup_by_rep.iter().copied(), 2),
+                        u.speedup_at_same_reads
+                    ),
+                ),
+            ];
+            for (k, v) in rows {
+                s += &format!("  {k:<24} {v}\n");
+            }
         }
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));

@@ -5,13 +5,13 @@ use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
     decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
-    percentile, prefill_flops, run_reports, BenchReport, RankReport,
+    percentile, prefill_flops, run_reports, BenchReport, Measured, RankReport, Unquantized,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
 use gridlm::engine::sampling::SamplingParams;
-use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions};
+use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions, StepProfile};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::host;
 use gridlm::kernels::{dot, Fetch, ManyFetch, Quant};
@@ -395,6 +395,11 @@ struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// With --quant: load the same weights unquantized beside the quantized ones and run the
+    /// two in turn, rep by rep, so both meet the same moments of the host; report both and
+    /// the quantized weights' decode speed-up.
+    #[arg(long, requires = "quant")]
+    compare_unquantized: bool,
     #[command(flatten)]
     grid: GridArgs,
 }
@@ -410,6 +415,21 @@ enum BandwidthReads {
 /// default 1 GiB), the same every time (`ReadProbe::rate_slice`), a millisecond or two at
 /// these machines' bandwidth.
 const READ_PARTS: usize = 16;
+
+/// The weights a bench run runs on: the engine's own, or the spare ones run in turn with them
+/// (`--compare-unquantized`). Indexes the per-weights figures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Weights {
+    Own = 0,
+    Spare = 1,
+}
+
+/// A bench run: a warm-up or a timed rep (numbered from 0).
+#[derive(Clone, Copy)]
+enum Run {
+    Warmup(usize),
+    Rep(usize),
+}
 
 #[derive(Args)]
 struct ConvertArgs {
@@ -686,11 +706,18 @@ fn count_cpu_list(s: &str) -> Option<usize> {
 
 /// Collective: every rank's memory and time figures, in world-rank order. `weight_rss` is the
 /// RSS growth while the rank loaded its shard; the current RSS is taken now.
-fn gather_rank_reports(link: &dyn Link, engine: &Engine, weight_rss: usize) -> Vec<RankReport> {
+/// Every rank's figures, to every rank. `profile`: where the rank's decode steps went (the
+/// engine's since its last run began, unless a bench ran other weights after it).
+fn gather_rank_reports(
+    link: &dyn Link,
+    engine: &Engine,
+    profile: StepProfile,
+    weight_rss: usize,
+) -> Vec<RankReport> {
     let (grid, shard) = (engine.grid, &engine.shard);
-    let t = engine.profile().per_step_ms().map(f64::to_bits);
+    let t = profile.per_step_ms().map(f64::to_bits);
     // u64::MAX: not counted (no decode step, or allocations are not counted).
-    let allocs = engine.profile().allocations_per_step().map_or(u64::MAX, f64::to_bits);
+    let allocs = profile.allocations_per_step().map_or(u64::MAX, f64::to_bits);
     // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL`, `Int8Path::ALL` and
     // `ManyFetch::ALL` (the order they are declared in; u64::MAX: weights not int8).
     let (prefetch, many_prefetch) = (engine.prefetch(), engine.many_prefetch());
@@ -934,7 +961,7 @@ fn run_generate(
 
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
-        gather_rank_reports(link, &engine, weight_rss);
+        gather_rank_reports(link, &engine, engine.profile(), weight_rss);
         return Ok(());
     };
     if let Some(id) = tok.eos_id() {
@@ -972,7 +999,7 @@ fn run_generate(
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let ranks = gather_rank_reports(link, &engine, weight_rss);
+    let ranks = gather_rank_reports(link, &engine, engine.profile(), weight_rss);
     let (done, stats) = run?;
     let texts: Vec<String> = done
         .iter()
@@ -1197,17 +1224,25 @@ fn run_bench(
     let (cfg, plan) = agree(link, setup)?;
     let full_cfg = cfg.clone();
     let rss_before = host::rss_bytes();
-    let src = match &a.model {
+    let open = || match &a.model {
         Some(dir) => Checkpoint::open(dir).map(|c| Box::new(c) as Box<dyn Source>),
         None => Ok(Box::new(synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 }) as Box<dyn Source>),
     };
-    let shard = load_shard(link, src, cfg, plan, a.engine.quant)?;
+    let shard = load_shard(link, open(), cfg.clone(), plan.clone(), a.engine.quant)?;
     let mut engine = agree(link, Engine::new(shard, grid, threads, a.engine.kv_dtype))?;
     a.engine.warn_if_oversubscribed();
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
     let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
-    engine.pick_many_prefetch(a.work.batch.div_ceil(micro_batches));
+    let tokens_per_step = a.work.batch.div_ceil(micro_batches);
+    engine.pick_many_prefetch(tokens_per_step);
+    // `--compare-unquantized`: the same layers unquantized, loaded beside the quantized ones
+    // and run in turn with them on the same kernel threads (see the run schedule below).
+    let mut spare = None;
+    if a.compare_unquantized {
+        let shard = load_shard(link, open(), cfg, plan, None)?;
+        spare = Some(agree(link, engine.spare_weights(shard, tokens_per_step))?);
+    }
 
     // The machine's limits, measured by every rank at once with its own kernel team, summed: the
     // same threads that run the kernels, competing for the same memory.
@@ -1281,27 +1316,50 @@ fn run_bench(
         eos_ids: Vec::new(),
         read_between_steps: between,
     };
-    let mut firsts = Vec::new();
-    let mut gaps = Vec::new();
-    let mut decode_rates = Vec::new();
-    let total = a.warmup + a.reps;
+    // The runs in order: each on the engine's own weights or on the spare ones, a warm-up or
+    // a timed rep. With spare weights every warm-up and rep runs both, one right after the
+    // other, which goes first alternating from rep to rep (AB, BA, ...) so that neither always
+    // meets the later moment of a host whose bandwidth drifts.
+    let comparing = spare.is_some();
+    let kinds = |k: usize| match (comparing, k % 2) {
+        (false, _) => &[Weights::Own][..],
+        (true, 0) => &[Weights::Spare, Weights::Own][..],
+        (true, _) => &[Weights::Own, Weights::Spare][..],
+    };
+    let schedule: Vec<(Weights, Run)> = (0..a.warmup)
+        .flat_map(|i| kinds(0).iter().map(move |&w| (w, Run::Warmup(i))))
+        .chain((0..a.reps).flat_map(|k| kinds(k).iter().map(move |&w| (w, Run::Rep(k)))))
+        .collect();
+    // Per timed run, in order: which weights ran it (known on every rank); and on the driver,
+    // per weights, each timed run's first-token latency and decode rate, and the gaps between
+    // tokens.
+    let timed: Vec<Weights> = schedule.iter().filter(|r| matches!(r.1, Run::Rep(_))).map(|r| r.0).collect();
+    let mut measured: [Measured; 2] = Default::default();
+    let mut current = Weights::Own;
+    let mut own_profile = engine.profile();
     let mut outcome = Ok(());
-    for i in 0..total {
-        if i == a.warmup {
+    for (n, &(weights, run)) in schedule.iter().enumerate() {
+        if let Some(spare) = spare.as_mut().filter(|_| weights != current) {
+            engine.swap_weights(spare);
+            current = weights;
+        }
+        if n == a.warmup * kinds(0).len() {
             read_around(&engine);
         }
         // Each run ends with `End`, so every rank is free to read the buffer after it.
         if !driver {
             engine.follow(comm, link)?;
         } else {
-            let label = if i < a.warmup {
-                format!("warm-up {}/{}", i + 1, a.warmup)
-            } else {
-                format!("rep {}/{}", i + 1 - a.warmup, a.reps)
+            let mut label = match run {
+                Run::Warmup(i) => format!("warm-up {}/{}", i + 1, a.warmup),
+                Run::Rep(k) => format!("rep {}/{}", k + 1, a.reps),
             };
-            let run = engine.run(&requests, &opts, comm, link, |_, _| Ok(true));
+            if comparing {
+                label += &format!(" ({})", engine.shard.weight_dtype());
+            }
+            let result = engine.run(&requests, &opts, comm, link, |_, _| Ok(true));
             engine.finish(comm, link)?;
-            match run {
+            match result {
                 Ok(done) => {
                     // Every sequence's first token; decode measured while all of them decode.
                     let first = percentile(&done.iter().map(|c| c.times_ms[0]).collect::<Vec<_>>(), 0.5);
@@ -1310,10 +1368,11 @@ fn run_bench(
                     let line =
                         format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
                     let _ = std::io::stderr().write_all(line.as_bytes());
-                    if i >= a.warmup {
-                        firsts.push(first);
-                        decode_rates.push(tps);
-                        gaps.extend(g);
+                    if let Run::Rep(_) = run {
+                        let m = &mut measured[weights as usize];
+                        m.firsts.push(first);
+                        m.rates.push(tps);
+                        m.gaps.extend(g);
                     }
                 }
                 Err(e) => outcome = Err(e),
@@ -1324,10 +1383,13 @@ fn run_bench(
         if failed {
             break;
         }
+        if weights == Weights::Own {
+            own_profile = engine.profile();
+        }
         // The readings taken between this run's steps (the warm-up's are dropped); one after
         // it if its steps left no moment between them (a single new token).
         let mut run_log = std::mem::take(&mut *log.borrow_mut());
-        if i >= a.warmup {
+        if let Run::Rep(_) = run {
             if between {
                 if run_log.is_empty() {
                     run_log.push(probe.rate_slice(engine.team(), before.1, READ_PARTS));
@@ -1336,6 +1398,10 @@ fn run_bench(
             }
             read_around(&engine);
         }
+    }
+    // The rank's own weights again, for its report.
+    if let Some(spare) = spare.as_mut().filter(|_| current != Weights::Own) {
+        engine.swap_weights(spare);
     }
     let after = limits(&engine);
     // The resident memory reported below is the engine's, without the probe's buffer.
@@ -1360,11 +1426,23 @@ fn run_bench(
     let sum = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).sum::<f64>();
     let max = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).fold(0.0, f64::max);
     let (best_gb_per_s, measured_peak_gflops, handoff_us) = (sum(0), sum(1), max(2));
+    // Per run, split by the weights that ran it.
+    let by = |w: Weights, figures: Vec<f64>| -> Vec<f64> {
+        figures.into_iter().zip(&timed).filter(|(_, &t)| t == w).map(|(x, _)| x).collect()
+    };
     let gb_per_s_by_run: Vec<f64> = (3..3 + runs).map(sum).collect();
     let handoff_by_run: Vec<f64> = (3 + runs..3 + 2 * runs).map(max).collect();
     // The runs' mean, as decode's rate is theirs: their efficiencies' spread holds the report's.
-    let measured_gb_per_s = gb_per_s_by_run.iter().sum::<f64>() / runs.max(1) as f64;
-    let ranks = gather_rank_reports(link, &engine, weight_rss);
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let measured_gb_per_s = mean(&by(Weights::Own, gb_per_s_by_run.clone()));
+    // The spare weights' bytes a step (every rank's), then the report's resident memory
+    // without them.
+    let spare_weights = spare.take().map(|spare| {
+        let mut all = vec![0u64; link.world_size()];
+        link.allgather_u64(&[spare.shard().bytes_per_token() as u64], &mut all);
+        (spare.shard().weight_dtype().to_string(), all.iter().sum::<u64>())
+    });
+    let ranks = gather_rank_reports(link, &engine, own_profile, weight_rss);
     if !driver {
         return Ok(());
     }
@@ -1373,8 +1451,9 @@ fn run_bench(
     // Each micro-batch's decode step reads every rank's weights once.
     let weight_bytes_per_step: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
     let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.work.batch as u64;
-    let first_token_ms = percentile(&firsts, 0.5);
-    let decode_tokens_per_s = decode_rates.iter().sum::<f64>() / decode_rates.len().max(1) as f64;
+    let [own, spare_measured] = measured;
+    let first_token_ms = percentile(&own.firsts, 0.5);
+    let decode_tokens_per_s = mean(&own.rates);
     // Each decode token's attention reads its own sequence's keys and values, on every rank.
     let kv_per_position: u64 = ranks.iter().map(|r| r.kv_bytes_per_position).sum();
     let positions = kv_positions_per_token(a.work.prompt_len, a.work.new_tokens, full_cfg.sliding_window);
@@ -1383,6 +1462,24 @@ fn run_bench(
     let achieved_gb_per_s = bytes_per_token as f64 * decode_tokens_per_s / 1e9;
     let prefill_gflops =
         a.work.batch as f64 * prefill_flops(&full_cfg, a.work.prompt_len) / (first_token_ms / 1e3) / 1e9;
+    let unquantized = spare_weights.map(|(weight_dtype, bytes_per_step)| {
+        let weight_bytes_per_token = bytes_per_step * micro_batches as u64 / a.work.batch as u64;
+        let m = &spare_measured;
+        Unquantized::new(
+            weight_dtype,
+            weight_bytes_per_token,
+            kv_bytes_per_token,
+            m,
+            run_reports(
+                &m.rates,
+                &by(Weights::Spare, gb_per_s_by_run.clone()),
+                &by(Weights::Spare, handoff_by_run.clone()),
+                weight_bytes_per_token + kv_bytes_per_token,
+            ),
+            &own.rates,
+            measured_gb_per_s,
+        )
+    });
     let report = BenchReport {
         model: match (&a.model, &a.shape) {
             (Some(d), _) => d.display().to_string(),
@@ -1402,8 +1499,8 @@ fn run_bench(
         temperature: params.temperature,
         reps: a.reps,
         first_token_ms,
-        next_token_ms_p50: percentile(&gaps, 0.5),
-        next_token_ms_p90: percentile(&gaps, 0.9),
+        next_token_ms_p50: percentile(&own.gaps, 0.5),
+        next_token_ms_p90: percentile(&own.gaps, 0.9),
         decode_tokens_per_s,
         prefill_tokens_per_s: (a.work.batch * a.work.prompt_len) as f64 / (first_token_ms / 1e3),
         weight_bytes_per_token,
@@ -1417,7 +1514,13 @@ fn run_bench(
         measured_peak_gflops,
         prefill_efficiency: prefill_gflops / measured_peak_gflops,
         handoff_us,
-        runs: run_reports(&decode_rates, &gb_per_s_by_run, &handoff_by_run, bytes_per_token),
+        runs: run_reports(
+            &own.rates,
+            &by(Weights::Own, gb_per_s_by_run),
+            &by(Weights::Own, handoff_by_run),
+            bytes_per_token,
+        ),
+        unquantized,
         ranks,
     };
     let mut stdout = std::io::stdout().lock();

@@ -217,6 +217,20 @@ pub struct Engine {
     reader: Option<Reader>,
 }
 
+/// Weights held aside with the prefetch ways chosen for them ([`Engine::spare_weights`]), to
+/// run in turn with an engine's own ([`Engine::swap_weights`]).
+pub struct SpareWeights {
+    shard: Shard,
+    prefetch: (kernels::Fetch, PrefetchBy),
+    many_prefetch: (kernels::ManyFetch, PrefetchBy),
+}
+
+impl SpareWeights {
+    pub fn shard(&self) -> &Shard {
+        &self.shard
+    }
+}
+
 /// A measurement a rank takes between steps with its kernel team ([`Plan::Read`]).
 pub type Reader = Box<dyn FnMut(&Team)>;
 
@@ -393,6 +407,48 @@ impl Engine {
         if let Some((f, _)) = self.shard.pick_many_fetch(&self.team, tokens) {
             self.many_prefetch = (f, PrefetchBy::Timed);
         }
+    }
+
+    /// `shard` (this rank's layers of the same model, other weights: another dtype, or not
+    /// quantized) made ready to run in turn with the engine's own, on the same kernel threads,
+    /// KV cache and buffers ([`Engine::swap_weights`]): its prefetch ways are chosen on this
+    /// rank's team as [`Engine::new`] and [`Engine::pick_many_prefetch`] (at `tokens` a
+    /// decode step) choose them, and the engine's own stay set. `gridlm bench
+    /// --compare-unquantized` runs the two in turn, so both meet the same moments of a shared
+    /// host. Local to the rank: no MPI.
+    pub fn spare_weights(&mut self, shard: Shard, tokens: usize) -> Result<SpareWeights> {
+        let (mine, theirs) = (&self.shard, &shard);
+        if theirs.plan != mine.plan
+            || theirs.cfg.hidden_size != mine.cfg.hidden_size
+            || theirs.kv_page_bytes(self.kv_dtype) != mine.kv_page_bytes(self.kv_dtype)
+        {
+            return Err(Error::Input("weights run in turn must be the same layers of the same model".into()));
+        }
+        let prefetch = choose_prefetch(&shard, &self.team)?;
+        let mut many_prefetch = many_prefetch_from_env()?;
+        if many_prefetch.1 != PrefetchBy::Env {
+            if let Some((f, _)) = shard.pick_many_fetch(&self.team, tokens) {
+                many_prefetch = (f, PrefetchBy::Timed);
+            }
+        }
+        self.set_prefetch();
+        Ok(SpareWeights { shard, prefetch, many_prefetch })
+    }
+
+    /// Runs on `spare`'s weights from now on, leaving the engine's in `spare`. Between runs
+    /// only (each starts with its prefill): the KV cache holds the keys and values of the
+    /// weights that wrote them.
+    pub fn swap_weights(&mut self, spare: &mut SpareWeights) {
+        std::mem::swap(&mut self.shard, &mut spare.shard);
+        std::mem::swap(&mut self.prefetch, &mut spare.prefetch);
+        std::mem::swap(&mut self.many_prefetch, &mut spare.many_prefetch);
+        self.set_prefetch();
+    }
+
+    /// Sets this engine's prefetch ways for the process (they are read by the kernels).
+    fn set_prefetch(&self) {
+        kernels::dot::set_fetch(self.prefetch.0);
+        kernels::dot::set_many_fetch(self.many_prefetch.0);
     }
 
     /// Largest number of positions a sequence may have.

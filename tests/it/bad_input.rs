@@ -241,6 +241,9 @@ fn bad_command_lines() {
     assert_one_line_error(&gridlm(&["generate", "--prompt", "hi"]), &["--model"]);
     assert_one_line_error(&gridlm(&["bench", "--reps", "many"]), &["invalid value 'many'", "--reps"]);
     assert_one_line_error(&gridlm(&["frobnicate"]), &["frobnicate"]);
+    // Nothing to compare with unquantized weights without quantized ones.
+    let compare = ["bench", "--shape", "smollm2-135m", "--compare-unquantized"];
+    assert_one_line_error(&gridlm(&compare), &["--quant"]);
     // A negative number as a value, which clap reads as an option: named, and what to do.
     assert_one_line_error(&gridlm(&["bench", "--warmup", "-1"]), &["'-1' for '--warmup'", "not be negative"]);
     assert_one_line_error(&gridlm(&["generate", "--max-tokens", "-2.5"]), &["'-2.5' for '--max-tokens'"]);

@@ -248,3 +248,74 @@ fn bench_reads_between_steps_on_two_stages() {
     let j = bench_two_stages(&dir, &["--new-tokens", "6", "--reps", "2", "--no-overlap"], &[]);
     assert_eq!((&j["overlap"], &j["bandwidth_reads"]), (&false.into(), &"between_steps".into()), "{j}");
 }
+
+/// `--compare-unquantized`: the same weights unquantized, run in turn with the int8 ones rep by
+/// rep (which goes first alternating), each reported with its own runs, and the speed-up from
+/// their rates.
+#[test]
+fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
+    let common = ["bench", "--shape", "smollm2-135m", "--quant", "int8", "--compare-unquantized"];
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(common).args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "1", "--reps", "3"]);
+    cmd.args(["--bandwidth-mib", "64", "--json"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 600);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    check(&j, 1);
+    // The report and the rank's figures are the int8 weights'.
+    assert_eq!(j["weight_dtype"], "int8");
+    assert!(!j["ranks"][0]["int8_kernel"].is_null(), "{j}");
+    let u = &j["unquantized"];
+    assert_eq!(u["weight_dtype"], "bf16", "{u}");
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    // bf16 reads twice int8's bytes, less int8's scale per row.
+    let ratio = f(u, "weight_bytes_per_token") / f(&j, "weight_bytes_per_token");
+    assert!((1.9..2.0).contains(&ratio), "{ratio}");
+    let (quantized, unquantized) = (j["runs"].as_array().unwrap(), u["runs"].as_array().unwrap());
+    assert_eq!((quantized.len(), unquantized.len()), (3, 3));
+    let bytes = f(u, "weight_bytes_per_token") + f(&j, "kv_bytes_per_token");
+    for r in unquantized {
+        let achieved = bytes * f(r, "decode_tokens_per_s") / 1e9;
+        assert!((achieved / f(r, "measured_gb_per_s") / f(r, "decode_efficiency") - 1.0).abs() < 1e-9, "{r}");
+    }
+    let mean =
+        |runs: &[serde_json::Value], k: &str| runs.iter().map(|r| f(r, k)).sum::<f64>() / runs.len() as f64;
+    for k in ["decode_tokens_per_s", "measured_gb_per_s"] {
+        assert!((mean(unquantized, k) / f(u, k) - 1.0).abs() < 1e-9, "{k} in {u}");
+    }
+    let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
+    let tps = "decode_tokens_per_s";
+    assert!(close(f(u, "speedup"), f(&j, tps) / f(u, tps)), "{u}");
+    let same_reads = f(u, "speedup") * f(u, "measured_gb_per_s") / f(&j, "measured_gb_per_s");
+    assert!(close(f(u, "speedup_at_same_reads"), same_reads), "{u}");
+    let by_rep = u["speedup_by_rep"].as_array().unwrap();
+    assert_eq!(by_rep.len(), 3);
+    for k in 0..3 {
+        assert!(close(by_rep[k].as_f64().unwrap(), f(&quantized[k], tps) / f(&unquantized[k], tps)), "{u}");
+    }
+    // The runs in order: both weights at each warm-up and rep, the first alternating.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let labels: Vec<&str> =
+        stderr.lines().filter_map(|l| l.strip_prefix("bench: ")?.split(':').next()).collect();
+    let expected = [
+        "warm-up 1/1 (bf16)",
+        "warm-up 1/1 (int8)",
+        "rep 1/3 (bf16)",
+        "rep 1/3 (int8)",
+        "rep 2/3 (int8)",
+        "rep 2/3 (bf16)",
+        "rep 3/3 (bf16)",
+        "rep 3/3 (int8)",
+    ];
+    assert_eq!(labels, expected, "{stderr}");
+    // The table gives the unquantized weights' rows.
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(common).args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--reps", "1"]);
+    cmd.args(["--bandwidth-mib", "64"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 600);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    for row in ["unquantized (bf16)", "int8 speed-up", "at the same reads"] {
+        assert!(table.contains(row), "no {row:?} in {table}");
+    }
+}

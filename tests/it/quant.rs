@@ -34,3 +34,45 @@ fn int8_top1_agrees_with_bf16_over_64_positions() {
         assert!(same * 10 >= 64 * 9, "int8 agrees with bf16 at only {same}/64 positions for {p:?}");
     }
 }
+
+/// Weights run in turn on one engine (`bench --compare-unquantized`): after a swap the engine
+/// computes what a fresh engine on those weights computes, bit for bit, and after the swap
+/// back what it computed before.
+#[test]
+fn swapped_weights_compute_as_their_own_engine() {
+    use gridlm::{config::ModelConfig, grid::Grid, grid::ShardPlan, model::Shard};
+    let (_t, dir) = tiny_llama();
+    let opts = GenerateOptions { max_tokens: 6, ignore_eos: true, eos_ids: vec![], keep_prompt_logits: true };
+    let prompt = [1u32, 5, 9, 13, 2];
+    let run = |e: &mut gridlm::engine::Engine| {
+        let g = e.generate(&prompt, &opts, &Single, &Single, |_| Ok(())).unwrap();
+        (g.token_ids, g.prompt_logits.unwrap())
+    };
+    let float = run(&mut local_engine(&dir, None));
+    let mut engine = local_engine(&dir, Some(Quant::Int8));
+    let int8 = run(&mut engine);
+    assert_ne!(int8.1, float.1, "int8 and unquantized logits are the same: the test would not see a swap");
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let plan = ShardPlan::new(&cfg, &Grid::single(), None).unwrap();
+    let mut spare = engine.spare_weights(Shard::load(&dir, cfg, plan, None).unwrap(), 1).unwrap();
+    // The tiny model's weights are stored in f32.
+    assert_eq!(spare.shard().weight_dtype(), "f32");
+    engine.swap_weights(&mut spare);
+    assert_eq!((engine.shard.weight_dtype(), spare.shard().weight_dtype()), ("f32", "int8"));
+    assert_eq!(run(&mut engine), float);
+    engine.swap_weights(&mut spare);
+    assert_eq!(run(&mut engine), int8);
+}
+
+/// Weights of another model, or of other layers, are not run in turn.
+#[test]
+fn spare_weights_must_be_the_same_layers() {
+    use gridlm::{config::ModelConfig, grid::Grid, grid::ShardPlan, model::Shard};
+    let (_t, dir) = tiny_llama();
+    let mut engine = local_engine(&dir, Some(Quant::Int8));
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let grid = Grid::new(2, 1, 0, 2).unwrap();
+    let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
+    let err = engine.spare_weights(Shard::load(&dir, cfg, plan, None).unwrap(), 1).err().unwrap();
+    assert!(err.to_string().contains("same layers"), "{err}");
+}
