@@ -92,9 +92,10 @@ pub struct BenchReport {
     /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
     /// between runs shows how much of a low efficiency is the host's.
     pub runs: Vec<RunReport>,
-    /// With `--compare-unquantized`: the same weights unquantized, run in turn with these.
+    /// With `--compare-unquantized` or `--compare-batch`: what these runs were compared with,
+    /// run in turn with them.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub unquantized: Option<Unquantized>,
+    pub baseline: Option<Baseline>,
     pub ranks: Vec<RankReport>,
 }
 
@@ -108,13 +109,15 @@ pub struct Measured {
     pub gaps: Vec<f64>,
 }
 
-/// The same weights unquantized, run in turn with the quantized ones (`bench
-/// --compare-unquantized`): every warm-up and rep runs both, one right after the other, so
-/// the two meet the same moments of a host whose bandwidth wanders, and their speeds compare
-/// without its drift between two separate runs of bench.
+/// What a bench's runs are compared with, run in turn with them on the same engine: the same
+/// weights unquantized (`--compare-unquantized`), or another batch size (`--compare-batch`).
+/// Every warm-up and rep runs both, one right after the other, so the two meet the same moments
+/// of a host whose bandwidth wanders, and their speeds compare without its drift between two
+/// separate runs of bench.
 #[derive(Debug, Clone, Serialize)]
-pub struct Unquantized {
+pub struct Baseline {
     pub weight_dtype: String,
+    pub batch: usize,
     pub first_token_ms: f64,
     pub next_token_ms_p50: f64,
     pub next_token_ms_p90: f64,
@@ -124,37 +127,41 @@ pub struct Unquantized {
     pub measured_gb_per_s: f64,
     pub decode_efficiency: f64,
     pub runs: Vec<RunReport>,
-    /// The quantized weights' decode tokens/s over these (each the mean of its runs' rates).
+    /// The compared runs' decode tokens/s over these (each the mean of its runs' rates).
     pub speedup: f64,
-    /// Per rep, the quantized run's decode rate over the unquantized run's beside it.
+    /// Per rep, the compared run's decode rate over the baseline run's beside it.
     pub speedup_by_rep: Vec<f64>,
-    /// The speed-up were both to read memory at the same rate: the quantized runs' decode
-    /// tokens per GB/s of their bandwidth readings over the unquantized runs' (`speedup` ×
-    /// this report's `measured_gb_per_s` ÷ the quantized one's). Runs a second apart can still
-    /// meet different reads on a shared host (the two placements of its cores).
+    /// The speed-up were both to read memory at the same rate: the compared runs' decode tokens
+    /// per GB/s of their bandwidth readings over these runs' (`speedup` × this
+    /// `measured_gb_per_s` ÷ the report's). Runs a second apart can still meet different reads
+    /// on a shared host (the two placements of its cores).
     pub speedup_at_same_reads: f64,
 }
 
-impl Unquantized {
-    /// From the unquantized runs (`m`, and `runs`, their reports) and the quantized runs'
-    /// decode rates, rep by rep. Bytes are per decode token: the weights' (every rank's) and
-    /// the keys and values attention reads.
+impl Baseline {
+    /// From the baseline runs (`m`, and `runs`, their reports) of `weight_dtype` weights at
+    /// `batch` sequences, and the compared runs' decode rates, rep by rep, and bandwidth. Bytes
+    /// are per decode token: the weights' (every rank's) and the keys and values attention
+    /// reads.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         weight_dtype: String,
+        batch: usize,
         weight_bytes_per_token: u64,
         kv_bytes_per_token: u64,
         m: &Measured,
         runs: Vec<RunReport>,
-        quantized_rates: &[f64],
-        quantized_gb_per_s: f64,
+        compared_rates: &[f64],
+        compared_gb_per_s: f64,
     ) -> Self {
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         let decode_tokens_per_s = mean(&m.rates);
         let achieved_gb_per_s =
             (weight_bytes_per_token + kv_bytes_per_token) as f64 * decode_tokens_per_s / 1e9;
         let measured_gb_per_s = mean(&runs.iter().map(|r| r.measured_gb_per_s).collect::<Vec<_>>());
-        Unquantized {
+        Baseline {
             weight_dtype,
+            batch,
             first_token_ms: percentile(&m.firsts, 0.5),
             next_token_ms_p50: percentile(&m.gaps, 0.5),
             next_token_ms_p90: percentile(&m.gaps, 0.9),
@@ -164,10 +171,10 @@ impl Unquantized {
             measured_gb_per_s,
             decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
             runs,
-            speedup: mean(quantized_rates) / decode_tokens_per_s,
-            speedup_by_rep: quantized_rates.iter().zip(&m.rates).map(|(q, u)| q / u).collect(),
-            speedup_at_same_reads: mean(quantized_rates) / decode_tokens_per_s * measured_gb_per_s
-                / quantized_gb_per_s,
+            speedup: mean(compared_rates) / decode_tokens_per_s,
+            speedup_by_rep: compared_rates.iter().zip(&m.rates).map(|(c, b)| c / b).collect(),
+            speedup_at_same_reads: mean(compared_rates) / decode_tokens_per_s * measured_gb_per_s
+                / compared_gb_per_s,
         }
     }
 }
@@ -320,8 +327,8 @@ impl BenchReport {
             let list = stalled.iter().map(|i| format!("{i}")).collect::<Vec<_>>().join(", ");
             (!stalled.is_empty()).then(|| format!("{what}run {list} of {}", gb.len()))
         };
-        let unquantized = self.unquantized.as_ref().and_then(|u| stalled(&u.runs, "unquantized "));
-        let named: Vec<String> = stalled(&self.runs, "").into_iter().chain(unquantized).collect();
+        let baseline = self.baseline.as_ref().and_then(|b| stalled(&b.runs, "baseline "));
+        let named: Vec<String> = stalled(&self.runs, "").into_iter().chain(baseline).collect();
         (!named.is_empty()).then(|| {
             format!(
                 "warning: the bandwidth readings of {} fell under {:.0}% of the fastest read ({:.1} GB/s): the host stalled them, so their efficiency is not the kernels'",
@@ -401,13 +408,18 @@ impl BenchReport {
                 each(|r| format!("{:.2}", r.handoff_us))
             );
         }
-        if let Some(u) = &self.unquantized {
+        if let Some(u) = &self.baseline {
+            let what = if u.batch != self.batch {
+                format!("batch {}", u.batch)
+            } else {
+                format!("{} weights", u.weight_dtype)
+            };
             let each = |v: &mut dyn Iterator<Item = f64>, places: usize| {
                 v.map(|x| format!("{x:.places$}")).collect::<Vec<_>>().join(", ")
             };
             let rows = [
                 (
-                    format!("unquantized ({})", u.weight_dtype),
+                    format!("baseline: {what}"),
                     format!(
                         "decode {:.1} tokens/s, next token p50 / p90 {:.2} / {:.2} ms, {:.1} MB of weights a token",
                         u.decode_tokens_per_s,
@@ -428,9 +440,9 @@ impl BenchReport {
                     ),
                 ),
                 (
-                    format!("{} speed-up", self.weight_dtype),
+                    "speed-up".into(),
                     format!(
-                        "{:.2}x the unquantized decode tokens/s (by rep {}); {:.2}x at the same reads",
+                        "{:.2}x the baseline's decode tokens/s (by rep {}); {:.2}x at the same reads",
                         u.speedup,
                         each(&mut u.speedup_by_rep.iter().copied(), 2),
                         u.speedup_at_same_reads

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
     decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
-    percentile, prefill_flops, run_reports, BenchReport, Measured, RankReport, Unquantized,
+    percentile, prefill_flops, run_reports, Baseline, BenchReport, Measured, RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -400,6 +400,10 @@ struct BenchArgs {
     /// the quantized weights' decode speed-up.
     #[arg(long, requires = "quant")]
     compare_unquantized: bool,
+    /// Run this batch size in turn with --batch, rep by rep, on the same weights; report both
+    /// and --batch's decode speed-up over it.
+    #[arg(long, conflicts_with = "compare_unquantized")]
+    compare_batch: Option<usize>,
     #[command(flatten)]
     grid: GridArgs,
 }
@@ -416,12 +420,13 @@ enum BandwidthReads {
 /// these machines' bandwidth.
 const READ_PARTS: usize = 16;
 
-/// The weights a bench run runs on: the engine's own, or the spare ones run in turn with them
-/// (`--compare-unquantized`). Indexes the per-weights figures.
+/// Which of a bench's runs a run is: one of those it reports on, or of the baseline they are
+/// compared with, run in turn with them (`--compare-unquantized`: on spare weights;
+/// `--compare-batch`: at another batch size). Indexes the figures of each side.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Weights {
-    Own = 0,
-    Spare = 1,
+enum Side {
+    Main = 0,
+    Baseline = 1,
 }
 
 /// A bench run: a warm-up or a timed rep (numbered from 0).
@@ -1147,6 +1152,13 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.step_tokens == Some(0) {
         anyhow::bail!("--step-tokens must be at least 1");
     }
+    match a.compare_batch {
+        Some(0) => anyhow::bail!("--compare-batch must be at least 1"),
+        Some(b) if b == a.work.batch => {
+            anyhow::bail!("--compare-batch {b} is --batch itself: give another size")
+        }
+        _ => {}
+    }
     let params = a.sampling.params()?;
     if a.limits {
         return on_grid(&a.grid, |_, _, link| run_limits(&a, link));
@@ -1233,9 +1245,14 @@ fn run_bench(
     a.engine.warn_if_oversubscribed();
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
-    let micro_batches = a.overlap.micro_batches(grid.pp).min(a.work.batch);
+    // Micro-batches of a run of `batch` sequences, and whether their steps overlap.
+    let micro = |batch: usize| a.overlap.micro_batches(grid.pp).min(batch);
+    let overlapped = |batch: usize| micro(batch) > 1 && !a.overlap.no_overlap;
+    let micro_batches = micro(a.work.batch);
     let tokens_per_step = a.work.batch.div_ceil(micro_batches);
     engine.pick_many_prefetch(tokens_per_step);
+    // The baseline's batch size (`--compare-batch`), else the same.
+    let base_batch = a.compare_batch.unwrap_or(a.work.batch);
     // `--compare-unquantized`: the same layers unquantized, loaded beside the quantized ones
     // and run in turn with them on the same kernel threads (see the run schedule below).
     let mut spare = None;
@@ -1269,8 +1286,9 @@ fn run_bench(
     // reading must not halve it). Decode and the reads then meet the same moments, where the
     // readings around a run are seconds from most of its steps. Steps that overlap in a
     // pipeline leave no moment between them, so those runs are read around.
-    let overlapped = micro_batches > 1 && !a.overlap.no_overlap;
-    let between = a.bandwidth_reads == BandwidthReads::BetweenSteps && !overlapped;
+    let between = a.bandwidth_reads == BandwidthReads::BetweenSteps
+        && !overlapped(a.work.batch)
+        && !overlapped(base_batch);
     let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
     if between {
         let (probe, log, way) = (probe.clone(), log.clone(), before.1);
@@ -1290,7 +1308,7 @@ fn run_bench(
     let driver = grid.rank == 0;
     let vocab = full_cfg.vocab_size as u64;
     // Driver: seeded random prompt ids.
-    let prompts: Vec<Vec<u32>> = (0..a.work.batch as u64)
+    let prompts: Vec<Vec<u32>> = (0..a.work.batch.max(base_batch) as u64)
         .map(|b| {
             (0..a.work.prompt_len as u64)
                 .map(|i| (((i + 7919 * b).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) % vocab) as u32)
@@ -1307,43 +1325,46 @@ fn run_bench(
             keep_logits: false,
         })
         .collect();
-    let opts = RunOptions {
-        max_batch: a.work.batch,
-        micro_batches,
+    let options = |batch: usize| RunOptions {
+        max_batch: batch,
+        micro_batches: micro(batch),
         overlap: !a.overlap.no_overlap,
-        step_tokens: a.step_tokens.unwrap_or(a.work.batch.div_ceil(micro_batches) * a.work.prompt_len),
+        step_tokens: a.step_tokens.unwrap_or(batch.div_ceil(micro(batch)) * a.work.prompt_len),
         kv_bytes: None,
         eos_ids: Vec::new(),
         read_between_steps: between,
     };
-    // The runs in order: each on the engine's own weights or on the spare ones, a warm-up or
-    // a timed rep. With spare weights every warm-up and rep runs both, one right after the
-    // other, which goes first alternating from rep to rep (AB, BA, ...) so that neither always
-    // meets the later moment of a host whose bandwidth drifts.
-    let comparing = spare.is_some();
-    let kinds = |k: usize| match (comparing, k % 2) {
-        (false, _) => &[Weights::Own][..],
-        (true, 0) => &[Weights::Spare, Weights::Own][..],
-        (true, _) => &[Weights::Own, Weights::Spare][..],
+    // Each side's requests (the first prompts of one list) and options.
+    let work =
+        [(&requests[..a.work.batch], options(a.work.batch)), (&requests[..base_batch], options(base_batch))];
+    // The runs in order: each a run of the main side or of the baseline, a warm-up or a timed
+    // rep. With a baseline every warm-up and rep runs both, one right after the other, which
+    // goes first alternating from rep to rep (AB, BA, ...) so that neither always meets the
+    // later moment of a host whose bandwidth drifts.
+    let comparing = spare.is_some() || a.compare_batch.is_some();
+    let sides = |k: usize| match (comparing, k % 2) {
+        (false, _) => &[Side::Main][..],
+        (true, 0) => &[Side::Baseline, Side::Main][..],
+        (true, _) => &[Side::Main, Side::Baseline][..],
     };
-    let schedule: Vec<(Weights, Run)> = (0..a.warmup)
-        .flat_map(|i| kinds(0).iter().map(move |&w| (w, Run::Warmup(i))))
-        .chain((0..a.reps).flat_map(|k| kinds(k).iter().map(move |&w| (w, Run::Rep(k)))))
+    let schedule: Vec<(Side, Run)> = (0..a.warmup)
+        .flat_map(|i| sides(0).iter().map(move |&w| (w, Run::Warmup(i))))
+        .chain((0..a.reps).flat_map(|k| sides(k).iter().map(move |&w| (w, Run::Rep(k)))))
         .collect();
-    // Per timed run, in order: which weights ran it (known on every rank); and on the driver,
-    // per weights, each timed run's first-token latency and decode rate, and the gaps between
-    // tokens.
-    let timed: Vec<Weights> = schedule.iter().filter(|r| matches!(r.1, Run::Rep(_))).map(|r| r.0).collect();
+    // Per timed run, in order: its side (known on every rank); and on the driver, per side,
+    // each timed run's first-token latency and decode rate, and the gaps between tokens.
+    let timed: Vec<Side> = schedule.iter().filter(|r| matches!(r.1, Run::Rep(_))).map(|r| r.0).collect();
     let mut measured: [Measured; 2] = Default::default();
-    let mut current = Weights::Own;
-    let mut own_profile = engine.profile();
+    // The side whose weights the engine holds (the baseline's only with spare weights).
+    let mut holding = Side::Main;
+    let mut main_profile = engine.profile();
     let mut outcome = Ok(());
-    for (n, &(weights, run)) in schedule.iter().enumerate() {
-        if let Some(spare) = spare.as_mut().filter(|_| weights != current) {
+    for (n, &(side, run)) in schedule.iter().enumerate() {
+        if let Some(spare) = spare.as_mut().filter(|_| side != holding) {
             engine.swap_weights(spare);
-            current = weights;
+            holding = side;
         }
-        if n == a.warmup * kinds(0).len() {
+        if n == a.warmup * sides(0).len() {
             read_around(&engine);
         }
         // Each run ends with `End`, so every rank is free to read the buffer after it.
@@ -1354,10 +1375,13 @@ fn run_bench(
                 Run::Warmup(i) => format!("warm-up {}/{}", i + 1, a.warmup),
                 Run::Rep(k) => format!("rep {}/{}", k + 1, a.reps),
             };
-            if comparing {
+            if spare.is_some() {
                 label += &format!(" ({})", engine.shard.weight_dtype());
+            } else if comparing {
+                label += &format!(" (batch {})", work[side as usize].0.len());
             }
-            let result = engine.run(&requests, &opts, comm, link, |_, _| Ok(true));
+            let (requests, opts) = &work[side as usize];
+            let result = engine.run(requests, opts, comm, link, |_, _| Ok(true));
             engine.finish(comm, link)?;
             match result {
                 Ok(done) => {
@@ -1369,7 +1393,7 @@ fn run_bench(
                         format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
                     let _ = std::io::stderr().write_all(line.as_bytes());
                     if let Run::Rep(_) = run {
-                        let m = &mut measured[weights as usize];
+                        let m = &mut measured[side as usize];
                         m.firsts.push(first);
                         m.rates.push(tps);
                         m.gaps.extend(g);
@@ -1383,8 +1407,8 @@ fn run_bench(
         if failed {
             break;
         }
-        if weights == Weights::Own {
-            own_profile = engine.profile();
+        if side == Side::Main {
+            main_profile = engine.profile();
         }
         // The readings taken between this run's steps (the warm-up's are dropped); one after
         // it if its steps left no moment between them (a single new token).
@@ -1400,7 +1424,7 @@ fn run_bench(
         }
     }
     // The rank's own weights again, for its report.
-    if let Some(spare) = spare.as_mut().filter(|_| current != Weights::Own) {
+    if let Some(spare) = spare.as_mut().filter(|_| holding != Side::Main) {
         engine.swap_weights(spare);
     }
     let after = limits(&engine);
@@ -1426,23 +1450,23 @@ fn run_bench(
     let sum = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).sum::<f64>();
     let max = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).fold(0.0, f64::max);
     let (best_gb_per_s, measured_peak_gflops, handoff_us) = (sum(0), sum(1), max(2));
-    // Per run, split by the weights that ran it.
-    let by = |w: Weights, figures: Vec<f64>| -> Vec<f64> {
-        figures.into_iter().zip(&timed).filter(|(_, &t)| t == w).map(|(x, _)| x).collect()
+    // Per run, split by side.
+    let by = |side: Side, figures: &[f64]| -> Vec<f64> {
+        figures.iter().zip(&timed).filter(|(_, &t)| t == side).map(|(&x, _)| x).collect()
     };
     let gb_per_s_by_run: Vec<f64> = (3..3 + runs).map(sum).collect();
     let handoff_by_run: Vec<f64> = (3 + runs..3 + 2 * runs).map(max).collect();
     // The runs' mean, as decode's rate is theirs: their efficiencies' spread holds the report's.
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    let measured_gb_per_s = mean(&by(Weights::Own, gb_per_s_by_run.clone()));
-    // The spare weights' bytes a step (every rank's), then the report's resident memory
-    // without them.
+    let measured_gb_per_s = mean(&by(Side::Main, &gb_per_s_by_run));
+    // The spare weights' dtype and bytes a step (every rank's), then the report's resident
+    // memory without them.
     let spare_weights = spare.take().map(|spare| {
         let mut all = vec![0u64; link.world_size()];
         link.allgather_u64(&[spare.shard().bytes_per_token() as u64], &mut all);
         (spare.shard().weight_dtype().to_string(), all.iter().sum::<u64>())
     });
-    let ranks = gather_rank_reports(link, &engine, own_profile, weight_rss);
+    let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss);
     if !driver {
         return Ok(());
     }
@@ -1451,9 +1475,9 @@ fn run_bench(
     // Each micro-batch's decode step reads every rank's weights once.
     let weight_bytes_per_step: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
     let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.work.batch as u64;
-    let [own, spare_measured] = measured;
-    let first_token_ms = percentile(&own.firsts, 0.5);
-    let decode_tokens_per_s = mean(&own.rates);
+    let [main, base] = measured;
+    let first_token_ms = percentile(&main.firsts, 0.5);
+    let decode_tokens_per_s = mean(&main.rates);
     // Each decode token's attention reads its own sequence's keys and values, on every rank.
     let kv_per_position: u64 = ranks.iter().map(|r| r.kv_bytes_per_position).sum();
     let positions = kv_positions_per_token(a.work.prompt_len, a.work.new_tokens, full_cfg.sliding_window);
@@ -1462,21 +1486,23 @@ fn run_bench(
     let achieved_gb_per_s = bytes_per_token as f64 * decode_tokens_per_s / 1e9;
     let prefill_gflops =
         a.work.batch as f64 * prefill_flops(&full_cfg, a.work.prompt_len) / (first_token_ms / 1e3) / 1e9;
-    let unquantized = spare_weights.map(|(weight_dtype, bytes_per_step)| {
-        let weight_bytes_per_token = bytes_per_step * micro_batches as u64 / a.work.batch as u64;
-        let m = &spare_measured;
-        Unquantized::new(
+    let baseline = comparing.then(|| {
+        let (weight_dtype, bytes_per_step) =
+            spare_weights.unwrap_or_else(|| (engine.shard.weight_dtype().to_string(), weight_bytes_per_step));
+        let weight_bytes_per_token = bytes_per_step * micro(base_batch) as u64 / base_batch as u64;
+        Baseline::new(
             weight_dtype,
+            base_batch,
             weight_bytes_per_token,
             kv_bytes_per_token,
-            m,
+            &base,
             run_reports(
-                &m.rates,
-                &by(Weights::Spare, gb_per_s_by_run.clone()),
-                &by(Weights::Spare, handoff_by_run.clone()),
+                &base.rates,
+                &by(Side::Baseline, &gb_per_s_by_run),
+                &by(Side::Baseline, &handoff_by_run),
                 weight_bytes_per_token + kv_bytes_per_token,
             ),
-            &own.rates,
+            &main.rates,
             measured_gb_per_s,
         )
     });
@@ -1499,8 +1525,8 @@ fn run_bench(
         temperature: params.temperature,
         reps: a.reps,
         first_token_ms,
-        next_token_ms_p50: percentile(&own.gaps, 0.5),
-        next_token_ms_p90: percentile(&own.gaps, 0.9),
+        next_token_ms_p50: percentile(&main.gaps, 0.5),
+        next_token_ms_p90: percentile(&main.gaps, 0.9),
         decode_tokens_per_s,
         prefill_tokens_per_s: (a.work.batch * a.work.prompt_len) as f64 / (first_token_ms / 1e3),
         weight_bytes_per_token,
@@ -1515,12 +1541,12 @@ fn run_bench(
         prefill_efficiency: prefill_gflops / measured_peak_gflops,
         handoff_us,
         runs: run_reports(
-            &own.rates,
-            &by(Weights::Own, gb_per_s_by_run),
-            &by(Weights::Own, handoff_by_run),
+            &main.rates,
+            &by(Side::Main, &gb_per_s_by_run),
+            &by(Side::Main, &handoff_by_run),
             bytes_per_token,
         ),
-        unquantized,
+        baseline,
         ranks,
     };
     let mut stdout = std::io::stdout().lock();

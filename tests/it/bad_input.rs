@@ -244,6 +244,14 @@ fn bad_command_lines() {
     // Nothing to compare with unquantized weights without quantized ones.
     let compare = ["bench", "--shape", "smollm2-135m", "--compare-unquantized"];
     assert_one_line_error(&gridlm(&compare), &["--quant"]);
+    let batch = ["bench", "--shape", "smollm2-135m", "--batch", "2", "--compare-batch"];
+    assert_one_line_error(&gridlm(&[&batch[..], &["2"]].concat()), &["--compare-batch 2 is --batch"]);
+    assert_one_line_error(&gridlm(&[&batch[..], &["0"]].concat()), &["--compare-batch must be at least 1"]);
+    let both = ["--quant", "int8", "--compare-unquantized", "--compare-batch", "1"];
+    assert_one_line_error(
+        &gridlm(&[&compare[..3], &both[..]].concat()),
+        &["--compare-batch", "cannot be used"],
+    );
     // A negative number as a value, which clap reads as an option: named, and what to do.
     assert_one_line_error(&gridlm(&["bench", "--warmup", "-1"]), &["'-1' for '--warmup'", "not be negative"]);
     assert_one_line_error(&gridlm(&["generate", "--max-tokens", "-2.5"]), &["'-2.5' for '--max-tokens'"]);

@@ -265,8 +265,8 @@ fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
     // The report and the rank's figures are the int8 weights'.
     assert_eq!(j["weight_dtype"], "int8");
     assert!(!j["ranks"][0]["int8_kernel"].is_null(), "{j}");
-    let u = &j["unquantized"];
-    assert_eq!(u["weight_dtype"], "bf16", "{u}");
+    let u = &j["baseline"];
+    assert_eq!((&u["weight_dtype"], &u["batch"]), (&"bf16".into(), &1.into()), "{u}");
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
     // bf16 reads twice int8's bytes, less int8's scale per row.
     let ratio = f(u, "weight_bytes_per_token") / f(&j, "weight_bytes_per_token");
@@ -308,14 +308,43 @@ fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
         "rep 3/3 (int8)",
     ];
     assert_eq!(labels, expected, "{stderr}");
-    // The table gives the unquantized weights' rows.
+    // The table gives the baseline's rows.
     let mut cmd = std::process::Command::new(bin());
     cmd.args(common).args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--reps", "1"]);
     cmd.args(["--bandwidth-mib", "64"]);
     let out = gridlm_reference::run_with_timeout(cmd, 600);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let table = String::from_utf8_lossy(&out.stdout);
-    for row in ["unquantized (bf16)", "int8 speed-up", "at the same reads"] {
+    for row in ["baseline: bf16 weights", "speed-up", "at the same reads"] {
         assert!(table.contains(row), "no {row:?} in {table}");
     }
+}
+
+/// `--compare-batch`: another batch size run in turn with `--batch` on the same weights, rep by
+/// rep, each with its own bytes per token (a step's weights shared by its sequences).
+#[test]
+fn bench_compares_a_batch_with_another_in_turn() {
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(["bench", "--shape", "smollm2-135m", "--batch", "3", "--compare-batch", "1"]);
+    cmd.args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--reps", "2"]);
+    cmd.args(["--bandwidth-mib", "64", "--json"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 600);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    check(&j, 1);
+    let b = &j["baseline"];
+    assert_eq!((&b["weight_dtype"], &b["batch"], &j["batch"]), (&"bf16".into(), &1.into(), &3.into()), "{b}");
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    // One sequence a step reads all the weights for its token; three share them.
+    let per_token = f(b, "weight_bytes_per_token") / f(&j, "weight_bytes_per_token");
+    assert!((per_token - 3.0).abs() < 1e-6, "{per_token}");
+    let tps = "decode_tokens_per_s";
+    let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
+    assert!(close(f(b, "speedup"), f(&j, tps) / f(b, tps)), "{b}");
+    assert_eq!(b["runs"].as_array().unwrap().len(), 2, "{b}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let labels: Vec<&str> =
+        stderr.lines().filter_map(|l| l.strip_prefix("bench: ")?.split(':').next()).collect();
+    let expected = ["rep 1/2 (batch 1)", "rep 1/2 (batch 3)", "rep 2/2 (batch 3)", "rep 2/2 (batch 1)"];
+    assert_eq!(labels, expected, "{stderr}");
 }
