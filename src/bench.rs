@@ -99,9 +99,9 @@ pub struct BenchReport {
     pub ranks: Vec<RankReport>,
 }
 
-/// What the driver measured of one set of weights' timed runs, in order: each run's
-/// first-token latency (the median over its sequences) and decode rate, and the gaps between
-/// tokens of all of them.
+/// What the driver measured of one side's timed runs (those bench reports on, or their
+/// baseline), in order: each run's first-token latency (the median over its sequences) and
+/// decode rate, and the gaps between tokens of all of them.
 #[derive(Debug, Clone, Default)]
 pub struct Measured {
     pub firsts: Vec<f64>,

@@ -295,6 +295,22 @@ fn many_prefetch_from_env() -> Result<(kernels::ManyFetch, PrefetchBy)> {
     Ok(chosen)
 }
 
+/// The many-token prefetch of `shard` at `tokens` a decode step: `current` where
+/// `GRIDLM_MANY_PREFETCH` named it or that kernel would not run such steps, else the faster on
+/// the shard's own layers, timed on `team` ([`Shard::pick_many_fetch`], which sets it for the
+/// process).
+fn timed_many_prefetch(
+    shard: &Shard,
+    team: &Team,
+    tokens: usize,
+    current: (kernels::ManyFetch, PrefetchBy),
+) -> (kernels::ManyFetch, PrefetchBy) {
+    if current.1 == PrefetchBy::Env {
+        return current;
+    }
+    shard.pick_many_fetch(team, tokens).map_or(current, |(f, _)| (f, PrefetchBy::Timed))
+}
+
 /// The way the environment variable `var` names, if it is set (`parse` reads its trimmed
 /// value); a value `parse` does not know is an input error that lists the `expected` names.
 fn named_in_env<T>(var: &str, parse: fn(&str) -> Option<T>, expected: &str) -> Result<Option<T>> {
@@ -401,12 +417,7 @@ impl Engine {
     /// `GRIDLM_MANY_PREFETCH` named one or that kernel would not run such steps. Local to the
     /// rank: no MPI.
     pub fn pick_many_prefetch(&mut self, tokens: usize) {
-        if self.many_prefetch.1 == PrefetchBy::Env {
-            return;
-        }
-        if let Some((f, _)) = self.shard.pick_many_fetch(&self.team, tokens) {
-            self.many_prefetch = (f, PrefetchBy::Timed);
-        }
+        self.many_prefetch = timed_many_prefetch(&self.shard, &self.team, tokens, self.many_prefetch);
     }
 
     /// `shard` (this rank's layers of the same model, other weights: another dtype, or not
@@ -425,12 +436,7 @@ impl Engine {
             return Err(Error::Input("weights run in turn must be the same layers of the same model".into()));
         }
         let prefetch = choose_prefetch(&shard, &self.team)?;
-        let mut many_prefetch = many_prefetch_from_env()?;
-        if many_prefetch.1 != PrefetchBy::Env {
-            if let Some((f, _)) = shard.pick_many_fetch(&self.team, tokens) {
-                many_prefetch = (f, PrefetchBy::Timed);
-            }
-        }
+        let many_prefetch = timed_many_prefetch(&shard, &self.team, tokens, many_prefetch_from_env()?);
         self.set_prefetch();
         Ok(SpareWeights { shard, prefetch, many_prefetch })
     }
