@@ -431,9 +431,10 @@ impl BenchReport {
                 (
                     "  decode bandwidth".into(),
                     format!(
-                        "{:.1} GB/s of {:.1} GB/s measured = {:.2}; by run {} (read {} GB/s)",
+                        "{:.1} GB/s of {:.1} GB/s measured {} = {:.2}; by run {} (read {} GB/s)",
                         u.achieved_gb_per_s,
                         u.measured_gb_per_s,
+                        self.bandwidth_reads.replace('_', " the "),
                         u.decode_efficiency,
                         each(&mut u.runs.iter().map(|r| r.decode_efficiency), 2),
                         each(&mut u.runs.iter().map(|r| r.measured_gb_per_s), 1)
