@@ -64,7 +64,7 @@ fn swapped_weights_compute_as_their_own_engine() {
     assert_eq!(run(&mut engine), int8);
 }
 
-/// Weights of another model, or of other layers, are not run in turn.
+/// Weights of other layers (another stage's) are not run in turn with an engine's own.
 #[test]
 fn spare_weights_must_be_the_same_layers() {
     use gridlm::{config::ModelConfig, grid::Grid, grid::ShardPlan, model::Shard};
