@@ -61,27 +61,16 @@ pub struct BenchReport {
     pub overlap: bool,
     pub temperature: f32,
     pub reps: usize,
-    pub first_token_ms: f64,
-    pub next_token_ms_p50: f64,
-    pub next_token_ms_p90: f64,
-    pub decode_tokens_per_s: f64,
+    /// Latency, decode speed, bytes, bandwidth and each timed run (keys at the top level).
+    #[serde(flatten)]
+    pub decode: DecodeFigures,
     pub prefill_tokens_per_s: f64,
-    pub weight_bytes_per_token: u64,
-    /// Keys and values attention reads for a decode token, on average over the decode window
-    /// ([`kv_positions_per_token`] × every rank's bytes per position).
-    pub kv_bytes_per_token: u64,
-    /// What decode reads from memory, weights and keys and values, per second.
-    pub achieved_gb_per_s: f64,
-    /// Read bandwidth while the timed runs ran (every rank's reads, summed; the mean of the
-    /// runs', as `decode_tokens_per_s` is the mean of their rates): decode's measure.
-    pub measured_gb_per_s: f64,
-    /// When that bandwidth was read: `between_steps` (a slice of the probe's buffer after each
+    /// When decode's bandwidth was read: `between_steps` (a slice of the probe's buffer after each
     /// step, every rank at once, its time left out of the step times) or `around_runs` (before
     /// and after each run; where steps overlap in a pipeline, or when asked).
     pub bandwidth_reads: &'static str,
     /// The fastest read before or after the timed runs (every rank's, summed).
     pub best_gb_per_s: f64,
-    pub decode_efficiency: f64,
     pub prefill_gflops: f64,
     pub measured_peak_gflops: f64,
     pub prefill_efficiency: f64,
@@ -89,9 +78,6 @@ pub struct BenchReport {
     /// the slowest rank's): one empty job to every thread and back
     /// ([`crate::kernels::limits::handoff_us`]).
     pub handoff_us: f64,
-    /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
-    /// between runs shows how much of a low efficiency is the host's.
-    pub runs: Vec<RunReport>,
     /// With `--compare-unquantized` or `--compare-batch`: what these runs were compared with,
     /// run in turn with them.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -109,6 +95,60 @@ pub struct Measured {
     pub gaps: Vec<f64>,
 }
 
+/// One side's decode figures, from its timed runs: the report's own and its baseline's are
+/// computed the same way ([`DecodeFigures::new`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct DecodeFigures {
+    pub first_token_ms: f64,
+    pub next_token_ms_p50: f64,
+    pub next_token_ms_p90: f64,
+    pub decode_tokens_per_s: f64,
+    pub weight_bytes_per_token: u64,
+    /// Keys and values attention reads for a decode token, on average over the decode window
+    /// ([`kv_positions_per_token`] × every rank's bytes per position).
+    pub kv_bytes_per_token: u64,
+    /// What decode reads from memory, weights and keys and values, per second.
+    pub achieved_gb_per_s: f64,
+    /// Read bandwidth while the timed runs ran (every rank's reads, summed; the mean of the
+    /// runs', as `decode_tokens_per_s` is the mean of their rates): decode's measure.
+    pub measured_gb_per_s: f64,
+    pub decode_efficiency: f64,
+    /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
+    /// between runs shows how much of a low efficiency is the host's.
+    pub runs: Vec<RunReport>,
+}
+
+impl DecodeFigures {
+    /// From the driver's measurements `m` and, per timed run in the same order, the bandwidth
+    /// read with it and the team's handoff around it ([`run_reports`]). Bytes are per decode
+    /// token: the weights' (every rank's) and the keys and values attention reads.
+    pub fn new(
+        m: &Measured,
+        weight_bytes_per_token: u64,
+        kv_bytes_per_token: u64,
+        gb_per_s_by_run: &[f64],
+        handoff_by_run: &[f64],
+    ) -> Self {
+        let bytes_per_token = weight_bytes_per_token + kv_bytes_per_token;
+        let decode_tokens_per_s = mean(&m.rates);
+        let achieved_gb_per_s = bytes_per_token as f64 * decode_tokens_per_s / 1e9;
+        // The runs' mean, as decode's rate is theirs: their efficiencies' spread holds this one.
+        let measured_gb_per_s = mean(gb_per_s_by_run);
+        DecodeFigures {
+            first_token_ms: percentile(&m.firsts, 0.5),
+            next_token_ms_p50: percentile(&m.gaps, 0.5),
+            next_token_ms_p90: percentile(&m.gaps, 0.9),
+            decode_tokens_per_s,
+            weight_bytes_per_token,
+            kv_bytes_per_token,
+            achieved_gb_per_s,
+            measured_gb_per_s,
+            decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
+            runs: run_reports(&m.rates, gb_per_s_by_run, handoff_by_run, bytes_per_token),
+        }
+    }
+}
+
 /// What a bench's runs are compared with, run in turn with them on the same engine: the same
 /// weights unquantized (`--compare-unquantized`), or another batch size (`--compare-batch`).
 /// Every warm-up and rep runs both, one right after the other, so the two meet the same moments
@@ -118,15 +158,8 @@ pub struct Measured {
 pub struct Baseline {
     pub weight_dtype: String,
     pub batch: usize,
-    pub first_token_ms: f64,
-    pub next_token_ms_p50: f64,
-    pub next_token_ms_p90: f64,
-    pub decode_tokens_per_s: f64,
-    pub weight_bytes_per_token: u64,
-    pub achieved_gb_per_s: f64,
-    pub measured_gb_per_s: f64,
-    pub decode_efficiency: f64,
-    pub runs: Vec<RunReport>,
+    #[serde(flatten)]
+    pub decode: DecodeFigures,
     /// The compared runs' decode tokens/s over these (each the mean of its runs' rates).
     pub speedup: f64,
     /// Per rep, the compared run's decode rate over the baseline run's beside it.
@@ -139,44 +172,25 @@ pub struct Baseline {
 }
 
 impl Baseline {
-    /// From the baseline runs (`m`, and `runs`, their reports) of `weight_dtype` weights at
-    /// `batch` sequences, and the compared runs' decode rates, rep by rep, and bandwidth. Bytes
-    /// are per decode token: the weights' (every rank's) and the keys and values attention
-    /// reads.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        weight_dtype: String,
-        batch: usize,
-        weight_bytes_per_token: u64,
-        kv_bytes_per_token: u64,
-        m: &Measured,
-        runs: Vec<RunReport>,
-        compared_rates: &[f64],
-        compared_gb_per_s: f64,
-    ) -> Self {
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let decode_tokens_per_s = mean(&m.rates);
-        let achieved_gb_per_s =
-            (weight_bytes_per_token + kv_bytes_per_token) as f64 * decode_tokens_per_s / 1e9;
-        let measured_gb_per_s = mean(&runs.iter().map(|r| r.measured_gb_per_s).collect::<Vec<_>>());
+    /// The baseline's figures (`decode`, of `weight_dtype` weights at `batch` sequences) and
+    /// the speed-ups of the runs compared with it (`compared`), rep by rep in the same order.
+    pub fn new(weight_dtype: String, batch: usize, decode: DecodeFigures, compared: &DecodeFigures) -> Self {
+        let rate = |r: &RunReport| r.decode_tokens_per_s;
+        let speedup = compared.decode_tokens_per_s / decode.decode_tokens_per_s;
         Baseline {
             weight_dtype,
             batch,
-            first_token_ms: percentile(&m.firsts, 0.5),
-            next_token_ms_p50: percentile(&m.gaps, 0.5),
-            next_token_ms_p90: percentile(&m.gaps, 0.9),
-            decode_tokens_per_s,
-            weight_bytes_per_token,
-            achieved_gb_per_s,
-            measured_gb_per_s,
-            decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
-            runs,
-            speedup: mean(compared_rates) / decode_tokens_per_s,
-            speedup_by_rep: compared_rates.iter().zip(&m.rates).map(|(c, b)| c / b).collect(),
-            speedup_at_same_reads: mean(compared_rates) / decode_tokens_per_s * measured_gb_per_s
-                / compared_gb_per_s,
+            speedup,
+            speedup_by_rep: compared.runs.iter().zip(&decode.runs).map(|(c, b)| rate(c) / rate(b)).collect(),
+            speedup_at_same_reads: speedup * decode.measured_gb_per_s / compared.measured_gb_per_s,
+            decode,
         }
     }
+}
+
+/// The mean of `v` (0 when empty).
+pub fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
 }
 
 /// One timed run: its decode rate, the read bandwidth of the readings between its steps or
@@ -327,8 +341,8 @@ impl BenchReport {
             let list = stalled.iter().map(|i| format!("{i}")).collect::<Vec<_>>().join(", ");
             (!stalled.is_empty()).then(|| format!("{what}run {list} of {}", gb.len()))
         };
-        let baseline = self.baseline.as_ref().and_then(|b| stalled(&b.runs, "baseline "));
-        let named: Vec<String> = stalled(&self.runs, "").into_iter().chain(baseline).collect();
+        let baseline = self.baseline.as_ref().and_then(|b| stalled(&b.decode.runs, "baseline "));
+        let named: Vec<String> = stalled(&self.decode.runs, "").into_iter().chain(baseline).collect();
         (!named.is_empty()).then(|| {
             format!(
                 "warning: the bandwidth readings of {} fell under {:.0}% of the fastest read ({:.1} GB/s): the host stalled them, so their efficiency is not the kernels'",
@@ -342,6 +356,7 @@ impl BenchReport {
     /// A readable table.
     pub fn table(&self) -> String {
         let mb = |b: u64| b as f64 / 1e6;
+        let d = &self.decode;
         let mut s = format!(
             "gridlm bench: {} ({}, KV cache {}), grid {}x{}, {} threads/rank, batch {}, prompt {} tokens, {} new tokens, {} reps\n",
             self.model,
@@ -356,29 +371,26 @@ impl BenchReport {
             self.reps
         );
         let rows = [
-            ("first token", format!("{:.1} ms", self.first_token_ms)),
-            (
-                "next token p50 / p90",
-                format!("{:.2} / {:.2} ms", self.next_token_ms_p50, self.next_token_ms_p90),
-            ),
-            ("decode", format!("{:.1} tokens/s", self.decode_tokens_per_s)),
+            ("first token", format!("{:.1} ms", d.first_token_ms)),
+            ("next token p50 / p90", format!("{:.2} / {:.2} ms", d.next_token_ms_p50, d.next_token_ms_p90)),
+            ("decode", format!("{:.1} tokens/s", d.decode_tokens_per_s)),
             ("prefill", format!("{:.1} tokens/s", self.prefill_tokens_per_s)),
             (
                 "read per token",
                 format!(
                     "{:.1} MB of weights, {:.2} MB of keys and values",
-                    mb(self.weight_bytes_per_token),
-                    mb(self.kv_bytes_per_token)
+                    mb(d.weight_bytes_per_token),
+                    mb(d.kv_bytes_per_token)
                 ),
             ),
             (
                 "decode bandwidth",
                 format!(
                     "{:.1} GB/s of {:.1} GB/s measured {} = {:.2} (fastest read {:.1} GB/s)",
-                    self.achieved_gb_per_s,
-                    self.measured_gb_per_s,
+                    d.achieved_gb_per_s,
+                    d.measured_gb_per_s,
                     self.bandwidth_reads.replace('_', " the "),
-                    self.decode_efficiency,
+                    d.decode_efficiency,
                     self.best_gb_per_s
                 ),
             ),
@@ -397,8 +409,8 @@ impl BenchReport {
         for (k, v) in rows {
             s += &format!("  {k:<24} {v}\n");
         }
-        if self.runs.len() > 1 {
-            let each = |f: fn(&RunReport) -> String| self.runs.iter().map(f).collect::<Vec<_>>().join(", ");
+        if d.runs.len() > 1 {
+            let each = |f: fn(&RunReport) -> String| d.runs.iter().map(f).collect::<Vec<_>>().join(", ");
             s += &format!(
                 "  {:<24} {} (read {}: {} GB/s; handoff around each {} µs)\n",
                 "decode efficiency by run",
@@ -409,6 +421,7 @@ impl BenchReport {
             );
         }
         if let Some(u) = &self.baseline {
+            let b = &u.decode;
             let what = if u.batch != self.batch {
                 format!("batch {}", u.batch)
             } else {
@@ -422,22 +435,22 @@ impl BenchReport {
                     format!("baseline: {what}"),
                     format!(
                         "decode {:.1} tokens/s, next token p50 / p90 {:.2} / {:.2} ms, {:.1} MB of weights a token",
-                        u.decode_tokens_per_s,
-                        u.next_token_ms_p50,
-                        u.next_token_ms_p90,
-                        mb(u.weight_bytes_per_token)
+                        b.decode_tokens_per_s,
+                        b.next_token_ms_p50,
+                        b.next_token_ms_p90,
+                        mb(b.weight_bytes_per_token)
                     ),
                 ),
                 (
                     "  decode bandwidth".into(),
                     format!(
                         "{:.1} GB/s of {:.1} GB/s measured {} = {:.2}; by run {} (read {} GB/s)",
-                        u.achieved_gb_per_s,
-                        u.measured_gb_per_s,
+                        b.achieved_gb_per_s,
+                        b.measured_gb_per_s,
                         self.bandwidth_reads.replace('_', " the "),
-                        u.decode_efficiency,
-                        each(&mut u.runs.iter().map(|r| r.decode_efficiency), 2),
-                        each(&mut u.runs.iter().map(|r| r.measured_gb_per_s), 1)
+                        b.decode_efficiency,
+                        each(&mut b.runs.iter().map(|r| r.decode_efficiency), 2),
+                        each(&mut b.runs.iter().map(|r| r.measured_gb_per_s), 1)
                     ),
                 ),
                 (

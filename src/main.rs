@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
     decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
-    percentile, prefill_flops, run_reports, Baseline, BenchReport, Measured, RankReport,
+    percentile, prefill_flops, Baseline, BenchReport, DecodeFigures, Measured, RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -710,9 +710,9 @@ fn count_cpu_list(s: &str) -> Option<usize> {
 }
 
 /// Collective: every rank's memory and time figures, in world-rank order. `weight_rss` is the
-/// RSS growth while the rank loaded its shard; the current RSS is taken now.
-/// Every rank's figures, to every rank. `profile`: where the rank's decode steps went (the
-/// engine's since its last run began, unless a bench ran other weights after it).
+/// RSS growth while the rank loaded its shard; the current RSS is taken now. `profile` is where
+/// the rank's decode steps went: the engine's own since its last run began, or (bench with a
+/// baseline) since the last run of the side it reports on.
 fn gather_rank_reports(
     link: &dyn Link,
     engine: &Engine,
@@ -1456,9 +1456,6 @@ fn run_bench(
     };
     let gb_per_s_by_run: Vec<f64> = (3..3 + runs).map(sum).collect();
     let handoff_by_run: Vec<f64> = (3 + runs..3 + 2 * runs).map(max).collect();
-    // The runs' mean, as decode's rate is theirs: their efficiencies' spread holds the report's.
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    let measured_gb_per_s = mean(&by(Side::Main, &gb_per_s_by_run));
     // The spare weights' dtype and bytes a step (every rank's), then the report's resident
     // memory without them.
     let spare_weights = spare.take().map(|spare| {
@@ -1475,36 +1472,29 @@ fn run_bench(
     // Each micro-batch's decode step reads every rank's weights once.
     let weight_bytes_per_step: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();
     let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.work.batch as u64;
-    let [main, base] = measured;
-    let first_token_ms = percentile(&main.firsts, 0.5);
-    let decode_tokens_per_s = mean(&main.rates);
     // Each decode token's attention reads its own sequence's keys and values, on every rank.
     let kv_per_position: u64 = ranks.iter().map(|r| r.kv_bytes_per_position).sum();
     let positions = kv_positions_per_token(a.work.prompt_len, a.work.new_tokens, full_cfg.sliding_window);
     let kv_bytes_per_token = (kv_per_position as f64 * positions).round() as u64;
-    let bytes_per_token = weight_bytes_per_token + kv_bytes_per_token;
-    let achieved_gb_per_s = bytes_per_token as f64 * decode_tokens_per_s / 1e9;
+    // Each side's figures from its own runs.
+    let figures = |side: Side, weight_bytes_per_token: u64| {
+        DecodeFigures::new(
+            &measured[side as usize],
+            weight_bytes_per_token,
+            kv_bytes_per_token,
+            &by(side, &gb_per_s_by_run),
+            &by(side, &handoff_by_run),
+        )
+    };
+    let decode = figures(Side::Main, weight_bytes_per_token);
+    let first_token_ms = decode.first_token_ms;
     let prefill_gflops =
         a.work.batch as f64 * prefill_flops(&full_cfg, a.work.prompt_len) / (first_token_ms / 1e3) / 1e9;
     let baseline = comparing.then(|| {
         let (weight_dtype, bytes_per_step) =
             spare_weights.unwrap_or_else(|| (engine.shard.weight_dtype().to_string(), weight_bytes_per_step));
         let weight_bytes_per_token = bytes_per_step * micro(base_batch) as u64 / base_batch as u64;
-        Baseline::new(
-            weight_dtype,
-            base_batch,
-            weight_bytes_per_token,
-            kv_bytes_per_token,
-            &base,
-            run_reports(
-                &base.rates,
-                &by(Side::Baseline, &gb_per_s_by_run),
-                &by(Side::Baseline, &handoff_by_run),
-                weight_bytes_per_token + kv_bytes_per_token,
-            ),
-            &main.rates,
-            measured_gb_per_s,
-        )
+        Baseline::new(weight_dtype, base_batch, figures(Side::Baseline, weight_bytes_per_token), &decode)
     });
     let report = BenchReport {
         model: match (&a.model, &a.shape) {
@@ -1524,28 +1514,14 @@ fn run_bench(
         overlap: !a.overlap.no_overlap,
         temperature: params.temperature,
         reps: a.reps,
-        first_token_ms,
-        next_token_ms_p50: percentile(&main.gaps, 0.5),
-        next_token_ms_p90: percentile(&main.gaps, 0.9),
-        decode_tokens_per_s,
+        decode,
         prefill_tokens_per_s: (a.work.batch * a.work.prompt_len) as f64 / (first_token_ms / 1e3),
-        weight_bytes_per_token,
-        kv_bytes_per_token,
-        achieved_gb_per_s,
-        measured_gb_per_s,
         bandwidth_reads: if between { "between_steps" } else { "around_runs" },
         best_gb_per_s,
-        decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
         prefill_gflops,
         measured_peak_gflops,
         prefill_efficiency: prefill_gflops / measured_peak_gflops,
         handoff_us,
-        runs: run_reports(
-            &main.rates,
-            &by(Side::Main, &gb_per_s_by_run),
-            &by(Side::Main, &handoff_by_run),
-            bytes_per_token,
-        ),
         baseline,
         ranks,
     };
