@@ -295,12 +295,7 @@ fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
     }
     // The runs in order: both weights at each warm-up and rep, the first alternating.
     let stderr = String::from_utf8_lossy(&out.stderr);
-    // The progress lines (a warning of stalled readings may follow them on a busy machine).
-    let labels: Vec<&str> = stderr
-        .lines()
-        .filter_map(|l| l.strip_prefix("bench: ")?.split(':').next())
-        .filter(|l| l.starts_with("rep ") || l.starts_with("warm-up "))
-        .collect();
+    let labels = progress_labels(&stderr);
     let expected = [
         "warm-up 1/1 (bf16)",
         "warm-up 1/1 (int8)",
@@ -347,12 +342,17 @@ fn bench_compares_a_batch_with_another_in_turn() {
     assert!(close(f(b, "speedup"), f(&j, tps) / f(b, tps)), "{b}");
     assert_eq!(b["runs"].as_array().unwrap().len(), 2, "{b}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    // The progress lines (a warning of stalled readings may follow them on a busy machine).
-    let labels: Vec<&str> = stderr
+    let labels = progress_labels(&stderr);
+    let expected = ["rep 1/2 (batch 1)", "rep 1/2 (batch 3)", "rep 2/2 (batch 3)", "rep 2/2 (batch 1)"];
+    assert_eq!(labels, expected, "{stderr}");
+}
+
+/// The runs named by bench's progress lines on `stderr`, in order ("rep 1/2 (batch 1)"); a
+/// warning of stalled readings may follow them on a busy machine.
+fn progress_labels(stderr: &str) -> Vec<&str> {
+    stderr
         .lines()
         .filter_map(|l| l.strip_prefix("bench: ")?.split(':').next())
         .filter(|l| l.starts_with("rep ") || l.starts_with("warm-up "))
-        .collect();
-    let expected = ["rep 1/2 (batch 1)", "rep 1/2 (batch 3)", "rep 2/2 (batch 3)", "rep 2/2 (batch 1)"];
-    assert_eq!(labels, expected, "{stderr}");
+        .collect()
 }
