@@ -24,21 +24,19 @@ pub fn launched_by_mpirun() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
+/// The first of the launcher's variables `vars` (Open MPI's, then MPICH/Hydra's) set to a number.
+fn launcher_number(vars: [&str; 2]) -> Option<usize> {
+    vars.iter().find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+}
+
 /// This rank's index among the ranks on its node, as the launcher says (0 without one).
 pub fn local_rank() -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-        .unwrap_or(0)
+    launcher_number(["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]).unwrap_or(0)
 }
 
 /// Ranks of this job on this node, as the launcher says (1 without one).
 pub fn local_ranks() -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-        .unwrap_or(1)
-        .max(1)
+    launcher_number(["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]).unwrap_or(1).max(1)
 }
 
 /// The MPI job: keep it alive for all of `main` (dropping it finalizes MPI).
