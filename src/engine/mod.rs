@@ -427,7 +427,7 @@ impl Engine {
     /// decode step) choose them, and the engine's own stay set. `gridlm bench
     /// --compare-unquantized` runs the two in turn, so both meet the same moments of a shared
     /// host. Local to the rank: no MPI.
-    pub fn spare_weights(&mut self, shard: Shard, tokens: usize) -> Result<SpareWeights> {
+    pub fn spare_weights(&self, shard: Shard, tokens: usize) -> Result<SpareWeights> {
         let (mine, theirs) = (&self.shard, &shard);
         if theirs.plan != mine.plan
             || theirs.cfg.hidden_size != mine.cfg.hidden_size

@@ -69,7 +69,7 @@ fn swapped_weights_compute_as_their_own_engine() {
 fn spare_weights_must_be_the_same_layers() {
     use gridlm::{config::ModelConfig, grid::Grid, grid::ShardPlan, model::Shard};
     let (_t, dir) = tiny_llama();
-    let mut engine = local_engine(&dir, Some(Quant::Int8));
+    let engine = local_engine(&dir, Some(Quant::Int8));
     let cfg = ModelConfig::from_dir(&dir).unwrap();
     let grid = Grid::new(2, 1, 0, 2).unwrap();
     let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
