@@ -238,36 +238,42 @@ pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut 
 /// measured (32 MiB), so the products stream from memory as a decode step's do.
 const PICK_MIN_BYTES: usize = 64 << 20;
 /// Bytes it times at the most, so a large shard does not slow its start: each way is timed
-/// [`PICK_ROUNDS`] times, 28 passes of ~3–7 ms per 256 MiB on the 2-core test machines.
+/// [`PICK_ROUNDS`] times, 56 passes of ~3–9 ms per 256 MiB on the 2-core test machines.
 const PICK_MAX_BYTES: usize = 256 << 20;
 /// Passes per way. Each way's median pass, as a share of its round, decides. On the 2-core
 /// Zen 5 machine (SmolLM2 bf16) the fastest of three passes picked a way that decoded ~3%
-/// slower than the best in 4 starts of 14, the plain median of five in 6 of 40, this in 1 of
-/// 12. A way other than the one used before any was timed (`Near`, `L2`) is kept only if it is
-/// still the fastest after as many rounds again: on the 2-core Zen 3 machine (SmolLM2's layers,
-/// `near` the fastest by 2–8% in most picks) seven rounds took another way in 5 picks of 200,
-/// fourteen in 2 of them.
-const PICK_ROUNDS: usize = 7;
+/// slower than the best in 4 starts of 14, the plain median of five in 6 of 40, the median of
+/// seven in 1 of 12. Fourteen, whichever way leads: on the 2-core Zen 3 machine (SmolLM2's
+/// layers, `near` the fastest by 2–8% in most picks) seven rounds took another way in 5 picks
+/// of 200, fourteen in 2 of them; and the passes right after a shard is loaded can run slow
+/// (on Zen 4 the first one to four rounds of some picks took from 10% longer to three times as
+/// long as the later ones), enough to put any way ahead for seven rounds. Before, the way used
+/// before any was timed (`Near`, `L2`) was kept after seven rounds if it led them. On Zen 4
+/// llama-3.2-1b-shaped int8 weights decoded at 0.77–0.81 of the bandwidth in the 3 runs of 51
+/// (the cores apart) whose pick kept `near` (2) or took `nta` (1), against a median of 0.98
+/// in the 48 with none (0.80–1.11). In 22 starts of SmolLM2 and of the shape in bf16 whose
+/// picks were judged both ways, seven rounds kept `near` where fourteen took none in 3 (in
+/// 12 of the int8 shape, none either way).
+const PICK_ROUNDS: usize = 14;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
-/// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a
-/// decode step runs them, seven times (`PICK_ROUNDS`) under each way, interleaved, and seven
-/// more if a way other than `Near` was the fastest. Sets the way with the shortest median pass
-/// for the process ([`dot::set_fetch`]) and returns it, with each way's median pass as a share
-/// of its round's mean (in [`Fetch::ALL`]'s order). `None`, and nothing set, when the matrices
-/// hold less than 64 MiB: they would be timed in cache, where the prefetch hardly matters.
+/// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a decode step
+/// runs them, fourteen times (`PICK_ROUNDS`) under each way, interleaved. Sets the way with
+/// the shortest median pass for the process ([`dot::set_fetch`]) and returns it, with each
+/// way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order). `None`, and
+/// nothing set, when the matrices hold less than 64 MiB: they would be timed in cache, where
+/// the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
-    pick_way(team, mats, 1, Fetch::ALL, Fetch::Near, dot::set_fetch)
+    pick_way(team, mats, 1, Fetch::ALL, dot::set_fetch)
 }
 
 /// Chooses the way the many-token bf16 kernel of AVX512_BF16 prefetches ([`ManyFetch`]) as
 /// [`pick_fetch`] chooses the one-token way: `n_tok` tokens (2 to 15, a batch's decode
 /// step) through `mats` (the way names the hint of every row's requests: 16 KiB ahead in rows
 /// narrower than [`dot::SPREAD_FROM`], spread over the passes in wider ones), every way timed
-/// seven times, interleaved (seven more if `L2` was not the fastest); sets the fastest for the
-/// process ([`dot::set_many_fetch`]). `None`, and nothing set, where that kernel does not run
-/// them (not bf16 weights, not AVX512_BF16, a token count outside that range) or they hold
-/// less than 64 MiB.
+/// fourteen times, interleaved; sets the fastest for the process ([`dot::set_many_fetch`]).
+/// `None`, and nothing set, where that kernel does not run them (not bf16 weights, not
+/// AVX512_BF16, a token count outside that range) or they hold less than 64 MiB.
 pub fn pick_many_fetch(
     team: &super::Team,
     mats: &[&PackedMat],
@@ -277,22 +283,20 @@ pub fn pick_many_fetch(
     if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
         return None;
     }
-    pick_way(team, mats, n_tok, ManyFetch::ALL, ManyFetch::L2, dot::set_many_fetch)
+    pick_way(team, mats, n_tok, ManyFetch::ALL, dot::set_many_fetch)
 }
 
 /// Picks one of the `ways` of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
 /// `n_tok` tokens through the matrices in order (the first of them up to 256 MiB) in one
 /// region of `team`, [`PICK_ROUNDS`] times under each way (`set` makes a way the process's),
-/// interleaved; if the fastest is not `default`, as many rounds again, and the fastest over
-/// all of them. Sets the way with the shortest median pass, each pass as a share of its
+/// interleaved. Sets the way with the shortest median pass, each pass as a share of its
 /// round's mean, and returns it with every way's median (in `ways`' order); `None`, and no
 /// way set, when the matrices hold less than 64 MiB.
-fn pick_way<T: Copy + PartialEq, const W: usize>(
+fn pick_way<T: Copy, const W: usize>(
     team: &super::Team,
     mats: &[&PackedMat],
     n_tok: usize,
     ways: [T; W],
-    default: T,
     set: impl Fn(T),
 ) -> Option<(T, [f64; W])> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
@@ -325,43 +329,34 @@ fn pick_way<T: Copy + PartialEq, const W: usize>(
         });
         t.elapsed().as_secs_f64()
     };
-    let default = ways.iter().position(|&w| w == default).unwrap_or(0);
-    let (k, median) = pick_by(default, pass);
+    let (k, median) = pick_by(pass);
     set(ways[k]);
     Some((ways[k], median))
 }
 
 /// The timing behind [`pick_way`]: [`PICK_ROUNDS`] rounds of `pass(k)` (seconds) for every way
-/// `k` of `W`, each round starting with another way; if the way with the shortest median pass
-/// (each pass as a share of its round's mean) is not `default`, as many rounds again, and the
-/// shortest over all of them. Returns that way and every way's median share.
-fn pick_by<const W: usize>(default: usize, mut pass: impl FnMut(usize) -> f64) -> (usize, [f64; W]) {
-    let mut secs: [Vec<f64>; W] = std::array::from_fn(|_| Vec::new());
-    let mut rounds = 0;
-    loop {
-        for round in rounds..rounds + PICK_ROUNDS {
-            for k in 0..W {
-                // Each round starts with another way, so none is always the first after the last.
-                let k = (k + round) % W;
-                secs[k].push(pass(k));
-            }
-        }
-        rounds += PICK_ROUNDS;
-        // Each pass as a share of its round's mean, so that a host's drift from round to round
-        // does not count for the ways timed while it read faster.
-        let mean: Vec<f64> = (0..rounds).map(|r| secs.iter().map(|s| s[r]).sum::<f64>() / W as f64).collect();
-        let median: [f64; W] = std::array::from_fn(|k| {
-            let mut rel: Vec<f64> = secs[k].iter().zip(&mean).map(|(t, m)| t / m).collect();
-            rel.sort_by(f64::total_cmp);
-            rel[rel.len() / 2]
-        });
-        let k = (0..W).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(0);
-        // A way other than the default is kept only if it is still the fastest over twice the
-        // rounds: one spell of the host's can put any way ahead for seven.
-        if k == default || rounds > PICK_ROUNDS {
-            return (k, median);
+/// `k` of `W`, each round starting with another way. Returns the way with the shortest median
+/// pass, each pass as a share of its round's mean, and every way's median share.
+fn pick_by<const W: usize>(mut pass: impl FnMut(usize) -> f64) -> (usize, [f64; W]) {
+    let mut secs: [Vec<f64>; W] = std::array::from_fn(|_| Vec::with_capacity(PICK_ROUNDS));
+    for round in 0..PICK_ROUNDS {
+        for k in 0..W {
+            // Each round starts with another way, so none is always the first after the last.
+            let k = (k + round) % W;
+            secs[k].push(pass(k));
         }
     }
+    // Each pass as a share of its round's mean, so that a host's drift from round to round
+    // does not count for the ways timed while it read faster.
+    let mean: Vec<f64> =
+        (0..PICK_ROUNDS).map(|r| secs.iter().map(|s| s[r]).sum::<f64>() / W as f64).collect();
+    let median: [f64; W] = std::array::from_fn(|k| {
+        let mut rel: Vec<f64> = secs[k].iter().zip(&mean).map(|(t, m)| t / m).collect();
+        rel.sort_by(f64::total_cmp);
+        rel[rel.len() / 2]
+    });
+    let k = (0..W).min_by(|&a, &b| median[a].total_cmp(&median[b])).unwrap_or(0);
+    (k, median)
 }
 
 thread_local! {
@@ -1418,36 +1413,34 @@ mod tests {
         }
     }
 
-    /// The rounds behind a pick: the default kept after seven; another way only if it is still
-    /// the fastest after fourteen, else the fastest over all fourteen.
+    /// The rounds behind a pick: fourteen of every way, whichever leads, and the way with the
+    /// shortest median pass is picked, even where another led the first rounds.
     #[test]
-    fn a_way_other_than_the_default_must_stay_the_fastest_for_twice_the_rounds() {
+    fn the_pick_is_the_fastest_way_over_fourteen_rounds_whichever_led_the_first() {
         // Scripted passes: `secs(k, round)` is way k's pass in that round.
-        let run = |default: usize, secs: &dyn Fn(usize, usize) -> f64| {
+        let run = |secs: &dyn Fn(usize, usize) -> f64| {
             let mut passes = [0usize; 4];
-            let (k, median) = pick_by::<4>(default, |k| {
+            let (k, median) = pick_by::<4>(|k| {
                 passes[k] += 1;
                 secs(k, passes[k] - 1)
             });
-            assert!(passes.iter().all(|&p| p == passes[0]), "{passes:?}");
-            (k, passes[0], median)
+            assert!(passes.iter().all(|&p| p == PICK_ROUNDS), "{passes:?}");
+            (k, median)
         };
-        let fast = |yes: bool| if yes { 0.9 } else { 1.0 };
-        // The default the fastest: seven rounds.
-        let (k, rounds, _) = run(1, &|k, _| fast(k == 1));
-        assert_eq!((k, rounds), (1, PICK_ROUNDS));
-        // Another way the fastest throughout: fourteen rounds, and it is kept.
-        let (k, rounds, median) = run(1, &|k, _| fast(k == 2));
-        assert_eq!((k, rounds), (2, 2 * PICK_ROUNDS));
-        assert!(median[2] < median[1], "{median:?}");
-        // Another way ahead of the default for the first seven rounds only, then behind it:
-        // the default is kept.
-        let (k, rounds, _) = run(1, &|k, round| match k {
-            1 => 0.95,
-            3 if round < PICK_ROUNDS => 0.9,
+        // One way the fastest throughout: it is picked, whichever it is.
+        for fast in 0..4 {
+            let (k, median) = run(&|k, _| if k == fast { 0.9 } else { 1.0 });
+            assert_eq!(k, fast, "{median:?}");
+            assert!((0..4).all(|o| o == fast || median[o] > median[fast]), "{median:?}");
+        }
+        // A start that spares one way (ahead for the first five rounds, then behind another):
+        // the other is picked. (Seven rounds alone would have picked the first.)
+        let (k, median) = run(&|k, round| match k {
+            1 if round < 5 => 0.8,
+            0 => 0.95,
             _ => 1.0,
         });
-        assert_eq!((k, rounds), (1, 2 * PICK_ROUNDS));
+        assert_eq!(k, 0, "{median:?}");
     }
 
     #[test]
