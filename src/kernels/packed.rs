@@ -250,10 +250,10 @@ const PICK_MAX_BYTES: usize = 256 << 20;
 /// long as the later ones), enough to put any way ahead for seven rounds. Before, the way used
 /// before any was timed (`Near`, `L2`) was kept after seven rounds if it led them. On Zen 4
 /// llama-3.2-1b-shaped int8 weights decoded at 0.77–0.81 of the bandwidth in the 3 runs of 51
-/// (the cores apart) whose pick kept `near` (2) or took `nta` (1), against a median of 0.98
-/// in the 48 with none (0.80–1.11). In 22 starts of SmolLM2 and of the shape in bf16 whose
-/// picks were judged both ways, seven rounds kept `near` where fourteen took none in 3 (in
-/// 12 of the int8 shape, none either way).
+/// (the cores apart or between) whose pick kept `near` (2) or took `nta` (1), against a median
+/// of 0.98 in the 48 with none (0.80–1.11). In 22 starts of SmolLM2 and of the shape in bf16
+/// whose picks were judged both ways, seven rounds kept `near` where fourteen took none in 3
+/// (in 12 of the int8 shape, none either way).
 const PICK_ROUNDS: usize = 14;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
