@@ -84,10 +84,7 @@ fn bench_synthetic_shape_one_rank() {
         "64",
         "--json",
     ]);
-    let out = gridlm_reference::run_with_timeout(cmd, 600);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    check(&j, 1);
+    let (j, stderr) = bench_one_rank(cmd);
     // One rank, nothing overlaps: decode's bandwidth is read between its steps.
     assert_eq!(j["bandwidth_reads"], "between_steps", "{j}");
     // SmolLM2's ~210 MB of layers are past any cache: the prefetch was timed on them.
@@ -111,7 +108,7 @@ fn bench_synthetic_shape_one_rank() {
     // the decode steps of 4 new tokens after 8 see 10 positions on average.
     assert_eq!(j["kv_bytes_per_token"], 30 * 3 * 64 * 2 * 2 * 10, "{j}");
     assert_eq!(rank["kv_bytes_per_position"], 30 * 3 * 64 * 2 * 2, "{rank}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("bench: rep 2/2"), "progress lines");
+    assert!(stderr.contains("bench: rep 2/2"), "progress lines");
 }
 
 /// A batch's decode steps on AVX512_BF16 go through the many-token bf16 kernel, whose prefetch
@@ -122,10 +119,7 @@ fn bench_times_the_many_token_prefetch_for_a_batch() {
     cmd.env_remove("GRIDLM_MANY_PREFETCH").args(["bench", "--shape", "smollm2-135m", "--batch", "4"]);
     cmd.args(["--prompt-len", "4", "--new-tokens", "2", "--warmup", "0", "--reps", "1"]);
     cmd.args(["--bandwidth-mib", "64", "--json"]);
-    let out = gridlm_reference::run_with_timeout(cmd, 600);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    check(&j, 1);
+    let (j, _) = bench_one_rank(cmd);
     let rank = &j["ranks"][0];
     if rank["isa"] == "avx512bf16" {
         assert_eq!(rank["many_prefetch_by"], "timed", "{rank}");
@@ -258,10 +252,7 @@ fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
     let mut cmd = std::process::Command::new(bin());
     cmd.args(common).args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "1", "--reps", "3"]);
     cmd.args(["--bandwidth-mib", "64", "--json"]);
-    let out = gridlm_reference::run_with_timeout(cmd, 600);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    check(&j, 1);
+    let (j, stderr) = bench_one_rank(cmd);
     // The report and the rank's figures are the int8 weights'.
     assert_eq!(j["weight_dtype"], "int8");
     assert!(!j["ranks"][0]["int8_kernel"].is_null(), "{j}");
@@ -294,7 +285,6 @@ fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
         assert!(close(by_rep[k].as_f64().unwrap(), f(&quantized[k], tps) / f(&unquantized[k], tps)), "{u}");
     }
     // The runs in order: both weights at each warm-up and rep, the first alternating.
-    let stderr = String::from_utf8_lossy(&out.stderr);
     let labels = progress_labels(&stderr);
     let expected = [
         "warm-up 1/1 (bf16)",
@@ -327,10 +317,7 @@ fn bench_compares_a_batch_with_another_in_turn() {
     cmd.args(["bench", "--shape", "smollm2-135m", "--batch", "3", "--compare-batch", "1"]);
     cmd.args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--reps", "2"]);
     cmd.args(["--bandwidth-mib", "64", "--json"]);
-    let out = gridlm_reference::run_with_timeout(cmd, 600);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    check(&j, 1);
+    let (j, stderr) = bench_one_rank(cmd);
     let b = &j["baseline"];
     assert_eq!((&b["weight_dtype"], &b["batch"], &j["batch"]), (&"bf16".into(), &1.into(), &3.into()), "{b}");
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
@@ -341,10 +328,20 @@ fn bench_compares_a_batch_with_another_in_turn() {
     let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
     assert!(close(f(b, "speedup"), f(&j, tps) / f(b, tps)), "{b}");
     assert_eq!(b["runs"].as_array().unwrap().len(), 2, "{b}");
-    let stderr = String::from_utf8_lossy(&out.stderr);
     let labels = progress_labels(&stderr);
     let expected = ["rep 1/2 (batch 1)", "rep 1/2 (batch 3)", "rep 2/2 (batch 3)", "rep 2/2 (batch 1)"];
     assert_eq!(labels, expected, "{stderr}");
+}
+
+/// Runs `cmd`, a one-rank `gridlm bench ... --json`, which must succeed: its report, checked
+/// ([`check`]), and its stderr.
+fn bench_one_rank(cmd: std::process::Command) -> (serde_json::Value, String) {
+    let out = gridlm_reference::run_with_timeout(cmd, 600);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    check(&j, 1);
+    (j, stderr)
 }
 
 /// The runs named by bench's progress lines on `stderr`, in order ("rep 1/2 (batch 1)"); a
