@@ -19,7 +19,7 @@ use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
 use gridlm::weights::checkpoint::Checkpoint;
-use gridlm::weights::{convert, synthetic, DType, Source};
+use gridlm::weights::{convert, synthetic, Cast, DType, Source};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -356,9 +356,10 @@ struct BenchArgs {
     /// smollm2-135m, qwen2-0.5b, llama-3.2-1b, llama-2-7b, llama-3-8b, llama-2-70b.
     #[arg(long)]
     shape: Option<String>,
-    /// Weight dtype of a --shape model.
-    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
-    dtype: DType,
+    /// Weight dtype: of a --shape model (default bf16); with --model, the checkpoint's
+    /// matrices converted to it at load (default: as stored).
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<DType>,
     #[command(flatten)]
     work: WorkloadArgs,
     /// Unmeasured sequences before the measured ones.
@@ -1236,9 +1237,14 @@ fn run_bench(
     let (cfg, plan) = agree(link, setup)?;
     let full_cfg = cfg.clone();
     let rss_before = host::rss_bytes();
-    let open = || match &a.model {
-        Some(dir) => Checkpoint::open(dir).map(|c| Box::new(c) as Box<dyn Source>),
-        None => Ok(Box::new(synthetic::Synthetic { dtype: a.dtype, seed: 0x6772_6964 }) as Box<dyn Source>),
+    let open = || match (&a.model, a.dtype) {
+        (Some(dir), None) => Checkpoint::open(dir).map(|c| Box::new(c) as Box<dyn Source>),
+        (Some(dir), Some(dtype)) => Checkpoint::open(dir)
+            .map(|inner| Box::new(Cast { inner, dtype, dir: dir.clone() }) as Box<dyn Source>),
+        (None, dtype) => {
+            let dtype = dtype.unwrap_or(DType::BF16);
+            Ok(Box::new(synthetic::Synthetic { dtype, seed: 0x6772_6964 }) as Box<dyn Source>)
+        }
     };
     let shard = load_shard(link, open(), cfg.clone(), plan.clone(), a.engine.quant)?;
     let mut engine = agree(link, Engine::new(shard, grid, threads, a.engine.kv_dtype))?;

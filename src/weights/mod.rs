@@ -31,6 +31,54 @@ pub trait Source {
     }
 }
 
+/// A source whose matrices are converted to `dtype` as they are read (`bench --model DIR
+/// --dtype`), so one checkpoint can be measured in every weight dtype. 1-D tensors (norms,
+/// biases) are read as f32 from the source itself, as they are for every dtype.
+pub struct Cast<S> {
+    pub inner: S,
+    pub dtype: DType,
+    /// Named in errors: the checkpoint's folder.
+    pub dir: std::path::PathBuf,
+}
+
+impl<S: Source> Cast<S> {
+    fn cast(&self, name: &str, m: Mat) -> Result<Mat> {
+        let data = m.data.cast(self.dtype);
+        if let (Data::F16(out), false) = (&data, m.data.dtype() == DType::F16) {
+            if let Some(i) = out.iter().position(|x| x.is_infinite()) {
+                let v = m.data.to_f32_vec()[i];
+                if v.is_finite() {
+                    return Err(crate::error::Error::tensor(
+                        &self.dir,
+                        name,
+                        format!("holds {v}, beyond f16's range (±65504); bench it in bf16 or f32"),
+                    ));
+                }
+            }
+        }
+        Ok(Mat { data, ..m })
+    }
+}
+
+impl<S: Source> Source for Cast<S> {
+    fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
+        self.cast(name, self.inner.rows(name, expected_shape, rows)?)
+    }
+    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
+        self.cast(name, self.inner.cols(name, expected_shape, cols)?)
+    }
+    fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {
+        self.inner.dtype(name, expected_shape)?;
+        Ok(self.dtype)
+    }
+    fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        self.inner.vector_f32(name, len)
+    }
+    fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        self.inner.vector_range_f32(name, len, range)
+    }
+}
+
 /// Element type of stored weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DType {
@@ -167,5 +215,56 @@ impl Mat {
             first.data.extend(&m.data);
         }
         first
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One 2x2 matrix `w` holding `values` in f32.
+    struct Fixed(Vec<f32>);
+
+    impl Source for Fixed {
+        fn rows(&self, _: &str, shape: &[usize], rows: Range<usize>) -> Result<Mat> {
+            let cols = shape.get(1).copied().unwrap_or(1);
+            let v = self.0[rows.start * cols..rows.end * cols].to_vec();
+            Ok(Mat { rows: rows.len(), cols, data: Data::F32(v) })
+        }
+        fn cols(&self, name: &str, shape: &[usize], cols: Range<usize>) -> Result<Mat> {
+            let all = self.rows(name, shape, 0..shape[0])?.data.to_f32_vec();
+            let v = all.chunks(shape[1]).flat_map(|r| r[cols.clone()].to_vec()).collect();
+            Ok(Mat { rows: shape[0], cols: cols.len(), data: Data::F32(v) })
+        }
+        fn dtype(&self, _: &str, _: &[usize]) -> Result<DType> {
+            Ok(DType::F32)
+        }
+    }
+
+    #[test]
+    fn cast_converts_matrices_and_keeps_vectors() {
+        let values = vec![1.0 / 3.0, -2.5, 1e-3, 7.0];
+        let cast = Cast { inner: Fixed(values.clone()), dtype: DType::F16, dir: "m".into() };
+        assert_eq!(cast.dtype("w", &[2, 2]).unwrap(), DType::F16);
+        let rows = cast.rows("w", &[2, 2], 1..2).unwrap();
+        let want: Vec<f16> = values[2..].iter().map(|&x| f16::from_f32(x)).collect();
+        assert!(matches!(&rows.data, Data::F16(v) if *v == want), "{rows:?}");
+        let cols = cast.cols("w", &[2, 2], 0..1).unwrap();
+        let f = |x: f32| f16::from_f32(x).to_f32();
+        assert_eq!(cols.data.to_f32_vec(), [f(values[0]), f(values[2])]);
+        // Norms and biases stay f32, as the source gives them.
+        assert_eq!(cast.vector_f32("w", 4).unwrap(), values);
+    }
+
+    #[test]
+    fn cast_to_f16_names_a_value_out_of_its_range() {
+        let cast =
+            Cast { inner: Fixed(vec![1.0, 7e4, 0.0, f32::INFINITY]), dtype: DType::F16, dir: "m".into() };
+        let e = cast.rows("w", &[2, 2], 0..2).unwrap_err().to_string();
+        assert!(e.contains("tensor `w`") && e.contains("70000") && e.contains("f16"), "{e}");
+        // An infinity stays one: only finite values that f16 cannot hold are refused.
+        assert!(cast.rows("w", &[2, 2], 1..2).is_ok());
+        let bf16 = Cast { inner: Fixed(vec![1.0, 7e4, 0.0, 1.0]), dtype: DType::BF16, dir: "m".into() };
+        assert!(bf16.rows("w", &[2, 2], 0..2).is_ok());
     }
 }

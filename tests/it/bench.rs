@@ -179,6 +179,30 @@ fn bench_model_folder_on_two_stages() {
     assert!((per_token * 3.0 - 2.0 * per_step).abs() <= 3.0, "{per_token} x 3 vs 2 x {per_step}");
 }
 
+/// `--dtype` with `--model`: the checkpoint's matrices converted at load, so a folder stored in
+/// f32 is measured in bf16 and f16 as well.
+#[test]
+fn bench_converts_a_model_folder_to_the_dtype_asked_for() {
+    let (_t, dir) = tiny_llama();
+    let bench = |dtype: Option<&str>| {
+        let mut cmd = std::process::Command::new(bin());
+        cmd.args(["bench", "--model", path_str(&dir), "--prompt-len", "4", "--new-tokens", "2"]);
+        cmd.args(["--warmup", "0", "--reps", "1", "--bandwidth-mib", "32", "--json"]);
+        cmd.args(dtype.map(|d| vec!["--dtype", d]).unwrap_or_default());
+        bench_one_rank(cmd).0
+    };
+    let stored = bench(None);
+    assert_eq!(stored["weight_dtype"], "f32", "{stored}");
+    let f32_bytes = stored["weight_bytes_per_token"].as_f64().unwrap();
+    for dtype in ["bf16", "f16"] {
+        let j = bench(Some(dtype));
+        assert_eq!(j["weight_dtype"], dtype, "{j}");
+        // Half the bytes, less the norms' (f32 whatever the matrices' dtype).
+        let ratio = f32_bytes / j["weight_bytes_per_token"].as_f64().unwrap();
+        assert!((1.95..2.0).contains(&ratio), "{ratio}: {j}");
+    }
+}
+
 #[test]
 fn bench_rejects_unknown_shape() {
     let out = gridlm(&["bench", "--shape", "gpt-5"]);
