@@ -12,17 +12,26 @@ use std::time::Instant;
 /// prefetcher alone; else that many bytes ahead, non-temporal, as the matrix kernels may
 /// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead, 4 KiB in the float FMA
 /// kernels); `streams`, each thread's share read as one stream or as two side by side (its
-/// first half beside its second), as the one-token AVX2 kernels read a range. So that no way
-/// the kernels read is faster than the fastest of these. (On the 2-core Zen 5 machine the
-/// 4 KiB ways read at 0.94–1.04 of the fastest of the others, a median of 1.00 over 193
-/// readings.)
-const READS: [(usize, usize); 8] =
-    [(0, 1), (512, 1), (1024, 1), (2048, 1), (4096, 1), (0, 2), (1024, 2), (4096, 2)];
+/// first half beside its second), as the one-token AVX2 kernels read a range; `page`, one
+/// line a 4 KiB page asked for into L2, as [`super::Fetch::Page`] asks. So that no way the
+/// kernels read is faster than the fastest of these. (On the 2-core Zen 5 machine the 4 KiB
+/// ways read at 0.94–1.04 of the fastest of the others, a median of 1.00 over 193 readings.)
+const READS: [(usize, usize, bool); 9] = [
+    (0, 1, false),
+    (512, 1, false),
+    (1024, 1, false),
+    (2048, 1, false),
+    (4096, 1, false),
+    (0, 2, false),
+    (1024, 2, false),
+    (4096, 2, false),
+    (0, 1, true),
+];
 
 /// Sums `buf` with every team thread, each over its own contiguous share (as the kernels
 /// split a matrix), with wide independent accumulators so loads are the limit, read the way
 /// `read` says ([`READS`]).
-fn read_all(team: &Team, buf: &[f32], isa: Isa, (ahead, streams): (usize, usize)) -> f32 {
+fn read_all(team: &Team, buf: &[f32], isa: Isa, (ahead, streams, page): (usize, usize, bool)) -> f32 {
     let share = buf.len().div_ceil(team.threads()).max(1);
     let sums: Vec<AtomicU32> = (0..team.threads()).map(|_| AtomicU32::new(0)).collect();
     team.run(&|tid| {
@@ -32,8 +41,8 @@ fn read_all(team: &Team, buf: &[f32], isa: Isa, (ahead, streams): (usize, usize)
             // SAFETY: every non-portable Isa is only detected with avx2 and fma present.
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
                 match streams {
-                    2 => avx2::sum::<2>(c, ahead),
-                    _ => avx2::sum::<1>(c, ahead),
+                    2 => avx2::sum::<2>(c, ahead, page),
+                    _ => avx2::sum::<1>(c, ahead, page),
                 }
             },
             _ => c.iter().sum::<f32>(),
@@ -55,7 +64,7 @@ fn filled(bytes: usize) -> HugeBuf<f32> {
 }
 
 /// Seconds one full read of `buf` by every thread of `team` takes, `read` one of [`READS`].
-fn time_read(team: &Team, buf: &[f32], isa: Isa, read: (usize, usize)) -> f64 {
+fn time_read(team: &Team, buf: &[f32], isa: Isa, read: (usize, usize, bool)) -> f64 {
     let t = Instant::now();
     std::hint::black_box(read_all(team, buf, isa, read));
     t.elapsed().as_secs_f64()
@@ -199,17 +208,19 @@ pub fn handoff_us(team: &Team, calls: usize) -> f64 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use crate::kernels::dot::FETCH_PAGE_AHEAD;
     use std::arch::x86_64::*;
 
     /// The sum of `c`, read as `S` streams side by side (its `S` equal parts, a pair of lines
     /// of each at a time, as the one-token AVX2 kernels read a thread's range in two); with
     /// `ahead > 0`, each pair of lines is asked for `ahead` bytes before it is loaded
-    /// (non-temporal hint, as the matrix kernels do).
+    /// (non-temporal hint, as the matrix kernels do); with `page`, where a pair of lines begins
+    /// a 4 KiB page, the line [`FETCH_PAGE_AHEAD`] past it, into L2 (as `Fetch::Page` asks).
     ///
     /// # Safety
     /// The CPU must have avx2 and fma.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn sum<const S: usize>(c: &[f32], ahead: usize) -> f32 {
+    pub unsafe fn sum<const S: usize>(c: &[f32], ahead: usize, page: bool) -> f32 {
         let part = c.len() / S / 32 * 32;
         let mut a = [[_mm256_setzero_ps(); 4]; S];
         let p = c.as_ptr();
@@ -222,6 +233,9 @@ mod avx2 {
                     let f = (at as *const i8).wrapping_add(ahead);
                     _mm_prefetch(f, _MM_HINT_NTA);
                     _mm_prefetch(f.wrapping_add(64), _MM_HINT_NTA);
+                }
+                if page && (at as usize) & 4095 < 128 {
+                    _mm_prefetch((at as *const i8).wrapping_add(FETCH_PAGE_AHEAD), _MM_HINT_T1);
                 }
                 for (k, acc) in acc.iter_mut().enumerate() {
                     *acc = _mm256_add_ps(*acc, _mm256_loadu_ps(at.add(8 * k)));
