@@ -44,10 +44,12 @@ pub struct Cast<S> {
 impl<S: Source> Cast<S> {
     fn cast(&self, name: &str, m: Mat) -> Result<Mat> {
         let data = m.data.cast(self.dtype);
-        if let (Data::F16(out), false) = (&data, m.data.dtype() == DType::F16) {
-            if let Some(i) = out.iter().position(|x| x.is_infinite()) {
-                let v = m.data.to_f32_vec()[i];
-                if v.is_finite() {
+        // An infinity that was finite before the cast: a value f16 cannot hold (an infinity
+        // in the source stays one, wherever it lies).
+        if let Data::F16(out) = &data {
+            if out.iter().any(|x| x.is_infinite()) {
+                let src = m.data.to_f32_vec();
+                if let Some((_, v)) = out.iter().zip(&src).find(|(o, v)| o.is_infinite() && v.is_finite()) {
                     return Err(crate::error::Error::tensor(
                         &self.dir,
                         name,
@@ -262,8 +264,13 @@ mod tests {
             Cast { inner: Fixed(vec![1.0, 7e4, 0.0, f32::INFINITY]), dtype: DType::F16, dir: "m".into() };
         let e = cast.rows("w", &[2, 2], 0..2).unwrap_err().to_string();
         assert!(e.contains("tensor `w`") && e.contains("70000") && e.contains("f16"), "{e}");
-        // An infinity stays one: only finite values that f16 cannot hold are refused.
+        // An infinity stays one: only finite values that f16 cannot hold are refused, also
+        // where an infinity comes before them.
         assert!(cast.rows("w", &[2, 2], 1..2).is_ok());
+        let after =
+            Cast { inner: Fixed(vec![f32::INFINITY, 7e4, 0.0, 1.0]), dtype: DType::F16, dir: "m".into() };
+        let e = after.rows("w", &[2, 2], 0..1).unwrap_err().to_string();
+        assert!(e.contains("tensor `w`") && e.contains("70000"), "{e}");
         let bf16 = Cast { inner: Fixed(vec![1.0, 7e4, 0.0, 1.0]), dtype: DType::BF16, dir: "m".into() };
         assert!(bf16.rows("w", &[2, 2], 0..2).is_ok());
     }
