@@ -795,6 +795,18 @@ fn prefetch_lines<const HINT: i32>(p: *const i8, lines: std::ops::Range<usize>) 
     }
 }
 
+/// The request of [`Fetch::Page`] for a chunk of `bytes` at `p`, one of a stream of such
+/// chunks: where the chunk begins a 4 KiB page, the line [`FETCH_PAGE_AHEAD`] past it, into L2.
+/// (Exactly one chunk of a stream begins within `bytes` of each page's start.) The kernels ask
+/// so under that way, and the bandwidth probe reads its `page` way with it.
+#[inline]
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn fetch_page(p: *const u8, bytes: usize) {
+    if (p as usize) & 4095 < bytes {
+        prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.wrapping_add(FETCH_PAGE_AHEAD).cast(), 0..1);
+    }
+}
+
 /// `s[i] *= scale`; returns the largest result (−∞ when `s` is empty).
 pub fn scale_max(s: &mut [f32], scale: f32, isa: Isa) -> f32 {
     match isa {
@@ -1614,17 +1626,6 @@ mod avx2 {
         }
     }
 
-    /// The request of [`Fetch::Page`] for a chunk of `bytes` at `wp`, one of a stream of such
-    /// chunks: where the chunk begins a 4 KiB page, the line [`super::FETCH_PAGE_AHEAD`] past it,
-    /// into L2. (Exactly one chunk of a stream begins within `bytes` of each page's start.)
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn fetch_page(wp: *const u8, bytes: usize) {
-        if (wp as usize) & 4095 < bytes {
-            _mm_prefetch::<_MM_HINT_T1>(wp.wrapping_add(super::FETCH_PAGE_AHEAD) as *const i8);
-        }
-    }
-
     /// The prefetch of the many-token kernels (and of [`widen`]): the panel chunk 8 KiB past
     /// the one at `wp`, into L2 (the T1 hint). Such a kernel spends several times longer on a
     /// chunk than the one-token kernel, and with [`fetch_ahead`] (1 KiB ahead, non-temporal)
@@ -1833,7 +1834,7 @@ mod avx2 {
                         fetch_stream_long(w);
                     }
                     if F == Fetch::PAGE {
-                        fetch_page(w as *const u8, 4 * BLOCK * std::mem::size_of::<T>());
+                        super::fetch_page(w as *const u8, 4 * BLOCK * std::mem::size_of::<T>());
                     }
                 }
                 // A panel's four rows, then the next panel's: with a row of each panel in turn
@@ -2150,7 +2151,7 @@ mod avx2 {
                             fetch_far(wp);
                         }
                         if F == Fetch::PAGE {
-                            fetch_page(wp as *const u8, 64);
+                            super::fetch_page(wp as *const u8, 64);
                         }
                         let w01 = _mm256_loadu_si256(wp as *const __m256i);
                         let w23 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
@@ -2348,7 +2349,7 @@ pub use avx512::{
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::avx2::{
-        by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far, fetch_far_then, fetch_page,
+        by_blocks, exp_sub_sum_from as exp_sub_sum_avx2, fetch_chunk, fetch_far, fetch_far_then,
         fetch_stream, fetch_stream_long, page_values as page_values_avx2, scale_max_from as scale_max_avx2,
         store_rows, Avx2Load,
     };
@@ -2419,7 +2420,7 @@ mod avx512 {
             }
         }
         if F == Fetch::PAGE {
-            fetch_page(wp as *const u8, 4 * BLOCK * std::mem::size_of::<T>());
+            super::fetch_page(wp as *const u8, 4 * BLOCK * std::mem::size_of::<T>());
         }
     }
 

@@ -208,14 +208,14 @@ pub fn handoff_us(team: &Team, calls: usize) -> f64 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use crate::kernels::dot::FETCH_PAGE_AHEAD;
+    use crate::kernels::dot::fetch_page;
     use std::arch::x86_64::*;
 
     /// The sum of `c`, read as `S` streams side by side (its `S` equal parts, a pair of lines
     /// of each at a time, as the one-token AVX2 kernels read a thread's range in two); with
     /// `ahead > 0`, each pair of lines is asked for `ahead` bytes before it is loaded
     /// (non-temporal hint, as the matrix kernels do); with `page`, where a pair of lines begins
-    /// a 4 KiB page, the line [`FETCH_PAGE_AHEAD`] past it, into L2 (as `Fetch::Page` asks).
+    /// a 4 KiB page, a line ahead into L2 as `Fetch::Page` asks ([`fetch_page`]).
     ///
     /// # Safety
     /// The CPU must have avx2 and fma.
@@ -234,8 +234,8 @@ mod avx2 {
                     _mm_prefetch(f, _MM_HINT_NTA);
                     _mm_prefetch(f.wrapping_add(64), _MM_HINT_NTA);
                 }
-                if page && (at as usize) & 4095 < 128 {
-                    _mm_prefetch((at as *const i8).wrapping_add(FETCH_PAGE_AHEAD), _MM_HINT_T1);
+                if page {
+                    fetch_page(at as *const u8, 128);
                 }
                 for (k, acc) in acc.iter_mut().enumerate() {
                     *acc = _mm256_add_ps(*acc, _mm256_loadu_ps(at.add(8 * k)));
