@@ -270,7 +270,8 @@ impl PrefetchBy {
 }
 
 /// This rank's one-token prefetch: the one `GRIDLM_PREFETCH` names (none, near, far, nta or
-/// page), else the fastest on its own layers, timed on `team`, else [`kernels::Fetch::Near`].
+/// page), else the fastest on its own layers, timed on `team` ([`Shard::pick_fetch`]: `page`
+/// unless another is clearly faster), else [`kernels::Fetch::Near`].
 /// Set for the process ([`kernels::dot::set_fetch`]).
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
     let named = named_in_env("GRIDLM_PREFETCH", kernels::Fetch::parse, "none, near, far, nta or page")?;

@@ -536,7 +536,8 @@ pub fn page_values<T: Elem + Avx2Load>(
 /// 0.94–1.00 and 0.96–0.99 while they sat together); on Zen 5, apart, `Far` decoded SmolLM2
 /// 5% faster than `Near`, and [`Fetch::Nta`] 2–5% faster than either, together and apart. So
 /// each rank times its own layers under every way at start-up ([`super::packed::pick_fetch`])
-/// and keeps the fastest; `GRIDLM_PREFETCH` names one instead.
+/// and keeps the fastest, or [`Fetch::Page`] where it is within a margin of the fastest (which
+/// ways are close changes with where the cores sit); `GRIDLM_PREFETCH` names one instead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fetch {
     /// No software prefetch: the hardware prefetchers alone.
