@@ -259,19 +259,20 @@ const PICK_ROUNDS: usize = 14;
 /// How much faster than [`Fetch::Page`] another one-token way must time (its median share of
 /// a round at most `1 / (1 + PICK_MARGIN)` of `Page`'s) to be picked over it. Where the cores
 /// sit decides which ways are close, and it changes while a process runs: on the 2-core Zen 4
-/// machine, in 20 picks on SmolLM2's layers with the cores together `None`, `Near` and `Nta`
-/// timed within 0.5% of `Page` (or ahead of it) in 4, and in 20 on llama-3.2-1b's with them
-/// apart every other way timed 1.1–6.5% behind it (`Nta` 9.9–19.9%). A run whose pick took
-/// `Nta` with them together then decoded the llama-3.2-1b shape apart at 0.807 of the probe,
-/// where runs with `Page` apart reached 0.89–1.0. Within the margin the pick keeps `Page`;
-/// beyond it (where another CPU streams faster another way) it takes the fastest.
+/// machine, in 20 picks on SmolLM2's layers with the cores together or close, one of `None`,
+/// `Near` and `Nta` timed within 0.5% of `Page` (or ahead of it) in 6 and within 2% in 16,
+/// and in 20 on llama-3.2-1b's with them apart `None` and `Near` timed 1.1–6.5% behind it,
+/// `Nta` 9.9–19.9%. A run whose pick took `Nta` then decoded the llama-3.2-1b shape apart at
+/// 0.807 of the probe, where runs with `Page` apart reached 0.90–0.99. Within the margin the
+/// pick keeps `Page`; beyond it (where another CPU streams faster another way) it takes the
+/// fastest.
 const PICK_MARGIN: f64 = 0.02;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
 /// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a decode step
 /// runs them, fourteen times (`PICK_ROUNDS`) under each way, interleaved, after one untimed
 /// pass. Sets the way with the shortest median pass for the process ([`dot::set_fetch`]),
-/// unless [`Fetch::Page`]'s is within [`PICK_MARGIN`] of it (then `Page`), and returns it,
+/// unless [`Fetch::Page`]'s is within 2% of it (`PICK_MARGIN`; then `Page`), and returns it,
 /// with each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order).
 /// `None`, and nothing set, when the matrices hold less than 64 MiB: they would be timed in
 /// cache, where the prefetch hardly matters.
