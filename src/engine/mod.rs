@@ -274,7 +274,8 @@ impl PrefetchBy {
 /// unless another is clearly faster), else [`kernels::Fetch::Near`].
 /// Set for the process ([`kernels::dot::set_fetch`]).
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
-    let named = named_in_env("GRIDLM_PREFETCH", kernels::Fetch::parse, "none, near, far, nta or page")?;
+    let names = kernels::Fetch::ALL.map(kernels::Fetch::name);
+    let named = named_in_env("GRIDLM_PREFETCH", kernels::Fetch::parse, &names)?;
     let chosen = if let Some(f) = named {
         (f, PrefetchBy::Env)
     } else if let Some((f, _)) = shard.pick_fetch(team) {
@@ -290,7 +291,8 @@ fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, Prefet
 /// process ([`kernels::dot::set_many_fetch`]); else [`kernels::ManyFetch::L2`], until
 /// [`Engine::pick_many_prefetch`] times it.
 fn many_prefetch_from_env() -> Result<(kernels::ManyFetch, PrefetchBy)> {
-    let named = named_in_env("GRIDLM_MANY_PREFETCH", kernels::ManyFetch::parse, "l2 or nta")?;
+    let names = kernels::ManyFetch::ALL.map(kernels::ManyFetch::name);
+    let named = named_in_env("GRIDLM_MANY_PREFETCH", kernels::ManyFetch::parse, &names)?;
     let chosen = named.map_or((kernels::ManyFetch::L2, PrefetchBy::Default), |f| (f, PrefetchBy::Env));
     kernels::dot::set_many_fetch(chosen.0);
     Ok(chosen)
@@ -313,13 +315,20 @@ fn timed_many_prefetch(
 }
 
 /// The way the environment variable `var` names, if it is set (`parse` reads its trimmed
-/// value); a value `parse` does not know is an input error that lists the `expected` names.
-fn named_in_env<T>(var: &str, parse: fn(&str) -> Option<T>, expected: &str) -> Result<Option<T>> {
+/// value); a value `parse` does not know is an input error that lists the way's `names`
+/// ("a, b or c"), so a way added to its type's `ALL` is listed without another edit.
+fn named_in_env<T>(var: &str, parse: fn(&str) -> Option<T>, names: &[&str]) -> Result<Option<T>> {
     let Some(v) = std::env::var_os(var) else {
         return Ok(None);
     };
     let v = v.to_string_lossy();
-    parse(v.trim()).map(Some).ok_or_else(|| Error::Input(format!("{var} is '{v}': expected {expected}")))
+    parse(v.trim()).map(Some).ok_or_else(|| {
+        let expected = match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.join(""),
+        };
+        Error::Input(format!("{var} is '{v}': expected {expected}"))
+    })
 }
 
 impl Engine {
