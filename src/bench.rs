@@ -33,8 +33,8 @@ pub struct RankReport {
     /// [`crate::kernels::Fetch`]), and what decided it (`timed`, `GRIDLM_PREFETCH` or `default`).
     pub prefetch: String,
     pub prefetch_by: String,
-    /// How its many-token bf16 products on AVX512_BF16 prefetch (`l2` or `nta`,
-    /// [`crate::kernels::ManyFetch`]), and what decided it (`timed`, `GRIDLM_MANY_PREFETCH` or
+    /// How its many-token bf16 products on AVX512_BF16 stream their weights (`l2`, `nta` or
+    /// `whole`, [`crate::kernels::ManyFetch`]), and what decided it (`timed`, `GRIDLM_MANY_PREFETCH` or
     /// `default`: not timed, as for a run of one token a step).
     pub many_prefetch: String,
     pub many_prefetch_by: String,

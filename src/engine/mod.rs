@@ -287,7 +287,7 @@ fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, Prefet
     Ok(chosen)
 }
 
-/// This rank's many-token prefetch as `GRIDLM_MANY_PREFETCH` names it (l2 or nta), set for the
+/// This rank's many-token prefetch as `GRIDLM_MANY_PREFETCH` names it (l2, nta or whole), set for the
 /// process ([`kernels::dot::set_many_fetch`]); else [`kernels::ManyFetch::L2`], until
 /// [`Engine::pick_many_prefetch`] times it.
 fn many_prefetch_from_env() -> Result<(kernels::ManyFetch, PrefetchBy)> {
@@ -299,7 +299,7 @@ fn many_prefetch_from_env() -> Result<(kernels::ManyFetch, PrefetchBy)> {
 }
 
 /// The many-token prefetch of `shard` at `tokens` a decode step: `current` where
-/// `GRIDLM_MANY_PREFETCH` named it or that kernel would not run such steps, else the faster on
+/// `GRIDLM_MANY_PREFETCH` named it or that kernel would not run such steps, else the fastest on
 /// the shard's own layers, timed on `team` ([`Shard::pick_many_fetch`], which sets it for the
 /// process).
 fn timed_many_prefetch(
@@ -423,7 +423,7 @@ impl Engine {
     }
 
     /// Times this rank's many-token prefetch on its own layers at `tokens` a decode step (the
-    /// most its run decodes at once; [`Shard::pick_many_fetch`]) and keeps the faster, unless
+    /// most its run decodes at once; [`Shard::pick_many_fetch`]) and keeps the fastest, unless
     /// `GRIDLM_MANY_PREFETCH` named one or that kernel would not run such steps. Local to the
     /// rank: no MPI.
     pub fn pick_many_prefetch(&mut self, tokens: usize) {

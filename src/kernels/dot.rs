@@ -612,12 +612,13 @@ pub fn set_fetch(f: Fetch) {
 
 /// How the many-token bf16 kernel of AVX512_BF16 (a batch's decode step, a short prompt) asks
 /// for its weights: into L2 or non-temporal, 16 KiB ahead, or in rows of [`SPREAD_FROM`]
-/// columns or more the next panels a share in every pass (see there). On the 2-core Zen 5
+/// columns or more the next panels a share in every pass (see there); or, for a batch of up
+/// to eight, how it streams them too ([`ManyFetch::Whole`]). On the 2-core Zen 5
 /// machine the non-temporal hint made SmolLM2's layer products of 8 tokens 7–12% faster and of
 /// 12 tokens 3% (of 2 and 4 the same), and whole runs at a batch of 8 decode at 965–1009
 /// tokens/s against 881–908 (together) and 1130–1169 against 1078 (apart); but an 8192 × 2048
 /// product of 8 tokens ran 4% slower with it and of 4 tokens 7% faster. The better one depends on
-/// the shapes and the batch, so a run that decodes a batch times its own layers under both
+/// the shapes and the batch, so a run that decodes a batch times its own layers under each
 /// at start-up ([`super::packed::pick_many_fetch`]); `GRIDLM_MANY_PREFETCH` names one
 /// instead. No choice changes a result. (The requests of wide rows, spread over the passes,
 /// read faster non-temporal there too: see [`SPREAD_FROM`].)
@@ -627,16 +628,36 @@ pub enum ManyFetch {
     L2,
     /// The non-temporal hint.
     Nta,
+    /// A batch of up to [`WHOLE_MAX`] tokens against each panel at once, one pass over its
+    /// weights (every token's sums in two registers, 16 of the 32 at eight tokens), each chunk
+    /// asked for 8 KiB ahead into L2 and 2 KiB ahead into L1 as well; a larger batch as `L2`.
+    /// Two groups of four read a panel block from memory in the first group's pass and from
+    /// L1 in the second's, so the stream came in bursts; one pass reads it at an even pace.
+    /// On the 2-core Zen 4 machine (the ways taking turns in one process, medians of the
+    /// rounds' ratios to `L2`), SmolLM2's layer products of 8 tokens and its head ran at
+    /// 1.17–1.20 of `L2`'s rate while the cores sat apart and 1.01–1.03 together; asking only
+    /// into L2, 8 KiB ahead: 1.16–1.17 and 0.97–0.98; 16 KiB: 1.15–1.17 and 0.95–0.97; 4 KiB:
+    /// 1.04–1.06 and 0.99–1.01; 6 KiB 1.14–1.16 and 1.05. Four llama-3.2-1b-shaped layers,
+    /// together: 1.06 (6 KiB alone 0.92, 8 KiB 0.95–0.97). The same bits as the other ways. On
+    /// the 2-core Zen 5 machine an earlier eight-token kernel (16 KiB ahead into L2) made the
+    /// step 7–12% slower together, so the pick ([`super::packed::pick_many_fetch`]) times this
+    /// way beside the others.
+    Whole,
 }
+
+/// The most tokens [`ManyFetch::Whole`] sums against a panel in one pass: two accumulators a
+/// token, 16 of the 32 registers, and the two weight registers, and the input.
+pub const WHOLE_MAX: usize = 8;
 
 impl ManyFetch {
     /// In declared order, so a way's discriminant is its index.
-    pub const ALL: [ManyFetch; 2] = [ManyFetch::L2, ManyFetch::Nta];
+    pub const ALL: [ManyFetch; 3] = [ManyFetch::L2, ManyFetch::Nta, ManyFetch::Whole];
 
     pub fn name(self) -> &'static str {
         match self {
             ManyFetch::L2 => "l2",
             ManyFetch::Nta => "nta",
+            ManyFetch::Whole => "whole",
         }
     }
 
@@ -2832,12 +2853,14 @@ mod avx512 {
     /// stored straight from their register: token `t`'s sum for the panels' row `r` goes to
     /// `out[t * stride + r]`, for `r` below `rows` (the last panel's padding rows are not
     /// written). Unlike the scheduled many-token path, nothing passes through per-panel calls
-    /// or copies of the sums. With `pairs`, two panels at a time (the same sums again). Rows
+    /// or copies of the sums. With `pairs`, two panels at a time (the same sums again); under
+    /// [`ManyFetch::Whole`], a batch of up to eight against each panel at once
+    /// (`whole_acc_bf16`), whatever `pairs` says (the same sums again). Rows
     /// are summed in column blocks of `kb` (each block of a panel against every token group,
     /// then the next block), the blocks' sums added in column order as the one-token kernel
     /// ([`panels_bf16`]) adds them. Weights are asked for 16 KiB ahead, or, in rows of
     /// [`super::SPREAD_FROM`] columns or more, the next panels a share in each pass, with the
-    /// hint `fetch` names.
+    /// hint `fetch` names (`Whole`'s own requests in its batches, `L2`'s past them).
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` and `kb` (not 0) are
@@ -2890,6 +2913,30 @@ mod avx512 {
             }
         };
         let panels = w.len() / (4 * n);
+        if fetch == ManyFetch::Whole && (1..=super::WHOLE_MAX).contains(&n_tok) {
+            // Each panel's column blocks in turn, against every token at once.
+            let xs: [*const bf16; super::WHOLE_MAX] = std::array::from_fn(|i| x(i.min(n_tok - 1)));
+            for p in 0..panels {
+                let mut c0 = 0;
+                while c0 < n {
+                    let cn = kb.min(n - c0);
+                    let mut acc: PairAcc = std::mem::zeroed();
+                    whole_acc_bf16_n(
+                        n_tok,
+                        w.as_ptr().add(4 * (n * p + c0)),
+                        cn,
+                        xs.map(|x| x.add(c0)),
+                        &mut acc,
+                    );
+                    put(pair_acc_finish(&acc, 0), 0, n_tok.min(4), 4 * p, c0);
+                    if n_tok > 4 {
+                        put(pair_acc_finish(&acc, 1), 4, n_tok - 4, 4 * p, c0);
+                    }
+                    c0 += cn;
+                }
+            }
+            return;
+        }
         let step = if pairs { 2 } else { 1 };
         let spread = n >= super::SPREAD_FROM;
         let passes = n.div_ceil(kb) * n_tok.div_ceil(4);
@@ -2918,16 +2965,17 @@ mod avx512 {
                         Ahead::NONE
                     };
                     // The kernel's mode (a const generic): the way's hint, for the next panels'
-                    // lines in wide rows or 16 KiB ahead in others.
+                    // lines in wide rows or 16 KiB ahead in others (`Whole` past its batch as
+                    // `L2`).
                     let a = &mut acc;
                     match (spread, fetch) {
-                        (true, ManyFetch::L2) => {
+                        (true, ManyFetch::L2 | ManyFetch::Whole) => {
                             pair_acc_bf16_n::<SPREAD>(np, nt, wp, 4 * n, cn, xs, a, ahead)
                         }
                         (true, ManyFetch::Nta) => {
                             pair_acc_bf16_n::<SPREAD_NTA>(np, nt, wp, 4 * n, cn, xs, a, ahead)
                         }
-                        (false, ManyFetch::L2) => {
+                        (false, ManyFetch::L2 | ManyFetch::Whole) => {
                             pair_acc_bf16_n::<TO_L2>(np, nt, wp, 4 * n, cn, xs, a, ahead)
                         }
                         (false, ManyFetch::Nta) => {
@@ -3052,6 +3100,66 @@ mod avx512 {
             (_, 3) => pair_acc_bf16::<1, 3, F>(w, stride, n, [a, b, c], acc, ahead),
             (_, 2) => pair_acc_bf16::<1, 2, F>(w, stride, n, [a, b], acc, ahead),
             _ => pair_acc_bf16::<1, 1, F>(w, stride, n, [a], acc, ahead),
+        }
+    }
+
+    /// Continues the running sums `acc` of one bf16 panel (at `w`) against `NT` (1 to
+    /// [`super::WHOLE_MAX`]) inputs rounded by [`super::round_for_dot_bf16`] (`x`), over `n`
+    /// more columns, as [`ManyFetch::Whole`] streams a batch: token `t`'s sums in
+    /// `acc[t / 4][t % 4]`, where [`pair_acc_bf16`] keeps them for one panel and four tokens,
+    /// and by the same instructions in the same order, so finished ([`pair_acc_finish`], the
+    /// first four tokens as panel 0, the others as panel 1) they are the same bits. Each pair
+    /// of weight registers serves every token; each chunk is asked for 8 KiB ahead into L2
+    /// and 2 KiB ahead into L1 (see [`ManyFetch::Whole`]).
+    ///
+    /// # Safety
+    /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
+    /// [`BLOCK`]; `w` is valid for `4 n` reads, each `x[i]` for `n`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+    unsafe fn whole_acc_bf16<const NT: usize>(
+        w: *const bf16,
+        n: usize,
+        x: [*const bf16; NT],
+        acc: &mut PairAcc,
+    ) {
+        let mut a = *acc;
+        let mut c = 0;
+        while c < n {
+            let wp = w.add(4 * c);
+            fetch_chunk::<bf16, { 8 << 10 }, _MM_HINT_T1>(wp);
+            fetch_chunk::<bf16, { 2 << 10 }, _MM_HINT_T0>(wp);
+            let wr = [load_pbh(wp), load_pbh(wp.add(2 * BLOCK))];
+            for (t, xi) in x.iter().enumerate() {
+                let xb = load_twice(xi.add(c));
+                let sums = &mut a[t / 4][t % 4];
+                for (s, wh) in sums.iter_mut().zip(wr) {
+                    *s = _mm512_dpbf16_ps(*s, wh, xb);
+                }
+            }
+            c += BLOCK;
+        }
+        *acc = a;
+    }
+
+    /// [`whole_acc_bf16`] on the first `nt` inputs of `x` (1 to [`super::WHOLE_MAX`]; the
+    /// others are not read).
+    ///
+    /// # Safety
+    /// As [`whole_acc_bf16`].
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+    unsafe fn whole_acc_bf16_n(nt: usize, w: *const bf16, n: usize, x: [*const bf16; 8], acc: &mut PairAcc) {
+        let [a, b, c, d, e, f, g, h] = x;
+        match nt {
+            8 => whole_acc_bf16::<8>(w, n, [a, b, c, d, e, f, g, h], acc),
+            7 => whole_acc_bf16::<7>(w, n, [a, b, c, d, e, f, g], acc),
+            6 => whole_acc_bf16::<6>(w, n, [a, b, c, d, e, f], acc),
+            5 => whole_acc_bf16::<5>(w, n, [a, b, c, d, e], acc),
+            4 => whole_acc_bf16::<4>(w, n, [a, b, c, d], acc),
+            3 => whole_acc_bf16::<3>(w, n, [a, b, c], acc),
+            2 => whole_acc_bf16::<2>(w, n, [a, b], acc),
+            _ => whole_acc_bf16::<1>(w, n, [a], acc),
         }
     }
 

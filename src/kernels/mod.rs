@@ -670,10 +670,10 @@ mod tests {
     }
 
     /// The many-token bf16 kernel's prefetch ([`ManyFetch`]) changes no bit either: a batch's
-    /// tokens (in one panel at a time and in pairs, in column blocks past 1376 columns) and a
-    /// short prompt's, on every path (only AVX512_BF16 runs that kernel). From 2048 columns
-    /// on it asks for the next panels instead, with the way's hint
-    /// ([`dot::avx512_panels_many_bf16`]).
+    /// tokens (in one panel at a time and in pairs, in column blocks past 1376 columns; under
+    /// [`ManyFetch::Whole`] up to eight at once) and a short prompt's, on every path (only
+    /// AVX512_BF16 runs that kernel). From 2048 columns on it asks for the next panels
+    /// instead, with the way's hint ([`dot::avx512_panels_many_bf16`]).
     #[test]
     fn many_token_products_are_the_same_whatever_the_prefetch() {
         let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -682,7 +682,7 @@ mod tests {
         for &(rows, cols) in &[(9, 64), (130, 577), (9, 2032), (9, 2048), (17, 4100)] {
             let data = Data::F32(rand_vec(rows * cols, (rows * 7 + cols) as u64)).cast(DType::BF16);
             let w = PackedMat::pack(&Mat { rows, cols, data });
-            for n_tok in [2, 5, 8, 13, 16] {
+            for n_tok in [2, 4, 5, 7, 8, 9, 13, 16] {
                 let x = rand_vec(n_tok * cols, 5);
                 for path in paths(false) {
                     let run = |f: ManyFetch| {
@@ -691,11 +691,10 @@ mod tests {
                         on_path(path, || matmul(&team, &w, &x, n_tok, &mut out));
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                     };
-                    assert_eq!(
-                        run(ManyFetch::Nta),
-                        run(ManyFetch::L2),
-                        "{path:?} {rows}x{cols} {n_tok} tokens"
-                    );
+                    let l2 = run(ManyFetch::L2);
+                    for f in ManyFetch::ALL {
+                        assert_eq!(run(f), l2, "{path:?} {rows}x{cols} {n_tok} tokens {f:?}");
+                    }
                 }
             }
         }

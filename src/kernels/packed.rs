@@ -285,8 +285,10 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f6
 /// step) through `mats` (the way names the hint of every row's requests: 16 KiB ahead in rows
 /// narrower than [`dot::SPREAD_FROM`], spread over the passes in wider ones), every way timed
 /// fourteen times, interleaved; sets the fastest for the process ([`dot::set_many_fetch`]).
-/// `None`, and nothing set, where that kernel does not run them (not bf16 weights, not
-/// AVX512_BF16, a token count outside that range) or they hold less than 64 MiB.
+/// Past [`dot::WHOLE_MAX`] tokens [`ManyFetch::Whole`] streams as `L2` does, so it is not
+/// timed (its median NaN). `None`, and nothing set, where that kernel does not run them (not
+/// bf16 weights, not AVX512_BF16, a token count outside that range) or they hold less than
+/// 64 MiB.
 pub fn pick_many_fetch(
     team: &super::Team,
     mats: &[&PackedMat],
@@ -296,7 +298,13 @@ pub fn pick_many_fetch(
     if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
         return None;
     }
-    pick_way(team, mats, n_tok, ManyFetch::ALL, None, dot::set_many_fetch)
+    if n_tok <= dot::WHOLE_MAX {
+        return pick_way(team, mats, n_tok, ManyFetch::ALL, None, dot::set_many_fetch);
+    }
+    let ways = [ManyFetch::L2, ManyFetch::Nta];
+    let (f, medians) = pick_way(team, mats, n_tok, ways, None, dot::set_many_fetch)?;
+    let median = |w| ways.iter().position(|&v| v == w).map_or(f64::NAN, |i| medians[i]);
+    Some((f, ManyFetch::ALL.map(median)))
 }
 
 /// Picks one of the `ways` of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
@@ -1545,6 +1553,16 @@ mod tests {
                 }
                 None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
             }
+        }
+        // Past `WHOLE_MAX` tokens `Whole` streams as `L2`: not timed, never picked.
+        match pick_many_fetch(&team, &[&a, &b], dot::WHOLE_MAX + 1) {
+            Some((f, secs)) => {
+                let timed = [ManyFetch::L2, ManyFetch::Nta];
+                assert!(secs[ManyFetch::Whole as usize].is_nan(), "{secs:?}");
+                assert_fastest(&timed, f, &timed.map(|w| secs[w as usize]));
+                assert_eq!(dot::many_fetch(), f);
+            }
+            None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
         }
         dot::set_many_fetch(before);
     }
