@@ -241,7 +241,8 @@ pub enum PrefetchBy {
     /// `GRIDLM_PREFETCH` (`GRIDLM_MANY_PREFETCH`) named it.
     Env,
     /// It was the fastest on the rank's own layers ([`Shard::pick_fetch`],
-    /// [`Shard::pick_many_fetch`]), or the one-token way `page` within 2% of the fastest.
+    /// [`Shard::pick_many_fetch`]), or the one-token way `page` (the many-token `whole`)
+    /// within 2% of the fastest.
     Timed,
     /// Not timed: the kernels' own ([`kernels::Fetch::Near`], [`kernels::ManyFetch::L2`]).
     /// The layers were too small to time, or (many tokens) the run decodes one token a step
