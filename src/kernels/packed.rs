@@ -270,7 +270,7 @@ const PICK_ROUNDS: usize = 14;
 /// fastest. Likewise `Whole` (1.17–1.20 of `L2`'s rate apart, 1.01–1.03 together): picked
 /// without a preference, it lost to `L2` in 2 of 8 starts of SmolLM2 at a batch of 8, and
 /// one of those runs decoded apart at 833 tokens/s, where runs with `Whole` apart reached
-/// 1004–1024.
+/// 1004–1016.
 const PICK_MARGIN: f64 = 0.02;
 
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
