@@ -1419,6 +1419,23 @@ mod tests {
         assert!(secs.iter().all(|&s| s >= secs[k]), "{picked:?} {secs:?}");
     }
 
+    /// `picked` was `prefer` while its time (`secs`, in `all`'s order) lay within
+    /// [`PICK_MARGIN`] of the fastest, else the fastest ([`assert_fastest`]). Restates
+    /// `pick_by`'s rule on purpose, as an independent check.
+    fn assert_picked_preferring<T: Copy + PartialEq + std::fmt::Debug>(
+        all: &[T],
+        prefer: T,
+        picked: T,
+        secs: &[f64],
+    ) {
+        let p = all.iter().position(|w| *w == prefer).unwrap();
+        if secs[p] <= secs.iter().copied().fold(f64::INFINITY, f64::min) * (1.0 + PICK_MARGIN) {
+            assert_eq!(picked, prefer, "{secs:?}");
+        } else {
+            assert_fastest(all, picked, secs);
+        }
+    }
+
     /// Token groups cover their range in order, each of at most `g` tokens; groups of three
     /// and of six leave no lone token where there are two or more, and the other sizes cut as
     /// before.
@@ -1517,12 +1534,7 @@ mod tests {
         // it is within the margin).
         let (a, b) = (filled(20480, DType::BF16), filled(20480, DType::BF16));
         let (f, secs) = pick_fetch(&team, &[&a, &b]).expect("80 MiB are timed");
-        let page = secs[Fetch::Page as usize];
-        if page <= secs.iter().copied().fold(f64::INFINITY, f64::min) * (1.0 + PICK_MARGIN) {
-            assert_eq!(f, Fetch::Page, "{secs:?}");
-        } else {
-            assert_fastest(&Fetch::ALL, f, &secs);
-        }
+        assert_picked_preferring(&Fetch::ALL, Fetch::Page, f, &secs);
         assert_eq!(dot::fetch(), f);
         dot::set_fetch(before);
     }
@@ -1555,13 +1567,7 @@ mod tests {
             match pick_many_fetch(&team, &mats, 8) {
                 Some((f, secs)) => {
                     assert_eq!(dot::detect(), Isa::Avx512Bf16);
-                    // `Whole` while it is within the margin, else the fastest.
-                    let whole = secs[ManyFetch::Whole as usize];
-                    if whole <= secs.iter().copied().fold(f64::INFINITY, f64::min) * (1.0 + PICK_MARGIN) {
-                        assert_eq!(f, ManyFetch::Whole, "{secs:?}");
-                    } else {
-                        assert_fastest(&ManyFetch::ALL, f, &secs);
-                    }
+                    assert_picked_preferring(&ManyFetch::ALL, ManyFetch::Whole, f, &secs);
                     assert_eq!(dot::many_fetch(), f);
                 }
                 None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
