@@ -242,7 +242,8 @@ pub enum PrefetchBy {
     Env,
     /// It was the fastest on the rank's own layers ([`Shard::pick_fetch`],
     /// [`Shard::pick_many_fetch`]), or the one-token way `page` (the many-token `whole`)
-    /// within 2% of the fastest.
+    /// within 2% of the fastest (another way is taken over it only if ahead in two timings
+    /// running).
     Timed,
     /// Not timed: the kernels' own ([`kernels::Fetch::Near`], [`kernels::ManyFetch::L2`]).
     /// The layers were too small to time, or (many tokens) the run decodes one token a step
