@@ -238,7 +238,8 @@ pub fn matmul(team: &dyn Par, w: &PackedMat, x: &[f32], n_tok: usize, out: &mut 
 /// measured (32 MiB), so the products stream from memory as a decode step's do.
 const PICK_MIN_BYTES: usize = 64 << 20;
 /// Bytes it times at the most, so a large shard does not slow its start: each way is timed
-/// [`PICK_ROUNDS`] times, 56 passes of ~3–9 ms per 256 MiB on the 2-core test machines.
+/// [`PICK_ROUNDS`] times (twice that where a first timing would leave the preferred way), 70
+/// passes of ~3–9 ms per 256 MiB for the five one-token ways on the 2-core test machines.
 const PICK_MAX_BYTES: usize = 256 << 20;
 /// Passes per way. Each way's median pass, as a share of its round, decides. On the 2-core
 /// Zen 5 machine (SmolLM2 bf16) the fastest of three passes picked a way that decoded ~3%
@@ -381,8 +382,9 @@ fn pick_way<T: Copy + PartialEq, const W: usize>(
 /// SmolLM2's layers (the cores together), one put `None` more than 2% ahead of `Page`, and no
 /// two in a row did, while with the way named SmolLM2 had decoded at 0.842–0.870 of the probe
 /// under `Page` against 0.822–0.833 under `None` (the cores between). One timing took another
-/// way than `Page` in 6 of 100 starts of the table's commands, two in 1 of 100. Where another
-/// way is faster on a CPU, its second win costs the start one more timing.
+/// way than `Page` in 6 of 100 starts of the table's commands; in the 100 after this rule, two
+/// timings running did so in 1. Where another way is faster on a CPU, its second win costs the
+/// start one more timing.
 fn pick_by<const W: usize>(mut pass: impl FnMut(usize) -> f64, prefer: Option<usize>) -> (usize, [f64; W]) {
     pass(0);
     let picked = pick_rounds(&mut pass, prefer);
