@@ -29,15 +29,20 @@ pub struct RankReport {
     /// Heap allocations per decode step on this rank, kernel threads included (`None` where
     /// they are not counted).
     pub allocations_per_step: Option<f64>,
-    /// How the rank's one-token products prefetch (`none`, `near`, `far` or `nta`,
-    /// [`crate::kernels::Fetch`]), and what decided it (`timed`, `GRIDLM_PREFETCH` or `default`).
+    /// How the rank's one-token products prefetch (`none`, `near`, `far`, `nta` or `page`,
+    /// [`crate::kernels::Fetch`]), what decided it (`timed`, `GRIDLM_PREFETCH` or `default`),
+    /// and how many timings of every way it took (1, or 2 where the first would have left
+    /// `page`; 0 where it was not timed).
     pub prefetch: String,
     pub prefetch_by: String,
+    pub prefetch_timings: usize,
     /// How its many-token bf16 products on AVX512_BF16 stream their weights (`l2`, `nta` or
-    /// `whole`, [`crate::kernels::ManyFetch`]), and what decided it (`timed`, `GRIDLM_MANY_PREFETCH` or
-    /// `default`: not timed, as for a run of one token a step).
+    /// `whole`, [`crate::kernels::ManyFetch`]), what decided it (`timed`, `GRIDLM_MANY_PREFETCH` or
+    /// `default`: not timed, as for a run of one token a step), and its timings (as above,
+    /// the second where the first would have left `whole`).
     pub many_prefetch: String,
     pub many_prefetch_by: String,
+    pub many_prefetch_timings: usize,
     /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
     /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
     /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
@@ -482,9 +487,9 @@ impl BenchReport {
                 r.allgather_ms,
                 r.sendrecv_ms,
                 r.prefetch,
-                r.prefetch_by,
+                by_timings(&r.prefetch_by, r.prefetch_timings),
                 r.many_prefetch,
-                r.many_prefetch_by,
+                by_timings(&r.many_prefetch_by, r.many_prefetch_timings),
                 r.isa,
                 r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );
@@ -493,6 +498,15 @@ impl BenchReport {
             s += &format!("  {w}\n");
         }
         s
+    }
+}
+
+/// What decided a prefetch way, for the table: `timed twice` where a second timing did.
+fn by_timings(by: &str, timings: usize) -> String {
+    if timings > 1 {
+        format!("{by} twice")
+    } else {
+        by.to_string()
     }
 }
 

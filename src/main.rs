@@ -771,11 +771,13 @@ fn gather_rank_reports(
             allocations_per_step: (v[12] != u64::MAX).then(|| f64::from_bits(v[12])),
             prefetch: Fetch::ALL.get(v[13] as usize).map_or("?", |f| f.name()).to_string(),
             prefetch_by: PrefetchBy::ALL.get(v[14] as usize).map_or("?", |b| b.name()).to_string(),
+            prefetch_timings: PrefetchBy::ALL.get(v[14] as usize).map_or(0, |b| b.timings()),
             isa: dot::Isa::ALL.get(v[15] as usize).map_or("?", |i| i.name()).to_string(),
             int8_kernel: (v[16] != u64::MAX)
                 .then(|| dot::Int8Path::ALL.get(v[16] as usize).map_or("?", |k| k.name()).to_string()),
             many_prefetch: ManyFetch::ALL.get(v[17] as usize).map_or("?", |f| f.name()).to_string(),
             many_prefetch_by: PrefetchBy::ALL.get(v[18] as usize).map_or("?", |b| b.many_name()).to_string(),
+            many_prefetch_timings: PrefetchBy::ALL.get(v[18] as usize).map_or(0, |b| b.timings()),
         })
         .collect()
 }

@@ -243,22 +243,45 @@ pub enum PrefetchBy {
     /// It was the fastest on the rank's own layers ([`Shard::pick_fetch`],
     /// [`Shard::pick_many_fetch`]), or the one-token way `page` (the many-token `whole`)
     /// within 2% of the fastest (another way is taken over it only if ahead in two timings
-    /// running).
+    /// running), in one timing of every way.
     Timed,
     /// Not timed: the kernels' own ([`kernels::Fetch::Near`], [`kernels::ManyFetch::L2`]).
     /// The layers were too small to time, or (many tokens) the run decodes one token a step
     /// or its products do not go through that kernel.
     Default,
+    /// As [`PrefetchBy::Timed`], in two timings: the first would have left `page` (`whole`)
+    /// and the second decided. Named `timed` too; [`PrefetchBy::timings`] tells them apart.
+    TimedTwice,
 }
 
 impl PrefetchBy {
-    pub const ALL: [PrefetchBy; 3] = [PrefetchBy::Env, PrefetchBy::Timed, PrefetchBy::Default];
+    pub const ALL: [PrefetchBy; 4] =
+        [PrefetchBy::Env, PrefetchBy::Timed, PrefetchBy::Default, PrefetchBy::TimedTwice];
+
+    /// What decided by a pick that took `timings` timings ([`kernels::Picked::timings`]).
+    fn timed(timings: usize) -> PrefetchBy {
+        if timings > 1 {
+            PrefetchBy::TimedTwice
+        } else {
+            PrefetchBy::Timed
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
             PrefetchBy::Env => "GRIDLM_PREFETCH",
-            PrefetchBy::Timed => "timed",
+            PrefetchBy::Timed | PrefetchBy::TimedTwice => "timed",
             PrefetchBy::Default => "default",
+        }
+    }
+
+    /// How many timings of every way decided: 0 where none did (a variable named the way, or
+    /// it was not timed), else 1 or 2.
+    pub fn timings(self) -> usize {
+        match self {
+            PrefetchBy::Env | PrefetchBy::Default => 0,
+            PrefetchBy::Timed => 1,
+            PrefetchBy::TimedTwice => 2,
         }
     }
 
@@ -280,8 +303,8 @@ fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, Prefet
     let named = named_in_env("GRIDLM_PREFETCH", kernels::Fetch::parse, &names)?;
     let chosen = if let Some(f) = named {
         (f, PrefetchBy::Env)
-    } else if let Some((f, _)) = shard.pick_fetch(team) {
-        (f, PrefetchBy::Timed)
+    } else if let Some(picked) = shard.pick_fetch(team) {
+        (picked.way, PrefetchBy::timed(picked.timings))
     } else {
         (kernels::Fetch::Near, PrefetchBy::Default)
     };
@@ -313,7 +336,7 @@ fn timed_many_prefetch(
     if current.1 == PrefetchBy::Env {
         return current;
     }
-    shard.pick_many_fetch(team, tokens).map_or(current, |(f, _)| (f, PrefetchBy::Timed))
+    shard.pick_many_fetch(team, tokens).map_or(current, |p| (p.way, PrefetchBy::timed(p.timings)))
 }
 
 /// The way the environment variable `var` names, if it is set (`parse` reads its trimmed

@@ -10,7 +10,7 @@ pub mod packed;
 pub mod team;
 
 pub use dot::{Fetch, ManyFetch};
-pub use packed::{matmul, pick_fetch, pick_many_fetch, PackedMat, Quant};
+pub use packed::{matmul, pick_fetch, pick_many_fetch, PackedMat, Picked, Quant};
 pub use team::{Par, Region, Team};
 
 /// RMSNorm of each `w.len()`-sized row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.

@@ -274,17 +274,30 @@ const PICK_ROUNDS: usize = 14;
 /// 1004–1016.
 const PICK_MARGIN: f64 = 0.02;
 
+/// A way picked by timing ([`pick_fetch`], [`pick_many_fetch`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Picked<T, const W: usize> {
+    pub way: T,
+    /// Every way's median pass as a share of its round's mean, in the order of the ways'
+    /// `ALL` (NaN for a way not timed), from the timing that decided.
+    pub medians: [f64; W],
+    /// How many timings of every way it took: 1, or 2 where the first would have left the
+    /// preferred way and a second decided.
+    pub timings: usize,
+}
+
 /// Chooses the way one-token products prefetch ([`Fetch`]) by timing them: one token through
 /// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a decode step
 /// runs them, fourteen times (`PICK_ROUNDS`) under each way, interleaved, after one untimed
 /// pass. Sets the way with the shortest median pass for the process ([`dot::set_fetch`]),
 /// unless [`Fetch::Page`]'s is within 2% of it (`PICK_MARGIN`; then `Page`), and returns it,
-/// with each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order).
+/// with each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order) and
+/// the number of timings.
 /// Where that would leave `Page`, every way is timed again and the second timing decides, so
 /// another way is picked only if it is ahead by the margin twice running.
 /// `None`, and nothing set, when the matrices hold less than 64 MiB: they would be timed in
 /// cache, where the prefetch hardly matters.
-pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<(Fetch, [f64; Fetch::ALL.len()])> {
+pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<Picked<Fetch, { Fetch::ALL.len() }>> {
     pick_way(team, mats, 1, Fetch::ALL, Some(Fetch::Page), dot::set_fetch)
 }
 
@@ -303,7 +316,7 @@ pub fn pick_many_fetch(
     team: &super::Team,
     mats: &[&PackedMat],
     n_tok: usize,
-) -> Option<(ManyFetch, [f64; ManyFetch::ALL.len()])> {
+) -> Option<Picked<ManyFetch, { ManyFetch::ALL.len() }>> {
     let bf16 = mats.iter().all(|m| matches!(m.store, Store::BF16(_)));
     if !bf16 || dot::detect() != Isa::Avx512Bf16 || !(2..PROMPT_FROM).contains(&n_tok) {
         return None;
@@ -313,9 +326,9 @@ pub fn pick_many_fetch(
         return pick_way(team, mats, n_tok, ManyFetch::ALL, Some(ManyFetch::Whole), set);
     }
     let ways = [ManyFetch::L2, ManyFetch::Nta];
-    let (f, medians) = pick_way(team, mats, n_tok, ways, None, dot::set_many_fetch)?;
-    let median = |w| ways.iter().position(|&v| v == w).map_or(f64::NAN, |i| medians[i]);
-    Some((f, ManyFetch::ALL.map(median)))
+    let picked = pick_way(team, mats, n_tok, ways, None, dot::set_many_fetch)?;
+    let median = |w| ways.iter().position(|&v| v == w).map_or(f64::NAN, |i| picked.medians[i]);
+    Some(Picked { way: picked.way, medians: ManyFetch::ALL.map(median), timings: picked.timings })
 }
 
 /// Picks one of the `ways` of streaming `mats` for [`pick_fetch`] and [`pick_many_fetch`]:
@@ -323,8 +336,8 @@ pub fn pick_many_fetch(
 /// region of `team`, [`PICK_ROUNDS`] times under each way (`set` makes a way the process's),
 /// interleaved, after one untimed pass. Sets the way with the shortest median pass, each
 /// pass as a share of its round's mean (`prefer` where its median is within [`PICK_MARGIN`]
-/// of that), and returns it with every way's median (in `ways`' order); `None`, and no way
-/// set, when the matrices hold less than 64 MiB.
+/// of that), and returns it with every way's median (in `ways`' order) and the number of
+/// timings; `None`, and no way set, when the matrices hold less than 64 MiB.
 fn pick_way<T: Copy + PartialEq, const W: usize>(
     team: &super::Team,
     mats: &[&PackedMat],
@@ -332,7 +345,7 @@ fn pick_way<T: Copy + PartialEq, const W: usize>(
     ways: [T; W],
     prefer: Option<T>,
     set: impl Fn(T),
-) -> Option<(T, [f64; W])> {
+) -> Option<Picked<T, W>> {
     let (mut timed, mut bytes) = (Vec::new(), 0);
     for &m in mats {
         if bytes >= PICK_MAX_BYTES {
@@ -363,16 +376,16 @@ fn pick_way<T: Copy + PartialEq, const W: usize>(
         });
         t.elapsed().as_secs_f64()
     };
-    let (k, median) = pick_by(pass, prefer.and_then(|p| ways.iter().position(|&w| w == p)));
-    set(ways[k]);
-    Some((ways[k], median))
+    let picked = pick_by(pass, prefer.and_then(|p| ways.iter().position(|&w| w == p)));
+    set(ways[picked.way]);
+    Some(Picked { way: ways[picked.way], medians: picked.medians, timings: picked.timings })
 }
 
 /// The timing behind [`pick_way`]: one untimed pass, then [`PICK_ROUNDS`] rounds of `pass(k)`
 /// (seconds) for every way `k` of `W`, each round starting with another way. Returns the way
 /// with the shortest median pass, each pass as a share of its round's mean (way `prefer`
-/// where its median share is at most `1 + PICK_MARGIN` times that one's), and every way's
-/// median share. (The first pass after a shard is loaded took 1.3–4.9 times the median of its
+/// where its median share is at most `1 + PICK_MARGIN` times that one's), every way's
+/// median share and the number of timings. (The first pass after a shard is loaded took 1.3–4.9 times the median of its
 /// way's later ones in most picks on the 2-core Zen 4 machine, so, timed, it counted against
 /// the way of the first round's first pass.)
 ///
@@ -385,12 +398,15 @@ fn pick_way<T: Copy + PartialEq, const W: usize>(
 /// way than `Page` in 6 of 100 starts of the table's commands; in the 100 after this rule, two
 /// timings running did so in 1. Where another way is faster on a CPU, its second win costs the
 /// start one more timing.
-fn pick_by<const W: usize>(mut pass: impl FnMut(usize) -> f64, prefer: Option<usize>) -> (usize, [f64; W]) {
+fn pick_by<const W: usize>(mut pass: impl FnMut(usize) -> f64, prefer: Option<usize>) -> Picked<usize, W> {
     pass(0);
-    let picked = pick_rounds(&mut pass, prefer);
+    let (way, medians) = pick_rounds(&mut pass, prefer);
     match prefer {
-        Some(p) if picked.0 != p => pick_rounds(&mut pass, prefer),
-        _ => picked,
+        Some(p) if way != p => {
+            let (way, medians) = pick_rounds(&mut pass, prefer);
+            Picked { way, medians, timings: 2 }
+        }
+        _ => Picked { way, medians, timings: 1 },
     }
 }
 
@@ -1505,7 +1521,7 @@ mod tests {
         // all is untimed, and takes ten times as long.
         let run_preferring = |secs: &dyn Fn(usize, usize) -> f64, prefer: Option<usize>| {
             let (mut passes, mut first) = ([0usize; 4], true);
-            let (k, median) = pick_by::<4>(
+            let picked = pick_by::<4>(
                 |k| {
                     if std::mem::take(&mut first) {
                         return 10.0;
@@ -1515,9 +1531,10 @@ mod tests {
                 },
                 prefer,
             );
-            // Every way as many passes (one timing's or two's).
+            // Every way as many passes (one timing's or two's), as many timings as it says.
             assert!(passes.iter().all(|&p| p == passes[0]), "{passes:?}");
-            (k, median, passes[0])
+            assert_eq!(passes[0], PICK_ROUNDS * picked.timings, "{picked:?}");
+            (picked.way, picked.medians, passes[0])
         };
         let run = |secs: &dyn Fn(usize, usize) -> f64| {
             let (k, median, passes) = run_preferring(secs, None);
@@ -1582,9 +1599,11 @@ mod tests {
         // 2 x 40 MiB: timed; every way once at least, and the fastest is set (`Page` while
         // it is within the margin).
         let (a, b) = (filled(20480, DType::BF16), filled(20480, DType::BF16));
-        let (f, secs) = pick_fetch(&team, &[&a, &b]).expect("80 MiB are timed");
-        assert_picked_preferring(&Fetch::ALL, Fetch::Page, f, &secs);
-        assert_eq!(dot::fetch(), f);
+        let picked = pick_fetch(&team, &[&a, &b]).expect("80 MiB are timed");
+        assert_picked_preferring(&Fetch::ALL, Fetch::Page, picked.way, &picked.medians);
+        assert_eq!(dot::fetch(), picked.way);
+        // A second timing only where the first left `Page`, and then it decided.
+        assert!(picked.timings == 1 || picked.timings == 2, "{picked:?}");
         dot::set_fetch(before);
     }
 
@@ -1614,21 +1633,24 @@ mod tests {
         let (e, f) = (wide(5120), wide(5120));
         for mats in [[&a, &b], [&e, &f]] {
             match pick_many_fetch(&team, &mats, 8) {
-                Some((f, secs)) => {
+                Some(Picked { way, medians, timings }) => {
                     assert_eq!(dot::detect(), Isa::Avx512Bf16);
-                    assert_picked_preferring(&ManyFetch::ALL, ManyFetch::Whole, f, &secs);
-                    assert_eq!(dot::many_fetch(), f);
+                    assert_picked_preferring(&ManyFetch::ALL, ManyFetch::Whole, way, &medians);
+                    assert_eq!(dot::many_fetch(), way);
+                    assert!(timings == 1 || timings == 2, "{timings}");
                 }
                 None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
             }
         }
         // Past `WHOLE_MAX` tokens `Whole` streams as `L2`: not timed, never picked.
         match pick_many_fetch(&team, &[&a, &b], dot::WHOLE_MAX + 1) {
-            Some((f, secs)) => {
+            Some(Picked { way, medians, timings }) => {
                 let timed = [ManyFetch::L2, ManyFetch::Nta];
-                assert!(secs[ManyFetch::Whole as usize].is_nan(), "{secs:?}");
-                assert_fastest(&timed, f, &timed.map(|w| secs[w as usize]));
-                assert_eq!(dot::many_fetch(), f);
+                assert!(medians[ManyFetch::Whole as usize].is_nan(), "{medians:?}");
+                assert_fastest(&timed, way, &timed.map(|w| medians[w as usize]));
+                assert_eq!(dot::many_fetch(), way);
+                // No preferred way: one timing.
+                assert_eq!(timings, 1);
             }
             None => assert_ne!(dot::detect(), Isa::Avx512Bf16),
         }

@@ -351,7 +351,10 @@ impl Shard {
     /// Chooses how this rank's one-token products prefetch ([`kernels::pick_fetch`]) by timing
     /// its own layers' products, in the order a decode step runs them; `None` when they are
     /// too small to tell.
-    pub fn pick_fetch(&self, team: &Team) -> Option<(kernels::Fetch, [f64; kernels::Fetch::ALL.len()])> {
+    pub fn pick_fetch(
+        &self,
+        team: &Team,
+    ) -> Option<kernels::Picked<kernels::Fetch, { kernels::Fetch::ALL.len() }>> {
         kernels::pick_fetch(team, &self.layer_mats())
     }
 
@@ -362,7 +365,7 @@ impl Shard {
         &self,
         team: &Team,
         tokens: usize,
-    ) -> Option<(kernels::ManyFetch, [f64; kernels::ManyFetch::ALL.len()])> {
+    ) -> Option<kernels::Picked<kernels::ManyFetch, { kernels::ManyFetch::ALL.len() }>> {
         kernels::pick_many_fetch(team, &self.layer_mats(), tokens)
     }
 

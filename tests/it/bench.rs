@@ -91,10 +91,12 @@ fn bench_synthetic_shape_one_rank() {
     let rank = &j["ranks"][0];
     assert_eq!(rank["prefetch_by"], "timed", "{rank}");
     assert!(["none", "near", "far", "nta", "page"].contains(&rank["prefetch"].as_str().unwrap()), "{rank}");
+    // One timing of every way, or two where the first would have left `page`.
+    assert!([1, 2].contains(&rank["prefetch_timings"].as_u64().unwrap()), "{rank}");
     // One token a step: the many-token prefetch is not timed.
     assert_eq!(
-        (&rank["many_prefetch"], &rank["many_prefetch_by"]),
-        (&"l2".into(), &"default".into()),
+        (&rank["many_prefetch"], &rank["many_prefetch_by"], &rank["many_prefetch_timings"]),
+        (&"l2".into(), &"default".into(), &0.into()),
         "{rank}"
     );
     // The kernels it ran: a SIMD path, and no int8 ones for bf16 weights.
@@ -124,6 +126,7 @@ fn bench_times_the_many_token_prefetch_for_a_batch() {
     if rank["isa"] == "avx512bf16" {
         assert_eq!(rank["many_prefetch_by"], "timed", "{rank}");
         assert!(["l2", "nta", "whole"].contains(&rank["many_prefetch"].as_str().unwrap()), "{rank}");
+        assert!([1, 2].contains(&rank["many_prefetch_timings"].as_u64().unwrap()), "{rank}");
     } else {
         assert_eq!(
             (&rank["many_prefetch"], &rank["many_prefetch_by"]),
@@ -163,6 +166,8 @@ fn bench_model_folder_on_two_stages() {
         assert_eq!((&r["prefetch"], &r["prefetch_by"]), (&"far".into(), &"GRIDLM_PREFETCH".into()), "{r}");
         let many = (&r["many_prefetch"], &r["many_prefetch_by"]);
         assert_eq!(many, (&"nta".into(), &"GRIDLM_MANY_PREFETCH".into()), "{r}");
+        // Named, not timed.
+        assert_eq!((&r["prefetch_timings"], &r["many_prefetch_timings"]), (&0.into(), &0.into()), "{r}");
         let int8 = ["portable", "maddubs", "avx-vnni", "avx512-vnni"];
         assert!(int8.contains(&r["int8_kernel"].as_str().unwrap_or("none")), "{r}");
     }
