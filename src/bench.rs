@@ -43,6 +43,10 @@ pub struct RankReport {
     pub many_prefetch: String,
     pub many_prefetch_by: String,
     pub many_prefetch_timings: usize,
+    /// With `--compare-batch`: the many-token way the baseline batch ran under, picked at its
+    /// own tokens a step, and what decided it (null otherwise).
+    pub baseline_many_prefetch: Option<String>,
+    pub baseline_many_prefetch_by: Option<String>,
     /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
     /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
     /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
@@ -475,7 +479,7 @@ impl BenchReport {
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}), many tokens {} ({}); kernels {}{}\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}), many tokens {} ({}){}; kernels {}{}\n",
                 r.rank,
                 r.stage,
                 r.tp,
@@ -490,6 +494,10 @@ impl BenchReport {
                 by_timings(&r.prefetch_by, r.prefetch_timings),
                 r.many_prefetch,
                 by_timings(&r.many_prefetch_by, r.many_prefetch_timings),
+                match (&r.baseline_many_prefetch, &r.baseline_many_prefetch_by) {
+                    (Some(way), Some(by)) => format!(", the baseline's {way} ({by})"),
+                    _ => String::new(),
+                },
                 r.isa,
                 r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );

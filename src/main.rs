@@ -713,19 +713,22 @@ fn count_cpu_list(s: &str) -> Option<usize> {
 /// Collective: every rank's memory and time figures, in world-rank order. `weight_rss` is the
 /// RSS growth while the rank loaded its shard; the current RSS is taken now. `profile` is where
 /// the rank's decode steps went: the engine's own since its last run began, or (bench with a
-/// baseline) since the last run of the side it reports on.
+/// baseline) since the last run of the side it reports on. `base_many`: the many-token way the
+/// baseline batch of `bench --compare-batch` ran under.
 fn gather_rank_reports(
     link: &dyn Link,
     engine: &Engine,
     profile: StepProfile,
     weight_rss: usize,
+    base_many: Option<(ManyFetch, PrefetchBy)>,
 ) -> Vec<RankReport> {
     let (grid, shard) = (engine.grid, &engine.shard);
     let t = profile.per_step_ms().map(f64::to_bits);
     // u64::MAX: not counted (no decode step, or allocations are not counted).
     let allocs = profile.allocations_per_step().map_or(u64::MAX, f64::to_bits);
     // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL`, `Int8Path::ALL` and
-    // `ManyFetch::ALL` (the order they are declared in; u64::MAX: weights not int8).
+    // `ManyFetch::ALL` (the order they are declared in; u64::MAX: weights not int8, or no
+    // baseline batch).
     let (prefetch, many_prefetch) = (engine.prefetch(), engine.many_prefetch());
     let isa = dot::detect();
     let int8 = if shard.weight_dtype() == "int8" { dot::int8_path_for(isa) as u64 } else { u64::MAX };
@@ -749,6 +752,8 @@ fn gather_rank_reports(
         int8,
         many_prefetch.0 as u64,
         many_prefetch.1 as u64,
+        base_many.map_or(u64::MAX, |m| m.0 as u64),
+        base_many.map_or(u64::MAX, |m| m.1 as u64),
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -778,6 +783,10 @@ fn gather_rank_reports(
             many_prefetch: ManyFetch::ALL.get(v[17] as usize).map_or("?", |f| f.name()).to_string(),
             many_prefetch_by: PrefetchBy::ALL.get(v[18] as usize).map_or("?", |b| b.many_name()).to_string(),
             many_prefetch_timings: PrefetchBy::ALL.get(v[18] as usize).map_or(0, |b| b.timings()),
+            baseline_many_prefetch: (v[19] != u64::MAX)
+                .then(|| ManyFetch::ALL.get(v[19] as usize).map_or("?", |f| f.name()).to_string()),
+            baseline_many_prefetch_by: (v[20] != u64::MAX)
+                .then(|| PrefetchBy::ALL.get(v[20] as usize).map_or("?", |b| b.many_name()).to_string()),
         })
         .collect()
 }
@@ -969,7 +978,7 @@ fn run_generate(
 
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
-        gather_rank_reports(link, &engine, engine.profile(), weight_rss);
+        gather_rank_reports(link, &engine, engine.profile(), weight_rss, None);
         return Ok(());
     };
     if let Some(id) = tok.eos_id() {
@@ -1007,7 +1016,7 @@ fn run_generate(
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let ranks = gather_rank_reports(link, &engine, engine.profile(), weight_rss);
+    let ranks = gather_rank_reports(link, &engine, engine.profile(), weight_rss, None);
     let (done, stats) = run?;
     let texts: Vec<String> = done
         .iter()
@@ -1258,9 +1267,22 @@ fn run_bench(
     let overlapped = |batch: usize| micro(batch) > 1 && !a.overlap.no_overlap;
     let micro_batches = micro(a.work.batch);
     let tokens_per_step = a.work.batch.div_ceil(micro_batches);
+    let unpicked = engine.many_prefetch();
     engine.pick_many_prefetch(tokens_per_step);
     // The baseline's batch size (`--compare-batch`), else the same.
     let base_batch = a.compare_batch.unwrap_or(a.work.batch);
+    // Each batch size runs under the many-token way picked at its own tokens a step (the
+    // baseline's, with `--compare-batch`, set before each of its runs; the main side's after).
+    let main_many = engine.many_prefetch();
+    let base_many = if a.compare_batch.is_some() {
+        engine.set_many_prefetch(unpicked);
+        engine.pick_many_prefetch(base_batch.div_ceil(micro(base_batch)));
+        let picked = engine.many_prefetch();
+        engine.set_many_prefetch(main_many);
+        picked
+    } else {
+        main_many
+    };
     // `--compare-unquantized`: the same layers unquantized, loaded beside the quantized ones
     // and run in turn with them on the same kernel threads (see the run schedule below).
     let mut spare = None;
@@ -1372,6 +1394,9 @@ fn run_bench(
             engine.swap_weights(spare);
             holding = side;
         }
+        if a.compare_batch.is_some() {
+            engine.set_many_prefetch(if side == Side::Main { main_many } else { base_many });
+        }
         if n == a.warmup * sides(0).len() {
             read_around(&engine);
         }
@@ -1431,10 +1456,11 @@ fn run_bench(
             read_around(&engine);
         }
     }
-    // The rank's own weights again, for its report.
+    // The rank's own weights again, and the main side's many-token way, for its report.
     if let Some(spare) = spare.as_mut().filter(|_| holding != Side::Main) {
         engine.swap_weights(spare);
     }
+    engine.set_many_prefetch(main_many);
     let after = limits(&engine);
     // The resident memory reported below is the engine's, without the probe's buffer.
     engine.set_reader(None);
@@ -1471,7 +1497,8 @@ fn run_bench(
         link.allgather_u64(&[spare.shard().bytes_per_token() as u64], &mut all);
         (spare.shard().weight_dtype().to_string(), all.iter().sum::<u64>())
     });
-    let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss);
+    let base_many = a.compare_batch.map(|_| base_many);
+    let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_many);
     if !driver {
         return Ok(());
     }

@@ -455,6 +455,14 @@ impl Engine {
         self.many_prefetch = timed_many_prefetch(&self.shard, &self.team, tokens, self.many_prefetch);
     }
 
+    /// Makes `way` this rank's many-token prefetch (and the process's), as a pick of
+    /// [`Engine::pick_many_prefetch`] returned by [`Engine::many_prefetch`] left it: `gridlm
+    /// bench --compare-batch` runs each batch size under the way picked for its own steps.
+    pub fn set_many_prefetch(&mut self, way: (kernels::ManyFetch, PrefetchBy)) {
+        self.many_prefetch = way;
+        kernels::dot::set_many_fetch(way.0);
+    }
+
     /// `shard` (this rank's layers of the same model, other weights: another dtype, or not
     /// quantized) made ready to run in turn with the engine's own, on the same kernel threads,
     /// KV cache and buffers ([`Engine::swap_weights`]): its prefetch ways are chosen on this

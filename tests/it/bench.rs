@@ -123,17 +123,12 @@ fn bench_times_the_many_token_prefetch_for_a_batch() {
     cmd.args(["--bandwidth-mib", "64", "--json"]);
     let (j, _) = bench_one_rank(cmd);
     let rank = &j["ranks"][0];
-    if rank["isa"] == "avx512bf16" {
-        assert_eq!(rank["many_prefetch_by"], "timed", "{rank}");
-        assert!(["l2", "nta", "whole"].contains(&rank["many_prefetch"].as_str().unwrap()), "{rank}");
-        assert!([1, 2].contains(&rank["many_prefetch_timings"].as_u64().unwrap()), "{rank}");
-    } else {
-        assert_eq!(
-            (&rank["many_prefetch"], &rank["many_prefetch_by"]),
-            (&"l2".into(), &"default".into()),
-            "{rank}"
-        );
-    }
+    assert_many_prefetch(rank, "many_prefetch", 4);
+    let timings = rank["many_prefetch_timings"].as_u64().unwrap();
+    assert!(
+        if rank["many_prefetch_by"] == "timed" { [1, 2].contains(&timings) } else { timings == 0 },
+        "{rank}"
+    );
 }
 
 /// `gridlm bench --json` of the tiny model on two stages of one thread each (`launch/local 2`),
@@ -360,6 +355,49 @@ fn bench_compares_a_batch_with_another_in_turn() {
     let labels = progress_labels(&stderr);
     let expected = ["rep 1/2 (batch 1)", "rep 1/2 (batch 3)", "rep 2/2 (batch 3)", "rep 2/2 (batch 1)"];
     assert_eq!(labels, expected, "{stderr}");
+    // Each side's many-token way picked at its own tokens a step: the batch of 3 timed where
+    // its kernel runs, the baseline's one token not.
+    let rank = &j["ranks"][0];
+    assert_many_prefetch(rank, "many_prefetch", 3);
+    assert_many_prefetch(rank, "baseline_many_prefetch", 1);
+}
+
+/// The other way round: the baseline is the batch, and its many-token way is timed for it
+/// (where its kernel runs), not left as the main side's one token a step has it.
+#[test]
+fn bench_picks_the_baseline_batch_its_own_many_token_prefetch() {
+    let mut cmd = std::process::Command::new(bin());
+    cmd.env_remove("GRIDLM_MANY_PREFETCH").args(["bench", "--shape", "smollm2-135m", "--batch", "1"]);
+    cmd.args(["--compare-batch", "4", "--prompt-len", "4", "--new-tokens", "2", "--warmup", "0"]);
+    cmd.args(["--reps", "1", "--bandwidth-mib", "64", "--json"]);
+    let (j, _) = bench_one_rank(cmd);
+    assert_eq!(j["baseline"]["batch"], 4, "{j}");
+    let rank = &j["ranks"][0];
+    assert_many_prefetch(rank, "many_prefetch", 1);
+    assert_many_prefetch(rank, "baseline_many_prefetch", 4);
+    // Without a baseline batch there is no baseline's way.
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(["bench", "--shape", "smollm2-135m", "--prompt-len", "4", "--new-tokens", "2"]);
+    cmd.args(["--warmup", "0", "--reps", "1", "--bandwidth-mib", "64", "--json"]);
+    let (j, _) = bench_one_rank(cmd);
+    let rank = &j["ranks"][0];
+    assert!(
+        rank["baseline_many_prefetch"].is_null() && rank["baseline_many_prefetch_by"].is_null(),
+        "{rank}"
+    );
+}
+
+/// A rank's many-token way under `key` (and `key`_by) for a run of `tokens` a step of
+/// SmolLM2's shape: timed where the AVX512_BF16 many-token kernel runs such steps, else the
+/// default `l2`.
+fn assert_many_prefetch(rank: &serde_json::Value, key: &str, tokens: usize) {
+    let (way, by) = (&rank[key], &rank[format!("{key}_by")]);
+    if rank["isa"] == "avx512bf16" && tokens > 1 {
+        assert_eq!(by, "timed", "{key} in {rank}");
+        assert!(["l2", "nta", "whole"].contains(&way.as_str().unwrap()), "{key} in {rank}");
+    } else {
+        assert_eq!((way, by), (&"l2".into(), &"default".into()), "{key} in {rank}");
+    }
 }
 
 /// Runs `cmd`, a one-rank `gridlm bench ... --json`, which must succeed: its report, checked
