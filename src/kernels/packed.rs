@@ -385,9 +385,9 @@ fn pick_way<T: Copy + PartialEq, const W: usize>(
 /// (seconds) for every way `k` of `W`, each round starting with another way. Returns the way
 /// with the shortest median pass, each pass as a share of its round's mean (way `prefer`
 /// where its median share is at most `1 + PICK_MARGIN` times that one's), every way's
-/// median share and the number of timings. (The first pass after a shard is loaded took 1.3–4.9 times the median of its
-/// way's later ones in most picks on the 2-core Zen 4 machine, so, timed, it counted against
-/// the way of the first round's first pass.)
+/// median share and the number of timings. (The first pass after a shard is loaded took
+/// 1.3–4.9 times the median of its way's later ones in most picks on the 2-core Zen 4
+/// machine, so, timed, it counted against the way of the first round's first pass.)
 ///
 /// Where those rounds would leave `prefer`, every way is timed again and the second rounds
 /// decide (their medians returned): another way is picked only if it beats the preferred one
