@@ -757,6 +757,7 @@ fn gather_rank_reports(
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
+    let by = |i: u64| PrefetchBy::ALL.get(i as usize).copied();
     all.chunks_exact(mine.len())
         .enumerate()
         .map(|(rank, v)| RankReport {
@@ -775,18 +776,18 @@ fn gather_rank_reports(
             sendrecv_ms: f64::from_bits(v[11]),
             allocations_per_step: (v[12] != u64::MAX).then(|| f64::from_bits(v[12])),
             prefetch: Fetch::ALL.get(v[13] as usize).map_or("?", |f| f.name()).to_string(),
-            prefetch_by: PrefetchBy::ALL.get(v[14] as usize).map_or("?", |b| b.name()).to_string(),
-            prefetch_timings: PrefetchBy::ALL.get(v[14] as usize).map_or(0, |b| b.timings()),
+            prefetch_by: by(v[14]).map_or("?", |b| b.name()).to_string(),
+            prefetch_timings: by(v[14]).map_or(0, |b| b.timings()),
             isa: dot::Isa::ALL.get(v[15] as usize).map_or("?", |i| i.name()).to_string(),
             int8_kernel: (v[16] != u64::MAX)
                 .then(|| dot::Int8Path::ALL.get(v[16] as usize).map_or("?", |k| k.name()).to_string()),
             many_prefetch: ManyFetch::ALL.get(v[17] as usize).map_or("?", |f| f.name()).to_string(),
-            many_prefetch_by: PrefetchBy::ALL.get(v[18] as usize).map_or("?", |b| b.many_name()).to_string(),
-            many_prefetch_timings: PrefetchBy::ALL.get(v[18] as usize).map_or(0, |b| b.timings()),
+            many_prefetch_by: by(v[18]).map_or("?", |b| b.many_name()).to_string(),
+            many_prefetch_timings: by(v[18]).map_or(0, |b| b.timings()),
             baseline_many_prefetch: (v[19] != u64::MAX)
                 .then(|| ManyFetch::ALL.get(v[19] as usize).map_or("?", |f| f.name()).to_string()),
             baseline_many_prefetch_by: (v[20] != u64::MAX)
-                .then(|| PrefetchBy::ALL.get(v[20] as usize).map_or("?", |b| b.many_name()).to_string()),
+                .then(|| by(v[20]).map_or("?", |b| b.many_name()).to_string()),
         })
         .collect()
 }
@@ -1274,15 +1275,13 @@ fn run_bench(
     // Each batch size runs under the many-token way picked at its own tokens a step (the
     // baseline's, with `--compare-batch`, set before each of its runs; the main side's after).
     let main_many = engine.many_prefetch();
-    let base_many = if a.compare_batch.is_some() {
+    let base_many = a.compare_batch.map(|_| {
         engine.set_many_prefetch(unpicked);
         engine.pick_many_prefetch(base_batch.div_ceil(micro(base_batch)));
         let picked = engine.many_prefetch();
         engine.set_many_prefetch(main_many);
         picked
-    } else {
-        main_many
-    };
+    });
     // `--compare-unquantized`: the same layers unquantized, loaded beside the quantized ones
     // and run in turn with them on the same kernel threads (see the run schedule below).
     let mut spare = None;
@@ -1394,7 +1393,7 @@ fn run_bench(
             engine.swap_weights(spare);
             holding = side;
         }
-        if a.compare_batch.is_some() {
+        if let Some(base_many) = base_many {
             engine.set_many_prefetch(if side == Side::Main { main_many } else { base_many });
         }
         if n == a.warmup * sides(0).len() {
@@ -1497,7 +1496,6 @@ fn run_bench(
         link.allgather_u64(&[spare.shard().bytes_per_token() as u64], &mut all);
         (spare.shard().weight_dtype().to_string(), all.iter().sum::<u64>())
     });
-    let base_many = a.compare_batch.map(|_| base_many);
     let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_many);
     if !driver {
         return Ok(());
