@@ -44,9 +44,10 @@ pub struct RankReport {
     pub many_prefetch_by: String,
     pub many_prefetch_timings: usize,
     /// With `--compare-batch`: the many-token way the baseline batch ran under, picked at its
-    /// own tokens a step, and what decided it (null otherwise).
+    /// own tokens a step, what decided it and its timings (as above; null otherwise).
     pub baseline_many_prefetch: Option<String>,
     pub baseline_many_prefetch_by: Option<String>,
+    pub baseline_many_prefetch_timings: Option<usize>,
     /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
     /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
     /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
@@ -494,8 +495,8 @@ impl BenchReport {
                 by_timings(&r.prefetch_by, r.prefetch_timings),
                 r.many_prefetch,
                 by_timings(&r.many_prefetch_by, r.many_prefetch_timings),
-                match (&r.baseline_many_prefetch, &r.baseline_many_prefetch_by) {
-                    (Some(way), Some(by)) => format!(", the baseline's {way} ({by})"),
+                match (&r.baseline_many_prefetch, &r.baseline_many_prefetch_by, r.baseline_many_prefetch_timings) {
+                    (Some(way), Some(by), Some(n)) => format!(", the baseline's {way} ({})", by_timings(by, n)),
                     _ => String::new(),
                 },
                 r.isa,

@@ -788,6 +788,7 @@ fn gather_rank_reports(
                 .then(|| ManyFetch::ALL.get(v[19] as usize).map_or("?", |f| f.name()).to_string()),
             baseline_many_prefetch_by: (v[20] != u64::MAX)
                 .then(|| by(v[20]).map_or("?", |b| b.many_name()).to_string()),
+            baseline_many_prefetch_timings: (v[20] != u64::MAX).then(|| by(v[20]).map_or(0, |b| b.timings())),
         })
         .collect()
 }
