@@ -935,6 +935,17 @@ fn prepare_prompts(
         .collect()
 }
 
+/// "1 token", "2 tokens": `n` and `what`, plural but for one, for the summary lines.
+fn count(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
+/// "1 rank (1x1)", "4 ranks (2x2)": a grid's size and shape (pipeline stages × tp ranks), for
+/// the summary lines.
+fn ranks_of(grid: &Grid) -> String {
+    format!("{} ({}x{})", count(grid.pp * grid.tp, "rank"), grid.pp, grid.tp)
+}
+
 fn run_generate(
     a: &GenerateArgs,
     params: &SamplingParams,
@@ -1059,15 +1070,13 @@ fn run_generate(
         } else {
             writeln!(stdout)?;
             let summary = format!(
-                "[{} prompt tokens, {} new tokens ({:?}), prefill {:.1} ms, decode {:.1} tokens/s, {} ranks ({}x{})]\n",
-                p.ids.len(),
-                g.token_ids.len(),
-                g.finish,
+                "[{}, {} ({}), prefill {:.1} ms, decode {:.1} tokens/s, {}]\n",
+                count(p.ids.len(), "prompt token"),
+                count(g.token_ids.len(), "new token"),
+                g.finish.name(),
                 first,
                 tps,
-                grid.pp * grid.tp,
-                grid.pp,
-                grid.tp
+                ranks_of(&grid)
             );
             status_line(&mut stdout, &summary);
         }
@@ -1116,21 +1125,20 @@ fn run_generate(
         writeln!(stdout, "{out}")?;
     } else {
         for (i, ((c, p), text)) in done.iter().zip(&prompts).zip(&texts).enumerate() {
-            let head = format!("=== {}/{} (line {}, {:?}) ===", i + 1, done.len(), p.spec.line, c.finish);
+            let head =
+                format!("=== {}/{} (line {}, {}) ===", i + 1, done.len(), p.spec.line, c.finish.name());
             writeln!(stdout, "{head}\n{text}\n")?;
         }
         let summary = format!(
-            "[{} prompts, {} new tokens in {:.2} s, {:.1} tokens/s, {} steps, KV peak {}/{} pages, {} ranks ({}x{})]\n",
-            done.len(),
-            generated,
+            "[{}, {} in {:.2} s, {:.1} tokens/s, {}, KV peak {}/{} pages, {}]\n",
+            count(done.len(), "prompt"),
+            count(generated, "new token"),
             stats.elapsed_ms / 1e3,
             rate,
-            stats.steps,
+            count(stats.steps, "step"),
             stats.kv_pages_peak,
             stats.kv_pages,
-            grid.pp * grid.tp,
-            grid.pp,
-            grid.tp
+            ranks_of(&grid)
         );
         status_line(&mut stdout, &summary);
     }

@@ -44,6 +44,19 @@ pub enum Finish {
     Error,
 }
 
+impl Finish {
+    /// Its name, as in `finish_reason` of the JSON reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Finish::Eos => "eos",
+            Finish::Length => "length",
+            Finish::Context => "context",
+            Finish::Stop => "stop",
+            Finish::Error => "error",
+        }
+    }
+}
+
 /// What every rank does next; made by the driver, encoded with bincode, passed down the grid.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Plan {
@@ -905,6 +918,14 @@ pub fn greedy_pick(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The summary lines name a [`Finish`] as the JSON does.
+    #[test]
+    fn finish_names_match_the_json() {
+        for f in [Finish::Eos, Finish::Length, Finish::Context, Finish::Stop, Finish::Error] {
+            assert_eq!(serde_json::to_value(f).unwrap(), f.name());
+        }
+    }
 
     /// Rank reports send a [`PrefetchBy`] as its index in `ALL`.
     #[test]

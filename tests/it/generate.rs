@@ -52,6 +52,10 @@ fn streamed_text_equals_json_text() {
     let text = String::from_utf8(streamed.stdout).unwrap();
     assert_eq!(text.trim_end_matches('\n'), j["text"].as_str().unwrap());
     assert!(!j["text"].as_str().unwrap().is_empty());
+    // The summary on stderr names the finish as the JSON does, and the grid.
+    let stderr = String::from_utf8_lossy(&streamed.stderr);
+    let finish = format!(" new tokens ({}),", j["finish_reason"].as_str().unwrap());
+    assert!(stderr.contains(&finish) && stderr.contains(", 1 rank (1x1)]"), "{stderr}");
 }
 
 #[test]
