@@ -179,17 +179,29 @@ pub struct Baseline {
     /// `measured_gb_per_s` ÷ the report's). Runs a second apart can still meet different reads
     /// on a shared host (the two placements of its cores).
     pub speedup_at_same_reads: f64,
+    /// How the two sides took turns: `steps` (each warm-up and rep one run of both, their
+    /// steps in turn, so both meet the same moments) or `runs` (whole runs in turn, where a
+    /// side runs micro-batches of a pipeline).
+    pub alternated: &'static str,
 }
 
 impl Baseline {
     /// The baseline's figures (`decode`, of `weight_dtype` weights at `batch` sequences) and
-    /// the speed-ups of the runs compared with it (`compared`), rep by rep in the same order.
-    pub fn new(weight_dtype: String, batch: usize, decode: DecodeFigures, compared: &DecodeFigures) -> Self {
+    /// the speed-ups of the runs compared with it (`compared`), rep by rep in the same order;
+    /// `alternated` as the field says.
+    pub fn new(
+        weight_dtype: String,
+        batch: usize,
+        decode: DecodeFigures,
+        compared: &DecodeFigures,
+        alternated: &'static str,
+    ) -> Self {
         let rate = |r: &RunReport| r.decode_tokens_per_s;
         let speedup = compared.decode_tokens_per_s / decode.decode_tokens_per_s;
         Baseline {
             weight_dtype,
             batch,
+            alternated,
             speedup,
             speedup_by_rep: compared.runs.iter().zip(&decode.runs).map(|(c, b)| rate(c) / rate(b)).collect(),
             speedup_at_same_reads: speedup * decode.measured_gb_per_s / compared.measured_gb_per_s,
@@ -466,10 +478,11 @@ impl BenchReport {
                 (
                     "speed-up".into(),
                     format!(
-                        "{:.2}x the baseline's decode tokens/s (by rep {}); {:.2}x at the same reads",
+                        "{:.2}x the baseline's decode tokens/s (by rep {}); {:.2}x at the same reads; {}",
                         u.speedup,
                         each(&mut u.speedup_by_rep.iter().copied(), 2),
-                        u.speedup_at_same_reads
+                        u.speedup_at_same_reads,
+                        if u.alternated == "steps" { "run step by step in turn" } else { "whole runs in turn" }
                     ),
                 ),
             ];

@@ -321,6 +321,7 @@ impl BatchArgs {
             kv_bytes: self.kv_mem_mib.map(|m| m << 20),
             eos_ids,
             read_between_steps: false,
+            sides: None,
         }
     }
 
@@ -1330,8 +1331,8 @@ fn run_bench(
     let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
     if between {
         let (probe, log, way) = (probe.clone(), log.clone(), before.1);
-        engine.set_reader(Some(Box::new(move |team| {
-            log.borrow_mut().push(probe.rate_slice(team, way, READ_PARTS));
+        engine.set_reader(Some(Box::new(move |team, side| {
+            log.borrow_mut().push((side, probe.rate_slice(team, way, READ_PARTS)));
         })));
     }
     let mut readings = Vec::new();
@@ -1371,16 +1372,47 @@ fn run_bench(
         kv_bytes: None,
         eos_ids: Vec::new(),
         read_between_steps: between,
+        sides: None,
     };
     // Each side's requests (the first prompts of one list) and options.
     let work =
         [(&requests[..a.work.batch], options(a.work.batch)), (&requests[..base_batch], options(base_batch))];
-    // The runs in order: each a run of the main side or of the baseline, a warm-up or a timed
-    // rep. With a baseline every warm-up and rep runs both, one right after the other, which
-    // goes first alternating from rep to rep (AB, BA, ...) so that neither always meets the
-    // later moment of a host whose bandwidth drifts.
+    // With a baseline, both sides run in one run, step by step in turn (`RunOptions::sides`),
+    // where each side is one micro-batch: both then meet the same moments of the host, where
+    // whole runs in turn a second apart can meet reads that differ by half (on the 2-core Zen 4
+    // machine int8 against bf16 came out at 1.47x where the same runs at the same reads gave
+    // 1.90x). Micro-batches of a pipeline keep whole runs in turn: each side's steps overlap
+    // with its own.
     let comparing = spare.is_some() || a.compare_batch.is_some();
-    let sides = |k: usize| match (comparing, k % 2) {
+    let stepwise = comparing && micro(a.work.batch) == 1 && micro(base_batch) == 1;
+    let both: Vec<Request> = work[0].0.iter().chain(work[1].0).cloned().collect();
+    let both_options = RunOptions {
+        max_batch: both.len(),
+        micro_batches: 1,
+        overlap: false,
+        step_tokens: work[0].1.step_tokens.max(work[1].1.step_tokens),
+        sides: Some(a.work.batch),
+        ..options(a.work.batch)
+    };
+    // With spare weights, each side's weight dtype (the progress lines name the sides by it).
+    let spare_dtypes = spare
+        .as_ref()
+        .map(|s| [engine.shard.weight_dtype().to_string(), s.shard().weight_dtype().to_string()]);
+    if stepwise {
+        // The engine holds the baseline's weights or many-token way beside its own, and each
+        // step says whose it runs on.
+        let other = match spare.take() {
+            Some(spare) => gridlm::engine::OtherSide::Weights(Box::new(spare)),
+            None => gridlm::engine::OtherSide::ManyPrefetch(base_many.unwrap_or(main_many)),
+        };
+        engine.set_other_side(Some(other));
+    }
+    // The runs in order: each a run of the main side or of the baseline, a warm-up or a timed
+    // rep (step by step, each run is both: `Side::Main` stands for it). Otherwise, with a
+    // baseline, every warm-up and rep runs both, one right after the other, which goes first
+    // alternating from rep to rep (AB, BA, ...) so that neither always meets the later moment
+    // of a host whose bandwidth drifts.
+    let sides = |k: usize| match (comparing && !stepwise, k % 2) {
         (false, _) => &[Side::Main][..],
         (true, 0) => &[Side::Baseline, Side::Main][..],
         (true, _) => &[Side::Main, Side::Baseline][..],
@@ -1389,9 +1421,19 @@ fn run_bench(
         .flat_map(|i| sides(0).iter().map(move |&w| (w, Run::Warmup(i))))
         .chain((0..a.reps).flat_map(|k| sides(k).iter().map(move |&w| (w, Run::Rep(k)))))
         .collect();
-    // Per timed run, in order: its side (known on every rank); and on the driver, per side,
-    // each timed run's first-token latency and decode rate, and the gaps between tokens.
-    let timed: Vec<Side> = schedule.iter().filter(|r| matches!(r.1, Run::Rep(_))).map(|r| r.0).collect();
+    // The sides a run measures: step by step both, in side order.
+    let measures = |side: Side| -> &'static [Side] {
+        match (stepwise, side) {
+            (true, _) => &[Side::Main, Side::Baseline],
+            (false, Side::Main) => &[Side::Main],
+            (false, Side::Baseline) => &[Side::Baseline],
+        }
+    };
+    // Per timed side of a run, in order: its side (known on every rank); and on the driver,
+    // per side, each timed run's first-token latency and decode rate, and the gaps between
+    // tokens.
+    let timed: Vec<Side> =
+        schedule.iter().filter(|r| matches!(r.1, Run::Rep(_))).flat_map(|r| measures(r.0).to_vec()).collect();
     let mut measured: [Measured; 2] = Default::default();
     // The side whose weights the engine holds (the baseline's only with spare weights).
     let mut holding = Side::Main;
@@ -1402,7 +1444,7 @@ fn run_bench(
             engine.swap_weights(spare);
             holding = side;
         }
-        if let Some(base_many) = base_many {
+        if let Some(base_many) = base_many.filter(|_| !stepwise) {
             engine.set_many_prefetch(if side == Side::Main { main_many } else { base_many });
         }
         if n == a.warmup * sides(0).len() {
@@ -1412,32 +1454,52 @@ fn run_bench(
         if !driver {
             engine.follow(comm, link)?;
         } else {
-            let mut label = match run {
-                Run::Warmup(i) => format!("warm-up {}/{}", i + 1, a.warmup),
-                Run::Rep(k) => format!("rep {}/{}", k + 1, a.reps),
+            let label = |side: Side| {
+                let mut label = match run {
+                    Run::Warmup(i) => format!("warm-up {}/{}", i + 1, a.warmup),
+                    Run::Rep(k) => format!("rep {}/{}", k + 1, a.reps),
+                };
+                let other = if side == Side::Main { Side::Baseline } else { Side::Main };
+                let name = |side: Side| match &spare_dtypes {
+                    Some(d) => d[side as usize].clone(),
+                    None => format!("batch {}", work[side as usize].0.len()),
+                };
+                if stepwise {
+                    label += &format!(" ({}, step by step with {})", name(side), name(other));
+                } else if comparing {
+                    label += &format!(" ({})", name(side));
+                }
+                label
             };
-            if spare.is_some() {
-                label += &format!(" ({})", engine.shard.weight_dtype());
-            } else if comparing {
-                label += &format!(" (batch {})", work[side as usize].0.len());
-            }
-            let (requests, opts) = &work[side as usize];
-            let result = engine.run(requests, opts, comm, link, |_, _| Ok(true));
+            let result = if stepwise {
+                engine.run(&both, &both_options, comm, link, |_, _| Ok(true))
+            } else {
+                let (requests, opts) = &work[side as usize];
+                engine.run(requests, opts, comm, link, |_, _| Ok(true))
+            };
             engine.finish(comm, link)?;
             match result {
                 Ok(done) => {
-                    // Every sequence's first token; decode measured while all of them decode.
-                    let first = percentile(&done.iter().map(|c| c.times_ms[0]).collect::<Vec<_>>(), 0.5);
-                    let times: Vec<&[f64]> = done.iter().map(|c| &c.times_ms[..]).collect();
-                    let (tps, g) = decode_window(&times).unwrap_or((0.0, Vec::new()));
-                    let line =
-                        format!("bench: {label}: first token {first:.1} ms, decode {tps:.1} tokens/s\n");
-                    let _ = std::io::stderr().write_all(line.as_bytes());
-                    if let Run::Rep(_) = run {
-                        let m = &mut measured[side as usize];
-                        m.firsts.push(first);
-                        m.rates.push(tps);
-                        m.gaps.extend(g);
+                    // Each side's sequences: step by step, the main side's first.
+                    let mut rest = &done[..];
+                    for &side in measures(side) {
+                        let (mine, more) = rest.split_at(work[side as usize].0.len().min(rest.len()));
+                        rest = more;
+                        // Every sequence's first token; decode measured while all of them decode.
+                        let first = percentile(&mine.iter().map(|c| c.times_ms[0]).collect::<Vec<_>>(), 0.5);
+                        let times: Vec<&[f64]> = mine.iter().map(|c| &c.times_ms[..]).collect();
+                        let (tps, g) = decode_window(&times).unwrap_or((0.0, Vec::new()));
+                        let line = format!(
+                            "bench: {}: first token {first:.1} ms, decode {tps:.1} tokens/s\n",
+                            label(side)
+                        );
+                        let _ = std::io::stderr().write_all(line.as_bytes());
+                        if let Run::Rep(_) = run {
+                            let m = &mut measured[side as usize];
+                            m.firsts.push(first);
+                            m.rates.push(tps);
+                            m.gaps.extend(g);
+                        }
                     }
                 }
                 Err(e) => outcome = Err(e),
@@ -1451,20 +1513,31 @@ fn run_bench(
         if side == Side::Main {
             main_profile = engine.profile();
         }
-        // The readings taken between this run's steps (the warm-up's are dropped); one after
-        // it if its steps left no moment between them (a single new token).
-        let mut run_log = std::mem::take(&mut *log.borrow_mut());
+        // The readings taken between this run's steps (the warm-up's are dropped), each side's
+        // after its own steps; one after the run where a side's steps left no moment between
+        // them (a single new token).
+        let run_log = std::mem::take(&mut *log.borrow_mut());
         if let Run::Rep(_) = run {
             if between {
-                if run_log.is_empty() {
-                    run_log.push(probe.rate_slice(engine.team(), before.1, READ_PARTS));
+                for &s in measures(side) {
+                    let step_side = if stepwise { s as u8 } else { 0 };
+                    let mut mine: Vec<(f64, f64)> =
+                        run_log.iter().filter(|r| r.0 == step_side).map(|r| r.1).collect();
+                    if mine.is_empty() {
+                        mine.push(probe.rate_slice(engine.team(), before.1, READ_PARTS));
+                    }
+                    by_run.push(median_gb_per_s(&mine));
                 }
-                by_run.push(median_gb_per_s(&run_log));
             }
             read_around(&engine);
         }
     }
     // The rank's own weights again, and the main side's many-token way, for its report.
+    if stepwise {
+        if let Some(gridlm::engine::OtherSide::Weights(s)) = engine.set_other_side(None) {
+            spare = Some(*s);
+        }
+    }
     if let Some(spare) = spare.as_mut().filter(|_| holding != Side::Main) {
         engine.swap_weights(spare);
     }
@@ -1473,17 +1546,22 @@ fn run_bench(
     // The resident memory reported below is the engine's, without the probe's buffer.
     engine.set_reader(None);
     drop(probe);
+    // Per timed side, its run's figures (step by step both sides share their run's).
+    let per_side = |per_run: Vec<f64>| -> Vec<f64> {
+        per_run.into_iter().flat_map(|x| std::iter::repeat_n(x, if stepwise { 2 } else { 1 })).collect()
+    };
     if !between {
-        by_run = gb_per_s_around_runs(&readings);
+        by_run = per_side(gb_per_s_around_runs(&readings));
     }
+    let handoff_by_side = per_side(mean_around_runs(&handoffs));
     // Every rank read as often (all leave the runs together), so all send as many figures:
-    // the limits, the median handoff, then per run its bandwidth and handoff. Bandwidths add
-    // up over ranks; the handoff is the slowest rank's.
-    let runs = handoffs.len().saturating_sub(1);
+    // the limits, the median handoff, then per timed side its bandwidth and handoff.
+    // Bandwidths add up over ranks; the handoff is the slowest rank's.
+    let runs = by_run.len().min(handoff_by_side.len());
     let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), percentile(&handoffs, 0.5)]
         .into_iter()
-        .chain(by_run)
-        .chain(mean_around_runs(&handoffs))
+        .chain(by_run.into_iter().take(runs))
+        .chain(handoff_by_side.into_iter().take(runs))
         .map(f64::to_bits)
         .collect();
     let mut all = vec![0u64; mine.len() * link.world_size()];
@@ -1536,7 +1614,14 @@ fn run_bench(
         let (weight_dtype, bytes_per_step) =
             spare_weights.unwrap_or_else(|| (engine.shard.weight_dtype().to_string(), weight_bytes_per_step));
         let weight_bytes_per_token = bytes_per_step * micro(base_batch) as u64 / base_batch as u64;
-        Baseline::new(weight_dtype, base_batch, figures(Side::Baseline, weight_bytes_per_token), &decode)
+        let alternated = if stepwise { "steps" } else { "runs" };
+        Baseline::new(
+            weight_dtype,
+            base_batch,
+            figures(Side::Baseline, weight_bytes_per_token),
+            &decode,
+            alternated,
+        )
     });
     let report = BenchReport {
         model: match (&a.model, &a.shape) {

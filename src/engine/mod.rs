@@ -90,6 +90,9 @@ pub struct Step {
     pub spans: Vec<Span>,
     pub tokens: Vec<u32>,
     pub want_logits: bool,
+    /// Whose weights and many-token way it runs on: 0 the engine's own, 1 its
+    /// [`OtherSide`] (a comparison run step by step, [`RunOptions::sides`]).
+    pub side: u8,
 }
 
 /// What the last stage sends back to the driver after a step.
@@ -217,7 +220,8 @@ pub struct Engine {
     mine: Vec<f32>,
     spare_tokens: Vec<Vec<u32>>,
     read_sync: Vec<u64>,
-    profile: StepProfile,
+    /// Where each side's decode steps went (side 1: steps of the [`OtherSide`]).
+    profiles: [StepProfile; 2],
     /// Test hook: `GRIDLM_TEST_EXIT_AT=RANK:STEP` ends this process abruptly at that step;
     /// `RANK:STEP:panic` makes a kernel thread panic there instead.
     exit_at: Option<(usize, usize, bool)>,
@@ -228,6 +232,18 @@ pub struct Engine {
     many_prefetch: (kernels::ManyFetch, PrefetchBy),
     /// What [`Plan::Read`] runs on this rank (see [`Engine::set_reader`]).
     reader: Option<Reader>,
+    /// What steps of side 1 run on, while the engine holds side 0's (its own), or the other
+    /// way round while `side` is 1.
+    other: Option<OtherSide>,
+    side: u8,
+}
+
+/// What a comparison run step by step ([`RunOptions::sides`]) runs its side 1 on.
+pub enum OtherSide {
+    /// Other weights of the same layers, with their own prefetch ways.
+    Weights(Box<SpareWeights>),
+    /// The engine's own weights under another many-token way.
+    ManyPrefetch((kernels::ManyFetch, PrefetchBy)),
 }
 
 /// Weights held aside with the prefetch ways chosen for them ([`Engine::spare_weights`]), to
@@ -244,8 +260,9 @@ impl SpareWeights {
     }
 }
 
-/// A measurement a rank takes between steps with its kernel team ([`Plan::Read`]).
-pub type Reader = Box<dyn FnMut(&Team)>;
+/// A measurement a rank takes between steps with its kernel team ([`Plan::Read`]), told the
+/// side of the step before it ([`Step::side`]).
+pub type Reader = Box<dyn FnMut(&Team, u8)>;
 
 /// What decided a rank's one-token prefetch ([`kernels::Fetch`]) or its many-token one
 /// ([`kernels::ManyFetch`]).
@@ -409,12 +426,14 @@ impl Engine {
             mine: Vec::new(),
             spare_tokens: Vec::new(),
             read_sync: Vec::new(),
-            profile: StepProfile::default(),
+            profiles: Default::default(),
             exit_at,
             steps: 0,
             prefetch,
             many_prefetch,
             reader: None,
+            other: None,
+            side: 0,
         })
     }
 
@@ -507,6 +526,43 @@ impl Engine {
         self.set_prefetch();
     }
 
+    /// What steps of side 1 run on from now on ([`Step::side`]); returns the one before. The
+    /// engine holds its own weights and ways (side 0's) when this returns.
+    pub fn set_other_side(&mut self, other: Option<OtherSide>) -> Option<OtherSide> {
+        if self.side != 0 {
+            self.swap_sides();
+        }
+        std::mem::replace(&mut self.other, other)
+    }
+
+    /// Holds side `side`'s weights and ways, swapping them with the other side's where the
+    /// engine holds the other's: a few words moved, no allocation.
+    fn hold_side(&mut self, side: u8) -> Result<()> {
+        if side == self.side {
+            return Ok(());
+        }
+        if side > 1 || self.other.is_none() {
+            return Err(Error::Comm(format!("a step of side {side}, where the engine has no such side")));
+        }
+        self.swap_sides();
+        Ok(())
+    }
+
+    /// Swaps the engine's weights or many-token way with its other side's (see [`OtherSide`]).
+    fn swap_sides(&mut self) {
+        match &mut self.other {
+            Some(OtherSide::Weights(spare)) => {
+                std::mem::swap(&mut self.shard, &mut spare.shard);
+                std::mem::swap(&mut self.prefetch, &mut spare.prefetch);
+                std::mem::swap(&mut self.many_prefetch, &mut spare.many_prefetch);
+            }
+            Some(OtherSide::ManyPrefetch(many)) => std::mem::swap(&mut self.many_prefetch, many),
+            None => return,
+        }
+        self.side = 1 - self.side;
+        self.set_prefetch();
+    }
+
     /// Sets this engine's prefetch ways for the process (they are read by the kernels).
     fn set_prefetch(&self) {
         kernels::dot::set_fetch(self.prefetch.0);
@@ -551,9 +607,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Where this rank's time went in the decode steps since the last `Begin`.
+    /// Where this rank's time went in the decode steps since the last `Begin` (those of side 0,
+    /// the engine's own, where a run compares two sides step by step).
     pub fn profile(&self) -> StepProfile {
-        self.profile
+        self.profiles[0]
     }
 
     /// Every rank: takes the next plan (see [`Engine::next_plan`]) and carries out its part,
@@ -571,9 +628,9 @@ impl Engine {
         let plan = own.unwrap_or(&incoming);
         let r = self.execute(plan, comm, link);
         match plan {
-            Plan::Begin { .. } => self.profile = StepProfile::default(),
+            Plan::Begin { .. } => self.profiles = Default::default(),
             Plan::Step(s) if !s.spans.is_empty() && s.spans.iter().all(|sp| sp.len == 1) => {
-                let p = &mut self.profile;
+                let p = &mut self.profiles[self.side as usize];
                 p.steps += 1;
                 p.wall_ns += t0.elapsed().as_nanos() as u64;
                 p.comm = p.comm + (comm.times() + link.times() - c0);
@@ -604,7 +661,7 @@ impl Engine {
             Plan::End => return Ok(None),
             Plan::Read => {
                 if let Some(read) = &mut self.reader {
-                    read(&self.team);
+                    read(&self.team, self.side);
                 }
                 // Every rank leaves together, so the next step starts at once on all of them.
                 self.read_sync.resize(link.world_size(), 0);
@@ -613,6 +670,7 @@ impl Engine {
             }
             Plan::Step(step) => step,
         };
+        self.hold_side(step.side)?;
         self.steps += 1;
         if let Some((rank, step, panic)) = self.exit_at {
             if rank == self.grid.rank && step == self.steps {
@@ -831,7 +889,7 @@ impl Engine {
         let admit =
             vec![Admit { slot: 0, pages: (0..pages as u32).collect(), params: SamplingParams::default() }];
         let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };
-        let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), want_logits: false };
+        let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), want_logits: false, side: 0 };
         let mut out = vec![self.step(first, comm, link)?.tokens[0]];
         for (i, &t) in forced.iter().enumerate().take(forced.len().saturating_sub(1)) {
             let pos = prompt.len() + i;
@@ -839,7 +897,8 @@ impl Engine {
                 break;
             }
             let span = Span { seq: 0, pos0: pos, len: 1, emit: true };
-            let step = Step { admit: Vec::new(), spans: vec![span], tokens: vec![t], want_logits: false };
+            let step =
+                Step { admit: Vec::new(), spans: vec![span], tokens: vec![t], want_logits: false, side: 0 };
             out.push(self.step(step, comm, link)?.tokens[0]);
         }
         Ok(out)

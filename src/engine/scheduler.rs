@@ -49,6 +49,12 @@ pub struct RunOptions {
     /// reader ([`Engine::set_reader`], through [`Plan::Read`]). The time that takes is left
     /// out of the run's clock: token times and `elapsed_ms` are those of the steps alone.
     pub read_between_steps: bool,
+    /// `Some(n)`: a comparison of two sides run step by step, so that both meet the same
+    /// moments of the machine. The first `n` requests are side 0's (the engine's own weights
+    /// and ways), the rest side 1's ([`super::OtherSide`]); each side is one group of its own
+    /// (`micro_batches` and `overlap` are not used), their steps alternate while both have
+    /// work, and each side's token times count its own steps only, as if it had run alone.
+    pub sides: Option<usize>,
 }
 
 impl Default for RunOptions {
@@ -61,6 +67,7 @@ impl Default for RunOptions {
             kv_bytes: None,
             eos_ids: Vec::new(),
             read_between_steps: false,
+            sides: None,
         }
     }
 }
@@ -167,8 +174,13 @@ impl Engine {
             )));
         }
         let slots = opts.max_batch;
-        let groups = opts.micro_batches.min(slots);
-        let depth = if opts.overlap { groups } else { 1 };
+        // Side by side: one group a side, one step in flight, each side's own clock.
+        let sides = opts.sides.map(|n| n.min(requests.len()));
+        let side_of = |i: usize| sides.map_or(0, |n| usize::from(i >= n));
+        let groups = if sides.is_some() { 2 } else { opts.micro_batches.min(slots) };
+        let depth = if opts.overlap && sides.is_none() { groups } else { 1 };
+        let mut clocks = [0.0f64; 2];
+        let mut last = 0.0;
         self.begin(pages, slots, comm, link)?;
 
         let mut out: Vec<Completion> = requests
@@ -181,7 +193,8 @@ impl Engine {
                 prompt_logits: None,
             })
             .collect();
-        let mut waiting = VecDeque::new();
+        // Requests waiting, first come first served: one queue, or side by side one a side.
+        let mut waiting = vec![VecDeque::new(); if sides.is_some() { 2 } else { 1 }];
         for (i, r) in requests.iter().enumerate() {
             let need = pages_of(r);
             let problem = match check_prompt(r.prompt.len(), ctx) {
@@ -201,7 +214,7 @@ impl Engine {
                     out[i].error = Some(e);
                 }
                 None if r.max_tokens == 0 => out[i].finish = Finish::Length,
-                None => waiting.push_back(i),
+                None => waiting[side_of(i)].push_back(i),
             }
         }
         let mut free_slots: Vec<usize> = (0..slots).rev().collect();
@@ -209,7 +222,17 @@ impl Engine {
         let mut seqs: Vec<Option<Seq>> = requests.iter().map(|_| None).collect();
         let mut members: Vec<Vec<usize>> = vec![Vec::new(); groups];
         let mut busy = vec![false; groups];
-        let per_group = slots.div_ceil(groups);
+        // Slots a group may fill (side by side, a side's requests).
+        let per_group = |g: usize| match sides {
+            Some(n) => {
+                if g == 0 {
+                    n
+                } else {
+                    requests.len() - n
+                }
+            }
+            None => slots.div_ceil(groups),
+        };
         let mut flight: VecDeque<InFlight> = VecDeque::new();
         let mut stats = RunStats { kv_pages: pages, kv_page_bytes: page_bytes, ..RunStats::default() };
         let mut next_group = 0;
@@ -228,14 +251,16 @@ impl Engine {
                     continue;
                 }
                 let Plan::Step(step) = &mut plan else { unreachable!("the scheduler's plan is a step") };
+                step.side = if sides.is_some() { g as u8 } else { 0 };
                 // Admission, first come first served.
                 step.admit.clear();
-                while let Some(&i) = waiting.front() {
+                let queue = &mut waiting[if sides.is_some() { g } else { 0 }];
+                while let Some(&i) = queue.front() {
                     let need = pages_of(&requests[i]);
-                    if members[g].len() >= per_group || free_slots.is_empty() || free_pages.len() < need {
+                    if members[g].len() >= per_group(g) || free_slots.is_empty() || free_pages.len() < need {
                         break;
                     }
-                    waiting.pop_front();
+                    queue.pop_front();
                     let slot = free_slots.pop().expect("checked");
                     let pg = free_pages.take(need);
                     step.admit.push(Admit { slot, pages: pg.clone(), params: requests[i].params.clone() });
@@ -265,7 +290,7 @@ impl Engine {
                 tried = 0;
             }
             let Some(f) = flight.pop_front() else {
-                if let Some(&i) = waiting.front() {
+                if let Some(&i) = waiting.iter().find_map(|q| q.front()) {
                     // Nothing runs, so every page is free: only a bug leaves a request waiting.
                     return Err(Error::Comm(format!("request {i} waits with the KV pool empty")));
                 }
@@ -278,7 +303,13 @@ impl Engine {
             // (Stamped one by one, a batch of 4 with 2 new tokens each had no gap that began
             // after the last first token and ended before the first last one, and `bench`
             // reported no decode at all.)
-            let now = ms(t0, paused);
+            let mut now = ms(t0, paused);
+            if sides.is_some() {
+                // One step in flight: the time since the step before is this one's.
+                clocks[f.group] += now - last;
+                last = now;
+                now = clocks[f.group];
+            }
             for (&i, &tok) in f.emitting.iter().zip(&r.tokens) {
                 let req = &requests[i];
                 let c = &mut out[i];
@@ -312,7 +343,7 @@ impl Engine {
             spare.push(f.emitting);
             if opts.read_between_steps
                 && flight.is_empty()
-                && (!waiting.is_empty() || seqs.iter().any(Option::is_some))
+                && (waiting.iter().any(|q| !q.is_empty()) || seqs.iter().any(Option::is_some))
             {
                 let t = Instant::now();
                 self.launch(&Plan::Read, comm, link)?;

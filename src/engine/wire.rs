@@ -4,7 +4,7 @@
 //! `Begin`, `Read` and `End`, and the prompt logits a caller may ask for.
 //!
 //! ```text
-//! step:   0u8, want_logits u8, spans u64, admit bytes u64,
+//! step:   0u8, want_logits u8, side u8, spans u64, admit bytes u64,
 //!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens, admit (bincode)
 //! other:  1u8, the plan (bincode)
 //! result: tokens, 0u8 | 1u8 and the logits (bincode)
@@ -41,7 +41,7 @@ pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
                 .map_err(|e| Error::Comm(format!("cannot encode a plan: {e}")));
         }
     };
-    out.extend([STEP, u8::from(step.want_logits)]);
+    out.extend([STEP, u8::from(step.want_logits), step.side]);
     word(out, step.spans.len());
     let admit_at = out.len();
     word(out, 0);
@@ -74,12 +74,14 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
         return Ok(());
     }
     let want_logits = r.u8()? != 0;
+    let side = r.u8()?;
     let (n_spans, admit_bytes) = (r.len(SPAN_BYTES)?, r.len(1)?);
     if !matches!(into, Plan::Step(_)) {
         *into = Plan::Step(Step::default());
     }
     let Plan::Step(step) = into else { unreachable!("made a step just above") };
     step.want_logits = want_logits;
+    step.side = side;
     step.spans.clear();
     for _ in 0..n_spans {
         let (seq, pos0, len) = (r.usize()?, r.usize()?, r.usize()?);
@@ -218,6 +220,7 @@ mod tests {
             ],
             tokens: vec![1, 2, u32::MAX, 5],
             want_logits: true,
+            side: 1,
         }
     }
 

@@ -221,8 +221,8 @@ fn readers_run_between_steps_off_the_clock() {
     let mut engine = local_engine(&dir, None);
     let calls = Rc::new(Cell::new(0));
     let seen = calls.clone();
-    engine.set_reader(Some(Box::new(move |team| {
-        assert_eq!(team.threads(), 2);
+    engine.set_reader(Some(Box::new(move |team, side| {
+        assert_eq!((team.threads(), side), (2, 0));
         seen.set(seen.get() + 1);
         std::thread::sleep(Duration::from_millis(100));
     })));
@@ -303,18 +303,14 @@ fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
     for k in 0..3 {
         assert!(close(by_rep[k].as_f64().unwrap(), f(&quantized[k], tps) / f(&unquantized[k], tps)), "{u}");
     }
-    // The runs in order: both weights at each warm-up and rep, the first alternating.
+    // The runs in order: one run of both weights at each warm-up and rep, step by step, each
+    // side's figures on its own line.
+    assert_eq!(u["alternated"], "steps", "{u}");
     let labels = progress_labels(&stderr);
-    let expected = [
-        "warm-up 1/1 (bf16)",
-        "warm-up 1/1 (int8)",
-        "rep 1/3 (bf16)",
-        "rep 1/3 (int8)",
-        "rep 2/3 (int8)",
-        "rep 2/3 (bf16)",
-        "rep 3/3 (bf16)",
-        "rep 3/3 (int8)",
-    ];
+    let (int8, bf16) = ("(int8, step by step with bf16)", "(bf16, step by step with int8)");
+    let runs = ["warm-up 1/1", "rep 1/3", "rep 2/3", "rep 3/3"];
+    let expected: Vec<String> =
+        runs.iter().flat_map(|r| [format!("{r} {int8}"), format!("{r} {bf16}")]).collect();
     assert_eq!(labels, expected, "{stderr}");
     // The table gives the baseline's rows.
     let mut cmd = std::process::Command::new(bin());
@@ -329,14 +325,26 @@ fn bench_compares_int8_with_the_unquantized_weights_in_turn() {
 }
 
 /// `--compare-batch`: another batch size run in turn with `--batch` on the same weights, rep by
-/// rep, each with its own bytes per token (a step's weights shared by its sequences).
+/// rep, each with its own bytes per token (a step's weights shared by its sequences): step by
+/// step in one run where each side is one micro-batch, else whole runs in turn.
 #[test]
 fn bench_compares_a_batch_with_another_in_turn() {
-    let mut cmd = std::process::Command::new(bin());
-    cmd.args(["bench", "--shape", "smollm2-135m", "--batch", "3", "--compare-batch", "1"]);
-    cmd.args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--reps", "2"]);
-    cmd.args(["--bandwidth-mib", "64", "--json"]);
-    let (j, stderr) = bench_one_rank(cmd);
+    let bench = |more: &[&str]| {
+        let mut cmd = std::process::Command::new(bin());
+        cmd.args(["bench", "--shape", "smollm2-135m", "--batch", "3", "--compare-batch", "1"]);
+        cmd.args(["--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--reps", "2"]);
+        cmd.args(["--bandwidth-mib", "64", "--json"]).args(more);
+        bench_one_rank(cmd)
+    };
+    // Two micro-batches of the batch of 3: whole runs in turn, which goes first alternating.
+    let (j, stderr) = bench(&["--micro-batches", "2"]);
+    assert_eq!((&j["micro_batches"], &j["baseline"]["alternated"]), (&2.into(), &"runs".into()), "{j}");
+    let labels = progress_labels(&stderr);
+    let expected = ["rep 1/2 (batch 1)", "rep 1/2 (batch 3)", "rep 2/2 (batch 3)", "rep 2/2 (batch 1)"];
+    assert_eq!(labels, expected, "{stderr}");
+    assert_eq!(j["baseline"]["runs"].as_array().unwrap().len(), 2, "{j}");
+    // One micro-batch each: step by step.
+    let (j, stderr) = bench(&[]);
     let b = &j["baseline"];
     assert_eq!((&b["weight_dtype"], &b["batch"], &j["batch"]), (&"bf16".into(), &1.into(), &3.into()), "{b}");
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
@@ -347,8 +355,14 @@ fn bench_compares_a_batch_with_another_in_turn() {
     let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
     assert!(close(f(b, "speedup"), f(&j, tps) / f(b, tps)), "{b}");
     assert_eq!(b["runs"].as_array().unwrap().len(), 2, "{b}");
+    assert_eq!(b["alternated"], "steps", "{b}");
     let labels = progress_labels(&stderr);
-    let expected = ["rep 1/2 (batch 1)", "rep 1/2 (batch 3)", "rep 2/2 (batch 3)", "rep 2/2 (batch 1)"];
+    let expected = [
+        "rep 1/2 (batch 3, step by step with batch 1)",
+        "rep 1/2 (batch 1, step by step with batch 3)",
+        "rep 2/2 (batch 3, step by step with batch 1)",
+        "rep 2/2 (batch 1, step by step with batch 3)",
+    ];
     assert_eq!(labels, expected, "{stderr}");
     // Each side's many-token way picked at its own tokens a step: the batch of 3 timed where
     // its kernel runs, the baseline's one token not.

@@ -76,3 +76,68 @@ fn spare_weights_must_be_the_same_layers() {
     let err = engine.spare_weights(Shard::load(&dir, cfg, plan, None).unwrap(), 1).err().unwrap();
     assert!(err.to_string().contains("same layers"), "{err}");
 }
+
+/// Two sides run step by step in one run (`RunOptions::sides`, `bench`'s comparisons): each
+/// side's sequences get the tokens their own weights give alone, the steps alternate (the
+/// readings between them are told whose step came before), each side's token times count its
+/// own steps only, the profile is side 0's, and the engine holds its own weights after.
+#[test]
+fn two_sides_step_by_step_compute_as_each_alone() {
+    use gridlm::engine::{OtherSide, Request, RunOptions};
+    use gridlm::{config::ModelConfig, grid::Grid, grid::ShardPlan, model::Shard};
+    use std::{cell::RefCell, rc::Rc};
+    let (_t, dir) = tiny_llama();
+    // The prompt logits of each side's first sequence (a step gives its first emitting span's).
+    let request = |prompt: Vec<u32>, keep_logits: bool| Request {
+        prompt,
+        max_tokens: 5,
+        ignore_eos: true,
+        params: Default::default(),
+        keep_logits,
+    };
+    let requests =
+        [request(vec![1, 5, 9], true), request(vec![2, 4, 6, 8], false), request(vec![1, 5, 9], true)];
+    let alone = |quant: Option<Quant>, requests: &[Request]| {
+        let mut e = local_engine(&dir, quant);
+        let opts = RunOptions { max_batch: requests.len(), ..RunOptions::default() };
+        let done = e.run(requests, &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
+        done.into_iter().map(|c| (c.token_ids, c.prompt_logits)).collect::<Vec<_>>()
+    };
+    // Side 0: int8, two sequences; side 1: the unquantized weights, one.
+    let (int8, float) = (alone(Some(Quant::Int8), &requests[..2]), alone(None, &requests[2..]));
+    assert_ne!(
+        int8[0].1, float[0].1,
+        "int8 and unquantized logits are the same: the test would not see a swap"
+    );
+
+    let mut engine = local_engine(&dir, Some(Quant::Int8));
+    let cfg = ModelConfig::from_dir(&dir).unwrap();
+    let plan = ShardPlan::new(&cfg, &Grid::single(), None).unwrap();
+    let spare = engine.spare_weights(Shard::load(&dir, cfg, plan, None).unwrap(), 1).unwrap();
+    assert!(engine.set_other_side(Some(OtherSide::Weights(Box::new(spare)))).is_none());
+    let sides = Rc::new(RefCell::new(Vec::new()));
+    let seen = sides.clone();
+    engine.set_reader(Some(Box::new(move |_, side| seen.borrow_mut().push(side))));
+    let opts = RunOptions { max_batch: 3, read_between_steps: true, sides: Some(2), ..RunOptions::default() };
+    let (done, stats) = engine.run_with_stats(&requests, &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
+    let got: Vec<_> = done.iter().map(|c| (c.token_ids.clone(), c.prompt_logits.clone())).collect();
+    assert_eq!((&got[..2], &got[2..]), (&int8[..], &float[..]));
+    // Five steps a side (a prompt, then four tokens), side 0's first, in turn; a reading after
+    // each but the last.
+    assert_eq!(stats.steps, 10);
+    assert_eq!(*sides.borrow(), [0, 1].repeat(5)[..9]);
+    // Each side's clock: its tokens' times rise, and the two clocks together stay within the run.
+    for c in &done {
+        assert!(c.times_ms.windows(2).all(|w| w[0] < w[1]), "{:?}", c.times_ms);
+    }
+    let (t0, t1) = (done[0].times_ms[4], done[2].times_ms[4]);
+    assert!(t0 + t1 <= stats.elapsed_ms * 1.0001, "{t0} + {t1} ms of {} ms", stats.elapsed_ms);
+    // The profile counts side 0's four decode steps.
+    assert_eq!(engine.profile().steps, 4);
+    // Back to its own weights, and the spare handed back.
+    let Some(OtherSide::Weights(spare)) = engine.set_other_side(None) else { panic!("no spare back") };
+    assert_eq!((engine.shard.weight_dtype(), spare.shard().weight_dtype()), ("int8", "f32"));
+    // A step of side 1 with no other side is an error, not a run on the wrong weights.
+    let err = engine.run_with_stats(&requests, &opts, &Single, &Single, |_, _| Ok(true)).unwrap_err();
+    assert!(err.to_string().contains("side 1"), "{err}");
+}
