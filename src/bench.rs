@@ -179,10 +179,18 @@ pub struct Baseline {
     /// `measured_gb_per_s` ÷ the report's). Runs a second apart can still meet different reads
     /// on a shared host (the two placements of its cores).
     pub speedup_at_same_reads: f64,
-    /// How the two sides took turns: `steps` (each warm-up and rep one run of both, their
-    /// steps in turn, so both meet the same moments) or `runs` (whole runs in turn, where a
-    /// side runs micro-batches of a pipeline).
-    pub alternated: &'static str,
+    /// How the two sides took turns.
+    pub alternated: Alternated,
+}
+
+/// How the two sides of a comparison take turns (`alternated` in the report).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Alternated {
+    /// Each warm-up and rep one run of both, their steps in turn, so both meet the same moments.
+    Steps,
+    /// Whole runs in turn, where a side runs micro-batches of a pipeline.
+    Runs,
 }
 
 impl Baseline {
@@ -194,7 +202,7 @@ impl Baseline {
         batch: usize,
         decode: DecodeFigures,
         compared: &DecodeFigures,
-        alternated: &'static str,
+        alternated: Alternated,
     ) -> Self {
         let rate = |r: &RunReport| r.decode_tokens_per_s;
         let speedup = compared.decode_tokens_per_s / decode.decode_tokens_per_s;
@@ -482,7 +490,10 @@ impl BenchReport {
                         u.speedup,
                         each(&mut u.speedup_by_rep.iter().copied(), 2),
                         u.speedup_at_same_reads,
-                        if u.alternated == "steps" { "run step by step in turn" } else { "whole runs in turn" }
+                        match u.alternated {
+                            Alternated::Steps => "run step by step in turn",
+                            Alternated::Runs => "whole runs in turn",
+                        }
                     ),
                 ),
             ];

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
     decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
-    percentile, prefill_flops, Baseline, BenchReport, DecodeFigures, Measured, RankReport,
+    percentile, prefill_flops, Alternated, Baseline, BenchReport, DecodeFigures, Measured, RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -1385,15 +1385,19 @@ fn run_bench(
     // with its own.
     let comparing = spare.is_some() || a.compare_batch.is_some();
     let stepwise = comparing && micro(a.work.batch) == 1 && micro(base_batch) == 1;
-    let both: Vec<Request> = work[0].0.iter().chain(work[1].0).cloned().collect();
-    let both_options = RunOptions {
-        max_batch: both.len(),
-        micro_batches: 1,
-        overlap: false,
-        step_tokens: work[0].1.step_tokens.max(work[1].1.step_tokens),
-        sides: Some(a.work.batch),
-        ..options(a.work.batch)
-    };
+    // Step by step, the one run of both: the main side's requests, then the baseline's.
+    let both = stepwise.then(|| {
+        let requests: Vec<Request> = work[0].0.iter().chain(work[1].0).cloned().collect();
+        let opts = RunOptions {
+            max_batch: requests.len(),
+            micro_batches: 1,
+            overlap: false,
+            step_tokens: work[0].1.step_tokens.max(work[1].1.step_tokens),
+            sides: Some(a.work.batch),
+            ..options(a.work.batch)
+        };
+        (requests, opts)
+    });
     // With spare weights, each side's weight dtype (the progress lines name the sides by it).
     let spare_dtypes = spare
         .as_ref()
@@ -1471,12 +1475,11 @@ fn run_bench(
                 }
                 label
             };
-            let result = if stepwise {
-                engine.run(&both, &both_options, comm, link, |_, _| Ok(true))
-            } else {
-                let (requests, opts) = &work[side as usize];
-                engine.run(requests, opts, comm, link, |_, _| Ok(true))
+            let (requests, opts) = match &both {
+                Some((requests, opts)) => (&requests[..], opts),
+                None => (work[side as usize].0, &work[side as usize].1),
             };
+            let result = engine.run(requests, opts, comm, link, |_, _| Ok(true));
             engine.finish(comm, link)?;
             match result {
                 Ok(done) => {
@@ -1614,7 +1617,7 @@ fn run_bench(
         let (weight_dtype, bytes_per_step) =
             spare_weights.unwrap_or_else(|| (engine.shard.weight_dtype().to_string(), weight_bytes_per_step));
         let weight_bytes_per_token = bytes_per_step * micro(base_batch) as u64 / base_batch as u64;
-        let alternated = if stepwise { "steps" } else { "runs" };
+        let alternated = if stepwise { Alternated::Steps } else { Alternated::Runs };
         Baseline::new(
             weight_dtype,
             base_batch,

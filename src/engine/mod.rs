@@ -550,17 +550,16 @@ impl Engine {
 
     /// Swaps the engine's weights or many-token way with its other side's (see [`OtherSide`]).
     fn swap_sides(&mut self) {
-        match &mut self.other {
-            Some(OtherSide::Weights(spare)) => {
-                std::mem::swap(&mut self.shard, &mut spare.shard);
-                std::mem::swap(&mut self.prefetch, &mut spare.prefetch);
-                std::mem::swap(&mut self.many_prefetch, &mut spare.many_prefetch);
+        let Some(mut other) = self.other.take() else { return };
+        match &mut other {
+            OtherSide::Weights(spare) => self.swap_weights(spare),
+            OtherSide::ManyPrefetch(many) => {
+                let way = std::mem::replace(many, self.many_prefetch);
+                self.set_many_prefetch(way);
             }
-            Some(OtherSide::ManyPrefetch(many)) => std::mem::swap(&mut self.many_prefetch, many),
-            None => return,
         }
+        self.other = Some(other);
         self.side = 1 - self.side;
-        self.set_prefetch();
     }
 
     /// Sets this engine's prefetch ways for the process (they are read by the kernels).

@@ -177,6 +177,8 @@ impl Engine {
         // Side by side: one group a side, one step in flight, each side's own clock.
         let sides = opts.sides.map(|n| n.min(requests.len()));
         let side_of = |i: usize| sides.map_or(0, |n| usize::from(i >= n));
+        // A group's side, and its queue of waiting requests: side by side the group's own.
+        let side_of_group = |g: usize| if sides.is_some() { g } else { 0 };
         let groups = if sides.is_some() { 2 } else { opts.micro_batches.min(slots) };
         let depth = if opts.overlap && sides.is_none() { groups } else { 1 };
         let mut clocks = [0.0f64; 2];
@@ -251,10 +253,10 @@ impl Engine {
                     continue;
                 }
                 let Plan::Step(step) = &mut plan else { unreachable!("the scheduler's plan is a step") };
-                step.side = if sides.is_some() { g as u8 } else { 0 };
+                step.side = side_of_group(g) as u8;
                 // Admission, first come first served.
                 step.admit.clear();
-                let queue = &mut waiting[if sides.is_some() { g } else { 0 }];
+                let queue = &mut waiting[side_of_group(g)];
                 while let Some(&i) = queue.front() {
                     let need = pages_of(&requests[i]);
                     if members[g].len() >= per_group(g) || free_slots.is_empty() || free_pages.len() < need {
