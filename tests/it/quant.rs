@@ -141,3 +141,32 @@ fn two_sides_step_by_step_compute_as_each_alone() {
     let err = engine.run_with_stats(&requests, &opts, &Single, &Single, |_, _| Ok(true)).unwrap_err();
     assert!(err.to_string().contains("side 1"), "{err}");
 }
+
+/// Side by side on the engine's own weights under another many-token way (`bench
+/// --compare-batch`): the engine holds the way of the side whose step ran last, and hands the
+/// other side's back when the other side is taken away.
+#[test]
+fn two_sides_step_by_step_swap_the_many_token_way() {
+    use gridlm::engine::{OtherSide, PrefetchBy, Request, RunOptions};
+    use gridlm::kernels::ManyFetch;
+    let (_t, dir) = tiny_llama();
+    let mut engine = local_engine(&dir, None);
+    let own = engine.many_prefetch();
+    let theirs = (if own.0 == ManyFetch::Nta { ManyFetch::L2 } else { ManyFetch::Nta }, PrefetchBy::Env);
+    assert!(engine.set_other_side(Some(OtherSide::ManyPrefetch(theirs))).is_none());
+    let request = Request {
+        prompt: vec![1, 5, 9],
+        max_tokens: 3,
+        ignore_eos: true,
+        params: Default::default(),
+        keep_logits: false,
+    };
+    let opts = RunOptions { max_batch: 2, sides: Some(1), ..RunOptions::default() };
+    let done = engine.run(&[request.clone(), request], &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
+    // The same weights: the same tokens on both sides.
+    assert_eq!(done[0].token_ids, done[1].token_ids);
+    // Side 1's step ran last.
+    assert_eq!(engine.many_prefetch(), theirs);
+    let Some(OtherSide::ManyPrefetch(back)) = engine.set_other_side(None) else { panic!("no way back") };
+    assert_eq!((engine.many_prefetch(), back), (own, theirs));
+}
