@@ -64,6 +64,8 @@ fn decode_steps_allocate_nothing_per_token() {
     };
     let cases = [
         ("greedy", vec![request(5, SamplingParams::default())]),
+        // Its one step of prefill, the engine's first, feeds one token as a decode step does.
+        ("greedy, a one-token prompt", vec![request(1, SamplingParams::default())]),
         ("greedy, batch 3", (0..3).map(|i| request(5 + 4 * i, SamplingParams::default())).collect()),
         (
             "sampled, batch 3",

@@ -95,6 +95,14 @@ pub struct Step {
     pub side: u8,
 }
 
+/// Whether a step counts as a decode step in the [`StepProfile`]: every span one token past
+/// its sequence's first position. The step of a one-token prompt is its prefill (it admits the
+/// sequence, and in a fresh engine it is the step that sizes the buffers); a longer prompt's
+/// last chunk of one token counts, as it does the same work as a decode token.
+fn is_decode(step: &Step) -> bool {
+    !step.spans.is_empty() && step.spans.iter().all(|sp| sp.len == 1 && sp.pos0 > 0)
+}
+
 /// What the last stage sends back to the driver after a step.
 #[derive(Debug, Default)]
 pub struct StepResult {
@@ -159,9 +167,9 @@ struct SlotState {
     emitted: u64,
 }
 
-/// Where a rank's time went during decode steps (every span one token) since the last
-/// `Begin`: from taking each step's plan to finishing its part, so waiting for the stage before
-/// counts as point-to-point time.
+/// Where a rank's time went during decode steps (every span one token past its sequence's
+/// first position) since the last `Begin`: from taking each step's plan to finishing its part,
+/// so waiting for the stage before counts as point-to-point time.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepProfile {
     pub steps: u64,
@@ -628,7 +636,7 @@ impl Engine {
         let r = self.execute(plan, comm, link);
         match plan {
             Plan::Begin { .. } => self.profiles = Default::default(),
-            Plan::Step(s) if !s.spans.is_empty() && s.spans.iter().all(|sp| sp.len == 1) => {
+            Plan::Step(s) if is_decode(s) => {
                 let p = &mut self.profiles[self.side as usize];
                 p.steps += 1;
                 p.wall_ns += t0.elapsed().as_nanos() as u64;
@@ -650,7 +658,7 @@ impl Engine {
         let step = match plan {
             Plan::Begin { pages, slots } => {
                 self.kv = self.shard.new_kv_pool(*pages, self.kv_dtype);
-                self.scratch.reserve_decode(&self.shard, *pages, *slots);
+                self.scratch.reserve_decode(&self.shard, *pages, *slots, self.team.threads());
                 self.sampling.reserve(*slots, comm.size(), self.max_vocab_shard());
                 self.tables = vec![Vec::new(); *slots];
                 self.slots.clear();

@@ -145,6 +145,18 @@ fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32]) {
     x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
 }
 
+/// Floats of each kernel thread's own buffers in a step of `n` tokens: its copy of the
+/// attention rows (a short step's, where blocks are `split`), of the activations (a short
+/// step's), and in all, with its copies of the residual stream and of its norm, a multiple of
+/// 16 (each thread's on cache lines of its own).
+fn own_lens(m: &Shard, n: usize, split: bool) -> [usize; 3] {
+    let (nq, hd, ffl) = (m.plan.q_heads.len(), m.cfg.head_dim, m.plan.ffn.len());
+    let replicate = n <= REPLICATE_TOKENS;
+    let att = if replicate && split { n * nq * hd } else { 0 };
+    let act = if replicate { n * ffl } else { 0 };
+    [att, act, (2 * n * m.cfg.hidden_size + att + act).next_multiple_of(16)]
+}
+
 /// An attention item's query rows, its output rows and each row's key bounds.
 type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>);
 
@@ -498,9 +510,7 @@ impl Shard {
         // attention rows of a short step with split blocks (merged on every thread), and of
         // the activations of a short one; each thread's on cache lines of its own.
         let replicate = n <= REPLICATE_TOKENS;
-        let att_own_len = if replicate && n_split > 0 { n * nq * hd } else { 0 };
-        let act_own_len = if replicate { n * ffl } else { 0 };
-        let own_len = (2 * n * h + att_own_len + act_own_len).next_multiple_of(16);
+        let [att_own_len, act_own_len, own_len] = own_lens(self, n, n_split > 0);
         crate::grow(&mut s.own, team.threads() * own_len);
         let Scratch {
             tokens, blocks, splits, cos, sin, qkv, att, o, gu, act, part_out, part_stats, own, ..
@@ -902,9 +912,15 @@ impl Scratch {
     /// sequences together at most `SMALL · slots + pages / TILE_PAGES` per local query head:
     /// for SmolLM2 9.5 KB a sequence and 0.3 KB a page, beside the 369 KB of a page of keys
     /// and values.
-    pub fn reserve_decode(&mut self, m: &Shard, pages: usize, slots: usize) {
+    ///
+    /// Likewise every kernel thread's own buffers (`threads` of them) for such a step with
+    /// split blocks: a lone sequence's first steps have none, and its first split block (past
+    /// position 32) would otherwise grow them.
+    pub fn reserve_decode(&mut self, m: &Shard, pages: usize, slots: usize, threads: usize) {
         const SMALL: usize = kernels::TILE_PAGES / kernels::SMALL_TILE_PAGES;
         self.ensure_parts(m.plan.q_heads.len() * (SMALL * slots + pages / kernels::TILE_PAGES), m);
+        let most = own_lens(m, slots, true)[2].max(own_lens(m, slots.min(REPLICATE_TOKENS), true)[2]);
+        crate::grow(&mut self.own, threads * most);
     }
 
     /// Room for `rows` stored attention tile states (grows only).

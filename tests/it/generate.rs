@@ -29,6 +29,13 @@ fn json_output_has_the_documented_keys() {
     assert_eq!(j["token_ids"].as_array().unwrap().len(), 5);
     assert_eq!(j["finish_reason"], "length");
     assert!(j["ranks"][0]["weight_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(j["ranks"][0]["allocations_per_step"].as_f64(), Some(0.0), "{j}");
+    // A prompt of one token: its prefill, the engine's first step, is not a decode step.
+    let out =
+        gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t3", "--max-tokens", "5", "--json"]);
+    let j = json_of(&out);
+    assert_eq!(j["token_ids"].as_array().unwrap().len(), 5, "{j}");
+    assert_eq!(j["ranks"][0]["allocations_per_step"].as_f64(), Some(0.0), "{j}");
 }
 
 #[test]
