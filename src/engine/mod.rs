@@ -175,8 +175,8 @@ pub struct StepProfile {
     pub steps: u64,
     pub wall_ns: u64,
     pub comm: CommTimes,
-    /// Heap allocations made by the whole process in those windows (`None` unless the
-    /// program counts them: see [`crate::allocs`]).
+    /// Heap allocations made by the kernel team's threads (this one and its workers) in those
+    /// windows (`None` unless the program counts them: see [`crate::allocs`]).
     pub allocations: Option<u64>,
 }
 

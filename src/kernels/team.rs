@@ -65,8 +65,10 @@ pub struct Team {
 }
 
 impl Team {
-    /// A team of `threads` (at least 1); the calling thread is worker 0.
+    /// A team of `threads` (at least 1); the calling thread is worker 0. Its threads'
+    /// allocations are counted ([`crate::allocs`]).
     pub fn new(threads: usize) -> std::io::Result<Team> {
+        crate::allocs::count_this_thread();
         let threads = threads.max(1);
         let inner = Arc::new(Inner {
             threads,
@@ -82,9 +84,10 @@ impl Team {
         let mut workers = Vec::with_capacity(threads - 1);
         for tid in 1..threads {
             let inner = inner.clone();
-            let h = std::thread::Builder::new()
-                .name(format!("gridlm-kernel-{tid}"))
-                .spawn(move || worker(&inner, tid))?;
+            let h = std::thread::Builder::new().name(format!("gridlm-kernel-{tid}")).spawn(move || {
+                crate::allocs::count_this_thread();
+                worker(&inner, tid)
+            })?;
             workers.push(h);
         }
         let padded = |v| (0..threads).map(|_| CachePadded::new(AtomicU64::new(v))).collect();
