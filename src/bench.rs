@@ -96,13 +96,38 @@ pub struct BenchReport {
 }
 
 /// What the driver measured of one side's timed runs (those bench reports on, or their
-/// baseline), in order: each run's first-token latency (the median over its sequences) and
-/// decode rate, and the gaps between tokens of all of them.
+/// baseline), in order: each run's first-token latency (the median over its sequences), decode
+/// rate and [`tokens_digest`], and the gaps between tokens of all of them.
 #[derive(Debug, Clone, Default)]
 pub struct Measured {
     pub firsts: Vec<f64>,
     pub rates: Vec<f64>,
+    pub digests: Vec<u64>,
     pub gaps: Vec<f64>,
+}
+
+/// A fingerprint of the tokens a run generated: 64-bit FNV-1a over each sequence in order,
+/// its length (u64) and then its tokens (u32), little-endian. The same prompts on the same
+/// weights give the same digest in every rep; with it two runs of bench (two grid layouts, two
+/// builds, a comparison's side and the same side run alone) can be checked to have computed
+/// the same tokens.
+pub fn tokens_digest<'a>(sequences: impl IntoIterator<Item = &'a [u32]>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for seq in sequences {
+        eat(&(seq.len() as u64).to_le_bytes());
+        seq.iter().for_each(|t| eat(&t.to_le_bytes()));
+    }
+    h
+}
+
+/// A digest as the report gives it: 16 hexadecimal digits.
+pub fn digest_hex(d: u64) -> String {
+    format!("{d:016x}")
 }
 
 /// One side's decode figures, from its timed runs: the report's own and its baseline's are
@@ -123,6 +148,10 @@ pub struct DecodeFigures {
     /// runs', as `decode_tokens_per_s` is the mean of their rates): decode's measure.
     pub measured_gb_per_s: f64,
     pub decode_efficiency: f64,
+    /// The [`tokens_digest`] of the tokens every timed run generated, where all gave the same;
+    /// null where they differ, which would be a fault: every run decodes the same prompts on
+    /// the same weights with the same sampling seed (one a process without `--seed`).
+    pub tokens_digest: Option<String>,
     /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
     /// between runs shows how much of a low efficiency is the host's.
     pub runs: Vec<RunReport>,
@@ -154,7 +183,12 @@ impl DecodeFigures {
             achieved_gb_per_s,
             measured_gb_per_s,
             decode_efficiency: achieved_gb_per_s / measured_gb_per_s,
-            runs: run_reports(&m.rates, gb_per_s_by_run, handoff_by_run, bytes_per_token),
+            tokens_digest: m
+                .digests
+                .first()
+                .filter(|&&d| m.digests.iter().all(|&e| e == d))
+                .map(|&d| digest_hex(d)),
+            runs: run_reports(&m.rates, &m.digests, gb_per_s_by_run, handoff_by_run, bytes_per_token),
         }
     }
 }
@@ -225,14 +259,15 @@ pub fn mean(v: &[f64]) -> f64 {
 
 /// One timed run: its decode rate, the read bandwidth of the readings between its steps or
 /// just before and just after it ([`BenchReport::bandwidth_reads`]; every rank's, summed),
-/// the efficiency of the two, and the team's handoff read just before and just after it
-/// (their mean; the slowest rank's).
+/// the efficiency of the two, the team's handoff read just before and just after it (their
+/// mean; the slowest rank's), and the [`tokens_digest`] of what it generated.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunReport {
     pub decode_tokens_per_s: f64,
     pub measured_gb_per_s: f64,
     pub decode_efficiency: f64,
     pub handoff_us: f64,
+    pub tokens_digest: String,
 }
 
 /// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
@@ -282,23 +317,27 @@ pub fn stalled_runs(gb_per_s: &[f64], best: f64) -> Vec<usize> {
     (1..=gb_per_s.len()).filter(|&i| gb_per_s[i - 1] < STALLED_READS * best).collect()
 }
 
-/// Each run's report from its decode rate, the bandwidth around it ([`gb_per_s_around_runs`],
-/// summed over ranks), the handoff around it and the bytes read per generated token.
+/// Each run's report from its decode rate, its tokens' digest, the bandwidth around it
+/// ([`gb_per_s_around_runs`], summed over ranks), the handoff around it and the bytes read per
+/// generated token.
 pub fn run_reports(
     rates: &[f64],
+    digests: &[u64],
     gb_per_s: &[f64],
     handoff_us: &[f64],
     bytes_per_token: u64,
 ) -> Vec<RunReport> {
     rates
         .iter()
+        .zip(digests)
         .zip(gb_per_s)
         .zip(handoff_us)
-        .map(|((&tps, &gb), &handoff_us)| RunReport {
+        .map(|(((&tps, &digest), &gb), &handoff_us)| RunReport {
             decode_tokens_per_s: tps,
             measured_gb_per_s: gb,
             decode_efficiency: bytes_per_token as f64 * tps / 1e9 / gb,
             handoff_us,
+            tokens_digest: digest_hex(digest),
         })
         .collect()
 }
@@ -404,6 +443,7 @@ impl BenchReport {
             ("first token", format!("{:.1} ms", d.first_token_ms)),
             ("next token p50 / p90", format!("{:.2} / {:.2} ms", d.next_token_ms_p50, d.next_token_ms_p90)),
             ("decode", format!("{:.1} tokens/s", d.decode_tokens_per_s)),
+            ("tokens generated", digest_row(d)),
             ("prefill", format!("{:.1} tokens/s", self.prefill_tokens_per_s)),
             (
                 "read per token",
@@ -483,6 +523,7 @@ impl BenchReport {
                         each(&mut b.runs.iter().map(|r| r.measured_gb_per_s), 1)
                     ),
                 ),
+                ("  tokens generated".into(), digest_row(b)),
                 (
                     "speed-up".into(),
                     format!(
@@ -531,6 +572,18 @@ impl BenchReport {
             s += &format!("  {w}\n");
         }
         s
+    }
+}
+
+/// The table's line on what a side's timed runs generated: their digest, or each run's where
+/// they differ.
+fn digest_row(d: &DecodeFigures) -> String {
+    match &d.tokens_digest {
+        Some(digest) => format!("digest {digest} (the same in every rep)"),
+        None => {
+            let each: Vec<&str> = d.runs.iter().map(|r| r.tokens_digest.as_str()).collect();
+            format!("digests {} (they differ between reps)", each.join(", "))
+        }
     }
 }
 
@@ -583,11 +636,25 @@ mod tests {
         assert!(mean_around_runs(&[0.1]).is_empty());
         assert!((gb_per_s(&[(10e9, 1.0), (10e9, 0.5), (10e9, 1.5)]) - 10.0).abs() < 1e-9);
         // 250 MB per token at 40 and 30 tokens/s: 10 and 7.5 GB/s.
-        let runs = run_reports(&[40.0, 30.0], &[12.5, 10.0], &[0.1, 0.6], 250_000_000);
+        let runs = run_reports(&[40.0, 30.0], &[7, 7], &[12.5, 10.0], &[0.1, 0.6], 250_000_000);
         assert!((runs[0].decode_efficiency - 0.8).abs() < 1e-9, "{runs:?}");
         assert!((runs[1].decode_efficiency - 0.75).abs() < 1e-9, "{runs:?}");
         assert_eq!(runs[1].measured_gb_per_s, 10.0);
         assert_eq!((runs[0].handoff_us, runs[1].handoff_us), (0.1, 0.6));
+        assert_eq!(runs[1].tokens_digest, "0000000000000007");
+    }
+
+    #[test]
+    fn the_tokens_digest_sees_every_token_and_where_sequences_end() {
+        // FNV-1a 64 of no bytes is its offset basis.
+        assert_eq!(tokens_digest(std::iter::empty::<&[u32]>()), 0xcbf2_9ce4_8422_2325);
+        let d = |seqs: &[&[u32]]| tokens_digest(seqs.iter().copied());
+        let base = d(&[&[1, 2], &[3]]);
+        assert_eq!(base, d(&[&[1, 2], &[3]]));
+        for other in [d(&[&[1], &[2, 3]]), d(&[&[2, 1], &[3]]), d(&[&[1, 2, 3]]), d(&[&[3], &[1, 2]])] {
+            assert_ne!(base, other);
+        }
+        assert_eq!(digest_hex(0xab), "00000000000000ab");
     }
 
     #[test]

@@ -5,7 +5,8 @@ use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
     decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
-    percentile, prefill_flops, Alternated, Baseline, BenchReport, DecodeFigures, Measured, RankReport,
+    percentile, prefill_flops, tokens_digest, Alternated, Baseline, BenchReport, DecodeFigures, Measured,
+    RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -1501,6 +1502,7 @@ fn run_bench(
                             let m = &mut measured[side as usize];
                             m.firsts.push(first);
                             m.rates.push(tps);
+                            m.digests.push(tokens_digest(mine.iter().map(|c| &c.token_ids[..])));
                             m.gaps.extend(g);
                         }
                     }

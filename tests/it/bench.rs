@@ -57,6 +57,10 @@ fn check(j: &serde_json::Value, ranks: usize) {
     for k in ["decode_tokens_per_s", "measured_gb_per_s"] {
         assert!((mean(k) / f(j, k) - 1.0).abs() < 1e-9, "{k}: {} vs {j}", mean(k));
     }
+    // Every rep decodes the same prompts: one digest of the tokens, each run's the same.
+    let digest = j["tokens_digest"].as_str().unwrap_or_else(|| panic!("no one tokens_digest in {j}"));
+    assert!(digest.len() == 16 && digest.chars().all(|c| c.is_ascii_hexdigit()), "{digest}");
+    assert!(runs.iter().all(|r| r["tokens_digest"] == digest), "{j}");
     // The last repetition's decode steps, whether or not runs came before it (buffers are
     // sized when a run begins): no heap allocation on any rank, kernel threads included.
     for r in j["ranks"].as_array().unwrap() {
@@ -369,6 +373,47 @@ fn bench_compares_a_batch_with_another_in_turn() {
     let rank = &j["ranks"][0];
     assert_many_prefetch(rank, "many_prefetch", 3);
     assert_many_prefetch(rank, "baseline_many_prefetch", 1);
+}
+
+/// A comparison run step by step gives each side the tokens that side gives run alone, on one
+/// rank and on grids: under tensor parallelism every rank of the stage must switch to the step's
+/// side (a rank left on the other weights would add int8 partial sums to unquantized ones), and
+/// across stages every stage must (`--micro-batches 1` keeps two stages step by step). The
+/// tokens are compared by the reports' digests.
+#[test]
+fn a_comparison_step_by_step_gives_each_side_its_own_tokens_on_a_grid() {
+    // SmolLM2, whose int8 and bf16 tokens part within a few (the tiny model's do not).
+    let dir = smollm2("bf16");
+    let layouts: [&[&str]; 3] = [&[], &["--tp", "2"], &["--pp", "2", "--micro-batches", "1"]];
+    for layout in layouts {
+        let ranks = if layout.is_empty() { 1 } else { 2 };
+        let bench = |more: &[&str]| {
+            let mut cmd = gridlm_reference::launch_command(if ranks == 1 { &[] } else { &["local", "2"] });
+            cmd.args(["bench", "--model", path_str(&dir), "--prompt-len", "5", "--new-tokens", "16"]);
+            cmd.args(["--batch", "2", "--warmup", "0", "--reps", "2", "--bandwidth-mib", "32", "--json"]);
+            cmd.args(["--threads", if ranks == 1 { "2" } else { "1" }]).args(layout).args(more);
+            let out = gridlm_reference::run_with_timeout(cmd, 300);
+            assert!(out.status.success(), "{layout:?} {more:?}: {}", String::from_utf8_lossy(&out.stderr));
+            let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            check(&j, ranks);
+            j
+        };
+        let both = bench(&["--quant", "int8", "--compare-unquantized"]);
+        let b = &both["baseline"];
+        assert_eq!(
+            (&b["alternated"], &b["weight_dtype"]),
+            (&"steps".into(), &"bf16".into()),
+            "{layout:?}: {b}"
+        );
+        let int8 = bench(&["--quant", "int8"]);
+        let float = bench(&[]);
+        assert_ne!(
+            int8["tokens_digest"], float["tokens_digest"],
+            "{layout:?}: int8 and bf16 weights gave the same tokens: the test would not see a side mixed up"
+        );
+        assert_eq!(both["tokens_digest"], int8["tokens_digest"], "{layout:?}: the int8 side");
+        assert_eq!(b["tokens_digest"], float["tokens_digest"], "{layout:?}: the bf16 side");
+    }
 }
 
 /// The other way round: the baseline is the batch, and its many-token way is timed for it
