@@ -1,6 +1,7 @@
 //! How speed scales with ranks: `gridlm bench --json` results of several layouts turned into a
 //! Markdown table and an SVG plot. Owns: reading the runs, speedup and parallel efficiency
-//! against the single-rank run, and drawing. The runs themselves come from `launch/scale`.
+//! against the single-rank run, whether every layout generated its tokens, and drawing. The
+//! runs themselves come from `launch/scale`.
 
 use crate::error::{Error, Result};
 use plotters::prelude::*;
@@ -22,6 +23,9 @@ pub struct Run {
     /// Largest per-step time any rank spent in communication (ms), and that rank's step.
     pub comm_ms: f64,
     pub step_ms: f64,
+    /// The digest of the tokens its runs generated (`tokens_digest`; none in the JSON of
+    /// builds before it, or where the reps differed).
+    pub tokens_digest: Option<String>,
 }
 
 impl Run {
@@ -61,6 +65,7 @@ impl Run {
             rss_bytes: max_of(&|r| r["rss_bytes"].as_f64().unwrap_or(0.0)),
             comm_ms: busiest.map_or(0.0, comm),
             step_ms: busiest.and_then(|r| r["step_ms"].as_f64()).unwrap_or(0.0),
+            tokens_digest: v["tokens_digest"].as_str().map(str::to_string),
         })
     }
 }
@@ -90,7 +95,32 @@ fn base(runs: &[Run]) -> Option<f64> {
     runs.iter().find(|r| r.ranks() == 1).map(|r| r.tokens_per_s)
 }
 
-/// The Markdown table: one row per run.
+/// Under the table, whether every layout generated the tokens the single-rank run did (by
+/// their digests; nothing where that run has none).
+fn tokens_line(runs: &[Run]) -> Option<String> {
+    let base = runs.iter().find(|r| r.ranks() == 1)?;
+    let digest = base.tokens_digest.as_deref()?;
+    let name = |r: &Run| match r.placement.as_str() {
+        "local" => format!("{}×{}", r.pp, r.tp),
+        p => format!("{}×{} {p}", r.pp, r.tp),
+    };
+    let others: Vec<String> = runs
+        .iter()
+        .filter(|r| r.tokens_digest.as_deref() != Some(digest))
+        .map(|r| format!("{} ({})", name(r), r.tokens_digest.as_deref().unwrap_or("no digest")))
+        .collect();
+    Some(if others.is_empty() {
+        format!("Tokens: every layout generated the tokens {} did (digest {digest}).\n", name(base))
+    } else {
+        format!(
+            "Tokens: {} generated other tokens than {} (digest {digest}). Layouts add their partial sums in another order, so a near-tie between two tokens can part them; more than that is a fault.\n",
+            others.join(", "),
+            name(base)
+        )
+    })
+}
+
+/// The Markdown table: one row per run, and whether every layout generated the same tokens.
 pub fn table(runs: &[Run]) -> String {
     let b = base(runs);
     let mut s = String::from(
@@ -119,6 +149,10 @@ pub fn table(runs: &[Run]) -> String {
             r.comm_ms,
             r.step_ms
         );
+    }
+    if let Some(line) = tokens_line(runs) {
+        s += "\n";
+        s += &line;
     }
     s
 }
@@ -206,6 +240,7 @@ mod tests {
             rss_bytes: 1e8,
             comm_ms: 0.5,
             step_ms: 5.0,
+            tokens_digest: Some("00000000000000aa".into()),
         }
     }
 
@@ -213,12 +248,31 @@ mod tests {
     fn table_and_plot() {
         let runs = vec![run(1, 1, 50.0), run(1, 2, 80.0), run(2, 1, 45.0), run(2, 2, 120.0)];
         let t = table(&runs);
-        assert_eq!(t.lines().count(), 2 + 4, "{t}");
+        assert_eq!(t.lines().count(), 2 + 4 + 2, "{t}");
         assert!(t.contains("| 1×2 | local | 2 | 10.0 | 12.50 | 80.0 | 1.60 | 0.80 |"), "{t}");
+        assert!(
+            t.ends_with("\nTokens: every layout generated the tokens 1×1 did (digest 00000000000000aa).\n"),
+            "{t}"
+        );
         let dir = tempfile::tempdir().unwrap();
         let svg = dir.path().join("s.svg");
         plot(&runs, &svg, "test").unwrap();
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(text.starts_with("<svg") && text.contains("tp only") && text.contains("pp × tp"), "{text}");
+    }
+
+    #[test]
+    fn layouts_whose_tokens_differ_are_named() {
+        let mut runs = vec![run(1, 1, 50.0), run(1, 2, 80.0), run(2, 1, 45.0), run(2, 2, 120.0)];
+        runs[1].tokens_digest = Some("00000000000000bb".into());
+        runs[3].placement = "emulated-nodes".into();
+        runs[3].tokens_digest = None;
+        let t = table(&runs);
+        let line = "Tokens: 1×2 (00000000000000bb), 2×2 emulated-nodes (no digest) generated other tokens than 1×1 (digest 00000000000000aa).";
+        assert!(t.contains(line), "{t}");
+        // Without a single-rank run, or its digest, nothing to compare with.
+        assert!(!table(&runs[1..]).contains("Tokens:"));
+        runs[0].tokens_digest = None;
+        assert!(!table(&runs).contains("Tokens:"));
     }
 }

@@ -4,7 +4,8 @@ use super::*;
 use gridlm_reference::{launch_command, repo_root, run_with_timeout};
 
 /// `launch/scale` on a tiny model over 1×1, 1×2 and 2×1: one JSON per layout, a Markdown table
-/// with a row per layout (speedups against 1×1), and a non-empty SVG plot.
+/// with a row per layout (speedups against 1×1) and the line saying all generated the same
+/// tokens, and a non-empty SVG plot.
 #[test]
 fn sweep_writes_table_and_plot() {
     let (tmp, dir) = tiny_llama();
@@ -27,6 +28,8 @@ fn sweep_writes_table_and_plot() {
         rows[1].starts_with("| 1×2 | local | 2 |") && rows[2].starts_with("| 2×1 | local | 2 |"),
         "{table}"
     );
+    // The same tokens on every layout, by the runs' digests.
+    assert!(table.contains("\nTokens: every layout generated the tokens 1×1 did (digest "), "{table}");
     for f in ["1x1.json", "1x2.json", "2x1.json"] {
         assert!(out.join(f).metadata().unwrap().len() > 0, "{f}");
     }
