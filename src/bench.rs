@@ -112,17 +112,10 @@ pub struct Measured {
 /// builds, a comparison's side and the same side run alone) can be checked to have computed
 /// the same tokens.
 pub fn tokens_digest<'a>(sequences: impl IntoIterator<Item = &'a [u32]>) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
-    for seq in sequences {
-        eat(&(seq.len() as u64).to_le_bytes());
-        seq.iter().for_each(|t| eat(&t.to_le_bytes()));
-    }
-    h
+    sequences.into_iter().fold(crate::FNV1A_START, |h, seq| {
+        let h = crate::fnv1a_more(h, &(seq.len() as u64).to_le_bytes());
+        seq.iter().fold(h, |h, t| crate::fnv1a_more(h, &t.to_le_bytes()))
+    })
 }
 
 /// A digest as the report gives it: 16 hexadecimal digits.
@@ -427,17 +420,17 @@ impl BenchReport {
         let mb = |b: u64| b as f64 / 1e6;
         let d = &self.decode;
         let mut s = format!(
-            "gridlm bench: {} ({}, KV cache {}), grid {}x{}, {} threads/rank, batch {}, prompt {} tokens, {} new tokens, {} reps\n",
+            "gridlm bench: {} ({}, KV cache {}), grid {}x{}, {}/rank, batch {}, prompt {}, {}, {}\n",
             self.model,
             self.weight_dtype,
             self.kv_dtype,
             self.pp,
             self.tp,
-            self.threads_per_rank,
+            crate::count(self.threads_per_rank, "thread"),
             self.batch,
-            self.prompt_len,
-            self.new_tokens,
-            self.reps
+            crate::count(self.prompt_len, "token"),
+            crate::count(self.new_tokens, "new token"),
+            crate::count(self.reps, "rep")
         );
         let rows = [
             ("first token", format!("{:.1} ms", d.first_token_ms)),

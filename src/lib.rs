@@ -30,5 +30,18 @@ pub(crate) fn grow<T: Clone + Default>(v: &mut Vec<T>, len: usize) {
 /// FNV-1a of `s`: a stable 64-bit hash of a name (tensor names seed synthetic weights; boot ids
 /// group ranks by machine).
 pub(crate) fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    fnv1a_more(FNV1A_START, s.as_bytes())
+}
+
+/// FNV-1a's 64-bit offset basis: the hash of no bytes.
+pub(crate) const FNV1A_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a of `h`, the hash so far, followed by `bytes`.
+pub(crate) fn fnv1a_more(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// "1 token", "2 tokens": `n` and `what`, plural but for one, for lines people read.
+pub fn count(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }

@@ -14,13 +14,13 @@ use gridlm::config::ModelConfig;
 use gridlm::engine::sampling::SamplingParams;
 use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions, StepProfile};
 use gridlm::grid::{Grid, ShardPlan};
-use gridlm::host;
 use gridlm::kernels::{dot, Fetch, ManyFetch, Quant};
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
 use gridlm::weights::checkpoint::Checkpoint;
 use gridlm::weights::{convert, synthetic, Cast, DType, Source};
+use gridlm::{count, host};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -935,11 +935,6 @@ fn prepare_prompts(
             Ok(Prepared { spec, ids })
         })
         .collect()
-}
-
-/// "1 token", "2 tokens": `n` and `what`, plural but for one, for the summary lines.
-fn count(n: usize, what: &str) -> String {
-    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
 /// "1 rank (1x1)", "4 ranks (2x2)": a grid's size and shape (pipeline stages × tp ranks), for
