@@ -303,8 +303,9 @@ impl Buffers {
     /// Room, before a run's first step, for sampling up to `rows` rows a step on a stage of
     /// `ranks` ranks whose largest vocabulary shard is `max_shard`, in a first round of
     /// [`first_candidates`] for `top_k` up to 64: such steps then allocate nothing from the
-    /// first. A row whose candidates do not settle it in that round (a wide top-p or min-p)
-    /// or a larger `top_k` still grows them, the first time a step needs more.
+    /// first. A larger `top_k` grows them at its sequence's first token, in its prompt's step
+    /// (not a decode step); a row whose candidates do not settle it in the first round (a wide
+    /// top-p or min-p) still grows them, the first time a step needs more.
     pub fn reserve(&mut self, rows: usize, ranks: usize, max_shard: usize) {
         fn room<T>(v: &mut Vec<T>, n: usize) {
             v.reserve(n.saturating_sub(v.len()));
