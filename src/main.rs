@@ -4,9 +4,8 @@
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
-    decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, median_gb_per_s,
-    percentile, prefill_flops, tokens_digest, Alternated, Baseline, BenchReport, DecodeFigures, Measured,
-    RankReport,
+    decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, percentile, prefill_flops,
+    run_gb_per_s, tokens_digest, Alternated, Baseline, BenchReport, DecodeFigures, Measured, RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -391,8 +390,9 @@ struct BenchArgs {
     /// When decode's bandwidth is read: `between-steps`, a slice of the buffer (its first
     /// sixteenth, the same each time) after each step, its time left out of the step times, so
     /// decode and the reads meet the same moments of a host whose bandwidth wanders (a run's
-    /// bandwidth is the median rate of its readings); or `around-runs`, whole reads before and
-    /// after each run. Steps that overlap in a pipeline are always read around the runs.
+    /// bandwidth from the median rates of stretches of its readings); or `around-runs`, whole
+    /// reads before and after each run. Steps that overlap in a pipeline are always read around
+    /// the runs.
     #[arg(long, value_enum, default_value_t = BandwidthReads::BetweenSteps)]
     bandwidth_reads: BandwidthReads,
     /// Print one JSON object instead of the table.
@@ -1317,8 +1317,9 @@ fn run_bench(
     // Between steps instead (`--bandwidth-reads`, the default): a slice of the buffer (the
     // same one each time, read once a step as the weights are) after every step, every rank
     // at once (`Plan::Read`), its time left out of the step times; a run's bandwidth is the
-    // median rate of the readings between its steps (see `median_gb_per_s`: one paused
-    // reading must not halve it). Decode and the reads then meet the same moments, where the
+    // harmonic mean of the median rates of stretches of its readings (see `run_gb_per_s`: the
+    // bandwidth may change within a run, and one paused reading must not halve it). Decode
+    // and the reads then meet the same moments, where the
     // readings around a run are seconds from most of its steps. Steps that overlap in a
     // pipeline leave no moment between them, so those runs are read around.
     let between = a.bandwidth_reads == BandwidthReads::BetweenSteps
@@ -1526,7 +1527,7 @@ fn run_bench(
                     if mine.is_empty() {
                         mine.push(probe.rate_slice(engine.team(), before.1, READ_PARTS));
                     }
-                    by_run.push(median_gb_per_s(&mine));
+                    by_run.push(run_gb_per_s(&mine));
                 }
             }
             read_around(&engine);
