@@ -219,7 +219,7 @@ fn bench_rejects_an_empty_bandwidth_buffer() {
 #[test]
 fn readers_run_between_steps_off_the_clock() {
     use gridlm::comm::Single;
-    use gridlm::engine::{Request, RunOptions};
+    use gridlm::engine::RunOptions;
     use std::{cell::Cell, rc::Rc, time::Duration, time::Instant};
     let (_t, dir) = tiny_llama();
     let mut engine = local_engine(&dir, None);
@@ -230,13 +230,7 @@ fn readers_run_between_steps_off_the_clock() {
         seen.set(seen.get() + 1);
         std::thread::sleep(Duration::from_millis(100));
     })));
-    let request = Request {
-        prompt: vec![1, 2, 3],
-        max_tokens: 5,
-        ignore_eos: true,
-        params: Default::default(),
-        keep_logits: false,
-    };
+    let request = greedy_request(vec![1, 2, 3], 5, false);
     let mut opts = RunOptions { max_batch: 1, read_between_steps: true, ..RunOptions::default() };
     let t = Instant::now();
     let (done, stats) = engine

@@ -55,6 +55,12 @@ pub fn smollm2(dtype: &str) -> PathBuf {
     gridlm_reference::smollm2(dtype)
 }
 
+/// A greedy request for `max_tokens` new tokens past any EOS, keeping the prompt's logits if
+/// asked.
+pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize, keep_logits: bool) -> gridlm::engine::Request {
+    gridlm::engine::Request { prompt, max_tokens, ignore_eos: true, params: Default::default(), keep_logits }
+}
+
 /// An in-process single-rank engine on `dir` (2 kernel threads, f16 KV cache).
 pub fn local_engine(dir: &Path, quant: Option<gridlm::kernels::Quant>) -> gridlm::engine::Engine {
     local_engine_on(dir, quant, 2)

@@ -88,13 +88,7 @@ fn two_sides_step_by_step_compute_as_each_alone() {
     use std::{cell::RefCell, rc::Rc};
     let (_t, dir) = tiny_llama();
     // The prompt logits of each side's first sequence (a step gives its first emitting span's).
-    let request = |prompt: Vec<u32>, keep_logits: bool| Request {
-        prompt,
-        max_tokens: 5,
-        ignore_eos: true,
-        params: Default::default(),
-        keep_logits,
-    };
+    let request = |prompt: Vec<u32>, keep_logits: bool| greedy_request(prompt, 5, keep_logits);
     let requests =
         [request(vec![1, 5, 9], true), request(vec![2, 4, 6, 8], false), request(vec![1, 5, 9], true)];
     let alone = |quant: Option<Quant>, requests: &[Request]| {
@@ -147,20 +141,14 @@ fn two_sides_step_by_step_compute_as_each_alone() {
 /// other side's back when the other side is taken away.
 #[test]
 fn two_sides_step_by_step_swap_the_many_token_way() {
-    use gridlm::engine::{OtherSide, PrefetchBy, Request, RunOptions};
+    use gridlm::engine::{OtherSide, PrefetchBy, RunOptions};
     use gridlm::kernels::ManyFetch;
     let (_t, dir) = tiny_llama();
     let mut engine = local_engine(&dir, None);
     let own = engine.many_prefetch();
     let theirs = (if own.0 == ManyFetch::Nta { ManyFetch::L2 } else { ManyFetch::Nta }, PrefetchBy::Env);
     assert!(engine.set_other_side(Some(OtherSide::ManyPrefetch(theirs))).is_none());
-    let request = Request {
-        prompt: vec![1, 5, 9],
-        max_tokens: 3,
-        ignore_eos: true,
-        params: Default::default(),
-        keep_logits: false,
-    };
+    let request = greedy_request(vec![1, 5, 9], 3, false);
     let opts = RunOptions { max_batch: 2, sides: Some(1), ..RunOptions::default() };
     let done = engine.run(&[request.clone(), request], &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
     // The same weights: the same tokens on both sides.
