@@ -1319,9 +1319,9 @@ fn run_bench(
     // at once (`Plan::Read`), its time left out of the step times; a run's bandwidth is the
     // harmonic mean of the median rates of stretches of its readings (see `run_gb_per_s`: the
     // bandwidth may change within a run, and one paused reading must not halve it). Decode
-    // and the reads then meet the same moments, where the
-    // readings around a run are seconds from most of its steps. Steps that overlap in a
-    // pipeline leave no moment between them, so those runs are read around.
+    // and the reads then meet the same moments, where the readings around a run are seconds
+    // from most of its steps. Steps that overlap in a pipeline leave no moment between them,
+    // so those runs are read around.
     let between = a.bandwidth_reads == BandwidthReads::BetweenSteps
         && !overlapped(a.work.batch)
         && !overlapped(base_batch);

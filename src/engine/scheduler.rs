@@ -226,13 +226,8 @@ impl Engine {
         let mut busy = vec![false; groups];
         // Slots a group may fill (side by side, a side's requests).
         let per_group = |g: usize| match sides {
-            Some(n) => {
-                if g == 0 {
-                    n
-                } else {
-                    requests.len() - n
-                }
-            }
+            Some(n) if g == 0 => n,
+            Some(n) => requests.len() - n,
             None => slots.div_ceil(groups),
         };
         let mut flight: VecDeque<InFlight> = VecDeque::new();
