@@ -145,6 +145,9 @@ pub struct DecodeFigures {
     /// null where they differ, which would be a fault: every run decodes the same prompts on
     /// the same weights with the same sampling seed (one a process without `--seed`).
     pub tokens_digest: Option<String>,
+    /// CPU time a hypervisor took from the ranks' CPUs during the timed runs (their
+    /// [`RunReport::stolen_ms`] summed); null where a rank's system does not say.
+    pub stolen_ms: Option<f64>,
     /// Each timed run on its own, in order: on a host whose bandwidth wanders, the spread
     /// between runs shows how much of a low efficiency is the host's.
     pub runs: Vec<RunReport>,
@@ -152,20 +155,16 @@ pub struct DecodeFigures {
 
 impl DecodeFigures {
     /// From the driver's measurements `m` and, per timed run in the same order, the bandwidth
-    /// read with it and the team's handoff around it ([`run_reports`]). Bytes are per decode
-    /// token: the weights' (every rank's) and the keys and values attention reads.
-    pub fn new(
-        m: &Measured,
-        weight_bytes_per_token: u64,
-        kv_bytes_per_token: u64,
-        gb_per_s_by_run: &[f64],
-        handoff_by_run: &[f64],
-    ) -> Self {
+    /// read with it, the team's handoff around it and the CPU time stolen during it
+    /// ([`run_reports`]). Bytes are per decode token: the weights' (every rank's) and the keys
+    /// and values attention reads.
+    pub fn new(m: &Measured, weight_bytes_per_token: u64, kv_bytes_per_token: u64, by_run: &ByRun) -> Self {
         let bytes_per_token = weight_bytes_per_token + kv_bytes_per_token;
         let decode_tokens_per_s = mean(&m.rates);
         let achieved_gb_per_s = bytes_per_token as f64 * decode_tokens_per_s / 1e9;
         // The runs' mean, as decode's rate is theirs: their efficiencies' spread holds this one.
-        let measured_gb_per_s = mean(gb_per_s_by_run);
+        let measured_gb_per_s = mean(&by_run.gb_per_s);
+        let runs = run_reports(&m.rates, &m.digests, by_run, bytes_per_token);
         DecodeFigures {
             first_token_ms: percentile(&m.firsts, 0.5),
             next_token_ms_p50: percentile(&m.gaps, 0.5),
@@ -181,7 +180,8 @@ impl DecodeFigures {
                 .first()
                 .filter(|&&d| m.digests.iter().all(|&e| e == d))
                 .map(|&d| digest_hex(d)),
-            runs: run_reports(&m.rates, &m.digests, gb_per_s_by_run, handoff_by_run, bytes_per_token),
+            stolen_ms: runs.iter().map(|r| r.stolen_ms).sum(),
+            runs,
         }
     }
 }
@@ -253,14 +253,30 @@ pub fn mean(v: &[f64]) -> f64 {
 /// One timed run: its decode rate, the read bandwidth of the readings between its steps or
 /// just before and just after it ([`BenchReport::bandwidth_reads`]; every rank's, summed),
 /// the efficiency of the two, the team's handoff read just before and just after it (their
-/// mean; the slowest rank's), and the [`tokens_digest`] of what it generated.
+/// mean; the slowest rank's), the CPU time a hypervisor took from a rank's CPUs from just
+/// before to just after it, and the [`tokens_digest`] of what it generated.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunReport {
     pub decode_tokens_per_s: f64,
     pub measured_gb_per_s: f64,
     pub decode_efficiency: f64,
     pub handoff_us: f64,
+    /// [`crate::host::stolen_ms`] over the run, summed over its CPUs (the most any rank lost;
+    /// null where a rank's system does not say). Time stolen from a virtual CPU while it
+    /// decodes lengthens the steps but not the bandwidth readings between them, so a run that
+    /// lost much of its time to the host reads a low efficiency that is not the kernels'.
+    pub stolen_ms: Option<f64>,
     pub tokens_digest: String,
+}
+
+/// Per timed run, in order, what the ranks read beside it: the bandwidth (summed over ranks),
+/// the handoff (the slowest rank's) and the CPU time stolen ([`RunReport::stolen_ms`]; NaN
+/// where unknown).
+#[derive(Debug, Clone, Default)]
+pub struct ByRun {
+    pub gb_per_s: Vec<f64>,
+    pub handoff_us: Vec<f64>,
+    pub stolen_ms: Vec<f64>,
 }
 
 /// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
@@ -342,26 +358,21 @@ pub fn stalled_runs(gb_per_s: &[f64], best: f64) -> Vec<usize> {
     (1..=gb_per_s.len()).filter(|&i| gb_per_s[i - 1] < STALLED_READS * best).collect()
 }
 
-/// Each run's report from its decode rate, its tokens' digest, the bandwidth around it
-/// ([`gb_per_s_around_runs`], summed over ranks), the handoff around it and the bytes read per
-/// generated token.
-pub fn run_reports(
-    rates: &[f64],
-    digests: &[u64],
-    gb_per_s: &[f64],
-    handoff_us: &[f64],
-    bytes_per_token: u64,
-) -> Vec<RunReport> {
+/// Each run's report from its decode rate, its tokens' digest, what was read beside it
+/// ([`ByRun`]) and the bytes read per generated token.
+pub fn run_reports(rates: &[f64], digests: &[u64], by_run: &ByRun, bytes_per_token: u64) -> Vec<RunReport> {
     rates
         .iter()
         .zip(digests)
-        .zip(gb_per_s)
-        .zip(handoff_us)
-        .map(|(((&tps, &digest), &gb), &handoff_us)| RunReport {
+        .zip(&by_run.gb_per_s)
+        .zip(&by_run.handoff_us)
+        .zip(&by_run.stolen_ms)
+        .map(|((((&tps, &digest), &gb), &handoff_us), &stolen)| RunReport {
             decode_tokens_per_s: tps,
             measured_gb_per_s: gb,
             decode_efficiency: bytes_per_token as f64 * tps / 1e9 / gb,
             handoff_us,
+            stolen_ms: (!stolen.is_nan()).then_some(stolen),
             tokens_digest: digest_hex(digest),
         })
         .collect()
@@ -493,6 +504,7 @@ impl BenchReport {
                 "kernel-thread handoff",
                 format!("{:.2} µs around the runs (one empty job to every thread and back)", self.handoff_us),
             ),
+            ("CPU time stolen", stolen_row(d)),
             (
                 "prefill compute",
                 format!(
@@ -612,6 +624,21 @@ fn digest_row(d: &DecodeFigures) -> String {
     }
 }
 
+/// The table's line on the CPU time a hypervisor took from the ranks' CPUs during a side's
+/// timed runs, and each run's where there are several.
+fn stolen_row(d: &DecodeFigures) -> String {
+    let Some(total) = d.stolen_ms else {
+        return "not known (the system does not say)".into();
+    };
+    let mut row = format!("{total:.0} ms taken by the host during the timed runs");
+    if d.runs.len() > 1 {
+        let each: Vec<String> =
+            d.runs.iter().filter_map(|r| r.stolen_ms).map(|ms| format!("{ms:.0}")).collect();
+        row += &format!(" (by run {} ms)", each.join(", "));
+    }
+    row
+}
+
 /// What decided a prefetch way, for the table: `timed twice` where a second timing did.
 fn by_timings(by: &str, timings: usize) -> String {
     if timings > 1 {
@@ -681,12 +708,22 @@ mod tests {
         assert!(mean_around_runs(&[0.1]).is_empty());
         assert!((gb_per_s(&[(10e9, 1.0), (10e9, 0.5), (10e9, 1.5)]) - 10.0).abs() < 1e-9);
         // 250 MB per token at 40 and 30 tokens/s: 10 and 7.5 GB/s.
-        let runs = run_reports(&[40.0, 30.0], &[7, 7], &[12.5, 10.0], &[0.1, 0.6], 250_000_000);
+        let by_run =
+            ByRun { gb_per_s: vec![12.5, 10.0], handoff_us: vec![0.1, 0.6], stolen_ms: vec![0.0, 20.0] };
+        let runs = run_reports(&[40.0, 30.0], &[7, 7], &by_run, 250_000_000);
         assert!((runs[0].decode_efficiency - 0.8).abs() < 1e-9, "{runs:?}");
         assert!((runs[1].decode_efficiency - 0.75).abs() < 1e-9, "{runs:?}");
         assert_eq!(runs[1].measured_gb_per_s, 10.0);
         assert_eq!((runs[0].handoff_us, runs[1].handoff_us), (0.1, 0.6));
+        assert_eq!((runs[0].stolen_ms, runs[1].stolen_ms), (Some(0.0), Some(20.0)));
         assert_eq!(runs[1].tokens_digest, "0000000000000007");
+        // A side's stolen time is its runs' summed, and unknown if any run's is.
+        let m =
+            Measured { firsts: vec![1.0; 2], rates: vec![40.0, 30.0], digests: vec![7, 7], gaps: vec![25.0] };
+        assert_eq!(DecodeFigures::new(&m, 250_000_000, 0, &by_run).stolen_ms, Some(20.0));
+        let unknown = ByRun { stolen_ms: vec![0.0, f64::NAN], ..by_run };
+        let d = DecodeFigures::new(&m, 250_000_000, 0, &unknown);
+        assert_eq!((d.stolen_ms, d.runs[1].stolen_ms), (None, None));
     }
 
     #[test]

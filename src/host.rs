@@ -1,5 +1,6 @@
 //! The node a rank runs on, as Linux reports it: memory available (to this process's memory
-//! cgroup, where one limits it), this process's resident memory, the host's name. Owns: the
+//! cgroup, where one limits it), this process's resident memory, the host's name, the CPU time
+//! a hypervisor has taken from the process's CPUs. Owns: the
 //! check, before any weight is read, that every node has memory for the weights of all its
 //! ranks, so a model too large for the machine (or the container) ends with one clear line on
 //! every rank instead of the kernel's OOM killer.
@@ -77,6 +78,43 @@ fn group_room(dir: &Path, v2: bool) -> Option<u64> {
 /// This process's resident memory (0 where unknown).
 pub fn rss_bytes() -> usize {
     proc_kb("/proc/self/status", "VmRSS:").unwrap_or(0)
+}
+
+/// CPU time a hypervisor has so far taken from the CPUs this process may run on (its affinity
+/// mask), summed over them, in ms: the time each virtual CPU had work but its host ran
+/// something else (`steal` in `/proc/stat`, counted in clock ticks of 10 ms on most systems).
+/// On a shared host it tells a run that lost time to its neighbours from one that did not.
+/// `None` where the system does not say (not Linux, no such field, or an unreadable mask).
+pub fn stolen_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    // SAFETY: `set` is a plain bit set, written by the call for its whole given size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return None;
+    }
+    let limit = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `cpu` is checked against the set's size first.
+    let mine = |cpu: usize| cpu < limit && unsafe { libc::CPU_ISSET(cpu, &set) };
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let ticks = stolen_ticks(&stat, mine)?;
+    (hz > 0).then(|| ticks as f64 * 1e3 / hz as f64)
+}
+
+/// The `steal` ticks of the CPUs `mine` takes in a `/proc/stat` text (the eighth number of each
+/// `cpuN` line), summed; `None` where none of them has that field.
+fn stolen_ticks(stat: &str, mine: impl Fn(usize) -> bool) -> Option<u64> {
+    let mut total = None;
+    for line in stat.lines() {
+        let mut fields = line.split_ascii_whitespace();
+        let Some(Ok(cpu)) = fields.next().and_then(|f| f.strip_prefix("cpu")).map(str::parse::<usize>) else {
+            continue;
+        };
+        if let Some(steal) = fields.nth(7).and_then(|f| f.parse::<u64>().ok()).filter(|_| mine(cpu)) {
+            total = Some(total.unwrap_or(0) + steal);
+        }
+    }
+    total
 }
 
 /// The host's name (what `hostname` prints).
@@ -198,5 +236,22 @@ mod tests {
         assert!(!name().is_empty());
         assert!(mem_available().is_some_and(|b| b > 0));
         assert!(rss_bytes() > 0);
+        assert!(stolen_ms().is_some_and(|ms| ms >= 0.0));
+    }
+
+    #[test]
+    fn stolen_time_is_the_steal_field_of_the_process_cpus() {
+        let stat = "cpu  900 0 90 9000 9 0 9 77 0 0\n\
+                    cpu0 400 0 40 4000 4 0 4 30 0 0\n\
+                    cpu1 500 0 50 5000 5 0 5 47 0 0\n\
+                    cpu2 1 2 3 4\n\
+                    intr 12345 0 0\n\
+                    ctxt 999\n";
+        // The total line and lines that are not a CPU's are left out.
+        assert_eq!(stolen_ticks(stat, |_| true), Some(77));
+        assert_eq!(stolen_ticks(stat, |c| c == 1), Some(47));
+        // A CPU outside the mask, or one without the field (kernels before 2.6.11): no answer.
+        assert_eq!(stolen_ticks(stat, |c| c == 3), None);
+        assert_eq!(stolen_ticks(stat, |c| c == 2), None);
     }
 }

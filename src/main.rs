@@ -1335,11 +1335,14 @@ fn run_bench(
     let mut readings = Vec::new();
     let mut by_run = Vec::new();
     let mut handoffs = Vec::new();
+    // And the CPU time the host has taken from the rank's CPUs so far (NaN where unknown).
+    let mut stolen = Vec::new();
     let mut read_around = |engine: &Engine| {
         if !between {
             readings.push(probe.rate(engine.team(), before.1, 4));
         }
         handoffs.push(gridlm::kernels::limits::handoff_us(engine.team(), 1000));
+        stolen.push(gridlm::host::stolen_ms().unwrap_or(f64::NAN));
     };
     let driver = grid.rank == 0;
     let vocab = full_cfg.vocab_size as u64;
@@ -1555,14 +1558,17 @@ fn run_bench(
         by_run = per_side(gb_per_s_around_runs(&readings));
     }
     let handoff_by_side = per_side(mean_around_runs(&handoffs));
+    let stolen_by_side = per_side(stolen.windows(2).map(|w| w[1] - w[0]).collect());
     // Every rank read as often (all leave the runs together), so all send as many figures:
-    // the limits, the median handoff, then per timed side its bandwidth and handoff.
-    // Bandwidths add up over ranks; the handoff is the slowest rank's.
+    // the limits, the median handoff, then per timed side its bandwidth, handoff and stolen
+    // time. Bandwidths add up over ranks; the handoff and the stolen time are the most any
+    // rank had (NaN, unknown, where any rank does not know its stolen time).
     let runs = by_run.len().min(handoff_by_side.len());
     let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), percentile(&handoffs, 0.5)]
         .into_iter()
         .chain(by_run.into_iter().take(runs))
         .chain(handoff_by_side.into_iter().take(runs))
+        .chain(stolen_by_side.into_iter().take(runs))
         .map(f64::to_bits)
         .collect();
     let mut all = vec![0u64; mine.len() * link.world_size()];
@@ -1575,8 +1581,19 @@ fn run_bench(
     let by = |side: Side, figures: &[f64]| -> Vec<f64> {
         figures.iter().zip(&timed).filter(|(_, &t)| t == side).map(|(&x, _)| x).collect()
     };
-    let gb_per_s_by_run: Vec<f64> = (3..3 + runs).map(sum).collect();
-    let handoff_by_run: Vec<f64> = (3 + runs..3 + 2 * runs).map(max).collect();
+    let most = |k: usize| {
+        let v = || of_ranks().map(|v| f64::from_bits(v[k]));
+        if v().any(f64::is_nan) {
+            f64::NAN
+        } else {
+            v().fold(0.0, f64::max)
+        }
+    };
+    let read_by_run = gridlm::bench::ByRun {
+        gb_per_s: (3..3 + runs).map(sum).collect(),
+        handoff_us: (3 + runs..3 + 2 * runs).map(max).collect(),
+        stolen_ms: (3 + 2 * runs..3 + 3 * runs).map(most).collect(),
+    };
     // The spare weights' dtype and bytes a step (every rank's), then the report's resident
     // memory without them.
     let spare_weights = spare.take().map(|spare| {
@@ -1599,13 +1616,12 @@ fn run_bench(
     let kv_bytes_per_token = (kv_per_position as f64 * positions).round() as u64;
     // Each side's figures from its own runs.
     let figures = |side: Side, weight_bytes_per_token: u64| {
-        DecodeFigures::new(
-            &measured[side as usize],
-            weight_bytes_per_token,
-            kv_bytes_per_token,
-            &by(side, &gb_per_s_by_run),
-            &by(side, &handoff_by_run),
-        )
+        let side_by_run = gridlm::bench::ByRun {
+            gb_per_s: by(side, &read_by_run.gb_per_s),
+            handoff_us: by(side, &read_by_run.handoff_us),
+            stolen_ms: by(side, &read_by_run.stolen_ms),
+        };
+        DecodeFigures::new(&measured[side as usize], weight_bytes_per_token, kv_bytes_per_token, &side_by_run)
     };
     let decode = figures(Side::Main, weight_bytes_per_token);
     let first_token_ms = decode.first_token_ms;

@@ -54,6 +54,12 @@ fn check(j: &serde_json::Value, ranks: usize) {
         assert!((achieved / f(r, "measured_gb_per_s") / f(r, "decode_efficiency") - 1.0).abs() < 1e-9, "{r}");
     }
     let mean = |k: &str| runs.iter().map(|r| f(r, k)).sum::<f64>() / runs.len() as f64;
+    // The CPU time the host took, per run and in all (Linux says; whole clock ticks).
+    for r in runs {
+        assert!(f(r, "stolen_ms") >= 0.0, "stolen_ms in {r}");
+    }
+    let stolen = runs.iter().map(|r| f(r, "stolen_ms")).sum::<f64>();
+    assert!((f(j, "stolen_ms") - stolen).abs() < 1e-6, "stolen_ms in {j}");
     for k in ["decode_tokens_per_s", "measured_gb_per_s"] {
         assert!((mean(k) / f(j, k) - 1.0).abs() < 1e-9, "{k}: {} vs {j}", mean(k));
     }
