@@ -1575,13 +1575,8 @@ fn run_bench(
     link.allgather_u64(&mine, &mut all);
     let of_ranks = || all.chunks_exact(mine.len());
     let sum = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).sum::<f64>();
-    let max = |k: usize| of_ranks().map(|v| f64::from_bits(v[k])).fold(0.0, f64::max);
-    let (best_gb_per_s, measured_peak_gflops, handoff_us) = (sum(0), sum(1), max(2));
-    // Per run, split by side.
-    let by = |side: Side, figures: &[f64]| -> Vec<f64> {
-        figures.iter().zip(&timed).filter(|(_, &t)| t == side).map(|(&x, _)| x).collect()
-    };
-    let most = |k: usize| {
+    // The most of any rank; NaN (unknown) where a rank's is.
+    let max = |k: usize| {
         let v = || of_ranks().map(|v| f64::from_bits(v[k]));
         if v().any(f64::is_nan) {
             f64::NAN
@@ -1589,10 +1584,15 @@ fn run_bench(
             v().fold(0.0, f64::max)
         }
     };
+    let (best_gb_per_s, measured_peak_gflops, handoff_us) = (sum(0), sum(1), max(2));
+    // Per run, split by side.
+    let by = |side: Side, figures: &[f64]| -> Vec<f64> {
+        figures.iter().zip(&timed).filter(|(_, &t)| t == side).map(|(&x, _)| x).collect()
+    };
     let read_by_run = gridlm::bench::ByRun {
         gb_per_s: (3..3 + runs).map(sum).collect(),
         handoff_us: (3 + runs..3 + 2 * runs).map(max).collect(),
-        stolen_ms: (3 + 2 * runs..3 + 3 * runs).map(most).collect(),
+        stolen_ms: (3 + 2 * runs..3 + 3 * runs).map(max).collect(),
     };
     // The spare weights' dtype and bytes a step (every rank's), then the report's resident
     // memory without them.
