@@ -96,8 +96,17 @@ struct PlanArgs {
     /// f32 FMA peak of one socket, GFLOP/s (`bench --limits` measures it).
     #[arg(long, required_unless_present = "limits")]
     peak_gflops: Option<f64>,
-    /// Take --mem-bw and --peak-gflops from this `bench --limits --json` output (run on one
-    /// socket with its cores); the flags win where given.
+    /// Read bandwidth of one core reading alone, GB/s (`bench --limits` measures it): a rank
+    /// whose stage takes its turn while the others wait reads at most this × its cores, more
+    /// than its share of the socket's. Needs --cores-per-socket.
+    #[arg(long, requires = "cores_per_socket")]
+    core_gbps: Option<f64>,
+    /// Cores of one socket, shared evenly among its ranks.
+    #[arg(long)]
+    cores_per_socket: Option<usize>,
+    /// Take --mem-bw, --peak-gflops, --core-gbps and --cores-per-socket (the threads it was
+    /// measured with) from this `bench --limits --json` output (run on one socket with its
+    /// cores); the flags win where given.
     #[arg(long)]
     limits: Option<PathBuf>,
     /// Memory of one socket, GB (default: no limit).
@@ -625,18 +634,34 @@ fn plan(a: PlanArgs) -> Result<()> {
                 v[k].as_f64()
                     .with_context(|| format!("{}: no number `{k}` (from bench --limits --json)", f.display()))
             };
-            Some((get("measured_gb_per_s")?, get("measured_peak_gflops")?))
+            // One core's bandwidth, and the cores it was all measured with (files written
+            // before `core_gb_per_s` have neither).
+            let cores =
+                v["threads_per_rank"].as_u64().zip(v["ranks"].as_array()).map(|(t, r)| t as usize * r.len());
+            let core = v["core_gb_per_s"].as_f64().zip(cores);
+            Some((get("measured_gb_per_s")?, get("measured_peak_gflops")?, core))
         }
         None => None,
     };
     let mem_bw = a.mem_bw.or(measured.map(|m| m.0)).unwrap_or(0.0);
     let peak_gflops = a.peak_gflops.or(measured.map(|m| m.1)).unwrap_or(0.0);
-    let positive = [("--mem-bw", mem_bw), ("--peak-gflops", peak_gflops), ("--net-gbps", a.net_gbps)];
+    let (core_gbps, cores_per_socket) = match (a.core_gbps, a.cores_per_socket, measured.and_then(|m| m.2)) {
+        (Some(g), Some(c), _) => (g, c),
+        (None, c, Some((g, measured_cores))) => (g, c.unwrap_or(measured_cores)),
+        _ => (0.0, 0),
+    };
+    let mut positive = vec![("--mem-bw", mem_bw), ("--peak-gflops", peak_gflops), ("--net-gbps", a.net_gbps)];
+    if a.core_gbps.is_some() {
+        positive.push(("--core-gbps", core_gbps));
+    }
     if let Some((k, v)) = positive.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
         anyhow::bail!("{k} must be a positive number, got {v}");
     }
     if a.nodes == 0 || a.sockets_per_node == 0 || a.ranks_per_socket == 0 || a.work.batch == 0 {
         anyhow::bail!("--nodes, --sockets-per-node, --ranks-per-socket and --batch must be at least 1");
+    }
+    if a.cores_per_socket == Some(0) {
+        anyhow::bail!("--cores-per-socket must be at least 1");
     }
     let cluster = Cluster {
         nodes: a.nodes,
@@ -644,6 +669,8 @@ fn plan(a: PlanArgs) -> Result<()> {
         ranks_per_socket: a.ranks_per_socket,
         mem_gb_per_s: mem_bw,
         peak_gflops,
+        core_gb_per_s: core_gbps,
+        cores_per_socket,
         mem_gb: a.mem_gb,
         net_gbps: a.net_gbps,
         net_latency_us: a.net_latency_us,
@@ -1199,26 +1226,39 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
     // to the host on these cores (see `ReadProbe`).
     let probe = gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20);
     let bw = probe.best(&team, 5).0;
+    // One core reading alone (every rank's main thread at once): what a rank reads while the
+    // others wait, for `plan` (with one thread a rank, the same reading).
+    let core = if threads == 1 {
+        bw
+    } else {
+        let one = gridlm::kernels::Team::new(1)
+            .map_err(|e| anyhow::anyhow!("cannot start a kernel thread: {e}"))?;
+        probe.best(&one, 5).0
+    };
     let peak = gridlm::kernels::limits::fma_peak_gflops(&team, 20_000_000);
     let handoff = gridlm::kernels::limits::handoff_us(&team, 1000);
     drop(probe);
-    let mut all = vec![0u64; 3 * link.world_size()];
-    link.allgather_u64(&[bw.to_bits(), peak.to_bits(), handoff.to_bits()], &mut all);
+    let mut all = vec![0u64; 4 * link.world_size()];
+    link.allgather_u64(&[bw.to_bits(), peak.to_bits(), handoff.to_bits(), core.to_bits()], &mut all);
     if link.world_rank() != 0 {
         return Ok(());
     }
-    let per_rank: Vec<[f64; 3]> =
-        all.chunks_exact(3).map(|v| std::array::from_fn(|k| f64::from_bits(v[k]))).collect();
+    let per_rank: Vec<[f64; 4]> =
+        all.chunks_exact(4).map(|v| std::array::from_fn(|k| f64::from_bits(v[k]))).collect();
     let (gb, gf) = per_rank.iter().fold((0.0, 0.0), |(x, y), r| (x + r[0], y + r[1]));
     let handoff = per_rank.iter().fold(0.0, |h, r| r[2].max(h));
+    let core = per_rank.iter().map(|r| r[3]).sum::<f64>() / per_rank.len() as f64;
     if a.json {
         let ranks: Vec<_> = per_rank
             .iter()
-            .map(|r| serde_json::json!({"measured_gb_per_s": r[0], "measured_peak_gflops": r[1], "handoff_us": r[2]}))
+            .map(|r| {
+                serde_json::json!({"measured_gb_per_s": r[0], "measured_peak_gflops": r[1], "handoff_us": r[2], "core_gb_per_s": r[3]})
+            })
             .collect();
         let out = serde_json::json!({
             "measured_gb_per_s": gb,
             "measured_peak_gflops": gf,
+            "core_gb_per_s": core,
             "handoff_us": handoff,
             "threads_per_rank": threads,
             "ranks": ranks,
@@ -1226,8 +1266,8 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
         println!("{out}");
     } else {
         println!(
-            "{} rank(s) × {threads} thread(s): read bandwidth {gb:.1} GB/s, f32 FMA peak {gf:.1} GFLOP/s, \
-             kernel-thread handoff {handoff:.2} µs",
+            "{} rank(s) × {threads} thread(s): read bandwidth {gb:.1} GB/s (one thread alone {core:.1}), \
+             f32 FMA peak {gf:.1} GFLOP/s, kernel-thread handoff {handoff:.2} µs",
             per_rank.len()
         );
     }

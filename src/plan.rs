@@ -9,7 +9,11 @@
 //!   the KV cache of the batch at full length;
 //! * a decode step of a stage: max(bytes read ÷ bandwidth per rank, FLOPs ÷ peak per rank),
 //!   where bytes are the rank's weights plus its KV cache read by attention, and the socket's
-//!   bandwidth and peak are shared by the ranks on it;
+//!   peak is shared by the ranks on it (each has its cores). Its bandwidth is shared by the
+//!   ranks on it that read at the same time: all of them where a pipeline's stages overlap,
+//!   else only the stage's own (the stages take turns, and the others wait), each reading at
+//!   most what its cores read alone (one core's bandwidth × its cores, where known; without
+//!   it, every rank its cores' share of the socket's bandwidth, as if all read at once);
 //! * each layer's two allreduces (and the embedding's one) over tp ranks: the faster of a ring
 //!   (2 (tp − 1) messages of bytes/tp) and recursive doubling (⌈log2 tp⌉ messages of all the
 //!   bytes), each message latency + bytes ÷ bandwidth of its link — shared memory inside a
@@ -37,6 +41,10 @@ pub struct Cluster {
     pub mem_gb_per_s: f64,
     /// f32 FMA peak of one socket, GFLOP/s.
     pub peak_gflops: f64,
+    /// Read bandwidth of one core reading alone, GB/s, and the cores of a socket (0: not
+    /// known; each rank then reads its share of the socket's bandwidth).
+    pub core_gb_per_s: f64,
+    pub cores_per_socket: usize,
     /// Memory of one socket, GB (0: no limit).
     pub mem_gb: f64,
     /// Network between nodes: bandwidth (Gbit/s) and one message's latency (µs).
@@ -88,6 +96,23 @@ impl Cluster {
         let socket = rank / self.ranks_per_socket;
         let first = socket * self.ranks_per_socket;
         (ranks - first).min(self.ranks_per_socket)
+    }
+    /// Ranks `first..first + n` on the socket of `first`.
+    fn on_socket_of(&self, first: usize, n: usize) -> usize {
+        let end = (first / self.ranks_per_socket + 1) * self.ranks_per_socket;
+        (first + n).min(end) - first
+    }
+    /// Read bandwidth of a rank, bytes/s, on a socket it shares with `sharing` ranks of which
+    /// `reading` read at the same time: the socket's split among those, but no more than the
+    /// rank's cores read alone, and no less than its share of all (as when every rank reads).
+    fn rank_bandwidth(&self, sharing: usize, reading: usize) -> f64 {
+        let share = self.mem_gb_per_s / sharing as f64;
+        if self.core_gb_per_s <= 0.0 || self.cores_per_socket == 0 {
+            return share * 1e9;
+        }
+        let cores = (self.cores_per_socket / self.ranks_per_socket).max(1) as f64;
+        let alone = (self.core_gb_per_s * cores).min(self.mem_gb_per_s);
+        (self.mem_gb_per_s / reading as f64).min(alone).max(share) * 1e9
     }
     /// One message between ranks `a` and `b` of `bytes`, seconds.
     fn message(&self, a: usize, b: usize, bytes: f64) -> f64 {
@@ -149,6 +174,8 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
     let (mut decode_s, mut decode_comm, mut prefill_s, mut slowest_stage) = (0.0, 0.0, 0.0, 0.0f64);
     let mut crosses = false;
     let msg = |tokens: f64| tokens * h * 4.0;
+    // With a batch of at least pp sequences, micro-batches keep every stage at work at once.
+    let overlap = pp > 1 && w.batch >= pp;
     for (s, &layers) in split.iter().enumerate() {
         let first = s * tp;
         let layers = layers as f64;
@@ -163,8 +190,11 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
         let held = (params + embed) * w.weight_bytes;
         let kv = layers * kv_heads * hd * 2.0 * ctx * b * w.kv_bytes;
         mem_max = mem_max.max(held + kv);
-        let share = c.sharing(first, ranks) as f64;
-        let (bw, peak) = (c.mem_gb_per_s * 1e9 / share, c.peak_gflops * 1e9 / share);
+        let share = c.sharing(first, ranks);
+        // Reading at the same time on the socket: every rank there where the stages overlap,
+        // else this stage's ranks there (the stages take turns).
+        let reading = if overlap { share } else { c.on_socket_of(first, tp) };
+        let (bw, peak) = (c.rank_bandwidth(share, reading), c.peak_gflops * 1e9 / share as f64);
         let tp_crosses = c.node_of(first) != c.node_of(first + tp - 1);
         crosses |= tp_crosses;
         // Decode step on `tokens` tokens per sequence-step, at full context.
@@ -183,7 +213,7 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
         let (compute, comm) = step(b);
         decode_s += compute + comm;
         decode_comm += comm;
-        if pp > 1 && w.batch >= pp {
+        if overlap {
             let (c1, m1) = step(b / pp as f64);
             slowest_stage = slowest_stage.max(c1 + m1);
         }
@@ -208,7 +238,7 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
     decode_s += back;
     decode_comm += back;
     prefill_s += back;
-    let tokens_per_s = if pp > 1 && w.batch >= pp { b / (pp as f64 * slowest_stage) } else { b / decode_s };
+    let tokens_per_s = if overlap { b / (pp as f64 * slowest_stage) } else { b / decode_s };
     let fits = c.mem_gb <= 0.0 || mem_max <= c.mem_gb * 1e9 / c.ranks_per_socket as f64;
     Prediction {
         pp,
@@ -260,6 +290,8 @@ mod tests {
             ranks_per_socket: 1,
             mem_gb_per_s: 100.0,
             peak_gflops: 2000.0,
+            core_gb_per_s: 0.0,
+            cores_per_socket: 0,
             mem_gb: 256.0,
             net_gbps: 25.0,
             net_latency_us: 20.0,
@@ -300,5 +332,35 @@ mod tests {
         c.mem_gb = 64.0;
         assert!(!predict(&big, &c, &work(), 1, 1).fits);
         assert!(predict(&big, &c, &work(), 1, 4).fits);
+    }
+
+    #[test]
+    fn stages_taking_turns_read_at_what_their_cores_read_alone() {
+        let cfg = crate::weights::synthetic::shape("llama-3-8b").unwrap();
+        // One socket of 8 cores and 100 GB/s, two ranks on it, one core reading 30 GB/s.
+        let mut c = cluster(1);
+        (c.sockets_per_node, c.ranks_per_socket) = (1, 2);
+        let unknown = predict(&cfg, &c, &work(), 2, 1);
+        (c.core_gb_per_s, c.cores_per_socket) = (30.0, 8);
+        let known = predict(&cfg, &c, &work(), 2, 1);
+        // At batch 1 the stages take turns: each reads alone at min(100, 4 × 30) = 100 GB/s
+        // where, not knowing what its 4 cores read, the model gives it half the socket's.
+        assert!((known.next_token_ms / unknown.next_token_ms - 0.5).abs() < 0.01, "{known:?} {unknown:?}");
+        // Two cores a rank read 60 GB/s alone.
+        c.cores_per_socket = 4;
+        let two = predict(&cfg, &c, &work(), 2, 1);
+        assert!((two.next_token_ms / unknown.next_token_ms - 50.0 / 60.0).abs() < 0.01, "{two:?}");
+        // tp ranks of one stage read at once: their share, whatever one core reads.
+        assert_eq!(predict(&cfg, &c, &work(), 1, 2).next_token_ms, {
+            let mut c = c.clone();
+            c.core_gb_per_s = 0.0;
+            predict(&cfg, &c, &work(), 1, 2).next_token_ms
+        });
+        // With a batch of pp sequences the stages overlap and share the socket again.
+        let batch = Workload { batch: 2, ..work() };
+        c.cores_per_socket = 8;
+        let overlapped = predict(&cfg, &c, &batch, 2, 1);
+        c.core_gb_per_s = 0.0;
+        assert_eq!(overlapped.tokens_per_s, predict(&cfg, &c, &batch, 2, 1).tokens_per_s);
     }
 }

@@ -75,6 +75,53 @@ fn planner_lists_feasible_layouts() {
     assert!(layouts.iter().find(|l| (l.0, l.1) == (2, 2)).unwrap().2);
     let bad = gridlm(&["plan", "--shape", "smollm2-135m", "--mem-bw", "0", "--peak-gflops", "10"]);
     assert_one_line_error(&bad, &["--mem-bw must be a positive number"]);
+    let bad = gridlm(&[
+        "plan",
+        "--shape",
+        "smollm2-135m",
+        "--mem-bw",
+        "9",
+        "--peak-gflops",
+        "10",
+        "--core-gbps",
+        "5",
+    ]);
+    assert_one_line_error(&bad, &["--cores-per-socket"]);
+}
+
+/// `plan --limits` takes one core's bandwidth and the cores from `bench --limits --json`: at
+/// batch 1 a 2-stage pipeline's ranks, sharing a socket, take turns, and each reads at what
+/// its core reads alone rather than at half the socket's; files without it plan as before.
+#[test]
+fn planner_takes_the_core_bandwidth_from_the_limits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = |limits: &str| {
+        let f = tmp.path().join("limits.json");
+        std::fs::write(&f, limits).unwrap();
+        let out = gridlm(&[
+            "plan",
+            "--shape",
+            "smollm2-135m",
+            "--limits",
+            path_str(&f),
+            "--ranks-per-socket",
+            "2",
+            "--json",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let next = |pp: u64, tp: u64| {
+            let p = v.as_array().unwrap().iter().find(|p| p["pp"] == pp && p["tp"] == tp).unwrap();
+            p["next_token_ms"].as_f64().unwrap()
+        };
+        (next(1, 2), next(2, 1))
+    };
+    let old = r#"{"measured_gb_per_s":40,"measured_peak_gflops":200,"threads_per_rank":2,"ranks":[{}]}"#;
+    let new = r#"{"measured_gb_per_s":40,"measured_peak_gflops":200,"core_gb_per_s":30,"threads_per_rank":2,"ranks":[{}]}"#;
+    let ((tp_old, pp_old), (tp_new, pp_new)) = (plan(old), plan(new));
+    // Two tp ranks read at once: their share either way. Two stages in turn: 30 GB/s each, not 20.
+    assert_eq!(tp_old, tp_new);
+    assert!((pp_new / pp_old - 20.0 / 30.0).abs() < 0.02, "{pp_new} {pp_old}");
 }
 
 #[test]
@@ -85,7 +132,8 @@ fn bench_limits_alone() {
     assert!(
         v["measured_gb_per_s"].as_f64().unwrap() > 0.0 && v["measured_peak_gflops"].as_f64().unwrap() > 0.0
     );
-    // One thread hands nothing to another.
+    // One thread hands nothing to another; its read is one core's.
     assert_eq!(v["handoff_us"].as_f64(), Some(0.0), "{v}");
+    assert_eq!(v["core_gb_per_s"], v["measured_gb_per_s"], "{v}");
     assert!(repo_root().join("launch/scale").exists());
 }
