@@ -266,6 +266,9 @@ pub struct RunReport {
     /// decodes lengthens the steps but not the bandwidth readings between them, so a run that
     /// lost much of its time to the host reads a low efficiency that is not the kernels'.
     pub stolen_ms: Option<f64>,
+    /// The same as a share of the time of the rank's CPUs over the run (the largest of any
+    /// rank's); from [`STOLEN_SHARE`] up the report warns.
+    pub stolen_share: Option<f64>,
     pub tokens_digest: String,
 }
 
@@ -277,6 +280,7 @@ pub struct ByRun {
     pub gb_per_s: Vec<f64>,
     pub handoff_us: Vec<f64>,
     pub stolen_ms: Vec<f64>,
+    pub stolen_share: Vec<f64>,
 }
 
 /// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
@@ -366,13 +370,14 @@ pub fn run_reports(rates: &[f64], digests: &[u64], by_run: &ByRun, bytes_per_tok
         .zip(digests)
         .zip(&by_run.gb_per_s)
         .zip(&by_run.handoff_us)
-        .zip(&by_run.stolen_ms)
-        .map(|((((&tps, &digest), &gb), &handoff_us), &stolen)| RunReport {
+        .zip(by_run.stolen_ms.iter().zip(&by_run.stolen_share))
+        .map(|((((&tps, &digest), &gb), &handoff_us), (&stolen, &share))| RunReport {
             decode_tokens_per_s: tps,
             measured_gb_per_s: gb,
             decode_efficiency: bytes_per_token as f64 * tps / 1e9 / gb,
             handoff_us,
             stolen_ms: (!stolen.is_nan()).then_some(stolen),
+            stolen_share: (!share.is_nan()).then_some(share),
             tokens_digest: digest_hex(digest),
         })
         .collect()
@@ -436,7 +441,48 @@ pub fn prefill_flops(cfg: &ModelConfig, n: usize) -> f64 {
     linear + attention + 2.0 * cfg.vocab_size as f64 * h
 }
 
+/// A run that lost this share of its CPUs' time or more to the host (its
+/// [`RunReport::stolen_share`]) is named in a warning. On the 2-core Zen 4 test machine a
+/// SmolLM2 batch-8 run started right after a bench of the llama-3.2-1b shape (whose exit
+/// handed ~3.5 GB back to the host) lost 260 ms of one rep's ~1.4 s on two CPUs (~9%) and
+/// decoded at 542 tokens/s against 847 in its next rep, which lost none; runs that did not
+/// follow such an exit lost 0–30 ms.
+pub const STOLEN_SHARE: f64 = 0.05;
+
+/// The runs (numbered from 1, `what` before each) that lost [`STOLEN_SHARE`] or more of their
+/// CPU time to the host, each with its stolen time and share.
+pub fn robbed_runs(runs: &[RunReport], what: &str) -> Vec<String> {
+    let n = runs.len();
+    (1..=n)
+        .filter_map(|i| {
+            let r = &runs[i - 1];
+            let share = r.stolen_share.filter(|&s| s >= STOLEN_SHARE)?;
+            Some(format!(
+                "{what}run {i} of {n} ({:.0} ms, {:.0}%)",
+                r.stolen_ms.unwrap_or(0.0),
+                share * 100.0
+            ))
+        })
+        .collect()
+}
+
 impl BenchReport {
+    /// One line naming the runs that lost [`STOLEN_SHARE`] or more of their CPU time to the
+    /// host, if any (the baseline's only where its runs were not the same runs as these).
+    pub fn stolen_warning(&self) -> Option<String> {
+        let mut all = robbed_runs(&self.decode.runs, "");
+        if let Some(b) = self.baseline.as_ref().filter(|b| b.alternated == Alternated::Runs) {
+            all.extend(robbed_runs(&b.decode.runs, "baseline "));
+        }
+        (!all.is_empty()).then(|| {
+            format!(
+                "warning: the host took {}% or more of the CPUs' time during {}, which slows those runs by its doing, not the kernels'",
+                STOLEN_SHARE * 100.0,
+                all.join(" and ")
+            )
+        })
+    }
+
     /// One line naming the runs whose bandwidth readings look stalled ([`stalled_runs`]), if
     /// any: their efficiencies say nothing about the kernels.
     pub fn stall_warning(&self) -> Option<String> {
@@ -605,7 +651,7 @@ impl BenchReport {
                 r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );
         }
-        if let Some(w) = self.stall_warning() {
+        for w in self.stall_warning().into_iter().chain(self.stolen_warning()) {
             s += &format!("  {w}\n");
         }
         s
@@ -708,8 +754,12 @@ mod tests {
         assert!(mean_around_runs(&[0.1]).is_empty());
         assert!((gb_per_s(&[(10e9, 1.0), (10e9, 0.5), (10e9, 1.5)]) - 10.0).abs() < 1e-9);
         // 250 MB per token at 40 and 30 tokens/s: 10 and 7.5 GB/s.
-        let by_run =
-            ByRun { gb_per_s: vec![12.5, 10.0], handoff_us: vec![0.1, 0.6], stolen_ms: vec![0.0, 20.0] };
+        let by_run = ByRun {
+            gb_per_s: vec![12.5, 10.0],
+            handoff_us: vec![0.1, 0.6],
+            stolen_ms: vec![0.0, 20.0],
+            stolen_share: vec![0.0, 0.01],
+        };
         let runs = run_reports(&[40.0, 30.0], &[7, 7], &by_run, 250_000_000);
         assert!((runs[0].decode_efficiency - 0.8).abs() < 1e-9, "{runs:?}");
         assert!((runs[1].decode_efficiency - 0.75).abs() < 1e-9, "{runs:?}");
@@ -721,7 +771,7 @@ mod tests {
         let m =
             Measured { firsts: vec![1.0; 2], rates: vec![40.0, 30.0], digests: vec![7, 7], gaps: vec![25.0] };
         assert_eq!(DecodeFigures::new(&m, 250_000_000, 0, &by_run).stolen_ms, Some(20.0));
-        let unknown = ByRun { stolen_ms: vec![0.0, f64::NAN], ..by_run };
+        let unknown = ByRun { stolen_ms: vec![0.0, f64::NAN], stolen_share: vec![0.0, f64::NAN], ..by_run };
         let d = DecodeFigures::new(&m, 250_000_000, 0, &unknown);
         assert_eq!((d.stolen_ms, d.runs[1].stolen_ms), (None, None));
     }
@@ -744,6 +794,22 @@ mod tests {
         // Fastest read 80 GB/s: a run read at 5.2 is stalled, one at 26 (the slower placement
         // of the cores) is not.
         assert_eq!(stalled_runs(&[75.0, 5.2, 26.0, 19.9], 80.0), vec![2, 4]);
+        // Runs that lost 5% of their CPU time or more to the host; unknown shares are not named.
+        let run = |ms: f64, share: Option<f64>| RunReport {
+            decode_tokens_per_s: 1.0,
+            measured_gb_per_s: 1.0,
+            decode_efficiency: 1.0,
+            handoff_us: 0.1,
+            stolen_ms: share.map(|_| ms),
+            stolen_share: share,
+            tokens_digest: digest_hex(1),
+        };
+        let runs = [run(260.0, Some(0.09)), run(10.0, Some(0.004)), run(0.0, None), run(70.0, Some(0.05))];
+        assert_eq!(
+            robbed_runs(&runs, "baseline "),
+            vec!["baseline run 1 of 4 (260 ms, 9%)", "baseline run 4 of 4 (70 ms, 5%)"]
+        );
+        assert!(robbed_runs(&runs[1..3], "").is_empty());
         assert!(stalled_runs(&[75.0, 26.0], 80.0).is_empty());
         assert!(stalled_runs(&[], 80.0).is_empty());
     }

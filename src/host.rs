@@ -87,11 +87,7 @@ pub fn rss_bytes() -> usize {
 /// `None` where the system does not say (not Linux, no such field, or an unreadable mask).
 pub fn stolen_ms() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    // SAFETY: `set` is a plain bit set, written by the call for its whole given size.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
-        return None;
-    }
+    let set = affinity()?;
     let limit = 8 * std::mem::size_of::<libc::cpu_set_t>();
     // SAFETY: `cpu` is checked against the set's size first.
     let mine = |cpu: usize| cpu < limit && unsafe { libc::CPU_ISSET(cpu, &set) };
@@ -99,6 +95,20 @@ pub fn stolen_ms() -> Option<f64> {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     let ticks = stolen_ticks(&stat, mine)?;
     (hz > 0).then(|| ticks as f64 * 1e3 / hz as f64)
+}
+
+/// CPUs this process may run on (its affinity mask; 1 where unreadable).
+pub fn own_cpus() -> usize {
+    // SAFETY: CPU_COUNT only reads the set.
+    affinity().map_or(1, |set| unsafe { libc::CPU_COUNT(&set) }.max(1) as usize)
+}
+
+/// This process's affinity mask.
+fn affinity() -> Option<libc::cpu_set_t> {
+    // SAFETY: `set` is a plain bit set, written by the call for its whole given size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    (rc == 0).then_some(set)
 }
 
 /// The `steal` ticks of the CPUs `mine` takes in a `/proc/stat` text (the eighth number of each
@@ -237,6 +247,7 @@ mod tests {
         assert!(mem_available().is_some_and(|b| b > 0));
         assert!(rss_bytes() > 0);
         assert!(stolen_ms().is_some_and(|ms| ms >= 0.0));
+        assert!(own_cpus() >= 1);
     }
 
     #[test]

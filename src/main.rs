@@ -1375,14 +1375,16 @@ fn run_bench(
     let mut readings = Vec::new();
     let mut by_run = Vec::new();
     let mut handoffs = Vec::new();
-    // And the CPU time the host has taken from the rank's CPUs so far (NaN where unknown).
+    // And the CPU time the host has taken from the rank's CPUs so far (NaN where unknown),
+    // with the time of the reading.
     let mut stolen = Vec::new();
+    let clock = std::time::Instant::now();
     let mut read_around = |engine: &Engine| {
         if !between {
             readings.push(probe.rate(engine.team(), before.1, 4));
         }
         handoffs.push(gridlm::kernels::limits::handoff_us(engine.team(), 1000));
-        stolen.push(gridlm::host::stolen_ms().unwrap_or(f64::NAN));
+        stolen.push((gridlm::host::stolen_ms().unwrap_or(f64::NAN), clock.elapsed().as_secs_f64()));
     };
     let driver = grid.rank == 0;
     let vocab = full_cfg.vocab_size as u64;
@@ -1598,17 +1600,23 @@ fn run_bench(
         by_run = per_side(gb_per_s_around_runs(&readings));
     }
     let handoff_by_side = per_side(mean_around_runs(&handoffs));
-    let stolen_by_side = per_side(stolen.windows(2).map(|w| w[1] - w[0]).collect());
+    let stolen_by_side = per_side(stolen.windows(2).map(|w| w[1].0 - w[0].0).collect());
+    // As a share of the rank's CPUs' time between the two readings.
+    let cpus = gridlm::host::own_cpus() as f64;
+    let share_by_side = per_side(
+        stolen.windows(2).map(|w| (w[1].0 - w[0].0) / ((w[1].1 - w[0].1) * 1e3 * cpus).max(1e-9)).collect(),
+    );
     // Every rank read as often (all leave the runs together), so all send as many figures:
-    // the limits, the median handoff, then per timed side its bandwidth, handoff and stolen
-    // time. Bandwidths add up over ranks; the handoff and the stolen time are the most any
-    // rank had (NaN, unknown, where any rank does not know its stolen time).
+    // the limits, the median handoff, then per timed side its bandwidth, handoff, stolen time
+    // and share. Bandwidths add up over ranks; the handoff and the stolen time and share are
+    // the most any rank had (NaN, unknown, where any rank does not know its stolen time).
     let runs = by_run.len().min(handoff_by_side.len());
     let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), percentile(&handoffs, 0.5)]
         .into_iter()
         .chain(by_run.into_iter().take(runs))
         .chain(handoff_by_side.into_iter().take(runs))
         .chain(stolen_by_side.into_iter().take(runs))
+        .chain(share_by_side.into_iter().take(runs))
         .map(f64::to_bits)
         .collect();
     let mut all = vec![0u64; mine.len() * link.world_size()];
@@ -1633,6 +1641,7 @@ fn run_bench(
         gb_per_s: (3..3 + runs).map(sum).collect(),
         handoff_us: (3 + runs..3 + 2 * runs).map(max).collect(),
         stolen_ms: (3 + 2 * runs..3 + 3 * runs).map(max).collect(),
+        stolen_share: (3 + 3 * runs..3 + 4 * runs).map(max).collect(),
     };
     // The spare weights' dtype and bytes a step (every rank's), then the report's resident
     // memory without them.
@@ -1660,6 +1669,7 @@ fn run_bench(
             gb_per_s: by(side, &read_by_run.gb_per_s),
             handoff_us: by(side, &read_by_run.handoff_us),
             stolen_ms: by(side, &read_by_run.stolen_ms),
+            stolen_share: by(side, &read_by_run.stolen_share),
         };
         DecodeFigures::new(&measured[side as usize], weight_bytes_per_token, kv_bytes_per_token, &side_by_run)
     };
@@ -1711,7 +1721,7 @@ fn run_bench(
     };
     let mut stdout = std::io::stdout().lock();
     if a.json {
-        if let Some(w) = report.stall_warning() {
+        for w in report.stall_warning().into_iter().chain(report.stolen_warning()) {
             let _ = std::io::stderr().write_all(format!("bench: {w}\n").as_bytes());
         }
         writeln!(stdout, "{}", serde_json::to_string(&report)?)?;

@@ -57,6 +57,7 @@ fn check(j: &serde_json::Value, ranks: usize) {
     // The CPU time the host took, per run and in all (Linux says; whole clock ticks).
     for r in runs {
         assert!(f(r, "stolen_ms") >= 0.0, "stolen_ms in {r}");
+        assert!((0.0..=1.0).contains(&f(r, "stolen_share")), "stolen_share in {r}");
     }
     let stolen = runs.iter().map(|r| f(r, "stolen_ms")).sum::<f64>();
     assert!((f(j, "stolen_ms") - stolen).abs() < 1e-6, "stolen_ms in {j}");
