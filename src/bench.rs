@@ -444,9 +444,9 @@ pub fn prefill_flops(cfg: &ModelConfig, n: usize) -> f64 {
 /// A run that lost this share of its CPUs' time or more to the host (its
 /// [`RunReport::stolen_share`]) is named in a warning. On the 2-core Zen 4 test machine a
 /// SmolLM2 batch-8 run started right after a bench of the llama-3.2-1b shape (whose exit
-/// handed ~3.5 GB back to the host) lost 260 ms of one rep's ~1.4 s on two CPUs (~9%) and
+/// handed ~3.5 GB back to the host) lost 260 ms in one rep of ~1.9 s on two CPUs (~7%) and
 /// decoded at 542 tokens/s against 847 in its next rep, which lost none; runs that did not
-/// follow such an exit lost 0–30 ms.
+/// follow such an exit lost 0–30 ms (under 1%).
 pub const STOLEN_SHARE: f64 = 0.05;
 
 /// The runs (numbered from 1, `what` before each) that lost [`STOLEN_SHARE`] or more of their
