@@ -98,8 +98,8 @@ struct PlanArgs {
     peak_gflops: Option<f64>,
     /// Read bandwidth of one core reading alone, GB/s (`bench --limits` measures it): a rank
     /// whose stage takes its turn while the others wait reads at most this × its cores, more
-    /// than its share of the socket's. Needs --cores-per-socket.
-    #[arg(long, requires = "cores_per_socket")]
+    /// than its share of the socket's. Needs --cores-per-socket (or --limits).
+    #[arg(long)]
     core_gbps: Option<f64>,
     /// Cores of one socket, shared evenly among its ranks.
     #[arg(long)]
@@ -645,10 +645,13 @@ fn plan(a: PlanArgs) -> Result<()> {
     };
     let mem_bw = a.mem_bw.or(measured.map(|m| m.0)).unwrap_or(0.0);
     let peak_gflops = a.peak_gflops.or(measured.map(|m| m.1)).unwrap_or(0.0);
-    let (core_gbps, cores_per_socket) = match (a.core_gbps, a.cores_per_socket, measured.and_then(|m| m.2)) {
-        (Some(g), Some(c), _) => (g, c),
-        (None, c, Some((g, measured_cores))) => (g, c.unwrap_or(measured_cores)),
-        _ => (0.0, 0),
+    let from_file = measured.and_then(|m| m.2);
+    let core_gbps = a.core_gbps.or(from_file.map(|f| f.0));
+    let cores = a.cores_per_socket.or(from_file.map(|f| f.1));
+    let (core_gbps, cores_per_socket) = match (core_gbps, cores) {
+        (Some(g), Some(c)) => (g, c),
+        (Some(_), None) => anyhow::bail!("--core-gbps needs --cores-per-socket (the cores of one socket)"),
+        (None, _) => (0.0, 0),
     };
     let mut positive = vec![("--mem-bw", mem_bw), ("--peak-gflops", peak_gflops), ("--net-gbps", a.net_gbps)];
     if a.core_gbps.is_some() {
