@@ -1724,7 +1724,7 @@ fn run_bench(
     };
     let mut stdout = std::io::stdout().lock();
     if a.json {
-        for w in report.stall_warning().into_iter().chain(report.stolen_warning()) {
+        for w in report.warnings() {
             let _ = std::io::stderr().write_all(format!("bench: {w}\n").as_bytes());
         }
         writeln!(stdout, "{}", serde_json::to_string(&report)?)?;
