@@ -283,6 +283,19 @@ pub struct ByRun {
     pub stolen_share: Vec<f64>,
 }
 
+impl ByRun {
+    /// The runs whose place `k` in this order `keep` takes (one side's of a comparison).
+    pub fn only(&self, keep: impl Fn(usize) -> bool) -> ByRun {
+        let pick = |v: &[f64]| v.iter().enumerate().filter(|(k, _)| keep(*k)).map(|(_, &x)| x).collect();
+        ByRun {
+            gb_per_s: pick(&self.gb_per_s),
+            handoff_us: pick(&self.handoff_us),
+            stolen_ms: pick(&self.stolen_ms),
+            stolen_share: pick(&self.stolen_share),
+        }
+    }
+}
+
 /// Read bandwidth of `readings` ((bytes, seconds) each) together, in GB/s: all their bytes over
 /// all their time, every read counted (a run's bandwidth from the whole reads around it; those
 /// between its steps are too short for it, see [`median_gb_per_s`] and [`run_gb_per_s`]).
@@ -456,45 +469,49 @@ pub const STOLEN_SHARE: f64 = 0.05;
 /// at 21.6-23.1 GB/s while it decoded at the rate of the runs reading 33-36.
 pub const OVERSTATED: f64 = 1.25;
 
-/// The runs (numbered from 1, `what` before each) whose efficiency exceeds [`OVERSTATED`].
-pub fn overstated_runs(runs: &[RunReport], what: &str) -> Vec<String> {
+/// The runs `note` has a note on, each as "`what`run i of n (its note)", numbered from 1.
+fn named_runs(runs: &[RunReport], what: &str, note: impl Fn(&RunReport) -> Option<String>) -> Vec<String> {
     let n = runs.len();
-    (1..=n)
-        .filter(|&i| runs[i - 1].decode_efficiency > OVERSTATED)
-        .map(|i| format!("{what}run {i} of {n} ({:.2})", runs[i - 1].decode_efficiency))
-        .collect()
+    runs.iter().zip(1..).filter_map(|(r, i)| Some(format!("{what}run {i} of {n} ({})", note(r)?))).collect()
 }
 
-/// The runs (numbered from 1, `what` before each) that lost [`STOLEN_SHARE`] or more of their
-/// CPU time to the host, each with its stolen time and share.
+/// The runs whose efficiency exceeds [`OVERSTATED`], each with it ([`named_runs`]).
+pub fn overstated_runs(runs: &[RunReport], what: &str) -> Vec<String> {
+    named_runs(runs, what, |r| {
+        (r.decode_efficiency > OVERSTATED).then(|| format!("{:.2}", r.decode_efficiency))
+    })
+}
+
+/// The runs that lost [`STOLEN_SHARE`] or more of their CPU time to the host, each with its
+/// stolen time and share ([`named_runs`]).
 pub fn robbed_runs(runs: &[RunReport], what: &str) -> Vec<String> {
-    let n = runs.len();
-    (1..=n)
-        .filter_map(|i| {
-            let r = &runs[i - 1];
-            let share = r.stolen_share.filter(|&s| s >= STOLEN_SHARE)?;
-            Some(format!(
-                "{what}run {i} of {n} ({:.0} ms, {:.0}%)",
-                r.stolen_ms.unwrap_or(0.0),
-                share * 100.0
-            ))
-        })
-        .collect()
+    named_runs(runs, what, |r| {
+        let share = r.stolen_share.filter(|&s| s >= STOLEN_SHARE)?;
+        Some(format!("{:.0} ms, {:.0}%", r.stolen_ms.unwrap_or(0.0), share * 100.0))
+    })
 }
 
 impl BenchReport {
     /// One line naming the runs whose efficiency exceeds [`OVERSTATED`], if any.
     pub fn overstated_warning(&self) -> Option<String> {
-        let mut all = overstated_runs(&self.decode.runs, "");
-        if let Some(b) = &self.baseline {
-            all.extend(overstated_runs(&b.decode.runs, "baseline "));
-        }
+        let all = self.both_sides(true, overstated_runs);
         (!all.is_empty()).then(|| {
             format!(
                 "warning: {} decoded faster than {OVERSTATED} of the bandwidth read beside its steps: the readings read slower than the steps ran, so the efficiency overstates the kernels'",
                 all.join(" and ")
             )
         })
+    }
+
+    /// `named` of the report's runs, then of its baseline's ("baseline run ..."): always where
+    /// `always`, else only where the baseline's runs were not these same runs (whole runs in
+    /// turn rather than step by step).
+    fn both_sides(&self, always: bool, named: fn(&[RunReport], &str) -> Vec<String>) -> Vec<String> {
+        let mut all = named(&self.decode.runs, "");
+        if let Some(b) = self.baseline.as_ref().filter(|b| always || b.alternated == Alternated::Runs) {
+            all.extend(named(&b.decode.runs, "baseline "));
+        }
+        all
     }
 
     /// Every warning line of the report, in order.
@@ -508,10 +525,7 @@ impl BenchReport {
     /// One line naming the runs that lost [`STOLEN_SHARE`] or more of their CPU time to the
     /// host, if any (the baseline's only where its runs were not the same runs as these).
     pub fn stolen_warning(&self) -> Option<String> {
-        let mut all = robbed_runs(&self.decode.runs, "");
-        if let Some(b) = self.baseline.as_ref().filter(|b| b.alternated == Alternated::Runs) {
-            all.extend(robbed_runs(&b.decode.runs, "baseline "));
-        }
+        let all = self.both_sides(false, robbed_runs);
         (!all.is_empty()).then(|| {
             format!(
                 "warning: the host took {}% or more of the CPUs' time during {}, which slows those runs by its doing, not the kernels'",
@@ -805,6 +819,12 @@ mod tests {
         assert_eq!((runs[0].handoff_us, runs[1].handoff_us), (0.1, 0.6));
         assert_eq!((runs[0].stolen_ms, runs[1].stolen_ms), (Some(0.0), Some(20.0)));
         assert_eq!(runs[1].tokens_digest, "0000000000000007");
+        // One side's runs, by their places.
+        let second = by_run.only(|k| k == 1);
+        assert_eq!(
+            (second.gb_per_s, second.handoff_us, second.stolen_share),
+            (vec![10.0], vec![0.6], vec![0.01])
+        );
         // A side's stolen time is its runs' summed, and unknown if any run's is.
         let m =
             Measured { firsts: vec![1.0; 2], rates: vec![40.0, 30.0], digests: vec![7, 7], gaps: vec![25.0] };

@@ -1603,12 +1603,16 @@ fn run_bench(
         by_run = per_side(gb_per_s_around_runs(&readings));
     }
     let handoff_by_side = per_side(mean_around_runs(&handoffs));
-    let stolen_by_side = per_side(stolen.windows(2).map(|w| w[1].0 - w[0].0).collect());
-    // As a share of the rank's CPUs' time between the two readings.
+    // The time stolen between two readings, and as a share of the rank's CPUs' time.
     let cpus = gridlm::host::own_cpus() as f64;
-    let share_by_side = per_side(
-        stolen.windows(2).map(|w| (w[1].0 - w[0].0) / ((w[1].1 - w[0].1) * 1e3 * cpus).max(1e-9)).collect(),
-    );
+    let (stolen_by_run, share_by_run): (Vec<f64>, Vec<f64>) = stolen
+        .windows(2)
+        .map(|w| {
+            let ms = w[1].0 - w[0].0;
+            (ms, ms / ((w[1].1 - w[0].1) * 1e3 * cpus).max(1e-9))
+        })
+        .unzip();
+    let (stolen_by_side, share_by_side) = (per_side(stolen_by_run), per_side(share_by_run));
     // Every rank read as often (all leave the runs together), so all send as many figures:
     // the limits, the median handoff, then per timed side its bandwidth, handoff, stolen time
     // and share. Bandwidths add up over ranks; the handoff and the stolen time and share are
@@ -1636,10 +1640,6 @@ fn run_bench(
         }
     };
     let (best_gb_per_s, measured_peak_gflops, handoff_us) = (sum(0), sum(1), max(2));
-    // Per run, split by side.
-    let by = |side: Side, figures: &[f64]| -> Vec<f64> {
-        figures.iter().zip(&timed).filter(|(_, &t)| t == side).map(|(&x, _)| x).collect()
-    };
     let read_by_run = gridlm::bench::ByRun {
         gb_per_s: (3..3 + runs).map(sum).collect(),
         handoff_us: (3 + runs..3 + 2 * runs).map(max).collect(),
@@ -1668,12 +1668,8 @@ fn run_bench(
     let kv_bytes_per_token = (kv_per_position as f64 * positions).round() as u64;
     // Each side's figures from its own runs.
     let figures = |side: Side, weight_bytes_per_token: u64| {
-        let side_by_run = gridlm::bench::ByRun {
-            gb_per_s: by(side, &read_by_run.gb_per_s),
-            handoff_us: by(side, &read_by_run.handoff_us),
-            stolen_ms: by(side, &read_by_run.stolen_ms),
-            stolen_share: by(side, &read_by_run.stolen_share),
-        };
+        // Per timed side, in order: this side's.
+        let side_by_run = read_by_run.only(|k| timed.get(k) == Some(&side));
         DecodeFigures::new(&measured[side as usize], weight_bytes_per_token, kv_bytes_per_token, &side_by_run)
     };
     let decode = figures(Side::Main, weight_bytes_per_token);
