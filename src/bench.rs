@@ -475,15 +475,16 @@ fn named_runs(runs: &[RunReport], what: &str, note: impl Fn(&RunReport) -> Optio
     runs.iter().zip(1..).filter_map(|(r, i)| Some(format!("{what}run {i} of {n} ({})", note(r)?))).collect()
 }
 
-/// The runs whose efficiency exceeds [`OVERSTATED`], each with it ([`named_runs`]).
+/// The runs whose efficiency exceeds [`OVERSTATED`], each as "`what`run i of n (its
+/// efficiency)", numbered from 1.
 pub fn overstated_runs(runs: &[RunReport], what: &str) -> Vec<String> {
     named_runs(runs, what, |r| {
         (r.decode_efficiency > OVERSTATED).then(|| format!("{:.2}", r.decode_efficiency))
     })
 }
 
-/// The runs that lost [`STOLEN_SHARE`] or more of their CPU time to the host, each with its
-/// stolen time and share ([`named_runs`]).
+/// The runs that lost [`STOLEN_SHARE`] or more of their CPU time to the host, each as
+/// "`what`run i of n (its stolen time and share)", numbered from 1.
 pub fn robbed_runs(runs: &[RunReport], what: &str) -> Vec<String> {
     named_runs(runs, what, |r| {
         let share = r.stolen_share.filter(|&s| s >= STOLEN_SHARE)?;
