@@ -991,13 +991,19 @@ mod tests {
         }
     }
 
-    /// Where `GRIDLM_EXPECT_ISA` names an ISA (the emulated AVX-512 run sets it), this CPU
-    /// must run it, so the tests above did compare that path against the reference.
+    /// Where `GRIDLM_EXPECT_ISA` names an ISA, this CPU must run it, and where
+    /// `GRIDLM_EXPECT_INT8` lists int8 paths (by name, comma-separated), it must run exactly
+    /// those, so the tests above did compare them against the reference and with each other
+    /// (the emulated AVX-512 run sets both).
     #[test]
     fn the_expected_isa_is_the_one_detected() {
         if let Ok(want) = std::env::var("GRIDLM_EXPECT_ISA") {
             let got = format!("{:?}", dot::detect());
             assert!(got.eq_ignore_ascii_case(&want), "GRIDLM_EXPECT_ISA={want}, but this CPU runs {got}");
+        }
+        if let Ok(want) = std::env::var("GRIDLM_EXPECT_INT8") {
+            let got: Vec<&str> = dot::int8_kernels().iter().map(|k| k.name()).collect();
+            assert_eq!(got.join(","), want, "GRIDLM_EXPECT_INT8={want}, but this CPU runs {got:?}");
         }
     }
 
