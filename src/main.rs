@@ -96,6 +96,10 @@ struct PlanArgs {
     /// f32 FMA peak of one socket, GFLOP/s (`bench --limits` measures it).
     #[arg(long, required_unless_present = "limits")]
     peak_gflops: Option<f64>,
+    /// bf16 dot-product peak of one socket, GFLOP/s, where its CPU has AVX512_BF16 (`bench
+    /// --limits` measures it there): bf16 weights compute at this rate instead of the f32 peak.
+    #[arg(long)]
+    bf16_peak_gflops: Option<f64>,
     /// Read bandwidth of one core reading alone, GB/s (`bench --limits` measures it): a rank
     /// whose stage takes its turn while the others wait reads at most this × its cores, more
     /// than its share of the socket's. Needs --cores-per-socket (or --limits).
@@ -104,9 +108,9 @@ struct PlanArgs {
     /// Cores of one socket, shared evenly among its ranks.
     #[arg(long)]
     cores_per_socket: Option<usize>,
-    /// Take --mem-bw, --peak-gflops, --core-gbps and --cores-per-socket (the threads it was
-    /// measured with) from this `bench --limits --json` output (run on one socket with its
-    /// cores); the flags win where given.
+    /// Take --mem-bw, --peak-gflops, --bf16-peak-gflops (where measured), --core-gbps and
+    /// --cores-per-socket (the threads it was measured with) from this `bench --limits --json`
+    /// output (run on one socket with its cores); the flags win where given.
     #[arg(long)]
     limits: Option<PathBuf>,
     /// Memory of one socket, GB (default: no limit).
@@ -387,8 +391,9 @@ struct BenchArgs {
     step_tokens: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Only measure the machine's limits (read bandwidth and f32 FMA peak with these threads, on
-    /// every rank at once) and print them: the inputs of `gridlm plan`.
+    /// Only measure the machine's limits (read bandwidth, f32 FMA peak and, with AVX512_BF16,
+    /// bf16 dot peak, with these threads on every rank at once) and print them: the inputs of
+    /// `gridlm plan`.
     #[arg(long, conflicts_with_all = ["model", "shape"])]
     limits: bool,
     /// MiB of the buffer the bandwidth measurement reads (1 MiB to 1 TiB; default 1024). Only a
@@ -639,12 +644,15 @@ fn plan(a: PlanArgs) -> Result<()> {
             let cores =
                 v["threads_per_rank"].as_u64().zip(v["ranks"].as_array()).map(|(t, r)| t as usize * r.len());
             let core = v["core_gb_per_s"].as_f64().zip(cores);
-            Some((get("measured_gb_per_s")?, get("measured_peak_gflops")?, core))
+            // Null where the CPU has no AVX512_BF16; missing from files written before it.
+            let bf16 = v["measured_bf16_peak_gflops"].as_f64();
+            Some((get("measured_gb_per_s")?, get("measured_peak_gflops")?, core, bf16))
         }
         None => None,
     };
     let mem_bw = a.mem_bw.or(measured.map(|m| m.0)).unwrap_or(0.0);
     let peak_gflops = a.peak_gflops.or(measured.map(|m| m.1)).unwrap_or(0.0);
+    let bf16_peak_gflops = a.bf16_peak_gflops.or(measured.and_then(|m| m.3));
     let from_file = measured.and_then(|m| m.2);
     let core_gbps = a.core_gbps.or(from_file.map(|f| f.0));
     let cores = a.cores_per_socket.or(from_file.map(|f| f.1));
@@ -656,6 +664,9 @@ fn plan(a: PlanArgs) -> Result<()> {
     let mut positive = vec![("--mem-bw", mem_bw), ("--peak-gflops", peak_gflops), ("--net-gbps", a.net_gbps)];
     if a.core_gbps.is_some() {
         positive.push(("--core-gbps", core_gbps));
+    }
+    if let Some(g) = bf16_peak_gflops {
+        positive.push(("--bf16-peak-gflops", g));
     }
     if let Some((k, v)) = positive.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
         anyhow::bail!("{k} must be a positive number, got {v}");
@@ -672,6 +683,7 @@ fn plan(a: PlanArgs) -> Result<()> {
         ranks_per_socket: a.ranks_per_socket,
         mem_gb_per_s: mem_bw,
         peak_gflops,
+        bf16_peak_gflops: bf16_peak_gflops.unwrap_or(0.0),
         core_gb_per_s: core_gbps,
         cores_per_socket,
         mem_gb: a.mem_gb,
@@ -683,6 +695,7 @@ fn plan(a: PlanArgs) -> Result<()> {
     let weight_bytes = if a.quant.is_some() { 1.0 } else { a.dtype.size_bytes() as f64 };
     let work = Workload {
         weight_bytes,
+        bf16: a.quant.is_none() && a.dtype == DType::BF16,
         kv_bytes: a.kv_dtype.size_bytes() as f64,
         prompt_len: a.work.prompt_len,
         new_tokens: a.work.new_tokens,
@@ -1239,28 +1252,35 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
         probe.best(&one, 5).0
     };
     let peak = gridlm::kernels::limits::fma_peak_gflops(&team, 20_000_000);
+    // NaN where this CPU's bf16 kernels multiply with f32 FMAs (no `vdpbf16ps`).
+    let bf16 = gridlm::kernels::limits::bf16_peak_gflops(&team, 10_000_000).unwrap_or(f64::NAN);
     let handoff = gridlm::kernels::limits::handoff_us(&team, 1000);
     drop(probe);
-    let mut all = vec![0u64; 4 * link.world_size()];
-    link.allgather_u64(&[bw.to_bits(), peak.to_bits(), handoff.to_bits(), core.to_bits()], &mut all);
+    let mut all = vec![0u64; 5 * link.world_size()];
+    let mine = [bw, peak, handoff, core, bf16].map(f64::to_bits);
+    link.allgather_u64(&mine, &mut all);
     if link.world_rank() != 0 {
         return Ok(());
     }
-    let per_rank: Vec<[f64; 4]> =
-        all.chunks_exact(4).map(|v| std::array::from_fn(|k| f64::from_bits(v[k]))).collect();
+    let per_rank: Vec<[f64; 5]> =
+        all.chunks_exact(5).map(|v| std::array::from_fn(|k| f64::from_bits(v[k]))).collect();
     let (gb, gf) = per_rank.iter().fold((0.0, 0.0), |(x, y), r| (x + r[0], y + r[1]));
     let handoff = per_rank.iter().fold(0.0, |h, r| r[2].max(h));
     let core = per_rank.iter().map(|r| r[3]).sum::<f64>() / per_rank.len() as f64;
+    // Unknown (null) unless every rank has it.
+    let bf16 = Some(per_rank.iter().map(|r| r[4]).sum::<f64>()).filter(|g| g.is_finite());
     if a.json {
         let ranks: Vec<_> = per_rank
             .iter()
             .map(|r| {
-                serde_json::json!({"measured_gb_per_s": r[0], "measured_peak_gflops": r[1], "handoff_us": r[2], "core_gb_per_s": r[3]})
+                serde_json::json!({"measured_gb_per_s": r[0], "measured_peak_gflops": r[1], "handoff_us": r[2],
+                    "core_gb_per_s": r[3], "measured_bf16_peak_gflops": Some(r[4]).filter(|g| g.is_finite())})
             })
             .collect();
         let out = serde_json::json!({
             "measured_gb_per_s": gb,
             "measured_peak_gflops": gf,
+            "measured_bf16_peak_gflops": bf16,
             "core_gb_per_s": core,
             "handoff_us": handoff,
             "threads_per_rank": threads,
@@ -1268,9 +1288,10 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
         });
         println!("{out}");
     } else {
+        let bf16 = bf16.map(|g| format!(", bf16 dot peak {g:.1} GFLOP/s")).unwrap_or_default();
         println!(
             "{} rank(s) × {threads} thread(s): read bandwidth {gb:.1} GB/s (one thread alone {core:.1}), \
-             f32 FMA peak {gf:.1} GFLOP/s, kernel-thread handoff {handoff:.2} µs",
+             f32 FMA peak {gf:.1} GFLOP/s{bf16}, kernel-thread handoff {handoff:.2} µs",
             per_rank.len()
         );
     }

@@ -23,7 +23,9 @@
 //!   b: b ÷ latency, or with pp > 1 and b ≥ pp micro-batches overlapping, b ÷ (pp × the
 //!   slowest stage's step on b/pp tokens);
 //! * first token: the prompt's FLOPs ÷ peak (or bytes ÷ bandwidth, whichever is larger) per
-//!   stage, plus the same communication with prompt-sized messages.
+//!   stage, plus the same communication with prompt-sized messages;
+//! * the peak is the f32 FMA peak, or for bf16 weights the bf16 dot-product peak where the
+//!   CPU has one (`vdpbf16ps`, twice the multiply-adds; `bench --limits` measures both).
 
 use crate::bench::prefill_flops;
 use crate::config::ModelConfig;
@@ -41,6 +43,10 @@ pub struct Cluster {
     pub mem_gb_per_s: f64,
     /// f32 FMA peak of one socket, GFLOP/s.
     pub peak_gflops: f64,
+    /// bf16 dot-product peak of one socket, GFLOP/s, where its bf16 kernels multiply with
+    /// `vdpbf16ps` (AVX512_BF16; 0: not there or not known, bf16 weights then take
+    /// `peak_gflops`).
+    pub bf16_peak_gflops: f64,
     /// Read bandwidth of one core reading alone, GB/s, and the cores of a socket (0: not
     /// known; each rank then reads its share of the socket's bandwidth).
     pub core_gb_per_s: f64,
@@ -59,6 +65,8 @@ pub struct Cluster {
 #[derive(Debug, Clone)]
 pub struct Workload {
     pub weight_bytes: f64,
+    /// bf16 weights, not quantized: the products run at `Cluster::bf16_peak_gflops` where known.
+    pub bf16: bool,
     pub kv_bytes: f64,
     pub prompt_len: usize,
     pub new_tokens: usize,
@@ -194,7 +202,8 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
         // Reading at the same time on the socket: every rank there where the stages overlap,
         // else this stage's ranks there (the stages take turns).
         let reading = if overlap { share } else { c.on_socket_of(first, tp) };
-        let (bw, peak) = (c.rank_bandwidth(share, reading), c.peak_gflops * 1e9 / share as f64);
+        let socket_peak = if w.bf16 && c.bf16_peak_gflops > 0.0 { c.bf16_peak_gflops } else { c.peak_gflops };
+        let (bw, peak) = (c.rank_bandwidth(share, reading), socket_peak * 1e9 / share as f64);
         let tp_crosses = c.node_of(first) != c.node_of(first + tp - 1);
         crosses |= tp_crosses;
         // Decode step on `tokens` tokens per sequence-step, at full context.
@@ -290,6 +299,7 @@ mod tests {
             ranks_per_socket: 1,
             mem_gb_per_s: 100.0,
             peak_gflops: 2000.0,
+            bf16_peak_gflops: 0.0,
             core_gb_per_s: 0.0,
             cores_per_socket: 0,
             mem_gb: 256.0,
@@ -301,7 +311,7 @@ mod tests {
     }
 
     fn work() -> Workload {
-        Workload { weight_bytes: 2.0, kv_bytes: 2.0, prompt_len: 128, new_tokens: 64, batch: 1 }
+        Workload { weight_bytes: 2.0, bf16: true, kv_bytes: 2.0, prompt_len: 128, new_tokens: 64, batch: 1 }
     }
 
     #[test]
@@ -362,5 +372,26 @@ mod tests {
         let overlapped = predict(&cfg, &c, &batch, 2, 1);
         c.core_gb_per_s = 0.0;
         assert_eq!(overlapped.tokens_per_s, predict(&cfg, &c, &batch, 2, 1).tokens_per_s);
+    }
+
+    #[test]
+    fn bf16_weights_compute_at_the_bf16_peak_where_known() {
+        let cfg = crate::weights::synthetic::shape("llama-3-8b").unwrap();
+        // A prompt long enough that prefill is bound by arithmetic, not reads.
+        let long = Workload { prompt_len: 2048, ..work() };
+        let mut c = cluster(1);
+        let f32_peak = predict(&cfg, &c, &long, 1, 1);
+        c.bf16_peak_gflops = 2.0 * c.peak_gflops;
+        let bf16_peak = predict(&cfg, &c, &long, 1, 1);
+        assert!((bf16_peak.first_token_ms / f32_peak.first_token_ms - 0.5).abs() < 0.01, "{bf16_peak:?}");
+        // Decode at batch 1 reads its bytes, whatever the peak.
+        assert_eq!(bf16_peak.next_token_ms, f32_peak.next_token_ms);
+        // f16 weights, and int8 ones, are multiplied by f32 FMAs: the f32 peak.
+        let f16 = Workload { bf16: false, ..long };
+        c.bf16_peak_gflops = 0.0;
+        let without = predict(&cfg, &c, &f16, 1, 1);
+        c.bf16_peak_gflops = 2.0 * c.peak_gflops;
+        assert_eq!(predict(&cfg, &c, &f16, 1, 1).first_token_ms, without.first_token_ms);
+        assert_eq!(without.first_token_ms, f32_peak.first_token_ms);
     }
 }

@@ -178,6 +178,27 @@ pub fn fma_peak_gflops(team: &Team, iterations: usize) -> f64 {
     (per_thread * team.threads()) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
+/// The bf16 dot-product throughput of every team thread together, in GFLOP/s, where this CPU
+/// runs [`Isa::Avx512Bf16`]: the instruction the bf16 kernels multiply with there
+/// (`vdpbf16ps`, 32 products of bf16 pairs summed into 16 f32 lanes, 64 flops), twice the
+/// multiply-adds of an f32 FMA. `None` on every other ISA, where bf16 weights are widened and
+/// multiplied by f32 FMAs, whose peak [`fma_peak_gflops`] measures.
+pub fn bf16_peak_gflops(team: &Team, iterations: usize) -> Option<f64> {
+    if detect() != Isa::Avx512Bf16 {
+        return None;
+    }
+    let t = Instant::now();
+    team.run(&|i| {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx512Bf16 is only detected with avx512f and avx512bf16 present.
+        unsafe {
+            avx512::bf16_chains(iterations, i as f32)
+        }
+    });
+    let per_thread = iterations * 12 * 32 * 2;
+    Some((per_thread * team.threads()) as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
 /// The round trip of one empty job from the calling thread to every other thread of `team`
 /// and back, in µs: the median of `calls` jobs in a row (0 with one thread). A step's output
 /// head hands its input to the team and waits for the last thread, and each kernel of the
@@ -293,6 +314,24 @@ mod avx512 {
         }
         std::hint::black_box(a);
     }
+
+    /// Twelve independent chains of `vdpbf16ps`, each adding the products of the same two
+    /// vectors of bf16 pairs (1.0 and a small step) to its sixteen lanes.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f and avx512bf16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn bf16_chains(iterations: usize, seed: f32) {
+        let ones = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0), _mm512_set1_ps(1.0));
+        let step = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-7), _mm512_set1_ps(1e-7));
+        let mut a = [_mm512_set1_ps(seed); 12];
+        for _ in 0..iterations {
+            for acc in a.iter_mut() {
+                *acc = _mm512_dpbf16_ps(*acc, ones, step);
+            }
+        }
+        std::hint::black_box(a);
+    }
 }
 
 #[cfg(test)]
@@ -338,5 +377,18 @@ mod tests {
         // A real round trip, so above zero; no upper bound: other tests share the cores.
         let h = handoff_us(&Team::new(2).unwrap(), 200);
         assert!(h > 0.0 && h.is_finite(), "{h}");
+    }
+
+    /// The bf16 peak is measured exactly where the bf16 kernels multiply with `vdpbf16ps`,
+    /// and is a positive rate there (no bound against the f32 one: other tests share the
+    /// cores).
+    #[test]
+    fn bf16_peak_only_where_the_bf16_kernels_use_it() {
+        let team = Team::new(2).unwrap();
+        let peak = bf16_peak_gflops(&team, 10_000);
+        assert_eq!(peak.is_some(), detect() == Isa::Avx512Bf16, "{peak:?} on {:?}", detect());
+        if let Some(p) = peak {
+            assert!(p > 0.0 && p.is_finite(), "{p}");
+        }
     }
 }

@@ -124,6 +124,45 @@ fn planner_takes_the_core_bandwidth_from_the_limits() {
     assert!((pp_new / pp_old - 20.0 / 30.0).abs() < 0.02, "{pp_new} {pp_old}");
 }
 
+/// `plan --limits` takes the bf16 dot-product peak where the file has one: bf16 weights
+/// prefill then computes at it; f16 weights, and files without it (or with null), at the f32
+/// peak.
+#[test]
+fn planner_takes_the_bf16_peak_from_the_limits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first_token = |limits: &str, dtype: &str| {
+        let f = tmp.path().join("limits.json");
+        std::fs::write(&f, limits).unwrap();
+        let out = gridlm(&[
+            "plan",
+            "--shape",
+            "llama-3.2-1b",
+            "--limits",
+            path_str(&f),
+            "--dtype",
+            dtype,
+            "--prompt-len",
+            "512",
+            "--json",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let one = v.as_array().unwrap().iter().find(|p| p["pp"] == 1 && p["tp"] == 1).unwrap().clone();
+        one["first_token_ms"].as_f64().unwrap()
+    };
+    let base = r#""measured_gb_per_s":40,"measured_peak_gflops":200,"threads_per_rank":2,"ranks":[{}]"#;
+    let (without, null, with) = (
+        format!("{{{base}}}"),
+        format!(r#"{{{base},"measured_bf16_peak_gflops":null}}"#),
+        format!(r#"{{{base},"measured_bf16_peak_gflops":400}}"#),
+    );
+    let f32_peak = first_token(&without, "bf16");
+    assert_eq!(first_token(&null, "bf16"), f32_peak);
+    let bf16_peak = first_token(&with, "bf16");
+    assert!((bf16_peak / f32_peak - 0.5).abs() < 0.02, "{bf16_peak} {f32_peak}");
+    assert_eq!(first_token(&with, "f16"), first_token(&without, "f16"));
+}
+
 #[test]
 fn bench_limits_alone() {
     let out = gridlm(&["bench", "--limits", "--bandwidth-mib", "32", "--threads", "1", "--json"]);
@@ -135,5 +174,12 @@ fn bench_limits_alone() {
     // One thread hands nothing to another; its read is one core's.
     assert_eq!(v["handoff_us"].as_f64(), Some(0.0), "{v}");
     assert_eq!(v["core_gb_per_s"], v["measured_gb_per_s"], "{v}");
+    // The bf16 dot-product peak where the bf16 kernels use `vdpbf16ps`, null elsewhere.
+    let bf16 = &v["measured_bf16_peak_gflops"];
+    if gridlm::kernels::dot::detect() == gridlm::kernels::dot::Isa::Avx512Bf16 {
+        assert!(bf16.as_f64().is_some_and(|g| g > 0.0), "{v}");
+    } else {
+        assert!(bf16.is_null(), "{v}");
+    }
     assert!(repo_root().join("launch/scale").exists());
 }
