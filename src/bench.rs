@@ -84,6 +84,12 @@ pub struct BenchReport {
     pub prefill_gflops: f64,
     pub measured_peak_gflops: f64,
     pub prefill_efficiency: f64,
+    /// The bf16 dot-product peak where the bf16 kernels multiply with `vdpbf16ps` (null
+    /// elsewhere; [`crate::kernels::limits::bf16_peak_gflops`]), and prefill's GFLOP/s over it
+    /// where the weights are bf16 (null otherwise): the instruction's own limit, where
+    /// `prefill_efficiency` is against the f32 FMA peak.
+    pub measured_bf16_peak_gflops: Option<f64>,
+    pub prefill_bf16_efficiency: Option<f64>,
     /// The kernel team's handoff around the timed runs, in µs (the median of the readings;
     /// the slowest rank's): one empty job to every thread and back
     /// ([`crate::kernels::limits::handoff_us`]).
@@ -607,8 +613,14 @@ impl BenchReport {
             (
                 "prefill compute",
                 format!(
-                    "{:.1} GFLOP/s of {:.1} GFLOP/s measured = {:.2}",
-                    self.prefill_gflops, self.measured_peak_gflops, self.prefill_efficiency
+                    "{:.1} GFLOP/s of {:.1} GFLOP/s measured = {:.2}{}",
+                    self.prefill_gflops,
+                    self.measured_peak_gflops,
+                    self.prefill_efficiency,
+                    match (self.measured_bf16_peak_gflops, self.prefill_bf16_efficiency) {
+                        (Some(g), Some(e)) => format!(" (of the bf16 dot peak, {g:.1} GFLOP/s: {e:.2})"),
+                        _ => String::new(),
+                    }
                 ),
             ),
         ];

@@ -1366,9 +1366,16 @@ fn run_bench(
     // before and after the timed runs; each rank's best of the two counts, so a passing
     // disturbance of the machine during one measurement does not lower them.
     let probe = std::rc::Rc::new(gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20));
+    // The bf16 dot-product peak is NaN where the bf16 kernels have no `vdpbf16ps`.
     let limits = |engine: &Engine| {
         let (gb, way) = probe.best(engine.team(), 5);
-        (gb, way, gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000))
+        let bf16 = gridlm::kernels::limits::bf16_peak_gflops(engine.team(), 10_000_000);
+        (
+            gb,
+            way,
+            gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000),
+            bf16.unwrap_or(f64::NAN),
+        )
     };
     let before = limits(&engine);
     // Decode is set against the bandwidth of the same moments: reads in that way, just before
@@ -1636,10 +1643,14 @@ fn run_bench(
     let (stolen_by_side, share_by_side) = (per_side(stolen_by_run), per_side(share_by_run));
     // Every rank read as often (all leave the runs together), so all send as many figures:
     // the limits, the median handoff, then per timed side its bandwidth, handoff, stolen time
-    // and share. Bandwidths add up over ranks; the handoff and the stolen time and share are
-    // the most any rank had (NaN, unknown, where any rank does not know its stolen time).
+    // and share. Bandwidths and peaks add up over ranks (the bf16 peak NaN, unknown, where a
+    // rank has none); the handoff and the stolen time and share are the most any rank had
+    // (NaN where any rank does not know its stolen time).
     let runs = by_run.len().min(handoff_by_side.len());
-    let mine: Vec<u64> = [before.0.max(after.0), before.2.max(after.2), percentile(&handoffs, 0.5)]
+    const HEAD: usize = 4;
+    let head: [f64; HEAD] =
+        [before.0.max(after.0), before.2.max(after.2), percentile(&handoffs, 0.5), before.3.max(after.3)];
+    let mine: Vec<u64> = head
         .into_iter()
         .chain(by_run.into_iter().take(runs))
         .chain(handoff_by_side.into_iter().take(runs))
@@ -1661,11 +1672,12 @@ fn run_bench(
         }
     };
     let (best_gb_per_s, measured_peak_gflops, handoff_us) = (sum(0), sum(1), max(2));
+    let measured_bf16_peak_gflops = Some(sum(3)).filter(|g| g.is_finite());
     let read_by_run = gridlm::bench::ByRun {
-        gb_per_s: (3..3 + runs).map(sum).collect(),
-        handoff_us: (3 + runs..3 + 2 * runs).map(max).collect(),
-        stolen_ms: (3 + 2 * runs..3 + 3 * runs).map(max).collect(),
-        stolen_share: (3 + 3 * runs..3 + 4 * runs).map(max).collect(),
+        gb_per_s: (HEAD..HEAD + runs).map(sum).collect(),
+        handoff_us: (HEAD + runs..HEAD + 2 * runs).map(max).collect(),
+        stolen_ms: (HEAD + 2 * runs..HEAD + 3 * runs).map(max).collect(),
+        stolen_share: (HEAD + 3 * runs..HEAD + 4 * runs).map(max).collect(),
     };
     // The spare weights' dtype and bytes a step (every rank's), then the report's resident
     // memory without them.
@@ -1735,6 +1747,10 @@ fn run_bench(
         prefill_gflops,
         measured_peak_gflops,
         prefill_efficiency: prefill_gflops / measured_peak_gflops,
+        measured_bf16_peak_gflops,
+        prefill_bf16_efficiency: measured_bf16_peak_gflops
+            .filter(|_| engine.shard.weight_dtype() == "bf16")
+            .map(|g| prefill_gflops / g),
         handoff_us,
         baseline,
         ranks,

@@ -64,6 +64,19 @@ fn check(j: &serde_json::Value, ranks: usize) {
     for k in ["decode_tokens_per_s", "measured_gb_per_s"] {
         assert!((mean(k) / f(j, k) - 1.0).abs() < 1e-9, "{k}: {} vs {j}", mean(k));
     }
+    // The bf16 dot-product peak where the bf16 kernels use `vdpbf16ps` (null elsewhere), and
+    // prefill against it where the weights are bf16.
+    let bf16_peak = j["measured_bf16_peak_gflops"].as_f64();
+    let bf16_isa = gridlm::kernels::dot::detect() == gridlm::kernels::dot::Isa::Avx512Bf16;
+    assert!(j.get("measured_bf16_peak_gflops").is_some() && bf16_peak.is_some() == bf16_isa, "{j}");
+    match (bf16_peak, j["weight_dtype"].as_str()) {
+        (Some(g), Some("bf16")) => {
+            assert!(g > 0.0, "{j}");
+            let e = f(j, "prefill_bf16_efficiency");
+            assert!((e * g / f(j, "prefill_gflops") - 1.0).abs() < 1e-9, "{j}");
+        }
+        _ => assert!(j["prefill_bf16_efficiency"].is_null(), "{j}"),
+    }
     // Every rep decodes the same prompts: one digest of the tokens, each run's the same.
     let digest = j["tokens_digest"].as_str().unwrap_or_else(|| panic!("no one tokens_digest in {j}"));
     assert!(digest.len() == 16 && digest.chars().all(|c| c.is_ascii_hexdigit()), "{digest}");
