@@ -1251,9 +1251,9 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("cannot start a kernel thread: {e}"))?;
         probe.best(&one, 5).0
     };
-    let peak = gridlm::kernels::limits::fma_peak_gflops(&team, 20_000_000);
-    // NaN where this CPU's bf16 kernels multiply with f32 FMAs (no `vdpbf16ps`).
-    let bf16 = gridlm::kernels::limits::bf16_peak_gflops(&team, 10_000_000).unwrap_or(f64::NAN);
+    // The bf16 peak NaN where this CPU's bf16 kernels multiply with f32 FMAs (no `vdpbf16ps`).
+    let (peak, bf16) = gridlm::kernels::limits::peaks_gflops(&team);
+    let bf16 = bf16.unwrap_or(f64::NAN);
     let handoff = gridlm::kernels::limits::handoff_us(&team, 1000);
     drop(probe);
     let mut all = vec![0u64; 5 * link.world_size()];
@@ -1369,13 +1369,8 @@ fn run_bench(
     // The bf16 dot-product peak is NaN where the bf16 kernels have no `vdpbf16ps`.
     let limits = |engine: &Engine| {
         let (gb, way) = probe.best(engine.team(), 5);
-        let bf16 = gridlm::kernels::limits::bf16_peak_gflops(engine.team(), 10_000_000);
-        (
-            gb,
-            way,
-            gridlm::kernels::limits::fma_peak_gflops(engine.team(), 20_000_000),
-            bf16.unwrap_or(f64::NAN),
-        )
+        let (peak, bf16) = gridlm::kernels::limits::peaks_gflops(engine.team());
+        (gb, way, peak, bf16.unwrap_or(f64::NAN))
     };
     let before = limits(&engine);
     // Decode is set against the bandwidth of the same moments: reads in that way, just before

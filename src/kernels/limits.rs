@@ -199,6 +199,13 @@ pub fn bf16_peak_gflops(team: &Team, iterations: usize) -> Option<f64> {
     Some((per_thread * team.threads()) as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
+/// Both compute peaks of `team`, as bench and `bench --limits` take them: the f32 FMA peak
+/// ([`fma_peak_gflops`]) and, where the bf16 kernels have `vdpbf16ps`, the bf16 dot-product
+/// peak ([`bf16_peak_gflops`]), each over some tens of milliseconds.
+pub fn peaks_gflops(team: &Team) -> (f64, Option<f64>) {
+    (fma_peak_gflops(team, 20_000_000), bf16_peak_gflops(team, 10_000_000))
+}
+
 /// The round trip of one empty job from the calling thread to every other thread of `team`
 /// and back, in µs: the median of `calls` jobs in a row (0 with one thread). A step's output
 /// head hands its input to the team and waits for the last thread, and each kernel of the
