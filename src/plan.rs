@@ -105,6 +105,15 @@ impl Cluster {
         let first = socket * self.ranks_per_socket;
         (ranks - first).min(self.ranks_per_socket)
     }
+    /// The compute peak of one socket for `w`'s weights, GFLOP/s: the bf16 dot-product peak for
+    /// bf16 weights where known, else the f32 FMA peak.
+    fn peak_for(&self, w: &Workload) -> f64 {
+        if w.bf16 && self.bf16_peak_gflops > 0.0 {
+            self.bf16_peak_gflops
+        } else {
+            self.peak_gflops
+        }
+    }
     /// Ranks `first..first + n` on the socket of `first`.
     fn on_socket_of(&self, first: usize, n: usize) -> usize {
         let end = (first / self.ranks_per_socket + 1) * self.ranks_per_socket;
@@ -184,6 +193,7 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
     let msg = |tokens: f64| tokens * h * 4.0;
     // With a batch of at least pp sequences, micro-batches keep every stage at work at once.
     let overlap = pp > 1 && w.batch >= pp;
+    let socket_peak = c.peak_for(w);
     for (s, &layers) in split.iter().enumerate() {
         let first = s * tp;
         let layers = layers as f64;
@@ -202,7 +212,6 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
         // Reading at the same time on the socket: every rank there where the stages overlap,
         // else this stage's ranks there (the stages take turns).
         let reading = if overlap { share } else { c.on_socket_of(first, tp) };
-        let socket_peak = if w.bf16 && c.bf16_peak_gflops > 0.0 { c.bf16_peak_gflops } else { c.peak_gflops };
         let (bw, peak) = (c.rank_bandwidth(share, reading), socket_peak * 1e9 / share as f64);
         let tp_crosses = c.node_of(first) != c.node_of(first + tp - 1);
         crosses |= tp_crosses;
