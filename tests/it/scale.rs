@@ -89,31 +89,30 @@ fn planner_lists_feasible_layouts() {
     assert_one_line_error(&bad, &["--cores-per-socket"]);
 }
 
+/// The JSON output of `gridlm plan --limits FILE`, `limits` the file's text and `args` after it.
+fn plan_with_limits(limits: &str, args: &[&str]) -> serde_json::Value {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("limits.json");
+    std::fs::write(&f, limits).unwrap();
+    let out = gridlm(&[&["plan", "--limits", path_str(&f), "--json"], args].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The layout `pp`×`tp` of a plan's JSON output.
+fn layout(plan: &serde_json::Value, pp: u64, tp: u64) -> &serde_json::Value {
+    let found = plan.as_array().unwrap().iter().find(|p| p["pp"] == pp && p["tp"] == tp);
+    found.unwrap_or_else(|| panic!("no layout {pp}x{tp} in {plan}"))
+}
+
 /// `plan --limits` takes one core's bandwidth and the cores from `bench --limits --json`: at
 /// batch 1 a 2-stage pipeline's ranks, sharing a socket, take turns, and each reads at what
 /// its core reads alone rather than at half the socket's; files without it plan as before.
 #[test]
 fn planner_takes_the_core_bandwidth_from_the_limits() {
-    let tmp = tempfile::tempdir().unwrap();
     let plan = |limits: &str| {
-        let f = tmp.path().join("limits.json");
-        std::fs::write(&f, limits).unwrap();
-        let out = gridlm(&[
-            "plan",
-            "--shape",
-            "smollm2-135m",
-            "--limits",
-            path_str(&f),
-            "--ranks-per-socket",
-            "2",
-            "--json",
-        ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let next = |pp: u64, tp: u64| {
-            let p = v.as_array().unwrap().iter().find(|p| p["pp"] == pp && p["tp"] == tp).unwrap();
-            p["next_token_ms"].as_f64().unwrap()
-        };
+        let v = plan_with_limits(limits, &["--shape", "smollm2-135m", "--ranks-per-socket", "2"]);
+        let next = |pp, tp| layout(&v, pp, tp)["next_token_ms"].as_f64().unwrap();
         (next(1, 2), next(2, 1))
     };
     let old = r#"{"measured_gb_per_s":40,"measured_peak_gflops":200,"threads_per_rank":2,"ranks":[{}]}"#;
@@ -129,26 +128,9 @@ fn planner_takes_the_core_bandwidth_from_the_limits() {
 /// peak.
 #[test]
 fn planner_takes_the_bf16_peak_from_the_limits() {
-    let tmp = tempfile::tempdir().unwrap();
     let first_token = |limits: &str, dtype: &str| {
-        let f = tmp.path().join("limits.json");
-        std::fs::write(&f, limits).unwrap();
-        let out = gridlm(&[
-            "plan",
-            "--shape",
-            "llama-3.2-1b",
-            "--limits",
-            path_str(&f),
-            "--dtype",
-            dtype,
-            "--prompt-len",
-            "512",
-            "--json",
-        ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let one = v.as_array().unwrap().iter().find(|p| p["pp"] == 1 && p["tp"] == 1).unwrap().clone();
-        one["first_token_ms"].as_f64().unwrap()
+        let args = ["--shape", "llama-3.2-1b", "--dtype", dtype, "--prompt-len", "512"];
+        layout(&plan_with_limits(limits, &args), 1, 1)["first_token_ms"].as_f64().unwrap()
     };
     let base = r#""measured_gb_per_s":40,"measured_peak_gflops":200,"threads_per_rank":2,"ranks":[{}]"#;
     let (without, null, with) = (
