@@ -1,13 +1,14 @@
 //! Decoding allocates nothing per token: a run of the scheduler and engine over a small
 //! synthetic model makes exactly as many heap allocations for 40 new tokens as for 4, greedy
-//! and sampled, and a fresh engine's first run makes none in its decode steps. (The `bench`
-//! tests check the same per decode step on every rank of a grid.)
+//! and sampled, and a fresh engine's first run makes none in its decode steps; sampling rows
+//! whose nucleus takes several rounds of candidates makes none either. (The `bench` tests check
+//! the same per decode step on every rank of a grid.)
 //!
 //! One test in its own binary: the count is the whole process's, so no other test may run
 //! beside it.
 
 use gridlm::comm::Single;
-use gridlm::engine::sampling::SamplingParams;
+use gridlm::engine::sampling::{self, Buffers, Draw, SamplingParams};
 use gridlm::engine::{Engine, Request, RunOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::model::Shard;
@@ -34,6 +35,7 @@ fn allocations(engine: &mut Engine, requests: &[Request], new_tokens: usize) -> 
 
 #[test]
 fn decode_steps_allocate_nothing_per_token() {
+    sampling_rounds_allocate_nothing();
     // SmolLM2's widths and uneven heads (9 query, 3 KV), two layers, a small vocabulary.
     let mut cfg = synthetic::shape("smollm2-135m").unwrap();
     cfg.n_layers = 2;
@@ -97,5 +99,28 @@ fn decode_steps_allocate_nothing_per_token() {
             "{name}: 36 more decode steps made {} more allocations",
             long as i64 - short as i64
         );
+    }
+}
+
+/// Sampling rows whose nucleus takes several rounds (flat rows: 64 candidates a row, then 256,
+/// 1024 and the whole shard, the last rounds in several collectives) allocates nothing once its
+/// buffers are reserved for the run's rows, from the first step: a decode step whose rows first
+/// need more candidates than the prompt's did does not grow them.
+fn sampling_rounds_allocate_nothing() {
+    let (rows, shard) = (4, 3000);
+    let logits: Vec<f32> = (0..rows * shard).map(|i| (i % 7) as f32 * 0.01).collect();
+    let params = SamplingParams { temperature: 1.0, top_p: 0.99, ..SamplingParams::default() };
+    gridlm::allocs::count_this_thread();
+    let mut b = Buffers::default();
+    b.reserve(rows, 1, shard);
+    let mut picked = vec![u32::MAX; rows];
+    for index in 0..3 {
+        let before = gridlm::allocs::count().expect("the counting allocator is installed");
+        b.draws.clear();
+        b.draws.extend((0..rows).map(|row| Draw { row, params: params.clone(), index }));
+        sampling::sample_rows(&logits, shard, shard, 0, &mut b, &Single, &mut picked);
+        let made = gridlm::allocs::count().unwrap() - before;
+        assert_eq!(made, 0, "sampling {rows} flat rows, draw {index}");
+        assert!(picked.iter().all(|&t| (t as usize) < shard), "{picked:?}");
     }
 }

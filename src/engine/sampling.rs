@@ -301,27 +301,35 @@ pub struct Buffers {
 
 impl Buffers {
     /// Room, before a run's first step, for sampling up to `rows` rows a step on a stage of
-    /// `ranks` ranks whose largest vocabulary shard is `max_shard`, in a first round of
-    /// [`first_candidates`] for `top_k` up to 64: such steps then allocate nothing from the
-    /// first. A larger `top_k` grows them at its sequence's first token, in its prompt's step
-    /// (not a decode step); a row whose candidates do not settle it in the first round (a wide
-    /// top-p or min-p) still grows them, the first time a step needs more.
+    /// `ranks` ranks whose largest vocabulary shard is `max_shard`, with `top_k` up to 64: such
+    /// steps then allocate nothing from the first, however many rounds their rows take (a wide
+    /// top-p or min-p asks for more candidates, up to the whole shard: see `round_room`). A
+    /// larger `top_k` grows them at its sequence's first token, in its prompt's step (not a
+    /// decode step).
     pub fn reserve(&mut self, rows: usize, ranks: usize, max_shard: usize) {
         fn room<T>(v: &mut Vec<T>, n: usize) {
             v.reserve(n.saturating_sub(v.len()));
         }
-        let c = first_candidates(&SamplingParams::default());
-        let len = summary_len(c) * rows;
+        let len = round_room(rows, first_candidates(&SamplingParams::default()), max_shard);
         room(&mut self.draws, rows);
         room(&mut self.mine, len);
         room(&mut self.all, len * ranks);
         room(&mut self.idx, max_shard);
-        room(&mut self.merged, ranks * c);
+        room(&mut self.merged, ranks * max_shard);
         for v in [&mut self.c_of, &mut self.pending, &mut self.again] {
             room(v, rows);
         }
         room(&mut self.thresholds, rows);
     }
+}
+
+/// The most summary values a rank sends in one collective of [`sample_rows`]: its first round
+/// (`rows` rows of `first` candidates, sent together) or one row of the whole largest shard,
+/// whichever is more. A later round whose rows ask for more candidates than that holds is sent
+/// in as many collectives as it takes, so the buffers reserved for it never grow. The same on
+/// every rank: it depends only on the draws and the stage's largest shard.
+fn round_room(rows: usize, first: usize, max_shard: usize) -> usize {
+    (summary_len(first) * rows).max(summary_len(max_shard))
 }
 
 /// The stage agrees on a sampled token for each of `b.draws` (rows of `logits`, `[m, shard]`,
@@ -345,28 +353,33 @@ pub fn sample_rows(
     pending.clear();
     pending.extend(0..draws.len());
     thresholds.clear();
+    let room = round_room(draws.len(), c_of.iter().copied().max().unwrap_or(0), max_shard);
     while !pending.is_empty() {
-        // One round: a summary per pending row, all rows of the same length.
+        // One round: a summary per pending row, all rows of the same length, in as few
+        // collectives as keep each within `room` (the first round in one).
         let c = pending.iter().map(|&i| c_of[i]).max().unwrap_or(64).min(max_shard.max(1));
         let len = summary_len(c);
-        mine.resize(len * pending.len(), 0.0);
-        for (j, &i) in pending.iter().enumerate() {
-            summarize(row(i), vocab_start, c, idx, &mut mine[j * len..(j + 1) * len]);
-        }
-        all.resize(mine.len() * n, 0.0);
-        comm.allgather(mine, all);
-        let per_rank = mine.len();
         again.clear();
-        for (j, &i) in pending.iter().enumerate() {
-            let sum = |r: usize| &all[r * per_rank + j * len..r * per_rank + (j + 1) * len];
-            match decide(n, sum, &draws[i].params, draws[i].index, merged) {
-                Decision::Token(t) => picked[draws[i].row] = t,
-                // Never once every rank sent its whole shard (then every candidate is certain).
-                Decision::More(more) => {
-                    c_of[i] = more.max(c + 1);
-                    again.push(i);
+        for part in pending.chunks((room / len).max(1)) {
+            mine.resize(len * part.len(), 0.0);
+            for (j, &i) in part.iter().enumerate() {
+                summarize(row(i), vocab_start, c, idx, &mut mine[j * len..(j + 1) * len]);
+            }
+            all.resize(mine.len() * n, 0.0);
+            comm.allgather(mine, all);
+            let per_rank = mine.len();
+            for (j, &i) in part.iter().enumerate() {
+                let sum = |r: usize| &all[r * per_rank + j * len..r * per_rank + (j + 1) * len];
+                match decide(n, sum, &draws[i].params, draws[i].index, merged) {
+                    Decision::Token(t) => picked[draws[i].row] = t,
+                    // Never once every rank sent its whole shard (then every candidate is
+                    // certain).
+                    Decision::More(more) => {
+                        c_of[i] = more.max(c + 1);
+                        again.push(i);
+                    }
+                    Decision::Threshold { theta } => thresholds.push((i, theta)),
                 }
-                Decision::Threshold { theta } => thresholds.push((i, theta)),
             }
         }
         std::mem::swap(pending, again);
@@ -527,6 +540,32 @@ mod tests {
             let t = sample_split(&l, 1, &p, i);
             assert!(want[t as usize] > 0.0, "token {t} is outside the nucleus");
             assert_eq!(sample_split(&l, 4, &p, i), t);
+        }
+    }
+
+    /// Rows sampled together pick what each picks alone, also where a round takes several
+    /// collectives: on flat shards of 3000 a round of 1024 candidates a row goes two rows a
+    /// collective, one of the whole shard one row a collective.
+    #[test]
+    fn rows_sampled_together_pick_what_each_picks_alone() {
+        let v = 3000;
+        let rows: Vec<Vec<f32>> =
+            (0..3).map(|r| (0..v).map(|i| ((i * (r + 2)) % 7) as f32 * 0.01).collect()).collect();
+        let logits = rows.concat();
+        let params = [
+            SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() },
+            SamplingParams { temperature: 0.7, top_p: 0.99, min_p: 0.5, ..Default::default() },
+            SamplingParams { temperature: 1.5, top_p: 0.3, ..Default::default() },
+        ];
+        let mut b = Buffers::default();
+        let mut picked = [u32::MAX; 3];
+        for index in 0..30 {
+            b.draws.clear();
+            b.draws.extend(params.iter().enumerate().map(|(row, p)| Draw { row, params: p.clone(), index }));
+            sample_rows(&logits, v, v, 0, &mut b, &crate::comm::Single, &mut picked);
+            for (row, p) in params.iter().enumerate() {
+                assert_eq!(picked[row], sample_split(&rows[row], 1, p, index), "row {row}, draw {index}");
+            }
         }
     }
 
