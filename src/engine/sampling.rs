@@ -324,12 +324,12 @@ impl Buffers {
 }
 
 /// The most summary values a rank sends in one collective of [`sample_rows`]: its first round
-/// (`rows` rows of `first` candidates, sent together) or one row of the whole largest shard,
-/// whichever is more. A later round whose rows ask for more candidates than that holds is sent
+/// (`rows` rows of `first` candidates, sent together, at most the largest shard's) or one row
+/// of the whole largest shard, whichever is more. A later round whose rows ask for more candidates than that holds is sent
 /// in as many collectives as it takes, so the buffers reserved for it never grow. The same on
 /// every rank: it depends only on the draws and the stage's largest shard.
 fn round_room(rows: usize, first: usize, max_shard: usize) -> usize {
-    (summary_len(first) * rows).max(summary_len(max_shard))
+    (summary_len(first.min(max_shard.max(1))) * rows).max(summary_len(max_shard))
 }
 
 /// The stage agrees on a sampled token for each of `b.draws` (rows of `logits`, `[m, shard]`,
@@ -545,20 +545,22 @@ mod tests {
 
     /// Rows sampled together pick what each picks alone, also where a round takes several
     /// collectives: on flat shards of 3000 a round of 1024 candidates a row goes two rows a
-    /// collective, one of the whole shard one row a collective.
+    /// collective, one of the whole shard one row a collective. A `top_k` beyond the
+    /// vocabulary asks for the whole shard at once.
     #[test]
     fn rows_sampled_together_pick_what_each_picks_alone() {
         let v = 3000;
         let rows: Vec<Vec<f32>> =
-            (0..3).map(|r| (0..v).map(|i| ((i * (r + 2)) % 7) as f32 * 0.01).collect()).collect();
+            (0..4).map(|r| (0..v).map(|i| ((i * (r + 2)) % 7) as f32 * 0.01).collect()).collect();
         let logits = rows.concat();
         let params = [
             SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() },
             SamplingParams { temperature: 0.7, top_p: 0.99, min_p: 0.5, ..Default::default() },
             SamplingParams { temperature: 1.5, top_p: 0.3, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_k: usize::MAX, top_p: 0.5, ..Default::default() },
         ];
         let mut b = Buffers::default();
-        let mut picked = [u32::MAX; 3];
+        let mut picked = [u32::MAX; 4];
         for index in 0..30 {
             b.draws.clear();
             b.draws.extend(params.iter().enumerate().map(|(row, p)| Draw { row, params: p.clone(), index }));
