@@ -339,9 +339,7 @@ impl BatchArgs {
     }
 
     fn check(&self) -> Result<()> {
-        if self.max_batch == 0 || self.step_tokens == 0 {
-            anyhow::bail!("--max-batch and --step-tokens must be at least 1");
-        }
+        at_least(&[("--max-batch", self.max_batch, 1), ("--step-tokens", self.step_tokens, 1)])?;
         self.overlap.check()
     }
 }
@@ -671,9 +669,12 @@ fn plan(a: PlanArgs) -> Result<()> {
     if let Some((k, v)) = positive.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
         anyhow::bail!("{k} must be a positive number, got {v}");
     }
-    if a.nodes == 0 || a.sockets_per_node == 0 || a.ranks_per_socket == 0 || a.work.batch == 0 {
-        anyhow::bail!("--nodes, --sockets-per-node, --ranks-per-socket and --batch must be at least 1");
-    }
+    at_least(&[
+        ("--nodes", a.nodes, 1),
+        ("--sockets-per-node", a.sockets_per_node, 1),
+        ("--ranks-per-socket", a.ranks_per_socket, 1),
+        ("--batch", a.work.batch, 1),
+    ])?;
     if a.cores_per_socket == Some(0) {
         anyhow::bail!("--cores-per-socket must be at least 1");
     }
@@ -1196,6 +1197,15 @@ fn run_generate(
     }
 }
 
+/// The first of the options `(name, value, least)` whose value is below its least, as one
+/// error naming it.
+fn at_least(options: &[(&str, usize, usize)]) -> Result<()> {
+    match options.iter().find(|(_, value, least)| value < least) {
+        Some((name, value, least)) => anyhow::bail!("{name} must be at least {least}, got {value}"),
+        None => Ok(()),
+    }
+}
+
 /// Adds `extra`'s keys to the JSON object `out`.
 fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
     if let (Some(o), Some(e)) = (out.as_object_mut(), extra.as_object()) {
@@ -1205,11 +1215,12 @@ fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
 
 fn bench(a: BenchArgs) -> Result<()> {
     a.engine.check()?;
-    if a.reps == 0 || a.work.new_tokens < 2 || a.work.prompt_len == 0 || a.work.batch == 0 {
-        anyhow::bail!(
-            "--reps and --batch must be at least 1, --new-tokens at least 2 and --prompt-len at least 1"
-        );
-    }
+    at_least(&[
+        ("--prompt-len", a.work.prompt_len, 1),
+        ("--new-tokens", a.work.new_tokens, 2),
+        ("--batch", a.work.batch, 1),
+        ("--reps", a.reps, 1),
+    ])?;
     a.overlap.check()?;
     if a.step_tokens == Some(0) {
         anyhow::bail!("--step-tokens must be at least 1");

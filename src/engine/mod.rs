@@ -152,7 +152,7 @@ pub fn check_prompt(n_tokens: usize, max_context: usize) -> Result<()> {
     }
     if n_tokens >= max_context {
         return Err(Error::Input(format!(
-            "the prompt has {n_tokens} tokens but the model's context holds {max_context} (max_position_embeddings in config.json), leaving no room to generate"
+            "the prompt has {n_tokens} tokens but the model's context holds {max_context} (its max_position_embeddings), leaving no room to generate"
         )));
     }
     Ok(())

@@ -247,6 +247,18 @@ fn bad_command_lines() {
     let batch = ["bench", "--shape", "smollm2-135m", "--batch", "2", "--compare-batch"];
     assert_one_line_error(&gridlm(&[&batch[..], &["2"]].concat()), &["--compare-batch 2 is --batch"]);
     assert_one_line_error(&gridlm(&[&batch[..], &["0"]].concat()), &["--compare-batch must be at least 1"]);
+    // A count below its least: the option named, with what it got.
+    let shape = ["bench", "--shape", "smollm2-135m"];
+    for (option, value, least) in
+        [("--prompt-len", "0", "1"), ("--new-tokens", "1", "2"), ("--reps", "0", "1")]
+    {
+        let want = format!("{option} must be at least {least}, got {value}");
+        assert_one_line_error(&gridlm(&[&shape[..], &[option, value]].concat()), &[&want]);
+    }
+    let plan = ["plan", "--shape", "smollm2-135m", "--nodes", "0", "--mem-bw", "20", "--peak-gflops", "100"];
+    assert_one_line_error(&gridlm(&plan), &["--nodes must be at least 1, got 0"]);
+    let generate = ["generate", "--model", "m", "--prompt", "hi", "--step-tokens", "0"];
+    assert_one_line_error(&gridlm(&generate), &["--step-tokens must be at least 1, got 0"]);
     let both = ["--quant", "int8", "--compare-unquantized", "--compare-batch", "1"];
     assert_one_line_error(
         &gridlm(&[&compare[..3], &both[..]].concat()),
