@@ -331,7 +331,7 @@ impl BatchArgs {
             micro_batches: self.overlap.micro_batches(pp),
             overlap: !self.overlap.no_overlap,
             step_tokens: self.step_tokens,
-            kv_bytes: self.kv_mem_mib.map(|m| m << 20),
+            kv_bytes: self.kv_mem_mib.map(|m| m.saturating_mul(1 << 20)),
             eos_ids,
             read_between_steps: false,
             sides: None,

@@ -158,20 +158,29 @@ impl Engine {
         let positions = |r: &Request| (r.prompt.len() + r.max_tokens).min(ctx);
         let pages_of = |r: &Request| positions(r).div_ceil(PAGE);
         let page_bytes = self.max_page_bytes().max(1);
+        // The most pages the run can use at once: its `max_batch` largest requests at full length.
+        let mut need: Vec<usize> = requests.iter().map(pages_of).collect();
+        need.sort_unstable_by(|a, b| b.cmp(a));
+        let want = need.iter().take(opts.max_batch).sum::<usize>().max(1);
         let pages = match opts.kv_bytes {
-            Some(b) => b / page_bytes,
-            None => {
-                let mut need: Vec<usize> = requests.iter().map(pages_of).collect();
-                need.sort_unstable_by(|a, b| b.cmp(a));
-                let want: usize = need.iter().take(opts.max_batch).sum();
-                want.min(auto_kv_limit() / page_bytes).max(1)
-            }
+            Some(b) => (b / page_bytes).min(want),
+            None => want.min(auto_kv_limit() / page_bytes).max(1),
         };
         if pages == 0 {
             return Err(Error::Input(format!(
                 "the KV memory ({} bytes per rank) holds no page; a page of {PAGE} positions takes {page_bytes} bytes",
                 opts.kv_bytes.unwrap_or(0)
             )));
+        }
+        if let (Some(_), Some(available)) = (opts.kv_bytes, crate::host::mem_available()) {
+            let (bytes, ranks) = (pages * page_bytes, crate::comm::mpi::local_ranks());
+            if bytes > available / ranks {
+                return Err(Error::Input(format!(
+                    "the KV cache would take {} MiB per rank (what the prompts need at full length, within the KV memory asked for), but this node has {} MiB available for its {ranks} rank(s): ask for less KV memory or a smaller batch",
+                    bytes >> 20,
+                    available >> 20
+                )));
+            }
         }
         let slots = opts.max_batch;
         // Side by side: one group a side, one step in flight, each side's own clock.

@@ -233,6 +233,36 @@ fn single_prompt_larger_than_the_kv_memory() {
     assert_one_line_error(&out, &["KV memory", "holds no page"]);
 }
 
+/// `--kv-mem-mib` caps the KV pool: far more than the machine has is fine where the prompts
+/// need little, and one line where they need more than the node has available (before, the
+/// pool took all of it, and its mapping failed with an abort and a backtrace).
+#[test]
+fn kv_memory_beyond_the_machine() {
+    let (_t, dir) = tiny_llama();
+    let args = ["generate", "--model", path_str(&dir), "--prompt", "t1 t2 t3", "--max-tokens", "4"];
+    let out = gridlm(&[&args[..], &["--kv-mem-mib", "999999999999999"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // 2000 SmolLM2 sequences at its full context of 8192 positions: ~370 GB of keys and values.
+    let model = smollm2("bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("prompts.txt");
+    std::fs::write(&prompts, (0..2000).map(|i| format!("prompt {i}\n")).collect::<String>()).unwrap();
+    let out = gridlm(&[
+        "generate",
+        "--model",
+        path_str(&model),
+        "--prompts-file",
+        path_str(&prompts),
+        "--max-batch",
+        "2000",
+        "--max-tokens",
+        "8192",
+        "--kv-mem-mib",
+        "999999999",
+    ]);
+    assert_one_line_error(&out, &["the KV cache would take", "MiB available", "ask for less KV memory"]);
+}
+
 /// Options clap rejects (unknown, malformed, missing) get the same one-line error as any other
 /// bad input, not clap's usage block.
 #[test]
