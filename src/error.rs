@@ -5,8 +5,10 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    /// Not `source`: the message says it already, and a chain printed in full (`{:#}`) would
+    /// say it twice.
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
     /// A file exists but its content is wrong (bad JSON, missing field, unsupported value).
     #[error("{}: {msg}", path.display())]
     File { path: PathBuf, msg: String },
@@ -25,7 +27,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
-        Error::Io { path: path.to_path_buf(), source }
+        Error::Io { path: path.to_path_buf(), err: source }
     }
     pub fn file(path: &Path, msg: impl Into<String>) -> Self {
         Error::File { path: path.to_path_buf(), msg: msg.into() }

@@ -137,6 +137,11 @@ fn convert_rejects_non_gguf_and_leaves_nothing() {
     assert!(!out_dir.exists());
     let leftovers: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().filter_map(|e| e.ok()).collect();
     assert_eq!(leftovers.len(), 1, "convert left files behind: {leftovers:?}");
+    // A file that is not there: named, and the system's reason said once.
+    let out = gridlm(&["convert", "--gguf", "/nonexistent.gguf", "--out", path_str(&out_dir)]);
+    assert_one_line_error(&out, &["/nonexistent.gguf: No such file or directory"]);
+    let said = String::from_utf8_lossy(&out.stderr).matches("No such file").count();
+    assert_eq!(said, 1, "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
