@@ -92,6 +92,12 @@ fn token_ids(v: &Option<serde_json::Value>) -> Vec<u32> {
 impl ModelConfig {
     /// Reads `DIR/config.json` and, when present, the EOS ids of `DIR/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if dir.is_file() {
+            return Err(Error::file(
+                dir,
+                "a file, not a model folder (one holding config.json, the safetensors files and tokenizer.json)",
+            ));
+        }
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         let mut cfg = Self::from_json(&path, &text)?;

@@ -126,6 +126,11 @@ fn chat_without_template() {
 fn missing_model_folder() {
     let out = gridlm(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
     assert_one_line_error(&out, &["/nonexistent/model/config.json"]);
+    // A file of the folder given for the folder.
+    let (_t, dir) = tiny_llama();
+    let file = dir.join("model.safetensors");
+    let out = gridlm(&["generate", "--model", path_str(&file), "--prompt", "hi"]);
+    assert_one_line_error(&out, &["model.safetensors: a file, not a model folder"]);
 }
 
 #[test]
