@@ -26,8 +26,8 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub fn io(path: &Path, source: std::io::Error) -> Self {
-        Error::Io { path: path.to_path_buf(), err: source }
+    pub fn io(path: &Path, err: std::io::Error) -> Self {
+        Error::Io { path: path.to_path_buf(), err }
     }
     pub fn file(path: &Path, msg: impl Into<String>) -> Self {
         Error::File { path: path.to_path_buf(), msg: msg.into() }

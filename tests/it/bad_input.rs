@@ -245,7 +245,7 @@ fn single_prompt_larger_than_the_kv_memory() {
 
 /// `--kv-mem-mib` caps the KV pool: far more than the machine has is fine where the prompts
 /// need little, and one line where they need more than the node has available (before, the
-/// pool took all of it, and its mapping failed with an abort and a backtrace).
+/// pool was the amount asked for, and mapping it failed with an abort and a backtrace).
 #[test]
 fn kv_memory_beyond_the_machine() {
     let (_t, dir) = tiny_llama();
