@@ -26,6 +26,9 @@ pub struct Run {
     /// The digest of the tokens its runs generated (`tokens_digest`; none in the JSON of
     /// builds before it, or where the reps differed).
     pub tokens_digest: Option<String>,
+    /// What it ran, the same for every layout of a sweep: model, weight and KV dtypes, prompt
+    /// and new tokens, batch and temperature (those in the JSON, as text).
+    pub workload: Vec<(&'static str, String)>,
 }
 
 impl Run {
@@ -66,12 +69,22 @@ impl Run {
             comm_ms: busiest.map_or(0.0, comm),
             step_ms: busiest.and_then(|r| r["step_ms"].as_f64()).unwrap_or(0.0),
             tokens_digest: v["tokens_digest"].as_str().map(str::to_string),
+            workload: WORKLOAD
+                .iter()
+                .filter(|k| !v[**k].is_null())
+                .map(|&k| (k, v[k].as_str().map_or_else(|| v[k].to_string(), str::to_string)))
+                .collect(),
         })
     }
 }
 
+/// The bench JSON keys that say what a run ran, which every layout of a sweep shares.
+const WORKLOAD: [&str; 7] =
+    ["model", "weight_dtype", "kv_dtype", "prompt_len", "new_tokens", "batch", "temperature"];
+
 /// Reads the runs of a sweep: files named `PPxTP[@placement].json`, each `gridlm bench --json`
-/// output. Sorted by ranks, then pp.
+/// output, all of one workload (a file of another, left from an earlier sweep in the same
+/// folder say, is an error naming both). Sorted by ranks, then pp.
 pub fn read_runs(files: &[impl AsRef<Path>]) -> Result<Vec<Run>> {
     let mut runs = Vec::new();
     for f in files {
@@ -81,13 +94,35 @@ pub fn read_runs(files: &[impl AsRef<Path>]) -> Result<Vec<Run>> {
         let v: Value = serde_json::from_str(text.trim()).map_err(|e| at(format!("not bench JSON: {e}")))?;
         let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or("");
         let placement = stem.split_once('@').map_or("local", |(_, p)| p);
-        runs.push(Run::from_json(&v, placement).map_err(at)?);
+        let run = Run::from_json(&v, placement).map_err(at)?;
+        if let (Some(first), Some(f0)) = (runs.first(), files.first()) {
+            if let Some((this, that)) = differ(&run, first) {
+                let f0 = f0.as_ref().display();
+                return Err(at(format!(
+                    "a run of {this}, where {f0} ran {that}: a report compares the layouts of one workload"
+                )));
+            }
+        }
+        runs.push(run);
     }
     if runs.is_empty() {
         return Err(Error::Input("no bench results to report".into()));
     }
     runs.sort_by_key(|r| (r.ranks(), r.pp, r.placement.clone()));
     Ok(runs)
+}
+
+/// The settings of `a`'s workload that `b` gives otherwise (where both give them: older
+/// builds' JSON lacks some), as `key=value` lists of each, or `None`.
+fn differ(a: &Run, b: &Run) -> Option<(String, String)> {
+    let (mut this, mut that) = (Vec::new(), Vec::new());
+    for (k, v) in &a.workload {
+        if let Some((_, w)) = b.workload.iter().find(|(kb, _)| kb == k).filter(|(_, w)| w != v) {
+            this.push(format!("{k}={v}"));
+            that.push(format!("{k}={w}"));
+        }
+    }
+    (!this.is_empty()).then(|| (this.join(", "), that.join(", ")))
 }
 
 /// Tokens/s of the single-rank run, the base of speedups.
@@ -241,7 +276,21 @@ mod tests {
             comm_ms: 0.5,
             step_ms: 5.0,
             tokens_digest: Some("00000000000000aa".into()),
+            workload: Vec::new(),
         }
+    }
+
+    /// Two runs' workloads differ only in settings both give (older builds' JSON lacks some).
+    #[test]
+    fn workloads_differ_by_the_settings_both_give() {
+        let (mut a, mut b) = (run(1, 1, 50.0), run(1, 2, 80.0));
+        a.workload = vec![("model", "m".into()), ("prompt_len", "8".into()), ("temperature", "0.0".into())];
+        b.workload = vec![("model", "m".into()), ("prompt_len", "8".into())];
+        assert_eq!(differ(&a, &b), None);
+        b.workload[1].1 = "9".into();
+        b.workload.push(("temperature", "0.7".into()));
+        let want = ("prompt_len=8, temperature=0.0".to_string(), "prompt_len=9, temperature=0.7".to_string());
+        assert_eq!(differ(&a, &b), Some(want));
     }
 
     #[test]

@@ -35,6 +35,14 @@ fn sweep_writes_table_and_plot() {
     }
     let svg = std::fs::read_to_string(out.join("scaling.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("parallel efficiency") && svg.len() > 2000, "{svg}");
+    // A run of another workload (a file left from another sweep, say) is not set beside them.
+    let mut other: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("1x2.json")).unwrap()).unwrap();
+    other["prompt_len"] = 9.into();
+    let other_file = tmp.path().join("2x2.json");
+    std::fs::write(&other_file, other.to_string()).unwrap();
+    let res = gridlm(&["report", path_str(&out.join("1x1.json")), path_str(&other_file)]);
+    assert_one_line_error(&res, &["2x2.json: a run of prompt_len=9, where", "1x1.json ran prompt_len=8"]);
 }
 
 /// The planner lists every layout up to the cluster's slots with memory and predictions; a
