@@ -157,23 +157,17 @@ impl Cluster {
     }
 }
 
-/// Every layout of 1 up to all the cluster's slots, with its prediction.
+/// Every layout of 1 up to all the cluster's slots, with its prediction, by ranks and then
+/// stages.
 pub fn layouts(cfg: &ModelConfig, c: &Cluster, w: &Workload) -> Vec<Prediction> {
-    let slots = c.nodes * c.slots_per_node();
-    let mut out = Vec::new();
-    for ranks in 1..=slots {
-        for pp in 1..=ranks {
-            if ranks % pp != 0 {
-                continue;
-            }
-            let tp = ranks / pp;
-            if tp > cfg.n_heads || pp > cfg.n_layers {
-                continue;
-            }
-            out.push(predict(cfg, c, w, pp, tp));
-        }
-    }
-    out
+    let slots = c.nodes.saturating_mul(c.slots_per_node());
+    // At most a stage per layer and a tp rank per head: the pairs, not the slots, bound the
+    // work (a cluster of millions of slots is listed as fast as one of hundreds).
+    let mut grid: Vec<(usize, usize)> = (1..=cfg.n_layers.min(slots))
+        .flat_map(|pp| (1..=cfg.n_heads.min(slots / pp)).map(move |tp| (pp, tp)))
+        .collect();
+    grid.sort_by_key(|&(pp, tp)| (pp * tp, pp));
+    grid.into_iter().map(|(pp, tp)| predict(cfg, c, w, pp, tp)).collect()
 }
 
 /// The prediction for one layout.
@@ -321,6 +315,30 @@ mod tests {
 
     fn work() -> Workload {
         Workload { weight_bytes: 2.0, bf16: true, kv_bytes: 2.0, prompt_len: 128, new_tokens: 64, batch: 1 }
+    }
+
+    /// The layouts are every pp × tp up to the slots with a stage per layer at most and a tp
+    /// rank per head at most, by ranks then pp, as counting every rank count through gives
+    /// them; a cluster of ten million slots takes no longer than its 80 × 64 pairs.
+    #[test]
+    fn layouts_are_every_pair_up_to_the_slots() {
+        let cfg = crate::weights::synthetic::shape("smollm2-135m").unwrap();
+        for nodes in [1, 3, 7, 40] {
+            let c = cluster(nodes);
+            let slots = nodes * c.slots_per_node();
+            let mut want = Vec::new();
+            for ranks in 1..=slots {
+                for pp in (1..=ranks).filter(|pp| ranks % pp == 0) {
+                    if ranks / pp <= cfg.n_heads && pp <= cfg.n_layers {
+                        want.push((pp, ranks / pp));
+                    }
+                }
+            }
+            let got: Vec<_> = layouts(&cfg, &c, &work()).iter().map(|p| (p.pp, p.tp)).collect();
+            assert_eq!(got, want, "{nodes} nodes");
+        }
+        let big = crate::weights::synthetic::shape("llama-2-70b").unwrap();
+        assert_eq!(layouts(&big, &cluster(5_000_000), &work()).len(), big.n_layers * big.n_heads);
     }
 
     #[test]
