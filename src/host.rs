@@ -3,7 +3,7 @@
 //! a hypervisor has taken from the process's CPUs. Owns: the
 //! check, before any weight is read, that every node has memory for the weights of all its
 //! ranks, so a model too large for the machine (or the container) ends with one clear line on
-//! every rank instead of the kernel's OOM killer.
+//! every rank instead of the kernel's OOM killer; and the room each node leaves for KV pages.
 
 use crate::comm::Link;
 use crate::error::{Error, Result};
@@ -174,15 +174,62 @@ fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> R
 /// summed and compared with the memory the node has available. Loading quantized (`quant`)
 /// changes only the hint.
 pub fn check_room(link: &dyn Link, need: usize, quant: Option<Quant>) -> Result<()> {
-    let host = name();
-    // Ranks share memory when they run under one kernel: the same boot id, whatever the host
-    // names say (containers of one machine may have their own; machines may share one).
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|_| host.clone());
-    let mine = [crate::fnv1a(boot.trim()), need as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
+    shortfall(link.world_rank(), &name(), &gather_nodes(link, need), quant)
+}
+
+/// Collective over the job: every rank's `[node key, bytes, bytes available]`, `bytes` its
+/// own figure. Ranks share memory when they run under one kernel: the same boot id, whatever
+/// the host names say (containers of one machine may have their own; machines may share one).
+fn gather_nodes(link: &dyn Link, bytes: usize) -> Vec<[u64; 3]> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|_| name());
+    let mine = [crate::fnv1a(boot.trim()), bytes as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
     let mut all = vec![0u64; 3 * link.world_size()];
     link.allgather_u64(&mine, &mut all);
-    let all: Vec<[u64; 3]> = all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect();
-    shortfall(link.world_rank(), &host, &all, quant)
+    all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
+}
+
+/// Where the job's nodes leave least memory for KV pages, as [`kv_room`] finds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvRoom {
+    /// KV pages (of every rank's own size) the tightest node holds for all its ranks.
+    pub pages: usize,
+    /// The lowest rank on that node, the node's available bytes and its ranks.
+    pub rank: usize,
+    pub available: usize,
+    pub ranks: usize,
+}
+
+/// Collective over the job: every rank says the bytes of its KV page; the pages a pool may
+/// have so that each node's ranks together fit in the memory the node has available, at the
+/// node where that is fewest. `None` where no node's memory is known.
+pub fn kv_room(link: &dyn Link, page_bytes: usize) -> Option<KvRoom> {
+    tightest_node(&gather_nodes(link, page_bytes))
+}
+
+/// [`kv_room`] of every rank's `[node key, page bytes, bytes available]` (`u64::MAX`:
+/// unknown); a node's available memory is the most any of its ranks saw.
+fn tightest_node(all: &[[u64; 3]]) -> Option<KvRoom> {
+    let mut nodes: Vec<(u64, usize, u64, u64, usize)> = Vec::new(); // key, first rank, bytes a page, available, ranks
+    for (rank, &[key, page, avail]) in all.iter().enumerate() {
+        match nodes.iter_mut().find(|n| n.0 == key) {
+            Some(n) => {
+                n.2 += page;
+                n.3 = n.3.max(avail);
+                n.4 += 1;
+            }
+            None => nodes.push((key, rank, page, avail, 1)),
+        }
+    }
+    nodes
+        .into_iter()
+        .filter(|n| n.3 != u64::MAX)
+        .map(|(_, rank, page, avail, ranks)| KvRoom {
+            pages: usize::try_from(avail / page.max(1)).unwrap_or(usize::MAX),
+            rank,
+            available: usize::try_from(avail).unwrap_or(usize::MAX),
+            ranks,
+        })
+        .min_by_key(|r| (r.pages, r.rank))
 }
 
 #[cfg(test)]
@@ -190,6 +237,24 @@ mod tests {
     use super::*;
 
     const G: u64 = 1 << 30;
+
+    #[test]
+    fn kv_room_is_the_tightest_nodes() {
+        let (a, b) = (crate::fnv1a("node-a"), crate::fnv1a("node-b"));
+        const M: u64 = 1 << 20;
+        // node-a: ranks 0 and 2, pages of 3 and 1 MiB, 40 MiB (the most its ranks saw) → 10
+        // pages; node-b: rank 1 alone, 2 MiB pages, 30 MiB → 15.
+        let all = [[a, 3 * M, 40 * M], [b, 2 * M, 30 * M], [a, M, 38 * M]];
+        let room = tightest_node(&all).unwrap();
+        assert_eq!(room, KvRoom { pages: 10, rank: 0, available: 40 << 20, ranks: 2 });
+        // node-b with less: it is the tightest now.
+        let all = [[a, 3 * M, 40 * M], [b, 2 * M, 12 * M], [a, M, 38 * M]];
+        assert_eq!(tightest_node(&all).unwrap(), KvRoom { pages: 6, rank: 1, available: 12 << 20, ranks: 1 });
+        // A node whose memory is unknown sets no bound; none known, no room at all.
+        let all = [[a, 3 * M, u64::MAX], [b, 2 * M, 12 * M]];
+        assert_eq!(tightest_node(&all).unwrap().rank, 1);
+        assert_eq!(tightest_node(&[[a, M, u64::MAX]]), None);
+    }
 
     #[test]
     fn a_node_must_hold_the_weights_of_all_its_ranks() {

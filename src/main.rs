@@ -1033,7 +1033,7 @@ fn run_generate(
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
         gather_rank_reports(link, &engine, engine.profile(), weight_rss, None);
-        return Ok(());
+        return agree(link, Ok(()));
     };
     if let Some(id) = tok.eos_id() {
         if !eos_ids.contains(&id) {
@@ -1071,6 +1071,15 @@ fn run_generate(
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
     let ranks = gather_rank_reports(link, &engine, engine.profile(), weight_rss, None);
+    // The driver's verdict on the run (a lone prompt's own error included) reaches every rank,
+    // so each says the same line and ends alone rather than being aborted by the launcher.
+    let verdict = match &run {
+        Err(e) => Err(gridlm::Error::Input(e.to_string())),
+        Ok((done, _)) if single => done[0].error.clone().map_or(Ok(()), |e| Err(gridlm::Error::Input(e))),
+        Ok(_) => Ok(()),
+    };
+    let _ = std::io::stdout().flush();
+    agree(link, verdict)?;
     let (done, stats) = run?;
     let texts: Vec<String> = done
         .iter()

@@ -203,6 +203,9 @@ pub struct Engine {
     kv_dtype: DType,
     /// Bytes of a KV page on the rank where it is largest (see [`Engine::share_sizes`]).
     max_page_bytes: usize,
+    /// The KV pages the tightest node of the job has memory for (see [`Engine::share_sizes`];
+    /// until then this rank's own node), `None` where no node's memory is known.
+    kv_room: Option<crate::host::KvRoom>,
     scratch: Scratch,
     kv: KvPool,
     tables: Vec<Vec<u32>>,
@@ -409,6 +412,11 @@ impl Engine {
         let prefetch = choose_prefetch(&shard, &team)?;
         let many_prefetch = many_prefetch_from_env()?;
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
+        let kv_room = crate::host::kv_room(&crate::comm::Single, max_page_bytes).map(|r| {
+            // Alone, a rank takes its share of its node: the others are not known yet.
+            let ranks = crate::comm::mpi::local_ranks();
+            crate::host::KvRoom { pages: r.pages / ranks, rank: grid.rank, ranks, ..r }
+        });
         let kv = shard.new_kv_pool(0, kv_dtype);
         Ok(Engine {
             shard,
@@ -416,6 +424,7 @@ impl Engine {
             team,
             kv_dtype,
             max_page_bytes,
+            kv_room,
             scratch: Scratch::default(),
             kv,
             tables: Vec::new(),
@@ -446,11 +455,19 @@ impl Engine {
     }
 
     /// Collective over the job: every rank learns the largest KV page of any rank, which
-    /// sizes the pool the driver plans for (a page table is the same on every rank).
+    /// sizes the pool the driver plans for (a page table is the same on every rank), and the
+    /// pages the memory of the tightest node holds for all its ranks.
     pub fn share_sizes(&mut self, link: &dyn Link) {
         let mut all = vec![0u64; link.world_size()];
-        link.allgather_u64(&[self.shard.kv_page_bytes(self.kv_dtype) as u64], &mut all);
+        let page = self.shard.kv_page_bytes(self.kv_dtype);
+        link.allgather_u64(&[page as u64], &mut all);
         self.max_page_bytes = all.into_iter().max().unwrap_or(0) as usize;
+        self.kv_room = crate::host::kv_room(link, page);
+    }
+
+    /// The KV pages the tightest node has memory for (see [`Engine::share_sizes`]).
+    pub fn kv_room(&self) -> Option<crate::host::KvRoom> {
+        self.kv_room
     }
 
     /// Bytes of one KV page on the rank where it is largest.

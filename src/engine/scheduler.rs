@@ -15,6 +15,7 @@
 use super::{check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Step, StepResult};
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
+use crate::host::KvRoom;
 use crate::model::{Span, PAGE};
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -162,9 +163,12 @@ impl Engine {
         let mut need: Vec<usize> = requests.iter().map(pages_of).collect();
         need.sort_unstable_by(|a, b| b.cmp(a));
         let want = need.iter().take(opts.max_batch).sum::<usize>().max(1);
+        // Unasked, a quarter of the tightest node's memory (1 GiB a rank where none is known).
+        let room = self.kv_room();
+        let auto = room.map_or((1 << 30) / crate::comm::mpi::local_ranks() / page_bytes, |r| r.pages / 4);
         let pages = match opts.kv_bytes {
             Some(b) => (b / page_bytes).min(want),
-            None => want.min(auto_kv_limit() / page_bytes).max(1),
+            None => want.min(auto).max(1),
         };
         if pages == 0 {
             return Err(Error::Input(format!(
@@ -172,15 +176,13 @@ impl Engine {
                 opts.kv_bytes.unwrap_or(0)
             )));
         }
-        if let (Some(_), Some(available)) = (opts.kv_bytes, crate::host::mem_available()) {
-            let (bytes, ranks) = (pages * page_bytes, crate::comm::mpi::local_ranks());
-            if bytes > available / ranks {
-                return Err(Error::Input(format!(
-                    "the KV cache would take {} MiB per rank (what the prompts need at full length, within the KV memory asked for), but this node has {} MiB available for its {ranks} rank(s): ask for less KV memory or a smaller batch",
-                    bytes >> 20,
-                    available >> 20
-                )));
-            }
+        if let (Some(_), Some(room)) = (opts.kv_bytes, room.filter(|r| pages > r.pages)) {
+            let KvRoom { rank, available, ranks, .. } = room;
+            return Err(Error::Input(format!(
+                "the KV cache would take {} MiB per rank (what the prompts need at full length, within the KV memory asked for), but the node of rank {rank} has {} MiB available for its {ranks} rank(s): ask for less KV memory or a smaller batch",
+                (pages * page_bytes) >> 20,
+                available >> 20
+            )));
         }
         let slots = opts.max_batch;
         // Side by side: one group a side, one step in flight, each side's own clock.
@@ -414,11 +416,6 @@ fn build_step(
         room = room.saturating_sub(n);
     }
     !spans.is_empty()
-}
-
-/// A quarter of the memory available on this node, shared by its local ranks.
-fn auto_kv_limit() -> usize {
-    crate::host::mem_available().unwrap_or(4 << 30) / 4 / crate::comm::mpi::local_ranks()
 }
 
 /// The KV pool's free pages, handed out so that a sequence's pages ascend through the pool

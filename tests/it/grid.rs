@@ -269,6 +269,30 @@ fn a_model_larger_than_the_node_is_refused_before_loading() {
     assert_every_rank_says(&out, 2, "the weights of ranks 0, 1 need 128.5 GiB");
 }
 
+/// KV memory asked for beyond what a node has, on two ranks of one node: the line counts the
+/// pages of both ranks against the node and names it by its first rank; every rank says it
+/// (the driver's verdict on a run is agreed, not an abort of the others), as it says a lone
+/// prompt's own error.
+#[test]
+fn kv_memory_beyond_the_node_counts_all_its_ranks() {
+    // 2000 SmolLM2 sequences at its full context: ~370 GB of keys and values over the two.
+    let model = smollm2("bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("prompts.txt");
+    std::fs::write(&prompts, (0..2000).map(|i| format!("prompt {i}\n")).collect::<String>()).unwrap();
+    let args = ["--prompts-file", path_str(&prompts), "--max-batch", "2000", "--max-tokens", "8192"];
+    let out = local(2, &model, &[&args[..], &["--tp", "2", "--kv-mem-mib", "999999999"]].concat(), &[]);
+    assert_every_rank_says(&out, 2, "but the node of rank 0 has");
+    assert_every_rank_says(&out, 2, "for its 2 rank(s): ask for less KV memory");
+    // A lone prompt that needs more KV pages than 1 MiB holds.
+    let out = local(2, &model, &["--prompt", "hello", "--max-tokens", "200", "--kv-mem-mib", "1"], &[]);
+    assert_every_rank_says(&out, 2, "KV pages of");
+    // KV memory that holds no page at all.
+    let (_t, dir) = tiny_llama();
+    let out = local(2, &dir, &["--prompt", "t1 t2 t3", "--kv-mem-mib", "0"], &[]);
+    assert_every_rank_says(&out, 2, "holds no page");
+}
+
 /// A memory cgroup of this test's own, with a limit (what a container gets), that a child joins
 /// before it execs; removed when dropped. `None` where this process cannot make one (not root,
 /// no memory controller).
