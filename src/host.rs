@@ -180,7 +180,7 @@ pub fn check_room(link: &dyn Link, need: usize, quant: Option<Quant>) -> Result<
 /// Collective over the job: every rank's `[node key, bytes, bytes available]`, `bytes` its
 /// own figure. Ranks share memory when they run under one kernel: the same boot id, whatever
 /// the host names say (containers of one machine may have their own; machines may share one).
-fn gather_nodes(link: &dyn Link, bytes: usize) -> Vec<[u64; 3]> {
+pub fn gather_nodes(link: &dyn Link, bytes: usize) -> Vec<[u64; 3]> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|_| name());
     let mine = [crate::fnv1a(boot.trim()), bytes as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
     let mut all = vec![0u64; 3 * link.world_size()];
@@ -188,7 +188,7 @@ fn gather_nodes(link: &dyn Link, bytes: usize) -> Vec<[u64; 3]> {
     all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
 }
 
-/// Where the job's nodes leave least memory for KV pages, as [`kv_room`] finds it.
+/// Where the job's nodes leave least memory for KV pages, as [`tightest_node`] finds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvRoom {
     /// KV pages (of every rank's own size) the tightest node holds for all its ranks.
@@ -199,16 +199,11 @@ pub struct KvRoom {
     pub ranks: usize,
 }
 
-/// Collective over the job: every rank says the bytes of its KV page; the pages a pool may
-/// have so that each node's ranks together fit in the memory the node has available, at the
-/// node where that is fewest. `None` where no node's memory is known.
-pub fn kv_room(link: &dyn Link, page_bytes: usize) -> Option<KvRoom> {
-    tightest_node(&gather_nodes(link, page_bytes))
-}
-
-/// [`kv_room`] of every rank's `[node key, page bytes, bytes available]` (`u64::MAX`:
-/// unknown); a node's available memory is the most any of its ranks saw.
-fn tightest_node(all: &[[u64; 3]]) -> Option<KvRoom> {
+/// Of every rank's `[node key, KV page bytes, bytes available]` ([`gather_nodes`];
+/// `u64::MAX`: unknown), the pages a pool may have so that each node's ranks together fit in
+/// the memory the node has available (the most any of its ranks saw), at the node where that
+/// is fewest. `None` where no node's memory is known.
+pub fn tightest_node(all: &[[u64; 3]]) -> Option<KvRoom> {
     let mut nodes: Vec<(u64, usize, u64, u64, usize)> = Vec::new(); // key, first rank, bytes a page, available, ranks
     for (rank, &[key, page, avail]) in all.iter().enumerate() {
         match nodes.iter_mut().find(|n| n.0 == key) {

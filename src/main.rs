@@ -212,10 +212,7 @@ impl EngineArgs {
     }
 
     fn check(&self) -> Result<()> {
-        if self.threads == Some(0) {
-            anyhow::bail!("--threads must be at least 1");
-        }
-        Ok(())
+        at_least(&[("--threads", self.threads.unwrap_or(1), 1)])
     }
 
     /// Warns (once a node: from its first rank) when `--threads` asks for more kernel threads
@@ -299,10 +296,7 @@ impl OverlapArgs {
     }
 
     fn check(&self) -> Result<()> {
-        if self.micro_batches == Some(0) {
-            anyhow::bail!("--micro-batches must be at least 1");
-        }
-        Ok(())
+        at_least(&[("--micro-batches", self.micro_batches.unwrap_or(1), 1)])
     }
 }
 
@@ -674,10 +668,8 @@ fn plan(a: PlanArgs) -> Result<()> {
         ("--sockets-per-node", a.sockets_per_node, 1),
         ("--ranks-per-socket", a.ranks_per_socket, 1),
         ("--batch", a.work.batch, 1),
+        ("--cores-per-socket", a.cores_per_socket.unwrap_or(1), 1),
     ])?;
-    if a.cores_per_socket == Some(0) {
-        anyhow::bail!("--cores-per-socket must be at least 1");
-    }
     let cluster = Cluster {
         nodes: a.nodes,
         sockets_per_node: a.sockets_per_node,
@@ -1078,7 +1070,7 @@ fn run_generate(
         Ok((done, _)) if single => done[0].error.clone().map_or(Ok(()), |e| Err(gridlm::Error::Input(e))),
         Ok(_) => Ok(()),
     };
-    let _ = std::io::stdout().flush();
+    let _ = stdout.flush();
     agree(link, verdict)?;
     let (done, stats) = run?;
     let texts: Vec<String> = done
@@ -1094,11 +1086,8 @@ fn run_generate(
         "kv_dtype": engine.kv_dtype().name(),
     });
     if single {
+        // Its own error, if any, ended every rank at the verdict above.
         let (g, p) = (&done[0], &prompts[0]);
-        if let Some(e) = &g.error {
-            let _ = stdout.flush();
-            return Err(anyhow::anyhow!("{e}"));
-        }
         if let (Some(path), Some(l)) = (&a.logits_out, &g.prompt_logits) {
             write_f32_file(path, l)?;
         }
@@ -1207,7 +1196,7 @@ fn run_generate(
 }
 
 /// The first of the options `(name, value, least)` whose value is below its least, as one
-/// error naming it.
+/// error naming it. An option that may be left out passes as its least when it is.
 fn at_least(options: &[(&str, usize, usize)]) -> Result<()> {
     match options.iter().find(|(_, value, least)| value < least) {
         Some((name, value, least)) => anyhow::bail!("{name} must be at least {least}, got {value}"),
@@ -1229,17 +1218,12 @@ fn bench(a: BenchArgs) -> Result<()> {
         ("--new-tokens", a.work.new_tokens, 2),
         ("--batch", a.work.batch, 1),
         ("--reps", a.reps, 1),
+        ("--step-tokens", a.step_tokens.unwrap_or(1), 1),
+        ("--compare-batch", a.compare_batch.unwrap_or(1), 1),
     ])?;
     a.overlap.check()?;
-    if a.step_tokens == Some(0) {
-        anyhow::bail!("--step-tokens must be at least 1");
-    }
-    match a.compare_batch {
-        Some(0) => anyhow::bail!("--compare-batch must be at least 1"),
-        Some(b) if b == a.work.batch => {
-            anyhow::bail!("--compare-batch {b} is --batch itself: give another size")
-        }
-        _ => {}
+    if let Some(b) = a.compare_batch.filter(|&b| b == a.work.batch) {
+        anyhow::bail!("--compare-batch {b} is --batch itself: give another size");
     }
     let params = a.sampling.params()?;
     if a.limits {

@@ -412,10 +412,13 @@ impl Engine {
         let prefetch = choose_prefetch(&shard, &team)?;
         let many_prefetch = many_prefetch_from_env()?;
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
-        let kv_room = crate::host::kv_room(&crate::comm::Single, max_page_bytes).map(|r| {
-            // Alone, a rank takes its share of its node: the others are not known yet.
-            let ranks = crate::comm::mpi::local_ranks();
-            crate::host::KvRoom { pages: r.pages / ranks, rank: grid.rank, ranks, ..r }
+        // Alone, a rank takes its share of its node: the others are not known yet.
+        let ranks = crate::comm::mpi::local_ranks();
+        let kv_room = crate::host::mem_available().map(|available| crate::host::KvRoom {
+            pages: available / ranks / max_page_bytes.max(1),
+            rank: grid.rank,
+            available,
+            ranks,
         });
         let kv = shard.new_kv_pool(0, kv_dtype);
         Ok(Engine {
@@ -458,11 +461,9 @@ impl Engine {
     /// sizes the pool the driver plans for (a page table is the same on every rank), and the
     /// pages the memory of the tightest node holds for all its ranks.
     pub fn share_sizes(&mut self, link: &dyn Link) {
-        let mut all = vec![0u64; link.world_size()];
-        let page = self.shard.kv_page_bytes(self.kv_dtype);
-        link.allgather_u64(&[page as u64], &mut all);
-        self.max_page_bytes = all.into_iter().max().unwrap_or(0) as usize;
-        self.kv_room = crate::host::kv_room(link, page);
+        let all = crate::host::gather_nodes(link, self.shard.kv_page_bytes(self.kv_dtype));
+        self.max_page_bytes = all.iter().map(|r| r[1]).max().unwrap_or(0) as usize;
+        self.kv_room = crate::host::tightest_node(&all);
     }
 
     /// The KV pages the tightest node has memory for (see [`Engine::share_sizes`]).
