@@ -17,6 +17,39 @@ fn proc_kb(path: &str, field: &str) -> Option<usize> {
     Some(line.split_whitespace().nth(1)?.parse::<usize>().ok()? * 1024)
 }
 
+/// Bytes of a level-1 data cache of this process's first CPU, as Linux lists its caches
+/// under `root` (`/sys/devices/system/cpu`), if it says.
+pub fn l1d_bytes(root: &Path) -> Option<usize> {
+    let cpu = root.join(format!("cpu{}", first_cpu()?));
+    (0..16).find_map(|i| {
+        let dir = cpu.join(format!("cache/index{i}"));
+        let field = |f: &str| std::fs::read_to_string(dir.join(f)).ok().map(|v| v.trim().to_string());
+        if field("level")? != "1" || field("type")? != "Data" {
+            return None;
+        }
+        cache_size(&field("size")?)
+    })
+}
+
+/// A cache size as sysfs writes it (`48K`, `1024K`, `32M`), in bytes.
+fn cache_size(s: &str) -> Option<usize> {
+    let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: usize = digits.parse().ok()?;
+    match unit {
+        "" => Some(n),
+        "K" => Some(n << 10),
+        "M" => Some(n << 20),
+        _ => None,
+    }
+}
+
+/// The lowest CPU this process may run on.
+fn first_cpu() -> Option<usize> {
+    let set = affinity()?;
+    // SAFETY: CPU_ISSET reads the set's bits within its size.
+    (0..libc::CPU_SETSIZE as usize).find(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+}
+
 /// Memory this process can still be given without swapping, if known: the node's
 /// `MemAvailable`, or less where the process's memory cgroup (a container's limit) allows less.
 pub fn mem_available() -> Option<usize> {
@@ -299,6 +332,29 @@ mod tests {
         let own = "9:cpu,cpuacct:/job\n4:memory:/job\n0::/\n";
         assert_eq!(cgroup_room(t.path(), own), Some(512 << 20));
         assert_eq!(cgroup_room(t.path(), "4:memory:/\n"), None);
+    }
+
+    #[test]
+    fn cache_sizes_read_as_sysfs_writes_them() {
+        assert_eq!(cache_size("48K"), Some(48 << 10));
+        assert_eq!(cache_size("1024K"), Some(1 << 20));
+        assert_eq!(cache_size("32M"), Some(32 << 20));
+        assert_eq!(cache_size("512"), Some(512));
+        assert_eq!(cache_size("K"), None);
+        assert_eq!(cache_size("48KB"), None);
+        let root = tempfile::tempdir().unwrap();
+        let cpu = root.path().join(format!("cpu{}", first_cpu().unwrap()));
+        for (i, level, kind, size) in
+            [(0, "1", "Instruction", "32K"), (1, "2", "Unified", "1024K"), (2, "1", "Data", "48K")]
+        {
+            let dir = cpu.join(format!("cache/index{i}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("level"), format!("{level}\n")).unwrap();
+            std::fs::write(dir.join("type"), format!("{kind}\n")).unwrap();
+            std::fs::write(dir.join("size"), format!("{size}\n")).unwrap();
+        }
+        assert_eq!(l1d_bytes(root.path()), Some(48 << 10));
+        assert_eq!(l1d_bytes(&root.path().join("none")), None);
     }
 
     #[test]

@@ -630,7 +630,8 @@ pub enum ManyFetch {
     Nta,
     /// A batch of up to [`WHOLE_MAX`] tokens against each panel at once, one pass over its
     /// weights (every token's sums in two registers, 16 of the 32 at eight tokens), each chunk
-    /// asked for 8 KiB ahead into L2 and 2 KiB ahead into L1 as well; a larger batch as `L2`.
+    /// asked for 8 KiB ahead into L2 and [`whole_l1_ahead`] (2 or 4 KiB) ahead into L1 as well;
+    /// a larger batch as `L2`.
     /// Two groups of four read a panel block from memory in the first group's pass and from
     /// L1 in the second's, so the stream came in bursts; one pass reads it at an even pace.
     /// On the 2-core Zen 4 machine (the ways taking turns in one process, medians of the
@@ -648,6 +649,27 @@ pub enum ManyFetch {
 /// The most tokens [`ManyFetch::Whole`] sums against a panel in one pass: two accumulators a
 /// token, 16 of the 32 registers, and the two weight registers, and the input.
 pub const WHOLE_MAX: usize = 8;
+
+/// How far ahead of each chunk [`ManyFetch::Whole`] asks for it into L1: 4 KiB where a core's
+/// L1 data cache holds 48 KiB or more, else 2 KiB (as chosen on Zen 4, whose L1 holds 32 KiB
+/// and where a batch's eight inputs of a 2048-column block fill it alone). On the 2-core Zen 5
+/// machine (48 KiB), under `whole` named, the batch-8 step's time over the batch-1 step's in
+/// the same run (`--compare-batch 1`, steps alternating): the llama-3.2-1b shape 1.335–1.343
+/// against 1.417–1.443 while the cores sat apart (two runs and four) and 1.174–1.181 against
+/// 1.193–1.214 together (four and three); SmolLM2 and the llama-2-7b shape a little less (the
+/// README's "Many-token prefetch"). Read when `whole` is set ([`set_many_fetch`]), before a
+/// product streams under it.
+pub fn whole_l1_ahead() -> usize {
+    static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *AHEAD.get_or_init(|| {
+        let l1 = crate::host::l1d_bytes(std::path::Path::new("/sys/devices/system/cpu"));
+        if l1.is_some_and(|b| b >= 48 << 10) {
+            4 << 10
+        } else {
+            2 << 10
+        }
+    })
+}
 
 impl ManyFetch {
     /// In declared order, so a way's discriminant is its index.
@@ -753,6 +775,9 @@ impl Ahead {
 
 /// Sets the way the many-token bf16 kernel prefetches in this process, from its next call on.
 pub fn set_many_fetch(f: ManyFetch) {
+    if f == ManyFetch::Whole {
+        whole_l1_ahead();
+    }
     MANY_FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
@@ -2916,12 +2941,14 @@ mod avx512 {
         if fetch == ManyFetch::Whole && (1..=super::WHOLE_MAX).contains(&n_tok) {
             // Each panel's column blocks in turn, against every token at once.
             let xs: [*const bf16; super::WHOLE_MAX] = std::array::from_fn(|i| x(i.min(n_tok - 1)));
+            let near = super::whole_l1_ahead();
             for p in 0..panels {
                 let mut c0 = 0;
                 while c0 < n {
                     let cn = kb.min(n - c0);
                     let mut acc: PairAcc = std::mem::zeroed();
                     whole_acc_bf16_n(
+                        near,
                         n_tok,
                         w.as_ptr().add(4 * (n * p + c0)),
                         cn,
@@ -3110,14 +3137,14 @@ mod avx512 {
     /// and by the same instructions in the same order, so finished ([`pair_acc_finish`], the
     /// first four tokens as panel 0, the others as panel 1) they are the same bits. Each pair
     /// of weight registers serves every token; each chunk is asked for 8 KiB ahead into L2
-    /// and 2 KiB ahead into L1 (see [`ManyFetch::Whole`]).
+    /// and `NEAR` bytes ahead into L1 (see [`ManyFetch::Whole`], [`super::whole_l1_ahead`]).
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
     /// [`BLOCK`]; `w` is valid for `4 n` reads, each `x[i]` for `n`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    unsafe fn whole_acc_bf16<const NT: usize>(
+    unsafe fn whole_acc_bf16<const NT: usize, const NEAR: usize>(
         w: *const bf16,
         n: usize,
         x: [*const bf16; NT],
@@ -3128,7 +3155,7 @@ mod avx512 {
         while c < n {
             let wp = w.add(4 * c);
             fetch_chunk::<bf16, { 8 << 10 }, _MM_HINT_T1>(wp);
-            fetch_chunk::<bf16, { 2 << 10 }, _MM_HINT_T0>(wp);
+            fetch_chunk::<bf16, NEAR, _MM_HINT_T0>(wp);
             let wr = [load_pbh(wp), load_pbh(wp.add(2 * BLOCK))];
             for (t, xi) in x.iter().enumerate() {
                 let xb = load_twice(xi.add(c));
@@ -3143,23 +3170,45 @@ mod avx512 {
     }
 
     /// [`whole_acc_bf16`] on the first `nt` inputs of `x` (1 to [`super::WHOLE_MAX`]; the
-    /// others are not read).
+    /// others are not read), asking `near` bytes ahead into L1 (2 or 4 KiB,
+    /// [`super::whole_l1_ahead`]).
     ///
     /// # Safety
     /// As [`whole_acc_bf16`].
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    unsafe fn whole_acc_bf16_n(nt: usize, w: *const bf16, n: usize, x: [*const bf16; 8], acc: &mut PairAcc) {
-        let [a, b, c, d, e, f, g, h] = x;
-        match nt {
-            8 => whole_acc_bf16::<8>(w, n, [a, b, c, d, e, f, g, h], acc),
-            7 => whole_acc_bf16::<7>(w, n, [a, b, c, d, e, f, g], acc),
-            6 => whole_acc_bf16::<6>(w, n, [a, b, c, d, e, f], acc),
-            5 => whole_acc_bf16::<5>(w, n, [a, b, c, d, e], acc),
-            4 => whole_acc_bf16::<4>(w, n, [a, b, c, d], acc),
-            3 => whole_acc_bf16::<3>(w, n, [a, b, c], acc),
-            2 => whole_acc_bf16::<2>(w, n, [a, b], acc),
-            _ => whole_acc_bf16::<1>(w, n, [a], acc),
+    unsafe fn whole_acc_bf16_n(
+        near: usize,
+        nt: usize,
+        w: *const bf16,
+        n: usize,
+        x: [*const bf16; 8],
+        acc: &mut PairAcc,
+    ) {
+        #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+        unsafe fn by_tokens<const NEAR: usize>(
+            nt: usize,
+            w: *const bf16,
+            n: usize,
+            x: [*const bf16; 8],
+            acc: &mut PairAcc,
+        ) {
+            let [a, b, c, d, e, f, g, h] = x;
+            match nt {
+                8 => whole_acc_bf16::<8, NEAR>(w, n, [a, b, c, d, e, f, g, h], acc),
+                7 => whole_acc_bf16::<7, NEAR>(w, n, [a, b, c, d, e, f, g], acc),
+                6 => whole_acc_bf16::<6, NEAR>(w, n, [a, b, c, d, e, f], acc),
+                5 => whole_acc_bf16::<5, NEAR>(w, n, [a, b, c, d, e], acc),
+                4 => whole_acc_bf16::<4, NEAR>(w, n, [a, b, c, d], acc),
+                3 => whole_acc_bf16::<3, NEAR>(w, n, [a, b, c], acc),
+                2 => whole_acc_bf16::<2, NEAR>(w, n, [a, b], acc),
+                _ => whole_acc_bf16::<1, NEAR>(w, n, [a], acc),
+            }
+        }
+        if near >= 4 << 10 {
+            by_tokens::<{ 4 << 10 }>(nt, w, n, x, acc)
+        } else {
+            by_tokens::<{ 2 << 10 }>(nt, w, n, x, acc)
         }
     }
 
