@@ -163,7 +163,8 @@ impl Engine {
         let mut need: Vec<usize> = requests.iter().map(pages_of).collect();
         need.sort_unstable_by(|a, b| b.cmp(a));
         let want = need.iter().take(opts.max_batch).sum::<usize>().max(1);
-        // Unasked, a quarter of the tightest node's memory (1 GiB a rank where none is known).
+        // Unasked, a quarter of the tightest node's memory (where none is known, 1 GiB a node,
+        // shared by its ranks).
         let room = self.kv_room();
         let auto = room.map_or((1 << 30) / crate::comm::mpi::local_ranks() / page_bytes, |r| r.pages / 4);
         let pages = match opts.kv_bytes {

@@ -3137,25 +3137,26 @@ mod avx512 {
     /// and by the same instructions in the same order, so finished ([`pair_acc_finish`], the
     /// first four tokens as panel 0, the others as panel 1) they are the same bits. Each pair
     /// of weight registers serves every token; each chunk is asked for 8 KiB ahead into L2
-    /// and `NEAR` bytes ahead into L1 (see [`ManyFetch::Whole`], [`super::whole_l1_ahead`]).
+    /// and `near` bytes ahead into L1 (see [`ManyFetch::Whole`], [`super::whole_l1_ahead`]).
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of
     /// [`BLOCK`]; `w` is valid for `4 n` reads, each `x[i]` for `n`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-    unsafe fn whole_acc_bf16<const NT: usize, const NEAR: usize>(
+    unsafe fn whole_acc_bf16<const NT: usize>(
         w: *const bf16,
         n: usize,
         x: [*const bf16; NT],
         acc: &mut PairAcc,
+        near: usize,
     ) {
         let mut a = *acc;
         let mut c = 0;
         while c < n {
             let wp = w.add(4 * c);
             fetch_chunk::<bf16, { 8 << 10 }, _MM_HINT_T1>(wp);
-            fetch_chunk::<bf16, NEAR, _MM_HINT_T0>(wp);
+            fetch_chunk::<bf16, 0, _MM_HINT_T0>(wp.wrapping_byte_add(near));
             let wr = [load_pbh(wp), load_pbh(wp.add(2 * BLOCK))];
             for (t, xi) in x.iter().enumerate() {
                 let xb = load_twice(xi.add(c));
@@ -3185,30 +3186,16 @@ mod avx512 {
         x: [*const bf16; 8],
         acc: &mut PairAcc,
     ) {
-        #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-        unsafe fn by_tokens<const NEAR: usize>(
-            nt: usize,
-            w: *const bf16,
-            n: usize,
-            x: [*const bf16; 8],
-            acc: &mut PairAcc,
-        ) {
-            let [a, b, c, d, e, f, g, h] = x;
-            match nt {
-                8 => whole_acc_bf16::<8, NEAR>(w, n, [a, b, c, d, e, f, g, h], acc),
-                7 => whole_acc_bf16::<7, NEAR>(w, n, [a, b, c, d, e, f, g], acc),
-                6 => whole_acc_bf16::<6, NEAR>(w, n, [a, b, c, d, e, f], acc),
-                5 => whole_acc_bf16::<5, NEAR>(w, n, [a, b, c, d, e], acc),
-                4 => whole_acc_bf16::<4, NEAR>(w, n, [a, b, c, d], acc),
-                3 => whole_acc_bf16::<3, NEAR>(w, n, [a, b, c], acc),
-                2 => whole_acc_bf16::<2, NEAR>(w, n, [a, b], acc),
-                _ => whole_acc_bf16::<1, NEAR>(w, n, [a], acc),
-            }
-        }
-        if near >= 4 << 10 {
-            by_tokens::<{ 4 << 10 }>(nt, w, n, x, acc)
-        } else {
-            by_tokens::<{ 2 << 10 }>(nt, w, n, x, acc)
+        let [a, b, c, d, e, f, g, h] = x;
+        match nt {
+            8 => whole_acc_bf16::<8>(w, n, [a, b, c, d, e, f, g, h], acc, near),
+            7 => whole_acc_bf16::<7>(w, n, [a, b, c, d, e, f, g], acc, near),
+            6 => whole_acc_bf16::<6>(w, n, [a, b, c, d, e, f], acc, near),
+            5 => whole_acc_bf16::<5>(w, n, [a, b, c, d, e], acc, near),
+            4 => whole_acc_bf16::<4>(w, n, [a, b, c, d], acc, near),
+            3 => whole_acc_bf16::<3>(w, n, [a, b, c], acc, near),
+            2 => whole_acc_bf16::<2>(w, n, [a, b], acc, near),
+            _ => whole_acc_bf16::<1>(w, n, [a], acc, near),
         }
     }
 
