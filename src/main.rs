@@ -1062,7 +1062,7 @@ fn run_generate(
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let ranks = gather_rank_reports(link, &engine, engine.profile(), weight_rss, None);
+    let ranks = generate_rank_values(gather_rank_reports(link, &engine, engine.profile(), weight_rss, None));
     // The driver's verdict on the run (a lone prompt's own error included) reaches every rank,
     // so each says the same line and ends alone rather than being aborted by the launcher.
     let verdict = match &run {
@@ -1205,6 +1205,21 @@ fn at_least(options: &[(&str, usize, usize)]) -> Result<()> {
 }
 
 /// Adds `extra`'s keys to the JSON object `out`.
+/// The rank reports as `generate --json` prints them: without bench's `baseline_*` keys, which
+/// only a bench comparison fills.
+fn generate_rank_values(ranks: Vec<RankReport>) -> Vec<serde_json::Value> {
+    ranks
+        .into_iter()
+        .map(|r| {
+            let mut v = serde_json::to_value(r).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.retain(|k, _| !k.starts_with("baseline_"));
+            }
+            v
+        })
+        .collect()
+}
+
 fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
     if let (Some(o), Some(e)) = (out.as_object_mut(), extra.as_object()) {
         o.extend(e.iter().map(|(k, v)| (k.clone(), v.clone())));

@@ -30,6 +30,9 @@ fn json_output_has_the_documented_keys() {
     assert_eq!(j["finish_reason"], "length");
     assert!(j["ranks"][0]["weight_bytes"].as_u64().unwrap() > 0);
     assert_eq!(j["ranks"][0]["allocations_per_step"].as_f64(), Some(0.0), "{j}");
+    // Bench's comparison keys are bench's alone.
+    let rank = j["ranks"][0].as_object().unwrap();
+    assert!(rank.keys().all(|k| !k.starts_with("baseline_")), "{j}");
     // A prompt of one token: its prefill, the engine's first step, is not a decode step.
     let out =
         gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t3", "--max-tokens", "5", "--json"]);
