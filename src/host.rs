@@ -221,13 +221,39 @@ pub fn gather_nodes(link: &dyn Link, bytes: usize) -> Vec<[u64; 3]> {
     all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
 }
 
+/// Bytes of a host name [`gather_host_names`] passes on (longer names are cut there).
+const HOST_BYTES: usize = 64;
+
+/// Collective over the job: every rank's host name ([`name`], at most 64 bytes of it), so
+/// that a rank can name another's node in an error line.
+pub fn gather_host_names(link: &dyn Link) -> Vec<String> {
+    let mut mine = [0u64; HOST_BYTES / 8];
+    let own = name();
+    let mut bytes = [0u8; HOST_BYTES];
+    let n = own.len().min(HOST_BYTES);
+    bytes[..n].copy_from_slice(&own.as_bytes()[..n]);
+    for (word, chunk) in mine.iter_mut().zip(bytes.chunks_exact(8)) {
+        *word = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
+    }
+    let mut all = vec![0u64; mine.len() * link.world_size()];
+    link.allgather_u64(&mine, &mut all);
+    all.chunks_exact(mine.len())
+        .map(|words| {
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).take_while(|&b| b != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .collect()
+}
+
 /// Where the job's nodes leave least memory for KV pages, as [`tightest_node`] finds it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvRoom {
     /// KV pages (of every rank's own size) the tightest node holds for all its ranks.
     pub pages: usize,
-    /// The lowest rank on that node, the node's available bytes and its ranks.
+    /// The lowest rank on that node, the node's host name (that rank's), its available bytes
+    /// and its ranks.
     pub rank: usize,
+    pub host: String,
     pub available: usize,
     pub ranks: usize,
 }
@@ -235,8 +261,9 @@ pub struct KvRoom {
 /// Of every rank's `[node key, KV page bytes, bytes available]` ([`gather_nodes`];
 /// `u64::MAX`: unknown), the pages a pool may have so that each node's ranks together fit in
 /// the memory the node has available (the most any of its ranks saw), at the node where that
-/// is fewest. `None` where no node's memory is known.
-pub fn tightest_node(all: &[[u64; 3]]) -> Option<KvRoom> {
+/// is fewest, named by its lowest rank's entry in `hosts` (one a rank, or none). `None` where no
+/// node's memory is known.
+pub fn tightest_node(all: &[[u64; 3]], hosts: &[String]) -> Option<KvRoom> {
     let mut nodes: Vec<(u64, usize, u64, u64, usize)> = Vec::new(); // key, first rank, bytes a page, available, ranks
     for (rank, &[key, page, avail]) in all.iter().enumerate() {
         match nodes.iter_mut().find(|n| n.0 == key) {
@@ -254,6 +281,7 @@ pub fn tightest_node(all: &[[u64; 3]]) -> Option<KvRoom> {
         .map(|(_, rank, page, avail, ranks)| KvRoom {
             pages: usize::try_from(avail / page.max(1)).unwrap_or(usize::MAX),
             rank,
+            host: hosts.get(rank).cloned().unwrap_or_else(|| "unknown".into()),
             available: usize::try_from(avail).unwrap_or(usize::MAX),
             ranks,
         })
@@ -273,15 +301,23 @@ mod tests {
         // node-a: ranks 0 and 2, pages of 3 and 1 MiB, 40 MiB (the most its ranks saw) → 10
         // pages; node-b: rank 1 alone, 2 MiB pages, 30 MiB → 15.
         let all = [[a, 3 * M, 40 * M], [b, 2 * M, 30 * M], [a, M, 38 * M]];
-        let room = tightest_node(&all).unwrap();
-        assert_eq!(room, KvRoom { pages: 10, rank: 0, available: 40 << 20, ranks: 2 });
+        let hosts = ["node-a", "node-b", "node-a"].map(String::from);
+        let room = tightest_node(&all, &hosts).unwrap();
+        let host = String::from("node-a");
+        assert_eq!(room, KvRoom { pages: 10, rank: 0, host, available: 40 << 20, ranks: 2 });
         // node-b with less: it is the tightest now.
         let all = [[a, 3 * M, 40 * M], [b, 2 * M, 12 * M], [a, M, 38 * M]];
-        assert_eq!(tightest_node(&all).unwrap(), KvRoom { pages: 6, rank: 1, available: 12 << 20, ranks: 1 });
+        let host = String::from("node-b");
+        assert_eq!(
+            tightest_node(&all, &hosts).unwrap(),
+            KvRoom { pages: 6, rank: 1, host, available: 12 << 20, ranks: 1 }
+        );
         // A node whose memory is unknown sets no bound; none known, no room at all.
         let all = [[a, 3 * M, u64::MAX], [b, 2 * M, 12 * M]];
-        assert_eq!(tightest_node(&all).unwrap().rank, 1);
-        assert_eq!(tightest_node(&[[a, M, u64::MAX]]), None);
+        assert_eq!(tightest_node(&all, &hosts).unwrap().rank, 1);
+        assert_eq!(tightest_node(&[[a, M, u64::MAX]], &hosts), None);
+        // Without host names the node is still named by its rank.
+        assert_eq!(tightest_node(&all, &[]).unwrap().host, "unknown");
     }
 
     #[test]

@@ -417,6 +417,7 @@ impl Engine {
         let kv_room = crate::host::mem_available().map(|available| crate::host::KvRoom {
             pages: available / ranks / max_page_bytes.max(1),
             rank: grid.rank,
+            host: crate::host::name(),
             available,
             ranks,
         });
@@ -463,12 +464,12 @@ impl Engine {
     pub fn share_sizes(&mut self, link: &dyn Link) {
         let all = crate::host::gather_nodes(link, self.shard.kv_page_bytes(self.kv_dtype));
         self.max_page_bytes = all.iter().map(|r| r[1]).max().unwrap_or(0) as usize;
-        self.kv_room = crate::host::tightest_node(&all);
+        self.kv_room = crate::host::tightest_node(&all, &crate::host::gather_host_names(link));
     }
 
     /// The KV pages the tightest node has memory for (see [`Engine::share_sizes`]).
-    pub fn kv_room(&self) -> Option<crate::host::KvRoom> {
-        self.kv_room
+    pub fn kv_room(&self) -> Option<&crate::host::KvRoom> {
+        self.kv_room.as_ref()
     }
 
     /// Bytes of one KV page on the rank where it is largest.

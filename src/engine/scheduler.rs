@@ -178,9 +178,9 @@ impl Engine {
             )));
         }
         if let (Some(_), Some(room)) = (opts.kv_bytes, room.filter(|r| pages > r.pages)) {
-            let KvRoom { rank, available, ranks, .. } = room;
+            let KvRoom { rank, host, available, ranks, .. } = room;
             return Err(Error::Input(format!(
-                "the KV cache would take {} MiB per rank (what the prompts need at full length, within the KV memory asked for), but the node of rank {rank} has {} MiB available for its {ranks} rank(s): ask for less KV memory or a smaller batch",
+                "the KV cache would take {} MiB per rank (what the prompts need at full length, within the KV memory asked for), but host {host} (the node of rank {rank}) has {} MiB available for its {ranks} rank(s): ask for less KV memory or a smaller batch",
                 (pages * page_bytes) >> 20,
                 available >> 20
             )));

@@ -270,7 +270,7 @@ fn a_model_larger_than_the_node_is_refused_before_loading() {
 }
 
 /// KV memory asked for beyond what a node has, on two ranks of one node: the line counts the
-/// pages of both ranks against the node and names it by its first rank; every rank says it
+/// pages of both ranks against the node and names it by host and first rank; every rank says it
 /// (the driver's verdict on a run is agreed, not an abort of the others), as it says a lone
 /// prompt's own error.
 #[test]
@@ -282,7 +282,8 @@ fn kv_memory_beyond_the_node_counts_all_its_ranks() {
     std::fs::write(&prompts, (0..2000).map(|i| format!("prompt {i}\n")).collect::<String>()).unwrap();
     let args = ["--prompts-file", path_str(&prompts), "--max-batch", "2000", "--max-tokens", "8192"];
     let out = local(2, &model, &[&args[..], &["--tp", "2", "--kv-mem-mib", "999999999"]].concat(), &[]);
-    assert_every_rank_says(&out, 2, "but the node of rank 0 has");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert_every_rank_says(&out, 2, &format!("but host {} (the node of rank 0) has", host.trim()));
     assert_every_rank_says(&out, 2, "for its 2 rank(s): ask for less KV memory");
     // A lone prompt that needs more KV pages than 1 MiB holds.
     let out = local(2, &model, &["--prompt", "hello", "--max-tokens", "200", "--kv-mem-mib", "1"], &[]);
