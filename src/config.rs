@@ -171,6 +171,15 @@ impl ModelConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(bad(format!("head_dim {head_dim} must be even and positive (RoPE rotates pairs)")));
         }
+        // Numbers that would turn every hidden state or rotation into NaN or infinity.
+        let eps = raw.rms_norm_eps.unwrap_or(1e-6);
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(bad(format!("rms_norm_eps {eps} must be a finite number, not negative")));
+        }
+        let rope_theta = raw.rope_theta.unwrap_or(10000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(bad(format!("rope_theta {rope_theta} must be a finite positive number")));
+        }
         let rope_scaling = match &raw.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
@@ -178,6 +187,11 @@ impl ModelConfig {
         let sliding_window = match (arch, raw.use_sliding_window) {
             (Arch::Qwen2, Some(true)) => {
                 return Err(bad("use_sliding_window = true is not supported for qwen2".into()));
+            }
+            (Arch::Mistral, _) if raw.sliding_window == Some(0) => {
+                return Err(bad(
+                    "sliding_window is 0 (expected a positive number of positions, or null)".into()
+                ));
             }
             (Arch::Mistral, _) => raw.sliding_window,
             _ => None,
@@ -192,8 +206,8 @@ impl ModelConfig {
             n_kv_heads,
             head_dim,
             vocab_size: raw.vocab_size,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta: raw.rope_theta.unwrap_or(10000.0),
+            rms_norm_eps: eps as f32,
+            rope_theta,
             rope_scaling,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
@@ -250,9 +264,13 @@ fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling,
         .and_then(|t| t.as_str())
         .ok_or("rope_scaling has no `rope_type`")?;
     let num = |k: &str| {
-        v.get(k)
-            .and_then(|x| x.as_f64())
-            .ok_or(format!("rope_scaling of type `{kind}` lacks the number `{k}`"))
+        let x = v.get(k).and_then(|x| x.as_f64());
+        let x = x.ok_or(format!("rope_scaling of type `{kind}` lacks the number `{k}`"))?;
+        if x.is_finite() && x > 0.0 {
+            Ok(x)
+        } else {
+            Err(format!("rope_scaling's `{k}` is {x} (expected a finite positive number)"))
+        }
     };
     match kind {
         "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
@@ -293,6 +311,35 @@ mod tests {
         assert!(e.contains("unsupported model_type `bert`"), "{e}");
         let e = parse(&BASE.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3")).unwrap_err();
         assert!(e.to_string().contains("not a multiple"), "{e}");
+    }
+
+    #[test]
+    fn numbers_that_would_make_nan_are_errors() {
+        let with = |extra: &str| BASE.replace("\"vocab_size\":100", &format!("\"vocab_size\":100,{extra}"));
+        let cases = [
+            (r#""rms_norm_eps":-1e-6"#, "rms_norm_eps -0.000001 must be"),
+            (r#""rope_theta":0"#, "rope_theta 0 must be"),
+            (r#""rope_theta":-10000"#, "rope_theta -10000 must be"),
+            (r#""rope_scaling":{"type":"linear","factor":0}"#, "rope_scaling's `factor` is 0"),
+            (
+                r#""rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":-1,"high_freq_factor":4,
+                   "original_max_position_embeddings":8192}"#,
+                "rope_scaling's `low_freq_factor` is -1",
+            ),
+        ];
+        for (extra, msg) in cases {
+            let e = parse(&with(extra)).unwrap_err().to_string();
+            assert!(e.contains(msg), "{extra}: {e}");
+        }
+        let mistral = with(r#""sliding_window":0"#).replace("llama", "mistral");
+        let e = parse(&mistral).unwrap_err().to_string();
+        assert!(e.contains("sliding_window is 0"), "{e}");
+        // Zero epsilon and a null window are allowed.
+        assert!(parse(&with(r#""rms_norm_eps":0"#)).is_ok());
+        assert_eq!(
+            parse(&with(r#""sliding_window":null"#).replace("llama", "mistral")).unwrap().sliding_window,
+            None
+        );
     }
 
     #[test]
