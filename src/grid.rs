@@ -150,8 +150,8 @@ impl ShardPlan {
                 if split.len() != grid.pp || split.iter().sum::<usize>() != cfg.n_layers || split.contains(&0)
                 {
                     return Err(Error::Input(format!(
-                        "invalid --layers {split:?}: expected {} positive counts summing to {} layers",
-                        grid.pp, cfg.n_layers
+                        "invalid --layers {split:?}: expected one positive count per pipeline stage ({} with --pp {}), summing to the model's {} layers",
+                        grid.pp, grid.pp, cfg.n_layers
                     )));
                 }
                 split.to_vec()
