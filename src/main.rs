@@ -1333,6 +1333,15 @@ fn run_bench(
         };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
+        // Every sequence must decode all its new tokens, or the figures would count tokens
+        // that were never made.
+        let positions = a.work.prompt_len + a.work.new_tokens;
+        if positions > cfg.max_position_embeddings {
+            return Err(gridlm::Error::Input(format!(
+                "--prompt-len {} + --new-tokens {} = {positions} positions, but the model's context holds {} (its max_position_embeddings)",
+                a.work.prompt_len, a.work.new_tokens, cfg.max_position_embeddings
+            )));
+        }
         Ok((cfg, plan))
     })();
     let (cfg, plan) = agree(link, setup)?;

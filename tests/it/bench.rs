@@ -228,6 +228,14 @@ fn bench_rejects_unknown_shape() {
     assert_one_line_error(&out, &["unknown --shape `gpt-5`", "llama-3-8b"]);
 }
 
+/// A run whose new tokens would not fit in the context is refused, not cut short.
+#[test]
+fn bench_rejects_new_tokens_beyond_the_context() {
+    // smollm2-135m's context is 8192 positions.
+    let out = gridlm(&["bench", "--shape", "smollm2-135m", "--prompt-len", "8180", "--new-tokens", "64"]);
+    assert_one_line_error(&out, &["--prompt-len 8180 + --new-tokens 64 = 8244 positions", "holds 8192"]);
+}
+
 #[test]
 fn bench_rejects_an_empty_bandwidth_buffer() {
     let out = gridlm(&["bench", "--limits", "--bandwidth-mib", "0"]);
