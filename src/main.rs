@@ -1204,7 +1204,6 @@ fn at_least(options: &[(&str, usize, usize)]) -> Result<()> {
     }
 }
 
-/// Adds `extra`'s keys to the JSON object `out`.
 /// The rank reports as `generate --json` prints them: without bench's `baseline_*` keys, which
 /// only a bench comparison fills.
 fn generate_rank_values(ranks: Vec<RankReport>) -> Vec<serde_json::Value> {
@@ -1220,6 +1219,7 @@ fn generate_rank_values(ranks: Vec<RankReport>) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Adds `extra`'s keys to the JSON object `out`.
 fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
     if let (Some(o), Some(e)) = (out.as_object_mut(), extra.as_object()) {
         o.extend(e.iter().map(|(k, v)| (k.clone(), v.clone())));
