@@ -316,7 +316,7 @@ mod tests {
         let all = [[a, 3 * M, u64::MAX], [b, 2 * M, 12 * M]];
         assert_eq!(tightest_node(&all, &hosts).unwrap().rank, 1);
         assert_eq!(tightest_node(&[[a, M, u64::MAX]], &hosts), None);
-        // Without host names the node is still named by its rank.
+        // Without host names the host is `unknown` (the error line still names the rank).
         assert_eq!(tightest_node(&all, &[]).unwrap().host, "unknown");
     }
 
