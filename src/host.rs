@@ -207,42 +207,45 @@ fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> R
 /// summed and compared with the memory the node has available. Loading quantized (`quant`)
 /// changes only the hint.
 pub fn check_room(link: &dyn Link, need: usize, quant: Option<Quant>) -> Result<()> {
-    shortfall(link.world_rank(), &name(), &gather_nodes(link, need), quant)
+    shortfall(link.world_rank(), &name(), &gather_nodes(link, need).0, quant)
 }
+
+/// Bytes of a host name [`gather_nodes`] passes on (longer names are cut there).
+const HOST_BYTES: usize = 64;
+/// Words of a rank's record in [`gather_nodes`]: node key, bytes, bytes available, host name.
+const RECORD: usize = 3 + HOST_BYTES / 8;
 
 /// Collective over the job: every rank's `[node key, bytes, bytes available]`, `bytes` its
-/// own figure. Ranks share memory when they run under one kernel: the same boot id, whatever
-/// the host names say (containers of one machine may have their own; machines may share one).
-pub fn gather_nodes(link: &dyn Link, bytes: usize) -> Vec<[u64; 3]> {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|_| name());
-    let mine = [crate::fnv1a(boot.trim()), bytes as u64, mem_available().map_or(u64::MAX, |b| b as u64)];
-    let mut all = vec![0u64; 3 * link.world_size()];
-    link.allgather_u64(&mine, &mut all);
-    all.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
-}
-
-/// Bytes of a host name [`gather_host_names`] passes on (longer names are cut there).
-const HOST_BYTES: usize = 64;
-
-/// Collective over the job: every rank's host name ([`name`], at most 64 bytes of it), so
-/// that a rank can name another's node in an error line.
-pub fn gather_host_names(link: &dyn Link) -> Vec<String> {
-    let mut mine = [0u64; HOST_BYTES / 8];
-    let own = name();
-    let mut bytes = [0u8; HOST_BYTES];
-    let n = own.len().min(HOST_BYTES);
-    bytes[..n].copy_from_slice(&own.as_bytes()[..n]);
-    for (word, chunk) in mine.iter_mut().zip(bytes.chunks_exact(8)) {
+/// own figure, and its host name ([`name`], at most 64 bytes of it, so that a rank can name
+/// another's node in an error line). Ranks share memory when they run under one kernel: the
+/// same boot id, whatever the host names say (containers of one machine may have their own;
+/// machines may share one).
+pub fn gather_nodes(link: &dyn Link, bytes: usize) -> (Vec<[u64; 3]>, Vec<String>) {
+    let host = name();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_else(|_| host.clone());
+    let mut mine = [0u64; RECORD];
+    mine[..3].copy_from_slice(&[
+        crate::fnv1a(boot.trim()),
+        bytes as u64,
+        mem_available().map_or(u64::MAX, |b| b as u64),
+    ]);
+    let mut text = [0u8; HOST_BYTES];
+    let n = host.len().min(HOST_BYTES);
+    text[..n].copy_from_slice(&host.as_bytes()[..n]);
+    for (word, chunk) in mine[3..].iter_mut().zip(text.chunks_exact(8)) {
         *word = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
     }
-    let mut all = vec![0u64; mine.len() * link.world_size()];
+    let mut all = vec![0u64; RECORD * link.world_size()];
     link.allgather_u64(&mine, &mut all);
-    all.chunks_exact(mine.len())
-        .map(|words| {
-            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).take_while(|&b| b != 0).collect();
-            String::from_utf8_lossy(&bytes).into_owned()
+    let figures = all.chunks_exact(RECORD).map(|c| [c[0], c[1], c[2]]).collect();
+    let hosts = all
+        .chunks_exact(RECORD)
+        .map(|c| {
+            let text: Vec<u8> = c[3..].iter().flat_map(|w| w.to_le_bytes()).take_while(|&b| b != 0).collect();
+            String::from_utf8_lossy(&text).into_owned()
         })
-        .collect()
+        .collect();
+    (figures, hosts)
 }
 
 /// Where the job's nodes leave least memory for KV pages, as [`tightest_node`] finds it.

@@ -462,9 +462,9 @@ impl Engine {
     /// sizes the pool the driver plans for (a page table is the same on every rank), and the
     /// pages the memory of the tightest node holds for all its ranks.
     pub fn share_sizes(&mut self, link: &dyn Link) {
-        let all = crate::host::gather_nodes(link, self.shard.kv_page_bytes(self.kv_dtype));
+        let (all, hosts) = crate::host::gather_nodes(link, self.shard.kv_page_bytes(self.kv_dtype));
         self.max_page_bytes = all.iter().map(|r| r[1]).max().unwrap_or(0) as usize;
-        self.kv_room = crate::host::tightest_node(&all, &crate::host::gather_host_names(link));
+        self.kv_room = crate::host::tightest_node(&all, &hosts);
     }
 
     /// The KV pages the tightest node has memory for (see [`Engine::share_sizes`]).
