@@ -6,12 +6,13 @@ use serde::Deserialize;
 use std::path::Path;
 
 /// The decoder families gridlm runs. They share one forward pass; they differ in details
-/// recorded in [`ModelConfig`] (QKV bias, sliding window).
+/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
 }
 
 impl Arch {
@@ -20,6 +21,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
 }
@@ -50,11 +52,17 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Bias on q/k/v projections (Qwen2).
     pub qkv_bias: bool,
+    /// An RMSNorm over each query and key head (weights of `head_dim`, shared by the heads)
+    /// between the projection and RoPE (Qwen3).
+    pub qk_norm: bool,
     /// Attend to at most this many previous positions (Mistral); `None` = full causal.
     pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
+
+/// The `model_type`s gridlm runs, as errors list them.
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -118,17 +126,17 @@ impl ModelConfig {
     pub fn from_json(path: &Path, text: &str) -> Result<Self> {
         let bad = |msg: String| Error::file(path, msg);
         let raw: HfConfig = serde_json::from_str(text).map_err(|e| bad(format!("invalid config: {e}")))?;
-        let model_type = raw.model_type.clone().ok_or_else(|| {
-            bad("missing field `model_type` (expected one of llama, mistral, qwen2)".into())
-        })?;
+        let model_type = raw
+            .model_type
+            .clone()
+            .ok_or_else(|| bad(format!("missing field `model_type` (expected one of {MODEL_TYPES})")))?;
         let arch = match model_type.as_str() {
             "llama" => Arch::Llama,
             "mistral" => Arch::Mistral,
             "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
             other => {
-                return Err(bad(format!(
-                    "unsupported model_type `{other}` (expected one of llama, mistral, qwen2)"
-                )))
+                return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
         };
         if let Some(act) = &raw.hidden_act {
@@ -185,8 +193,8 @@ impl ModelConfig {
             Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
         };
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Qwen2, Some(true)) => {
-                return Err(bad("use_sliding_window = true is not supported for qwen2".into()));
+            (Arch::Qwen2 | Arch::Qwen3, Some(true)) => {
+                return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
             (Arch::Mistral, _) if raw.sliding_window == Some(0) => {
                 return Err(bad(
@@ -212,6 +220,7 @@ impl ModelConfig {
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
+            qk_norm: arch == Arch::Qwen3,
             sliding_window,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids,
@@ -340,6 +349,26 @@ mod tests {
             parse(&with(r#""sliding_window":null"#).replace("llama", "mistral")).unwrap().sliding_window,
             None
         );
+    }
+
+    #[test]
+    fn qwen3_has_head_norms_an_explicit_head_dim_and_no_bias() {
+        let qwen3 = BASE
+            .replace("llama", "qwen3")
+            .replace("\"vocab_size\":100", "\"vocab_size\":100,\"head_dim\":32");
+        let c = parse(&qwen3).unwrap();
+        assert_eq!(
+            (c.arch, c.head_dim, c.q_dim(), c.qk_norm, c.qkv_bias),
+            (Arch::Qwen3, 32, 128, true, false)
+        );
+        let with_bias = qwen3.replace("\"head_dim\":32", "\"head_dim\":32,\"attention_bias\":true");
+        assert!(parse(&with_bias).unwrap().qkv_bias);
+        let window = qwen3.replace("\"head_dim\":32", "\"head_dim\":32,\"use_sliding_window\":true");
+        let e = parse(&window).unwrap_err().to_string();
+        assert!(e.contains("use_sliding_window = true is not supported for qwen3"), "{e}");
+        // The others have no head norms.
+        assert!(!parse(BASE).unwrap().qk_norm);
+        assert!(!parse(&BASE.replace("llama", "qwen2")).unwrap().qk_norm);
     }
 
     #[test]

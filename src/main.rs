@@ -359,7 +359,7 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "shape", required_unless_present_any = ["shape", "limits"])]
     model: Option<PathBuf>,
     /// A named model shape with seeded random weights, generated per shard (no files):
-    /// smollm2-135m, qwen2-0.5b, llama-3.2-1b, llama-2-7b, llama-3-8b, llama-2-70b.
+    /// smollm2-135m, qwen2-0.5b, qwen3-0.6b, llama-3.2-1b, llama-2-7b, llama-3-8b, llama-2-70b.
     #[arg(long)]
     shape: Option<String>,
     /// Weight dtype: of a --shape model (default bf16); with --model, the checkpoint's

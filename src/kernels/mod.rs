@@ -17,12 +17,26 @@ pub use team::{Par, Region, Team};
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f32 = sum_of_squares(xr) / d as f32;
-        let inv = 1.0 / (ss + eps).sqrt();
+        let inv = inv_rms(xr, eps);
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * inv * g;
         }
     }
+}
+
+/// [`rmsnorm`] of each `w.len()`-long row of `x`, in place (Qwen3's per-head q/k norms).
+pub fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    for xr in x.chunks_exact_mut(w.len()) {
+        let inv = inv_rms(xr, eps);
+        for (v, &g) in xr.iter_mut().zip(w) {
+            *v = *v * inv * g;
+        }
+    }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`.
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    1.0 / (sum_of_squares(x) / x.len() as f32 + eps).sqrt()
 }
 
 /// `Σ v²` over `x`, in 16 lanes (then summed) so that the compiler can use vector registers:

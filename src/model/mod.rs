@@ -1,4 +1,4 @@
-//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2) and its forward pass.
+//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3) and its forward pass.
 //! Owns: loading the shard's tensors by their HF names and the layer math. Sees communication
 //! only through the [`Comm`] trait: exactly two allreduces per layer, one for the embedding.
 //!
@@ -30,12 +30,25 @@ struct Layer {
     /// Rows: this rank's q heads, then its k heads, then its v heads.
     qkv: PackedMat,
     qkv_bias: Option<Vec<f32>>,
+    /// Qwen3's RMSNorm weights over each query head and each key head (`head_dim` each).
+    head_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Input columns of this rank's q heads.
     o_proj: PackedMat,
     /// Rows: this rank's gate columns, then the same up columns.
     gate_up: PackedMat,
     /// Input columns of this rank's FFN range.
     down: PackedMat,
+}
+
+impl Layer {
+    /// Bytes of its f32 vectors: norms and biases.
+    fn vector_bytes(&self) -> usize {
+        let heads = self.head_norms.as_ref().map_or(0, |(q, k)| q.len() + k.len());
+        4 * (self.input_norm.len()
+            + self.post_norm.len()
+            + self.qkv_bias.as_ref().map_or(0, |b| b.len())
+            + heads)
+    }
 }
 
 /// Positions of one span attended together (one tile of queries).
@@ -236,6 +249,14 @@ impl Shard {
             } else {
                 None
             };
+            let head_norms = if cfg.qk_norm {
+                Some((
+                    ckpt.vector_f32(&p("self_attn.q_norm.weight"), hd)?,
+                    ckpt.vector_f32(&p("self_attn.k_norm.weight"), hd)?,
+                ))
+            } else {
+                None
+            };
             let gate = ckpt.rows(&p("mlp.gate_proj.weight"), &[ff, h], plan.ffn.clone())?;
             let up = ckpt.rows(&p("mlp.up_proj.weight"), &[ff, h], plan.ffn.clone())?;
             layers.push(Layer {
@@ -243,6 +264,7 @@ impl Shard {
                 post_norm: ckpt.vector_f32(&p("post_attention_layernorm.weight"), h)?,
                 qkv: pack(&Mat::vstack(vec![q, k, v])),
                 qkv_bias,
+                head_norms,
                 o_proj: pack(&ckpt.cols(&p("self_attn.o_proj.weight"), &[h, qd], qr.clone())?),
                 gate_up: pack(&Mat::vstack(vec![gate, up])),
                 down: pack(&ckpt.cols(&p("mlp.down_proj.weight"), &[h, ff], plan.ffn.clone())?),
@@ -303,6 +325,11 @@ impl Shard {
             n += packed(2 * plan.ffn.len(), h, stacked(gate, up));
             n += packed(h, plan.ffn.len(), src.dtype(&p("mlp.down_proj.weight"), &[h, ff])?);
             n += 4 * (2 * h + if cfg.qkv_bias { q_rows + 2 * kv_rows } else { 0 });
+            if cfg.qk_norm {
+                src.dtype(&p("self_attn.q_norm.weight"), &[hd])?;
+                src.dtype(&p("self_attn.k_norm.weight"), &[hd])?;
+                n += 4 * 2 * hd;
+            }
         }
         let vocab_shape = [cfg.vocab_size, h];
         let vocab_rows =
@@ -326,7 +353,7 @@ impl Shard {
         let mut n = 0;
         for l in &self.layers {
             n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes();
-            n += 4 * (l.input_norm.len() + l.post_norm.len() + l.qkv_bias.as_ref().map_or(0, |b| b.len()));
+            n += l.vector_bytes();
         }
         n += self.embed.as_ref().map_or(0, |e| e.bytes());
         n += self.final_norm.as_ref().map_or(0, |v| 4 * v.len());
@@ -344,15 +371,7 @@ impl Shard {
         let mut n: usize = self
             .layers
             .iter()
-            .map(|l| {
-                l.qkv.bytes()
-                    + l.o_proj.bytes()
-                    + l.gate_up.bytes()
-                    + l.down.bytes()
-                    + 4 * (l.input_norm.len()
-                        + l.post_norm.len()
-                        + l.qkv_bias.as_ref().map_or(0, |b| b.len()))
-            })
+            .map(|l| l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes() + l.vector_bytes())
             .sum();
         n += self.embed.as_ref().map_or(0, |e| e.bytes() / e.rows.max(1));
         n += self.final_norm.as_ref().map_or(0, |v| 4 * v.len());
@@ -544,11 +563,15 @@ impl Shard {
         let fold = spans.iter().all(|sp| sp.len == 1)
             && spans.iter().enumerate().all(|(i, a)| spans[..i].iter().all(|b| b.seq != a.seq));
         // Token `t`'s vector `j` of a QKV row (q heads, then k heads, then v heads) as it
-        // comes from the product, finished: its bias added and, but for v, rotated.
+        // comes from the product, finished: its bias added and, but for v, normed (Qwen3) and
+        // rotated.
         let half = hd / 2;
         let finish = |l: &Layer, t: usize, j: usize, out: &mut [f32]| {
             if let Some(b) = &l.qkv_bias {
                 out.iter_mut().zip(&b[j * hd..(j + 1) * hd]).for_each(|(v, b)| *v += b);
+            }
+            if let Some((qn, kn)) = l.head_norms.as_ref().filter(|_| j < nq + nkv) {
+                kernels::rmsnorm_in_place(out, if j < nq { qn } else { kn }, cfg.rms_norm_eps);
             }
             if j < nq + nkv {
                 kernels::rope(out, hd, &cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
@@ -934,6 +957,7 @@ impl Scratch {
 mod tests {
     use super::*;
     use crate::comm::Single;
+    use crate::config::Arch;
     use crate::grid::Grid;
     use crate::weights::synthetic::{self, Synthetic};
 
@@ -945,7 +969,8 @@ mod tests {
     /// three threads, and into two in the batch and beside the prompt on two or three (there
     /// merged by the team, the step being too long to merge on every thread), with a sliding
     /// window into two at most; and rows wider than one column block (the down product's 4100
-    /// columns).
+    /// columns). With QKV biases (Qwen2) or per-head q/k norms (Qwen3), which the batch and
+    /// the prompt chunk apply before attention and a decode step alone inside its items.
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
@@ -959,12 +984,19 @@ mod tests {
         let span = |seq, pos0, len| Span { seq, pos0, len, emit: true };
         let prompt =
             |len: usize, from: u32| -> Vec<u32> { (0..len as u32).map(|i| (from + 7 * i) % 300).collect() };
-        // Bf16, f32 and int8 weights; and bf16 with a sliding window of 100 positions (seq 0's
-        // token then sees pages 11–18: tiles 8–15 and 16–23).
-        let cases =
-            [(DType::BF16, None, None), (DType::F32, None, None), (DType::F16, Some(Quant::Int8), None)];
-        for (dtype, quant, window) in cases.into_iter().chain([(DType::BF16, None, Some(100))]) {
-            let cfg = ModelConfig { sliding_window: window, ..cfg.clone() };
+        // Bf16, f32 and int8 weights; bf16 with a sliding window of 100 positions (seq 0's
+        // token then sees pages 11–18: tiles 8–15 and 16–23); and bf16 with Qwen3's head norms
+        // instead of Qwen2's biases.
+        let cases = [
+            (DType::BF16, None, None, Arch::Qwen2),
+            (DType::F32, None, None, Arch::Qwen2),
+            (DType::F16, Some(Quant::Int8), None, Arch::Qwen2),
+            (DType::BF16, None, Some(100), Arch::Qwen2),
+            (DType::BF16, None, None, Arch::Qwen3),
+        ];
+        for (dtype, quant, window, arch) in cases {
+            let (qkv_bias, qk_norm) = (arch == Arch::Qwen2, arch == Arch::Qwen3);
+            let cfg = ModelConfig { sliding_window: window, arch, qkv_bias, qk_norm, ..cfg.clone() };
             let shard = Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg, plan.clone(), quant).unwrap();
             // Seq 0's hidden state after its decode step at position 290, in a step of `spans`
             // (tokens `toks`, seq 0's at `at`).
@@ -986,7 +1018,7 @@ mod tests {
             };
             let alone = run(1, &[span(0, 290, 1)], &[16], 0);
             for threads in 1..=3 {
-                let name = format!("{dtype:?} {quant:?} window {window:?}, {threads} threads");
+                let name = format!("{arch:?} {dtype:?} {quant:?} window {window:?}, {threads} threads");
                 assert_eq!(run(threads, &[span(0, 290, 1)], &[16], 0), alone, "alone, {name}");
                 let batch = [span(1, 20, 1), span(0, 290, 1), span(2, 3, 1)];
                 assert_eq!(run(threads, &batch, &[40, 16, 41], 1), alone, "in a batch, {name}");
@@ -1001,13 +1033,14 @@ mod tests {
     }
 
     /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
-    /// tied and untied heads, one or several stages, every dtype and int8.
+    /// tied and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2)
+    /// and per-head norms (Qwen3).
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
-        let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
-        (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 9, 3);
-        (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
-        for tied in [true, false] {
+        for (shape, tied) in ["qwen2-0.5b", "qwen3-0.6b"].into_iter().flat_map(|s| [(s, true), (s, false)]) {
+            let mut cfg = synthetic::shape(shape).unwrap();
+            (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 9, 3);
+            (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
             cfg.tie_word_embeddings = tied;
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let src = Synthetic { dtype, seed: 1 };
@@ -1021,7 +1054,7 @@ mod tests {
                             assert_eq!(
                                 planned,
                                 shard.weight_bytes(),
-                                "tied {tied} {dtype:?} {quant:?} grid {pp}x{tp} rank {rank}"
+                                "{shape} tied {tied} {dtype:?} {quant:?} grid {pp}x{tp} rank {rank}"
                             );
                         }
                     }

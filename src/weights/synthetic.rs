@@ -12,18 +12,20 @@ use std::ops::Range;
 
 /// Named model shapes for `gridlm bench --shape`.
 pub const SHAPES: &[&str] =
-    &["smollm2-135m", "qwen2-0.5b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b", "llama-2-70b"];
+    &["smollm2-135m", "qwen2-0.5b", "qwen3-0.6b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b", "llama-2-70b"];
 
 /// The configuration of a named shape (hyper-parameters of the public models of that name).
 pub fn shape(name: &str) -> Result<ModelConfig> {
-    // (arch, hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta, max pos)
-    let (arch, h, ff, l, nh, nkv, vocab, tied, theta, max_pos) = match name {
-        "smollm2-135m" => (Arch::Llama, 576, 1536, 30, 9, 3, 49152, true, 100000.0, 8192),
-        "qwen2-0.5b" => (Arch::Qwen2, 896, 4864, 24, 14, 2, 151936, true, 1000000.0, 32768),
-        "llama-3.2-1b" => (Arch::Llama, 2048, 8192, 16, 32, 8, 128256, true, 500000.0, 131072),
-        "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 32000, false, 10000.0, 4096),
-        "llama-3-8b" => (Arch::Llama, 4096, 14336, 32, 32, 8, 128256, false, 500000.0, 8192),
-        "llama-2-70b" => (Arch::Llama, 8192, 28672, 80, 64, 8, 32000, false, 10000.0, 4096),
+    // (arch, hidden, intermediate, layers, heads, kv heads, head dim, vocab, tied, rope theta,
+    // max pos)
+    let (arch, h, ff, l, nh, nkv, hd, vocab, tied, theta, max_pos) = match name {
+        "smollm2-135m" => (Arch::Llama, 576, 1536, 30, 9, 3, 64, 49152, true, 100000.0, 8192),
+        "qwen2-0.5b" => (Arch::Qwen2, 896, 4864, 24, 14, 2, 64, 151936, true, 1000000.0, 32768),
+        "qwen3-0.6b" => (Arch::Qwen3, 1024, 3072, 28, 16, 8, 128, 151936, true, 1000000.0, 40960),
+        "llama-3.2-1b" => (Arch::Llama, 2048, 8192, 16, 32, 8, 64, 128256, true, 500000.0, 131072),
+        "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 128, 32000, false, 10000.0, 4096),
+        "llama-3-8b" => (Arch::Llama, 4096, 14336, 32, 32, 8, 128, 128256, false, 500000.0, 8192),
+        "llama-2-70b" => (Arch::Llama, 8192, 28672, 80, 64, 8, 128, 32000, false, 10000.0, 4096),
         other => {
             return Err(Error::Input(format!("unknown --shape `{other}` (known: {})", SHAPES.join(", "))));
         }
@@ -41,7 +43,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         n_layers: l,
         n_heads: nh,
         n_kv_heads: nkv,
-        head_dim: h / nh,
+        head_dim: hd,
         vocab_size: vocab,
         rms_norm_eps: 1e-5,
         rope_theta: theta,
@@ -49,6 +51,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         max_position_embeddings: max_pos,
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2,
+        qk_norm: arch == Arch::Qwen3,
         sliding_window: None,
         bos_token_id: None,
         eos_token_ids: Vec::new(),

@@ -206,6 +206,8 @@ pub struct TinyModel {
     pub layers: usize,
     pub heads: usize,
     pub kv_heads: usize,
+    /// Dimensions of a head: `hidden / heads` unless given (Qwen3 sets it apart).
+    pub head_dim: Option<usize>,
     pub tied: bool,
     pub max_pos: usize,
 }
@@ -221,7 +223,24 @@ impl TinyModel {
             layers: 3,
             heads: 4,
             kv_heads: 2,
+            head_dim: None,
             tied: false,
+            max_pos: 256,
+        }
+    }
+    /// Qwen3-style: per-head q/k norms, no QKV bias, heads wider than `hidden / heads` (so
+    /// o_proj is not square), tied embeddings, GQA with three query heads per KV head.
+    pub fn qwen3() -> Self {
+        TinyModel {
+            model_type: "qwen3",
+            vocab: 300,
+            hidden: 48,
+            inter: 136,
+            layers: 3,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: Some(16),
+            tied: true,
             max_pos: 256,
         }
     }
@@ -235,14 +254,24 @@ impl TinyModel {
             layers: 4,
             heads: 6,
             kv_heads: 3,
+            head_dim: None,
             tied: true,
             max_pos: 128,
         }
     }
 
+    fn hd(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden / self.heads)
+    }
+
     pub fn config(&self) -> serde_json::Value {
-        serde_json::json!({
-            "architectures": [if self.model_type == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        let architecture = match self.model_type {
+            "qwen2" => "Qwen2ForCausalLM",
+            "qwen3" => "Qwen3ForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        let mut cfg = serde_json::json!({
+            "architectures": [architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.inter,
             "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
@@ -250,12 +279,19 @@ impl TinyModel {
             "sliding_window": self.max_pos, "max_window_layers": self.layers, "use_sliding_window": false,
             "tie_word_embeddings": self.tied, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
             "hidden_act": "silu", "bos_token_id": null, "eos_token_id": 0,
-        })
+        });
+        if let Some(hd) = self.head_dim {
+            cfg["head_dim"] = hd.into();
+        }
+        if self.model_type == "qwen3" {
+            cfg["attention_bias"] = false.into();
+        }
+        cfg
     }
 
     /// Tensors by HF name: (name, shape, values).
     pub fn tensors(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        let (h, hd) = (self.hidden, self.hidden / self.heads);
+        let (h, hd) = (self.hidden, self.hd());
         let mut out = Vec::new();
         let mut seed = 1;
         let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
@@ -281,6 +317,10 @@ impl TinyModel {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
+            }
+            if self.model_type == "qwen3" {
+                add(p("self_attn.q_norm.weight"), vec![hd], 0.2, 1.0);
+                add(p("self_attn.k_norm.weight"), vec![hd], 0.2, 1.0);
             }
             add(p("self_attn.o_proj.weight"), vec![h, self.heads * hd], w, 0.0);
             add(p("mlp.gate_proj.weight"), vec![self.inter, h], w, 0.0);

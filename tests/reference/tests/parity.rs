@@ -1,9 +1,9 @@
 //! gridlm against an independent implementation (candle-transformers) on the real
-//! SmolLM2-135M-Instruct weights and on a random-weight Qwen2-style model.
+//! SmolLM2-135M-Instruct weights and on random-weight Qwen2- and Qwen3-style models.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, qwen2};
+use candle_transformers::models::{llama, qwen2, qwen3};
 use gridlm_reference::{argmax, generate, generate_on, max_abs_diff, smollm2, Run};
 use std::path::Path;
 
@@ -196,40 +196,82 @@ fn gridlm_name(gguf: &str) -> String {
     format!("model.layers.{layer}.{hf}")
 }
 
-#[test]
-fn random_qwen2_matches_candle() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
-    gridlm_reference::TinyModel::qwen2().write(dir);
-    let ours =
-        generate(dir, &["--prompt", "t5 t17 t42 t3 t99 t250 t7", "--max-tokens", "32", "--kv-dtype", "f32"]);
-    assert_eq!(ours.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
+/// The prompt of the random-weight models' checks (word-level tokens `t0`, `t1`, ...).
+const TINY_PROMPT: [&str; 6] =
+    ["--prompt", "t5 t17 t42 t3 t99 t250 t7", "--max-tokens", "32", "--kv-dtype", "f32"];
 
-    let dev = Device::Cpu;
-    let cfg: qwen2::Config =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    // SAFETY (test): the file is not modified while mapped.
-    let vb =
-        unsafe { VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev) }
-            .unwrap();
-    let mut model = qwen2::ModelForCausalLM::new(&cfg, vb).unwrap();
-    let run = |model: &mut qwen2::ModelForCausalLM, ids: &[u32], pos: usize| -> Vec<f32> {
-        let input = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
-        model.forward(&input, pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    };
-    let mut logits = run(&mut model, &ours.prompt_ids, 0);
+/// gridlm's last-position logits and 32 greedy tokens on a random-weight model in `dir`
+/// against candle's: `forward(ids, pos)` runs candle's model on `ids` from position `pos` and
+/// gives its last position's logits. Returns gridlm's run.
+fn tiny_matches_candle(name: &str, dir: &Path, mut forward: impl FnMut(&[u32], usize) -> Vec<f32>) -> Run {
+    let ours = generate(dir, &TINY_PROMPT);
+    assert_eq!(ours.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
+    let mut logits = forward(&ours.prompt_ids, 0);
     let d = max_abs_diff(&ours.logits, &logits);
-    eprintln!("random qwen2: max |Δ logits| = {d:.2e}");
-    assert!(d <= LOGIT_TOL, "random qwen2: logits differ from candle by {d}");
+    eprintln!("{name}: max |Δ logits| = {d:.2e}");
+    assert!(d <= LOGIT_TOL, "{name}: logits differ from candle by {d}");
     let mut tokens = Vec::new();
     for i in 0..32 {
         let next = argmax(&logits);
         tokens.push(next);
         if i < 31 {
-            logits = run(&mut model, &[next], ours.prompt_ids.len() + i);
+            logits = forward(&[next], ours.prompt_ids.len() + i);
         }
     }
-    assert_eq!(ours.token_ids, tokens, "random qwen2: greedy tokens differ from candle");
+    assert_eq!(ours.token_ids, tokens, "{name}: greedy tokens differ from candle");
+    ours
+}
+
+/// The f32 weights of the folder `dir`, for candle.
+fn candle_weights(dir: &Path) -> VarBuilder<'static> {
+    // SAFETY (test): the file is not modified while mapped.
+    unsafe { VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &Device::Cpu) }
+        .unwrap()
+}
+
+/// `ids` as a batch of one.
+fn batch_of_one(ids: &[u32]) -> Tensor {
+    Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+}
+
+/// [`tiny_matches_candle`] on `TinyModel::$arch()` written into the folder `$dir`, against
+/// candle's `$arch` model (each family its own types, hence a macro).
+macro_rules! tiny_against_candle {
+    ($arch:ident, $dir:expr) => {{
+        gridlm_reference::TinyModel::$arch().write($dir);
+        let text = std::fs::read($dir.join("config.json")).unwrap();
+        let cfg: $arch::Config = serde_json::from_slice(&text).unwrap();
+        let mut model = $arch::ModelForCausalLM::new(&cfg, candle_weights($dir)).unwrap();
+        tiny_matches_candle(concat!("random ", stringify!($arch)), $dir, |ids, pos| {
+            model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        })
+    }};
+}
+
+#[test]
+fn random_qwen2_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny_against_candle!(qwen2, tmp.path());
+}
+
+/// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
+/// split over two ranks by heads (the norms' weights on both) and by layers, the same tokens
+/// and logits within 1e-4 of the single rank.
+#[test]
+fn random_qwen3_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(qwen3, dir);
+    for grid in [["--tp", "2"], ["--pp", "2"]] {
+        let mut args = TINY_PROMPT.to_vec();
+        args.extend(grid);
+        args.extend(["--threads", "1"]);
+        let run = generate_on(&["local", "2"], dir, &args);
+        let d = max_abs_diff(&run.logits, &single.logits);
+        eprintln!("random qwen3 {grid:?}: max |Δ logits| vs single rank = {d:.2e}");
+        assert_eq!(run.token_ids, single.token_ids, "random qwen3 {grid:?}: greedy tokens differ");
+        assert!(d <= 1e-4, "random qwen3 {grid:?}: logits differ from the single-rank run by {d}");
+    }
 }
 
 /// Every grid layout, started through the launch scripts, gives candle's 32 greedy tokens and
