@@ -28,12 +28,16 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     }
     let g = Gguf::open(gguf_path)?;
     let arch = meta_str(&g, "general.architecture")?.to_string();
-    if arch != "llama" && arch != "qwen2" {
+    let Some(architecture) =
+        [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")]
+            .into_iter()
+            .find_map(|(a, hf)| (a == arch).then_some(hf))
+    else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama or qwen2)"),
+            format!("unsupported architecture `{arch}` (expected llama, qwen2 or qwen3)"),
         ));
-    }
+    };
     let key = |k: &str| format!("{arch}.{k}");
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
@@ -68,7 +72,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let eos = g.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64());
 
     let mut config = serde_json::json!({
-        "architectures": [if arch == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "architectures": [architecture],
         "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": meta_usize(&g, &key("feed_forward_length"))?,
@@ -94,7 +98,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     }
 
     // Tensors, renamed to HF names; Q/K rows of llama GGUFs un-permuted (llama.cpp interleaves
-    // the two halves of each head for its RoPE; HF rotates halves).
+    // the two halves of each head for its RoPE; HF rotates halves; its qwen2 and qwen3
+    // converters leave them as HF has them).
     let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for t in &g.tensors {
         let Some(hf) = hf_name(&t.name) else {
@@ -210,6 +215,8 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "attn_q.bias" => "self_attn.q_proj.bias",
         "attn_k.bias" => "self_attn.k_proj.bias",
         "attn_v.bias" => "self_attn.v_proj.bias",
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
         "attn_output.weight" => "self_attn.o_proj.weight",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
@@ -371,6 +378,7 @@ mod tests {
     fn names() {
         assert_eq!(hf_name("blk.12.ffn_down.weight").unwrap(), "model.layers.12.mlp.down_proj.weight");
         assert_eq!(hf_name("output_norm.weight").unwrap(), "model.norm.weight");
+        assert_eq!(hf_name("blk.3.attn_k_norm.weight").unwrap(), "model.layers.3.self_attn.k_norm.weight");
         assert!(hf_name("blk.x.attn_q.weight").is_none());
     }
 }

@@ -345,6 +345,128 @@ impl TinyModel {
     }
 }
 
+/// llama.cpp's tensor names beside HuggingFace's: whole-model tensors, then a layer's (after
+/// `blk.N.` and `model.layers.N.`). Written here, not taken from gridlm's converter, so the
+/// tests check it.
+pub const GGUF_NAMES: [(&str, &str); 3] = [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+pub const GGUF_LAYER_NAMES: [(&str, &str); 14] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+
+/// A tensor's name in one naming (`from_gguf`: llama.cpp's to HuggingFace's, else back).
+pub fn rename_tensor(name: &str, from_gguf: bool) -> Option<String> {
+    let pick = |(g, h): (&'static str, &'static str)| if from_gguf { (g, h) } else { (h, g) };
+    if let Some((_, to)) = GGUF_NAMES.into_iter().map(pick).find(|(from, _)| *from == name) {
+        return Some(to.to_string());
+    }
+    let (prefix, to_prefix) = pick(("blk.", "model.layers."));
+    let (layer, rest) = name.strip_prefix(prefix)?.split_once('.')?;
+    let (_, to) = GGUF_LAYER_NAMES.into_iter().map(pick).find(|(from, _)| *from == rest)?;
+    Some(format!("{to_prefix}{layer}.{to}"))
+}
+
+/// A GGUF metadata value, as [`write_gguf`] writes it.
+pub enum GgufValue {
+    U32(u32),
+    F32(f32),
+    Str(String),
+    Strs(Vec<String>),
+    I32s(Vec<i32>),
+}
+
+/// Writes a GGUF file (version 3, 32-byte alignment) of f32 tensors, each `(name, shape as
+/// HuggingFace gives it, values)` (GGUF lists the dimensions innermost first), with `meta`.
+pub fn write_gguf(path: &Path, meta: &[(&str, GgufValue)], tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    }
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((meta.len() as u64).to_le_bytes());
+    for (key, value) in meta {
+        string(&mut out, key);
+        match value {
+            GgufValue::U32(v) => {
+                out.extend(4u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            GgufValue::F32(v) => {
+                out.extend(6u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            GgufValue::Str(v) => {
+                out.extend(8u32.to_le_bytes());
+                string(&mut out, v);
+            }
+            GgufValue::Strs(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(8u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|s| string(&mut out, s));
+            }
+            GgufValue::I32s(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(5u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|x| out.extend(x.to_le_bytes()));
+            }
+        }
+    }
+    let aligned = |n: usize| n.div_ceil(32) * 32;
+    let mut offset = 0;
+    for (name, shape, values) in tensors {
+        string(&mut out, name);
+        out.extend((shape.len() as u32).to_le_bytes());
+        shape.iter().rev().for_each(|d| out.extend((*d as u64).to_le_bytes()));
+        out.extend(0u32.to_le_bytes()); // F32
+        out.extend((offset as u64).to_le_bytes());
+        offset += aligned(4 * values.len());
+    }
+    out.resize(aligned(out.len()), 0);
+    for (_, _, values) in tensors {
+        values.iter().for_each(|x| out.extend(x.to_le_bytes()));
+        out.resize(aligned(out.len()), 0);
+    }
+    std::fs::write(path, out).expect("write GGUF");
+}
+
+/// GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE
+/// vocabulary (printable Latin-1 bytes as themselves, the others from U+0100 on).
+pub fn byte_chars() -> Vec<char> {
+    let printable =
+        |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let mut next = 0x100;
+    (0..256u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap()
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap()
+            }
+        })
+        .collect()
+}
+
 /// Writes f32 tensors to a safetensors file.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
     let bytes: Vec<Vec<u8>> =

@@ -4,7 +4,10 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::{llama, qwen2, qwen3};
-use gridlm_reference::{argmax, generate, generate_on, max_abs_diff, smollm2, Run};
+use gridlm_reference::{
+    argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
+    smollm2, write_gguf, GgufValue, Run,
+};
 use std::path::Path;
 
 const N_TOKENS: usize = 32;
@@ -150,7 +153,7 @@ fn gguf_conversion_matches_candle_dequantization() {
     let n_kv = cfg["num_key_value_heads"].as_u64().unwrap() as usize;
     let mut checked = 0;
     for name in content.tensor_infos.keys() {
-        let hf = gridlm_name(name);
+        let hf = rename_tensor(name, true).unwrap_or_else(|| panic!("unexpected tensor {name}"));
         let theirs = content.tensor(&mut f, name, &dev).unwrap().dequantize(&dev).unwrap();
         let mut mine = ours.get(&hf).unwrap_or_else(|| panic!("{hf} missing")).clone();
         if name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight") {
@@ -173,29 +176,6 @@ fn gguf_conversion_matches_candle_dequantization() {
     assert_eq!(checked, 272);
 }
 
-fn gridlm_name(gguf: &str) -> String {
-    let fixed =
-        [("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight")];
-    if let Some((_, hf)) = fixed.iter().find(|(g, _)| *g == gguf) {
-        return hf.to_string();
-    }
-    let rest = gguf.strip_prefix("blk.").unwrap();
-    let (layer, t) = rest.split_once('.').unwrap();
-    let hf = match t {
-        "attn_norm.weight" => "input_layernorm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        other => panic!("unexpected tensor {other}"),
-    };
-    format!("model.layers.{layer}.{hf}")
-}
-
 /// The prompt of the random-weight models' checks (word-level tokens `t0`, `t1`, ...).
 const TINY_PROMPT: [&str; 6] =
     ["--prompt", "t5 t17 t42 t3 t99 t250 t7", "--max-tokens", "32", "--kv-dtype", "f32"];
@@ -205,7 +185,7 @@ const TINY_PROMPT: [&str; 6] =
 /// gives its last position's logits. Returns gridlm's run.
 fn tiny_matches_candle(name: &str, dir: &Path, mut forward: impl FnMut(&[u32], usize) -> Vec<f32>) -> Run {
     let ours = generate(dir, &TINY_PROMPT);
-    assert_eq!(ours.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
+    assert!(ours.prompt_ids.len() >= 7, "{name}: prompt ids {:?}", ours.prompt_ids);
     let mut logits = forward(&ours.prompt_ids, 0);
     let d = max_abs_diff(&ours.logits, &logits);
     eprintln!("{name}: max |Δ logits| = {d:.2e}");
@@ -242,9 +222,12 @@ macro_rules! tiny_against_candle {
         let text = std::fs::read($dir.join("config.json")).unwrap();
         let cfg: $arch::Config = serde_json::from_slice(&text).unwrap();
         let mut model = $arch::ModelForCausalLM::new(&cfg, candle_weights($dir)).unwrap();
-        tiny_matches_candle(concat!("random ", stringify!($arch)), $dir, |ids, pos| {
+        let run = tiny_matches_candle(concat!("random ", stringify!($arch)), $dir, |ids, pos| {
             model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-        })
+        });
+        // One token a word of the word-level vocabulary.
+        assert_eq!(run.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
+        run
     }};
 }
 
@@ -272,6 +255,92 @@ fn random_qwen3_matches_candle_on_one_and_two_ranks() {
         assert_eq!(run.token_ids, single.token_ids, "random qwen3 {grid:?}: greedy tokens differ");
         assert!(d <= 1e-4, "random qwen3 {grid:?}: logits differ from the single-rank run by {d}");
     }
+}
+
+/// A Qwen3 GGUF written here (f32 tensors under llama.cpp's names, a byte-level BPE vocabulary;
+/// candle reads it back as written) converts into a folder holding exactly the model it was
+/// written from, on which gridlm agrees with candle's Qwen3.
+#[test]
+fn a_qwen3_gguf_converts_to_the_model_it_holds() {
+    use candle_core::quantized::gguf_file;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::qwen3();
+    let tensors = m.tensors();
+    // The vocabulary: the 256 byte characters, then 44 merges of them.
+    let chars = byte_chars();
+    let space = chars[b' ' as usize].to_string();
+    let pairs: Vec<(String, String)> = ('a'..='z')
+        .map(|c| (space.clone(), c.to_string()))
+        .chain(
+            [
+                "th", "he", "in", "er", "an", "re", "on", "at", "en", "nd", "ti", "es", "or", "te", "of",
+                "ed", "is", "it",
+            ]
+            .iter()
+            .map(|p| (p[..1].to_string(), p[1..].to_string())),
+        )
+        .collect();
+    let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
+    tokens.extend(pairs.iter().map(|(a, b)| format!("{a}{b}")));
+    assert_eq!(tokens.len(), m.vocab);
+    let u = |v: usize| GgufValue::U32(v as u32);
+    let meta = [
+        ("general.architecture", GgufValue::Str("qwen3".into())),
+        ("qwen3.block_count", u(m.layers)),
+        ("qwen3.context_length", u(m.max_pos)),
+        ("qwen3.embedding_length", u(m.hidden)),
+        ("qwen3.feed_forward_length", u(m.inter)),
+        ("qwen3.attention.head_count", u(m.heads)),
+        ("qwen3.attention.head_count_kv", u(m.kv_heads)),
+        ("qwen3.attention.key_length", u(m.head_dim.unwrap())),
+        ("qwen3.attention.layer_norm_rms_epsilon", GgufValue::F32(1e-6)),
+        ("qwen3.rope.freq_base", GgufValue::F32(10000.0)),
+        ("tokenizer.ggml.model", GgufValue::Str("gpt2".into())),
+        ("tokenizer.ggml.pre", GgufValue::Str("qwen2".into())),
+        ("tokenizer.ggml.tokens", GgufValue::Strs(tokens)),
+        ("tokenizer.ggml.token_type", GgufValue::I32s(vec![1; m.vocab])),
+        ("tokenizer.ggml.merges", GgufValue::Strs(pairs.iter().map(|(a, b)| format!("{a} {b}")).collect())),
+        ("tokenizer.ggml.eos_token_id", u(0)),
+    ];
+    let renamed: Vec<_> =
+        tensors.iter().map(|(n, s, v)| (rename_tensor(n, false).unwrap(), s.clone(), v.clone())).collect();
+    let gguf = tmp.path().join("tiny-qwen3.gguf");
+    write_gguf(&gguf, &meta, &renamed);
+    let dev = Device::Cpu;
+    let mut f = std::fs::File::open(&gguf).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    assert_eq!(content.tensor_infos.len(), renamed.len());
+    for (n, shape, v) in &renamed {
+        let t = content.tensor(&mut f, n, &dev).unwrap().dequantize(&dev).unwrap();
+        assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
+    }
+
+    let out = tmp.path().join("folder");
+    let mut cmd = std::process::Command::new(gridlm_bin());
+    cmd.args(["convert", "--dtype", "f32", "--gguf"]).arg(&gguf).arg("--out").arg(&out);
+    let o = run_with_timeout(cmd, 120);
+    assert!(o.status.success(), "convert failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    let converted = candle_core::safetensors::load(out.join("model.safetensors"), &dev).unwrap();
+    assert_eq!(converted.len(), tensors.len());
+    for (n, shape, v) in &tensors {
+        let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
+        assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let want = serde_json::json!({"model_type": "qwen3", "head_dim": 16, "attention_bias": false, "tie_word_embeddings": true});
+    for (key, want) in want.as_object().unwrap() {
+        assert_eq!(&cfg[key], want, "config.json's {key}");
+    }
+    // candle's Qwen3 config also wants the window fields HF writes (and gridlm does not need).
+    cfg["max_window_layers"] = m.layers.into();
+    cfg["use_sliding_window"] = false.into();
+    cfg["sliding_window"] = serde_json::Value::Null;
+    let cfg: qwen3::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = qwen3::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted qwen3", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
 }
 
 /// Every grid layout, started through the launch scripts, gives candle's 32 greedy tokens and
