@@ -6,13 +6,15 @@ use serde::Deserialize;
 use std::path::Path;
 
 /// The decoder families gridlm runs. They share one forward pass; they differ in details
-/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window).
+/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window) and, for Phi-3,
+/// in how the checkpoint stores q/k/v and gate/up (fused, see `model::stored_rows`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
     Qwen3,
+    Phi3,
 }
 
 impl Arch {
@@ -22,6 +24,7 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Phi3 => "phi3",
         }
     }
 }
@@ -62,7 +65,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -83,6 +86,7 @@ struct HfConfig {
     attention_bias: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
+    partial_rotary_factor: Option<f64>,
     hidden_act: Option<String>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
@@ -135,6 +139,7 @@ impl ModelConfig {
             "mistral" => Arch::Mistral,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "phi3" => Arch::Phi3,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -179,6 +184,11 @@ impl ModelConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(bad(format!("head_dim {head_dim} must be even and positive (RoPE rotates pairs)")));
         }
+        if let Some(f) = raw.partial_rotary_factor.filter(|&f| f != 1.0) {
+            return Err(bad(format!(
+                "partial_rotary_factor {f} is not supported (RoPE rotates whole heads here: expected 1 or none)"
+            )));
+        }
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
         let eps = raw.rms_norm_eps.unwrap_or(1e-6);
         if !(eps.is_finite() && eps >= 0.0) {
@@ -196,12 +206,12 @@ impl ModelConfig {
             (Arch::Qwen2 | Arch::Qwen3, Some(true)) => {
                 return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
-            (Arch::Mistral, _) if raw.sliding_window == Some(0) => {
+            (Arch::Mistral | Arch::Phi3, _) if raw.sliding_window == Some(0) => {
                 return Err(bad(
                     "sliding_window is 0 (expected a positive number of positions, or null)".into()
                 ));
             }
-            (Arch::Mistral, _) => raw.sliding_window,
+            (Arch::Mistral | Arch::Phi3, _) => raw.sliding_window,
             _ => None,
         };
         let eos_token_ids = token_ids(&raw.eos_token_id);
@@ -369,6 +379,21 @@ mod tests {
         // The others have no head norms.
         assert!(!parse(BASE).unwrap().qk_norm);
         assert!(!parse(&BASE.replace("llama", "qwen2")).unwrap().qk_norm);
+    }
+
+    #[test]
+    fn phi3_keeps_its_window_and_refuses_a_partial_rotation() {
+        let phi3 = BASE
+            .replace("llama", "phi3")
+            .replace("\"vocab_size\":100", "\"vocab_size\":100,\"sliding_window\":2047");
+        let c = parse(&phi3).unwrap();
+        assert_eq!((c.arch, c.sliding_window, c.qkv_bias, c.qk_norm), (Arch::Phi3, Some(2047), false, false));
+        let partial = phi3.replace("\"sliding_window\":2047", "\"partial_rotary_factor\":0.75");
+        let e = parse(&partial).unwrap_err().to_string();
+        assert!(e.contains("partial_rotary_factor 0.75 is not supported"), "{e}");
+        assert!(parse(&phi3.replace("\"sliding_window\":2047", "\"partial_rotary_factor\":1.0")).is_ok());
+        let e = parse(&phi3.replace("2047", "0")).unwrap_err().to_string();
+        assert!(e.contains("sliding_window is 0"), "{e}");
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3) and its forward pass.
+//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3) and its forward
+//! pass.
 //! Owns: loading the shard's tensors by their HF names and the layer math. Sees communication
 //! only through the [`Comm`] trait: exactly two allreduces per layer, one for the embedding.
 //!
@@ -12,7 +13,7 @@
 pub mod kv_cache;
 
 use crate::comm::Comm;
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 use crate::error::Result;
 use crate::grid::ShardPlan;
 use crate::kernels::{self, AttendOut, Region, SharedSlice, Team};
@@ -48,6 +49,34 @@ impl Layer {
             + self.post_norm.len()
             + self.qkv_bias.as_ref().map_or(0, |b| b.len())
             + heads)
+    }
+}
+
+/// Where some of a layer's matrix rows are stored: (tensor name, the tensor's shape, the row
+/// they start at).
+type StoredRows = (String, [usize; 2], usize);
+
+/// Where layer `i`'s q, k, v, gate and up rows are stored: each in a tensor of its own, or,
+/// in Phi-3 checkpoints, q, k and v one after the other in `qkv_proj` and gate and up in
+/// `gate_up_proj`.
+fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
+    let (h, ff, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+    let p = |s: &str| format!("model.layers.{i}.{s}");
+    if cfg.arch == Arch::Phi3 {
+        let (qkv, gate_up) = (
+            (p("self_attn.qkv_proj.weight"), [qd + 2 * kvd, h]),
+            (p("mlp.gate_up_proj.weight"), [2 * ff, h]),
+        );
+        let at = |(name, shape): &(String, [usize; 2]), row: usize| (name.clone(), *shape, row);
+        [at(&qkv, 0), at(&qkv, qd), at(&qkv, qd + kvd), at(&gate_up, 0), at(&gate_up, ff)]
+    } else {
+        [
+            (p("self_attn.q_proj.weight"), [qd, h], 0),
+            (p("self_attn.k_proj.weight"), [kvd, h], 0),
+            (p("self_attn.v_proj.weight"), [kvd, h], 0),
+            (p("mlp.gate_proj.weight"), [ff, h], 0),
+            (p("mlp.up_proj.weight"), [ff, h], 0),
+        ]
     }
 }
 
@@ -238,9 +267,11 @@ impl Shard {
         let mut layers = Vec::with_capacity(plan.layers.len());
         for i in plan.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
-            let q = ckpt.rows(&p("self_attn.q_proj.weight"), &[qd, h], qr.clone())?;
-            let k = ckpt.rows(&p("self_attn.k_proj.weight"), &[kvd, h], kr.clone())?;
-            let v = ckpt.rows(&p("self_attn.v_proj.weight"), &[kvd, h], kr.clone())?;
+            let [q, k, v, gate, up] = stored_rows(&cfg, i);
+            let part = |(name, shape, at): &StoredRows, rows: &std::ops::Range<usize>| {
+                ckpt.rows(name, shape, at + rows.start..at + rows.end)
+            };
+            let (q, k, v) = (part(&q, &qr)?, part(&k, &kr)?, part(&v, &kr)?);
             let qkv_bias = if cfg.qkv_bias {
                 let mut b = ckpt.vector_range_f32(&p("self_attn.q_proj.bias"), qd, qr.clone())?;
                 b.extend(ckpt.vector_range_f32(&p("self_attn.k_proj.bias"), kvd, kr.clone())?);
@@ -257,8 +288,7 @@ impl Shard {
             } else {
                 None
             };
-            let gate = ckpt.rows(&p("mlp.gate_proj.weight"), &[ff, h], plan.ffn.clone())?;
-            let up = ckpt.rows(&p("mlp.up_proj.weight"), &[ff, h], plan.ffn.clone())?;
+            let (gate, up) = (part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?);
             layers.push(Layer {
                 input_norm: ckpt.vector_f32(&p("input_layernorm.weight"), h)?,
                 post_norm: ckpt.vector_f32(&p("post_attention_layernorm.weight"), h)?,
@@ -307,7 +337,7 @@ impl Shard {
         quant: Option<Quant>,
     ) -> Result<usize> {
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let qd = cfg.q_dim();
         let (q_rows, kv_rows) = (plan.q_heads.len() * hd, plan.kv_heads.len() * hd);
         let packed = |rows, cols, dtype| PackedMat::bytes_for(rows, cols, dtype, quant);
         // Mat::vstack keeps a shared dtype and falls back to f32 for mixed ones.
@@ -315,11 +345,8 @@ impl Shard {
         let mut n = 0;
         for i in plan.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
-            let q = src.dtype(&p("self_attn.q_proj.weight"), &[qd, h])?;
-            let k = src.dtype(&p("self_attn.k_proj.weight"), &[kvd, h])?;
-            let v = src.dtype(&p("self_attn.v_proj.weight"), &[kvd, h])?;
-            let gate = src.dtype(&p("mlp.gate_proj.weight"), &[ff, h])?;
-            let up = src.dtype(&p("mlp.up_proj.weight"), &[ff, h])?;
+            let [q, k, v, gate, up] = stored_rows(cfg, i).map(|(name, shape, _)| src.dtype(&name, &shape));
+            let [q, k, v, gate, up] = [q?, k?, v?, gate?, up?];
             n += packed(q_rows + 2 * kv_rows, h, stacked(stacked(q, k), v));
             n += packed(h, q_rows, src.dtype(&p("self_attn.o_proj.weight"), &[h, qd])?);
             n += packed(2 * plan.ffn.len(), h, stacked(gate, up));
@@ -957,7 +984,6 @@ impl Scratch {
 mod tests {
     use super::*;
     use crate::comm::Single;
-    use crate::config::Arch;
     use crate::grid::Grid;
     use crate::weights::synthetic::{self, Synthetic};
 
@@ -1033,12 +1059,15 @@ mod tests {
     }
 
     /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
-    /// tied and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2)
-    /// and per-head norms (Qwen3).
+    /// tied and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2),
+    /// per-head norms (Qwen3) and fused matrices (Phi-3).
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
-        for (shape, tied) in ["qwen2-0.5b", "qwen3-0.6b"].into_iter().flat_map(|s| [(s, true), (s, false)]) {
+        // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors.
+        let shapes = [("qwen2-0.5b", None), ("qwen3-0.6b", None), ("llama-3.2-1b", Some(Arch::Phi3))];
+        for ((shape, arch), tied) in shapes.into_iter().flat_map(|s| [(s, true), (s, false)]) {
             let mut cfg = synthetic::shape(shape).unwrap();
+            cfg.arch = arch.unwrap_or(cfg.arch);
             (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 9, 3);
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
             cfg.tie_word_embeddings = tied;

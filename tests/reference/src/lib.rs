@@ -244,6 +244,11 @@ impl TinyModel {
             max_pos: 256,
         }
     }
+    /// Phi-3-style: q, k and v rows in one `qkv_proj` tensor and gate and up rows in one
+    /// `gate_up_proj`; otherwise Qwen2's shape (untied head, GQA) without the biases.
+    pub fn phi3() -> Self {
+        TinyModel { model_type: "phi3", vocab: 300, inter: 160, ..Self::qwen2() }
+    }
     /// Llama-style with tied embeddings and uneven heads (6 heads, 3 KV heads).
     pub fn llama() -> Self {
         TinyModel {
@@ -268,6 +273,7 @@ impl TinyModel {
         let architecture = match self.model_type {
             "qwen2" => "Qwen2ForCausalLM",
             "qwen3" => "Qwen3ForCausalLM",
+            "phi3" => "Phi3ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -327,6 +333,14 @@ impl TinyModel {
             add(p("mlp.up_proj.weight"), vec![self.inter, h], w, 0.0);
             add(p("mlp.down_proj.weight"), vec![h, self.inter], 1.0 / (self.inter as f32).sqrt(), 0.0);
         }
+        if self.model_type == "phi3" {
+            out = fuse(
+                out,
+                ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                "self_attn.qkv_proj.weight",
+            );
+            out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
+        }
         out
     }
 
@@ -343,6 +357,38 @@ impl TinyModel {
         });
         std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
     }
+}
+
+/// Each layer's matrices named `parts` (after `model.layers.N.`), stacked by rows in that order
+/// into one tensor named `into`, as Phi-3 checkpoints store them.
+fn fuse<const N: usize>(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    parts: [&str; N],
+    into: &str,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let part_of = |name: &str| {
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, t) = rest.split_once('.')?;
+        Some((layer.to_string(), parts.iter().position(|p| *p == t)?))
+    };
+    let mut fused: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let mut out = Vec::new();
+    for (name, shape, values) in tensors {
+        let Some((layer, i)) = part_of(&name) else {
+            out.push((name, shape, values));
+            continue;
+        };
+        let name = format!("model.layers.{layer}.{into}");
+        if i == 0 {
+            fused.push((name, shape, values));
+        } else {
+            let f = fused.iter_mut().find(|(n, _, _)| *n == name).expect("parts in order");
+            f.1[0] += shape[0];
+            f.2.extend(values);
+        }
+    }
+    out.extend(fused);
+    out
 }
 
 /// llama.cpp's tensor names beside HuggingFace's: whole-model tensors, then a layer's (after

@@ -1,9 +1,9 @@
 //! gridlm against an independent implementation (candle-transformers) on the real
-//! SmolLM2-135M-Instruct weights and on random-weight Qwen2- and Qwen3-style models.
+//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3- and Phi-3-style models.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, qwen2, qwen3};
+use candle_transformers::models::{llama, phi3, qwen2, qwen3};
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
     smollm2, write_gguf, GgufValue, Run,
@@ -215,13 +215,13 @@ fn batch_of_one(ids: &[u32]) -> Tensor {
 }
 
 /// [`tiny_matches_candle`] on `TinyModel::$arch()` written into the folder `$dir`, against
-/// candle's `$arch` model (each family its own types, hence a macro).
+/// candle's `$arch::$model` (each family its own types, hence a macro).
 macro_rules! tiny_against_candle {
-    ($arch:ident, $dir:expr) => {{
+    ($arch:ident, $model:ident, $dir:expr) => {{
         gridlm_reference::TinyModel::$arch().write($dir);
         let text = std::fs::read($dir.join("config.json")).unwrap();
         let cfg: $arch::Config = serde_json::from_slice(&text).unwrap();
-        let mut model = $arch::ModelForCausalLM::new(&cfg, candle_weights($dir)).unwrap();
+        let mut model = $arch::$model::new(&cfg, candle_weights($dir)).unwrap();
         let run = tiny_matches_candle(concat!("random ", stringify!($arch)), $dir, |ids, pos| {
             model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
         });
@@ -234,7 +234,17 @@ macro_rules! tiny_against_candle {
 #[test]
 fn random_qwen2_matches_candle() {
     let tmp = tempfile::tempdir().unwrap();
-    tiny_against_candle!(qwen2, tmp.path());
+    tiny_against_candle!(qwen2, ModelForCausalLM, tmp.path());
+}
+
+/// Phi-3's fused `qkv_proj` and `gate_up_proj`, against candle's Phi-3; and split over two
+/// ranks by heads and FFN columns (each rank reading its rows of the fused tensors), the same
+/// tokens and logits within 1e-4 of the single rank.
+#[test]
+fn random_phi3_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let single = tiny_against_candle!(phi3, Model, tmp.path());
+    same_on_two_ranks("random phi3", tmp.path(), &single, &[&["--tp", "2"]]);
 }
 
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
@@ -244,16 +254,22 @@ fn random_qwen2_matches_candle() {
 fn random_qwen3_matches_candle_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let single = tiny_against_candle!(qwen3, dir);
-    for grid in [["--tp", "2"], ["--pp", "2"]] {
+    let single = tiny_against_candle!(qwen3, ModelForCausalLM, dir);
+    same_on_two_ranks("random qwen3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// The model in `dir` on two local ranks under each of `grids`: `single`'s tokens, and logits
+/// within 1e-4 of it.
+fn same_on_two_ranks(name: &str, dir: &Path, single: &Run, grids: &[&[&str]]) {
+    for grid in grids {
         let mut args = TINY_PROMPT.to_vec();
-        args.extend(grid);
+        args.extend(*grid);
         args.extend(["--threads", "1"]);
         let run = generate_on(&["local", "2"], dir, &args);
         let d = max_abs_diff(&run.logits, &single.logits);
-        eprintln!("random qwen3 {grid:?}: max |Δ logits| vs single rank = {d:.2e}");
-        assert_eq!(run.token_ids, single.token_ids, "random qwen3 {grid:?}: greedy tokens differ");
-        assert!(d <= 1e-4, "random qwen3 {grid:?}: logits differ from the single-rank run by {d}");
+        eprintln!("{name} {grid:?}: max |Δ logits| vs single rank = {d:.2e}");
+        assert_eq!(run.token_ids, single.token_ids, "{name} {grid:?}: greedy tokens differ");
+        assert!(d <= 1e-4, "{name} {grid:?}: logits differ from the single-rank run by {d}");
     }
 }
 
