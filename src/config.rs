@@ -314,6 +314,12 @@ mod tests {
     const BASE: &str = r#"{"model_type":"llama","hidden_size":64,"intermediate_size":128,
         "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100}"#;
 
+    /// [`BASE`] as `model_type` with the fields `extra` (JSON members, comma-separated) added.
+    fn config(model_type: &str, extra: &str) -> String {
+        BASE.replace("llama", model_type)
+            .replace("\"vocab_size\":100", &format!("\"vocab_size\":100,{extra}"))
+    }
+
     #[test]
     fn defaults_and_head_dim() {
         let c = parse(BASE).unwrap();
@@ -334,7 +340,6 @@ mod tests {
 
     #[test]
     fn numbers_that_would_make_nan_are_errors() {
-        let with = |extra: &str| BASE.replace("\"vocab_size\":100", &format!("\"vocab_size\":100,{extra}"));
         let cases = [
             (r#""rms_norm_eps":-1e-6"#, "rms_norm_eps -0.000001 must be"),
             (r#""rope_theta":0"#, "rope_theta 0 must be"),
@@ -347,34 +352,26 @@ mod tests {
             ),
         ];
         for (extra, msg) in cases {
-            let e = parse(&with(extra)).unwrap_err().to_string();
+            let e = parse(&config("llama", extra)).unwrap_err().to_string();
             assert!(e.contains(msg), "{extra}: {e}");
         }
-        let mistral = with(r#""sliding_window":0"#).replace("llama", "mistral");
-        let e = parse(&mistral).unwrap_err().to_string();
+        let e = parse(&config("mistral", r#""sliding_window":0"#)).unwrap_err().to_string();
         assert!(e.contains("sliding_window is 0"), "{e}");
         // Zero epsilon and a null window are allowed.
-        assert!(parse(&with(r#""rms_norm_eps":0"#)).is_ok());
-        assert_eq!(
-            parse(&with(r#""sliding_window":null"#).replace("llama", "mistral")).unwrap().sliding_window,
-            None
-        );
+        assert!(parse(&config("llama", r#""rms_norm_eps":0"#)).is_ok());
+        assert_eq!(parse(&config("mistral", r#""sliding_window":null"#)).unwrap().sliding_window, None);
     }
 
     #[test]
     fn qwen3_has_head_norms_an_explicit_head_dim_and_no_bias() {
-        let qwen3 = BASE
-            .replace("llama", "qwen3")
-            .replace("\"vocab_size\":100", "\"vocab_size\":100,\"head_dim\":32");
-        let c = parse(&qwen3).unwrap();
+        let c = parse(&config("qwen3", r#""head_dim":32"#)).unwrap();
         assert_eq!(
             (c.arch, c.head_dim, c.q_dim(), c.qk_norm, c.qkv_bias),
             (Arch::Qwen3, 32, 128, true, false)
         );
-        let with_bias = qwen3.replace("\"head_dim\":32", "\"head_dim\":32,\"attention_bias\":true");
-        assert!(parse(&with_bias).unwrap().qkv_bias);
-        let window = qwen3.replace("\"head_dim\":32", "\"head_dim\":32,\"use_sliding_window\":true");
-        let e = parse(&window).unwrap_err().to_string();
+        assert!(parse(&config("qwen3", r#""head_dim":32,"attention_bias":true"#)).unwrap().qkv_bias);
+        let e =
+            parse(&config("qwen3", r#""head_dim":32,"use_sliding_window":true"#)).unwrap_err().to_string();
         assert!(e.contains("use_sliding_window = true is not supported for qwen3"), "{e}");
         // The others have no head norms.
         assert!(!parse(BASE).unwrap().qk_norm);
@@ -383,24 +380,20 @@ mod tests {
 
     #[test]
     fn phi3_keeps_its_window_and_refuses_a_partial_rotation() {
-        let phi3 = BASE
-            .replace("llama", "phi3")
-            .replace("\"vocab_size\":100", "\"vocab_size\":100,\"sliding_window\":2047");
-        let c = parse(&phi3).unwrap();
+        let c = parse(&config("phi3", r#""sliding_window":2047"#)).unwrap();
         assert_eq!((c.arch, c.sliding_window, c.qkv_bias, c.qk_norm), (Arch::Phi3, Some(2047), false, false));
-        let partial = phi3.replace("\"sliding_window\":2047", "\"partial_rotary_factor\":0.75");
-        let e = parse(&partial).unwrap_err().to_string();
+        let e = parse(&config("phi3", r#""partial_rotary_factor":0.75"#)).unwrap_err().to_string();
         assert!(e.contains("partial_rotary_factor 0.75 is not supported"), "{e}");
-        assert!(parse(&phi3.replace("\"sliding_window\":2047", "\"partial_rotary_factor\":1.0")).is_ok());
-        let e = parse(&phi3.replace("2047", "0")).unwrap_err().to_string();
+        assert!(parse(&config("phi3", r#""partial_rotary_factor":1.0"#)).is_ok());
+        let e = parse(&config("phi3", r#""sliding_window":0"#)).unwrap_err().to_string();
         assert!(e.contains("sliding_window is 0"), "{e}");
     }
 
     #[test]
     fn llama3_scaling_keeps_high_freqs() {
-        let text = BASE.replace(
-            "\"vocab_size\":100",
-            r#""vocab_size":100,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+        let text = config(
+            "llama",
+            r#""rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
                "high_freq_factor":4.0,"original_max_position_embeddings":8192}"#,
         );
         let c = parse(&text).unwrap();

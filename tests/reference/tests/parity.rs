@@ -28,15 +28,10 @@ fn candle_llama(dir: &Path, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Ve
     let cfg: llama::LlamaConfig =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     let cfg = cfg.into_config(false);
-    // SAFETY (test): the file is not modified while mapped.
-    let vb =
-        unsafe { VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev) }
-            .unwrap();
-    let model = llama::Llama::load(vb, &cfg).unwrap();
+    let model = llama::Llama::load(candle_weights(dir), &cfg).unwrap();
     let mut cache = llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
-    let input = Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap();
     let mut logits: Vec<f32> =
-        model.forward(&input, 0, &mut cache).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+        model.forward(&batch_of_one(prompt), 0, &mut cache).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
     let prompt_logits = logits.clone();
     let mut tokens = Vec::new();
     let mut all = Vec::new();
@@ -47,9 +42,8 @@ fn candle_llama(dir: &Path, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Ve
         if i + 1 == n {
             break;
         }
-        let input = Tensor::new(&[next], &dev).unwrap().unsqueeze(0).unwrap();
         logits = model
-            .forward(&input, prompt.len() + i, &mut cache)
+            .forward(&batch_of_one(&[next]), prompt.len() + i, &mut cache)
             .unwrap()
             .squeeze(0)
             .unwrap()
