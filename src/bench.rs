@@ -448,16 +448,25 @@ pub fn percentile(v: &[f64], q: f64) -> f64 {
 }
 
 /// Floating-point operations of a prefill of `n` tokens over the whole model: every Linear
-/// (2 flops per weight per token), attention scores and weighted sums over the causal
-/// triangle, and the output head for the last position only.
+/// (2 flops per weight per token), attention scores and weighted sums over the (query, key)
+/// pairs each layer's window lets through (the causal triangle for a global layer), and the
+/// output head for the last position only.
 pub fn prefill_flops(cfg: &ModelConfig, n: usize) -> f64 {
     let (h, ff) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
     let (qd, kvd) = (cfg.q_dim() as f64, cfg.kv_dim() as f64);
     let per_layer_weights = h * (qd + 2.0 * kvd) + qd * h + 3.0 * h * ff;
-    let n = n as f64;
-    let linear = 2.0 * per_layer_weights * n * cfg.n_layers as f64;
-    let attention = 2.0 * 2.0 * qd * (n * (n + 1.0) / 2.0) * cfg.n_layers as f64;
+    let linear = 2.0 * per_layer_weights * n as f64 * cfg.n_layers as f64;
+    // Position `p` sees `min(p + 1, window)` keys.
+    let pairs = |w: Option<usize>| (0..n).map(|p| (p + 1).min(w.unwrap_or(usize::MAX))).sum::<usize>() as f64;
+    let attention: f64 = (0..cfg.n_layers).map(|i| 2.0 * 2.0 * qd * pairs(cfg.layer_window(i))).sum();
     linear + attention + 2.0 * cfg.vocab_size as f64 * h
+}
+
+/// [`kv_positions_per_token`] averaged over the model's layers, each through its own window.
+pub fn kv_positions_per_layer_token(cfg: &ModelConfig, prompt_len: usize, new_tokens: usize) -> f64 {
+    let layers = cfg.n_layers.max(1);
+    (0..layers).map(|i| kv_positions_per_token(prompt_len, new_tokens, cfg.layer_window(i))).sum::<f64>()
+        / layers as f64
 }
 
 /// A run that lost this share of its CPUs' time or more to the host (its
@@ -904,6 +913,11 @@ mod tests {
         // No decode window, no reads counted.
         assert_eq!(kv_positions_per_token(10, 1, None), 0.0);
         assert_eq!(kv_positions_per_token(10, 0, None), 0.0);
+        // Gemma 3's layers: the local ones through their window, the global one not.
+        let mut cfg = crate::weights::synthetic::shape("gemma3-1b").unwrap();
+        (cfg.n_layers, cfg.sliding_window) = (3, Some(12));
+        cfg.local_layers = Some(vec![true, false, true]);
+        assert_eq!(kv_positions_per_layer_token(&cfg, 10, 4), (2.0 * 35.0 / 3.0 + 12.0) / 3.0);
     }
 
     #[test]
@@ -912,5 +926,15 @@ mod tests {
         // ~6.5e9 weights in the layers: about 13 GFLOP per token.
         let per_token = prefill_flops(&cfg, 1) - 2.0 * 32000.0 * 4096.0;
         assert!((per_token / 1e9 - 12.95).abs() < 0.2, "{per_token}");
+        // Attention: 4 flops per query dimension and (query, key) pair; 1 + 2 + 3 + 4 pairs of 4
+        // positions on a global layer's causal triangle, 1 + 2 + 3 + 3 through a window of 3.
+        let mut cfg = crate::weights::synthetic::shape("gemma3-1b").unwrap();
+        (cfg.n_layers, cfg.sliding_window) = (3, Some(3));
+        cfg.local_layers = Some(vec![true, false, true]);
+        let (head, qd) = (2.0 * cfg.vocab_size as f64 * cfg.hidden_size as f64, cfg.q_dim() as f64);
+        // One token: the Linears, the head and one pair a layer.
+        let linear = prefill_flops(&cfg, 1) - head - 3.0 * 4.0 * qd;
+        let attention = |n: usize| prefill_flops(&cfg, n) - head - n as f64 * linear;
+        assert_eq!(attention(4), 4.0 * qd * (2.0 * 9.0 + 10.0));
     }
 }

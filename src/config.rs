@@ -2,12 +2,14 @@
 //! Owns: parsing and checking model hyper-parameters. Must not touch weights or tokenizers.
 
 use crate::error::{Error, Result};
+pub use crate::kernels::Activation;
 use serde::Deserialize;
 use std::path::Path;
 
 /// The decoder families gridlm runs. They share one forward pass; they differ in details
-/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window) and, for Phi-3,
-/// in how the checkpoint stores q/k/v and gate/up (fused, see `model::stored_rows`).
+/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window, Gemma 3's norms,
+/// activation and local layers) and, for Phi-3, in how the checkpoint stores q/k/v and gate/up
+/// (fused, see `model::stored_rows`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
@@ -15,6 +17,8 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Phi3,
+    /// Gemma 3's text model (`gemma3_text`).
+    Gemma3,
 }
 
 impl Arch {
@@ -25,6 +29,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Phi3 => "phi3",
+            Arch::Gemma3 => "gemma3_text",
         }
     }
 }
@@ -58,14 +63,32 @@ pub struct ModelConfig {
     /// An RMSNorm over each query and key head (weights of `head_dim`, shared by the heads)
     /// between the projection and RoPE (Qwen3).
     pub qk_norm: bool,
-    /// Attend to at most this many previous positions (Mistral); `None` = full causal.
+    /// Attend to at most this many previous positions (Mistral; Gemma 3's local layers);
+    /// `None` = full causal.
     pub sliding_window: Option<usize>,
+    /// Which layers are local, attending through `sliding_window` with `rope_local_theta`
+    /// (Gemma 3: five of every six); `None`: every layer alike.
+    pub local_layers: Option<Vec<bool>>,
+    /// RoPE base of the local layers, unscaled (Gemma 3's `rope_local_base_freq`).
+    pub rope_local_theta: Option<f64>,
+    pub activation: Activation,
+    /// Norm weights are stored as offsets from one: a norm multiplies by `1 + w` (Gemma).
+    pub norm_plus_one: bool,
+    /// Embedding rows are multiplied by `sqrt(hidden_size)` on the way in (Gemma).
+    pub scale_embedding: bool,
+    /// Gemma 3's sandwich norms: the attention and FFN outputs are normed
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`) before they join the
+    /// residual stream, and `pre_feedforward_layernorm` is the FFN's input norm.
+    pub sandwich_norms: bool,
+    /// Factor of the attention scores: `1/sqrt(head_dim)`, or Gemma's
+    /// `1/sqrt(query_pre_attn_scalar)`.
+    pub attn_scale: f32,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, gemma3_text";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -88,6 +111,14 @@ struct HfConfig {
     use_sliding_window: Option<bool>,
     partial_rotary_factor: Option<f64>,
     hidden_act: Option<String>,
+    hidden_activation: Option<String>,
+    query_pre_attn_scalar: Option<f64>,
+    rope_local_base_freq: Option<f64>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    use_bidirectional_attention: Option<bool>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
 }
@@ -140,14 +171,42 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "phi3" => Arch::Phi3,
+            "gemma3_text" => Arch::Gemma3,
+            "gemma3" => {
+                return Err(bad(
+                    "model_type `gemma3` is Gemma 3's image-and-text model; its text part alone \
+                     (model_type `gemma3_text`, as Gemma 3 1B ships) is supported"
+                        .into(),
+                ))
+            }
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
         };
-        if let Some(act) = &raw.hidden_act {
-            if act != "silu" {
-                return Err(bad(format!("unsupported hidden_act `{act}` (expected silu)")));
+        // Gemma 3 names its activation `hidden_activation`.
+        let activation = match raw.hidden_activation.as_ref().or(raw.hidden_act.as_ref()).map(|a| a.as_str())
+        {
+            None if arch == Arch::Gemma3 => Activation::GeluTanh,
+            None | Some("silu") => Activation::Silu,
+            Some("gelu_pytorch_tanh" | "gelu_new") => Activation::GeluTanh,
+            Some(act) => {
+                return Err(bad(format!(
+                    "unsupported hidden activation `{act}` (expected silu or gelu_pytorch_tanh)"
+                )))
             }
+        };
+        for (name, cap) in [
+            ("attn_logit_softcapping", raw.attn_logit_softcapping),
+            ("final_logit_softcapping", raw.final_logit_softcapping),
+        ] {
+            if let Some(c) = cap {
+                return Err(bad(format!("{name} {c} is not supported (expected null)")));
+            }
+        }
+        if raw.use_bidirectional_attention == Some(true) {
+            return Err(bad(
+                "use_bidirectional_attention = true is not supported (a causal decoder runs here)".into(),
+            ));
         }
         let n_heads = raw.num_attention_heads;
         let n_kv_heads = raw.num_key_value_heads.unwrap_or(n_heads);
@@ -212,7 +271,35 @@ impl ModelConfig {
                 ));
             }
             (Arch::Mistral | Arch::Phi3, _) => raw.sliding_window,
+            (Arch::Gemma3, _) => match raw.sliding_window {
+                Some(0) => {
+                    return Err(bad("sliding_window is 0 (expected a positive number of positions)".into()))
+                }
+                w => Some(w.unwrap_or(4096)),
+            },
             _ => None,
+        };
+        let local_layers =
+            if arch == Arch::Gemma3 { Some(gemma3_local_layers(&raw).map_err(bad)?) } else { None };
+        let rope_local_theta = match arch {
+            Arch::Gemma3 => {
+                let t = raw.rope_local_base_freq.unwrap_or(10000.0);
+                if !(t.is_finite() && t > 0.0) {
+                    return Err(bad(format!("rope_local_base_freq {t} must be a finite positive number")));
+                }
+                Some(t)
+            }
+            _ => None,
+        };
+        let attn_scale = match (arch, raw.query_pre_attn_scalar) {
+            (Arch::Gemma3, s) => {
+                let s = s.unwrap_or(256.0);
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(bad(format!("query_pre_attn_scalar {s} must be a finite positive number")));
+                }
+                (1.0 / s.sqrt()) as f32
+            }
+            _ => 1.0 / (head_dim as f32).sqrt(),
         };
         let eos_token_ids = token_ids(&raw.eos_token_id);
         Ok(ModelConfig {
@@ -230,20 +317,50 @@ impl ModelConfig {
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             sliding_window,
+            local_layers,
+            rope_local_theta,
+            activation,
+            norm_plus_one: arch == Arch::Gemma3,
+            scale_embedding: arch == Arch::Gemma3,
+            sandwich_norms: arch == Arch::Gemma3,
+            attn_scale,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids,
         })
     }
 
+    /// The window layer `i` (of the whole model) attends through: `sliding_window` on every
+    /// layer, or only on the local ones.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        match &self.local_layers {
+            Some(local) if !local[i] => None,
+            _ => self.sliding_window,
+        }
+    }
+
+    /// Whether layer `i` is a local layer (its own RoPE base, [`Self::rope_local_theta`]).
+    pub fn is_local(&self, i: usize) -> bool {
+        self.local_layers.as_ref().is_some_and(|l| l[i])
+    }
+
     /// RoPE inverse frequencies, one per rotated pair, with any scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
+        self.inv_freq(self.rope_theta, self.rope_scaling.as_ref())
+    }
+
+    /// The local layers' RoPE inverse frequencies (unscaled), if the model has local layers.
+    pub fn rope_local_inv_freq(&self) -> Option<Vec<f64>> {
+        self.rope_local_theta.map(|theta| self.inv_freq(theta, None))
+    }
+
+    fn inv_freq(&self, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f64> {
         let d = self.head_dim as f64;
         (0..self.head_dim / 2)
             .map(|i| {
-                let f = 1.0 / self.rope_theta.powf(2.0 * i as f64 / d);
-                match &self.rope_scaling {
+                let f = 1.0 / theta.powf(2.0 * i as f64 / d);
+                match scaling {
                     None => f,
                     Some(RopeScaling::Linear { factor }) => f / factor,
                     Some(RopeScaling::Llama3 {
@@ -273,6 +390,31 @@ impl ModelConfig {
     }
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+}
+
+/// Gemma 3's local layers: from `layer_types` (`sliding_attention` / `full_attention`, one per
+/// layer), or else every layer but each `sliding_window_pattern`-th (6 by default).
+fn gemma3_local_layers(raw: &HfConfig) -> std::result::Result<Vec<bool>, String> {
+    let n = raw.num_hidden_layers;
+    if let Some(types) = &raw.layer_types {
+        if types.len() != n {
+            return Err(format!("layer_types has {} entries for {n} layers", types.len()));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => {
+                    Err(format!("layer_types holds `{other}` (expected sliding_attention or full_attention)"))
+                }
+            })
+            .collect();
+    }
+    match raw.sliding_window_pattern.unwrap_or(6) {
+        0 => Err("sliding_window_pattern is 0 (expected a positive number of layers)".into()),
+        p => Ok((0..n).map(|i| (i + 1) % p != 0).collect()),
     }
 }
 
@@ -387,6 +529,55 @@ mod tests {
         assert!(parse(&config("phi3", r#""partial_rotary_factor":1.0"#)).is_ok());
         let e = parse(&config("phi3", r#""sliding_window":0"#)).unwrap_err().to_string();
         assert!(e.contains("sliding_window is 0"), "{e}");
+    }
+
+    #[test]
+    fn gemma3_text_local_layers_norms_and_activation() {
+        let c =
+            parse(&config("gemma3_text", r#""head_dim":32,"sliding_window":512,"rope_theta":1e6"#)).unwrap();
+        assert_eq!(
+            (c.arch, c.head_dim, c.sliding_window, c.rope_local_theta),
+            (Arch::Gemma3, 32, Some(512), Some(1e4))
+        );
+        assert_eq!(c.activation, Activation::GeluTanh);
+        assert!(c.qk_norm && c.norm_plus_one && c.scale_embedding && c.sandwich_norms && !c.qkv_bias);
+        // query_pre_attn_scalar's default, 256, sets the scale, not head_dim.
+        assert_eq!(c.attn_scale, 1.0 / 16.0);
+        // The default pattern: every sixth layer global (two layers here: both local).
+        assert_eq!((c.layer_window(0), c.layer_window(1), c.is_local(1)), (Some(512), Some(512), true));
+        let c = parse(&config("gemma3_text", r#""sliding_window_pattern":2,"query_pre_attn_scalar":64"#))
+            .unwrap();
+        assert_eq!((c.layer_window(0), c.layer_window(1), c.is_local(1)), (Some(4096), None, false));
+        assert_eq!(c.attn_scale, 0.125);
+        let types = r#""layer_types":["full_attention","sliding_attention"],"sliding_window":8"#;
+        let c = parse(&config("gemma3_text", types)).unwrap();
+        assert_eq!((c.layer_window(0), c.layer_window(1), c.is_local(0)), (None, Some(8), false));
+        // Local RoPE frequencies ignore the global scaling.
+        let c = parse(&config("gemma3_text", r#""rope_scaling":{"rope_type":"linear","factor":8}"#)).unwrap();
+        let (global, local) = (c.rope_inv_freq(), c.rope_local_inv_freq().unwrap());
+        assert_eq!((global[0], local[0], local[1] / global[1]), (0.125, 1.0, 8.0));
+        let refused = [
+            (r#""final_logit_softcapping":30.0"#, "final_logit_softcapping 30 is not supported"),
+            (r#""attn_logit_softcapping":50.0"#, "attn_logit_softcapping 50 is not supported"),
+            (r#""layer_types":["full_attention"]"#, "layer_types has 1 entries for 2 layers"),
+            (r#""layer_types":["full_attention","chunked"]"#, "layer_types holds `chunked`"),
+            (r#""sliding_window_pattern":0"#, "sliding_window_pattern is 0"),
+            (r#""hidden_activation":"gelu""#, "unsupported hidden activation `gelu`"),
+            (r#""use_bidirectional_attention":true"#, "use_bidirectional_attention = true"),
+        ];
+        for (extra, msg) in refused {
+            let e = parse(&config("gemma3_text", extra)).unwrap_err().to_string();
+            assert!(e.contains(msg), "{extra}: {e}");
+        }
+        let e = parse(&BASE.replace("llama", "gemma3")).unwrap_err().to_string();
+        assert!(e.contains("its text part alone (model_type `gemma3_text`"), "{e}");
+        // The others keep SiLU and plain norms.
+        let c = parse(BASE).unwrap();
+        assert_eq!(
+            (c.activation, c.norm_plus_one, c.sandwich_norms, c.local_layers),
+            (Activation::Silu, false, false, None)
+        );
+        assert_eq!(c.attn_scale, 0.25);
     }
 
     #[test]

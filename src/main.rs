@@ -4,8 +4,9 @@
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand};
 use gridlm::bench::{
-    decode_window, gb_per_s_around_runs, kv_positions_per_token, mean_around_runs, percentile, prefill_flops,
-    run_gb_per_s, tokens_digest, Alternated, Baseline, BenchReport, DecodeFigures, Measured, RankReport,
+    decode_window, gb_per_s_around_runs, kv_positions_per_layer_token, mean_around_runs, percentile,
+    prefill_flops, run_gb_per_s, tokens_digest, Alternated, Baseline, BenchReport, DecodeFigures, Measured,
+    RankReport,
 };
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
@@ -1720,7 +1721,7 @@ fn run_bench(
     let weight_bytes_per_token = weight_bytes_per_step * micro_batches as u64 / a.work.batch as u64;
     // Each decode token's attention reads its own sequence's keys and values, on every rank.
     let kv_per_position: u64 = ranks.iter().map(|r| r.kv_bytes_per_position).sum();
-    let positions = kv_positions_per_token(a.work.prompt_len, a.work.new_tokens, full_cfg.sliding_window);
+    let positions = kv_positions_per_layer_token(&full_cfg, a.work.prompt_len, a.work.new_tokens);
     let kv_bytes_per_token = (kv_per_position as f64 * positions).round() as u64;
     // Each side's figures from its own runs.
     let figures = |side: Side, weight_bytes_per_token: u64| {

@@ -120,3 +120,48 @@ impl StreamDecoder {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chat template written with the constructs Gemma 3's uses (the system message folded
+    /// into the first user turn, `raise_exception` on roles that do not alternate, `is string`,
+    /// `| trim`, `loop.first`, `loop.index0`, a list slice, `bos_token` written by the
+    /// template itself) renders one user message as Gemma 3 expects it.
+    #[test]
+    fn a_gemma3_style_chat_template_renders() {
+        let template = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+  {%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}
+{%- else -%}
+  {%- set prefix = '' -%}{%- set turns = messages -%}
+{%- endif -%}
+{%- for m in turns -%}
+  {%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {{ raise_exception('roles must alternate') }}
+  {%- endif -%}
+  {%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}
+  {{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') }}
+  {%- if m['content'] is string -%}{{ m['content'] | trim }}{%- endif -%}
+  {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let vocab = serde_json::json!({"<bos>": 0, "<eos>": 1, "hi": 2});
+        let tok = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "hi"},
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let cfg = serde_json::json!({"chat_template": template, "bos_token": "<bos>", "eos_token": "<eos>"});
+        std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(
+            t.apply_chat_template("  Why is the sky blue? ").unwrap(),
+            "<bos><start_of_turn>user\nWhy is the sky blue?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(t.eos_id(), Some(1));
+    }
+}

@@ -13,6 +13,7 @@
 //! to bf16 in `vdpbf16ps` (no widening, twice the multiply-adds of an FMA), one token and many
 //! alike: the one-token kernel's sums equal the many-token kernel's bit for bit.
 
+use super::Activation;
 use half::{bf16, f16};
 
 /// Columns per block of a prepared vector.
@@ -977,14 +978,24 @@ pub fn exp_sub_sum(s: &mut [f32], m: f32, isa: Isa) -> f32 {
     }
 }
 
-/// `gate[i] = silu(gate[i]) · up[i]`, with `silu(g) = g / (1 + exp(−g))`.
-pub fn silu_mul(gate: &mut [f32], up: &[f32], isa: Isa) {
-    assert_eq!(gate.len(), up.len(), "silu_mul: lengths");
+/// `√(8/π)` and `√(8/π) · 0.044715`: GELU's tanh form is `g/2 · (1 + tanh(√(2/π)·(g +
+/// 0.044715·g³)))` = `g / (1 + exp(−(GELU_A·g + GELU_B·g³)))`.
+const GELU_A: f32 = 1.595_769;
+const GELU_B: f32 = GELU_A * 0.044715;
+
+/// `gate[i] = act(gate[i]) · up[i]`, each activation as `g / (1 + exp(−a))`: `a = g` for
+/// SiLU, `a = GELU_A·g + GELU_B·g³` for GELU's tanh form.
+pub fn act_mul(gate: &mut [f32], up: &[f32], act: Activation, isa: Isa) {
+    assert_eq!(gate.len(), up.len(), "act_mul: lengths");
+    let gelu = act == Activation::GeluTanh;
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::silu_mul(gate, up) },
-        _ => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u),
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::act_mul(gate, up, gelu) },
+        _ => gate.iter_mut().zip(up).for_each(|(g, &u)| {
+            let a = if gelu { *g * (GELU_A + GELU_B * *g * *g) } else { *g };
+            *g = *g * u / (1.0 + (-a).exp())
+        }),
     }
 }
 
@@ -1614,14 +1625,23 @@ mod avx2 {
         sum
     }
 
+    /// [`super::act_mul`]: SiLU, or GELU's tanh form if `gelu`.
+    ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `gate.len() == up.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    pub unsafe fn act_mul(gate: &mut [f32], up: &[f32], gelu: bool) {
         let (n, g, u) = (gate.len(), gate.as_mut_ptr(), up.as_ptr());
         let one = _mm256_set1_ps(1.0);
+        let (ga, gb) = (_mm256_set1_ps(super::GELU_A), _mm256_set1_ps(super::GELU_B));
         let f = |gv: __m256, uv: __m256| {
-            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            // The same operations, in the same order, as the portable path.
+            let a = if gelu {
+                _mm256_mul_ps(gv, _mm256_add_ps(ga, _mm256_mul_ps(_mm256_mul_ps(gb, gv), gv)))
+            } else {
+                gv
+            };
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
             _mm256_div_ps(_mm256_mul_ps(gv, uv), _mm256_add_ps(one, e))
         };
         let mut c = 0;

@@ -34,6 +34,17 @@ pub fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
+/// `x += rmsnorm(o)` with weights `w`, row by row (`w.len()` long): a sublayer's output
+/// normed as it joins the residual stream (Gemma 3), each value as [`rmsnorm`] computes it.
+pub fn add_rmsnormed(x: &mut [f32], o: &[f32], w: &[f32], eps: f32) {
+    for (xr, or) in x.chunks_exact_mut(w.len()).zip(o.chunks_exact(w.len())) {
+        let inv = inv_rms(or, eps);
+        for ((x, &v), &g) in xr.iter_mut().zip(or).zip(w) {
+            *x += v * inv * g;
+        }
+    }
+}
+
 /// `1 / sqrt(mean(x²) + eps)`.
 fn inv_rms(x: &[f32], eps: f32) -> f32 {
     1.0 / (sum_of_squares(x) / x.len() as f32 + eps).sqrt()
@@ -69,9 +80,18 @@ pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// `gate[i] = silu(gate[i]) · up[i]`.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    dot::silu_mul(gate, up, dot::detect());
+/// The activation of an FFN's gate (`act(gate) · up`, [`act_mul`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `g · sigmoid(g)`.
+    Silu,
+    /// GELU in its tanh form (HF's `gelu_pytorch_tanh`, Gemma's).
+    GeluTanh,
+}
+
+/// `gate[i] = act(gate[i]) · up[i]` (SiLU, or GELU's tanh form).
+pub fn act_mul(gate: &mut [f32], up: &[f32], act: Activation) {
+    dot::act_mul(gate, up, act, dot::detect());
 }
 
 /// Takes a row's state over one tile: `(row, tile, max, sum, weighted values)`
@@ -1286,11 +1306,11 @@ mod tests {
         check::<bf16>();
     }
 
-    /// The vector exp (inside exp_sub_sum and silu_mul) and scale_max against f64, and
-    /// scale_add bit for bit against its scalar formula, on every path, over lengths that leave
-    /// every kind of tail.
+    /// The vector exp (inside exp_sub_sum and act_mul, SiLU and GELU) and scale_max against f64,
+    /// and scale_add bit for bit against its scalar formula, on every path, over lengths that
+    /// leave every kind of tail.
     #[test]
-    fn softmax_parts_and_silu_match_reference() {
+    fn softmax_parts_and_activations_match_reference() {
         for isa in isas() {
             for n in [1, 7, 8, 16, 37] {
                 let x: Vec<f32> = rand_vec(n, n as u64).iter().map(|v| v * 30.0).collect();
@@ -1316,17 +1336,27 @@ mod tests {
                     );
                 }
                 assert!((sum as f64 - want_sum).abs() < 1e-5 * want_sum, "{isa:?} sum n={n}");
-                let mut g: Vec<f32> = x.iter().map(|v| v / 3.0).collect();
-                let g0 = g.clone();
+                let g0: Vec<f32> = x.iter().map(|v| v / 3.0).collect();
                 let u = rand_vec(n, 7);
-                dot::silu_mul(&mut g, &u, isa);
-                for i in 0..n {
-                    let xv = g0[i] as f64;
-                    let want = xv / (1.0 + (-xv).exp()) * u[i] as f64;
-                    assert!(
-                        (g[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
-                        "{isa:?} silu n={n} i={i}"
-                    );
+                for act in [Activation::Silu, Activation::GeluTanh] {
+                    let mut g = g0.clone();
+                    dot::act_mul(&mut g, &u, act, isa);
+                    for i in 0..n {
+                        let xv = g0[i] as f64;
+                        let want = u[i] as f64
+                            * match act {
+                                Activation::Silu => xv / (1.0 + (-xv).exp()),
+                                Activation::GeluTanh => {
+                                    let c = (2.0 / std::f64::consts::PI).sqrt();
+                                    0.5 * xv * (1.0 + (c * (xv + 0.044715 * xv.powi(3))).tanh())
+                                }
+                            };
+                        assert!(
+                            (g[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
+                            "{isa:?} {act:?} n={n} i={i}: {} vs {want}",
+                            g[i]
+                        );
+                    }
                 }
             }
             // Far below the clamp: tiny but not NaN or negative.
@@ -1542,7 +1572,7 @@ mod tests {
     #[test]
     fn silu_and_argmax() {
         let mut g = vec![-2.0f32, 0.0, 3.0];
-        silu_mul(&mut g, &[1.0, 5.0, 2.0]);
+        act_mul(&mut g, &[1.0, 5.0, 2.0], Activation::Silu);
         for (got, x, u) in [(g[0], -2.0f64, 1.0), (g[1], 0.0, 5.0), (g[2], 3.0, 2.0)] {
             assert!((got as f64 - x / (1.0 + (-x).exp()) * u).abs() < 1e-6);
         }

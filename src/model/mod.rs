@@ -1,12 +1,12 @@
-//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3) and its forward
-//! pass.
+//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) and its
+//! forward pass.
 //! Owns: loading the shard's tensors by their HF names and the layer math. Sees communication
 //! only through the [`Comm`] trait: exactly two allreduces per layer, one for the embedding.
 //!
 //! ```text
 //! per layer, on one rank:   x ─ rmsnorm ─ qkv (its heads) ─ rope ─ kv append ─ attention
 //!                             └──────────────── + allreduce(o_proj partial) ◄─┘
-//!                           x ─ rmsnorm ─ gate/up (its columns) ─ silu·mul ─ down partial
+//!                           x ─ rmsnorm ─ gate/up (its columns) ─ act·mul ─── down partial
 //!                             └──────────────── + allreduce ◄───────────────────┘
 //! ```
 
@@ -27,7 +27,16 @@ use std::sync::Arc;
 
 struct Layer {
     input_norm: Vec<f32>,
+    /// The FFN's input norm (`post_attention_layernorm`, Gemma 3's `pre_feedforward_layernorm`).
     post_norm: Vec<f32>,
+    /// Gemma 3's norms of the attention and FFN outputs, before they join the residual stream.
+    out_norms: Option<(Vec<f32>, Vec<f32>)>,
+    /// The positions its attention reaches back ([`ModelConfig::layer_window`]), and whether
+    /// it rotates by the local layers' RoPE base.
+    window: Option<usize>,
+    local_rope: bool,
+    /// Index of its window in [`Shard::windows`] (and of its layout of a step's attention).
+    layout: usize,
     /// Rows: this rank's q heads, then its k heads, then its v heads.
     qkv: PackedMat,
     qkv_bias: Option<Vec<f32>>,
@@ -44,11 +53,12 @@ struct Layer {
 impl Layer {
     /// Bytes of its f32 vectors: norms and biases.
     fn vector_bytes(&self) -> usize {
-        let heads = self.head_norms.as_ref().map_or(0, |(q, k)| q.len() + k.len());
+        let pair = |p: &Option<(Vec<f32>, Vec<f32>)>| p.as_ref().map_or(0, |(a, b)| a.len() + b.len());
         4 * (self.input_norm.len()
             + self.post_norm.len()
             + self.qkv_bias.as_ref().map_or(0, |b| b.len())
-            + heads)
+            + pair(&self.head_norms)
+            + pair(&self.out_norms))
     }
 }
 
@@ -77,6 +87,21 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
             (p("mlp.gate_proj.weight"), [ff, h], 0),
             (p("mlp.up_proj.weight"), [ff, h], 0),
         ]
+    }
+}
+
+/// A layer's norms after `model.layers.N.`: the attention's input norm, the FFN's input norm,
+/// then (Gemma 3) the norms of the attention's and the FFN's outputs.
+fn layer_norm_names(cfg: &ModelConfig) -> &'static [&'static str] {
+    if cfg.sandwich_norms {
+        &[
+            "input_layernorm.weight",
+            "pre_feedforward_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "post_feedforward_layernorm.weight",
+        ]
+    } else {
+        &["input_layernorm.weight", "post_attention_layernorm.weight"]
     }
 }
 
@@ -138,7 +163,7 @@ struct AttItem {
 /// QKV product, so those lines arrive while it streams its weights.
 const PREFETCH_TOKENS: usize = 8;
 
-/// Steps of at most this many tokens compute SiLU on every kernel thread, each into its own
+/// Steps of at most this many tokens compute the FFN activation on every kernel thread, each into its own
 /// copy, rather than split over the threads with a barrier after it.
 const REPLICATE_TOKENS: usize = 8;
 
@@ -169,11 +194,12 @@ struct MainThread<'a>(&'a dyn Comm);
 unsafe impl Sync for MainThread<'_> {}
 
 /// Sums a sublayer's output `o[..x.len()]` over the stage's tensor-parallel ranks and adds it
-/// to this thread's copy of the residual stream `x`: thread 0 calls MPI while the other threads
-/// wait at a barrier (none when the stage has one rank). `o` is complete on entry (the product
-/// that wrote it ended with a barrier), and nothing writes it again before every thread has
-/// passed another barrier.
-fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32]) {
+/// to this thread's copy of the residual stream `x`, each token's row normed first by `norm`
+/// (weights, epsilon) if given (Gemma 3): thread 0 calls MPI while the other threads wait at a
+/// barrier (none when the stage has one rank). `o` is complete on entry (the product that wrote
+/// it ended with a barrier), and nothing writes it again before every thread has passed another
+/// barrier.
+fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32], norm: Option<(&[f32], f32)>) {
     let len = x.len();
     if comm.0.size() > 1 {
         if r.tid() == 0 {
@@ -184,7 +210,10 @@ fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32]) {
     }
     // SAFETY: as above, `o` is only read until the next barrier.
     let o = unsafe { &*o.range(0, len) };
-    x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
+    match norm {
+        Some((w, eps)) => kernels::add_rmsnormed(x, o, w, eps),
+        None => x.iter_mut().zip(o).for_each(|(a, b)| *a += b),
+    }
 }
 
 /// Floats of each kernel thread's own buffers in a step of `n` tokens: its copy of the
@@ -234,12 +263,19 @@ pub struct Shard {
     pub cfg: ModelConfig,
     pub plan: ShardPlan,
     layers: Vec<Layer>,
+    /// The distinct windows of its layers' attention, in layer order (one layout of a step's
+    /// attention items each).
+    windows: Vec<Option<usize>>,
     /// Vocabulary rows of the embedding (first stage).
     embed: Option<Arc<PackedMat>>,
+    /// Factor of the embedding's rows (Gemma: `sqrt(hidden_size)`; else 1).
+    embed_scale: f32,
     final_norm: Option<Vec<f32>>,
     /// Vocabulary rows of the output head (last stage); shares `embed` when tied on one stage.
     lm_head: Option<Arc<PackedMat>>,
     inv_freq: Vec<f64>,
+    /// The local layers' RoPE frequencies (Gemma 3).
+    inv_freq_local: Option<Vec<f64>>,
 }
 
 impl Shard {
@@ -264,6 +300,14 @@ impl Shard {
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let qr = plan.q_heads.start * hd..plan.q_heads.end * hd;
         let kr = plan.kv_heads.start * hd..plan.kv_heads.end * hd;
+        // A norm's weights as it multiplies by them (Gemma stores them less one).
+        let norm = |name: &str, len: usize| -> Result<Vec<f32>> {
+            let mut w = ckpt.vector_f32(name, len)?;
+            if cfg.norm_plus_one {
+                w.iter_mut().for_each(|w| *w += 1.0);
+            }
+            Ok(w)
+        };
         let mut layers = Vec::with_capacity(plan.layers.len());
         for i in plan.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -281,17 +325,23 @@ impl Shard {
                 None
             };
             let head_norms = if cfg.qk_norm {
-                Some((
-                    ckpt.vector_f32(&p("self_attn.q_norm.weight"), hd)?,
-                    ckpt.vector_f32(&p("self_attn.k_norm.weight"), hd)?,
-                ))
+                Some((norm(&p("self_attn.q_norm.weight"), hd)?, norm(&p("self_attn.k_norm.weight"), hd)?))
             } else {
                 None
             };
             let (gate, up) = (part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?);
+            let norms = layer_norm_names(&cfg);
+            let out_norms = match norms {
+                [_, _, a, f] => Some((norm(&p(a), h)?, norm(&p(f), h)?)),
+                _ => None,
+            };
             layers.push(Layer {
-                input_norm: ckpt.vector_f32(&p("input_layernorm.weight"), h)?,
-                post_norm: ckpt.vector_f32(&p("post_attention_layernorm.weight"), h)?,
+                input_norm: norm(&p(norms[0]), h)?,
+                post_norm: norm(&p(norms[1]), h)?,
+                out_norms,
+                window: cfg.layer_window(i),
+                layout: 0,
+                local_rope: cfg.is_local(i) && cfg.rope_local_theta.is_some(),
                 qkv: pack(&Mat::vstack(vec![q, k, v])),
                 qkv_bias,
                 head_norms,
@@ -318,13 +368,42 @@ impl Shard {
             } else {
                 Arc::new(pack(&ckpt.rows("lm_head.weight", &vocab_shape, plan.vocab.clone())?))
             };
-            (Some(ckpt.vector_f32("model.norm.weight", h)?), Some(head))
+            (Some(norm("model.norm.weight", h)?), Some(head))
         } else {
             (None, None)
         };
-        let inv_freq = cfg.rope_inv_freq();
+        let embed_scale = if cfg.scale_embedding {
+            // As HF does: the factor in the embedding's stored dtype.
+            let s = (h as f32).sqrt();
+            match ckpt.dtype("model.embed_tokens.weight", &vocab_shape)? {
+                DType::F32 => s,
+                DType::BF16 => half::bf16::from_f32(s).to_f32(),
+                DType::F16 => half::f16::from_f32(s).to_f32(),
+            }
+        } else {
+            1.0
+        };
+        let (inv_freq, inv_freq_local) = (cfg.rope_inv_freq(), cfg.rope_local_inv_freq());
+        let mut windows: Vec<Option<usize>> = Vec::new();
+        for l in &mut layers {
+            l.layout = windows.iter().position(|w| *w == l.window).unwrap_or_else(|| {
+                windows.push(l.window);
+                windows.len() - 1
+            });
+        }
         kernels::arena::close_chunk();
-        Ok(Shard { cfg, plan, layers, embed, final_norm, lm_head, inv_freq })
+        Ok(Shard {
+            cfg,
+            plan,
+            layers,
+            windows,
+            embed,
+            embed_scale,
+            final_norm,
+            lm_head,
+            inv_freq,
+            inv_freq_local,
+        })
     }
 
     /// The bytes [`Shard::weight_bytes`] will report once `plan` of `cfg` is loaded from `src`
@@ -351,7 +430,11 @@ impl Shard {
             n += packed(h, q_rows, src.dtype(&p("self_attn.o_proj.weight"), &[h, qd])?);
             n += packed(2 * plan.ffn.len(), h, stacked(gate, up));
             n += packed(h, plan.ffn.len(), src.dtype(&p("mlp.down_proj.weight"), &[h, ff])?);
-            n += 4 * (2 * h + if cfg.qkv_bias { q_rows + 2 * kv_rows } else { 0 });
+            for name in layer_norm_names(cfg) {
+                src.dtype(&p(name), &[h])?;
+                n += 4 * h;
+            }
+            n += 4 * if cfg.qkv_bias { q_rows + 2 * kv_rows } else { 0 };
             if cfg.qk_norm {
                 src.dtype(&p("self_attn.q_norm.weight"), &[hd])?;
                 src.dtype(&p("self_attn.k_norm.weight"), &[hd])?;
@@ -448,7 +531,8 @@ impl Shard {
     }
 
     /// Embedding lookup for `tokens` into `x` (`[n, hidden]`): rows in this rank's vocabulary
-    /// range are copied, others are zero, and the stage allreduce fills in the rest.
+    /// range are copied (scaled, for Gemma), others are zero, and the stage allreduce fills in
+    /// the rest.
     pub fn embed(&self, tokens: &[u32], x: &mut [f32], comm: &dyn Comm) {
         let h = self.cfg.hidden_size;
         let e = self.embed.as_ref().expect("embed called on a rank outside the first stage");
@@ -458,6 +542,9 @@ impl Shard {
             let id = id as usize;
             if self.plan.vocab.contains(&id) {
                 e.row_f32(id - v0, out);
+                if self.embed_scale != 1.0 {
+                    out.iter_mut().for_each(|v| *v *= self.embed_scale);
+                }
             } else {
                 out.fill(0.0);
             }
@@ -507,14 +594,13 @@ impl Shard {
         let group = cfg.n_heads / cfg.n_kv_heads;
         let q0 = self.plan.q_heads.start;
         let kv0 = self.plan.kv_heads.start;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = cfg.attn_scale;
         // The local query heads that read local KV head `kvl` (heads are split in order, so
         // they are consecutive).
         let q_heads_of_kv = |kvl: usize| {
             let g = kv0 + kvl;
             (g * group).max(q0) - q0..((g + 1) * group).min(q0 + nq) - q0
         };
-        let window = cfg.sliding_window;
         // Steps with fewer (KV head, block) items than twice the kernel threads split the keys
         // of each one-token block (a decode step's) into parts, on the attention tiles'
         // boundaries, so every thread has work (one KV head per rank under tensor parallelism
@@ -523,25 +609,34 @@ impl Shard {
         let items = nkv * s.blocks.len();
         let parts =
             if items < 2 * team.threads() { (2 * team.threads()).div_ceil(items).min(MAX_PARTS) } else { 1 };
-        // Each block's first item and first stored tile state (`splits`, one entry more than
+        // For the layers of each window (Gemma 3's local and global layers have two): each
+        // block's first item and first stored tile state (`splits`, one entry more than
         // blocks): a block has an item per (local KV head, part of its keys), and a split
-        // block (one query) stores a state per (local query head, tile).
-        s.splits.clear();
-        let (mut n_items, mut n_slots, mut n_split, mut room) = (0, 0, 0, 0);
-        for &b in &s.blocks {
-            let tiles = key_tiles(key_pages(&s.tokens, window, b)).len();
-            let parts = if b.1 == 1 { parts.min(tiles) } else { 1 };
-            s.splits.push((n_items, n_slots));
-            n_items += nkv * parts;
-            if parts > 1 {
-                n_slots += nq * tiles;
-                n_split += 1;
-                // Room for every tile the sequence can reach (its page table holds its whole
-                // length), so that its later steps allocate nothing as it grows.
-                room += nq * tiles.max(tile_room(tables[s.tokens[b.0].0].len()));
+        // block (one query) stores a state per (local query head, tile). The layers of one
+        // window after another store their states in the same buffers.
+        let (mut n_slots, mut any_split, mut room) = (0, false, 0);
+        for (lay, &window) in s.layouts.iter_mut().zip(&self.windows) {
+            lay.window = window;
+            lay.splits.clear();
+            let (mut n_items, mut slots, mut n_split, mut lay_room) = (0, 0, 0, 0);
+            for &b in &s.blocks {
+                let tiles = key_tiles(key_pages(&s.tokens, window, b)).len();
+                let parts = if b.1 == 1 { parts.min(tiles) } else { 1 };
+                lay.splits.push((n_items, slots));
+                n_items += nkv * parts;
+                if parts > 1 {
+                    slots += nq * tiles;
+                    n_split += 1;
+                    // Room for every tile the sequence can reach (its page table holds its
+                    // whole length), so that its later steps allocate nothing as it grows.
+                    lay_room += nq * tiles.max(tile_room(tables[s.tokens[b.0].0].len()));
+                }
             }
+            lay.splits.push((n_items, slots));
+            (lay.n_items, lay.n_split) = (n_items, n_split);
+            (n_slots, room) = (n_slots.max(slots), room.max(lay_room));
+            any_split |= n_split > 0;
         }
-        s.splits.push((n_items, n_slots));
         // Every kernel thread's buffers are sized for the largest attention item before the
         // first step runs, not grown by the items a thread happens to take: otherwise a thread
         // that took only short items so far allocates in a later step.
@@ -556,14 +651,31 @@ impl Shard {
         // attention rows of a short step with split blocks (merged on every thread), and of
         // the activations of a short one; each thread's on cache lines of its own.
         let replicate = n <= REPLICATE_TOKENS;
-        let [att_own_len, act_own_len, own_len] = own_lens(self, n, n_split > 0);
+        let [att_own_len, act_own_len, own_len] = own_lens(self, n, any_split);
         crate::grow(&mut s.own, team.threads() * own_len);
         let Scratch {
-            tokens, blocks, splits, cos, sin, qkv, att, o, gu, act, part_out, part_stats, own, ..
+            tokens,
+            blocks,
+            layouts,
+            cos,
+            sin,
+            cos_local,
+            sin_local,
+            qkv,
+            att,
+            o,
+            gu,
+            act,
+            part_out,
+            part_stats,
+            own,
+            ..
         } = s;
-        let (tokens, blocks, splits, cos, sin) = (&*tokens, &*blocks, &*splits, &*cos, &*sin);
-        // Item `i`: a block's items are its local KV heads' parts, in that order.
-        let item = |i: usize| {
+        let (tokens, blocks, layouts) = (&*tokens, &*blocks, &*layouts);
+        let (cos, sin, cos_local, sin_local) = (&*cos, &*sin, &*cos_local, &*sin_local);
+        // Item `i` of layout `lay`: a block's items are its local KV heads' parts, in that order.
+        let item = |lay: &Layout, i: usize| {
+            let (splits, window) = (&lay.splits, lay.window);
             let block = splits.partition_point(|sp| sp.0 <= i) - 1;
             let (first, (t0, nt)) = (splits[block].0, blocks[block]);
             let parts = (splits[block + 1].0 - first) / nkv;
@@ -601,6 +713,7 @@ impl Shard {
                 kernels::rmsnorm_in_place(out, if j < nq { qn } else { kn }, cfg.rms_norm_eps);
             }
             if j < nq + nkv {
+                let (cos, sin) = if l.local_rope { (cos_local, sin_local) } else { (cos, sin) };
                 kernels::rope(out, hd, &cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
             }
         };
@@ -634,6 +747,8 @@ impl Shard {
             let act_own = &mut rest[..act_own_len];
             xo.copy_from_slice(unsafe { x_io.range(0, n * h) });
             for (li, l) in self.layers.iter().enumerate() {
+                let lay = &layouts[l.layout];
+                let n_items = lay.n_items;
                 // Attention block.
                 kernels::rmsnorm(xo, &l.input_norm, cfg.rms_norm_eps, xn);
                 if n <= PREFETCH_TOKENS {
@@ -642,7 +757,7 @@ impl Shard {
                     if fold {
                         // The heads whose new position this thread will likely write: those of
                         // the last parts in its first share of the items.
-                        for it in r.share(n_items).map(item) {
+                        for it in r.share(n_items).map(|i| item(lay, i)) {
                             if it.part == it.parts - 1 {
                                 let (seq, pos) = tokens[it.t0];
                                 kv.prefetch_write_heads(li, &tables[seq], pos, it.kvl..it.kvl + 1);
@@ -659,7 +774,8 @@ impl Shard {
                     // it computes (below). On the 2-core Zen 5 machine the page kernels'
                     // profile share fell from ~4.6% to ~3.4% of the layer products' with the
                     // first items' pages asked for here (SmolLM2, batch 1).
-                    if let Some(AttItem { kvl, t0, keys, .. }) = r.share(n_items).next().map(item) {
+                    if let Some(AttItem { kvl, t0, keys, .. }) = r.share(n_items).next().map(|i| item(lay, i))
+                    {
                         kv.prefetch_read(li, kvl, &tables[tokens[t0].0], first_pages(&keys), 0, 1);
                     }
                 }
@@ -696,7 +812,7 @@ impl Shard {
                     // (within a range) as the next item itself.
                     let mut following: Option<AttItem> = None;
                     for i in items {
-                        let this = following.take().unwrap_or_else(|| item(i));
+                        let this = following.take().unwrap_or_else(|| item(lay, i));
                         // The first pages (up to `FAR_PAGES`) of the next item, into L2, asked
                         // for a share at each page this one visits: with short items (decode)
                         // the pages of one come from memory in less time than its own
@@ -707,7 +823,7 @@ impl Shard {
                         // 1.6–3.0% less time while the cores sat apart (11 runs, the two ways
                         // alternating step by step), ~1% less together; at positions
                         // 1500–1630 the same time.
-                        let next = Some(i + 1).filter(|&i| i < n_items).map(item);
+                        let next = Some(i + 1).filter(|&i| i < n_items).map(|i| item(lay, i));
                         let ahead = |visit: usize, visits: usize| {
                             if let Some(AttItem { kvl, t0, keys, .. }) = &next {
                                 let table = &tables[tokens[*t0].0];
@@ -729,7 +845,8 @@ impl Shard {
                                         let end = q.len();
                                         finish(l, t, hl, &mut q[end - hd..]);
                                     }
-                                    bounds.push((window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos));
+                                    let lo = lay.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                                    bounds.push((lo, pos));
                                 }
                             }
                             if fold && part == parts - 1 {
@@ -775,7 +892,7 @@ impl Shard {
                                     (b.0.max(keys.start), b.1.min(keys.end - 1))
                                 };
                             }
-                            let slot0 = splits[block].1;
+                            let slot0 = lay.splits[block].1;
                             let mut emit = |r: usize, tile: usize, m: f32, l: f32, acc: &[f32]| {
                                 let at = slot0 + (heads.start + r) * tiles.len() + tile - tiles.start;
                                 // SAFETY: (head, tile) states of a block are disjoint between
@@ -792,7 +909,7 @@ impl Shard {
                 // Block `b`'s rows merged from their tile states into `out` (its `nt * nq`
                 // rows), if it is split; returns whether it was.
                 let merge = |b: usize, out: &mut [f32]| {
-                    let ((_, slot), (_, end)) = (splits[b], splits[b + 1]);
+                    let ((_, slot), (_, end)) = (lay.splits[b], lay.splits[b + 1]);
                     if end == slot {
                         return false;
                     }
@@ -813,7 +930,7 @@ impl Shard {
                     }
                     true
                 };
-                let att_in: &[f32] = if n_split == 0 {
+                let att_in: &[f32] = if lay.n_split == 0 {
                     unsafe { &*att.range(0, n * nq * hd) }
                 } else if replicate {
                     // Few rows (decode): every thread merges the split rows into its own copy,
@@ -836,29 +953,29 @@ impl Shard {
                     unsafe { &*att.range(0, n * nq * hd) }
                 };
                 kernels::matmul(r, &l.o_proj, att_in, n, unsafe { o.range(0, n * h) });
-                add_reduced(r, &comm, &o, xo);
+                add_reduced(r, &comm, &o, xo, l.out_norms.as_ref().map(|(a, _)| (&a[..], cfg.rms_norm_eps)));
 
                 // FFN block.
                 kernels::rmsnorm(xo, &l.post_norm, cfg.rms_norm_eps, xn);
                 kernels::matmul(r, &l.gate_up, xn, n, unsafe { gu.range(0, n * 2 * ffl) });
                 let gu_r = unsafe { &*gu.range(0, n * 2 * ffl) };
-                // Token `t`'s activations, silu(gate) · up, into `a`.
-                let silu = |t: usize, a: &mut [f32]| {
+                // Token `t`'s activations, act(gate) · up, into `a`.
+                let activate = |t: usize, a: &mut [f32]| {
                     let (g, u) = gu_r[t * 2 * ffl..(t + 1) * 2 * ffl].split_at(ffl);
                     a.copy_from_slice(g);
-                    kernels::silu_mul(a, u);
+                    kernels::act_mul(a, u, cfg.activation);
                 };
                 let act_in: &[f32] = if replicate {
                     // Few tokens: every thread its own copy, without a barrier.
-                    act_own.chunks_exact_mut(ffl).enumerate().for_each(|(t, a)| silu(t, a));
+                    act_own.chunks_exact_mut(ffl).enumerate().for_each(|(t, a)| activate(t, a));
                     act_own
                 } else {
-                    r.share(n).for_each(|t| silu(t, unsafe { act.range(t * ffl, ffl) }));
+                    r.share(n).for_each(|t| activate(t, unsafe { act.range(t * ffl, ffl) }));
                     r.barrier();
                     unsafe { &*act.range(0, n * ffl) }
                 };
                 kernels::matmul(r, &l.down, act_in, n, unsafe { o.range(0, n * h) });
-                add_reduced(r, &comm, &o, xo);
+                add_reduced(r, &comm, &o, xo, l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps)));
                 // `o` is written next by the next layer's o_proj, two barriers or more from here.
             }
             if tid == 0 {
@@ -867,16 +984,23 @@ impl Shard {
         });
     }
 
-    /// cos/sin of every token's position (`s.tokens`).
+    /// cos/sin of every token's position (`s.tokens`), for the local layers too if they have
+    /// frequencies of their own.
     fn rope_tables(&self, s: &mut Scratch) {
         let half = self.inv_freq.len();
-        for (t, &(_, pos)) in s.tokens.iter().enumerate() {
-            let p = pos as f64;
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let a = p * f;
-                s.cos[t * half + i] = a.cos() as f32;
-                s.sin[t * half + i] = a.sin() as f32;
+        let tables = |inv_freq: &[f64], cos: &mut [f32], sin: &mut [f32]| {
+            for (t, &(_, pos)) in s.tokens.iter().enumerate() {
+                let p = pos as f64;
+                for (i, f) in inv_freq.iter().enumerate() {
+                    let a = p * f;
+                    cos[t * half + i] = a.cos() as f32;
+                    sin[t * half + i] = a.sin() as f32;
+                }
             }
+        };
+        tables(&self.inv_freq, &mut s.cos, &mut s.sin);
+        if let Some(local) = &self.inv_freq_local {
+            tables(local, &mut s.cos_local, &mut s.sin_local);
         }
     }
 
@@ -900,6 +1024,17 @@ impl Shard {
     }
 }
 
+/// A step's attention items for the layers of one window: (first item, first stored tile
+/// state) of each block, one entry more than blocks (the totals), and the totals of items and
+/// of split blocks.
+#[derive(Default)]
+struct Layout {
+    window: Option<usize>,
+    splits: Vec<(usize, usize)>,
+    n_items: usize,
+    n_split: usize,
+}
+
 /// Working buffers for one forward pass, grown when a longer chunk arrives (prefill) and
 /// reused by every decode step, so decode allocates nothing.
 #[derive(Default)]
@@ -908,8 +1043,8 @@ pub struct Scratch {
     tokens: Vec<(usize, usize)>,
     /// (first token, count) of each block of consecutive positions of one span.
     blocks: Vec<(usize, usize)>,
-    /// (first attention item, first stored tile state) of each block, and the totals.
-    splits: Vec<(usize, usize)>,
+    /// The step's attention items, one layout per window of the shard's layers.
+    layouts: Vec<Layout>,
     tok_cap: usize,
     xn: Vec<f32>,
     qkv: Vec<f32>,
@@ -919,6 +1054,9 @@ pub struct Scratch {
     act: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// cos/sin of the local layers' RoPE (Gemma 3), empty if they have none of their own.
+    cos_local: Vec<f32>,
+    sin_local: Vec<f32>,
     /// Attention tile states of the split blocks (one token each), a row's tiles side by side:
     /// `[block, head, tile, head_dim]` weighted values and `[block, head, tile, 2]` (max and
     /// sum, [`kernels::AttendOut::Tiles`]).
@@ -943,7 +1081,11 @@ impl Scratch {
         self.tok_cap = n;
         self.tokens = Vec::with_capacity(n);
         self.blocks = Vec::with_capacity(n);
-        self.splits = Vec::with_capacity(n + 1);
+        self.layouts = m
+            .windows
+            .iter()
+            .map(|&window| Layout { window, splits: Vec::with_capacity(n + 1), ..Layout::default() })
+            .collect();
         self.xn = vec![0.0; n * cfg.hidden_size];
         self.qkv = vec![0.0; n * (nq + 2 * nkv) * hd];
         self.att = vec![0.0; n * nq * hd];
@@ -952,6 +1094,9 @@ impl Scratch {
         self.act = vec![0.0; n * ffl];
         self.cos = vec![0.0; n * hd / 2];
         self.sin = vec![0.0; n * hd / 2];
+        let local = if m.inv_freq_local.is_some() { n * hd / 2 } else { 0 };
+        self.cos_local = vec![0.0; local];
+        self.sin_local = vec![0.0; local];
     }
 
     /// Room, before a run's first step, for the tile states of any decode step of at most
@@ -996,7 +1141,9 @@ mod tests {
     /// merged by the team, the step being too long to merge on every thread), with a sliding
     /// window into two at most; and rows wider than one column block (the down product's 4100
     /// columns). With QKV biases (Qwen2) or per-head q/k norms (Qwen3), which the batch and
-    /// the prompt chunk apply before attention and a decode step alone inside its items.
+    /// the prompt chunk apply before attention and a decode step alone inside its items; and
+    /// Gemma 3's local layer (a window of 100, its own RoPE) before a global one, a step's
+    /// attention in two layouts.
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
@@ -1011,18 +1158,24 @@ mod tests {
         let prompt =
             |len: usize, from: u32| -> Vec<u32> { (0..len as u32).map(|i| (from + 7 * i) % 300).collect() };
         // Bf16, f32 and int8 weights; bf16 with a sliding window of 100 positions (seq 0's
-        // token then sees pages 11–18: tiles 8–15 and 16–23); and bf16 with Qwen3's head norms
-        // instead of Qwen2's biases.
+        // token then sees pages 11–18: tiles 8–15 and 16–23); bf16 with Qwen3's head norms
+        // instead of Qwen2's biases; and Gemma 3's layers, the first local.
         let cases = [
             (DType::BF16, None, None, Arch::Qwen2),
             (DType::F32, None, None, Arch::Qwen2),
             (DType::F16, Some(Quant::Int8), None, Arch::Qwen2),
             (DType::BF16, None, Some(100), Arch::Qwen2),
             (DType::BF16, None, None, Arch::Qwen3),
+            (DType::BF16, None, Some(100), Arch::Gemma3),
         ];
         for (dtype, quant, window, arch) in cases {
-            let (qkv_bias, qk_norm) = (arch == Arch::Qwen2, arch == Arch::Qwen3);
-            let cfg = ModelConfig { sliding_window: window, arch, qkv_bias, qk_norm, ..cfg.clone() };
+            let (qkv_bias, qk_norm) = (arch == Arch::Qwen2, arch != Arch::Qwen2);
+            let mut cfg = ModelConfig { sliding_window: window, arch, qkv_bias, qk_norm, ..cfg.clone() };
+            if arch == Arch::Gemma3 {
+                (cfg.local_layers, cfg.rope_local_theta) = (Some(vec![true, false]), Some(10000.0));
+                (cfg.norm_plus_one, cfg.scale_embedding, cfg.sandwich_norms) = (true, true, true);
+                cfg.activation = crate::kernels::Activation::GeluTanh;
+            }
             let shard = Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg, plan.clone(), quant).unwrap();
             // Seq 0's hidden state after its decode step at position 290, in a step of `spans`
             // (tokens `toks`, seq 0's at `at`).
@@ -1060,11 +1213,16 @@ mod tests {
 
     /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
     /// tied and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2),
-    /// per-head norms (Qwen3) and fused matrices (Phi-3).
+    /// per-head norms (Qwen3), fused matrices (Phi-3) and four norms a layer (Gemma 3).
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors.
-        let shapes = [("qwen2-0.5b", None), ("qwen3-0.6b", None), ("llama-3.2-1b", Some(Arch::Phi3))];
+        let shapes = [
+            ("qwen2-0.5b", None),
+            ("qwen3-0.6b", None),
+            ("llama-3.2-1b", Some(Arch::Phi3)),
+            ("gemma3-1b", None),
+        ];
         for ((shape, arch), tied) in shapes.into_iter().flat_map(|s| [(s, true), (s, false)]) {
             let mut cfg = synthetic::shape(shape).unwrap();
             cfg.arch = arch.unwrap_or(cfg.arch);

@@ -4,15 +4,23 @@
 //! (Linear rows ~ 1/sqrt(in), norms ~ 1) so activations stay in range.
 
 use super::{DType, Data, Mat, Source};
-use crate::config::{Arch, ModelConfig, RopeScaling};
+use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 use std::ops::Range;
 
 /// Named model shapes for `gridlm bench --shape`.
-pub const SHAPES: &[&str] =
-    &["smollm2-135m", "qwen2-0.5b", "qwen3-0.6b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b", "llama-2-70b"];
+pub const SHAPES: &[&str] = &[
+    "smollm2-135m",
+    "qwen2-0.5b",
+    "qwen3-0.6b",
+    "gemma3-1b",
+    "llama-3.2-1b",
+    "llama-2-7b",
+    "llama-3-8b",
+    "llama-2-70b",
+];
 
 /// The configuration of a named shape (hyper-parameters of the public models of that name).
 pub fn shape(name: &str) -> Result<ModelConfig> {
@@ -22,6 +30,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "smollm2-135m" => (Arch::Llama, 576, 1536, 30, 9, 3, 64, 49152, true, 100000.0, 8192),
         "qwen2-0.5b" => (Arch::Qwen2, 896, 4864, 24, 14, 2, 64, 151936, true, 1000000.0, 32768),
         "qwen3-0.6b" => (Arch::Qwen3, 1024, 3072, 28, 16, 8, 128, 151936, true, 1000000.0, 40960),
+        "gemma3-1b" => (Arch::Gemma3, 1152, 6912, 26, 4, 1, 256, 262144, true, 1000000.0, 32768),
         "llama-3.2-1b" => (Arch::Llama, 2048, 8192, 16, 32, 8, 64, 128256, true, 500000.0, 131072),
         "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 128, 32000, false, 10000.0, 4096),
         "llama-3-8b" => (Arch::Llama, 4096, 14336, 32, 32, 8, 128, 128256, false, 500000.0, 8192),
@@ -36,6 +45,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         high_freq_factor: 4.0,
         original_max_position_embeddings: 8192.0,
     });
+    let gemma3 = arch == Arch::Gemma3;
     Ok(ModelConfig {
         arch,
         hidden_size: h,
@@ -51,8 +61,16 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         max_position_embeddings: max_pos,
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2,
-        qk_norm: arch == Arch::Qwen3,
-        sliding_window: None,
+        qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+        // Gemma 3 1B: local layers of 512 positions, five of every six.
+        sliding_window: gemma3.then_some(512),
+        local_layers: gemma3.then(|| (0..l).map(|i| (i + 1) % 6 != 0).collect()),
+        rope_local_theta: gemma3.then_some(10000.0),
+        activation: if gemma3 { Activation::GeluTanh } else { Activation::Silu },
+        norm_plus_one: gemma3,
+        scale_embedding: gemma3,
+        sandwich_norms: gemma3,
+        attn_scale: 1.0 / (hd as f32).sqrt(),
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     })

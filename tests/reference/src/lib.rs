@@ -249,6 +249,24 @@ impl TinyModel {
     pub fn phi3() -> Self {
         TinyModel { model_type: "phi3", vocab: 300, inter: 160, ..Self::qwen2() }
     }
+    /// Gemma 3-style (`gemma3_text`): norms stored less one, sandwich norms around attention
+    /// and FFN, per-head q/k norms, GELU, a scaled embedding, heads wider than `hidden /
+    /// heads`; layers 0, 1 and 3 local (a window of 4 positions, their own RoPE base), layer 2
+    /// global. Tied embeddings, as every Gemma 3.
+    pub fn gemma3() -> Self {
+        TinyModel {
+            model_type: "gemma3_text",
+            vocab: 300,
+            hidden: 48,
+            inter: 120,
+            layers: 4,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: Some(32),
+            tied: true,
+            max_pos: 256,
+        }
+    }
     /// Llama-style with tied embeddings and uneven heads (6 heads, 3 KV heads).
     pub fn llama() -> Self {
         TinyModel {
@@ -265,6 +283,10 @@ impl TinyModel {
         }
     }
 
+    fn is_gemma3(&self) -> bool {
+        self.model_type == "gemma3_text"
+    }
+
     fn hd(&self) -> usize {
         self.head_dim.unwrap_or(self.hidden / self.heads)
     }
@@ -274,6 +296,7 @@ impl TinyModel {
             "qwen2" => "Qwen2ForCausalLM",
             "qwen3" => "Qwen3ForCausalLM",
             "phi3" => "Phi3ForCausalLM",
+            "gemma3_text" => "Gemma3ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -291,6 +314,16 @@ impl TinyModel {
         }
         if self.model_type == "qwen3" {
             cfg["attention_bias"] = false.into();
+        }
+        if self.is_gemma3() {
+            let gemma = serde_json::json!({
+                "attention_bias": false, "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": self.hd(), "rope_theta": 1000000.0,
+                "rope_local_base_freq": 10000.0, "sliding_window": 4, "sliding_window_pattern": 3,
+                "attn_logit_softcapping": null, "final_logit_softcapping": null,
+            });
+            cfg.as_object_mut().unwrap().remove("hidden_act");
+            cfg.as_object_mut().unwrap().extend(gemma.as_object().unwrap().clone());
         }
         cfg
     }
@@ -310,12 +343,18 @@ impl TinyModel {
         if !self.tied {
             add("lm_head.weight".into(), vec![self.vocab, h], 0.5, 0.0);
         }
-        add("model.norm.weight".into(), vec![h], 0.2, 1.0);
+        // Gemma stores norms less one.
+        let norm = if self.is_gemma3() { 0.0 } else { 1.0 };
+        add("model.norm.weight".into(), vec![h], 0.2, norm);
         let w = 1.0 / (h as f32).sqrt();
         for l in 0..self.layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
-            add(p("input_layernorm.weight"), vec![h], 0.2, 1.0);
-            add(p("post_attention_layernorm.weight"), vec![h], 0.2, 1.0);
+            add(p("input_layernorm.weight"), vec![h], 0.2, norm);
+            add(p("post_attention_layernorm.weight"), vec![h], 0.2, norm);
+            if self.is_gemma3() {
+                add(p("pre_feedforward_layernorm.weight"), vec![h], 0.2, norm);
+                add(p("post_feedforward_layernorm.weight"), vec![h], 0.2, norm);
+            }
             add(p("self_attn.q_proj.weight"), vec![self.heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.k_proj.weight"), vec![self.kv_heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
@@ -324,9 +363,9 @@ impl TinyModel {
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
             }
-            if self.model_type == "qwen3" {
-                add(p("self_attn.q_norm.weight"), vec![hd], 0.2, 1.0);
-                add(p("self_attn.k_norm.weight"), vec![hd], 0.2, 1.0);
+            if self.model_type == "qwen3" || self.is_gemma3() {
+                add(p("self_attn.q_norm.weight"), vec![hd], 0.2, norm);
+                add(p("self_attn.k_norm.weight"), vec![hd], 0.2, norm);
             }
             add(p("self_attn.o_proj.weight"), vec![h, self.heads * hd], w, 0.0);
             add(p("mlp.gate_proj.weight"), vec![self.inter, h], w, 0.0);
