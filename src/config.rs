@@ -7,9 +7,9 @@ use serde::Deserialize;
 use std::path::Path;
 
 /// The decoder families gridlm runs. They share one forward pass; they differ in details
-/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window, Gemma 3's norms,
-/// activation and local layers) and, for Phi-3, in how the checkpoint stores q/k/v and gate/up
-/// (fused, see `model::stored_rows`).
+/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window, Gemma's norms,
+/// activation, local layers and soft-capping) and, for Phi-3, in how the checkpoint stores
+/// q/k/v and gate/up (fused, see `model::stored_rows`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
@@ -17,6 +17,7 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Phi3,
+    Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
 }
@@ -29,6 +30,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Phi3 => "phi3",
+            Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
         }
     }
@@ -83,12 +85,16 @@ pub struct ModelConfig {
     /// Factor of the attention scores: `1/sqrt(head_dim)`, or Gemma's
     /// `1/sqrt(query_pre_attn_scalar)`.
     pub attn_scale: f32,
+    /// Soft caps `c` of the attention scores and of the logits, each `c · tanh(x / c)`
+    /// (Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`).
+    pub attn_softcap: Option<f32>,
+    pub final_softcap: Option<f32>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, gemma3_text";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -171,6 +177,7 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "phi3" => Arch::Phi3,
+            "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
             "gemma3" => {
                 return Err(bad(
@@ -183,10 +190,11 @@ impl ModelConfig {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
         };
-        // Gemma 3 names its activation `hidden_activation`.
+        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+        // Gemma names its activation `hidden_activation`.
         let activation = match raw.hidden_activation.as_ref().or(raw.hidden_act.as_ref()).map(|a| a.as_str())
         {
-            None if arch == Arch::Gemma3 => Activation::GeluTanh,
+            None if gemma => Activation::GeluTanh,
             None | Some("silu") => Activation::Silu,
             Some("gelu_pytorch_tanh" | "gelu_new") => Activation::GeluTanh,
             Some(act) => {
@@ -195,14 +203,18 @@ impl ModelConfig {
                 )))
             }
         };
-        for (name, cap) in [
+        // Soft caps, which HF's Gemma models apply when they are set.
+        let [attn_softcap, final_softcap] = [
             ("attn_logit_softcapping", raw.attn_logit_softcapping),
             ("final_logit_softcapping", raw.final_logit_softcapping),
-        ] {
-            if let Some(c) = cap {
-                return Err(bad(format!("{name} {c} is not supported (expected null)")));
+        ]
+        .map(|(name, cap)| match cap.filter(|_| gemma) {
+            Some(c) if !(c.is_finite() && c > 0.0) => {
+                Err(bad(format!("{name} {c} must be a finite positive number, or null")))
             }
-        }
+            c => Ok(c.map(|c| c as f32)),
+        });
+        let (attn_softcap, final_softcap) = (attn_softcap?, final_softcap?);
         if raw.use_bidirectional_attention == Some(true) {
             return Err(bad(
                 "use_bidirectional_attention = true is not supported (a causal decoder runs here)".into(),
@@ -271,7 +283,7 @@ impl ModelConfig {
                 ));
             }
             (Arch::Mistral | Arch::Phi3, _) => raw.sliding_window,
-            (Arch::Gemma3, _) => match raw.sliding_window {
+            (Arch::Gemma2 | Arch::Gemma3, _) => match raw.sliding_window {
                 Some(0) => {
                     return Err(bad("sliding_window is 0 (expected a positive number of positions)".into()))
                 }
@@ -279,8 +291,12 @@ impl ModelConfig {
             },
             _ => None,
         };
-        let local_layers =
-            if arch == Arch::Gemma3 { Some(gemma3_local_layers(&raw).map_err(bad)?) } else { None };
+        let local_layers = match arch {
+            // Gemma 2: every other layer local, from the first; Gemma 3: five of every six.
+            Arch::Gemma2 => Some(gemma_local_layers(&raw, 2).map_err(bad)?),
+            Arch::Gemma3 => Some(gemma_local_layers(&raw, 6).map_err(bad)?),
+            _ => None,
+        };
         let rope_local_theta = match arch {
             Arch::Gemma3 => {
                 let t = raw.rope_local_base_freq.unwrap_or(10000.0);
@@ -292,7 +308,7 @@ impl ModelConfig {
             _ => None,
         };
         let attn_scale = match (arch, raw.query_pre_attn_scalar) {
-            (Arch::Gemma3, s) => {
+            (Arch::Gemma2 | Arch::Gemma3, s) => {
                 let s = s.unwrap_or(256.0);
                 if !(s.is_finite() && s > 0.0) {
                     return Err(bad(format!("query_pre_attn_scalar {s} must be a finite positive number")));
@@ -322,10 +338,12 @@ impl ModelConfig {
             local_layers,
             rope_local_theta,
             activation,
-            norm_plus_one: arch == Arch::Gemma3,
-            scale_embedding: arch == Arch::Gemma3,
-            sandwich_norms: arch == Arch::Gemma3,
+            norm_plus_one: gemma,
+            scale_embedding: gemma,
+            sandwich_norms: gemma,
             attn_scale,
+            attn_softcap,
+            final_softcap,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids,
         })
@@ -393,9 +411,9 @@ impl ModelConfig {
     }
 }
 
-/// Gemma 3's local layers: from `layer_types` (`sliding_attention` / `full_attention`, one per
-/// layer), or else every layer but each `sliding_window_pattern`-th (6 by default).
-fn gemma3_local_layers(raw: &HfConfig) -> std::result::Result<Vec<bool>, String> {
+/// Gemma's local layers: from `layer_types` (`sliding_attention` / `full_attention`, one per
+/// layer), or else every layer but each `sliding_window_pattern`-th (`pattern` by default).
+fn gemma_local_layers(raw: &HfConfig, pattern: usize) -> std::result::Result<Vec<bool>, String> {
     let n = raw.num_hidden_layers;
     if let Some(types) = &raw.layer_types {
         if types.len() != n {
@@ -412,7 +430,7 @@ fn gemma3_local_layers(raw: &HfConfig) -> std::result::Result<Vec<bool>, String>
             })
             .collect();
     }
-    match raw.sliding_window_pattern.unwrap_or(6) {
+    match raw.sliding_window_pattern.unwrap_or(pattern) {
         0 => Err("sliding_window_pattern is 0 (expected a positive number of layers)".into()),
         p => Ok((0..n).map(|i| (i + 1) % p != 0).collect()),
     }
@@ -557,8 +575,8 @@ mod tests {
         let (global, local) = (c.rope_inv_freq(), c.rope_local_inv_freq().unwrap());
         assert_eq!((global[0], local[0], local[1] / global[1]), (0.125, 1.0, 8.0));
         let refused = [
-            (r#""final_logit_softcapping":30.0"#, "final_logit_softcapping 30 is not supported"),
-            (r#""attn_logit_softcapping":50.0"#, "attn_logit_softcapping 50 is not supported"),
+            (r#""final_logit_softcapping":0"#, "final_logit_softcapping 0 must be a finite positive number"),
+            (r#""attn_logit_softcapping":-50.0"#, "attn_logit_softcapping -50 must be a finite positive"),
             (r#""layer_types":["full_attention"]"#, "layer_types has 1 entries for 2 layers"),
             (r#""layer_types":["full_attention","chunked"]"#, "layer_types holds `chunked`"),
             (r#""sliding_window_pattern":0"#, "sliding_window_pattern is 0"),
@@ -571,6 +589,10 @@ mod tests {
         }
         let e = parse(&BASE.replace("llama", "gemma3")).unwrap_err().to_string();
         assert!(e.contains("its text part alone (model_type `gemma3_text`"), "{e}");
+        // Logit soft-capping is Gemma's; other families ignore the fields, as HF does.
+        let caps = r#""attn_logit_softcapping":50.0,"final_logit_softcapping":30.0"#;
+        let c = parse(&config("llama", caps)).unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap), (None, None));
         // The others keep SiLU and plain norms.
         let c = parse(BASE).unwrap();
         assert_eq!(
@@ -578,6 +600,24 @@ mod tests {
             (Activation::Silu, false, false, None)
         );
         assert_eq!(c.attn_scale, 0.25);
+    }
+
+    #[test]
+    fn gemma2_soft_caps_and_every_other_layer_local() {
+        let extra = r#""head_dim":32,"attn_logit_softcapping":50.0,"final_logit_softcapping":30.0,
+            "num_hidden_layers":3,"query_pre_attn_scalar":256,"sliding_window":4096"#;
+        let c = parse(&config("gemma2", extra).replace(r#""num_hidden_layers":2,"#, "")).unwrap();
+        assert_eq!((c.arch, c.attn_softcap, c.final_softcap), (Arch::Gemma2, Some(50.0), Some(30.0)));
+        assert!(c.norm_plus_one && c.scale_embedding && c.sandwich_norms && !c.qk_norm);
+        assert_eq!(c.activation, Activation::GeluTanh);
+        // Layers 0 and 2 local, through the window, on the one RoPE base.
+        let windows: Vec<_> = (0..3).map(|i| c.layer_window(i)).collect();
+        assert_eq!(windows, [Some(4096), None, Some(4096)]);
+        assert_eq!((c.rope_local_theta, c.rope_local_inv_freq()), (None, None));
+        assert_eq!(c.attn_scale, 1.0 / 16.0);
+        // No caps: none applied.
+        let c = parse(&config("gemma2", r#""head_dim":32"#)).unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap), (None, None));
     }
 
     #[test]

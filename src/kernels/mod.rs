@@ -80,6 +80,19 @@ pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// How attention scores are formed from the dot products of a query with its keys: times
+/// `scale`, then, with a cap `c`, `c · tanh(s / c)` (Gemma 2's soft-capping).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scores {
+    pub scale: f32,
+    pub cap: Option<f32>,
+}
+
+/// `x[i] = cap · tanh(x[i] · scale / cap)` (Gemma 2's soft-capped logits and attention scores).
+pub fn softcap(x: &mut [f32], scale: f32, cap: f32) {
+    dot::softcap(x, scale, cap, dot::detect());
+}
+
 /// The activation of an FFN's gate (`act(gate) · up`, [`act_mul`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -140,7 +153,7 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
     bounds: &[(usize, usize)],
     page_len: usize,
     page: impl Fn(usize) -> (&'a [T], &'a [T]),
-    scale: f32,
+    scores: Scores,
     mut out: AttendOut,
     ahead: Ahead,
 ) {
@@ -267,6 +280,19 @@ pub fn attend_tiled<'a, T: dot::Elem + dot::Avx2Load + 'a>(
                 let keys = |r: usize| {
                     let (first, last) = bounds[r];
                     first.max(base + ja) - base..(last + 1).min(base + jb).saturating_sub(base)
+                };
+                let scale = match scores.cap {
+                    None => scores.scale,
+                    Some(cap) => {
+                        // Scaled and capped here, then scaled by 1 (exactly) in softmax_rows.
+                        for (r, row) in s.chunks_exact_mut(tile_len).enumerate() {
+                            let k = keys(r);
+                            if k.start < k.end {
+                                dot::softcap(&mut row[k], scores.scale, cap, isa);
+                            }
+                        }
+                        1.0
+                    }
                 };
                 dot::softmax_rows(s, tile_len, keys, ja..jb, scale, mt, lt, isa);
                 for p in pages {
@@ -1306,9 +1332,9 @@ mod tests {
         check::<bf16>();
     }
 
-    /// The vector exp (inside exp_sub_sum and act_mul, SiLU and GELU) and scale_max against f64,
-    /// and scale_add bit for bit against its scalar formula, on every path, over lengths that
-    /// leave every kind of tail.
+    /// The vector exp (inside exp_sub_sum, softcap and act_mul, SiLU and GELU) and scale_max
+    /// against f64, and scale_add bit for bit against its scalar formula, on every path, over
+    /// lengths that leave every kind of tail.
     #[test]
     fn softmax_parts_and_activations_match_reference() {
         for isa in isas() {
@@ -1336,6 +1362,18 @@ mod tests {
                     );
                 }
                 assert!((sum as f64 - want_sum).abs() < 1e-5 * want_sum, "{isa:?} sum n={n}");
+                // Soft caps: small scores (near tanh's linear part) and saturated ones.
+                for cap in [5.0f32, 50.0] {
+                    let mut c = x.clone();
+                    dot::softcap(&mut c, 0.7, cap, isa);
+                    for (got, v) in c.iter().zip(&x) {
+                        let want = cap as f64 * (*v as f64 * 0.7 / cap as f64).tanh();
+                        assert!(
+                            (*got as f64 - want).abs() <= 4e-7 * cap as f64,
+                            "{isa:?} softcap {cap} n={n}: {got} vs {want}"
+                        );
+                    }
+                }
                 let g0: Vec<f32> = x.iter().map(|v| v / 3.0).collect();
                 let u = rand_vec(n, 7);
                 for act in [Activation::Silu, Activation::GeluTanh] {
@@ -1431,19 +1469,23 @@ mod tests {
     const PAGE: usize = 16;
 
     /// Tiled attention over query rows with causal and windowed bounds, keys in pages out of
-    /// order, equals softmax attention computed in f64 from the same (rounded) keys and values;
-    /// each row alone, and the rows' tile states from three calls over disjoint tiles merged,
-    /// give the same bits as the whole call.
+    /// order, scores soft-capped or not, equals softmax attention computed in f64 from the same
+    /// (rounded) keys and values; each row alone, and the rows' tile states from three calls
+    /// over disjoint tiles merged, give the same bits as the whole call.
     fn check_tiled<T: dot::Elem + dot::Avx2Load>() {
         for isa in isas() {
-            for (hd, n_keys, rows, window) in [
+            let shapes = [
                 (64, 300usize, 40, None),
                 (16, 70, 5, Some(20)),
                 (8, 3, 3, None),
                 (64, 130, 1, None),
                 (40, 50, 4, Some(30)),
                 (17, 40, 7, None),
-            ] {
+            ];
+            // A cap of 0.3 bends scores of these magnitudes (up to ~0.6) well away from linear.
+            for ((hd, n_keys, rows, window), cap) in
+                shapes.into_iter().flat_map(|s| [(s, None), (s, Some(0.3))])
+            {
                 // Whole pages, scattered in reverse order to check the page lookup.
                 let pages = n_keys.div_ceil(PAGE);
                 let k: Vec<T> = rand_vec(pages * PAGE * hd, 21).into_iter().map(T::from_f32).collect();
@@ -1463,6 +1505,7 @@ mod tests {
                 let page = |p: usize| (&kt[at(p)], &v[at(p)]);
                 let q = rand_vec(rows * hd, 23);
                 let scale = 1.0 / (hd as f32).sqrt();
+                let scores = Scores { scale, cap };
                 // Rows are the last `rows` positions of a prompt of n_keys tokens.
                 let bounds: Vec<(usize, usize)> = (0..rows)
                     .map(|r| {
@@ -1472,7 +1515,7 @@ mod tests {
                     .collect();
                 let mut got = vec![f32::NAN; rows * hd];
                 dot::with_isa(isa, || {
-                    attend_tiled(&q, &bounds, PAGE, page, scale, AttendOut::Rows(&mut got), &|_, _| {})
+                    attend_tiled(&q, &bounds, PAGE, page, scores, AttendOut::Rows(&mut got), &|_, _| {})
                 });
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 // Each row alone: the same bits as among the others.
@@ -1480,7 +1523,7 @@ mod tests {
                     let mut one = vec![f32::NAN; hd];
                     let qr = &q[r * hd..(r + 1) * hd];
                     dot::with_isa(isa, || {
-                        attend_tiled(qr, &[*b], PAGE, page, scale, AttendOut::Rows(&mut one), &|_, _| {})
+                        attend_tiled(qr, &[*b], PAGE, page, scores, AttendOut::Rows(&mut one), &|_, _| {})
                     });
                     assert_eq!(bits(&one), bits(&got[r * hd..(r + 1) * hd]), "{isa:?} hd={hd} row {r} alone");
                 }
@@ -1501,7 +1544,7 @@ mod tests {
                         st[(r * tiles + t) * 2..][..2].copy_from_slice(&[m, l]);
                     };
                     let out = AttendOut::Tiles { tiles: w[0]..w[1], emit: &mut emit };
-                    dot::with_isa(isa, || attend_tiled(&q, &clipped, PAGE, page, scale, out, &|_, _| {}));
+                    dot::with_isa(isa, || attend_tiled(&q, &clipped, PAGE, page, scores, out, &|_, _| {}));
                 }
                 let mut merged = vec![f32::NAN; rows * hd];
                 // The merge takes its exp from the same kernels as the call.
@@ -1521,7 +1564,8 @@ mod tests {
                         .map(|pos| {
                             let dot: f64 =
                                 (0..hd).map(|d| q[r * hd + d] as f64 * key(pos, d).to_f32() as f64).sum();
-                            dot * scale as f64
+                            let s = dot * scale as f64;
+                            cap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
                         })
                         .collect();
                     let m = s.iter().cloned().fold(f64::MIN, f64::max);

@@ -305,23 +305,31 @@ impl KvPool {
         table: &[u32],
         q: &[f32],
         bounds: &[(usize, usize)],
-        scale: f32,
+        scores: kernels::Scores,
         out: kernels::AttendOut,
         ahead: kernels::Ahead,
     ) {
         let (hd, pages) = (self.head_dim, self.pages);
         let len = PAGE * hd;
         let at = |p: usize| block(pages, hd, kv, table[p] as usize);
+        // One call for each dtype of the pool (`attend_tiled` is generic over it).
+        macro_rules! attend {
+            ($s:expr) => {
+                kernels::attend_tiled(
+                    q,
+                    bounds,
+                    PAGE,
+                    |p| $s.page_block(layer, at(p), len),
+                    scores,
+                    out,
+                    ahead,
+                )
+            };
+        }
         match &self.data {
-            Data::F32(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, ahead)
-            }
-            Data::F16(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, ahead)
-            }
-            Data::BF16(s) => {
-                kernels::attend_tiled(q, bounds, PAGE, |p| s.page_block(layer, at(p), len), scale, out, ahead)
-            }
+            Data::F32(s) => attend!(s),
+            Data::F16(s) => attend!(s),
+            Data::BF16(s) => attend!(s),
         }
     }
 }

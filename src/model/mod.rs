@@ -31,12 +31,11 @@ struct Layer {
     post_norm: Vec<f32>,
     /// Gemma 3's norms of the attention and FFN outputs, before they join the residual stream.
     out_norms: Option<(Vec<f32>, Vec<f32>)>,
-    /// The positions its attention reaches back ([`ModelConfig::layer_window`]), and whether
-    /// it rotates by the local layers' RoPE base.
-    window: Option<usize>,
-    local_rope: bool,
-    /// Index of its window in [`Shard::windows`] (and of its layout of a step's attention).
+    /// Index of its attention's window ([`ModelConfig::layer_window`]) in [`Shard::windows`],
+    /// and of its layout of a step's attention items.
     layout: usize,
+    /// Whether it rotates by the local layers' RoPE base.
+    local_rope: bool,
     /// Rows: this rank's q heads, then its k heads, then its v heads.
     qkv: PackedMat,
     qkv_bias: Option<Vec<f32>>,
@@ -163,8 +162,8 @@ struct AttItem {
 /// QKV product, so those lines arrive while it streams its weights.
 const PREFETCH_TOKENS: usize = 8;
 
-/// Steps of at most this many tokens compute the FFN activation on every kernel thread, each into its own
-/// copy, rather than split over the threads with a barrier after it.
+/// Steps of at most this many tokens compute the FFN activation on every kernel thread, each
+/// into its own copy, rather than split over the threads with a barrier after it.
 const REPLICATE_TOKENS: usize = 8;
 
 /// The KV pool inside a step's team region: read by every thread, written either by thread 0
@@ -309,6 +308,7 @@ impl Shard {
             Ok(w)
         };
         let mut layers = Vec::with_capacity(plan.layers.len());
+        let mut windows: Vec<Option<usize>> = Vec::new();
         for i in plan.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let [q, k, v, gate, up] = stored_rows(&cfg, i);
@@ -339,8 +339,10 @@ impl Shard {
                 input_norm: norm(&p(norms[0]), h)?,
                 post_norm: norm(&p(norms[1]), h)?,
                 out_norms,
-                window: cfg.layer_window(i),
-                layout: 0,
+                layout: windows.iter().position(|w| *w == cfg.layer_window(i)).unwrap_or_else(|| {
+                    windows.push(cfg.layer_window(i));
+                    windows.len() - 1
+                }),
                 local_rope: cfg.is_local(i) && cfg.rope_local_theta.is_some(),
                 qkv: pack(&Mat::vstack(vec![q, k, v])),
                 qkv_bias,
@@ -384,13 +386,6 @@ impl Shard {
             1.0
         };
         let (inv_freq, inv_freq_local) = (cfg.rope_inv_freq(), cfg.rope_local_inv_freq());
-        let mut windows: Vec<Option<usize>> = Vec::new();
-        for l in &mut layers {
-            l.layout = windows.iter().position(|w| *w == l.window).unwrap_or_else(|| {
-                windows.push(l.window);
-                windows.len() - 1
-            });
-        }
         kernels::arena::close_chunk();
         Ok(Shard {
             cfg,
@@ -594,7 +589,7 @@ impl Shard {
         let group = cfg.n_heads / cfg.n_kv_heads;
         let q0 = self.plan.q_heads.start;
         let kv0 = self.plan.kv_heads.start;
-        let scale = cfg.attn_scale;
+        let scores = kernels::Scores { scale: cfg.attn_scale, cap: cfg.attn_softcap };
         // The local query heads that read local KV head `kvl` (heads are split in order, so
         // they are consecutive).
         let q_heads_of_kv = |kvl: usize| {
@@ -871,7 +866,7 @@ impl Shard {
                                     &tables[seq],
                                     q,
                                     bounds,
-                                    scale,
+                                    scores,
                                     AttendOut::Rows(o),
                                     &ahead,
                                 );
@@ -901,7 +896,7 @@ impl Shard {
                                 unsafe { part_stats.range(at * 2, 2) }.copy_from_slice(&[m, l]);
                             };
                             let out = AttendOut::Tiles { tiles: mine.clone(), emit: &mut emit };
-                            kv_r.attend(li, kvl, &tables[seq], q, bounds, scale, out, &ahead);
+                            kv_r.attend(li, kvl, &tables[seq], q, bounds, scores, out, &ahead);
                         });
                         following = next;
                     }
@@ -1013,6 +1008,9 @@ impl Shard {
         s.ensure(m, self);
         kernels::rmsnorm(&x[..m * h], norm, self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
         kernels::matmul(team, head, &s.xn[..m * h], m, &mut out[..m * head.rows]);
+        if let Some(cap) = self.cfg.final_softcap {
+            kernels::softcap(&mut out[..m * head.rows], 1.0, cap);
+        }
     }
 
     pub fn weight_dtype(&self) -> &'static str {
@@ -1143,7 +1141,7 @@ mod tests {
     /// columns). With QKV biases (Qwen2) or per-head q/k norms (Qwen3), which the batch and
     /// the prompt chunk apply before attention and a decode step alone inside its items; and
     /// Gemma 3's local layer (a window of 100, its own RoPE) before a global one, a step's
-    /// attention in two layouts.
+    /// attention in two layouts; and Gemma 2's soft-capped scores, capped tile by tile.
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
@@ -1167,14 +1165,21 @@ mod tests {
             (DType::BF16, None, Some(100), Arch::Qwen2),
             (DType::BF16, None, None, Arch::Qwen3),
             (DType::BF16, None, Some(100), Arch::Gemma3),
+            (DType::BF16, None, Some(100), Arch::Gemma2),
         ];
         for (dtype, quant, window, arch) in cases {
-            let (qkv_bias, qk_norm) = (arch == Arch::Qwen2, arch != Arch::Qwen2);
+            let (qkv_bias, qk_norm) = (arch == Arch::Qwen2, matches!(arch, Arch::Qwen3 | Arch::Gemma3));
             let mut cfg = ModelConfig { sliding_window: window, arch, qkv_bias, qk_norm, ..cfg.clone() };
-            if arch == Arch::Gemma3 {
-                (cfg.local_layers, cfg.rope_local_theta) = (Some(vec![true, false]), Some(10000.0));
+            if matches!(arch, Arch::Gemma2 | Arch::Gemma3) {
+                cfg.local_layers = Some(vec![true, false]);
                 (cfg.norm_plus_one, cfg.scale_embedding, cfg.sandwich_norms) = (true, true, true);
                 cfg.activation = crate::kernels::Activation::GeluTanh;
+                // Gemma 3's local RoPE base, or Gemma 2's soft caps (small enough to bite).
+                if arch == Arch::Gemma3 {
+                    cfg.rope_local_theta = Some(10000.0);
+                } else {
+                    (cfg.attn_softcap, cfg.final_softcap) = (Some(1.0), Some(2.0));
+                }
             }
             let shard = Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg, plan.clone(), quant).unwrap();
             // Seq 0's hidden state after its decode step at position 290, in a step of `spans`
@@ -1213,7 +1218,7 @@ mod tests {
 
     /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
     /// tied and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2),
-    /// per-head norms (Qwen3), fused matrices (Phi-3) and four norms a layer (Gemma 3).
+    /// per-head norms (Qwen3), fused matrices (Phi-3) and four norms a layer (Gemma 2 and 3).
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors.
@@ -1221,6 +1226,7 @@ mod tests {
             ("qwen2-0.5b", None),
             ("qwen3-0.6b", None),
             ("llama-3.2-1b", Some(Arch::Phi3)),
+            ("gemma2-2b", None),
             ("gemma3-1b", None),
         ];
         for ((shape, arch), tied) in shapes.into_iter().flat_map(|s| [(s, true), (s, false)]) {

@@ -15,6 +15,7 @@ pub const SHAPES: &[&str] = &[
     "smollm2-135m",
     "qwen2-0.5b",
     "qwen3-0.6b",
+    "gemma2-2b",
     "gemma3-1b",
     "llama-3.2-1b",
     "llama-2-7b",
@@ -30,6 +31,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "smollm2-135m" => (Arch::Llama, 576, 1536, 30, 9, 3, 64, 49152, true, 100000.0, 8192),
         "qwen2-0.5b" => (Arch::Qwen2, 896, 4864, 24, 14, 2, 64, 151936, true, 1000000.0, 32768),
         "qwen3-0.6b" => (Arch::Qwen3, 1024, 3072, 28, 16, 8, 128, 151936, true, 1000000.0, 40960),
+        "gemma2-2b" => (Arch::Gemma2, 2304, 9216, 26, 8, 4, 256, 256000, true, 10000.0, 8192),
         "gemma3-1b" => (Arch::Gemma3, 1152, 6912, 26, 4, 1, 256, 262144, true, 1000000.0, 32768),
         "llama-3.2-1b" => (Arch::Llama, 2048, 8192, 16, 32, 8, 64, 128256, true, 500000.0, 131072),
         "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 128, 32000, false, 10000.0, 4096),
@@ -45,7 +47,11 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         high_freq_factor: 4.0,
         original_max_position_embeddings: 8192.0,
     });
-    let gemma3 = arch == Arch::Gemma3;
+    let (gemma2, gemma3) = (arch == Arch::Gemma2, arch == Arch::Gemma3);
+    let gemma = gemma2 || gemma3;
+    // Gemma 2 2B: every other layer local, 4096 positions, soft caps of 50 (attention) and 30
+    // (logits). Gemma 3 1B: five of every six layers local, 512 positions, their own RoPE base.
+    let pattern = if gemma2 { 2 } else { 6 };
     Ok(ModelConfig {
         arch,
         hidden_size: h,
@@ -62,15 +68,16 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2,
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
-        // Gemma 3 1B: local layers of 512 positions, five of every six.
-        sliding_window: gemma3.then_some(512),
-        local_layers: gemma3.then(|| (0..l).map(|i| (i + 1) % 6 != 0).collect()),
+        sliding_window: gemma.then_some(if gemma2 { 4096 } else { 512 }),
+        local_layers: gemma.then(|| (0..l).map(|i| (i + 1) % pattern != 0).collect()),
         rope_local_theta: gemma3.then_some(10000.0),
-        activation: if gemma3 { Activation::GeluTanh } else { Activation::Silu },
-        norm_plus_one: gemma3,
-        scale_embedding: gemma3,
-        sandwich_norms: gemma3,
+        activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+        norm_plus_one: gemma,
+        scale_embedding: gemma,
+        sandwich_norms: gemma,
         attn_scale: 1.0 / (hd as f32).sqrt(),
+        attn_softcap: gemma2.then_some(50.0),
+        final_softcap: gemma2.then_some(30.0),
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     })

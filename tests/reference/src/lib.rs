@@ -267,6 +267,13 @@ impl TinyModel {
             max_pos: 256,
         }
     }
+    /// Gemma 2-style: Gemma 3's norms, GELU and scaled embedding without the per-head q/k norms,
+    /// attention scores and logits soft-capped (caps of 1 and 2, which bend them far from
+    /// linear), every other layer local through a window of 64 positions (longer than the
+    /// test's sequence: candle's Gemma 2 has no windows in its decode steps).
+    pub fn gemma2() -> Self {
+        TinyModel { model_type: "gemma2", layers: 3, ..Self::gemma3() }
+    }
     /// Llama-style with tied embeddings and uneven heads (6 heads, 3 KV heads).
     pub fn llama() -> Self {
         TinyModel {
@@ -287,6 +294,10 @@ impl TinyModel {
         self.model_type == "gemma3_text"
     }
 
+    fn is_gemma(&self) -> bool {
+        self.is_gemma3() || self.model_type == "gemma2"
+    }
+
     fn hd(&self) -> usize {
         self.head_dim.unwrap_or(self.hidden / self.heads)
     }
@@ -297,6 +308,7 @@ impl TinyModel {
             "qwen3" => "Qwen3ForCausalLM",
             "phi3" => "Phi3ForCausalLM",
             "gemma3_text" => "Gemma3ForCausalLM",
+            "gemma2" => "Gemma2ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -315,13 +327,23 @@ impl TinyModel {
         if self.model_type == "qwen3" {
             cfg["attention_bias"] = false.into();
         }
-        if self.is_gemma3() {
-            let gemma = serde_json::json!({
+        if self.is_gemma() {
+            let gemma = if self.is_gemma3() {
+                serde_json::json!({
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 4,
+                    "sliding_window_pattern": 3, "attn_logit_softcapping": null,
+                    "final_logit_softcapping": null,
+                })
+            } else {
+                serde_json::json!({
+                    "sliding_window": 64, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0,
+                })
+            };
+            let common = serde_json::json!({
                 "attention_bias": false, "hidden_activation": "gelu_pytorch_tanh",
-                "query_pre_attn_scalar": self.hd(), "rope_theta": 1000000.0,
-                "rope_local_base_freq": 10000.0, "sliding_window": 4, "sliding_window_pattern": 3,
-                "attn_logit_softcapping": null, "final_logit_softcapping": null,
+                "query_pre_attn_scalar": self.hd(),
             });
+            cfg.as_object_mut().unwrap().extend(common.as_object().unwrap().clone());
             cfg.as_object_mut().unwrap().remove("hidden_act");
             cfg.as_object_mut().unwrap().extend(gemma.as_object().unwrap().clone());
         }
@@ -344,14 +366,14 @@ impl TinyModel {
             add("lm_head.weight".into(), vec![self.vocab, h], 0.5, 0.0);
         }
         // Gemma stores norms less one.
-        let norm = if self.is_gemma3() { 0.0 } else { 1.0 };
+        let norm = if self.is_gemma() { 0.0 } else { 1.0 };
         add("model.norm.weight".into(), vec![h], 0.2, norm);
         let w = 1.0 / (h as f32).sqrt();
         for l in 0..self.layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
             add(p("input_layernorm.weight"), vec![h], 0.2, norm);
             add(p("post_attention_layernorm.weight"), vec![h], 0.2, norm);
-            if self.is_gemma3() {
+            if self.is_gemma() {
                 add(p("pre_feedforward_layernorm.weight"), vec![h], 0.2, norm);
                 add(p("post_feedforward_layernorm.weight"), vec![h], 0.2, norm);
             }

@@ -1,10 +1,10 @@
 //! gridlm against an independent implementation (candle-transformers) on the real
-//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3- and Gemma 3-style
-//! models.
+//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3-, Gemma 2- and
+//! Gemma 3-style models.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{gemma3, llama, phi3, qwen2, qwen3};
+use candle_transformers::models::{gemma2, gemma3, llama, phi3, qwen2, qwen3};
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
     smollm2, write_gguf, GgufValue, Run,
@@ -280,6 +280,18 @@ fn random_gemma3_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(one at a time; gemma3, Model, dir, false);
     same_on_two_ranks("random gemma3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// Gemma 2's soft-capped attention scores and logits, with its sandwich norms, GELU and scaled
+/// embedding, against candle's `gemma2` (taking the prompt one token at a time, as its Gemma 3);
+/// split over two ranks by heads and by layers, the same tokens and logits within 1e-4 of the
+/// single rank (each rank caps its own vocabulary slice of the logits).
+#[test]
+fn random_gemma2_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(one at a time; gemma2, Model, dir, false);
+    same_on_two_ranks("random gemma2", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// The model in `dir` on two local ranks under each of `grids`: `single`'s tokens, and logits
