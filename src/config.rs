@@ -17,6 +17,8 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Phi3,
+    /// The first Gemma (`gemma`).
+    Gemma,
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
@@ -30,6 +32,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Phi3 => "phi3",
+            Arch::Gemma => "gemma",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
         }
@@ -94,7 +97,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -177,6 +180,7 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "phi3" => Arch::Phi3,
+            "gemma" => Arch::Gemma,
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
             "gemma3" => {
@@ -190,11 +194,18 @@ impl ModelConfig {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
         };
-        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
-        // Gemma names its activation `hidden_activation`.
-        let activation = match raw.hidden_activation.as_ref().or(raw.hidden_act.as_ref()).map(|a| a.as_str())
-        {
-            None if gemma => Activation::GeluTanh,
+        // Gemma 2 and 3 add sandwich norms, local layers and `query_pre_attn_scalar` to Gemma's
+        // norms, activation and scaled embedding.
+        let gemma23 = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+        let gemma = gemma23 || arch == Arch::Gemma;
+        // Gemma's activation is `hidden_activation`, GELU's tanh form when it is not set (as
+        // HF runs Gemma folders whose `hidden_act` says `gelu`).
+        let act = if gemma {
+            Some(raw.hidden_activation.as_deref().unwrap_or("gelu_pytorch_tanh"))
+        } else {
+            raw.hidden_act.as_deref()
+        };
+        let activation = match act {
             None | Some("silu") => Activation::Silu,
             Some("gelu_pytorch_tanh" | "gelu_new") => Activation::GeluTanh,
             Some(act) => {
@@ -208,7 +219,7 @@ impl ModelConfig {
             ("attn_logit_softcapping", raw.attn_logit_softcapping),
             ("final_logit_softcapping", raw.final_logit_softcapping),
         ]
-        .map(|(name, cap)| match cap.filter(|_| gemma) {
+        .map(|(name, cap)| match cap.filter(|_| gemma23) {
             Some(c) if !(c.is_finite() && c > 0.0) => {
                 Err(bad(format!("{name} {c} must be a finite positive number, or null")))
             }
@@ -307,8 +318,8 @@ impl ModelConfig {
             }
             _ => None,
         };
-        let attn_scale = match (arch, raw.query_pre_attn_scalar) {
-            (Arch::Gemma2 | Arch::Gemma3, s) => {
+        let attn_scale = match (gemma23, raw.query_pre_attn_scalar) {
+            (true, s) => {
                 let s = s.unwrap_or(256.0);
                 if !(s.is_finite() && s > 0.0) {
                     return Err(bad(format!("query_pre_attn_scalar {s} must be a finite positive number")));
@@ -340,7 +351,7 @@ impl ModelConfig {
             activation,
             norm_plus_one: gemma,
             scale_embedding: gemma,
-            sandwich_norms: gemma,
+            sandwich_norms: gemma23,
             attn_scale,
             attn_softcap,
             final_softcap,
@@ -600,6 +611,18 @@ mod tests {
             (Activation::Silu, false, false, None)
         );
         assert_eq!(c.attn_scale, 0.25);
+    }
+
+    #[test]
+    fn gemma_takes_gelu_whatever_hidden_act_says() {
+        // The first Gemma's folders say `"hidden_act": "gelu"`; HF runs GELU's tanh form.
+        let c = parse(&config("gemma", r#""head_dim":32,"hidden_act":"gelu""#)).unwrap();
+        assert_eq!((c.arch, c.activation), (Arch::Gemma, Activation::GeluTanh));
+        assert!(c.norm_plus_one && c.scale_embedding && !c.sandwich_norms && !c.qk_norm);
+        assert_eq!((c.sliding_window, c.local_layers, c.attn_softcap), (None, None, None));
+        assert_eq!(c.attn_scale, 1.0 / 32f32.sqrt());
+        let e = parse(&config("gemma", r#""hidden_activation":"gelu""#)).unwrap_err().to_string();
+        assert!(e.contains("unsupported hidden activation `gelu`"), "{e}");
     }
 
     #[test]

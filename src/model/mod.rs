@@ -1,4 +1,4 @@
-//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) and its
+//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma) and its
 //! forward pass.
 //! Owns: loading the shard's tensors by their HF names and the layer math. Sees communication
 //! only through the [`Comm`] trait: exactly two allreduces per layer, one for the embedding.

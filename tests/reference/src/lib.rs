@@ -274,6 +274,11 @@ impl TinyModel {
     pub fn gemma2() -> Self {
         TinyModel { model_type: "gemma2", layers: 3, ..Self::gemma3() }
     }
+    /// Gemma-style (the first Gemma): norms stored less one, GELU, the scaled embedding; no
+    /// sandwich norms, no soft caps, every layer global.
+    pub fn gemma() -> Self {
+        TinyModel { model_type: "gemma", layers: 3, ..Self::gemma3() }
+    }
     /// Llama-style with tied embeddings and uneven heads (6 heads, 3 KV heads).
     pub fn llama() -> Self {
         TinyModel {
@@ -295,7 +300,12 @@ impl TinyModel {
     }
 
     fn is_gemma(&self) -> bool {
-        self.is_gemma3() || self.model_type == "gemma2"
+        self.model_type.starts_with("gemma")
+    }
+
+    /// Gemma 2 and 3: norms around the attention's and the FFN's outputs as well.
+    fn has_sandwich_norms(&self) -> bool {
+        self.is_gemma() && self.model_type != "gemma"
     }
 
     fn hd(&self) -> usize {
@@ -309,6 +319,7 @@ impl TinyModel {
             "phi3" => "Phi3ForCausalLM",
             "gemma3_text" => "Gemma3ForCausalLM",
             "gemma2" => "Gemma2ForCausalLM",
+            "gemma" => "GemmaForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -328,16 +339,16 @@ impl TinyModel {
             cfg["attention_bias"] = false.into();
         }
         if self.is_gemma() {
-            let gemma = if self.is_gemma3() {
-                serde_json::json!({
+            let gemma = match self.model_type {
+                "gemma3_text" => serde_json::json!({
                     "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 4,
                     "sliding_window_pattern": 3, "attn_logit_softcapping": null,
                     "final_logit_softcapping": null,
-                })
-            } else {
-                serde_json::json!({
+                }),
+                "gemma2" => serde_json::json!({
                     "sliding_window": 64, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0,
-                })
+                }),
+                _ => serde_json::json!({}),
             };
             let common = serde_json::json!({
                 "attention_bias": false, "hidden_activation": "gelu_pytorch_tanh",
@@ -373,7 +384,7 @@ impl TinyModel {
             let p = |s: &str| format!("model.layers.{l}.{s}");
             add(p("input_layernorm.weight"), vec![h], 0.2, norm);
             add(p("post_attention_layernorm.weight"), vec![h], 0.2, norm);
-            if self.is_gemma() {
+            if self.has_sandwich_norms() {
                 add(p("pre_feedforward_layernorm.weight"), vec![h], 0.2, norm);
                 add(p("post_feedforward_layernorm.weight"), vec![h], 0.2, norm);
             }

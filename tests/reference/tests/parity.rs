@@ -1,10 +1,10 @@
 //! gridlm against an independent implementation (candle-transformers) on the real
-//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3-, Gemma 2- and
-//! Gemma 3-style models.
+//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3- and Gemma-style
+//! (1, 2 and 3) models.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{gemma2, gemma3, llama, phi3, qwen2, qwen3};
+use candle_transformers::models::{gemma, gemma2, gemma3, llama, phi3, qwen2, qwen3};
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
     smollm2, write_gguf, GgufValue, Run,
@@ -280,6 +280,15 @@ fn random_gemma3_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(one at a time; gemma3, Model, dir, false);
     same_on_two_ranks("random gemma3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// The first Gemma's norms stored less one, GELU (its folders' `hidden_act` may say `gelu`;
+/// `hidden_activation` decides, GELU's tanh form unless it says otherwise) and scaled
+/// embedding, against candle's `gemma` (taking the prompt one token at a time).
+#[test]
+fn random_gemma_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny_against_candle!(one at a time; gemma, Model, tmp.path(), false);
 }
 
 /// Gemma 2's soft-capped attention scores and logits, with its sandwich norms, GELU and scaled
