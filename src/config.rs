@@ -17,6 +17,8 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Phi3,
+    /// SmolLM3: Llama with some layers unrotated (NoPE).
+    SmolLM3,
     /// The first Gemma (`gemma`).
     Gemma,
     Gemma2,
@@ -32,11 +34,23 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Phi3 => "phi3",
+            Arch::SmolLM3 => "smollm3",
             Arch::Gemma => "gemma",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
         }
     }
+}
+
+/// How a layer rotates its queries and keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerRope {
+    /// By `rope_theta` and `rope_scaling`.
+    Base,
+    /// By the local layers' base, unscaled (Gemma 3).
+    Local,
+    /// Not at all (SmolLM3's NoPE layers).
+    None,
 }
 
 /// How RoPE frequencies are scaled for long context.
@@ -76,6 +90,8 @@ pub struct ModelConfig {
     pub local_layers: Option<Vec<bool>>,
     /// RoPE base of the local layers, unscaled (Gemma 3's `rope_local_base_freq`).
     pub rope_local_theta: Option<f64>,
+    /// Layers whose queries and keys are not rotated at all (SmolLM3's NoPE layers).
+    pub no_rope_layers: Option<Vec<bool>>,
     pub activation: Activation,
     /// Norm weights are stored as offsets from one: a norm multiplies by `1 + w` (Gemma).
     pub norm_plus_one: bool,
@@ -97,7 +113,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -116,6 +132,7 @@ struct HfConfig {
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
     partial_rotary_factor: Option<f64>,
@@ -124,6 +141,8 @@ struct HfConfig {
     query_pre_attn_scalar: Option<f64>,
     rope_local_base_freq: Option<f64>,
     layer_types: Option<Vec<String>>,
+    no_rope_layers: Option<Vec<u32>>,
+    no_rope_layer_interval: Option<usize>,
     sliding_window_pattern: Option<usize>,
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
@@ -180,6 +199,7 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "phi3" => Arch::Phi3,
+            "smollm3" => Arch::SmolLM3,
             "gemma" => Arch::Gemma,
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
@@ -226,6 +246,16 @@ impl ModelConfig {
             c => Ok(c.map(|c| c as f32)),
         });
         let (attn_softcap, final_softcap) = (attn_softcap?, final_softcap?);
+        // Biases these families would carry on o_proj and the FFN's matrices, which gridlm does
+        // not load (Qwen2's q/k/v biases are its own, whatever `attention_bias` says).
+        if raw.attention_bias == Some(true) && arch != Arch::Qwen2 {
+            return Err(bad(format!(
+                "attention_bias = true (biases on q/k/v and o_proj) is not supported for {model_type}"
+            )));
+        }
+        if raw.mlp_bias == Some(true) {
+            return Err(bad("mlp_bias = true (biases on the FFN's matrices) is not supported".into()));
+        }
         if raw.use_bidirectional_attention == Some(true) {
             return Err(bad(
                 "use_bidirectional_attention = true is not supported (a causal decoder runs here)".into(),
@@ -285,7 +315,7 @@ impl ModelConfig {
             Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
         };
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Qwen2 | Arch::Qwen3, Some(true)) => {
+            (Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3, Some(true)) => {
                 return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
             (Arch::Mistral | Arch::Phi3, _) if raw.sliding_window == Some(0) => {
@@ -308,6 +338,8 @@ impl ModelConfig {
             Arch::Gemma3 => Some(gemma_local_layers(&raw, 6).map_err(bad)?),
             _ => None,
         };
+        let no_rope_layers =
+            if arch == Arch::SmolLM3 { Some(smollm3_no_rope_layers(&raw).map_err(bad)?) } else { None };
         let rope_local_theta = match arch {
             Arch::Gemma3 => {
                 let t = raw.rope_local_base_freq.unwrap_or(10000.0);
@@ -343,11 +375,12 @@ impl ModelConfig {
             rope_scaling,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             sliding_window,
             local_layers,
             rope_local_theta,
+            no_rope_layers,
             activation,
             norm_plus_one: gemma,
             scale_embedding: gemma,
@@ -372,6 +405,17 @@ impl ModelConfig {
     /// Whether layer `i` is a local layer (its own RoPE base, [`Self::rope_local_theta`]).
     pub fn is_local(&self, i: usize) -> bool {
         self.local_layers.as_ref().is_some_and(|l| l[i])
+    }
+
+    /// How layer `i` rotates its queries and keys.
+    pub fn layer_rope(&self, i: usize) -> LayerRope {
+        if self.no_rope_layers.as_ref().is_some_and(|l| l[i]) {
+            LayerRope::None
+        } else if self.is_local(i) && self.rope_local_theta.is_some() {
+            LayerRope::Local
+        } else {
+            LayerRope::Base
+        }
     }
 
     /// RoPE inverse frequencies, one per rotated pair, with any scaling applied.
@@ -422,29 +466,50 @@ impl ModelConfig {
     }
 }
 
-/// Gemma's local layers: from `layer_types` (`sliding_attention` / `full_attention`, one per
-/// layer), or else every layer but each `sliding_window_pattern`-th (`pattern` by default).
-fn gemma_local_layers(raw: &HfConfig, pattern: usize) -> std::result::Result<Vec<bool>, String> {
-    let n = raw.num_hidden_layers;
-    if let Some(types) = &raw.layer_types {
-        if types.len() != n {
-            return Err(format!("layer_types has {} entries for {n} layers", types.len()));
+/// A flag per layer: from `list` (the config field `name`, one entry per layer, each read by
+/// `flag`), or else set on each `every`-th layer (the field `every_name`; `default` if absent)
+/// when `on_multiples`, or on every layer but those.
+fn layer_flags<T>(
+    n: usize,
+    (name, list): (&str, &Option<Vec<T>>),
+    flag: impl Fn(&T) -> std::result::Result<bool, String>,
+    (every_name, every, default): (&str, Option<usize>, usize),
+    on_multiples: bool,
+) -> std::result::Result<Vec<bool>, String> {
+    if let Some(list) = list {
+        if list.len() != n {
+            return Err(format!("{name} has {} entries for {n} layers", list.len()));
         }
-        return types
-            .iter()
-            .map(|t| match t.as_str() {
-                "sliding_attention" => Ok(true),
-                "full_attention" => Ok(false),
-                other => {
-                    Err(format!("layer_types holds `{other}` (expected sliding_attention or full_attention)"))
-                }
-            })
-            .collect();
+        return list.iter().map(flag).collect();
     }
-    match raw.sliding_window_pattern.unwrap_or(pattern) {
-        0 => Err("sliding_window_pattern is 0 (expected a positive number of layers)".into()),
-        p => Ok((0..n).map(|i| (i + 1) % p != 0).collect()),
+    match every.unwrap_or(default) {
+        0 => Err(format!("{every_name} is 0 (expected a positive number of layers)")),
+        k => Ok((0..n).map(|i| ((i + 1) % k == 0) == on_multiples).collect()),
     }
+}
+
+/// SmolLM3's unrotated layers: from `no_rope_layers` (0 for a layer without RoPE, 1 for one
+/// with it), or else each `no_rope_layer_interval`-th layer (4 by default), as HF reads them.
+fn smollm3_no_rope_layers(raw: &HfConfig) -> std::result::Result<Vec<bool>, String> {
+    let flag = |f: &u32| match f {
+        0 => Ok(true),
+        1 => Ok(false),
+        other => Err(format!("no_rope_layers holds {other} (expected 0, no RoPE, or 1)")),
+    };
+    let every = ("no_rope_layer_interval", raw.no_rope_layer_interval, 4);
+    layer_flags(raw.num_hidden_layers, ("no_rope_layers", &raw.no_rope_layers), flag, every, true)
+}
+
+/// Gemma's local layers: from `layer_types` (`sliding_attention` / `full_attention`), or else
+/// every layer but each `sliding_window_pattern`-th (`pattern` by default).
+fn gemma_local_layers(raw: &HfConfig, pattern: usize) -> std::result::Result<Vec<bool>, String> {
+    let flag = |t: &String| match t.as_str() {
+        "sliding_attention" => Ok(true),
+        "full_attention" => Ok(false),
+        other => Err(format!("layer_types holds `{other}` (expected sliding_attention or full_attention)")),
+    };
+    let every = ("sliding_window_pattern", raw.sliding_window_pattern, pattern);
+    layer_flags(raw.num_hidden_layers, ("layer_types", &raw.layer_types), flag, every, false)
 }
 
 fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling, String> {
@@ -540,7 +605,16 @@ mod tests {
             (c.arch, c.head_dim, c.q_dim(), c.qk_norm, c.qkv_bias),
             (Arch::Qwen3, 32, 128, true, false)
         );
-        assert!(parse(&config("qwen3", r#""head_dim":32,"attention_bias":true"#)).unwrap().qkv_bias);
+        // HF's Qwen3 with attention_bias has an o_proj bias too, which gridlm does not load.
+        let e = parse(&config("qwen3", r#""head_dim":32,"attention_bias":true"#)).unwrap_err().to_string();
+        assert!(
+            e.contains("attention_bias = true (biases on q/k/v and o_proj) is not supported for qwen3"),
+            "{e}"
+        );
+        let e = parse(&config("llama", r#""mlp_bias":true"#)).unwrap_err().to_string();
+        assert!(e.contains("mlp_bias = true"), "{e}");
+        // Qwen2's biases are its own, whatever the field says.
+        assert!(parse(&config("qwen2", r#""attention_bias":false"#)).unwrap().qkv_bias);
         let e =
             parse(&config("qwen3", r#""head_dim":32,"use_sliding_window":true"#)).unwrap_err().to_string();
         assert!(e.contains("use_sliding_window = true is not supported for qwen3"), "{e}");
@@ -611,6 +685,30 @@ mod tests {
             (Activation::Silu, false, false, None)
         );
         assert_eq!(c.attn_scale, 0.25);
+    }
+
+    #[test]
+    fn smollm3_leaves_some_layers_unrotated() {
+        let extra = r#""num_hidden_layers":8"#;
+        let c = parse(&config("smollm3", extra).replace(r#""num_hidden_layers":2,"#, "")).unwrap();
+        let ropes: Vec<_> = (0..8).map(|i| c.layer_rope(i)).collect();
+        // Every fourth layer by default, as HF reads a folder without `no_rope_layers`.
+        let (b, n) = (LayerRope::Base, LayerRope::None);
+        assert_eq!(ropes, [b, b, b, n, b, b, b, n]);
+        let c = parse(&config("smollm3", r#""no_rope_layers":[0,1]"#)).unwrap();
+        assert_eq!((c.arch, c.layer_rope(0), c.layer_rope(1)), (Arch::SmolLM3, n, b));
+        let refused = [
+            (r#""no_rope_layers":[1]"#, "no_rope_layers has 1 entries for 2 layers"),
+            (r#""no_rope_layers":[1,2]"#, "no_rope_layers holds 2"),
+            (r#""no_rope_layer_interval":0"#, "no_rope_layer_interval is 0"),
+            (r#""use_sliding_window":true"#, "use_sliding_window = true is not supported for smollm3"),
+        ];
+        for (extra, msg) in refused {
+            let e = parse(&config("smollm3", extra)).unwrap_err().to_string();
+            assert!(e.contains(msg), "{extra}: {e}");
+        }
+        // Other families rotate every layer.
+        assert_eq!(parse(BASE).unwrap().layer_rope(1), b);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma) and its
-//! forward pass.
+//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma)
+//! and its forward pass.
 //! Owns: loading the shard's tensors by their HF names and the layer math. Sees communication
 //! only through the [`Comm`] trait: exactly two allreduces per layer, one for the embedding.
 //!
@@ -13,7 +13,7 @@
 pub mod kv_cache;
 
 use crate::comm::Comm;
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, LayerRope, ModelConfig};
 use crate::error::Result;
 use crate::grid::ShardPlan;
 use crate::kernels::{self, AttendOut, Region, SharedSlice, Team};
@@ -34,8 +34,8 @@ struct Layer {
     /// Index of its attention's window ([`ModelConfig::layer_window`]) in [`Shard::windows`],
     /// and of its layout of a step's attention items.
     layout: usize,
-    /// Whether it rotates by the local layers' RoPE base.
-    local_rope: bool,
+    /// How it rotates its queries and keys.
+    rope: LayerRope,
     /// Rows: this rank's q heads, then its k heads, then its v heads.
     qkv: PackedMat,
     qkv_bias: Option<Vec<f32>>,
@@ -343,7 +343,7 @@ impl Shard {
                     windows.push(cfg.layer_window(i));
                     windows.len() - 1
                 }),
-                local_rope: cfg.is_local(i) && cfg.rope_local_theta.is_some(),
+                rope: cfg.layer_rope(i),
                 qkv: pack(&Mat::vstack(vec![q, k, v])),
                 qkv_bias,
                 head_norms,
@@ -697,8 +697,8 @@ impl Shard {
         let fold = spans.iter().all(|sp| sp.len == 1)
             && spans.iter().enumerate().all(|(i, a)| spans[..i].iter().all(|b| b.seq != a.seq));
         // Token `t`'s vector `j` of a QKV row (q heads, then k heads, then v heads) as it
-        // comes from the product, finished: its bias added and, but for v, normed (Qwen3) and
-        // rotated.
+        // comes from the product, finished: its bias added and, but for v, normed (Qwen3, Gemma
+        // 3) and rotated (but in SmolLM3's NoPE layers).
         let half = hd / 2;
         let finish = |l: &Layer, t: usize, j: usize, out: &mut [f32]| {
             if let Some(b) = &l.qkv_bias {
@@ -708,7 +708,11 @@ impl Shard {
                 kernels::rmsnorm_in_place(out, if j < nq { qn } else { kn }, cfg.rms_norm_eps);
             }
             if j < nq + nkv {
-                let (cos, sin) = if l.local_rope { (cos_local, sin_local) } else { (cos, sin) };
+                let (cos, sin) = match l.rope {
+                    LayerRope::Base => (cos, sin),
+                    LayerRope::Local => (cos_local, sin_local),
+                    LayerRope::None => return,
+                };
                 kernels::rope(out, hd, &cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
             }
         };

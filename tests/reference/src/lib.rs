@@ -279,6 +279,10 @@ impl TinyModel {
     pub fn gemma() -> Self {
         TinyModel { model_type: "gemma", layers: 3, ..Self::gemma3() }
     }
+    /// SmolLM3-style: Llama with tied embeddings whose second layer is not rotated (NoPE).
+    pub fn smollm3() -> Self {
+        TinyModel { model_type: "smollm3", ..Self::llama() }
+    }
     /// Llama-style with tied embeddings and uneven heads (6 heads, 3 KV heads).
     pub fn llama() -> Self {
         TinyModel {
@@ -320,6 +324,7 @@ impl TinyModel {
             "gemma3_text" => "Gemma3ForCausalLM",
             "gemma2" => "Gemma2ForCausalLM",
             "gemma" => "GemmaForCausalLM",
+            "smollm3" => "SmolLM3ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -337,6 +342,10 @@ impl TinyModel {
         }
         if self.model_type == "qwen3" {
             cfg["attention_bias"] = false.into();
+        }
+        if self.model_type == "smollm3" {
+            let flags: Vec<u32> = (0..self.layers).map(|i| u32::from(i != 1)).collect();
+            cfg["no_rope_layers"] = flags.into();
         }
         if self.is_gemma() {
             let gemma = match self.model_type {

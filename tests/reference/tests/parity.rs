@@ -1,9 +1,10 @@
 //! gridlm against an independent implementation (candle-transformers) on the real
-//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3- and Gemma-style
-//! (1, 2 and 3) models.
+//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3-, SmolLM3- and
+//! Gemma-style (1, 2 and 3) models.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{gemma, gemma2, gemma3, llama, phi3, qwen2, qwen3};
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
@@ -280,6 +281,17 @@ fn random_gemma3_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(one at a time; gemma3, Model, dir, false);
     same_on_two_ranks("random gemma3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// SmolLM3's unrotated (NoPE) layer among rotated ones, against candle's `smollm3`; split over
+/// two ranks by heads and by layers (the NoPE layer on the first stage), the same tokens and
+/// logits within 1e-4 of the single rank.
+#[test]
+fn random_smollm3_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(smollm3, ModelForCausalLM, dir);
+    same_on_two_ranks("random smollm3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// The first Gemma's norms stored less one, GELU (its folders' `hidden_act` may say `gelu`;
