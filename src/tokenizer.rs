@@ -82,6 +82,17 @@ impl Tokenizer {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        // Today's date in the template's format, as HF gives templates (Llama 3.x and SmolLM3
+        // write it into the system turn).
+        env.add_function("strftime_now", |format: String| -> std::result::Result<String, minijinja::Error> {
+            use std::fmt::Write;
+            let mut out = String::new();
+            write!(out, "{}", chrono::Local::now().format(&format)).map_err(|_| {
+                let msg = format!("strftime_now: `{format}` is not a date format");
+                minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg)
+            })?;
+            Ok(out)
+        });
         let bad = |e: minijinja::Error| Error::file(&cfg_path, format!("chat_template: {e}"));
         env.add_template("chat", tpl).map_err(bad)?;
         let t = env.get_template("chat").map_err(bad)?;
@@ -125,6 +136,33 @@ impl StreamDecoder {
 mod tests {
     use super::*;
 
+    /// `strftime_now` gives today's date as HF's templates ask for it, and a bad format is an
+    /// error naming it, not a panic.
+    #[test]
+    fn templates_get_todays_date() {
+        let dir = tempfile::tempdir().unwrap();
+        let template = r#"{% if strftime_now is defined %}{{ strftime_now("%Y-%m-%d") }}{% endif %}"#;
+        let t = tokenizer_with(dir.path(), template);
+        assert_eq!(t.apply_chat_template("x").unwrap(), chrono::Local::now().format("%Y-%m-%d").to_string());
+        let t = tokenizer_with(dir.path(), r#"{{ strftime_now("%Q") }}"#);
+        let e = t.apply_chat_template("x").unwrap_err().to_string();
+        assert!(e.contains("`%Q` is not a date format"), "{e}");
+    }
+
+    /// A tokenizer in `dir` (a three-word vocabulary) whose chat template is `template`.
+    fn tokenizer_with(dir: &Path, template: &str) -> Tokenizer {
+        let vocab = serde_json::json!({"<bos>": 0, "<eos>": 1, "hi": 2});
+        let tok = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "hi"},
+        });
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+        let cfg = serde_json::json!({"chat_template": template, "bos_token": "<bos>", "eos_token": "<eos>"});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        Tokenizer::from_dir(dir).unwrap()
+    }
+
     /// A chat template written with the constructs Gemma 3's uses (the system message folded
     /// into the first user turn, `raise_exception` on roles that do not alternate, `is string`,
     /// `| trim`, `loop.first`, `loop.index0`, a list slice, `bos_token` written by the
@@ -148,16 +186,7 @@ mod tests {
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"#;
         let dir = tempfile::tempdir().unwrap();
-        let vocab = serde_json::json!({"<bos>": 0, "<eos>": 1, "hi": 2});
-        let tok = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "hi"},
-        });
-        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
-        let cfg = serde_json::json!({"chat_template": template, "bos_token": "<bos>", "eos_token": "<eos>"});
-        std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
-        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        let t = tokenizer_with(dir.path(), template);
         assert_eq!(
             t.apply_chat_template("  Why is the sky blue? ").unwrap(),
             "<bos><start_of_turn>user\nWhy is the sky blue?<end_of_turn>\n<start_of_turn>model\n"
