@@ -374,7 +374,9 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            // HF's default where the folder says nothing: tied for Gemma and SmolLM3 (the first
+            // Gemma's folders leave it out), untied for the others.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
             qkv_bias: arch == Arch::Qwen2,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             sliding_window,
@@ -716,6 +718,8 @@ mod tests {
         // The first Gemma's folders say `"hidden_act": "gelu"`; HF runs GELU's tanh form.
         let c = parse(&config("gemma", r#""head_dim":32,"hidden_act":"gelu""#)).unwrap();
         assert_eq!((c.arch, c.activation), (Arch::Gemma, Activation::GeluTanh));
+        // Its folders leave `tie_word_embeddings` out: tied, as HF's default for Gemma.
+        assert!(c.tie_word_embeddings);
         assert!(c.norm_plus_one && c.scale_embedding && !c.sandwich_norms && !c.qk_norm);
         assert_eq!((c.sliding_window, c.local_layers, c.attn_softcap), (None, None, None));
         assert_eq!(c.attn_scale, 1.0 / 32f32.sqrt());
