@@ -82,11 +82,11 @@ pub struct ModelConfig {
     /// An RMSNorm over each query and key head (weights of `head_dim`, shared by the heads)
     /// between the projection and RoPE (Qwen3).
     pub qk_norm: bool,
-    /// Attend to at most this many previous positions (Mistral; Gemma 3's local layers);
+    /// Attend to at most this many previous positions (Mistral; Gemma 2 and 3's local layers);
     /// `None` = full causal.
     pub sliding_window: Option<usize>,
     /// Which layers are local, attending through `sliding_window` with `rope_local_theta`
-    /// (Gemma 3: five of every six); `None`: every layer alike.
+    /// (Gemma 2: every other one, Gemma 3: five of every six); `None`: every layer alike.
     pub local_layers: Option<Vec<bool>>,
     /// RoPE base of the local layers, unscaled (Gemma 3's `rope_local_base_freq`).
     pub rope_local_theta: Option<f64>,
@@ -97,7 +97,7 @@ pub struct ModelConfig {
     pub norm_plus_one: bool,
     /// Embedding rows are multiplied by `sqrt(hidden_size)` on the way in (Gemma).
     pub scale_embedding: bool,
-    /// Gemma 3's sandwich norms: the attention and FFN outputs are normed
+    /// Gemma 2 and 3's sandwich norms: the attention and FFN outputs are normed
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) before they join the
     /// residual stream, and `pre_feedforward_layernorm` is the FFN's input norm.
     pub sandwich_norms: bool,

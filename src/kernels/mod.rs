@@ -35,7 +35,7 @@ pub fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
 }
 
 /// `x += rmsnorm(o)` with weights `w`, row by row (`w.len()` long): a sublayer's output
-/// normed as it joins the residual stream (Gemma 3), each value as [`rmsnorm`] computes it.
+/// normed as it joins the residual stream (Gemma 2, 3), each value as [`rmsnorm`] computes it.
 pub fn add_rmsnormed(x: &mut [f32], o: &[f32], w: &[f32], eps: f32) {
     for (xr, or) in x.chunks_exact_mut(w.len()).zip(o.chunks_exact(w.len())) {
         let inv = inv_rms(or, eps);
@@ -1482,7 +1482,7 @@ mod tests {
                 (40, 50, 4, Some(30)),
                 (17, 40, 7, None),
             ];
-            // A cap of 0.3 bends scores of these magnitudes (up to ~0.6) well away from linear.
+            // A cap of 0.3, about the scores' typical size here, bends them well away from linear.
             for ((hd, n_keys, rows, window), cap) in
                 shapes.into_iter().flat_map(|s| [(s, None), (s, Some(0.3))])
             {

@@ -29,7 +29,8 @@ struct Layer {
     input_norm: Vec<f32>,
     /// The FFN's input norm (`post_attention_layernorm`, Gemma 3's `pre_feedforward_layernorm`).
     post_norm: Vec<f32>,
-    /// Gemma 3's norms of the attention and FFN outputs, before they join the residual stream.
+    /// Gemma 2 and 3's norms of the attention and FFN outputs, before they join the residual
+    /// stream.
     out_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Index of its attention's window ([`ModelConfig::layer_window`]) in [`Shard::windows`],
     /// and of its layout of a step's attention items.
@@ -90,7 +91,7 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
 }
 
 /// A layer's norms after `model.layers.N.`: the attention's input norm, the FFN's input norm,
-/// then (Gemma 3) the norms of the attention's and the FFN's outputs.
+/// then (Gemma 2, 3) the norms of the attention's and the FFN's outputs.
 fn layer_norm_names(cfg: &ModelConfig) -> &'static [&'static str] {
     if cfg.sandwich_norms {
         &[
@@ -194,7 +195,7 @@ unsafe impl Sync for MainThread<'_> {}
 
 /// Sums a sublayer's output `o[..x.len()]` over the stage's tensor-parallel ranks and adds it
 /// to this thread's copy of the residual stream `x`, each token's row normed first by `norm`
-/// (weights, epsilon) if given (Gemma 3): thread 0 calls MPI while the other threads wait at a
+/// (weights, epsilon) if given (Gemma 2, 3): thread 0 calls MPI while the other threads wait at a
 /// barrier (none when the stage has one rank). `o` is complete on entry (the product that wrote
 /// it ended with a barrier), and nothing writes it again before every thread has passed another
 /// barrier.
@@ -273,7 +274,7 @@ pub struct Shard {
     /// Vocabulary rows of the output head (last stage); shares `embed` when tied on one stage.
     lm_head: Option<Arc<PackedMat>>,
     inv_freq: Vec<f64>,
-    /// The local layers' RoPE frequencies (Gemma 3).
+    /// The local layers' RoPE frequencies (Gemma 3's).
     inv_freq_local: Option<Vec<f64>>,
 }
 
