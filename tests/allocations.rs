@@ -1,5 +1,6 @@
 //! Decoding allocates nothing per token: a run of the scheduler and engine over a small
-//! synthetic model makes exactly as many heap allocations for 40 new tokens as for 4, greedy
+//! synthetic model (SmolLM2's shape, and Gemma's with local and global layers and soft caps)
+//! makes exactly as many heap allocations for 40 new tokens as for 4, greedy
 //! and sampled, and a fresh engine's first run makes none in its decode steps; sampling rows
 //! whose nucleus takes several rounds of candidates makes none either. (The `bench` tests check
 //! the same per decode step on every rank of a grid.)
@@ -41,9 +42,21 @@ fn decode_steps_allocate_nothing_per_token() {
     cfg.n_layers = 2;
     cfg.vocab_size = 3000;
     cfg.max_position_embeddings = 256;
+    decode_allocates_nothing("SmolLM2", &cfg);
+    // Gemma 3's widths, a local layer (a window of 16, which the runs pass) before a global
+    // one, so a step lays its attention out twice; with Gemma 2's soft caps as well.
+    let mut cfg = synthetic::shape("gemma3-1b").unwrap();
+    (cfg.n_layers, cfg.vocab_size, cfg.max_position_embeddings) = (2, 3000, 256);
+    (cfg.sliding_window, cfg.local_layers) = (Some(16), Some(vec![true, false]));
+    (cfg.attn_softcap, cfg.final_softcap) = (Some(50.0), Some(30.0));
+    decode_allocates_nothing("Gemma", &cfg);
+}
+
+/// [`decode_steps_allocate_nothing_per_token`] on the model `cfg` (named `model`).
+fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig) {
     let new_engine = || {
         let grid = Grid::single();
-        let plan = ShardPlan::new(&cfg, &grid, None).unwrap();
+        let plan = ShardPlan::new(cfg, &grid, None).unwrap();
         let src = Synthetic { dtype: DType::BF16, seed: 7 };
         let shard = Shard::from_source(&src, cfg.clone(), plan, None).unwrap();
         Engine::new(shard, grid, 2, DType::F16).unwrap()
@@ -84,6 +97,7 @@ fn decode_steps_allocate_nothing_per_token() {
         // lone sequence's rows (past position 32 its keys span two tiles, split between the
         // two threads, its three KV heads being fewer items than twice the threads), and
         // sampling's (the sampled rows of the third case).
+        let name = format!("{model}, {name}");
         let mut fresh = new_engine();
         allocations(&mut fresh, requests, 40);
         let first = fresh.profile();
