@@ -188,6 +188,9 @@ impl ModelConfig {
     /// Parses and validates config text; `path` is only used in error messages.
     pub fn from_json(path: &Path, text: &str) -> Result<Self> {
         let bad = |msg: String| Error::file(path, msg);
+        if let Some(text_model) = gemma3_text_config(text).map_err(bad)? {
+            return Self::from_json(path, &text_model);
+        }
         let raw: HfConfig = serde_json::from_str(text).map_err(|e| bad(format!("invalid config: {e}")))?;
         let model_type = raw
             .model_type
@@ -203,13 +206,6 @@ impl ModelConfig {
             "gemma" => Arch::Gemma,
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
-            "gemma3" => {
-                return Err(bad(
-                    "model_type `gemma3` is Gemma 3's image-and-text model; its text part alone \
-                     (model_type `gemma3_text`, as Gemma 3 1B ships) is supported"
-                        .into(),
-                ))
-            }
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -490,6 +486,38 @@ fn layer_flags<T>(
     }
 }
 
+/// A Gemma 3 image-and-text folder's config (`model_type: gemma3`) as its text model's
+/// (`gemma3_text`): its `text_config` over HF's defaults, with the folder's own end-of-sequence
+/// ids. `None` for any other config. The text model's weights are found under the folder's
+/// `language_model` prefix (`weights::checkpoint`); the image tower's are never read.
+fn gemma3_text_config(text: &str) -> std::result::Result<Option<String>, String> {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Ok(None); // the full parse names what is wrong
+    };
+    if v.get("model_type").and_then(|t| t.as_str()) != Some("gemma3") {
+        return Ok(None);
+    }
+    let Some(serde_json::Value::Object(given)) = v.get("text_config") else {
+        return Err("model_type `gemma3` without an object `text_config` (its text model's settings)".into());
+    };
+    // HF's defaults for the fields such a folder's `text_config` leaves out (Gemma3TextConfig's).
+    let defaults = serde_json::json!({
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": true,
+        "rope_theta": 1000000.0, "attention_bias": false, "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+    });
+    let mut merged = defaults.as_object().cloned().unwrap_or_default();
+    merged.extend(given.clone());
+    merged.insert("model_type".into(), "gemma3_text".into());
+    if let Some(eos) = v.get("eos_token_id") {
+        merged.insert("eos_token_id".into(), eos.clone());
+    }
+    Ok(Some(serde_json::Value::Object(merged).to_string()))
+}
+
 /// SmolLM3's unrotated layers: from `no_rope_layers` (0 for a layer without RoPE, 1 for one
 /// with it), or else each `no_rope_layer_interval`-th layer (4 by default), as HF reads them.
 fn smollm3_no_rope_layers(raw: &HfConfig) -> std::result::Result<Vec<bool>, String> {
@@ -674,8 +702,27 @@ mod tests {
             let e = parse(&config("gemma3_text", extra)).unwrap_err().to_string();
             assert!(e.contains(msg), "{extra}: {e}");
         }
-        let e = parse(&BASE.replace("llama", "gemma3")).unwrap_err().to_string();
-        assert!(e.contains("its text part alone (model_type `gemma3_text`"), "{e}");
+        // An image-and-text folder: its text model, HF's defaults where `text_config` is silent.
+        let folder = r#"{"model_type":"gemma3","eos_token_id":[1,106],"vision_config":{"hidden_size":1152},
+            "text_config":{"hidden_size":2560,"intermediate_size":10240,"num_hidden_layers":34,
+            "model_type":"gemma3_text","rope_scaling":{"factor":8.0,"rope_type":"linear"},"sliding_window":1024}}"#;
+        let c = parse(folder).unwrap();
+        assert_eq!(
+            (c.arch, c.hidden_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim),
+            (Arch::Gemma3, 2560, 34, 8, 4, 256)
+        );
+        assert_eq!(
+            (c.vocab_size, c.rope_theta, c.rope_local_theta, c.attn_scale),
+            (262208, 1e6, Some(1e4), 1.0 / 16.0)
+        );
+        assert_eq!(
+            (c.layer_window(4), c.layer_window(5), c.eos_token_ids.clone()),
+            (Some(1024), None, vec![1, 106])
+        );
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
+        assert!(c.tie_word_embeddings && c.qk_norm && c.sandwich_norms);
+        let e = parse(r#"{"model_type":"gemma3"}"#).unwrap_err().to_string();
+        assert!(e.contains("model_type `gemma3` without an object `text_config`"), "{e}");
         // Logit soft-capping is Gemma's; other families ignore the fields, as HF does.
         let caps = r#""attn_logit_softcapping":50.0,"final_logit_softcapping":30.0"#;
         let c = parse(&config("llama", caps)).unwrap();

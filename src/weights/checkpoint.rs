@@ -69,7 +69,16 @@ pub struct Checkpoint {
     /// What to name in "tensor missing" errors.
     origin: PathBuf,
     files: RefCell<HashMap<String, Rc<MappedFile>>>,
+    /// Where the text model's tensors are stored in an image-and-text folder (Gemma 3's):
+    /// `model.*` under this prefix instead (`language_model.model.` as first published,
+    /// `model.language_model.` as later versions of HF save it), `lm_head.*` under `lm_head`.
+    text_model: Option<(&'static str, &'static str)>,
 }
+
+/// Stored names of the text model of an image-and-text folder, by how its embedding is stored:
+/// (prefix of `model.*`, prefix of `lm_head.*`).
+const TEXT_MODEL_PREFIXES: [(&str, &str); 2] =
+    [("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head.")];
 
 impl Checkpoint {
     /// Finds `DIR/model.safetensors` or `DIR/model.safetensors.index.json`.
@@ -101,7 +110,38 @@ impl Checkpoint {
             ));
         };
         let origin = if index.is_some() { index_path } else { single };
-        Ok(Checkpoint { dir: dir.to_path_buf(), index, origin, files: RefCell::new(HashMap::new()) })
+        let mut ckpt = Checkpoint {
+            dir: dir.to_path_buf(),
+            index,
+            origin,
+            files: RefCell::new(HashMap::new()),
+            text_model: None,
+        };
+        // Plain `model.*` names, or those of an image-and-text folder's text model.
+        let holds = |ckpt: &Checkpoint, name: &str| -> Result<bool> {
+            Ok(match &ckpt.index {
+                Some(index) => index.contains_key(name),
+                None => ckpt.file("model.safetensors")?.tensors.contains_key(name),
+            })
+        };
+        if !holds(&ckpt, "model.embed_tokens.weight")? {
+            for prefixes in TEXT_MODEL_PREFIXES {
+                if holds(&ckpt, &format!("{}embed_tokens.weight", prefixes.0))? {
+                    ckpt.text_model = Some(prefixes);
+                }
+            }
+        }
+        Ok(ckpt)
+    }
+
+    /// The name tensor `name` is stored under.
+    fn stored<'a>(&self, name: &'a str) -> std::borrow::Cow<'a, str> {
+        let Some((model, head)) = self.text_model else { return name.into() };
+        match (name.strip_prefix("model."), name.strip_prefix("lm_head.")) {
+            (Some(rest), _) => format!("{model}{rest}").into(),
+            (_, Some(rest)) => format!("{head}{rest}").into(),
+            _ => name.into(),
+        }
     }
 
     fn file(&self, name: &str) -> Result<Rc<MappedFile>> {
@@ -126,6 +166,8 @@ impl Checkpoint {
     }
 
     fn info(&self, name: &str, expected_shape: &[usize]) -> Result<(Rc<MappedFile>, Range<usize>, DType)> {
+        let stored = self.stored(name);
+        let name = stored.as_ref();
         let file = self.file_of(name)?;
         let info = file
             .tensors

@@ -272,7 +272,7 @@ fn random_qwen3_matches_candle_on_one_and_two_ranks() {
 /// shorter than the 7-token prompt, and their own RoPE base) beside a global one; the check
 /// fails with the window on every layer or on none. Split over two ranks by heads (one KV head
 /// each) and by layers (the first stage all local), the same tokens and logits within 1e-4 of
-/// the single rank. candle 0.9's Gemma 3 takes its prompt one token at a time (a longer chunk
+/// the single rank; and stored as an image-and-text folder, the same bits. candle 0.9's Gemma 3 takes its prompt one token at a time (a longer chunk
 /// fails in its KV cache: "slice-set only supports contiguous tensors"), so its windows are
 /// those of its decode steps: the newest 4 positions, as in HF's Gemma 3.
 #[test]
@@ -281,6 +281,55 @@ fn random_gemma3_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(one at a time; gemma3, Model, dir, false);
     same_on_two_ranks("random gemma3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    same_as_an_image_and_text_folder(dir, &single);
+}
+
+/// The Gemma 3 model in `dir`, stored as an image-and-text folder stores its text model (under
+/// each of the two prefixes HF has written, beside an image tower's tensor, `text_config`
+/// leaving out the fields whose values are HF's defaults): the same tokens and logits, bit for
+/// bit, as the text-only folder gave (`single`).
+fn same_as_an_image_and_text_folder(dir: &Path, single: &Run) {
+    let text_config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let mut text_config = text_config.as_object().unwrap().clone();
+    for default in
+        ["rope_local_base_freq", "rms_norm_eps", "hidden_activation", "attention_bias", "tie_word_embeddings"]
+    {
+        assert!(text_config.remove(default).is_some(), "{default}");
+    }
+    let config = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": text_config, "vision_config": {"hidden_size": 8}, "eos_token_id": 0,
+    });
+    for (model, head) in
+        [("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head.")]
+    {
+        let tmp = tempfile::tempdir().unwrap();
+        let folder = tmp.path();
+        std::fs::copy(dir.join("tokenizer.json"), folder.join("tokenizer.json")).unwrap();
+        std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = gridlm_reference::TinyModel::gemma3()
+            .tensors()
+            .into_iter()
+            .map(|(name, shape, v)| {
+                let name = match (name.strip_prefix("model."), name.strip_prefix("lm_head.")) {
+                    (Some(rest), _) => format!("{model}{rest}"),
+                    (_, Some(rest)) => format!("{head}{rest}"),
+                    _ => name,
+                };
+                (name, shape, v)
+            })
+            .collect();
+        tensors.push((
+            "vision_tower.vision_model.embeddings.patch_embedding.weight".into(),
+            vec![8, 4],
+            vec![0.5; 32],
+        ));
+        gridlm_reference::write_safetensors(&folder.join("model.safetensors"), &tensors);
+        let run = generate(folder, &TINY_PROMPT);
+        assert_eq!(run.token_ids, single.token_ids, "image-and-text folder, {model}: greedy tokens differ");
+        assert_eq!(run.logits, single.logits, "image-and-text folder, {model}: logits differ");
+    }
 }
 
 /// SmolLM3's unrotated (NoPE) layer among rotated ones, against candle's `smollm3`; split over
