@@ -17,6 +17,7 @@ pub const SHAPES: &[&str] = &[
     "qwen3-0.6b",
     "gemma2-2b",
     "gemma3-1b",
+    "gemma3-4b",
     "llama-3.2-1b",
     "smollm3-3b",
     "llama-2-7b",
@@ -34,6 +35,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "qwen3-0.6b" => (Arch::Qwen3, 1024, 3072, 28, 16, 8, 128, 151936, true, 1000000.0, 40960),
         "gemma2-2b" => (Arch::Gemma2, 2304, 9216, 26, 8, 4, 256, 256000, true, 10000.0, 8192),
         "gemma3-1b" => (Arch::Gemma3, 1152, 6912, 26, 4, 1, 256, 262144, true, 1000000.0, 32768),
+        "gemma3-4b" => (Arch::Gemma3, 2560, 10240, 34, 8, 4, 256, 262208, true, 1000000.0, 131072),
         "llama-3.2-1b" => (Arch::Llama, 2048, 8192, 16, 32, 8, 64, 128256, true, 500000.0, 131072),
         "smollm3-3b" => (Arch::SmolLM3, 2048, 11008, 36, 16, 4, 128, 128256, true, 5000000.0, 65536),
         "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 128, 32000, false, 10000.0, 4096),
@@ -43,16 +45,22 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
             return Err(Error::Input(format!("unknown --shape `{other}` (known: {})", SHAPES.join(", "))));
         }
     };
-    let rope_scaling = (name == "llama-3.2-1b").then_some(RopeScaling::Llama3 {
-        factor: 32.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position_embeddings: 8192.0,
-    });
+    let rope_scaling = match name {
+        "llama-3.2-1b" => Some(RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        }),
+        // Gemma 3 4B's global layers.
+        "gemma3-4b" => Some(RopeScaling::Linear { factor: 8.0 }),
+        _ => None,
+    };
     let (gemma2, gemma3) = (arch == Arch::Gemma2, arch == Arch::Gemma3);
     let gemma = gemma2 || gemma3;
     // Gemma 2 2B: every other layer local, 4096 positions, soft caps of 50 (attention) and 30
-    // (logits). Gemma 3 1B: five of every six layers local, 512 positions, their own RoPE base.
+    // (logits). Gemma 3 1B (4B): five of every six layers local, 512 (1024) positions, their own
+    // RoPE base.
     let pattern = if gemma2 { 2 } else { 6 };
     Ok(ModelConfig {
         arch,
@@ -70,7 +78,11 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2,
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
-        sliding_window: gemma.then_some(if gemma2 { 4096 } else { 512 }),
+        sliding_window: gemma.then_some(match name {
+            "gemma2-2b" => 4096,
+            "gemma3-4b" => 1024,
+            _ => 512,
+        }),
         local_layers: gemma.then(|| (0..l).map(|i| (i + 1) % pattern != 0).collect()),
         rope_local_theta: gemma3.then_some(10000.0),
         // SmolLM3 3B: every fourth layer unrotated.
