@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
-    chat_template: Option<String>,
+    /// The chat template and the file it was read from.
+    chat_template: Option<(String, PathBuf)>,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -39,7 +40,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             path,
-            chat_template: cfg.get("chat_template").and_then(|v| v.as_str()).map(String::from),
+            chat_template: chat_template(dir, &cfg, &cfg_path)?,
             bos_token: token_str(cfg.get("bos_token")),
             eos_token: token_str(cfg.get("eos_token")),
         })
@@ -71,11 +72,12 @@ impl Tokenizer {
 
     /// The prompt as one user message through the model's chat template, ready for generation.
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
-        let cfg_path = self.path.with_file_name("tokenizer_config.json");
-        let tpl = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| Error::file(&cfg_path, "no `chat_template`: --chat needs one"))?;
+        let (tpl, tpl_path) = self.chat_template.as_ref().ok_or_else(|| {
+            let cfg_path = self.path.with_file_name("tokenizer_config.json");
+            let msg =
+                "no `chat_template` here, in chat_template.jinja or in chat_template.json: --chat needs one";
+            Error::file(&cfg_path, msg)
+        })?;
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -93,7 +95,7 @@ impl Tokenizer {
             })?;
             Ok(out)
         });
-        let bad = |e: minijinja::Error| Error::file(&cfg_path, format!("chat_template: {e}"));
+        let bad = |e: minijinja::Error| Error::file(tpl_path, format!("chat_template: {e}"));
         env.add_template("chat", tpl).map_err(bad)?;
         let t = env.get_template("chat").map_err(bad)?;
         t.render(minijinja::context! {
@@ -104,6 +106,37 @@ impl Tokenizer {
         })
         .map_err(bad)
     }
+}
+
+/// The folder's chat template, where HF looks for it: `chat_template.jinja`, then
+/// `chat_template.json` (`{"chat_template": ...}`), then `chat_template` in tokenizer_config.json
+/// (`cfg`, read from `cfg_path`), a string or a list of named templates (the one named
+/// `default`).
+fn chat_template(dir: &Path, cfg: &serde_json::Value, cfg_path: &Path) -> Result<Option<(String, PathBuf)>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        let text = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+        return Ok(Some((text, jinja)));
+    }
+    // A template given as a string, or as a list of {name, template}.
+    let template = |v: &serde_json::Value| match v {
+        serde_json::Value::String(t) => Some(t.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(String::from)),
+        _ => None,
+    };
+    let json = dir.join("chat_template.json");
+    if json.exists() {
+        let text = std::fs::read_to_string(&json).map_err(|e| Error::io(&json, e))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::file(&json, format!("invalid JSON: {e}")))?;
+        let t = v.get("chat_template").and_then(template);
+        let t = t.ok_or_else(|| Error::file(&json, "no `chat_template` string (or one named `default`)"))?;
+        return Ok(Some((t, json)));
+    }
+    Ok(cfg.get("chat_template").and_then(template).map(|t| (t, cfg_path.to_path_buf())))
 }
 
 /// Incremental detokenizer: emits text only once it forms whole characters, re-decoding a
@@ -161,6 +194,31 @@ mod tests {
         let cfg = serde_json::json!({"chat_template": template, "bos_token": "<bos>", "eos_token": "<eos>"});
         std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
         Tokenizer::from_dir(dir).unwrap()
+    }
+
+    /// The template is found where HF finds it: chat_template.jinja before chat_template.json
+    /// before tokenizer_config.json, whose template may be a list of named ones.
+    #[test]
+    fn chat_templates_are_found_where_hf_looks() {
+        let dir = tempfile::tempdir().unwrap();
+        let named = serde_json::json!([{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "list"}]);
+        tokenizer_with(dir.path(), ""); // the vocabulary's files
+        let cfg = serde_json::json!({"chat_template": named, "bos_token": "<bos>"});
+        std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let render = || Tokenizer::from_dir(dir.path()).unwrap().apply_chat_template("x").unwrap();
+        assert_eq!(render(), "list");
+        std::fs::write(dir.path().join("chat_template.json"), r#"{"chat_template": "json"}"#).unwrap();
+        assert_eq!(render(), "json");
+        std::fs::write(dir.path().join("chat_template.jinja"), "jinja {{ bos_token }}").unwrap();
+        assert_eq!(render(), "jinja <bos>");
+        // A broken template names the file it came from.
+        std::fs::write(dir.path().join("chat_template.jinja"), "{% if %}").unwrap();
+        let e = Tokenizer::from_dir(dir.path()).unwrap().apply_chat_template("x").unwrap_err().to_string();
+        assert!(e.contains("chat_template.jinja") && e.contains("chat_template:"), "{e}");
+        std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
+        std::fs::write(dir.path().join("chat_template.json"), r#"{"template": "json"}"#).unwrap();
+        let e = Tokenizer::from_dir(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("chat_template.json") && e.contains("no `chat_template` string"), "{e}");
     }
 
     /// A chat template written with the constructs Gemma 3's uses (the system message folded
