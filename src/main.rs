@@ -159,7 +159,7 @@ struct GenerateArgs {
     #[arg(long)]
     prompt: Option<String>,
     /// A file of prompts generated together: one per line (`\n` for a newline), or JSONL
-    /// objects with `prompt` and optional `id`, `max_tokens`, `ignore_eos`, `chat`, `stop`,
+    /// objects with `prompt` and optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`, `stop`,
     /// `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`. `-` reads
     /// standard input.
     #[arg(long)]
@@ -167,6 +167,9 @@ struct GenerateArgs {
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// A system message before the prompt in the chat template (with --chat).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     /// Maximum number of new tokens.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -956,6 +959,7 @@ fn prepare_prompts(
         max_tokens: a.max_tokens,
         ignore_eos: a.ignore_eos,
         chat: a.chat,
+        system: a.system.clone(),
         stop: a.stop.clone(),
         params: params.clone(),
     };
@@ -967,7 +971,11 @@ fn prepare_prompts(
     specs
         .into_iter()
         .map(|spec| {
-            let text = if spec.chat { tok.apply_chat_template(&spec.text)? } else { spec.text.clone() };
+            let text = if spec.chat {
+                tok.apply_chat_template(spec.system.as_deref(), &spec.text)?
+            } else {
+                spec.text.clone()
+            };
             let ids = tok.encode(&text, !spec.chat)?;
             Ok(Prepared { spec, ids })
         })

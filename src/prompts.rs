@@ -14,6 +14,8 @@ pub struct Defaults {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub chat: bool,
+    /// A system message before the prompt in the chat template (with `chat` only).
+    pub system: Option<String>,
     pub stop: Vec<String>,
     pub params: SamplingParams,
 }
@@ -29,17 +31,19 @@ pub struct PromptSpec {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub chat: bool,
+    pub system: Option<String>,
     pub stop: Vec<String>,
     pub params: SamplingParams,
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 12] = [
+const KEYS: [&str; 13] = [
     "prompt",
     "id",
     "max_tokens",
     "ignore_eos",
     "chat",
+    "system",
     "stop",
     "temperature",
     "top_k",
@@ -82,6 +86,7 @@ impl Defaults {
             max_tokens: self.max_tokens,
             ignore_eos: self.ignore_eos,
             chat: self.chat,
+            system: self.system.clone(),
             stop: self.stop.clone(),
             params,
         }
@@ -90,7 +95,7 @@ impl Defaults {
 
 /// Reads a prompts file. JSONL when the name ends in `.jsonl` or the first non-blank line starts
 /// with `{`: each non-blank line is an object with `prompt` and optional `id`, `max_tokens`,
-/// `ignore_eos`, `chat`, `stop` (string or list), `temperature`, `top_k`, `top_p`, `min_p`,
+/// `ignore_eos`, `chat`, `system`, `stop` (string or list), `temperature`, `top_k`, `top_p`, `min_p`,
 /// `repetition_penalty`, `seed`. Otherwise each non-blank line is a prompt, with `\n` and `\\`
 /// as escapes. The path `-` reads standard input (under mpirun, the first rank's, where the
 /// prompts are read). Errors name the file (or `stdin`) and line.
@@ -131,6 +136,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             s.max_tokens = field(&obj, "max_tokens")?.unwrap_or(s.max_tokens);
             s.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(s.ignore_eos);
             s.chat = field(&obj, "chat")?.unwrap_or(s.chat);
+            s.system = field(&obj, "system")?.or(s.system.take());
             match field::<Stop>(&obj, "stop")? {
                 Some(Stop::One(x)) => s.stop = vec![x],
                 Some(Stop::Many(x)) => s.stop = x,
@@ -150,6 +156,9 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         p.check().map_err(at)?;
         if s.stop.iter().any(String::is_empty) {
             return Err(at("a stop string is empty".into()));
+        }
+        if s.system.is_some() && !s.chat {
+            return Err(at("a system message needs `chat` (it goes into the chat template)".into()));
         }
         out.push(s);
     }
@@ -236,6 +245,7 @@ mod tests {
             max_tokens: 16,
             ignore_eos: false,
             chat: false,
+            system: None,
             stop: vec![],
             params: SamplingParams { seed: 100, ..Default::default() },
         }
@@ -273,5 +283,14 @@ mod tests {
         assert!(e.contains("p.jsonl:1:") && e.contains("temprature"), "{e}");
         std::fs::write(&jl, "\n\n").unwrap();
         assert!(read_prompts(&jl, &defaults()).unwrap_err().to_string().contains("no prompts"));
+
+        // A system message per line, or the default one; only with `chat`.
+        let chat = Defaults { chat: true, system: Some("be brief".into()), ..defaults() };
+        std::fs::write(&jl, "{\"prompt\":\"a\",\"system\":\"be kind\"}\n{\"prompt\":\"b\"}\n").unwrap();
+        let p = read_prompts(&jl, &chat).unwrap();
+        assert_eq!((p[0].system.as_deref(), p[1].system.as_deref()), (Some("be kind"), Some("be brief")));
+        std::fs::write(&jl, "{\"prompt\":\"a\",\"system\":\"be kind\",\"chat\":false}\n").unwrap();
+        let e = read_prompts(&jl, &chat).unwrap_err().to_string();
+        assert!(e.contains("p.jsonl:1:") && e.contains("a system message needs `chat`"), "{e}");
     }
 }

@@ -70,8 +70,9 @@ impl Tokenizer {
         self.eos_token.as_deref().and_then(|t| self.token_id(t))
     }
 
-    /// The prompt as one user message through the model's chat template, ready for generation.
-    pub fn apply_chat_template(&self, user: &str) -> Result<String> {
+    /// The prompt as one user message, after a system message if given, through the model's
+    /// chat template, ready for generation.
+    pub fn apply_chat_template(&self, system: Option<&str>, user: &str) -> Result<String> {
         let (tpl, tpl_path) = self.chat_template.as_ref().ok_or_else(|| {
             let cfg_path = self.path.with_file_name("tokenizer_config.json");
             let msg =
@@ -99,7 +100,11 @@ impl Tokenizer {
         env.add_template("chat", tpl).map_err(bad)?;
         let t = env.get_template("chat").map_err(bad)?;
         t.render(minijinja::context! {
-            messages => vec![minijinja::context! { role => "user", content => user }],
+            messages => system
+                .map(|s| minijinja::context! { role => "system", content => s })
+                .into_iter()
+                .chain([minijinja::context! { role => "user", content => user }])
+                .collect::<Vec<_>>(),
             add_generation_prompt => true,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -176,9 +181,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = r#"{% if strftime_now is defined %}{{ strftime_now("%Y-%m-%d") }}{% endif %}"#;
         let t = tokenizer_with(dir.path(), template);
-        assert_eq!(t.apply_chat_template("x").unwrap(), chrono::Local::now().format("%Y-%m-%d").to_string());
+        assert_eq!(
+            t.apply_chat_template(None, "x").unwrap(),
+            chrono::Local::now().format("%Y-%m-%d").to_string()
+        );
         let t = tokenizer_with(dir.path(), r#"{{ strftime_now("%Q") }}"#);
-        let e = t.apply_chat_template("x").unwrap_err().to_string();
+        let e = t.apply_chat_template(None, "x").unwrap_err().to_string();
         assert!(e.contains("`%Q` is not a date format"), "{e}");
     }
 
@@ -205,7 +213,7 @@ mod tests {
         tokenizer_with(dir.path(), ""); // the vocabulary's files
         let cfg = serde_json::json!({"chat_template": named, "bos_token": "<bos>"});
         std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
-        let render = || Tokenizer::from_dir(dir.path()).unwrap().apply_chat_template("x").unwrap();
+        let render = || Tokenizer::from_dir(dir.path()).unwrap().apply_chat_template(None, "x").unwrap();
         assert_eq!(render(), "list");
         std::fs::write(dir.path().join("chat_template.json"), r#"{"chat_template": "json"}"#).unwrap();
         assert_eq!(render(), "json");
@@ -213,7 +221,8 @@ mod tests {
         assert_eq!(render(), "jinja <bos>");
         // A broken template names the file it came from.
         std::fs::write(dir.path().join("chat_template.jinja"), "{% if %}").unwrap();
-        let e = Tokenizer::from_dir(dir.path()).unwrap().apply_chat_template("x").unwrap_err().to_string();
+        let e =
+            Tokenizer::from_dir(dir.path()).unwrap().apply_chat_template(None, "x").unwrap_err().to_string();
         assert!(e.contains("chat_template.jinja") && e.contains("chat_template:"), "{e}");
         std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
         std::fs::write(dir.path().join("chat_template.json"), r#"{"template": "json"}"#).unwrap();
@@ -246,8 +255,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let t = tokenizer_with(dir.path(), template);
         assert_eq!(
-            t.apply_chat_template("  Why is the sky blue? ").unwrap(),
+            t.apply_chat_template(None, "  Why is the sky blue? ").unwrap(),
             "<bos><start_of_turn>user\nWhy is the sky blue?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        // A system message goes where the template puts it: here, into the first user turn.
+        assert_eq!(
+            t.apply_chat_template(Some("Be brief."), "Why?").unwrap(),
+            "<bos><start_of_turn>user\nBe brief.\n\nWhy?<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(t.eos_id(), Some(1));
     }

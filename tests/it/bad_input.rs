@@ -116,6 +116,13 @@ fn corrupt_tokenizer() {
 }
 
 #[test]
+fn system_message_without_chat() {
+    let (_t, dir) = tiny_llama();
+    let out = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t1", "--system", "be brief"]);
+    assert_one_line_error(&out, &["--chat"]);
+}
+
+#[test]
 fn chat_without_template() {
     let (_t, dir) = tiny_llama();
     let out = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t1", "--chat"]);
