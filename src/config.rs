@@ -236,10 +236,10 @@ impl ModelConfig {
             ("final_logit_softcapping", raw.final_logit_softcapping),
         ]
         .map(|(name, cap)| match cap.filter(|_| gemma23) {
-            Some(c) if !(c.is_finite() && c > 0.0) => {
-                Err(bad(format!("{name} {c} must be a finite positive number, or null")))
+            Some(c) => {
+                finite_positive(name, c).map(|c| Some(c as f32)).map_err(|e| bad(format!("{e}, or null")))
             }
-            c => Ok(c.map(|c| c as f32)),
+            None => Ok(None),
         });
         let (attn_softcap, final_softcap) = (attn_softcap?, final_softcap?);
         // Biases these families would carry on o_proj and the FFN's matrices, which gridlm does
@@ -302,10 +302,7 @@ impl ModelConfig {
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(bad(format!("rms_norm_eps {eps} must be a finite number, not negative")));
         }
-        let rope_theta = raw.rope_theta.unwrap_or(10000.0);
-        if !(rope_theta.is_finite() && rope_theta > 0.0) {
-            return Err(bad(format!("rope_theta {rope_theta} must be a finite positive number")));
-        }
+        let rope_theta = finite_positive("rope_theta", raw.rope_theta.unwrap_or(10000.0)).map_err(bad)?;
         let rope_scaling = match &raw.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
@@ -314,18 +311,16 @@ impl ModelConfig {
             (Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3, Some(true)) => {
                 return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
-            (Arch::Mistral | Arch::Phi3, _) if raw.sliding_window == Some(0) => {
+            (Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3, _)
+                if raw.sliding_window == Some(0) =>
+            {
                 return Err(bad(
                     "sliding_window is 0 (expected a positive number of positions, or null)".into()
                 ));
             }
             (Arch::Mistral | Arch::Phi3, _) => raw.sliding_window,
-            (Arch::Gemma2 | Arch::Gemma3, _) => match raw.sliding_window {
-                Some(0) => {
-                    return Err(bad("sliding_window is 0 (expected a positive number of positions)".into()))
-                }
-                w => Some(w.unwrap_or(4096)),
-            },
+            // Gemma's local layers always have a window: HF's default where none is given.
+            (Arch::Gemma2 | Arch::Gemma3, _) => Some(raw.sliding_window.unwrap_or(4096)),
             _ => None,
         };
         let local_layers = match arch {
@@ -337,24 +332,18 @@ impl ModelConfig {
         let no_rope_layers =
             if arch == Arch::SmolLM3 { Some(smollm3_no_rope_layers(&raw).map_err(bad)?) } else { None };
         let rope_local_theta = match arch {
-            Arch::Gemma3 => {
-                let t = raw.rope_local_base_freq.unwrap_or(10000.0);
-                if !(t.is_finite() && t > 0.0) {
-                    return Err(bad(format!("rope_local_base_freq {t} must be a finite positive number")));
-                }
-                Some(t)
-            }
+            Arch::Gemma3 => Some(
+                finite_positive("rope_local_base_freq", raw.rope_local_base_freq.unwrap_or(10000.0))
+                    .map_err(bad)?,
+            ),
             _ => None,
         };
-        let attn_scale = match (gemma23, raw.query_pre_attn_scalar) {
-            (true, s) => {
-                let s = s.unwrap_or(256.0);
-                if !(s.is_finite() && s > 0.0) {
-                    return Err(bad(format!("query_pre_attn_scalar {s} must be a finite positive number")));
-                }
-                (1.0 / s.sqrt()) as f32
-            }
-            _ => 1.0 / (head_dim as f32).sqrt(),
+        let attn_scale = if gemma23 {
+            let s = finite_positive("query_pre_attn_scalar", raw.query_pre_attn_scalar.unwrap_or(256.0))
+                .map_err(bad)?;
+            (1.0 / s.sqrt()) as f32
+        } else {
+            1.0 / (head_dim as f32).sqrt()
         };
         let eos_token_ids = token_ids(&raw.eos_token_id);
         Ok(ModelConfig {
@@ -542,6 +531,15 @@ fn gemma_local_layers(raw: &HfConfig, pattern: usize) -> std::result::Result<Vec
     layer_flags(raw.num_hidden_layers, ("layer_types", &raw.layer_types), flag, every, false)
 }
 
+/// `x`, if it is a finite positive number; else the error naming the field `name`.
+fn finite_positive(name: &str, x: f64) -> std::result::Result<f64, String> {
+    if x.is_finite() && x > 0.0 {
+        Ok(x)
+    } else {
+        Err(format!("{name} {x} must be a finite positive number"))
+    }
+}
+
 fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling, String> {
     let kind = v
         .get("rope_type")
@@ -695,6 +693,7 @@ mod tests {
             (r#""layer_types":["full_attention"]"#, "layer_types has 1 entries for 2 layers"),
             (r#""layer_types":["full_attention","chunked"]"#, "layer_types holds `chunked`"),
             (r#""sliding_window_pattern":0"#, "sliding_window_pattern is 0"),
+            (r#""sliding_window":0"#, "sliding_window is 0"),
             (r#""hidden_activation":"gelu""#, "unsupported hidden activation `gelu`"),
             (r#""use_bidirectional_attention":true"#, "use_bidirectional_attention = true"),
         ];

@@ -614,7 +614,7 @@ impl Shard {
         for (lay, &window) in s.layouts.iter_mut().zip(&self.windows) {
             lay.window = window;
             lay.splits.clear();
-            let (mut n_items, mut slots, mut n_split, mut lay_room) = (0, 0, 0, 0);
+            let (mut n_items, mut slots, mut lay_room) = (0, 0, 0);
             for &b in &s.blocks {
                 let tiles = key_tiles(key_pages(&s.tokens, window, b)).len();
                 let parts = if b.1 == 1 { parts.min(tiles) } else { 1 };
@@ -622,16 +622,14 @@ impl Shard {
                 n_items += nkv * parts;
                 if parts > 1 {
                     slots += nq * tiles;
-                    n_split += 1;
                     // Room for every tile the sequence can reach (its page table holds its
                     // whole length), so that its later steps allocate nothing as it grows.
                     lay_room += nq * tiles.max(tile_room(tables[s.tokens[b.0].0].len()));
                 }
             }
             lay.splits.push((n_items, slots));
-            (lay.n_items, lay.n_split) = (n_items, n_split);
             (n_slots, room) = (n_slots.max(slots), room.max(lay_room));
-            any_split |= n_split > 0;
+            any_split |= lay.any_split();
         }
         // Every kernel thread's buffers are sized for the largest attention item before the
         // first step runs, not grown by the items a thread happens to take: otherwise a thread
@@ -748,7 +746,7 @@ impl Shard {
             xo.copy_from_slice(unsafe { x_io.range(0, n * h) });
             for (li, l) in self.layers.iter().enumerate() {
                 let lay = &layouts[l.layout];
-                let n_items = lay.n_items;
+                let n_items = lay.n_items();
                 // Attention block.
                 kernels::rmsnorm(xo, &l.input_norm, cfg.rms_norm_eps, xn);
                 if n <= PREFETCH_TOKENS {
@@ -930,7 +928,7 @@ impl Shard {
                     }
                     true
                 };
-                let att_in: &[f32] = if lay.n_split == 0 {
+                let att_in: &[f32] = if !lay.any_split() {
                     unsafe { &*att.range(0, n * nq * hd) }
                 } else if replicate {
                     // Few rows (decode): every thread merges the split rows into its own copy,
@@ -1028,14 +1026,22 @@ impl Shard {
 }
 
 /// A step's attention items for the layers of one window: (first item, first stored tile
-/// state) of each block, one entry more than blocks (the totals), and the totals of items and
-/// of split blocks.
-#[derive(Default)]
+/// state) of each block, one entry more than blocks (the totals).
 struct Layout {
     window: Option<usize>,
     splits: Vec<(usize, usize)>,
-    n_items: usize,
-    n_split: usize,
+}
+
+impl Layout {
+    /// The step's attention items.
+    fn n_items(&self) -> usize {
+        self.splits.last().map_or(0, |s| s.0)
+    }
+
+    /// Whether any block is split (only split blocks store tile states).
+    fn any_split(&self) -> bool {
+        self.splits.last().is_some_and(|s| s.1 > 0)
+    }
 }
 
 /// Working buffers for one forward pass, grown when a longer chunk arrives (prefill) and
@@ -1084,11 +1090,8 @@ impl Scratch {
         self.tok_cap = n;
         self.tokens = Vec::with_capacity(n);
         self.blocks = Vec::with_capacity(n);
-        self.layouts = m
-            .windows
-            .iter()
-            .map(|&window| Layout { window, splits: Vec::with_capacity(n + 1), ..Layout::default() })
-            .collect();
+        self.layouts =
+            m.windows.iter().map(|&window| Layout { window, splits: Vec::with_capacity(n + 1) }).collect();
         self.xn = vec![0.0; n * cfg.hidden_size];
         self.qkv = vec![0.0; n * (nq + 2 * nkv) * hd];
         self.att = vec![0.0; n * nq * hd];

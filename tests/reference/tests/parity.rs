@@ -267,14 +267,15 @@ fn random_qwen3_matches_candle_on_one_and_two_ranks() {
     same_on_two_ranks("random qwen3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
-/// Gemma 3's text model against candle's `gemma3`: norms stored less one, sandwich norms,
-/// per-head q/k norms, GELU, the scaled embedding, and local layers (a window of 4 positions,
-/// shorter than the 7-token prompt, and their own RoPE base) beside a global one; the check
-/// fails with the window on every layer or on none. Split over two ranks by heads (one KV head
-/// each) and by layers (the first stage all local), the same tokens and logits within 1e-4 of
-/// the single rank; and stored as an image-and-text folder, the same bits. candle 0.9's Gemma 3 takes its prompt one token at a time (a longer chunk
-/// fails in its KV cache: "slice-set only supports contiguous tensors"), so its windows are
-/// those of its decode steps: the newest 4 positions, as in HF's Gemma 3.
+/// Gemma 3's text model against candle's `gemma3`: norms stored less one, sandwich norms, per-head
+/// q/k norms, GELU, the scaled embedding, and local layers (a window of 4 positions, shorter than
+/// the 7-token prompt, and their own RoPE base) beside a global one; the check fails with the
+/// window on every layer or on none. Split over two ranks by heads (one KV head each) and by layers
+/// (the first stage all local), the same tokens and logits within 1e-4 of the single rank; and
+/// stored as an image-and-text folder, the same bits. candle 0.9's Gemma 3 takes its prompt one
+/// token at a time (a longer chunk fails in its KV cache: "slice-set only supports contiguous
+/// tensors"), so its windows are those of its decode steps: the newest 4 positions, as in HF's
+/// Gemma 3.
 #[test]
 fn random_gemma3_matches_candle_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
