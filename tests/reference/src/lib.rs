@@ -168,9 +168,12 @@ fn run_once(cmd: &mut Command, secs: u64) -> std::process::Output {
     std::process::Output { status, stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap() }
 }
 
+/// The largest |a − b|; infinite where either holds a NaN or an infinity (which `f32::max`
+/// would pass over), so that no comparison against a tolerance passes on them.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "logit vectors differ in length");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    let d = |(x, y): (&f32, &f32)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY };
+    a.iter().zip(b).map(d).fold(0.0, f32::max)
 }
 
 /// Index of the largest value (lowest index on ties).
