@@ -14,6 +14,8 @@ pub struct RankReport {
     pub weight_bytes: u64,
     pub rss_bytes: u64,
     pub weight_rss_bytes: u64,
+    /// Weight bytes a decode step reads on this rank (of a mixture of experts, those its
+    /// tokens are expected to choose: see `ModelConfig::ffn_params_read`).
     pub bytes_per_token: u64,
     /// Keys and values of one position on this rank (all its layers and KV heads, in the KV
     /// cache's dtype): what attention reads per position a token sees.
@@ -448,14 +450,16 @@ pub fn percentile(v: &[f64], q: f64) -> f64 {
 }
 
 /// Floating-point operations of a prefill of `n` tokens over the whole model: every Linear
-/// (2 flops per weight per token), attention scores and weighted sums over the (query, key)
+/// (2 flops per weight per token; of a mixture of experts, the router and the experts a token
+/// chooses), attention scores and weighted sums over the (query, key)
 /// pairs each layer's window lets through (the causal triangle for a global layer), and the
 /// output head for the last position only.
 pub fn prefill_flops(cfg: &ModelConfig, n: usize) -> f64 {
-    let (h, ff) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
+    let h = cfg.hidden_size as f64;
     let (qd, kvd) = (cfg.q_dim() as f64, cfg.kv_dim() as f64);
-    let per_layer_weights = h * (qd + 2.0 * kvd) + qd * h + 3.0 * h * ff;
-    let linear = 2.0 * per_layer_weights * n as f64 * cfg.n_layers as f64;
+    let attention_weights = h * (qd + 2.0 * kvd) + qd * h;
+    let ffn_weights: f64 = (0..cfg.n_layers).map(|i| cfg.ffn_params_per_token(i)).sum();
+    let linear = 2.0 * (attention_weights * cfg.n_layers as f64 + ffn_weights) * n as f64;
     // Position `p` sees `min(p + 1, window)` keys.
     let pairs = |w: Option<usize>| (0..n).map(|p| (p + 1).min(w.unwrap_or(usize::MAX))).sum::<usize>() as f64;
     let attention: f64 = (0..cfg.n_layers).map(|i| 2.0 * 2.0 * qd * pairs(cfg.layer_window(i))).sum();

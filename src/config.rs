@@ -24,6 +24,10 @@ pub enum Arch {
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
+    /// Qwen3 with mixture-of-experts FFNs (`qwen3_moe`).
+    Qwen3Moe,
+    /// Mistral with mixture-of-experts FFNs (`mixtral`).
+    Mixtral,
 }
 
 impl Arch {
@@ -38,6 +42,8 @@ impl Arch {
             Arch::Gemma => "gemma",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Mixtral => "mixtral",
         }
     }
 }
@@ -51,6 +57,31 @@ pub enum LayerRope {
     Local,
     /// Not at all (SmolLM3's NoPE layers).
     None,
+}
+
+/// A mixture-of-experts FFN (Qwen3-MoE, Mixtral): a router (a Linear of `experts` rows)
+/// scores each token, softmax over all experts; the token's `per_token` best go through
+/// their own gate/up/down FFN of `expert_ffn` columns, weighted by their softmax shares
+/// (renormalized to sum to one over the chosen when `norm_topk`), and summed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moe {
+    pub experts: usize,
+    pub per_token: usize,
+    pub expert_ffn: usize,
+    pub norm_topk: bool,
+    /// Which layers route through experts; the others have a dense FFN of
+    /// `intermediate_size` columns (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
+    pub sparse: Vec<bool>,
+}
+
+impl Moe {
+    /// The distinct experts a step's `tokens` tokens choose, expected when each chooses its
+    /// own at random: `experts · (1 − (1 − per_token/experts)^tokens)` (`per_token` for one).
+    /// A trained router's choices are not uniform, so a real step may choose fewer.
+    pub fn expected_experts(&self, tokens: usize) -> f64 {
+        let (e, k) = (self.experts as f64, self.per_token as f64);
+        e * (1.0 - (1.0 - k / e).powi(tokens.max(1) as i32))
+    }
 }
 
 /// How RoPE frequencies are scaled for long context.
@@ -108,12 +139,15 @@ pub struct ModelConfig {
     /// (Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`).
     pub attn_softcap: Option<f32>,
     pub final_softcap: Option<f32>,
+    /// Mixture-of-experts FFNs (Qwen3-MoE, Mixtral); `None`: every FFN dense.
+    pub moe: Option<Moe>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text";
+const MODEL_TYPES: &str =
+    "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, qwen3_moe, mixtral";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -147,6 +181,14 @@ struct HfConfig {
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
     use_bidirectional_attention: Option<bool>,
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    shared_expert_intermediate_size: Option<usize>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
 }
@@ -206,6 +248,8 @@ impl ModelConfig {
             "gemma" => Arch::Gemma,
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "mixtral" => Arch::Mixtral,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -308,17 +352,17 @@ impl ModelConfig {
             Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
         };
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3, Some(true)) => {
+            (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::SmolLM3, Some(true)) => {
                 return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
-            (Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3, _)
+            (Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3, _)
                 if raw.sliding_window == Some(0) =>
             {
                 return Err(bad(
                     "sliding_window is 0 (expected a positive number of positions, or null)".into()
                 ));
             }
-            (Arch::Mistral | Arch::Phi3, _) => raw.sliding_window,
+            (Arch::Mistral | Arch::Mixtral | Arch::Phi3, _) => raw.sliding_window,
             // Gemma's local layers always have a window: HF's default where none is given.
             (Arch::Gemma2 | Arch::Gemma3, _) => Some(raw.sliding_window.unwrap_or(4096)),
             _ => None,
@@ -345,6 +389,7 @@ impl ModelConfig {
         } else {
             1.0 / (head_dim as f32).sqrt()
         };
+        let moe = moe(arch, &raw).map_err(bad)?;
         let eos_token_ids = token_ids(&raw.eos_token_id);
         Ok(ModelConfig {
             arch,
@@ -363,7 +408,7 @@ impl ModelConfig {
             // Gemma's folders leave it out), untied for the others.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             sliding_window,
             local_layers,
             rope_local_theta,
@@ -375,6 +420,7 @@ impl ModelConfig {
             attn_scale,
             attn_softcap,
             final_softcap,
+            moe,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids,
         })
@@ -443,6 +489,36 @@ impl ModelConfig {
                 }
             })
             .collect()
+    }
+
+    /// Whether layer `i`'s FFN routes through experts.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse[i])
+    }
+
+    /// Weights of layer `i`'s FFN: gate, up and down of every expert (and the router), or
+    /// of its dense FFN.
+    pub fn ffn_params(&self, i: usize) -> f64 {
+        let h = self.hidden_size as f64;
+        match self.moe.as_ref().filter(|m| m.sparse[i]) {
+            Some(m) => (3 * m.expert_ffn * m.experts + m.experts) as f64 * h,
+            None => 3.0 * h * self.intermediate_size as f64,
+        }
+    }
+
+    /// Weights of layer `i`'s FFN a step of `tokens` tokens reads: the router and, of a sparse
+    /// layer, the experts its tokens choose ([`Moe::expected_experts`]).
+    pub fn ffn_params_read(&self, i: usize, tokens: usize) -> f64 {
+        let h = self.hidden_size as f64;
+        match self.moe.as_ref().filter(|m| m.sparse[i]) {
+            Some(m) => (3.0 * m.expert_ffn as f64 * m.expected_experts(tokens) + m.experts as f64) * h,
+            None => self.ffn_params(i),
+        }
+    }
+
+    /// Weights of layer `i`'s FFN one token multiplies by (its flops are twice this).
+    pub fn ffn_params_per_token(&self, i: usize) -> f64 {
+        self.ffn_params_read(i, 1)
     }
 
     pub fn q_dim(&self) -> usize {
@@ -529,6 +605,55 @@ fn gemma_local_layers(raw: &HfConfig, pattern: usize) -> std::result::Result<Vec
     };
     let every = ("sliding_window_pattern", raw.sliding_window_pattern, pattern);
     layer_flags(raw.num_hidden_layers, ("layer_types", &raw.layer_types), flag, every, false)
+}
+
+/// The experts of a `qwen3_moe` or `mixtral` config, with HF's defaults (Qwen3MoeConfig's,
+/// MixtralConfig's) for the fields it leaves out; `None` for the other families.
+fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
+    let n = raw.num_hidden_layers;
+    let moe = match arch {
+        Arch::Qwen3Moe => {
+            let only = raw.mlp_only_layers.clone().unwrap_or_default();
+            if let Some(&l) = only.iter().find(|&&l| l >= n) {
+                return Err(format!("mlp_only_layers names layer {l} of {n}"));
+            }
+            let step = raw.decoder_sparse_step.unwrap_or(1);
+            if step == 0 {
+                return Err("decoder_sparse_step is 0 (expected a positive number of layers)".into());
+            }
+            Moe {
+                experts: raw.num_experts.unwrap_or(128),
+                per_token: raw.num_experts_per_tok.unwrap_or(8),
+                expert_ffn: raw.moe_intermediate_size.unwrap_or(768),
+                norm_topk: raw.norm_topk_prob.unwrap_or(false),
+                sparse: (0..n).map(|i| !only.contains(&i) && (i + 1) % step == 0).collect(),
+            }
+        }
+        Arch::Mixtral => Moe {
+            experts: raw.num_local_experts.unwrap_or(8),
+            per_token: raw.num_experts_per_tok.unwrap_or(2),
+            expert_ffn: raw.intermediate_size,
+            norm_topk: true,
+            sparse: vec![true; n],
+        },
+        _ => return Ok(None),
+    };
+    if raw.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
+        return Err("shared experts (shared_expert_intermediate_size) are not supported".into());
+    }
+    if moe.experts == 0 || moe.expert_ffn == 0 {
+        return Err(format!(
+            "{} experts of {} columns (expected positive numbers)",
+            moe.experts, moe.expert_ffn
+        ));
+    }
+    if !(1..=moe.experts).contains(&moe.per_token) {
+        return Err(format!(
+            "num_experts_per_tok {} (expected 1 to the {} experts)",
+            moe.per_token, moe.experts
+        ));
+    }
+    Ok(Some(moe))
 }
 
 /// `x`, if it is a finite positive number; else the error naming the field `name`.
@@ -649,6 +774,57 @@ mod tests {
         // The others have no head norms.
         assert!(!parse(BASE).unwrap().qk_norm);
         assert!(!parse(&BASE.replace("llama", "qwen2")).unwrap().qk_norm);
+    }
+
+    #[test]
+    fn mixtures_of_experts() {
+        // Qwen3-MoE: HF's defaults, every layer sparse.
+        let c = parse(&config("qwen3_moe", r#""head_dim":32"#)).unwrap();
+        let moe = c.moe.clone().unwrap();
+        assert_eq!((c.arch, c.qk_norm), (Arch::Qwen3Moe, true));
+        assert_eq!((moe.experts, moe.per_token, moe.expert_ffn, moe.norm_topk), (128, 8, 768, false));
+        assert_eq!(moe.sparse, vec![true, true]);
+        // Every second layer (decoder_sparse_step), but those named dense (mlp_only_layers).
+        let c = parse(&config(
+            "qwen3_moe",
+            r#""num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":32,"norm_topk_prob":true,
+               "decoder_sparse_step":2,"mlp_only_layers":[]"#,
+        ))
+        .unwrap();
+        assert_eq!(c.moe.as_ref().unwrap().sparse, vec![false, true]);
+        assert!(c.moe.as_ref().unwrap().norm_topk);
+        let c = parse(&config("qwen3_moe", r#""mlp_only_layers":[1]"#)).unwrap();
+        assert_eq!(c.moe.as_ref().unwrap().sparse, vec![true, false]);
+        // What a layer holds, reads and multiplies a token by: 128 experts' 3 × 64 × 768 and
+        // the router's 128 × 64; 8 experts for one token.
+        assert_eq!(c.ffn_params(0), (3 * 64 * 768 * 128 + 128 * 64) as f64);
+        assert_eq!(c.ffn_params_per_token(0), (3 * 64 * 768 * 8 + 128 * 64) as f64);
+        assert_eq!(c.ffn_params(1), (3 * 64 * 128) as f64);
+        assert!(c.ffn_params_read(0, 64) > 0.98 * c.ffn_params(0));
+        // Mixtral: experts as wide as intermediate_size, always renormalized, Mistral's window.
+        let c = parse(&config("mixtral", r#""sliding_window":4096"#)).unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!((c.arch, c.sliding_window, c.qk_norm), (Arch::Mixtral, Some(4096), false));
+        assert_eq!((moe.experts, moe.per_token, moe.expert_ffn, moe.norm_topk), (8, 2, 128, true));
+        let cases = [
+            (
+                "qwen3_moe",
+                r#""num_experts":4,"num_experts_per_tok":5"#,
+                "num_experts_per_tok 5 (expected 1 to the 4",
+            ),
+            ("mixtral", r#""num_experts_per_tok":0"#, "num_experts_per_tok 0"),
+            ("mixtral", r#""num_local_experts":0"#, "0 experts of 128 columns"),
+            ("qwen3_moe", r#""moe_intermediate_size":0"#, "128 experts of 0 columns"),
+            ("qwen3_moe", r#""decoder_sparse_step":0"#, "decoder_sparse_step is 0"),
+            ("qwen3_moe", r#""mlp_only_layers":[2]"#, "mlp_only_layers names layer 2 of 2"),
+            ("qwen3_moe", r#""shared_expert_intermediate_size":64"#, "shared experts"),
+            ("qwen2_moe", "", "unsupported model_type `qwen2_moe`"),
+        ];
+        for (model_type, extra, msg) in cases {
+            let e = parse(&config(model_type, extra).replace(",}", "}")).unwrap_err().to_string();
+            assert!(e.contains(msg), "{model_type} {extra}: {e}");
+        }
+        assert!(parse(BASE).unwrap().moe.is_none());
     }
 
     #[test]

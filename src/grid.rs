@@ -85,8 +85,10 @@ pub fn balanced_layers(cfg: &ModelConfig, pp: usize) -> Vec<usize> {
     if pp <= 1 {
         return vec![n];
     }
-    let (h, ff) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
-    let layer = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h + 3.0 * h * ff;
+    let h = cfg.hidden_size as f64;
+    // Of a mixture of experts, the router and the experts one token chooses.
+    let ffn = (0..n).map(|i| cfg.ffn_params_per_token(i)).sum::<f64>() / n as f64;
+    let layer = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h + ffn;
     let head = cfg.vocab_size as f64 * h / layer;
     let share = (n as f64 + head) / pp as f64;
     let last = ((share - head).round().max(1.0) as usize).min(n - (pp - 1));
@@ -111,6 +113,8 @@ pub struct ShardPlan {
     pub q_heads: Range<usize>,
     pub kv_heads: Range<usize>,
     pub ffn: Range<usize>,
+    /// Columns of each expert's FFN (mixture-of-experts layers; empty for dense models).
+    pub expert_ffn: Range<usize>,
     pub vocab: Range<usize>,
     pub first_stage: bool,
     pub last_stage: bool,
@@ -134,7 +138,15 @@ impl ShardPlan {
         }
         // FFN columns and vocabulary rows are split in blocks of `FFN_ALIGN`: every tp rank
         // needs at least one of each (a rank with none would hold empty products).
-        for (what, n) in [("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)] {
+        let expert_ffn = cfg.moe.as_ref().map_or(0, |m| m.expert_ffn);
+        for (what, n) in [
+            ("intermediate_size", cfg.intermediate_size),
+            ("vocab_size", cfg.vocab_size),
+            ("expert FFN size", expert_ffn),
+        ] {
+            if n == 0 {
+                continue; // no experts
+            }
             if n.div_ceil(FFN_ALIGN) < grid.tp {
                 return Err(Error::Input(format!(
                     "invalid grid: --tp {} leaves a tp rank nothing of the model's {what} {n} \
@@ -167,6 +179,7 @@ impl ShardPlan {
             q_heads,
             kv_heads,
             ffn: split_aligned(cfg.intermediate_size, grid.tp, t, FFN_ALIGN),
+            expert_ffn: split_aligned(expert_ffn, grid.tp, t, FFN_ALIGN),
             vocab: vocab_range(cfg.vocab_size, grid.tp, t),
             first_stage: grid.is_first_stage(),
             last_stage: grid.is_last_stage(),

@@ -363,7 +363,9 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "shape", required_unless_present_any = ["shape", "limits"])]
     model: Option<PathBuf>,
     /// A named model shape with seeded random weights, generated per shard (no files):
-    /// smollm2-135m, qwen2-0.5b, qwen3-0.6b, llama-3.2-1b, llama-2-7b, llama-3-8b, llama-2-70b.
+    /// smollm2-135m, qwen2-0.5b, qwen3-0.6b, gemma2-2b, gemma3-1b, gemma3-4b, llama-3.2-1b,
+    /// smollm3-3b, llama-2-7b, llama-3-8b, llama-2-70b, and the mixtures of experts
+    /// qwen3-30b-a3b and mixtral-8x7b.
     #[arg(long)]
     shape: Option<String>,
     /// Weight dtype: of a --shape model (default bf16); with --model, the checkpoint's
@@ -756,13 +758,15 @@ fn count_cpu_list(s: &str) -> Option<usize> {
 /// RSS growth while the rank loaded its shard; the current RSS is taken now. `profile` is where
 /// the rank's decode steps went: the engine's own since its last run began, or (bench with a
 /// baseline) since the last run of the side it reports on. `base_many`: the many-token way the
-/// baseline batch of `bench --compare-batch` ran under.
+/// baseline batch of `bench --compare-batch` ran under. `step_tokens`: the tokens of a decode
+/// step whose weight bytes each rank reports (more of a mixture's experts for more tokens).
 fn gather_rank_reports(
     link: &dyn Link,
     engine: &Engine,
     profile: StepProfile,
     weight_rss: usize,
     base_many: Option<(ManyFetch, PrefetchBy)>,
+    step_tokens: usize,
 ) -> Vec<RankReport> {
     let (grid, shard) = (engine.grid, &engine.shard);
     let t = profile.per_step_ms().map(f64::to_bits);
@@ -780,7 +784,7 @@ fn gather_rank_reports(
         shard.weight_bytes() as u64,
         host::rss_bytes() as u64,
         weight_rss as u64,
-        shard.bytes_per_token() as u64,
+        shard.bytes_per_step(step_tokens) as u64,
         (shard.kv_page_bytes(engine.kv_dtype()) / gridlm::model::PAGE) as u64,
         t[0],
         t[1],
@@ -1033,7 +1037,7 @@ fn run_generate(
 
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
-        gather_rank_reports(link, &engine, engine.profile(), weight_rss, None);
+        gather_rank_reports(link, &engine, engine.profile(), weight_rss, None, 1);
         return agree(link, Ok(()));
     };
     if let Some(id) = tok.eos_id() {
@@ -1071,7 +1075,8 @@ fn run_generate(
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let ranks = generate_rank_values(gather_rank_reports(link, &engine, engine.profile(), weight_rss, None));
+    let ranks =
+        generate_rank_values(gather_rank_reports(link, &engine, engine.profile(), weight_rss, None, 1));
     // The driver's verdict on the run (a lone prompt's own error included) reaches every rank,
     // so each says the same line and ends alone rather than being aborted by the launcher.
     let verdict = match &run {
@@ -1711,14 +1716,18 @@ fn run_bench(
         stolen_ms: (HEAD + 2 * runs..HEAD + 3 * runs).map(max).collect(),
         stolen_share: (HEAD + 3 * runs..HEAD + 4 * runs).map(max).collect(),
     };
-    // The spare weights' dtype and bytes a step (every rank's), then the report's resident
-    // memory without them.
-    let spare_weights = spare.take().map(|spare| {
+    // The baseline's weights (the spare ones, or the same) and bytes a step of its batch
+    // (every rank's; a mixture of experts reads more of them as a step has more tokens), then
+    // the report's resident memory without the spare weights.
+    let base_weights = comparing.then(|| {
+        let shard = spare.as_ref().map_or(&engine.shard, |spare| spare.shard());
         let mut all = vec![0u64; link.world_size()];
-        link.allgather_u64(&[spare.shard().bytes_per_token() as u64], &mut all);
-        (spare.shard().weight_dtype().to_string(), all.iter().sum::<u64>())
+        let base_tokens = base_batch.div_ceil(micro(base_batch));
+        link.allgather_u64(&[shard.bytes_per_step(base_tokens) as u64], &mut all);
+        (shard.weight_dtype().to_string(), all.iter().sum::<u64>())
     });
-    let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_many);
+    drop(spare.take());
+    let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_many, tokens_per_step);
     if !driver {
         return Ok(());
     }
@@ -1742,8 +1751,7 @@ fn run_bench(
     let prefill_gflops =
         a.work.batch as f64 * prefill_flops(&full_cfg, a.work.prompt_len) / (first_token_ms / 1e3) / 1e9;
     let baseline = comparing.then(|| {
-        let (weight_dtype, bytes_per_step) =
-            spare_weights.unwrap_or_else(|| (engine.shard.weight_dtype().to_string(), weight_bytes_per_step));
+        let (weight_dtype, bytes_per_step) = base_weights.unwrap_or_default();
         let weight_bytes_per_token = bytes_per_step * micro(base_batch) as u64 / base_batch as u64;
         let alternated = if stepwise { Alternated::Steps } else { Alternated::Runs };
         Baseline::new(

@@ -8,7 +8,9 @@
 //! * memory: the rank's weights (its layers' slice, the embedding or output head slice) plus
 //!   the KV cache of the batch at full length;
 //! * a decode step of a stage: max(bytes read ÷ bandwidth per rank, FLOPs ÷ peak per rank),
-//!   where bytes are the rank's weights plus its KV cache read by attention, and the socket's
+//!   where bytes are the rank's weights (of a mixture of experts, the routers and the experts
+//!   the step's tokens are expected to choose, `Moe::expected_experts`; FLOPs count those one
+//!   token chooses) plus its KV cache read by attention, and the socket's
 //!   peak is shared by the ranks on it (each has its cores). Its bandwidth is shared by the
 //!   ranks on it that read at the same time: all of them where a pipeline's stages overlap,
 //!   else only the stage's own (the stages take turns, and the others wait), each reading at
@@ -173,9 +175,13 @@ pub fn layouts(cfg: &ModelConfig, c: &Cluster, w: &Workload) -> Vec<Prediction> 
 /// The prediction for one layout.
 pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usize) -> Prediction {
     let ranks = pp * tp;
-    let (h, ff, hd) = (cfg.hidden_size as f64, cfg.intermediate_size as f64, cfg.head_dim as f64);
-    let layer_params = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h + 3.0 * h * ff;
+    let (h, hd) = (cfg.hidden_size as f64, cfg.head_dim as f64);
+    let attention_params = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h;
     let head_params = cfg.vocab_size as f64 * h;
+    // Weights one token multiplies by in the whole model (of a mixture of experts, the
+    // experts it chooses).
+    let active_params =
+        (0..cfg.n_layers).map(|i| attention_params + cfg.ffn_params_per_token(i)).sum::<f64>() + head_params;
     let split = balanced_layers(cfg, pp);
     let ctx = (w.prompt_len + w.new_tokens) as f64;
     let b = w.batch as f64;
@@ -190,11 +196,19 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
     let socket_peak = c.peak_for(w);
     for (s, &layers) in split.iter().enumerate() {
         let first = s * tp;
+        let start: usize = split[..s].iter().sum();
+        let stage_layers = start..start + layers;
         let layers = layers as f64;
-        let mut params = layers * layer_params / tp as f64;
-        if s == pp - 1 {
-            params += head_params / tp as f64;
-        }
+        let head = if s == pp - 1 { head_params / tp as f64 } else { 0.0 };
+        // Of the stage's weights a rank holds, reads in a step of `tokens` tokens (of a
+        // mixture of experts, those its tokens are expected to choose) and multiplies one
+        // token by.
+        let of_layers = |ffn: &dyn Fn(usize) -> f64| {
+            (layers * attention_params + stage_layers.clone().map(ffn).sum::<f64>()) / tp as f64 + head
+        };
+        let params = of_layers(&|i| cfg.ffn_params(i));
+        let read = |tokens: f64| of_layers(&|i| cfg.ffn_params_read(i, tokens.ceil() as usize));
+        let active = of_layers(&|i| cfg.ffn_params_per_token(i));
         // The first stage holds the embedding for lookups; one stage with tied embeddings
         // holds a single copy for lookups and the head.
         let embed =
@@ -211,8 +225,8 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
         crosses |= tp_crosses;
         // Decode step on `tokens` tokens per sequence-step, at full context.
         let step = |tokens: f64| {
-            let bytes = params * w.weight_bytes + kv * tokens / b.max(1.0);
-            let flops = 2.0 * params * tokens;
+            let bytes = read(tokens) * w.weight_bytes + kv * tokens / b.max(1.0);
+            let flops = 2.0 * active * tokens;
             let mut comm = 2.0 * layers * c.allreduce(first, tp, msg(tokens));
             if s == 0 {
                 comm += c.allreduce(first, tp, msg(tokens));
@@ -231,7 +245,7 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
         }
         // Prefill: the whole prompt of every sequence.
         let n = w.prompt_len as f64;
-        let share_of_model = params / (cfg.n_layers as f64 * layer_params + head_params);
+        let share_of_model = active / active_params;
         let flops = b * prefill_flops(cfg, w.prompt_len) * share_of_model.min(1.0);
         let p_comm = (2.0 * layers + (s == 0) as u8 as f64) * c.allreduce(first, tp, msg(n * b));
         prefill_s += (flops / peak).max(params * w.weight_bytes / bw) + p_comm;

@@ -23,6 +23,7 @@ use crate::weights::{DType, Mat, Source};
 pub use kv_cache::{KvPool, PAGE};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 struct Layer {
@@ -44,10 +45,66 @@ struct Layer {
     head_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Input columns of this rank's q heads.
     o_proj: PackedMat,
-    /// Rows: this rank's gate columns, then the same up columns.
-    gate_up: PackedMat,
-    /// Input columns of this rank's FFN range.
-    down: PackedMat,
+    ffn: Ffn,
+}
+
+/// A layer's FFN.
+enum Ffn {
+    Dense {
+        /// Rows: this rank's gate columns, then the same up columns.
+        gate_up: PackedMat,
+        /// Input columns of this rank's FFN range.
+        down: PackedMat,
+    },
+    /// A mixture of experts ([`crate::config::Moe`]), each expert split over the tp ranks as
+    /// a dense FFN is (its columns `ShardPlan::expert_ffn`).
+    Experts {
+        /// The router's rows, one per expert: the whole router on every rank (each routes
+        /// every token itself, so the ranks agree without a message), never quantized.
+        router: PackedMat,
+        /// Per expert, as `Dense`'s.
+        gate_up: Vec<PackedMat>,
+        down: Vec<PackedMat>,
+    },
+}
+
+impl Ffn {
+    /// Bytes of its matrices: the router's and, of the experts, `experts` of them (`None`:
+    /// all).
+    fn bytes(&self, experts: Option<f64>) -> f64 {
+        match self {
+            Ffn::Dense { gate_up, down } => (gate_up.bytes() + down.bytes()) as f64,
+            Ffn::Experts { router, gate_up, down } => {
+                let all: usize = gate_up.iter().chain(down).map(|m| m.bytes()).sum();
+                let share = experts.map_or(1.0, |x| x / gate_up.len() as f64);
+                router.bytes() as f64 + all as f64 * share
+            }
+        }
+    }
+
+    /// Its matrices in the order a one-token step runs them (of experts, the router and the
+    /// first `per_token`).
+    fn mats(&self, per_token: usize) -> Vec<&PackedMat> {
+        match self {
+            Ffn::Dense { gate_up, down } => vec![gate_up, down],
+            Ffn::Experts { router, gate_up, down } => std::iter::once(router)
+                .chain(gate_up.iter().zip(down).take(per_token).flat_map(|(a, b)| [a, b]))
+                .collect(),
+        }
+    }
+}
+
+/// Layer `i`'s router tensor and expert `e`'s gate, up and down tensors: Qwen3-MoE's
+/// `mlp.experts.E.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.experts.E.{w1,w3,w2}`.
+fn expert_names(cfg: &ModelConfig, i: usize, e: usize) -> [String; 4] {
+    let p = |s: &str| format!("model.layers.{i}.{s}");
+    if cfg.arch == Arch::Mixtral {
+        let x = |w: &str| p(&format!("block_sparse_moe.experts.{e}.{w}.weight"));
+        [p("block_sparse_moe.gate.weight"), x("w1"), x("w3"), x("w2")]
+    } else {
+        let x = |w: &str| p(&format!("mlp.experts.{e}.{w}_proj.weight"));
+        [p("mlp.gate.weight"), x("gate"), x("up"), x("down")]
+    }
 }
 
 impl Layer {
@@ -231,6 +288,158 @@ fn own_lens(m: &Shard, n: usize, split: bool) -> [usize; 3] {
 /// An attention item's query rows, its output rows and each row's key bounds.
 type TileRows = (Vec<f32>, Vec<f32>, Vec<(usize, usize)>);
 
+/// One step's routing of its tokens to experts, worked out by every kernel thread for itself
+/// (the same on each, so none waits for another's).
+#[derive(Default)]
+struct Routing {
+    /// Each token's chosen experts and their weights, in expert order.
+    choice: Vec<(usize, f32)>,
+    /// The rows of each expert's tokens in the step's expert-ordered rows: `starts[x]..
+    /// starts[x + 1]` (one entry more than experts).
+    starts: Vec<usize>,
+    /// The token of each expert-ordered row, and the row of each (token, choice).
+    token: Vec<usize>,
+    row: Vec<usize>,
+    /// Softmax shares of one token, and the next free row of each expert.
+    probs: Vec<f32>,
+    fill: Vec<usize>,
+}
+
+impl Routing {
+    /// Routes `n` tokens by their router `logits` (`[n, experts]`): softmax over all
+    /// experts, the `per_token` largest shares chosen (the lower index first among equal
+    /// ones), renormalized to sum to one if `norm`. Allocates only when `n` or the experts
+    /// grow past what it held before.
+    fn route(&mut self, logits: &[f32], n: usize, experts: usize, per_token: usize, norm: bool) {
+        let k = per_token;
+        self.choice.clear();
+        self.probs.resize(experts, 0.0);
+        for lg in logits.chunks_exact(experts).take(n) {
+            let max = lg.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            self.probs.iter_mut().zip(lg).for_each(|(p, &v)| *p = (v - max).exp());
+            let sum: f32 = self.probs.iter().sum();
+            let first = self.choice.len();
+            for _ in 0..k {
+                let (mut best, mut at) = (f32::NEG_INFINITY, 0);
+                for (x, &p) in self.probs.iter().enumerate() {
+                    if p > best {
+                        (best, at) = (p, x);
+                    }
+                }
+                self.choice.push((at, best / sum));
+                self.probs[at] = f32::NEG_INFINITY;
+            }
+            let chosen = &mut self.choice[first..];
+            if norm {
+                let total: f32 = chosen.iter().map(|c| c.1).sum();
+                chosen.iter_mut().for_each(|c| c.1 /= total);
+            }
+            chosen.sort_unstable_by_key(|c| c.0);
+        }
+        self.starts.clear();
+        self.starts.resize(experts + 1, 0);
+        for &(x, _) in &self.choice {
+            self.starts[x + 1] += 1;
+        }
+        for x in 0..experts {
+            self.starts[x + 1] += self.starts[x];
+        }
+        self.fill.clear();
+        self.fill.extend_from_slice(&self.starts[..experts]);
+        self.token.clear();
+        self.token.resize(n * k, 0);
+        self.row.clear();
+        for (i, &(x, _)) in self.choice.iter().enumerate() {
+            let row = self.fill[x];
+            self.fill[x] += 1;
+            self.token[row] = i / k;
+            self.row.push(row);
+        }
+    }
+}
+
+/// The shared buffers of a step's mixture-of-experts FFNs: router logits `[n, experts]`, and
+/// in expert-ordered rows (`n · per_token` of them) the tokens' inputs, gate and up products,
+/// activations and outputs.
+struct ExpertBufs {
+    logits: SharedSlice,
+    x: SharedSlice,
+    gu: SharedSlice,
+    act: SharedSlice,
+    out: SharedSlice,
+}
+
+/// A mixture-of-experts FFN of `n` tokens, `xn` their normed inputs (this thread's copy):
+/// this rank's share of its output (its columns of each expert; every rank's sum to the
+/// whole) into `o`. Every thread of the region calls it at once with the same inputs. Each
+/// expert multiplies the rows of the tokens that chose it at once; a token's output sums its
+/// experts' weighted rows in expert order. Thread 0 adds the experts it ran to `tally`.
+#[allow(clippy::too_many_arguments)]
+fn experts(
+    r: &Region,
+    cfg: &ModelConfig,
+    (router, gate_up, down): (&PackedMat, &[PackedMat], &[PackedMat]),
+    xn: &[f32],
+    n: usize,
+    b: &ExpertBufs,
+    o: &SharedSlice,
+    tally: Option<&AtomicU64>,
+) {
+    let Some(moe) = &cfg.moe else { return };
+    let (e, k, h) = (moe.experts, moe.per_token, cfg.hidden_size);
+    let fl = down[0].cols;
+    // SAFETY (every `range` below): each buffer is written in disjoint ranges (by expert
+    // rows, by the team's ranges or by token) and read only after the barrier (or the end of
+    // the product) that ends its writing.
+    kernels::matmul(r, router, xn, n, unsafe { b.logits.range(0, n * e) });
+    let logits = unsafe { &*b.logits.range(0, n * e) };
+    ROUTING.with_borrow_mut(|rt| {
+        rt.route(logits, n, e, k, moe.norm_topk);
+        if let Some(count) = tally.filter(|_| r.tid() == 0) {
+            count.fetch_add(
+                (0..e).filter(|&x| rt.starts[x + 1] > rt.starts[x]).count() as u64,
+                Ordering::Relaxed,
+            );
+        }
+        for row in r.share(n * k) {
+            let t = rt.token[row];
+            unsafe { b.x.range(row * h, h) }.copy_from_slice(&xn[t * h..(t + 1) * h]);
+        }
+        r.barrier();
+        let rows = |x: usize| rt.starts[x]..rt.starts[x + 1];
+        for x in (0..e).filter(|&x| !rows(x).is_empty()) {
+            let (at, m) = (rows(x).start, rows(x).len());
+            let input = unsafe { &*b.x.range(at * h, m * h) };
+            kernels::matmul(r, &gate_up[x], input, m, unsafe { b.gu.range(at * 2 * fl, m * 2 * fl) });
+        }
+        for row in r.share(n * k) {
+            let a = unsafe { b.act.range(row * fl, fl) };
+            let (g, u) = unsafe { &*b.gu.range(row * 2 * fl, 2 * fl) }.split_at(fl);
+            a.copy_from_slice(g);
+            kernels::act_mul(a, u, cfg.activation);
+        }
+        r.barrier();
+        for x in (0..e).filter(|&x| !rows(x).is_empty()) {
+            let (at, m) = (rows(x).start, rows(x).len());
+            let input = unsafe { &*b.act.range(at * fl, m * fl) };
+            kernels::matmul(r, &down[x], input, m, unsafe { b.out.range(at * h, m * h) });
+        }
+        for t in r.share(n) {
+            let out = unsafe { o.range(t * h, h) };
+            out.fill(0.0);
+            for (&(_, w), &row) in rt.choice[t * k..(t + 1) * k].iter().zip(&rt.row[t * k..(t + 1) * k]) {
+                let y = unsafe { &*b.out.range(row * h, h) };
+                out.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+            }
+        }
+        r.barrier();
+    });
+}
+
+thread_local! {
+    static ROUTING: std::cell::RefCell<Routing> = std::cell::RefCell::new(Routing::default());
+}
+
 thread_local! {
     static QROWS: std::cell::RefCell<TileRows> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
@@ -276,6 +485,22 @@ pub struct Shard {
     inv_freq: Vec<f64>,
     /// The local layers' RoPE frequencies (Gemma 3's).
     inv_freq_local: Option<Vec<f64>>,
+    /// Decode steps run and experts multiplied by in them, by the step's tokens.
+    tally: ExpertTally,
+}
+
+/// Most tokens of a decode step whose experts [`ExpertTally`] counts.
+const TALLY_TOKENS: usize = 64;
+
+/// For decode steps of each token count up to [`TALLY_TOKENS`]: how many ran, and how many
+/// experts' products they ran in all (each expert a token chose, once a layer however many of
+/// the step's tokens chose it). Counted on the main thread; read by `bench`.
+struct ExpertTally([(AtomicU64, AtomicU64); TALLY_TOKENS + 1]);
+
+impl Default for ExpertTally {
+    fn default() -> Self {
+        ExpertTally(std::array::from_fn(|_| (AtomicU64::new(0), AtomicU64::new(0))))
+    }
 }
 
 impl Shard {
@@ -330,7 +555,25 @@ impl Shard {
             } else {
                 None
             };
-            let (gate, up) = (part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?);
+            let ffn = match cfg.moe.as_ref().filter(|m| m.sparse[i]) {
+                Some(moe) => {
+                    let (e, fe, cols) = (moe.experts, moe.expert_ffn, plan.expert_ffn.clone());
+                    let router =
+                        PackedMat::pack_as(&ckpt.rows(&expert_names(&cfg, i, 0)[0], &[e, h], 0..e)?, None);
+                    let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
+                    for x in 0..e {
+                        let [_, g, u, d] = expert_names(&cfg, i, x);
+                        let rows = |name: &str| ckpt.rows(name, &[fe, h], cols.clone());
+                        gate_up.push(pack(&Mat::vstack(vec![rows(&g)?, rows(&u)?])));
+                        down.push(pack(&ckpt.cols(&d, &[h, fe], cols.clone())?));
+                    }
+                    Ffn::Experts { router, gate_up, down }
+                }
+                None => Ffn::Dense {
+                    gate_up: pack(&Mat::vstack(vec![part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?])),
+                    down: pack(&ckpt.cols(&p("mlp.down_proj.weight"), &[h, ff], plan.ffn.clone())?),
+                },
+            };
             let norms = layer_norm_names(&cfg);
             let out_norms = match norms {
                 [_, _, a, f] => Some((norm(&p(a), h)?, norm(&p(f), h)?)),
@@ -349,8 +592,7 @@ impl Shard {
                 qkv_bias,
                 head_norms,
                 o_proj: pack(&ckpt.cols(&p("self_attn.o_proj.weight"), &[h, qd], qr.clone())?),
-                gate_up: pack(&Mat::vstack(vec![gate, up])),
-                down: pack(&ckpt.cols(&p("mlp.down_proj.weight"), &[h, ff], plan.ffn.clone())?),
+                ffn,
             });
         }
         let vocab_shape = [cfg.vocab_size, h];
@@ -399,6 +641,7 @@ impl Shard {
             lm_head,
             inv_freq,
             inv_freq_local,
+            tally: ExpertTally::default(),
         })
     }
 
@@ -420,12 +663,28 @@ impl Shard {
         let mut n = 0;
         for i in plan.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
-            let [q, k, v, gate, up] = stored_rows(cfg, i).map(|(name, shape, _)| src.dtype(&name, &shape));
-            let [q, k, v, gate, up] = [q?, k?, v?, gate?, up?];
+            let [q, k, v, gate, up] = stored_rows(cfg, i).map(|(name, shape, _)| (name, shape));
+            let dtype = |(name, shape): &(String, [usize; 2])| src.dtype(name, shape);
+            let [q, k, v] = [dtype(&q)?, dtype(&k)?, dtype(&v)?];
             n += packed(q_rows + 2 * kv_rows, h, stacked(stacked(q, k), v));
             n += packed(h, q_rows, src.dtype(&p("self_attn.o_proj.weight"), &[h, qd])?);
-            n += packed(2 * plan.ffn.len(), h, stacked(gate, up));
-            n += packed(h, plan.ffn.len(), src.dtype(&p("mlp.down_proj.weight"), &[h, ff])?);
+            match cfg.moe.as_ref().filter(|m| m.sparse[i]) {
+                Some(moe) => {
+                    let (e, fe, cols) = (moe.experts, moe.expert_ffn, plan.expert_ffn.len());
+                    let router = src.dtype(&expert_names(cfg, i, 0)[0], &[e, h])?;
+                    n += PackedMat::bytes_for(e, h, router, None);
+                    for x in 0..e {
+                        let [_, g, u, d] = expert_names(cfg, i, x);
+                        let (g, u) = (src.dtype(&g, &[fe, h])?, src.dtype(&u, &[fe, h])?);
+                        n += packed(2 * cols, h, stacked(g, u));
+                        n += packed(h, cols, src.dtype(&d, &[h, fe])?);
+                    }
+                }
+                None => {
+                    n += packed(2 * plan.ffn.len(), h, stacked(dtype(&gate)?, dtype(&up)?));
+                    n += packed(h, plan.ffn.len(), src.dtype(&p("mlp.down_proj.weight"), &[h, ff])?);
+                }
+            }
             for name in layer_norm_names(cfg) {
                 src.dtype(&p(name), &[h])?;
                 n += 4 * h;
@@ -458,7 +717,7 @@ impl Shard {
     pub fn weight_bytes(&self) -> usize {
         let mut n = 0;
         for l in &self.layers {
-            n += l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes();
+            n += l.qkv.bytes() + l.o_proj.bytes() + l.ffn.bytes(None) as usize;
             n += l.vector_bytes();
         }
         n += self.embed.as_ref().map_or(0, |e| e.bytes());
@@ -472,12 +731,38 @@ impl Shard {
     }
 
     /// Bytes of weights one token's decode step reads on this rank: all layers, one embedding
-    /// row, the final norm and the whole lm_head shard.
+    /// row, the final norm and the whole lm_head shard. Of a mixture of experts, the router
+    /// and the experts the token chooses.
     pub fn bytes_per_token(&self) -> usize {
+        self.bytes_per_step(1)
+    }
+
+    /// Bytes of weights a decode step of `tokens` tokens reads on this rank: as
+    /// [`Self::bytes_per_token`], but of a mixture of experts the router and the distinct
+    /// experts its tokens chose: on average over the decode steps of that many tokens run so
+    /// far (up to 64 tokens), else as many as tokens choosing at random would
+    /// ([`crate::config::Moe::expected_experts`]).
+    pub fn bytes_per_step(&self, tokens: usize) -> usize {
+        let sparse = self.layers.iter().filter(|l| matches!(l.ffn, Ffn::Experts { .. })).count();
+        let experts = self.cfg.moe.as_ref().map(|m| {
+            let counted = self
+                .tally
+                .0
+                .get(tokens)
+                .map(|(steps, reads)| (steps.load(Ordering::Relaxed), reads.load(Ordering::Relaxed)));
+            match counted {
+                Some((steps, reads)) if steps > 0 && sparse > 0 => {
+                    reads as f64 / (steps as f64 * sparse as f64)
+                }
+                _ => m.expected_experts(tokens),
+            }
+        });
         let mut n: usize = self
             .layers
             .iter()
-            .map(|l| l.qkv.bytes() + l.o_proj.bytes() + l.gate_up.bytes() + l.down.bytes() + l.vector_bytes())
+            .map(|l| {
+                l.qkv.bytes() + l.o_proj.bytes() + l.ffn.bytes(experts).round() as usize + l.vector_bytes()
+            })
             .sum();
         n += self.embed.as_ref().map_or(0, |e| e.bytes() / e.rows.max(1));
         n += self.final_norm.as_ref().map_or(0, |v| 4 * v.len());
@@ -508,7 +793,11 @@ impl Shard {
 
     /// This rank's layers' products, in the order a decode step runs them.
     fn layer_mats(&self) -> Vec<&PackedMat> {
-        self.layers.iter().flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]).collect()
+        let per_token = self.cfg.moe.as_ref().map_or(0, |m| m.per_token);
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o_proj].into_iter().chain(l.ffn.mats(per_token)))
+            .collect()
     }
 
     /// A KV pool of `pages` pages for this rank's layers and KV heads.
@@ -575,6 +864,13 @@ impl Shard {
         let n: usize = spans.iter().map(|sp| sp.len).sum();
         if n == 0 || self.layers.is_empty() {
             return;
+        }
+        // A decode step's experts are counted (for bench's bytes read).
+        let tally = Some(&self.tally.0)
+            .filter(|_| cfg.moe.is_some() && spans.iter().all(|sp| sp.len == 1))
+            .and_then(|t| t.get(n));
+        if let Some((steps, _)) = tally {
+            steps.fetch_add(1, Ordering::Relaxed);
         }
         s.ensure(n, self);
         s.tokens.clear();
@@ -663,6 +959,11 @@ impl Shard {
             part_out,
             part_stats,
             own,
+            moe_logits,
+            moe_x,
+            moe_gu,
+            moe_act,
+            moe_out,
             ..
         } = s;
         let (tokens, blocks, layouts) = (&*tokens, &*blocks, &*layouts);
@@ -721,6 +1022,15 @@ impl Shard {
         let o = SharedSlice::new(&mut o[..n * h]);
         let gu = SharedSlice::new(&mut gu[..n * 2 * ffl]);
         let act = SharedSlice::new(&mut act[..n * ffl]);
+        let nk = n * cfg.moe.as_ref().map_or(0, |m| m.per_token);
+        let (experts_n, efl) = (cfg.moe.as_ref().map_or(0, |m| m.experts), self.plan.expert_ffn.len());
+        let expert_bufs = ExpertBufs {
+            logits: SharedSlice::new(&mut moe_logits[..n * experts_n]),
+            x: SharedSlice::new(&mut moe_x[..nk * h]),
+            gu: SharedSlice::new(&mut moe_gu[..nk * 2 * efl]),
+            act: SharedSlice::new(&mut moe_act[..nk * efl]),
+            out: SharedSlice::new(&mut moe_out[..nk * h]),
+        };
         let part_out = SharedSlice::new(&mut part_out[..n_slots * hd]);
         let part_stats = SharedSlice::new(&mut part_stats[..n_slots * 2]);
         let own = SharedSlice::new(&mut own[..team.threads() * own_len]);
@@ -955,7 +1265,17 @@ impl Shard {
 
                 // FFN block.
                 kernels::rmsnorm(xo, &l.post_norm, cfg.rms_norm_eps, xn);
-                kernels::matmul(r, &l.gate_up, xn, n, unsafe { gu.range(0, n * 2 * ffl) });
+                let (gate_up, down) = match &l.ffn {
+                    Ffn::Dense { gate_up, down } => (gate_up, down),
+                    Ffn::Experts { router, gate_up, down } => {
+                        let tally = tally.map(|t| &t.1);
+                        experts(r, cfg, (router, gate_up, down), xn, n, &expert_bufs, &o, tally);
+                        let norm = l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps));
+                        add_reduced(r, &comm, &o, xo, norm);
+                        continue;
+                    }
+                };
+                kernels::matmul(r, gate_up, xn, n, unsafe { gu.range(0, n * 2 * ffl) });
                 let gu_r = unsafe { &*gu.range(0, n * 2 * ffl) };
                 // Token `t`'s activations, act(gate) · up, into `a`.
                 let activate = |t: usize, a: &mut [f32]| {
@@ -972,7 +1292,7 @@ impl Shard {
                     r.barrier();
                     unsafe { &*act.range(0, n * ffl) }
                 };
-                kernels::matmul(r, &l.down, act_in, n, unsafe { o.range(0, n * h) });
+                kernels::matmul(r, down, act_in, n, unsafe { o.range(0, n * h) });
                 add_reduced(r, &comm, &o, xo, l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps)));
                 // `o` is written next by the next layer's o_proj, two barriers or more from here.
             }
@@ -1076,6 +1396,12 @@ pub struct Scratch {
     thread_rows: usize,
     /// Each kernel thread's own buffers in [`Shard::forward`]'s region.
     own: Vec<f32>,
+    /// The mixture-of-experts FFNs' buffers ([`ExpertBufs`]).
+    moe_logits: Vec<f32>,
+    moe_x: Vec<f32>,
+    moe_gu: Vec<f32>,
+    moe_act: Vec<f32>,
+    moe_out: Vec<f32>,
 }
 
 impl Scratch {
@@ -1100,6 +1426,13 @@ impl Scratch {
         self.act = vec![0.0; n * ffl];
         self.cos = vec![0.0; n * hd / 2];
         self.sin = vec![0.0; n * hd / 2];
+        let (experts, nk) = cfg.moe.as_ref().map_or((0, 0), |moe| (moe.experts, n * moe.per_token));
+        let (h, efl) = (cfg.hidden_size, m.plan.expert_ffn.len());
+        self.moe_logits = vec![0.0; n * experts];
+        self.moe_x = vec![0.0; nk * h];
+        self.moe_gu = vec![0.0; nk * 2 * efl];
+        self.moe_act = vec![0.0; nk * efl];
+        self.moe_out = vec![0.0; nk * h];
         let local = if m.inv_freq_local.is_some() { n * hd / 2 } else { 0 };
         self.cos_local = vec![0.0; local];
         self.sin_local = vec![0.0; local];
@@ -1149,13 +1482,13 @@ mod tests {
     /// columns). With QKV biases (Qwen2) or per-head q/k norms (Qwen3), which the batch and
     /// the prompt chunk apply before attention and a decode step alone inside its items; and
     /// Gemma 3's local layer (a window of 100, its own RoPE) before a global one, a step's
-    /// attention in two layouts; and Gemma 2's soft-capped scores, capped tile by tile.
+    /// attention in two layouts; Gemma 2's soft-capped scores, capped tile by tile; and a
+    /// mixture of experts, whose products take the rows of the tokens that chose each expert.
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
         (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (64, 16, 4, 1);
         (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (4100, 2, 300);
-        let plan = ShardPlan::new(&cfg, &Grid::new(1, 1, 0, 1).unwrap(), None).unwrap();
         let h = cfg.hidden_size;
         // Seq 0's prompt of 290 tokens (its next token sees 19 pages: tiles of pages 0–1, 2–3,
         // 4–5, 6–7, 8–15 and 16–18), seq 1's of 20 and seq 2's of 3; seq 3 is a new prompt.
@@ -1174,10 +1507,25 @@ mod tests {
             (DType::BF16, None, None, Arch::Qwen3),
             (DType::BF16, None, Some(100), Arch::Gemma3),
             (DType::BF16, None, Some(100), Arch::Gemma2),
+            (DType::BF16, None, None, Arch::Mixtral),
+            (DType::F16, Some(Quant::Int8), None, Arch::Mixtral),
         ];
         for (dtype, quant, window, arch) in cases {
             let (qkv_bias, qk_norm) = (arch == Arch::Qwen2, matches!(arch, Arch::Qwen3 | Arch::Gemma3));
             let mut cfg = ModelConfig { sliding_window: window, arch, qkv_bias, qk_norm, ..cfg.clone() };
+            if arch == Arch::Mixtral {
+                // A dense layer, then a mixture of 5 experts of 100 columns, 2 a token: the
+                // batch's tokens share some experts' products, seq 0's rows among others'.
+                let sparse = vec![false, true];
+                cfg.moe = Some(crate::config::Moe {
+                    experts: 5,
+                    per_token: 2,
+                    expert_ffn: 100,
+                    norm_topk: false,
+                    sparse,
+                });
+            }
+            let plan = ShardPlan::new(&cfg, &Grid::new(1, 1, 0, 1).unwrap(), None).unwrap();
             if matches!(arch, Arch::Gemma2 | Arch::Gemma3) {
                 cfg.local_layers = Some(vec![true, false]);
                 (cfg.norm_plus_one, cfg.scale_embedding, cfg.sandwich_norms) = (true, true, true);
@@ -1224,9 +1572,45 @@ mod tests {
         }
     }
 
+    /// Routing against a plain sort of each token's softmax: the chosen experts and their
+    /// weights (renormalized or not), and each expert's rows holding exactly its tokens.
+    #[test]
+    fn routing_chooses_the_largest_shares() {
+        let (n, e, k) = (7, 9, 3);
+        let logits: Vec<f32> = (0..n * e).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+        let mut rt = Routing::default();
+        for norm in [false, true] {
+            rt.route(&logits, n, e, k, norm);
+            for t in 0..n {
+                let lg = &logits[t * e..(t + 1) * e];
+                let z: f64 = lg.iter().map(|&v| (v as f64).exp()).sum();
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|&a, &b| lg[b].total_cmp(&lg[a]));
+                let mut want: Vec<(usize, f64)> =
+                    order[..k].iter().map(|&x| (x, (lg[x] as f64).exp() / z)).collect();
+                if norm {
+                    let total: f64 = want.iter().map(|w| w.1).sum();
+                    want.iter_mut().for_each(|w| w.1 /= total);
+                }
+                want.sort_by_key(|w| w.0);
+                let got = &rt.choice[t * k..(t + 1) * k];
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(g.0, w.0, "token {t}");
+                    assert!((g.1 as f64 - w.1).abs() < 1e-6, "token {t}: {} vs {}", g.1, w.1);
+                }
+                for (j, &(x, _)) in got.iter().enumerate() {
+                    let row = rt.row[t * k + j];
+                    assert!((rt.starts[x]..rt.starts[x + 1]).contains(&row) && rt.token[row] == t);
+                }
+            }
+            assert_eq!(rt.starts[e], n * k);
+        }
+    }
+
     /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
     /// tied and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2),
-    /// per-head norms (Qwen3), fused matrices (Phi-3) and four norms a layer (Gemma 2 and 3).
+    /// per-head norms (Qwen3), fused matrices (Phi-3), four norms a layer (Gemma 2 and 3) and
+    /// mixtures of experts beside a dense layer (Qwen3-MoE's and Mixtral's tensor names).
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors.
@@ -1236,12 +1620,19 @@ mod tests {
             ("llama-3.2-1b", Some(Arch::Phi3)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
+            ("qwen3-30b-a3b", None),
+            ("mixtral-8x7b", None),
         ];
         for ((shape, arch), tied) in shapes.into_iter().flat_map(|s| [(s, true), (s, false)]) {
             let mut cfg = synthetic::shape(shape).unwrap();
             cfg.arch = arch.unwrap_or(cfg.arch);
             (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 9, 3);
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
+            if let Some(moe) = &mut cfg.moe {
+                // 5 experts of 40 columns (split 32 and 8 over two ranks), the middle layer
+                // dense.
+                (moe.experts, moe.expert_ffn, moe.sparse) = (5, 40, vec![true, false, true]);
+            }
             cfg.tie_word_embeddings = tied;
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let src = Synthetic { dtype, seed: 1 };

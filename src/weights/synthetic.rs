@@ -4,7 +4,7 @@
 //! (Linear rows ~ 1/sqrt(in), norms ~ 1) so activations stay in range.
 
 use super::{DType, Data, Mat, Source};
-use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
+use crate::config::{Activation, Arch, ModelConfig, Moe, RopeScaling};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -23,6 +23,8 @@ pub const SHAPES: &[&str] = &[
     "llama-2-7b",
     "llama-3-8b",
     "llama-2-70b",
+    "qwen3-30b-a3b",
+    "mixtral-8x7b",
 ];
 
 /// The configuration of a named shape (hyper-parameters of the public models of that name).
@@ -41,6 +43,8 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 128, 32000, false, 10000.0, 4096),
         "llama-3-8b" => (Arch::Llama, 4096, 14336, 32, 32, 8, 128, 128256, false, 500000.0, 8192),
         "llama-2-70b" => (Arch::Llama, 8192, 28672, 80, 64, 8, 128, 32000, false, 10000.0, 4096),
+        "qwen3-30b-a3b" => (Arch::Qwen3Moe, 2048, 6144, 48, 32, 4, 128, 151936, false, 1000000.0, 40960),
+        "mixtral-8x7b" => (Arch::Mixtral, 4096, 14336, 32, 32, 8, 128, 32000, false, 1000000.0, 32768),
         other => {
             return Err(Error::Input(format!("unknown --shape `{other}` (known: {})", SHAPES.join(", "))));
         }
@@ -77,7 +81,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         max_position_embeddings: max_pos,
         tie_word_embeddings: tied,
         qkv_bias: arch == Arch::Qwen2,
-        qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+        qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
             "gemma3-4b" => 1024,
@@ -94,6 +98,20 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         attn_scale: 1.0 / (hd as f32).sqrt(),
         attn_softcap: gemma2.then_some(50.0),
         final_softcap: gemma2.then_some(30.0),
+        // Qwen3-30B-A3B: 128 experts of 768 columns, 8 a token; Mixtral 8x7B: 8, 2 a token.
+        moe: match arch {
+            Arch::Qwen3Moe => Some(Moe {
+                experts: 128,
+                per_token: 8,
+                expert_ffn: 768,
+                norm_topk: true,
+                sparse: vec![true; l],
+            }),
+            Arch::Mixtral => {
+                Some(Moe { experts: 8, per_token: 2, expert_ffn: ff, norm_topk: true, sparse: vec![true; l] })
+            }
+            _ => None,
+        },
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     })

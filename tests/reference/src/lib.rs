@@ -213,6 +213,8 @@ pub struct TinyModel {
     pub head_dim: Option<usize>,
     pub tied: bool,
     pub max_pos: usize,
+    /// A mixture of experts: (experts, chosen per token, columns of each expert).
+    pub experts: Option<(usize, usize, usize)>,
 }
 
 impl TinyModel {
@@ -229,6 +231,7 @@ impl TinyModel {
             head_dim: None,
             tied: false,
             max_pos: 256,
+            experts: None,
         }
     }
     /// Qwen3-style: per-head q/k norms, no QKV bias, heads wider than `hidden / heads` (so
@@ -245,6 +248,7 @@ impl TinyModel {
             head_dim: Some(16),
             tied: true,
             max_pos: 256,
+            experts: None,
         }
     }
     /// Phi-3-style: q, k and v rows in one `qkv_proj` tensor and gate and up rows in one
@@ -268,6 +272,7 @@ impl TinyModel {
             head_dim: Some(32),
             tied: true,
             max_pos: 256,
+            experts: None,
         }
     }
     /// Gemma 2-style: Gemma 3's norms, GELU and scaled embedding without the per-head q/k norms,
@@ -299,7 +304,37 @@ impl TinyModel {
             head_dim: None,
             tied: true,
             max_pos: 128,
+            experts: None,
         }
+    }
+
+    /// Qwen3-MoE-style: Qwen3's shape with every second layer (`decoder_sparse_step` 2) a
+    /// mixture of 6 experts of 40 columns (no multiple of 16), 3 chosen a token, their softmax
+    /// shares not renormalized (`norm_topk_prob` false); an untied head.
+    pub fn qwen3_moe() -> Self {
+        TinyModel {
+            model_type: "qwen3_moe",
+            layers: 4,
+            tied: false,
+            experts: Some((6, 3, 40)),
+            ..Self::qwen3()
+        }
+    }
+    /// Mixtral-style: Llama's shape (uneven heads) with every layer a mixture of 4 experts of
+    /// 64 columns, 2 chosen a token (their shares renormalized), an untied head.
+    pub fn mixtral() -> Self {
+        TinyModel {
+            model_type: "mixtral",
+            layers: 3,
+            tied: false,
+            experts: Some((4, 2, 64)),
+            ..Self::llama()
+        }
+    }
+
+    /// Whether layer `l`'s FFN is a mixture of experts.
+    fn is_sparse(&self, l: usize) -> bool {
+        self.experts.is_some() && (self.model_type != "qwen3_moe" || l % 2 == 1)
     }
 
     fn is_gemma3(&self) -> bool {
@@ -328,6 +363,8 @@ impl TinyModel {
             "gemma2" => "Gemma2ForCausalLM",
             "gemma" => "GemmaForCausalLM",
             "smollm3" => "SmolLM3ForCausalLM",
+            "qwen3_moe" => "Qwen3MoeForCausalLM",
+            "mixtral" => "MixtralForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -343,8 +380,21 @@ impl TinyModel {
         if let Some(hd) = self.head_dim {
             cfg["head_dim"] = hd.into();
         }
-        if self.model_type == "qwen3" {
+        if self.model_type.starts_with("qwen3") {
             cfg["attention_bias"] = false.into();
+        }
+        if let Some((experts, per_token, width)) = self.experts {
+            let moe = if self.model_type == "mixtral" {
+                cfg["intermediate_size"] = width.into();
+                serde_json::json!({"num_local_experts": experts, "use_flash_attn": false})
+            } else {
+                serde_json::json!({
+                    "num_experts": experts, "moe_intermediate_size": width, "decoder_sparse_step": 2,
+                    "norm_topk_prob": false, "mlp_only_layers": [],
+                })
+            };
+            cfg["num_experts_per_tok"] = per_token.into();
+            cfg.as_object_mut().unwrap().extend(moe.as_object().unwrap().clone());
         }
         if self.model_type == "smollm3" {
             let flags: Vec<u32> = (0..self.layers).map(|i| u32::from(i != 1)).collect();
@@ -408,14 +458,37 @@ impl TinyModel {
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
             }
-            if self.model_type == "qwen3" || self.is_gemma3() {
+            if self.model_type.starts_with("qwen3") || self.is_gemma3() {
                 add(p("self_attn.q_norm.weight"), vec![hd], 0.2, norm);
                 add(p("self_attn.k_norm.weight"), vec![hd], 0.2, norm);
             }
             add(p("self_attn.o_proj.weight"), vec![h, self.heads * hd], w, 0.0);
-            add(p("mlp.gate_proj.weight"), vec![self.inter, h], w, 0.0);
-            add(p("mlp.up_proj.weight"), vec![self.inter, h], w, 0.0);
-            add(p("mlp.down_proj.weight"), vec![h, self.inter], 1.0 / (self.inter as f32).sqrt(), 0.0);
+            match self.experts.filter(|_| self.is_sparse(l)) {
+                Some((experts, _, width)) => {
+                    let mixtral = self.model_type == "mixtral";
+                    let moe = if mixtral { "block_sparse_moe" } else { "mlp" };
+                    // The router's rows spread enough that tokens choose different experts.
+                    add(p(&format!("{moe}.gate.weight")), vec![experts, h], 4.0 * w, 0.0);
+                    let names =
+                        if mixtral { ["w1", "w3", "w2"] } else { ["gate_proj", "up_proj", "down_proj"] };
+                    for e in 0..experts {
+                        let x = |n: &str| p(&format!("{moe}.experts.{e}.{n}.weight"));
+                        add(x(names[0]), vec![width, h], w, 0.0);
+                        add(x(names[1]), vec![width, h], w, 0.0);
+                        add(x(names[2]), vec![h, width], 1.0 / (width as f32).sqrt(), 0.0);
+                    }
+                }
+                None => {
+                    add(p("mlp.gate_proj.weight"), vec![self.inter, h], w, 0.0);
+                    add(p("mlp.up_proj.weight"), vec![self.inter, h], w, 0.0);
+                    add(
+                        p("mlp.down_proj.weight"),
+                        vec![h, self.inter],
+                        1.0 / (self.inter as f32).sqrt(),
+                        0.0,
+                    );
+                }
+            }
         }
         if self.model_type == "phi3" {
             out = fuse(

@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
-use candle_transformers::models::{gemma, gemma2, gemma3, llama, phi3, qwen2, qwen3};
+use candle_transformers::models::{gemma, gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe};
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
     smollm2, write_gguf, GgufValue, Run,
@@ -363,6 +363,29 @@ fn random_gemma2_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(one at a time; gemma2, Model, dir, false);
     same_on_two_ranks("random gemma2", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// Qwen3-MoE's mixture of experts (every second layer; the others dense), its experts' shares
+/// not renormalized, against candle's `qwen3_moe`; split over two ranks by heads and each
+/// expert's columns (40, as blocks of 16: 32 and 8), and by layers, the same tokens and logits
+/// within 1e-4 of the single rank.
+#[test]
+fn random_qwen3_moe_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(qwen3_moe, ModelForCausalLM, dir);
+    same_on_two_ranks("random qwen3_moe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// Mixtral's mixture of experts on every layer (2 of 4 a token, their shares renormalized),
+/// against candle's `mixtral`; split over two ranks by heads and experts' columns, and by
+/// layers, the same tokens and logits within 1e-4 of the single rank.
+#[test]
+fn random_mixtral_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(mixtral, Model, dir);
+    same_on_two_ranks("random mixtral", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// The model in `dir` on two local ranks under each of `grids`: `single`'s tokens, and logits
