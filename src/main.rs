@@ -368,6 +368,10 @@ struct BenchArgs {
     /// qwen3-30b-a3b and mixtral-8x7b.
     #[arg(long)]
     shape: Option<String>,
+    /// Only the first N layers of the --shape model: a slice of a model too large for the
+    /// machine, its layers read as the whole model's are (the output head whole).
+    #[arg(long)]
+    shape_layers: Option<usize>,
     /// Weight dtype: of a --shape model (default bf16); with --model, the checkpoint's
     /// matrices converted to it at load (default: as stored).
     #[arg(long, value_parser = parse_dtype)]
@@ -1340,11 +1344,19 @@ fn run_bench(
 ) -> Result<()> {
     let threads = a.engine.threads();
     let setup = (|| -> gridlm::Result<_> {
-        let cfg = match (&a.model, &a.shape) {
-            (Some(dir), _) => ModelConfig::from_dir(dir)?,
-            (None, Some(name)) => synthetic::shape(name)?,
-            (None, None) => unreachable!("clap requires --model or --shape"),
-        };
+        let cfg =
+            match (&a.model, &a.shape) {
+                (Some(_), _) if a.shape_layers.is_some() => return Err(gridlm::Error::Input(
+                    "--shape-layers needs --shape (it cuts a named shape; a --model folder is read whole)"
+                        .into(),
+                )),
+                (Some(dir), _) => ModelConfig::from_dir(dir)?,
+                (None, Some(name)) => match a.shape_layers {
+                    Some(n) => synthetic::first_layers(synthetic::shape(name)?, n)?,
+                    None => synthetic::shape(name)?,
+                },
+                (None, None) => unreachable!("clap requires --model or --shape"),
+            };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
         // Every sequence must decode all its new tokens, or the figures would count tokens
@@ -1765,7 +1777,10 @@ fn run_bench(
     let report = BenchReport {
         model: match (&a.model, &a.shape) {
             (Some(d), _) => d.display().to_string(),
-            (_, Some(s)) => format!("{s} (synthetic)"),
+            (_, Some(s)) => match a.shape_layers {
+                Some(n) => format!("{s}, its first {n} layers (synthetic)"),
+                None => format!("{s} (synthetic)"),
+            },
             _ => String::new(),
         },
         weight_dtype: engine.shard.weight_dtype().to_string(),

@@ -117,6 +117,25 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     })
 }
 
+/// `cfg` cut to its first `n` layers (1 to all of them): a slice of a model too large for the
+/// machine, whose decode steps read its layers as the whole model's do.
+pub fn first_layers(mut cfg: ModelConfig, n: usize) -> Result<ModelConfig> {
+    if !(1..=cfg.n_layers).contains(&n) {
+        return Err(Error::Input(format!(
+            "--shape-layers {n}: expected 1 to the shape's {} layers",
+            cfg.n_layers
+        )));
+    }
+    cfg.n_layers = n;
+    for flags in [&mut cfg.local_layers, &mut cfg.no_rope_layers].into_iter().flatten() {
+        flags.truncate(n);
+    }
+    if let Some(m) = &mut cfg.moe {
+        m.sparse.truncate(n);
+    }
+    Ok(cfg)
+}
+
 pub struct Synthetic {
     pub dtype: DType,
     pub seed: u64,
@@ -206,6 +225,18 @@ mod tests {
         assert!(full.iter().any(|&x| x != 0.0));
         for n in SHAPES {
             assert!(super::shape(n).is_ok());
+        }
+    }
+
+    #[test]
+    fn a_shape_cut_to_its_first_layers() {
+        let cut = first_layers(shape("gemma3-1b").unwrap(), 7).unwrap();
+        assert_eq!((cut.n_layers, cut.local_layers.as_ref().map(Vec::len)), (7, Some(7)));
+        let cut = first_layers(shape("qwen3-30b-a3b").unwrap(), 3).unwrap();
+        assert_eq!(cut.moe.map(|m| m.sparse.len()), Some(3));
+        for n in [0, 49] {
+            let e = first_layers(shape("qwen3-30b-a3b").unwrap(), n).unwrap_err().to_string();
+            assert!(e.contains(&format!("--shape-layers {n}: expected 1 to the shape's 48 layers")), "{e}");
         }
     }
 }

@@ -302,6 +302,11 @@ fn bad_command_lines() {
         let want = format!("{option} must be at least {least}, got {value}");
         assert_one_line_error(&gridlm(&[&shape[..], &[option, value]].concat()), &[&want]);
     }
+    // A shape cut to more layers than it has, or a folder (read whole) cut at all.
+    let cut = ["bench", "--shape", "qwen3-30b-a3b", "--shape-layers", "49"];
+    assert_one_line_error(&gridlm(&cut), &["--shape-layers 49: expected 1 to the shape's 48 layers"]);
+    let folder = ["bench", "--model", "m", "--shape-layers", "2"];
+    assert_one_line_error(&gridlm(&folder), &["--shape-layers needs --shape"]);
     let plan = ["plan", "--shape", "smollm2-135m", "--nodes", "0", "--mem-bw", "20", "--peak-gflops", "100"];
     assert_one_line_error(&gridlm(&plan), &["--nodes must be at least 1, got 0"]);
     let generate = ["generate", "--model", "m", "--prompt", "hi", "--step-tokens", "0"];

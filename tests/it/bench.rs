@@ -137,6 +137,30 @@ fn bench_synthetic_shape_one_rank() {
     assert!(stderr.contains("bench: rep 2/2"), "progress lines");
 }
 
+/// A mixture of experts reads only the experts its tokens chose: one layer of Qwen3-30B-A3B's
+/// shape (128 experts of 3 × 2048 × 768 bf16 weights, 8 a token) reads 8 experts a token at a
+/// batch of 1 — all it holds but 120 experts and the embedding's unread rows — and a step of
+/// four tokens between 8 and 32 of them (as counted in its steps).
+#[test]
+fn bench_reads_only_the_chosen_experts() {
+    let expert = (3 * 2048 * 768 * 2) as f64;
+    let embed_unread = ((151936 - 1) * 2048 * 2) as f64;
+    let read = |batch: &str| {
+        let mut cmd = std::process::Command::new(bin());
+        let shape = ["bench", "--shape", "qwen3-30b-a3b", "--shape-layers", "1", "--batch", batch];
+        let short = ["--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--reps", "1"];
+        cmd.args(shape).args(short).args(["--bandwidth-mib", "16", "--json"]);
+        let (j, _) = bench_one_rank(cmd);
+        let held = j["ranks"][0]["weight_bytes"].as_f64().unwrap();
+        let step = j["weight_bytes_per_token"].as_f64().unwrap() * batch.parse::<f64>().unwrap();
+        // Experts a step read (only experts' bytes change with the batch).
+        128.0 - (held - embed_unread - step) / expert
+    };
+    assert_eq!(read("1"), 8.0);
+    let four = read("4");
+    assert!((8.0..=32.0).contains(&four), "{four} experts a step of 4 tokens");
+}
+
 /// A batch's decode steps on AVX512_BF16 go through the many-token bf16 kernel, whose prefetch
 /// the rank then times on its own layers at the batch's tokens; elsewhere it is not timed.
 #[test]
