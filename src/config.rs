@@ -24,6 +24,8 @@ pub enum Arch {
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
+    /// Qwen2 with mixture-of-experts FFNs and a shared expert (`qwen2_moe`).
+    Qwen2Moe,
     /// Qwen3 with mixture-of-experts FFNs (`qwen3_moe`).
     Qwen3Moe,
     /// Mistral with mixture-of-experts FFNs (`mixtral`).
@@ -42,6 +44,7 @@ impl Arch {
             Arch::Gemma => "gemma",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Qwen2Moe => "qwen2_moe",
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
         }
@@ -59,16 +62,19 @@ pub enum LayerRope {
     None,
 }
 
-/// A mixture-of-experts FFN (Qwen3-MoE, Mixtral): a router (a Linear of `experts` rows)
-/// scores each token, softmax over all experts; the token's `per_token` best go through
+/// A mixture-of-experts FFN (Qwen2-MoE, Qwen3-MoE, Mixtral): a router (a Linear of `experts`
+/// rows) scores each token, softmax over all experts; the token's `per_token` best go through
 /// their own gate/up/down FFN of `expert_ffn` columns, weighted by their softmax shares
-/// (renormalized to sum to one over the chosen when `norm_topk`), and summed.
+/// (renormalized to sum to one over the chosen when `norm_topk`), and summed. Qwen2-MoE adds a
+/// shared expert every token goes through (`shared_ffn` columns, 0: none), weighted by
+/// `sigmoid(x · g)` (its `shared_expert_gate`, one row).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Moe {
     pub experts: usize,
     pub per_token: usize,
     pub expert_ffn: usize,
     pub norm_topk: bool,
+    pub shared_ffn: usize,
     /// Which layers route through experts; the others have a dense FFN of
     /// `intermediate_size` columns (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
     pub sparse: Vec<bool>,
@@ -81,6 +87,15 @@ impl Moe {
     pub fn expected_experts(&self, tokens: usize) -> f64 {
         let (e, k) = (self.experts as f64, self.per_token as f64);
         e * (1.0 - (1.0 - k / e).powi(tokens.max(1) as i32))
+    }
+
+    /// Weights of the shared expert and its gate, per column of the hidden state.
+    fn shared_params(&self) -> usize {
+        if self.shared_ffn > 0 {
+            3 * self.shared_ffn + 1
+        } else {
+            0
+        }
     }
 }
 
@@ -147,7 +162,7 @@ pub struct ModelConfig {
 
 /// The `model_type`s gridlm runs, as errors list them.
 const MODEL_TYPES: &str =
-    "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, qwen3_moe, mixtral";
+    "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -248,6 +263,7 @@ impl ModelConfig {
             "gemma" => Arch::Gemma,
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
+            "qwen2_moe" => Arch::Qwen2Moe,
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
             other => {
@@ -288,7 +304,7 @@ impl ModelConfig {
         let (attn_softcap, final_softcap) = (attn_softcap?, final_softcap?);
         // Biases these families would carry on o_proj and the FFN's matrices, which gridlm does
         // not load (Qwen2's q/k/v biases are its own, whatever `attention_bias` says).
-        if raw.attention_bias == Some(true) && arch != Arch::Qwen2 {
+        if raw.attention_bias == Some(true) && !matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) {
             return Err(bad(format!(
                 "attention_bias = true (biases on q/k/v and o_proj) is not supported for {model_type}"
             )));
@@ -352,7 +368,7 @@ impl ModelConfig {
             Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
         };
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::SmolLM3, Some(true)) => {
+            (Arch::Qwen2 | Arch::Qwen2Moe | Arch::Qwen3 | Arch::Qwen3Moe | Arch::SmolLM3, Some(true)) => {
                 return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
             (Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3, _)
@@ -407,7 +423,7 @@ impl ModelConfig {
             // HF's default where the folder says nothing: tied for Gemma and SmolLM3 (the first
             // Gemma's folders leave it out), untied for the others.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
-            qkv_bias: arch == Arch::Qwen2,
+            qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             sliding_window,
             local_layers,
@@ -501,7 +517,7 @@ impl ModelConfig {
     pub fn ffn_params(&self, i: usize) -> f64 {
         let h = self.hidden_size as f64;
         match self.moe.as_ref().filter(|m| m.sparse[i]) {
-            Some(m) => (3 * m.expert_ffn * m.experts + m.experts) as f64 * h,
+            Some(m) => (3 * m.expert_ffn * m.experts + m.experts + m.shared_params()) as f64 * h,
             None => 3.0 * h * self.intermediate_size as f64,
         }
     }
@@ -511,7 +527,10 @@ impl ModelConfig {
     pub fn ffn_params_read(&self, i: usize, tokens: usize) -> f64 {
         let h = self.hidden_size as f64;
         match self.moe.as_ref().filter(|m| m.sparse[i]) {
-            Some(m) => (3.0 * m.expert_ffn as f64 * m.expected_experts(tokens) + m.experts as f64) * h,
+            Some(m) => {
+                let experts = 3.0 * m.expert_ffn as f64 * m.expected_experts(tokens);
+                (experts + (m.experts + m.shared_params()) as f64) * h
+            }
             None => self.ffn_params(i),
         }
     }
@@ -607,12 +626,14 @@ fn gemma_local_layers(raw: &HfConfig, pattern: usize) -> std::result::Result<Vec
     layer_flags(raw.num_hidden_layers, ("layer_types", &raw.layer_types), flag, every, false)
 }
 
-/// The experts of a `qwen3_moe` or `mixtral` config, with HF's defaults (Qwen3MoeConfig's,
-/// MixtralConfig's) for the fields it leaves out; `None` for the other families.
+/// The experts of a `qwen2_moe`, `qwen3_moe` or `mixtral` config, with HF's defaults
+/// (Qwen2MoeConfig's, Qwen3MoeConfig's, MixtralConfig's) for the fields it leaves out; `None`
+/// for the other families.
 fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
     let n = raw.num_hidden_layers;
+    let qwen2 = arch == Arch::Qwen2Moe;
     let moe = match arch {
-        Arch::Qwen3Moe => {
+        Arch::Qwen2Moe | Arch::Qwen3Moe => {
             let only = raw.mlp_only_layers.clone().unwrap_or_default();
             if let Some(&l) = only.iter().find(|&&l| l >= n) {
                 return Err(format!("mlp_only_layers names layer {l} of {n}"));
@@ -622,10 +643,11 @@ fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
                 return Err("decoder_sparse_step is 0 (expected a positive number of layers)".into());
             }
             Moe {
-                experts: raw.num_experts.unwrap_or(128),
-                per_token: raw.num_experts_per_tok.unwrap_or(8),
-                expert_ffn: raw.moe_intermediate_size.unwrap_or(768),
+                experts: raw.num_experts.unwrap_or(if qwen2 { 60 } else { 128 }),
+                per_token: raw.num_experts_per_tok.unwrap_or(if qwen2 { 4 } else { 8 }),
+                expert_ffn: raw.moe_intermediate_size.unwrap_or(if qwen2 { 1408 } else { 768 }),
                 norm_topk: raw.norm_topk_prob.unwrap_or(false),
+                shared_ffn: if qwen2 { raw.shared_expert_intermediate_size.unwrap_or(5632) } else { 0 },
                 sparse: (0..n).map(|i| !only.contains(&i) && (i + 1) % step == 0).collect(),
             }
         }
@@ -634,12 +656,16 @@ fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
             per_token: raw.num_experts_per_tok.unwrap_or(2),
             expert_ffn: raw.intermediate_size,
             norm_topk: true,
+            shared_ffn: 0,
             sparse: vec![true; n],
         },
         _ => return Ok(None),
     };
-    if raw.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
-        return Err("shared experts (shared_expert_intermediate_size) are not supported".into());
+    if !qwen2 && raw.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
+        return Err(format!(
+            "a shared expert (shared_expert_intermediate_size) is not part of {} models",
+            arch.name()
+        ));
     }
     if moe.experts == 0 || moe.expert_ffn == 0 {
         return Err(format!(
@@ -801,6 +827,13 @@ mod tests {
         assert_eq!(c.ffn_params_per_token(0), (3 * 64 * 768 * 8 + 128 * 64) as f64);
         assert_eq!(c.ffn_params(1), (3 * 64 * 128) as f64);
         assert!(c.ffn_params_read(0, 64) > 0.98 * c.ffn_params(0));
+        // Qwen2-MoE: HF's defaults, a shared expert, Qwen2's QKV biases.
+        let c = parse(&config("qwen2_moe", "").replace(",}", "}")).unwrap();
+        let moe = c.moe.clone().unwrap();
+        assert_eq!((c.arch, c.qkv_bias, c.qk_norm), (Arch::Qwen2Moe, true, false));
+        assert_eq!((moe.experts, moe.per_token, moe.expert_ffn, moe.shared_ffn), (60, 4, 1408, 5632));
+        assert_eq!(c.ffn_params(0), ((3 * 1408 * 60 + 60 + 3 * 5632 + 1) * 64) as f64);
+        assert_eq!(c.ffn_params_per_token(0), ((3 * 1408 * 4 + 60 + 3 * 5632 + 1) * 64) as f64);
         // Mixtral: experts as wide as intermediate_size, always renormalized, Mistral's window.
         let c = parse(&config("mixtral", r#""sliding_window":4096"#)).unwrap();
         let moe = c.moe.unwrap();
@@ -817,8 +850,9 @@ mod tests {
             ("qwen3_moe", r#""moe_intermediate_size":0"#, "128 experts of 0 columns"),
             ("qwen3_moe", r#""decoder_sparse_step":0"#, "decoder_sparse_step is 0"),
             ("qwen3_moe", r#""mlp_only_layers":[2]"#, "mlp_only_layers names layer 2 of 2"),
-            ("qwen3_moe", r#""shared_expert_intermediate_size":64"#, "shared experts"),
-            ("qwen2_moe", "", "unsupported model_type `qwen2_moe`"),
+            ("qwen3_moe", r#""shared_expert_intermediate_size":64"#, "a shared expert"),
+            ("mixtral", r#""shared_expert_intermediate_size":64"#, "not part of mixtral models"),
+            ("olmoe", "", "unsupported model_type `olmoe`"),
         ];
         for (model_type, extra, msg) in cases {
             let e = parse(&config(model_type, extra).replace(",}", "}")).unwrap_err().to_string();

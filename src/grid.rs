@@ -113,8 +113,10 @@ pub struct ShardPlan {
     pub q_heads: Range<usize>,
     pub kv_heads: Range<usize>,
     pub ffn: Range<usize>,
-    /// Columns of each expert's FFN (mixture-of-experts layers; empty for dense models).
+    /// Columns of each expert's FFN (mixture-of-experts layers; empty for dense models), and
+    /// of the shared expert (Qwen2-MoE's; empty without one).
     pub expert_ffn: Range<usize>,
+    pub shared_ffn: Range<usize>,
     pub vocab: Range<usize>,
     pub first_stage: bool,
     pub last_stage: bool,
@@ -138,11 +140,12 @@ impl ShardPlan {
         }
         // FFN columns and vocabulary rows are split in blocks of `FFN_ALIGN`: every tp rank
         // needs at least one of each (a rank with none would hold empty products).
-        let expert_ffn = cfg.moe.as_ref().map_or(0, |m| m.expert_ffn);
+        let (expert_ffn, shared_ffn) = cfg.moe.as_ref().map_or((0, 0), |m| (m.expert_ffn, m.shared_ffn));
         for (what, n) in [
             ("intermediate_size", cfg.intermediate_size),
             ("vocab_size", cfg.vocab_size),
             ("expert FFN size", expert_ffn),
+            ("shared expert FFN size", shared_ffn),
         ] {
             if n == 0 {
                 continue; // no experts
@@ -180,6 +183,7 @@ impl ShardPlan {
             kv_heads,
             ffn: split_aligned(cfg.intermediate_size, grid.tp, t, FFN_ALIGN),
             expert_ffn: split_aligned(expert_ffn, grid.tp, t, FFN_ALIGN),
+            shared_ffn: split_aligned(shared_ffn, grid.tp, t, FFN_ALIGN),
             vocab: vocab_range(cfg.vocab_size, grid.tp, t),
             first_stage: grid.is_first_stage(),
             last_stage: grid.is_last_stage(),

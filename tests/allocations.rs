@@ -1,6 +1,6 @@
 //! Decoding allocates nothing per token: a run of the scheduler and engine over a small
 //! synthetic model (SmolLM2's shape, Gemma's with local and global layers and soft caps, and
-//! Qwen3-MoE's with a mixture of experts)
+//! Qwen2-MoE's with a mixture of experts and a shared expert)
 //! makes exactly as many heap allocations for 40 new tokens as for 4, greedy
 //! and sampled, and a fresh engine's first run makes none in its decode steps; sampling rows
 //! whose nucleus takes several rounds of candidates makes none either. (The `bench` tests check
@@ -51,14 +51,14 @@ fn decode_steps_allocate_nothing_per_token() {
     (cfg.sliding_window, cfg.local_layers) = (Some(16), Some(vec![true, false]));
     (cfg.attn_softcap, cfg.final_softcap) = (Some(50.0), Some(30.0));
     decode_allocates_nothing("Gemma", &cfg);
-    // Qwen3-30B-A3B's widths, a dense layer and a mixture of 8 of its experts, 2 a token: a
-    // batch's tokens choose different experts from step to step, each expert's product taking
-    // one, two or three of its rows.
-    let mut cfg = synthetic::shape("qwen3-30b-a3b").unwrap();
+    // Qwen1.5-MoE-A2.7B's widths, a dense layer and a mixture of 8 of its experts, 2 a token,
+    // beside its shared expert: a batch's tokens choose different experts from step to step,
+    // each expert's product taking one, two or three of its rows.
+    let mut cfg = synthetic::shape("qwen1.5-moe-a2.7b").unwrap();
     (cfg.n_layers, cfg.vocab_size, cfg.max_position_embeddings) = (2, 3000, 256);
     let moe = cfg.moe.as_mut().unwrap();
     (moe.experts, moe.per_token, moe.sparse) = (8, 2, vec![false, true]);
-    decode_allocates_nothing("Qwen3-MoE", &cfg);
+    decode_allocates_nothing("Qwen2-MoE", &cfg);
 }
 
 /// [`decode_steps_allocate_nothing_per_token`] on the model `cfg` (named `model`).

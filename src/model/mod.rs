@@ -56,46 +56,54 @@ enum Ffn {
         /// Input columns of this rank's FFN range.
         down: PackedMat,
     },
-    /// A mixture of experts ([`crate::config::Moe`]), each expert split over the tp ranks as
-    /// a dense FFN is (its columns `ShardPlan::expert_ffn`).
-    Experts {
-        /// The router's rows, one per expert: the whole router on every rank (each routes
-        /// every token itself, so the ranks agree without a message), never quantized.
-        router: PackedMat,
-        /// Per expert, as `Dense`'s.
-        gate_up: Vec<PackedMat>,
-        down: Vec<PackedMat>,
-    },
+    Experts(Experts),
+}
+
+/// A mixture of experts ([`crate::config::Moe`]), each expert split over the tp ranks as a
+/// dense FFN is (its columns `ShardPlan::expert_ffn`).
+struct Experts {
+    /// The router's rows, one per expert: the whole router on every rank (each routes every
+    /// token itself, so the ranks agree without a message), never quantized.
+    router: PackedMat,
+    /// Per expert, as `Ffn::Dense`'s.
+    gate_up: Vec<PackedMat>,
+    down: Vec<PackedMat>,
+    /// Qwen2-MoE's shared expert: gate/up and down as `Ffn::Dense`'s (its columns
+    /// `ShardPlan::shared_ffn`), and its gate's one row (whole on every rank).
+    shared: Option<(PackedMat, PackedMat, Vec<f32>)>,
 }
 
 impl Ffn {
-    /// Bytes of its matrices: the router's and, of the experts, `experts` of them (`None`:
-    /// all).
+    /// Bytes of its matrices: of a mixture, the router's, the shared expert's and `experts`
+    /// of the others (`None`: all).
     fn bytes(&self, experts: Option<f64>) -> f64 {
         match self {
             Ffn::Dense { gate_up, down } => (gate_up.bytes() + down.bytes()) as f64,
-            Ffn::Experts { router, gate_up, down } => {
-                let all: usize = gate_up.iter().chain(down).map(|m| m.bytes()).sum();
-                let share = experts.map_or(1.0, |x| x / gate_up.len() as f64);
-                router.bytes() as f64 + all as f64 * share
+            Ffn::Experts(x) => {
+                let all: usize = x.gate_up.iter().chain(&x.down).map(|m| m.bytes()).sum();
+                let share = experts.map_or(1.0, |n| n / x.gate_up.len() as f64);
+                let shared = x.shared.as_ref().map_or(0, |(gu, d, g)| gu.bytes() + d.bytes() + 4 * g.len());
+                (x.router.bytes() + shared) as f64 + all as f64 * share
             }
         }
     }
 
-    /// Its matrices in the order a one-token step runs them (of experts, the router and the
-    /// first `per_token`).
+    /// Its matrices in the order a one-token step runs them (of experts, the router, the
+    /// first `per_token` and the shared one).
     fn mats(&self, per_token: usize) -> Vec<&PackedMat> {
         match self {
             Ffn::Dense { gate_up, down } => vec![gate_up, down],
-            Ffn::Experts { router, gate_up, down } => std::iter::once(router)
-                .chain(gate_up.iter().zip(down).take(per_token).flat_map(|(a, b)| [a, b]))
+            Ffn::Experts(x) => std::iter::once(&x.router)
+                .chain(x.gate_up.iter().zip(&x.down).take(per_token).flat_map(|(a, b)| [a, b]))
+                .chain(x.shared.iter().flat_map(|(gu, d, _)| [gu, d]))
                 .collect(),
         }
     }
 }
 
-/// Layer `i`'s router tensor and expert `e`'s gate, up and down tensors: Qwen3-MoE's
-/// `mlp.experts.E.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.experts.E.{w1,w3,w2}`.
+/// Layer `i`'s router tensor and expert `e`'s gate, up and down tensors: Qwen2- and
+/// Qwen3-MoE's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
+/// `block_sparse_moe.experts.E.{w1,w3,w2}`.
 fn expert_names(cfg: &ModelConfig, i: usize, e: usize) -> [String; 4] {
     let p = |s: &str| format!("model.layers.{i}.{s}");
     if cfg.arch == Arch::Mixtral {
@@ -105,6 +113,12 @@ fn expert_names(cfg: &ModelConfig, i: usize, e: usize) -> [String; 4] {
         let x = |w: &str| p(&format!("mlp.experts.{e}.{w}_proj.weight"));
         [p("mlp.gate.weight"), x("gate"), x("up"), x("down")]
     }
+}
+
+/// Layer `i`'s shared expert's gate, up and down tensors and its gate's (Qwen2-MoE).
+fn shared_expert_names(i: usize) -> [String; 4] {
+    let p = |s: &str| format!("model.layers.{i}.mlp.shared_expert{s}.weight");
+    [p(".gate_proj"), p(".up_proj"), p(".down_proj"), p("_gate")]
 }
 
 impl Layer {
@@ -367,6 +381,10 @@ struct ExpertBufs {
     gu: SharedSlice,
     act: SharedSlice,
     out: SharedSlice,
+    /// The shared expert's gate and up products, activations and outputs, by token.
+    shared_gu: SharedSlice,
+    shared_act: SharedSlice,
+    shared_out: SharedSlice,
 }
 
 /// A mixture-of-experts FFN of `n` tokens, `xn` their normed inputs (this thread's copy):
@@ -378,7 +396,7 @@ struct ExpertBufs {
 fn experts(
     r: &Region,
     cfg: &ModelConfig,
-    (router, gate_up, down): (&PackedMat, &[PackedMat], &[PackedMat]),
+    x: &Experts,
     xn: &[f32],
     n: usize,
     b: &ExpertBufs,
@@ -387,6 +405,7 @@ fn experts(
 ) {
     let Some(moe) = &cfg.moe else { return };
     let (e, k, h) = (moe.experts, moe.per_token, cfg.hidden_size);
+    let Experts { router, gate_up, down, shared } = x;
     let fl = down[0].cols;
     // SAFETY (every `range` below): each buffer is written in disjoint ranges (by expert
     // rows, by the team's ranges or by token) and read only after the barrier (or the end of
@@ -424,11 +443,32 @@ fn experts(
             let input = unsafe { &*b.act.range(at * fl, m * fl) };
             kernels::matmul(r, &down[x], input, m, unsafe { b.out.range(at * h, m * h) });
         }
+        // The shared expert: every token through it, as through a dense FFN.
+        if let Some((gu, dn, _)) = shared {
+            let sl = dn.cols;
+            kernels::matmul(r, gu, xn, n, unsafe { b.shared_gu.range(0, n * 2 * sl) });
+            for t in r.share(n) {
+                let a = unsafe { b.shared_act.range(t * sl, sl) };
+                let (g, u) = unsafe { &*b.shared_gu.range(t * 2 * sl, 2 * sl) }.split_at(sl);
+                a.copy_from_slice(g);
+                kernels::act_mul(a, u, cfg.activation);
+            }
+            r.barrier();
+            let input = unsafe { &*b.shared_act.range(0, n * sl) };
+            kernels::matmul(r, dn, input, n, unsafe { b.shared_out.range(0, n * h) });
+        }
         for t in r.share(n) {
             let out = unsafe { o.range(t * h, h) };
             out.fill(0.0);
             for (&(_, w), &row) in rt.choice[t * k..(t + 1) * k].iter().zip(&rt.row[t * k..(t + 1) * k]) {
                 let y = unsafe { &*b.out.range(row * h, h) };
+                out.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+            }
+            if let Some((_, _, gate)) = shared {
+                // Weighted by sigmoid(x · gate), from the whole input on every rank.
+                let x = &xn[t * h..(t + 1) * h];
+                let w = 1.0 / (1.0 + (-x.iter().zip(gate).map(|(a, b)| a * b).sum::<f32>()).exp());
+                let y = unsafe { &*b.shared_out.range(t * h, h) };
                 out.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
             }
         }
@@ -561,13 +601,29 @@ impl Shard {
                     let router =
                         PackedMat::pack_as(&ckpt.rows(&expert_names(&cfg, i, 0)[0], &[e, h], 0..e)?, None);
                     let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
+                    // An expert's (or the shared expert's) gate/up rows of `cols` and down
+                    // columns, stored as `[gate, up, down]` of `ffn` columns.
+                    let expert = |[g, u, d, ..]: &[String; 4], ffn: usize, cols: &std::ops::Range<usize>| {
+                        let rows = |name: &str| ckpt.rows(name, &[ffn, h], cols.clone());
+                        Ok::<_, crate::Error>((
+                            pack(&Mat::vstack(vec![rows(g)?, rows(u)?])),
+                            pack(&ckpt.cols(d, &[h, ffn], cols.clone())?),
+                        ))
+                    };
                     for x in 0..e {
                         let [_, g, u, d] = expert_names(&cfg, i, x);
-                        let rows = |name: &str| ckpt.rows(name, &[fe, h], cols.clone());
-                        gate_up.push(pack(&Mat::vstack(vec![rows(&g)?, rows(&u)?])));
-                        down.push(pack(&ckpt.cols(&d, &[h, fe], cols.clone())?));
+                        let (gu, dn) = expert(&[g, u, d, String::new()], fe, &cols)?;
+                        gate_up.push(gu);
+                        down.push(dn);
                     }
-                    Ffn::Experts { router, gate_up, down }
+                    let shared = if moe.shared_ffn > 0 {
+                        let names = shared_expert_names(i);
+                        let (gu, dn) = expert(&names, moe.shared_ffn, &plan.shared_ffn)?;
+                        Some((gu, dn, ckpt.rows(&names[3], &[1, h], 0..1)?.data.to_f32_vec()))
+                    } else {
+                        None
+                    };
+                    Ffn::Experts(Experts { router, gate_up, down, shared })
                 }
                 None => Ffn::Dense {
                     gate_up: pack(&Mat::vstack(vec![part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?])),
@@ -673,11 +729,23 @@ impl Shard {
                     let (e, fe, cols) = (moe.experts, moe.expert_ffn, plan.expert_ffn.len());
                     let router = src.dtype(&expert_names(cfg, i, 0)[0], &[e, h])?;
                     n += PackedMat::bytes_for(e, h, router, None);
+                    // An expert's (or the shared expert's) bytes, stored as `[gate, up, down]`
+                    // of `ffn` columns, `cols` of them here.
+                    let expert = |[g, u, d, ..]: &[String; 4], ffn: usize, cols: usize| {
+                        let (g, u) = (src.dtype(g, &[ffn, h])?, src.dtype(u, &[ffn, h])?);
+                        Ok::<_, crate::Error>(
+                            packed(2 * cols, h, stacked(g, u)) + packed(h, cols, src.dtype(d, &[h, ffn])?),
+                        )
+                    };
                     for x in 0..e {
                         let [_, g, u, d] = expert_names(cfg, i, x);
-                        let (g, u) = (src.dtype(&g, &[fe, h])?, src.dtype(&u, &[fe, h])?);
-                        n += packed(2 * cols, h, stacked(g, u));
-                        n += packed(h, cols, src.dtype(&d, &[h, fe])?);
+                        n += expert(&[g, u, d, String::new()], fe, cols)?;
+                    }
+                    if moe.shared_ffn > 0 {
+                        let names = shared_expert_names(i);
+                        n += expert(&names, moe.shared_ffn, plan.shared_ffn.len())?;
+                        src.dtype(&names[3], &[1, h])?;
+                        n += 4 * h;
                     }
                 }
                 None => {
@@ -743,7 +811,7 @@ impl Shard {
     /// far (up to 64 tokens), else as many as tokens choosing at random would
     /// ([`crate::config::Moe::expected_experts`]).
     pub fn bytes_per_step(&self, tokens: usize) -> usize {
-        let sparse = self.layers.iter().filter(|l| matches!(l.ffn, Ffn::Experts { .. })).count();
+        let sparse = self.layers.iter().filter(|l| matches!(l.ffn, Ffn::Experts(_))).count();
         let experts = self.cfg.moe.as_ref().map(|m| {
             let counted = self
                 .tally
@@ -964,6 +1032,9 @@ impl Shard {
             moe_gu,
             moe_act,
             moe_out,
+            moe_shared_gu,
+            moe_shared_act,
+            moe_shared_out,
             ..
         } = s;
         let (tokens, blocks, layouts) = (&*tokens, &*blocks, &*layouts);
@@ -1024,12 +1095,16 @@ impl Shard {
         let act = SharedSlice::new(&mut act[..n * ffl]);
         let nk = n * cfg.moe.as_ref().map_or(0, |m| m.per_token);
         let (experts_n, efl) = (cfg.moe.as_ref().map_or(0, |m| m.experts), self.plan.expert_ffn.len());
+        let sfl = self.plan.shared_ffn.len();
         let expert_bufs = ExpertBufs {
             logits: SharedSlice::new(&mut moe_logits[..n * experts_n]),
             x: SharedSlice::new(&mut moe_x[..nk * h]),
             gu: SharedSlice::new(&mut moe_gu[..nk * 2 * efl]),
             act: SharedSlice::new(&mut moe_act[..nk * efl]),
             out: SharedSlice::new(&mut moe_out[..nk * h]),
+            shared_gu: SharedSlice::new(&mut moe_shared_gu[..n * 2 * sfl]),
+            shared_act: SharedSlice::new(&mut moe_shared_act[..n * sfl]),
+            shared_out: SharedSlice::new(&mut moe_shared_out[..n * sfl.min(1) * h]),
         };
         let part_out = SharedSlice::new(&mut part_out[..n_slots * hd]);
         let part_stats = SharedSlice::new(&mut part_stats[..n_slots * 2]);
@@ -1267,9 +1342,9 @@ impl Shard {
                 kernels::rmsnorm(xo, &l.post_norm, cfg.rms_norm_eps, xn);
                 let (gate_up, down) = match &l.ffn {
                     Ffn::Dense { gate_up, down } => (gate_up, down),
-                    Ffn::Experts { router, gate_up, down } => {
+                    Ffn::Experts(x) => {
                         let tally = tally.map(|t| &t.1);
-                        experts(r, cfg, (router, gate_up, down), xn, n, &expert_bufs, &o, tally);
+                        experts(r, cfg, x, xn, n, &expert_bufs, &o, tally);
                         let norm = l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps));
                         add_reduced(r, &comm, &o, xo, norm);
                         continue;
@@ -1402,6 +1477,9 @@ pub struct Scratch {
     moe_gu: Vec<f32>,
     moe_act: Vec<f32>,
     moe_out: Vec<f32>,
+    moe_shared_gu: Vec<f32>,
+    moe_shared_act: Vec<f32>,
+    moe_shared_out: Vec<f32>,
 }
 
 impl Scratch {
@@ -1433,6 +1511,10 @@ impl Scratch {
         self.moe_gu = vec![0.0; nk * 2 * efl];
         self.moe_act = vec![0.0; nk * efl];
         self.moe_out = vec![0.0; nk * h];
+        let sfl = m.plan.shared_ffn.len();
+        self.moe_shared_gu = vec![0.0; n * 2 * sfl];
+        self.moe_shared_act = vec![0.0; n * sfl];
+        self.moe_shared_out = vec![0.0; n * sfl.min(1) * h];
         let local = if m.inv_freq_local.is_some() { n * hd / 2 } else { 0 };
         self.cos_local = vec![0.0; local];
         self.sin_local = vec![0.0; local];
@@ -1508,20 +1590,22 @@ mod tests {
             (DType::BF16, None, Some(100), Arch::Gemma3),
             (DType::BF16, None, Some(100), Arch::Gemma2),
             (DType::BF16, None, None, Arch::Mixtral),
-            (DType::F16, Some(Quant::Int8), None, Arch::Mixtral),
+            (DType::F16, Some(Quant::Int8), None, Arch::Qwen2Moe),
         ];
         for (dtype, quant, window, arch) in cases {
             let (qkv_bias, qk_norm) = (arch == Arch::Qwen2, matches!(arch, Arch::Qwen3 | Arch::Gemma3));
             let mut cfg = ModelConfig { sliding_window: window, arch, qkv_bias, qk_norm, ..cfg.clone() };
-            if arch == Arch::Mixtral {
+            if matches!(arch, Arch::Mixtral | Arch::Qwen2Moe) {
                 // A dense layer, then a mixture of 5 experts of 100 columns, 2 a token: the
-                // batch's tokens share some experts' products, seq 0's rows among others'.
+                // batch's tokens share some experts' products, seq 0's rows among others'
+                // (Qwen2-MoE's with a shared expert of 60 columns, int8).
                 let sparse = vec![false, true];
                 cfg.moe = Some(crate::config::Moe {
                     experts: 5,
                     per_token: 2,
                     expert_ffn: 100,
                     norm_topk: false,
+                    shared_ffn: if arch == Arch::Qwen2Moe { 60 } else { 0 },
                     sparse,
                 });
             }
@@ -1620,6 +1704,7 @@ mod tests {
             ("llama-3.2-1b", Some(Arch::Phi3)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
+            ("qwen1.5-moe-a2.7b", None),
             ("qwen3-30b-a3b", None),
             ("mixtral-8x7b", None),
         ];
@@ -1630,8 +1715,9 @@ mod tests {
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
             if let Some(moe) = &mut cfg.moe {
                 // 5 experts of 40 columns (split 32 and 8 over two ranks), the middle layer
-                // dense.
+                // dense; Qwen2-MoE's shared expert of 56 (32 and 24).
                 (moe.experts, moe.expert_ffn, moe.sparse) = (5, 40, vec![true, false, true]);
+                moe.shared_ffn = moe.shared_ffn.min(56);
             }
             cfg.tie_word_embeddings = tied;
             for dtype in [DType::F32, DType::BF16, DType::F16] {

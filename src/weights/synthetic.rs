@@ -23,6 +23,7 @@ pub const SHAPES: &[&str] = &[
     "llama-2-7b",
     "llama-3-8b",
     "llama-2-70b",
+    "qwen1.5-moe-a2.7b",
     "qwen3-30b-a3b",
     "mixtral-8x7b",
 ];
@@ -43,6 +44,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 128, 32000, false, 10000.0, 4096),
         "llama-3-8b" => (Arch::Llama, 4096, 14336, 32, 32, 8, 128, 128256, false, 500000.0, 8192),
         "llama-2-70b" => (Arch::Llama, 8192, 28672, 80, 64, 8, 128, 32000, false, 10000.0, 4096),
+        "qwen1.5-moe-a2.7b" => (Arch::Qwen2Moe, 2048, 5632, 24, 16, 16, 128, 151936, false, 1000000.0, 8192),
         "qwen3-30b-a3b" => (Arch::Qwen3Moe, 2048, 6144, 48, 32, 4, 128, 151936, false, 1000000.0, 40960),
         "mixtral-8x7b" => (Arch::Mixtral, 4096, 14336, 32, 32, 8, 128, 32000, false, 1000000.0, 32768),
         other => {
@@ -80,7 +82,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         rope_scaling,
         max_position_embeddings: max_pos,
         tie_word_embeddings: tied,
-        qkv_bias: arch == Arch::Qwen2,
+        qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
@@ -98,18 +100,33 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         attn_scale: 1.0 / (hd as f32).sqrt(),
         attn_softcap: gemma2.then_some(50.0),
         final_softcap: gemma2.then_some(30.0),
+        // Qwen1.5-MoE-A2.7B: 60 experts of 1408 columns, 4 a token, a shared one of 5632;
         // Qwen3-30B-A3B: 128 experts of 768 columns, 8 a token; Mixtral 8x7B: 8, 2 a token.
         moe: match arch {
+            Arch::Qwen2Moe => Some(Moe {
+                experts: 60,
+                per_token: 4,
+                expert_ffn: 1408,
+                norm_topk: false,
+                shared_ffn: 5632,
+                sparse: vec![true; l],
+            }),
             Arch::Qwen3Moe => Some(Moe {
                 experts: 128,
                 per_token: 8,
                 expert_ffn: 768,
                 norm_topk: true,
+                shared_ffn: 0,
                 sparse: vec![true; l],
             }),
-            Arch::Mixtral => {
-                Some(Moe { experts: 8, per_token: 2, expert_ffn: ff, norm_topk: true, sparse: vec![true; l] })
-            }
+            Arch::Mixtral => Some(Moe {
+                experts: 8,
+                per_token: 2,
+                expert_ffn: ff,
+                norm_topk: true,
+                shared_ffn: 0,
+                sparse: vec![true; l],
+            }),
             _ => None,
         },
         bos_token_id: None,

@@ -320,6 +320,12 @@ impl TinyModel {
             ..Self::qwen3()
         }
     }
+    /// Qwen2-MoE-style: Qwen2's shape (QKV bias, untied head) with every second layer a
+    /// mixture of 6 experts of 40 columns, 2 chosen a token, beside a shared expert of 56
+    /// columns (no multiple of 16) weighted by its sigmoid gate.
+    pub fn qwen2_moe() -> Self {
+        TinyModel { model_type: "qwen2_moe", layers: 4, experts: Some((6, 2, 40)), ..Self::qwen2() }
+    }
     /// Mixtral-style: Llama's shape (uneven heads) with every layer a mixture of 4 experts of
     /// 64 columns, 2 chosen a token (their shares renormalized), an untied head.
     pub fn mixtral() -> Self {
@@ -334,7 +340,7 @@ impl TinyModel {
 
     /// Whether layer `l`'s FFN is a mixture of experts.
     fn is_sparse(&self, l: usize) -> bool {
-        self.experts.is_some() && (self.model_type != "qwen3_moe" || l % 2 == 1)
+        self.experts.is_some() && (self.model_type == "mixtral" || l % 2 == 1)
     }
 
     fn is_gemma3(&self) -> bool {
@@ -363,6 +369,7 @@ impl TinyModel {
             "gemma2" => "Gemma2ForCausalLM",
             "gemma" => "GemmaForCausalLM",
             "smollm3" => "SmolLM3ForCausalLM",
+            "qwen2_moe" => "Qwen2MoeForCausalLM",
             "qwen3_moe" => "Qwen3MoeForCausalLM",
             "mixtral" => "MixtralForCausalLM",
             _ => "LlamaForCausalLM",
@@ -391,6 +398,7 @@ impl TinyModel {
                 serde_json::json!({
                     "num_experts": experts, "moe_intermediate_size": width, "decoder_sparse_step": 2,
                     "norm_topk_prob": false, "mlp_only_layers": [],
+                    "shared_expert_intermediate_size": if self.model_type == "qwen2_moe" { 56 } else { 0 },
                 })
             };
             cfg["num_experts_per_tok"] = per_token.into();
@@ -453,7 +461,7 @@ impl TinyModel {
             add(p("self_attn.q_proj.weight"), vec![self.heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.k_proj.weight"), vec![self.kv_heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
-            if self.model_type == "qwen2" {
+            if self.model_type.starts_with("qwen2") {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
@@ -476,6 +484,14 @@ impl TinyModel {
                         add(x(names[0]), vec![width, h], w, 0.0);
                         add(x(names[1]), vec![width, h], w, 0.0);
                         add(x(names[2]), vec![h, width], 1.0 / (width as f32).sqrt(), 0.0);
+                    }
+                    if self.model_type == "qwen2_moe" {
+                        let shared = 56;
+                        add(p("mlp.shared_expert.gate_proj.weight"), vec![shared, h], w, 0.0);
+                        add(p("mlp.shared_expert.up_proj.weight"), vec![shared, h], w, 0.0);
+                        let down = 1.0 / (shared as f32).sqrt();
+                        add(p("mlp.shared_expert.down_proj.weight"), vec![h, shared], down, 0.0);
+                        add(p("mlp.shared_expert_gate.weight"), vec![1, h], 2.0 * w, 0.0);
                     }
                 }
                 None => {

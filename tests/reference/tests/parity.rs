@@ -5,7 +5,9 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
-use candle_transformers::models::{gemma, gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe};
+use candle_transformers::models::{
+    gemma, gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+};
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
     smollm2, write_gguf, GgufValue, Run,
@@ -375,6 +377,18 @@ fn random_qwen3_moe_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(qwen3_moe, ModelForCausalLM, dir);
     same_on_two_ranks("random qwen3_moe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// Qwen2-MoE's mixture of experts beside its shared expert (weighted by a sigmoid gate), with
+/// Qwen2's QKV biases, against candle's `qwen2_moe`; split over two ranks by heads and the
+/// experts' and the shared expert's columns (56: 32 and 24), and by layers, the same tokens
+/// and logits within 1e-4 of the single rank.
+#[test]
+fn random_qwen2_moe_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(qwen2_moe, Model, dir);
+    same_on_two_ranks("random qwen2_moe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// Mixtral's mixture of experts on every layer (2 of 4 a token, their shares renormalized),
