@@ -24,6 +24,8 @@ pub enum Arch {
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
+    /// OLMo 2: norms on the sublayers' outputs only, q and k normed over their whole width.
+    Olmo2,
     /// Qwen2 with mixture-of-experts FFNs and a shared expert (`qwen2_moe`).
     Qwen2Moe,
     /// Qwen3 with mixture-of-experts FFNs (`qwen3_moe`).
@@ -44,6 +46,7 @@ impl Arch {
             Arch::Gemma => "gemma",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Olmo2 => "olmo2",
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
@@ -99,6 +102,20 @@ impl Moe {
     }
 }
 
+/// Where a layer's RMSNorms sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormPlace {
+    /// On each sublayer's input (`input_layernorm`, `post_attention_layernorm` before the FFN).
+    Pre,
+    /// On each sublayer's input and output (Gemma 2 and 3: `input_layernorm`,
+    /// `pre_feedforward_layernorm`, and `post_attention_layernorm`, `post_feedforward_layernorm`
+    /// on the outputs before they join the residual stream).
+    Sandwich,
+    /// On each sublayer's output only (OLMo 2: `post_attention_layernorm`,
+    /// `post_feedforward_layernorm`); the inputs go in as they are.
+    Post,
+}
+
 /// How RoPE frequencies are scaled for long context.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
@@ -128,6 +145,10 @@ pub struct ModelConfig {
     /// An RMSNorm over each query and key head (weights of `head_dim`, shared by the heads)
     /// between the projection and RoPE (Qwen3).
     pub qk_norm: bool,
+    /// An RMSNorm over the whole q projection and the whole k projection (weights of `q_dim`
+    /// and `kv_dim`) between the projection and RoPE (OLMo 2): under tensor parallelism each
+    /// rank's share of the squares is summed over the stage.
+    pub qk_norm_full: bool,
     /// Attend to at most this many previous positions (Mistral; Gemma 2 and 3's local layers);
     /// `None` = full causal.
     pub sliding_window: Option<usize>,
@@ -143,10 +164,8 @@ pub struct ModelConfig {
     pub norm_plus_one: bool,
     /// Embedding rows are multiplied by `sqrt(hidden_size)` on the way in (Gemma).
     pub scale_embedding: bool,
-    /// Gemma 2 and 3's sandwich norms: the attention and FFN outputs are normed
-    /// (`post_attention_layernorm`, `post_feedforward_layernorm`) before they join the
-    /// residual stream, and `pre_feedforward_layernorm` is the FFN's input norm.
-    pub sandwich_norms: bool,
+    /// Where the layers' norms sit.
+    pub norm_place: NormPlace,
     /// Factor of the attention scores: `1/sqrt(head_dim)`, or Gemma's
     /// `1/sqrt(query_pre_attn_scalar)`.
     pub attn_scale: f32,
@@ -162,7 +181,7 @@ pub struct ModelConfig {
 
 /// The `model_type`s gridlm runs, as errors list them.
 const MODEL_TYPES: &str =
-    "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, qwen2_moe, qwen3_moe, mixtral";
+    "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -196,6 +215,7 @@ struct HfConfig {
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
     use_bidirectional_attention: Option<bool>,
+    clip_qkv: Option<f64>,
     num_experts: Option<usize>,
     num_local_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
@@ -263,6 +283,7 @@ impl ModelConfig {
             "gemma" => Arch::Gemma,
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
+            "olmo2" => Arch::Olmo2,
             "qwen2_moe" => Arch::Qwen2Moe,
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
@@ -311,6 +332,9 @@ impl ModelConfig {
         }
         if raw.mlp_bias == Some(true) {
             return Err(bad("mlp_bias = true (biases on the FFN's matrices) is not supported".into()));
+        }
+        if let Some(c) = raw.clip_qkv {
+            return Err(bad(format!("clip_qkv {c} is not supported (q, k and v clamped: OLMo 1's)")));
         }
         if raw.use_bidirectional_attention == Some(true) {
             return Err(bad(
@@ -425,6 +449,7 @@ impl ModelConfig {
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
+            qk_norm_full: arch == Arch::Olmo2,
             sliding_window,
             local_layers,
             rope_local_theta,
@@ -432,7 +457,11 @@ impl ModelConfig {
             activation,
             norm_plus_one: gemma,
             scale_embedding: gemma,
-            sandwich_norms: gemma23,
+            norm_place: match arch {
+                Arch::Gemma2 | Arch::Gemma3 => NormPlace::Sandwich,
+                Arch::Olmo2 => NormPlace::Post,
+                _ => NormPlace::Pre,
+            },
             attn_scale,
             attn_softcap,
             final_softcap,
@@ -862,6 +891,20 @@ mod tests {
     }
 
     #[test]
+    fn olmo2_norms_outputs_and_whole_q_and_k() {
+        let c =
+            parse(&config("olmo2", r#""rope_theta":500000,"attention_bias":false,"clip_qkv":null"#)).unwrap();
+        assert_eq!(
+            (c.arch, c.norm_place, c.qk_norm_full, c.qk_norm),
+            (Arch::Olmo2, NormPlace::Post, true, false)
+        );
+        assert!(!c.tie_word_embeddings && !c.qkv_bias);
+        let e = parse(&config("olmo2", r#""clip_qkv":8.0"#)).unwrap_err().to_string();
+        assert!(e.contains("clip_qkv 8 is not supported"), "{e}");
+        assert!(!parse(BASE).unwrap().qk_norm_full);
+    }
+
+    #[test]
     fn phi3_keeps_its_window_and_refuses_a_partial_rotation() {
         let c = parse(&config("phi3", r#""sliding_window":2047"#)).unwrap();
         assert_eq!((c.arch, c.sliding_window, c.qkv_bias, c.qk_norm), (Arch::Phi3, Some(2047), false, false));
@@ -881,7 +924,13 @@ mod tests {
             (Arch::Gemma3, 32, Some(512), Some(1e4))
         );
         assert_eq!(c.activation, Activation::GeluTanh);
-        assert!(c.qk_norm && c.norm_plus_one && c.scale_embedding && c.sandwich_norms && !c.qkv_bias);
+        assert!(
+            c.qk_norm
+                && c.norm_plus_one
+                && c.scale_embedding
+                && c.norm_place == NormPlace::Sandwich
+                && !c.qkv_bias
+        );
         // query_pre_attn_scalar's default, 256, sets the scale, not head_dim.
         assert_eq!(c.attn_scale, 1.0 / 16.0);
         // The default pattern: every sixth layer global (two layers here: both local).
@@ -929,7 +978,7 @@ mod tests {
             (Some(1024), None, vec![1, 106])
         );
         assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
-        assert!(c.tie_word_embeddings && c.qk_norm && c.sandwich_norms);
+        assert!(c.tie_word_embeddings && c.qk_norm && c.norm_place == NormPlace::Sandwich);
         let e = parse(r#"{"model_type":"gemma3"}"#).unwrap_err().to_string();
         assert!(e.contains("model_type `gemma3` without an object `text_config`"), "{e}");
         // Logit soft-capping is Gemma's; other families ignore the fields, as HF does.
@@ -939,8 +988,8 @@ mod tests {
         // The others keep SiLU and plain norms.
         let c = parse(BASE).unwrap();
         assert_eq!(
-            (c.activation, c.norm_plus_one, c.sandwich_norms, c.local_layers),
-            (Activation::Silu, false, false, None)
+            (c.activation, c.norm_plus_one, c.norm_place, c.local_layers),
+            (Activation::Silu, false, NormPlace::Pre, None)
         );
         assert_eq!(c.attn_scale, 0.25);
     }
@@ -976,7 +1025,7 @@ mod tests {
         assert_eq!((c.arch, c.activation), (Arch::Gemma, Activation::GeluTanh));
         // Its folders leave `tie_word_embeddings` out: tied, as HF's default for Gemma.
         assert!(c.tie_word_embeddings);
-        assert!(c.norm_plus_one && c.scale_embedding && !c.sandwich_norms && !c.qk_norm);
+        assert!(c.norm_plus_one && c.scale_embedding && c.norm_place == NormPlace::Pre && !c.qk_norm);
         assert_eq!((c.sliding_window, c.local_layers, c.attn_softcap), (None, None, None));
         assert_eq!(c.attn_scale, 1.0 / 32f32.sqrt());
         let e = parse(&config("gemma", r#""hidden_activation":"gelu""#)).unwrap_err().to_string();
@@ -989,7 +1038,7 @@ mod tests {
             "num_hidden_layers":3,"query_pre_attn_scalar":256,"sliding_window":4096"#;
         let c = parse(&config("gemma2", extra).replace(r#""num_hidden_layers":2,"#, "")).unwrap();
         assert_eq!((c.arch, c.attn_softcap, c.final_softcap), (Arch::Gemma2, Some(50.0), Some(30.0)));
-        assert!(c.norm_plus_one && c.scale_embedding && c.sandwich_norms && !c.qk_norm);
+        assert!(c.norm_plus_one && c.scale_embedding && c.norm_place == NormPlace::Sandwich && !c.qk_norm);
         assert_eq!(c.activation, Activation::GeluTanh);
         // Layers 0 and 2 local, through the window, on the one RoPE base.
         let windows: Vec<_> = (0..3).map(|i| c.layer_window(i)).collect();

@@ -13,7 +13,7 @@
 pub mod kv_cache;
 
 use crate::comm::Comm;
-use crate::config::{Arch, LayerRope, ModelConfig};
+use crate::config::{Arch, LayerRope, ModelConfig, NormPlace};
 use crate::error::Result;
 use crate::grid::ShardPlan;
 use crate::kernels::{self, AttendOut, Region, SharedSlice, Team};
@@ -27,9 +27,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 struct Layer {
-    input_norm: Vec<f32>,
-    /// The FFN's input norm (`post_attention_layernorm`, Gemma 3's `pre_feedforward_layernorm`).
-    post_norm: Vec<f32>,
+    /// The attention's input norm (none in OLMo 2).
+    input_norm: Option<Vec<f32>>,
+    /// The FFN's input norm (`post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`;
+    /// none in OLMo 2).
+    post_norm: Option<Vec<f32>>,
     /// Gemma 2 and 3's norms of the attention and FFN outputs, before they join the residual
     /// stream.
     out_norms: Option<(Vec<f32>, Vec<f32>)>,
@@ -43,6 +45,8 @@ struct Layer {
     qkv_bias: Option<Vec<f32>>,
     /// Qwen3's RMSNorm weights over each query head and each key head (`head_dim` each).
     head_norms: Option<(Vec<f32>, Vec<f32>)>,
+    /// OLMo 2's RMSNorm weights over the whole q and k projections: this rank's heads' slices.
+    full_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Input columns of this rank's q heads.
     o_proj: PackedMat,
     ffn: Ffn,
@@ -125,10 +129,12 @@ impl Layer {
     /// Bytes of its f32 vectors: norms and biases.
     fn vector_bytes(&self) -> usize {
         let pair = |p: &Option<(Vec<f32>, Vec<f32>)>| p.as_ref().map_or(0, |(a, b)| a.len() + b.len());
-        4 * (self.input_norm.len()
-            + self.post_norm.len()
+        let one = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+        4 * (one(&self.input_norm)
+            + one(&self.post_norm)
             + self.qkv_bias.as_ref().map_or(0, |b| b.len())
             + pair(&self.head_norms)
+            + pair(&self.full_norms)
             + pair(&self.out_norms))
     }
 }
@@ -161,18 +167,42 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     }
 }
 
-/// A layer's norms after `model.layers.N.`: the attention's input norm, the FFN's input norm,
-/// then (Gemma 2, 3) the norms of the attention's and the FFN's outputs.
-fn layer_norm_names(cfg: &ModelConfig) -> &'static [&'static str] {
-    if cfg.sandwich_norms {
-        &[
-            "input_layernorm.weight",
-            "pre_feedforward_layernorm.weight",
-            "post_attention_layernorm.weight",
-            "post_feedforward_layernorm.weight",
-        ]
-    } else {
-        &["input_layernorm.weight", "post_attention_layernorm.weight"]
+/// A layer's norms after `model.layers.N.`, where it has them: the attention's input norm, the
+/// FFN's input norm, the attention's output norm, the FFN's output norm.
+fn layer_norm_names(cfg: &ModelConfig) -> [Option<&'static str>; 4] {
+    let input = Some("input_layernorm.weight");
+    let (post_attention, post_ffn) =
+        (Some("post_attention_layernorm.weight"), Some("post_feedforward_layernorm.weight"));
+    match cfg.norm_place {
+        NormPlace::Pre => [input, post_attention, None, None],
+        NormPlace::Sandwich => [input, Some("pre_feedforward_layernorm.weight"), post_attention, post_ffn],
+        NormPlace::Post => [None, None, post_attention, post_ffn],
+    }
+}
+
+/// Each token's sums of squares of its q and of its k values on this rank (of the KV heads
+/// `counted` here), side by side into `sums`, from its QKV rows (`nq` q heads, `nkv` k and `nkv`
+/// v heads of `hd`).
+fn full_norm_factors(
+    qkv: &[f32],
+    sums: &mut [f32],
+    (nq, nkv, hd): (usize, usize, usize),
+    counted: impl Fn(usize) -> bool,
+) {
+    let rows = (nq + 2 * nkv) * hd;
+    let squares = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
+    for (row, s) in qkv.chunks_exact(rows).zip(sums.chunks_exact_mut(2)) {
+        s[0] = squares(&row[..nq * hd]);
+        s[1] =
+            (0..nkv).filter(|&k| counted(k)).map(|k| squares(&row[(nq + k) * hd..(nq + k + 1) * hd])).sum();
+    }
+}
+
+/// `x` normed by `w` into `out`, or copied where there is no norm.
+fn norm_into(x: &[f32], w: &Option<Vec<f32>>, eps: f32, out: &mut [f32]) {
+    match w {
+        Some(w) => kernels::rmsnorm(x, w, eps, out),
+        None => out.copy_from_slice(x),
     }
 }
 
@@ -630,14 +660,21 @@ impl Shard {
                     down: pack(&ckpt.cols(&p("mlp.down_proj.weight"), &[h, ff], plan.ffn.clone())?),
                 },
             };
-            let norms = layer_norm_names(&cfg);
-            let out_norms = match norms {
-                [_, _, a, f] => Some((norm(&p(a), h)?, norm(&p(f), h)?)),
+            let full_norms = if cfg.qk_norm_full {
+                let q = ckpt.vector_range_f32(&p("self_attn.q_norm.weight"), qd, qr.clone())?;
+                Some((q, ckpt.vector_range_f32(&p("self_attn.k_norm.weight"), kvd, kr.clone())?))
+            } else {
+                None
+            };
+            let [input_norm, post_norm, attn_out, ffn_out] =
+                layer_norm_names(&cfg).map(|name| name.map(|name| norm(&p(name), h)).transpose());
+            let out_norms = match (attn_out?, ffn_out?) {
+                (Some(a), Some(f)) => Some((a, f)),
                 _ => None,
             };
             layers.push(Layer {
-                input_norm: norm(&p(norms[0]), h)?,
-                post_norm: norm(&p(norms[1]), h)?,
+                input_norm: input_norm?,
+                post_norm: post_norm?,
                 out_norms,
                 layout: windows.iter().position(|w| *w == cfg.layer_window(i)).unwrap_or_else(|| {
                     windows.push(cfg.layer_window(i));
@@ -647,6 +684,7 @@ impl Shard {
                 qkv: pack(&Mat::vstack(vec![q, k, v])),
                 qkv_bias,
                 head_norms,
+                full_norms,
                 o_proj: pack(&ckpt.cols(&p("self_attn.o_proj.weight"), &[h, qd], qr.clone())?),
                 ffn,
             });
@@ -753,7 +791,7 @@ impl Shard {
                     n += packed(h, plan.ffn.len(), src.dtype(&p("mlp.down_proj.weight"), &[h, ff])?);
                 }
             }
-            for name in layer_norm_names(cfg) {
+            for name in layer_norm_names(cfg).into_iter().flatten() {
                 src.dtype(&p(name), &[h])?;
                 n += 4 * h;
             }
@@ -762,6 +800,11 @@ impl Shard {
                 src.dtype(&p("self_attn.q_norm.weight"), &[hd])?;
                 src.dtype(&p("self_attn.k_norm.weight"), &[hd])?;
                 n += 4 * 2 * hd;
+            }
+            if cfg.qk_norm_full {
+                src.dtype(&p("self_attn.q_norm.weight"), &[qd])?;
+                src.dtype(&p("self_attn.k_norm.weight"), &[cfg.kv_dim()])?;
+                n += 4 * (q_rows + kv_rows);
             }
         }
         let vocab_shape = [cfg.vocab_size, h];
@@ -1035,6 +1078,7 @@ impl Shard {
             moe_shared_gu,
             moe_shared_act,
             moe_shared_out,
+            qk_inv,
             ..
         } = s;
         let (tokens, blocks, layouts) = (&*tokens, &*blocks, &*layouts);
@@ -1071,12 +1115,20 @@ impl Shard {
         // comes from the product, finished: its bias added and, but for v, normed (Qwen3, Gemma
         // 3) and rotated (but in SmolLM3's NoPE layers).
         let half = hd / 2;
+        let qk_inv = SharedSlice::new(&mut qk_inv[..2 * n]);
         let finish = |l: &Layer, t: usize, j: usize, out: &mut [f32]| {
             if let Some(b) = &l.qkv_bias {
                 out.iter_mut().zip(&b[j * hd..(j + 1) * hd]).for_each(|(v, b)| *v += b);
             }
             if let Some((qn, kn)) = l.head_norms.as_ref().filter(|_| j < nq + nkv) {
                 kernels::rmsnorm_in_place(out, if j < nq { qn } else { kn }, cfg.rms_norm_eps);
+            }
+            if let Some((qn, kn)) = l.full_norms.as_ref().filter(|_| j < nq + nkv) {
+                // SAFETY: the token's factors were written before the barrier that ended the
+                // QKV product's sums (below).
+                let inv = unsafe { &*qk_inv.range(2 * t, 2) };
+                let (w, f) = if j < nq { (&qn[j * hd..], inv[0]) } else { (&kn[(j - nq) * hd..], inv[1]) };
+                out.iter_mut().zip(w).for_each(|(v, w)| *v *= f * w);
             }
             if j < nq + nkv {
                 let (cos, sin) = match l.rope {
@@ -1133,7 +1185,7 @@ impl Shard {
                 let lay = &layouts[l.layout];
                 let n_items = lay.n_items();
                 // Attention block.
-                kernels::rmsnorm(xo, &l.input_norm, cfg.rms_norm_eps, xn);
+                norm_into(xo, &l.input_norm, cfg.rms_norm_eps, xn);
                 if n <= PREFETCH_TOKENS {
                     // SAFETY: nothing writes the pool until after the product.
                     let kv = unsafe { kv.get() };
@@ -1163,6 +1215,24 @@ impl Shard {
                     }
                 }
                 kernels::matmul(r, &l.qkv, xn, n, unsafe { qkv.range(0, n * qkv_rows) });
+                if l.full_norms.is_some() {
+                    if tid == 0 {
+                        // SAFETY: the other threads wait at the barrier below.
+                        let (qkv, inv) = unsafe { (&*qkv.range(0, n * qkv_rows), qk_inv.range(0, 2 * n)) };
+                        full_norm_factors(qkv, inv, (nq, nkv, hd), |kvl| {
+                            // A KV head is counted by the rank holding its first query head.
+                            (q0..q0 + nq).contains(&((kv0 + kvl) * group))
+                        });
+                        if comm.0.size() > 1 {
+                            comm.0.allreduce_sum(inv);
+                        }
+                        let dims = [cfg.q_dim(), cfg.kv_dim()];
+                        for (v, d) in inv.iter_mut().zip(dims.iter().cycle()) {
+                            *v = 1.0 / (*v / *d as f32 + cfg.rms_norm_eps).sqrt();
+                        }
+                    }
+                    r.barrier();
+                }
                 if !fold {
                     if tid == 0 {
                         // SAFETY: the other threads wait at the barrier below.
@@ -1339,7 +1409,7 @@ impl Shard {
                 add_reduced(r, &comm, &o, xo, l.out_norms.as_ref().map(|(a, _)| (&a[..], cfg.rms_norm_eps)));
 
                 // FFN block.
-                kernels::rmsnorm(xo, &l.post_norm, cfg.rms_norm_eps, xn);
+                norm_into(xo, &l.post_norm, cfg.rms_norm_eps, xn);
                 let (gate_up, down) = match &l.ffn {
                     Ffn::Dense { gate_up, down } => (gate_up, down),
                     Ffn::Experts(x) => {
@@ -1480,6 +1550,8 @@ pub struct Scratch {
     moe_shared_gu: Vec<f32>,
     moe_shared_act: Vec<f32>,
     moe_shared_out: Vec<f32>,
+    /// Each token's inverse RMS of its whole q and k projections (OLMo 2), side by side.
+    qk_inv: Vec<f32>,
 }
 
 impl Scratch {
@@ -1515,6 +1587,7 @@ impl Scratch {
         self.moe_shared_gu = vec![0.0; n * 2 * sfl];
         self.moe_shared_act = vec![0.0; n * sfl];
         self.moe_shared_out = vec![0.0; n * sfl.min(1) * h];
+        self.qk_inv = vec![0.0; 2 * n];
         let local = if m.inv_freq_local.is_some() { n * hd / 2 } else { 0 };
         self.cos_local = vec![0.0; local];
         self.sin_local = vec![0.0; local];
@@ -1554,18 +1627,19 @@ mod tests {
     use crate::weights::synthetic::{self, Synthetic};
 
     /// A sequence's decode step gives the same hidden state, bit for bit, alone, in a batch of
-    /// other sequences' decode tokens and beside another sequence's prompt chunk (which sends
-    /// the step's products through the many-token path's column blocks and tiles), on one, two
-    /// or three kernel threads, for float and int8 weights. The model has one KV head, so its
-    /// keys (six attention tiles) are split into two, four or six parts alone on one, two or
-    /// three threads, and into two in the batch and beside the prompt on two or three (there
-    /// merged by the team, the step being too long to merge on every thread), with a sliding
-    /// window into two at most; and rows wider than one column block (the down product's 4100
-    /// columns). With QKV biases (Qwen2) or per-head q/k norms (Qwen3), which the batch and
-    /// the prompt chunk apply before attention and a decode step alone inside its items; and
-    /// Gemma 3's local layer (a window of 100, its own RoPE) before a global one, a step's
-    /// attention in two layouts; Gemma 2's soft-capped scores, capped tile by tile; and a
-    /// mixture of experts, whose products take the rows of the tokens that chose each expert.
+    /// other sequences' decode tokens and beside another sequence's prompt chunk (which sends the
+    /// step's products through the many-token path's column blocks and tiles), on one, two or three
+    /// kernel threads, for float and int8 weights. The model has one KV head, so its keys (six
+    /// attention tiles) are split into two, four or six parts alone on one, two or three threads,
+    /// and into two in the batch and beside the prompt on two or three (there merged by the team,
+    /// the step being too long to merge on every thread), with a sliding window into two at most;
+    /// and rows wider than one column block (the down product's 4100 columns). With QKV biases
+    /// (Qwen2) or per-head q/k norms (Qwen3), which the batch and the prompt chunk apply before
+    /// attention and a decode step alone inside its items; and Gemma 3's local layer (a window of
+    /// 100, its own RoPE) before a global one, a step's attention in two layouts; Gemma 2's
+    /// soft-capped scores, capped tile by tile; OLMo 2's output norms and q and k normed over their
+    /// whole width (before attention, or inside its items alone); and a mixture of experts, whose
+    /// products take the rows of the tokens that chose each expert.
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
@@ -1589,6 +1663,7 @@ mod tests {
             (DType::BF16, None, None, Arch::Qwen3),
             (DType::BF16, None, Some(100), Arch::Gemma3),
             (DType::BF16, None, Some(100), Arch::Gemma2),
+            (DType::BF16, None, None, Arch::Olmo2),
             (DType::BF16, None, None, Arch::Mixtral),
             (DType::F16, Some(Quant::Int8), None, Arch::Qwen2Moe),
         ];
@@ -1609,10 +1684,13 @@ mod tests {
                     sparse,
                 });
             }
+            if arch == Arch::Olmo2 {
+                (cfg.norm_place, cfg.qk_norm_full) = (NormPlace::Post, true);
+            }
             let plan = ShardPlan::new(&cfg, &Grid::new(1, 1, 0, 1).unwrap(), None).unwrap();
             if matches!(arch, Arch::Gemma2 | Arch::Gemma3) {
                 cfg.local_layers = Some(vec![true, false]);
-                (cfg.norm_plus_one, cfg.scale_embedding, cfg.sandwich_norms) = (true, true, true);
+                (cfg.norm_plus_one, cfg.scale_embedding, cfg.norm_place) = (true, true, NormPlace::Sandwich);
                 cfg.activation = crate::kernels::Activation::GeluTanh;
                 // Gemma 3's local RoPE base, or Gemma 2's soft caps (small enough to bite).
                 if arch == Arch::Gemma3 {
@@ -1691,10 +1769,11 @@ mod tests {
         }
     }
 
-    /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits,
-    /// tied and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2),
-    /// per-head norms (Qwen3), fused matrices (Phi-3), four norms a layer (Gemma 2 and 3) and
-    /// mixtures of experts beside a dense layer (Qwen3-MoE's and Mixtral's tensor names).
+    /// Known before loading, exactly what the loaded shard holds: uneven head and FFN splits, tied
+    /// and untied heads, one or several stages, every dtype and int8, QKV biases (Qwen2), per-head
+    /// norms (Qwen3), fused matrices (Phi-3), four norms a layer (Gemma 2 and 3), two output norms
+    /// and whole-width q/k norms (OLMo 2) and mixtures of experts beside a dense layer (Qwen3-MoE's
+    /// and Mixtral's tensor names).
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors.
@@ -1704,6 +1783,7 @@ mod tests {
             ("llama-3.2-1b", Some(Arch::Phi3)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
+            ("olmo2-1b", None),
             ("qwen1.5-moe-a2.7b", None),
             ("qwen3-30b-a3b", None),
             ("mixtral-8x7b", None),

@@ -4,7 +4,7 @@
 //! (Linear rows ~ 1/sqrt(in), norms ~ 1) so activations stay in range.
 
 use super::{DType, Data, Mat, Source};
-use crate::config::{Activation, Arch, ModelConfig, Moe, RopeScaling};
+use crate::config::{Activation, Arch, ModelConfig, Moe, NormPlace, RopeScaling};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -20,6 +20,7 @@ pub const SHAPES: &[&str] = &[
     "gemma3-4b",
     "llama-3.2-1b",
     "smollm3-3b",
+    "olmo2-1b",
     "llama-2-7b",
     "llama-3-8b",
     "llama-2-70b",
@@ -41,6 +42,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "gemma3-4b" => (Arch::Gemma3, 2560, 10240, 34, 8, 4, 256, 262208, true, 1000000.0, 131072),
         "llama-3.2-1b" => (Arch::Llama, 2048, 8192, 16, 32, 8, 64, 128256, true, 500000.0, 131072),
         "smollm3-3b" => (Arch::SmolLM3, 2048, 11008, 36, 16, 4, 128, 128256, true, 5000000.0, 65536),
+        "olmo2-1b" => (Arch::Olmo2, 2048, 8192, 16, 16, 16, 128, 100352, false, 500000.0, 4096),
         "llama-2-7b" => (Arch::Llama, 4096, 11008, 32, 32, 32, 128, 32000, false, 10000.0, 4096),
         "llama-3-8b" => (Arch::Llama, 4096, 14336, 32, 32, 8, 128, 128256, false, 500000.0, 8192),
         "llama-2-70b" => (Arch::Llama, 8192, 28672, 80, 64, 8, 128, 32000, false, 10000.0, 4096),
@@ -84,6 +86,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         tie_word_embeddings: tied,
         qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
+        qk_norm_full: arch == Arch::Olmo2,
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
             "gemma3-4b" => 1024,
@@ -96,7 +99,11 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
         norm_plus_one: gemma,
         scale_embedding: gemma,
-        sandwich_norms: gemma,
+        norm_place: match arch {
+            _ if gemma => NormPlace::Sandwich,
+            Arch::Olmo2 => NormPlace::Post,
+            _ => NormPlace::Pre,
+        },
         attn_scale: 1.0 / (hd as f32).sqrt(),
         attn_softcap: gemma2.then_some(50.0),
         final_softcap: gemma2.then_some(30.0),

@@ -326,6 +326,12 @@ impl TinyModel {
     pub fn qwen2_moe() -> Self {
         TinyModel { model_type: "qwen2_moe", layers: 4, experts: Some((6, 2, 40)), ..Self::qwen2() }
     }
+    /// OLMo 2-style: Llama's shape (uneven heads: under tp = 2 a KV head on both ranks) with
+    /// norms on the attention's and the FFN's outputs only, q and k normed over their whole
+    /// width, an untied head.
+    pub fn olmo2() -> Self {
+        TinyModel { model_type: "olmo2", tied: false, ..Self::llama() }
+    }
     /// Mixtral-style: Llama's shape (uneven heads) with every layer a mixture of 4 experts of
     /// 64 columns, 2 chosen a token (their shares renormalized), an untied head.
     pub fn mixtral() -> Self {
@@ -372,6 +378,7 @@ impl TinyModel {
             "qwen2_moe" => "Qwen2MoeForCausalLM",
             "qwen3_moe" => "Qwen3MoeForCausalLM",
             "mixtral" => "MixtralForCausalLM",
+            "olmo2" => "Olmo2ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -387,8 +394,11 @@ impl TinyModel {
         if let Some(hd) = self.head_dim {
             cfg["head_dim"] = hd.into();
         }
-        if self.model_type.starts_with("qwen3") {
+        if self.model_type.starts_with("qwen3") || self.model_type == "olmo2" {
             cfg["attention_bias"] = false.into();
+        }
+        if self.model_type == "olmo2" {
+            cfg["clip_qkv"] = serde_json::Value::Null;
         }
         if let Some((experts, per_token, width)) = self.experts {
             let moe = if self.model_type == "mixtral" {
@@ -452,8 +462,15 @@ impl TinyModel {
         let w = 1.0 / (h as f32).sqrt();
         for l in 0..self.layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
-            add(p("input_layernorm.weight"), vec![h], 0.2, norm);
+            if self.model_type != "olmo2" {
+                add(p("input_layernorm.weight"), vec![h], 0.2, norm);
+            }
             add(p("post_attention_layernorm.weight"), vec![h], 0.2, norm);
+            if self.model_type == "olmo2" {
+                add(p("post_feedforward_layernorm.weight"), vec![h], 0.2, norm);
+                add(p("self_attn.q_norm.weight"), vec![self.heads * hd], 0.2, norm);
+                add(p("self_attn.k_norm.weight"), vec![self.kv_heads * hd], 0.2, norm);
+            }
             if self.has_sandwich_norms() {
                 add(p("pre_feedforward_layernorm.weight"), vec![h], 0.2, norm);
                 add(p("post_feedforward_layernorm.weight"), vec![h], 0.2, norm);

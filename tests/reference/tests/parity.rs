@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+    gemma, gemma2, gemma3, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
@@ -377,6 +377,18 @@ fn random_qwen3_moe_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(qwen3_moe, ModelForCausalLM, dir);
     same_on_two_ranks("random qwen3_moe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// OLMo 2's norms on the sublayers' outputs only and its q and k normed over their whole
+/// width, against candle's `olmo2`; split over two ranks by heads (each rank's squares summed
+/// over the stage, the KV head both ranks hold counted once) and by layers, the same tokens and
+/// logits within 1e-4 of the single rank.
+#[test]
+fn random_olmo2_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(olmo2, Model, dir);
+    same_on_two_ranks("random olmo2", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// Qwen2-MoE's mixture of experts beside its shared expert (weighted by a sigmoid gate), with
