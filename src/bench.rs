@@ -15,7 +15,7 @@ pub struct RankReport {
     pub rss_bytes: u64,
     pub weight_rss_bytes: u64,
     /// Weight bytes a decode step reads on this rank (of a mixture of experts, those its
-    /// tokens are expected to choose: see `ModelConfig::ffn_params_read`).
+    /// steps' tokens chose, as counted: `Shard::bytes_per_step`).
     pub bytes_per_token: u64,
     /// Keys and values of one position on this rank (all its layers and KV heads, in the KV
     /// cache's dtype): what attention reads per position a token sees.

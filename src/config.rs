@@ -7,9 +7,10 @@ use serde::Deserialize;
 use std::path::Path;
 
 /// The decoder families gridlm runs. They share one forward pass; they differ in details
-/// recorded in [`ModelConfig`] (QKV bias, per-head q/k norms, sliding window, Gemma's norms,
-/// activation, local layers and soft-capping) and, for Phi-3, in how the checkpoint stores
-/// q/k/v and gate/up (fused, see `model::stored_rows`).
+/// recorded in [`ModelConfig`] (QKV bias, per-head or whole-width q/k norms, sliding window,
+/// where the norms sit, activation, local layers, soft-capping and mixtures of experts) and in
+/// how the checkpoint names and stores some tensors (Phi-3's fused q/k/v and gate/up, see
+/// `model::stored_rows`; experts', `model::expert_names`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
@@ -79,7 +80,7 @@ pub struct Moe {
     pub norm_topk: bool,
     pub shared_ffn: usize,
     /// Which layers route through experts; the others have a dense FFN of
-    /// `intermediate_size` columns (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
+    /// `intermediate_size` columns (Qwen-MoE's `mlp_only_layers` and `decoder_sparse_step`).
     pub sparse: Vec<bool>,
 }
 
@@ -173,7 +174,7 @@ pub struct ModelConfig {
     /// (Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`).
     pub attn_softcap: Option<f32>,
     pub final_softcap: Option<f32>,
-    /// Mixture-of-experts FFNs (Qwen3-MoE, Mixtral); `None`: every FFN dense.
+    /// Mixture-of-experts FFNs (Qwen2-MoE, Qwen3-MoE, Mixtral); `None`: every FFN dense.
     pub moe: Option<Moe>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -534,11 +535,6 @@ impl ModelConfig {
                 }
             })
             .collect()
-    }
-
-    /// Whether layer `i`'s FFN routes through experts.
-    pub fn is_sparse(&self, i: usize) -> bool {
-        self.moe.as_ref().is_some_and(|m| m.sparse[i])
     }
 
     /// Weights of layer `i`'s FFN: gate, up and down of every expert (and the router), or

@@ -1344,19 +1344,18 @@ fn run_bench(
 ) -> Result<()> {
     let threads = a.engine.threads();
     let setup = (|| -> gridlm::Result<_> {
-        let cfg =
-            match (&a.model, &a.shape) {
-                (Some(_), _) if a.shape_layers.is_some() => return Err(gridlm::Error::Input(
-                    "--shape-layers needs --shape (it cuts a named shape; a --model folder is read whole)"
-                        .into(),
-                )),
-                (Some(dir), _) => ModelConfig::from_dir(dir)?,
-                (None, Some(name)) => match a.shape_layers {
-                    Some(n) => synthetic::first_layers(synthetic::shape(name)?, n)?,
-                    None => synthetic::shape(name)?,
-                },
-                (None, None) => unreachable!("clap requires --model or --shape"),
-            };
+        if a.model.is_some() && a.shape_layers.is_some() {
+            let msg = "--shape-layers needs --shape (it cuts a named shape; a --model folder is read whole)";
+            return Err(gridlm::Error::Input(msg.into()));
+        }
+        let cfg = match (&a.model, &a.shape) {
+            (Some(dir), _) => ModelConfig::from_dir(dir)?,
+            (None, Some(name)) => match a.shape_layers {
+                Some(n) => synthetic::first_layers(synthetic::shape(name)?, n)?,
+                None => synthetic::shape(name)?,
+            },
+            (None, None) => unreachable!("clap requires --model or --shape"),
+        };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
         // Every sequence must decode all its new tokens, or the figures would count tokens

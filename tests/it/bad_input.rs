@@ -91,6 +91,30 @@ fn missing_tensor() {
     );
 }
 
+/// A mixture of experts' missing expert tensor, and a router of the wrong width, each named.
+#[test]
+fn missing_expert_and_a_router_of_the_wrong_width() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    let m = gridlm_reference::TinyModel::qwen3_moe();
+    m.write(dir);
+    let gone = "model.layers.3.mlp.experts.4.down_proj.weight";
+    let tensors: Vec<_> = m.tensors().into_iter().filter(|(n, _, _)| n != gone).collect();
+    gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &tensors);
+    assert_one_line_error(
+        &generate_on(dir, "t1"),
+        &["model.safetensors", &format!("tensor `{gone}`"), "missing"],
+    );
+    let mut cfg = m.config();
+    cfg["num_experts"] = 7.into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &m.tensors());
+    assert_one_line_error(
+        &generate_on(dir, "t1"),
+        &["tensor `model.layers.1.mlp.gate.weight`", "[6, 48]", "expected [7, 48]"],
+    );
+}
+
 #[test]
 fn prompt_longer_than_context() {
     let (_t, dir) = tiny_llama();
