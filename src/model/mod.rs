@@ -66,8 +66,10 @@ enum Ffn {
 /// A mixture of experts ([`crate::config::Moe`]), each expert split over the tp ranks as a
 /// dense FFN is (its columns `ShardPlan::expert_ffn`).
 struct Experts {
-    /// The router's rows, one per expert: the whole router on every rank (each routes every
-    /// token itself, so the ranks agree without a message), never quantized.
+    /// The router's rows, one per expert: the whole router on every rank, never quantized.
+    /// Each rank routes every token itself, without a message: MPI requires an allreduce to
+    /// give every rank identical results, so the ranks' residual streams, and so their
+    /// routings, are the same bits.
     router: PackedMat,
     /// Per expert, as `Ffn::Dense`'s.
     gate_up: Vec<PackedMat>,

@@ -393,14 +393,17 @@ fn random_olmo2_matches_candle_on_one_and_two_ranks() {
 
 /// Qwen2-MoE's mixture of experts beside its shared expert (weighted by a sigmoid gate), with
 /// Qwen2's QKV biases, against candle's `qwen2_moe`; split over two ranks by heads and the
-/// experts' and the shared expert's columns (56: 32 and 24), and by layers, the same tokens
-/// and logits within 1e-4 of the single rank.
+/// experts' and the shared expert's columns (56: 32 and 24), and by layers, and over three by
+/// heads and columns, the same tokens and logits within 1e-4 of the single rank.
 #[test]
 fn random_qwen2_moe_matches_candle_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let single = tiny_against_candle!(qwen2_moe, Model, dir);
     same_on_two_ranks("random qwen2_moe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    // Three tp ranks route every token alike (each routes it itself): experts' columns 16, 16
+    // and 8, the shared expert's 16, 16 and 24.
+    same_on_ranks("random qwen2_moe", dir, &single, "3", &[&["--tp", "3"]]);
 }
 
 /// Mixtral's mixture of experts on every layer (2 of 4 a token, their shares renormalized),
@@ -417,11 +420,16 @@ fn random_mixtral_matches_candle_on_one_and_two_ranks() {
 /// The model in `dir` on two local ranks under each of `grids`: `single`'s tokens, and logits
 /// within 1e-4 of it.
 fn same_on_two_ranks(name: &str, dir: &Path, single: &Run, grids: &[&[&str]]) {
+    same_on_ranks(name, dir, single, "2", grids)
+}
+
+/// [`same_on_two_ranks`] on `ranks` local ranks.
+fn same_on_ranks(name: &str, dir: &Path, single: &Run, ranks: &str, grids: &[&[&str]]) {
     for grid in grids {
         let mut args = TINY_PROMPT.to_vec();
         args.extend(*grid);
         args.extend(["--threads", "1"]);
-        let run = generate_on(&["local", "2"], dir, &args);
+        let run = generate_on(&["local", ranks], dir, &args);
         let d = max_abs_diff(&run.logits, &single.logits);
         eprintln!("{name} {grid:?}: max |Δ logits| vs single rank = {d:.2e}");
         assert_eq!(run.token_ids, single.token_ids, "{name} {grid:?}: greedy tokens differ");
