@@ -1,5 +1,5 @@
 //! A reader for GGUF files (llama.cpp's format): metadata, tensor directory, and dequantization
-//! of F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors to f32.
+//! of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K tensors to f32.
 
 use crate::error::{Error, Result};
 use half::{bf16, f16};
@@ -61,6 +61,11 @@ pub enum GgmlType {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// llama.cpp's "k-quants" (blocks of 256 in sub-blocks with scales of their own), as most
+    /// GGUF files on the Hub hold them (Q4_K_M: Q4_K and Q6_K; Q5_K_M: Q5_K and Q6_K).
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl GgmlType {
@@ -71,6 +76,9 @@ impl GgmlType {
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
             8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
+            14 => GgmlType::Q6K,
             30 => GgmlType::BF16,
             _ => return None,
         })
@@ -83,6 +91,9 @@ impl GgmlType {
             GgmlType::Q4_0 => (32, 18),
             GgmlType::Q4_1 => (32, 20),
             GgmlType::Q8_0 => (32, 34),
+            GgmlType::Q4K => (256, 144),
+            GgmlType::Q5K => (256, 176),
+            GgmlType::Q6K => (256, 210),
         }
     }
 }
@@ -239,7 +250,9 @@ impl Gguf {
                 Error::tensor(
                     path,
                     &name,
-                    format!("unsupported GGML type {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"),
+                    format!(
+                        "unsupported GGML type {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"
+                    ),
                 )
             })?;
             let n: usize = dims.iter().product();
@@ -314,8 +327,63 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
                 out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
             }
         }
+        GgmlType::Q4K | GgmlType::Q5K => {
+            // d, dmin, 12 bytes of eight 6-bit (scale, min) pairs, [Q5_K: 32 bytes of fifth
+            // bits,] 128 bytes of low nibbles: four runs of 64 elements, each two sub-blocks of
+            // 32 (the low nibbles of 32 bytes, then their high nibbles).
+            let q5 = ty == GgmlType::Q5K;
+            for b in raw.chunks_exact(block_bytes) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let (qh, qs) = if q5 { (&b[16..48], &b[48..176]) } else { (&b[16..16], &b[16..144]) };
+                for run in 0..4 {
+                    let q = &qs[32 * run..32 * (run + 1)];
+                    for half in 0..2 {
+                        let (sc, m) = k_scale_min(scales, 2 * run + half);
+                        let (dl, ml) = (d * sc as f32, dmin * m as f32);
+                        let bit = 1u8 << (2 * run + half);
+                        out.extend(q.iter().zip(qh.iter().chain(std::iter::repeat(&0))).map(|(&q, &h)| {
+                            let low = if half == 0 { q & 0x0F } else { q >> 4 };
+                            let high = if h & bit != 0 { 16 } else { 0 };
+                            dl * (low + high) as f32 - ml
+                        }));
+                    }
+                }
+            }
+        }
+        GgmlType::Q6K => {
+            // 128 bytes of low nibbles, 64 of high bit pairs, sixteen i8 scales (one per 16
+            // elements), d: two halves of 128 elements, each four runs of 32.
+            for b in raw.chunks_exact(block_bytes) {
+                let d = f16_at(b, 208);
+                for half in 0..2 {
+                    let (ql, qh) =
+                        (&b[64 * half..64 * (half + 1)], &b[128 + 32 * half..128 + 32 * (half + 1)]);
+                    let sc = &b[192 + 8 * half..192 + 8 * (half + 1)];
+                    for run in 0..4 {
+                        out.extend((0..32).map(|l| {
+                            let low =
+                                if run < 2 { ql[l + 32 * run] & 0x0F } else { ql[l + 32 * (run - 2)] >> 4 };
+                            let q = (low | ((qh[l] >> (2 * run)) & 3) << 4) as i32 - 32;
+                            d * sc[l / 16 + 2 * run] as i8 as f32 * q as f32
+                        }));
+                    }
+                }
+            }
+        }
     }
     out
+}
+
+/// Sub-block `j`'s 6-bit (scale, min) of a Q4_K or Q5_K block's 12 scale bytes: the first four
+/// pairs in the low six bits of bytes 0–3 and 4–7; the last four in the nibbles of bytes 8–11,
+/// their top two bits in the top bits of bytes 0–3 (scales) and 4–7 (mins).
+fn k_scale_min(q: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
 }
 
 #[cfg(test)]

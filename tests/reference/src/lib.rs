@@ -630,6 +630,21 @@ pub enum GgufValue {
 /// Writes a GGUF file (version 3, 32-byte alignment) of f32 tensors, each `(name, shape as
 /// HuggingFace gives it, values)` (GGUF lists the dimensions innermost first), with `meta`.
 pub fn write_gguf(path: &Path, meta: &[(&str, GgufValue)], tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let raw: Vec<_> = tensors
+        .iter()
+        .map(|(name, shape, v)| {
+            (name.clone(), shape.clone(), 0, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        })
+        .collect();
+    write_gguf_raw(path, meta, &raw);
+}
+
+/// [`write_gguf`] of tensors already in GGML's bytes: (name, shape, GGML type id, bytes).
+pub fn write_gguf_raw(
+    path: &Path,
+    meta: &[(&str, GgufValue)],
+    tensors: &[(String, Vec<usize>, u32, Vec<u8>)],
+) {
     fn string(out: &mut Vec<u8>, s: &str) {
         out.extend((s.len() as u64).to_le_bytes());
         out.extend(s.as_bytes());
@@ -669,17 +684,17 @@ pub fn write_gguf(path: &Path, meta: &[(&str, GgufValue)], tensors: &[(String, V
     }
     let aligned = |n: usize| n.div_ceil(32) * 32;
     let mut offset = 0;
-    for (name, shape, values) in tensors {
+    for (name, shape, ty, bytes) in tensors {
         string(&mut out, name);
         out.extend((shape.len() as u32).to_le_bytes());
         shape.iter().rev().for_each(|d| out.extend((*d as u64).to_le_bytes()));
-        out.extend(0u32.to_le_bytes()); // F32
+        out.extend(ty.to_le_bytes());
         out.extend((offset as u64).to_le_bytes());
-        offset += aligned(4 * values.len());
+        offset += aligned(bytes.len());
     }
     out.resize(aligned(out.len()), 0);
-    for (_, _, values) in tensors {
-        values.iter().for_each(|x| out.extend(x.to_le_bytes()));
+    for (_, _, _, bytes) in tensors {
+        out.extend(bytes);
         out.resize(aligned(out.len()), 0);
     }
     std::fs::write(path, out).expect("write GGUF");

@@ -437,16 +437,18 @@ fn same_on_ranks(name: &str, dir: &Path, single: &Run, ranks: &str, grids: &[&[&
     }
 }
 
-/// A Qwen3 GGUF written here (f32 tensors under llama.cpp's names, a byte-level BPE vocabulary;
-/// candle reads it back as written) converts into a folder holding exactly the model it was
-/// written from, on which gridlm agrees with candle's Qwen3.
-#[test]
-fn a_qwen3_gguf_converts_to_the_model_it_holds() {
-    use candle_core::quantized::gguf_file;
-    let tmp = tempfile::tempdir().unwrap();
-    let m = gridlm_reference::TinyModel::qwen3();
-    let tensors = m.tensors();
-    // The vocabulary: the 256 byte characters, then 44 merges of them.
+/// `gridlm convert --dtype f32` of `gguf` into `out`; its tensors.
+fn convert_f32(gguf: &Path, out: &Path) -> std::collections::HashMap<String, Tensor> {
+    let mut cmd = std::process::Command::new(gridlm_bin());
+    cmd.args(["convert", "--dtype", "f32", "--gguf"]).arg(gguf).arg("--out").arg(out);
+    let o = run_with_timeout(cmd, 120);
+    assert!(o.status.success(), "convert failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap()
+}
+
+/// A byte-level BPE vocabulary of `size` tokens for GGUF metadata: the 256 byte characters,
+/// then merges of them (44 for a vocabulary of 300).
+fn byte_level_vocabulary(size: usize) -> (Vec<String>, Vec<String>) {
     let chars = byte_chars();
     let space = chars[b' ' as usize].to_string();
     let pairs: Vec<(String, String)> = ('a'..='z')
@@ -462,9 +464,18 @@ fn a_qwen3_gguf_converts_to_the_model_it_holds() {
         .collect();
     let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
     tokens.extend(pairs.iter().map(|(a, b)| format!("{a}{b}")));
-    assert_eq!(tokens.len(), m.vocab);
+    assert_eq!(tokens.len(), size);
+    (tokens, pairs.iter().map(|(a, b)| format!("{a} {b}")).collect())
+}
+
+/// The GGUF metadata llama.cpp writes for the Qwen3 model `m` with this vocabulary.
+fn qwen3_gguf_meta(
+    m: &gridlm_reference::TinyModel,
+    tokens: Vec<String>,
+    merges: Vec<String>,
+) -> Vec<(&'static str, GgufValue)> {
     let u = |v: usize| GgufValue::U32(v as u32);
-    let meta = [
+    vec![
         ("general.architecture", GgufValue::Str("qwen3".into())),
         ("qwen3.block_count", u(m.layers)),
         ("qwen3.context_length", u(m.max_pos)),
@@ -479,9 +490,79 @@ fn a_qwen3_gguf_converts_to_the_model_it_holds() {
         ("tokenizer.ggml.pre", GgufValue::Str("qwen2".into())),
         ("tokenizer.ggml.tokens", GgufValue::Strs(tokens)),
         ("tokenizer.ggml.token_type", GgufValue::I32s(vec![1; m.vocab])),
-        ("tokenizer.ggml.merges", GgufValue::Strs(pairs.iter().map(|(a, b)| format!("{a} {b}")).collect())),
+        ("tokenizer.ggml.merges", GgufValue::Strs(merges)),
         ("tokenizer.ggml.eos_token_id", u(0)),
-    ];
+    ]
+}
+
+/// A GGUF whose matrices are llama.cpp's k-quants — Q4_K, Q5_K and Q6_K in turn, quantized
+/// by candle from a random Qwen3-style model 256 wide (k-quant blocks are 256 long) — converts
+/// to exactly candle's own dequantization of each tensor.
+#[test]
+fn a_k_quant_gguf_converts_to_candle_dequantization() {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel {
+        hidden: 256,
+        inter: 512,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: Some(64),
+        layers: 2,
+        ..gridlm_reference::TinyModel::qwen3()
+    };
+    let (tokens, merges) = byte_level_vocabulary(m.vocab);
+    let meta = qwen3_gguf_meta(&m, tokens, merges);
+    let dev = Device::Cpu;
+    let kinds = [(GgmlDType::Q4K, 12), (GgmlDType::Q5K, 13), (GgmlDType::Q6K, 14)];
+    let mut counts = [0; 3];
+    let raw: Vec<(String, Vec<usize>, u32, Vec<u8>)> = m
+        .tensors()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n, shape, v))| {
+            let name = rename_tensor(&n, false).unwrap();
+            if shape.len() == 1 {
+                return (name, shape, 0, v.iter().flat_map(|x| x.to_le_bytes()).collect());
+            }
+            let (kind, id) = kinds[i % 3];
+            counts[i % 3] += 1;
+            let t = Tensor::from_vec(v, (shape[0], shape[1]), &dev).unwrap();
+            let q = QTensor::quantize(&t, kind).unwrap();
+            (name, shape, id, q.data().unwrap().into_owned())
+        })
+        .collect();
+    assert!(counts.iter().all(|&c| c >= 3), "each kind on several matrices: {counts:?}");
+    let gguf = tmp.path().join("k-quants.gguf");
+    gridlm_reference::write_gguf_raw(&gguf, &meta, &raw);
+    let out = tmp.path().join("folder");
+    let converted = convert_f32(&gguf, &out);
+    let mut f = std::fs::File::open(&gguf).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    for (name, shape, ty, _) in &raw {
+        let theirs = content.tensor(&mut f, name, &dev).unwrap().dequantize(&dev).unwrap();
+        let hf = rename_tensor(name, true).unwrap();
+        let mine = converted.get(&hf).unwrap_or_else(|| panic!("{hf} missing"));
+        assert_eq!(mine.dims(), &shape[..], "{hf}");
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            mine.flatten_all().unwrap().to_vec1().unwrap(),
+            theirs.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert!(max_abs_diff(&a, &b) <= 1e-6, "{name} (type {ty}) differs from candle's dequantization");
+    }
+}
+
+/// A Qwen3 GGUF written here (f32 tensors under llama.cpp's names, a byte-level BPE vocabulary;
+/// candle reads it back as written) converts into a folder holding exactly the model it was
+/// written from, on which gridlm agrees with candle's Qwen3.
+#[test]
+fn a_qwen3_gguf_converts_to_the_model_it_holds() {
+    use candle_core::quantized::gguf_file;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::qwen3();
+    let tensors = m.tensors();
+    let (tokens, merges) = byte_level_vocabulary(m.vocab);
+    let meta = qwen3_gguf_meta(&m, tokens, merges);
     let renamed: Vec<_> =
         tensors.iter().map(|(n, s, v)| (rename_tensor(n, false).unwrap(), s.clone(), v.clone())).collect();
     let gguf = tmp.path().join("tiny-qwen3.gguf");
@@ -496,11 +577,7 @@ fn a_qwen3_gguf_converts_to_the_model_it_holds() {
     }
 
     let out = tmp.path().join("folder");
-    let mut cmd = std::process::Command::new(gridlm_bin());
-    cmd.args(["convert", "--dtype", "f32", "--gguf"]).arg(&gguf).arg("--out").arg(&out);
-    let o = run_with_timeout(cmd, 120);
-    assert!(o.status.success(), "convert failed:\n{}", String::from_utf8_lossy(&o.stderr));
-    let converted = candle_core::safetensors::load(out.join("model.safetensors"), &dev).unwrap();
+    let converted = convert_f32(&gguf, &out);
     assert_eq!(converted.len(), tensors.len());
     for (n, shape, v) in &tensors {
         let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
