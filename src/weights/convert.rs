@@ -99,8 +99,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
 
     // Tensors, renamed to HF names; Q/K rows of llama GGUFs un-permuted (llama.cpp interleaves
     // the two halves of each head for its RoPE; HF rotates halves; its qwen2 and qwen3
-    // converters leave them as HF has them).
-    let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    // converters leave them as HF has them). Each is dequantized only when the writer reaches
+    // it, so a conversion holds one tensor at a time, not the model.
+    let mut named: Vec<(String, Lazy)> = Vec::new();
     for t in &g.tensors {
         let Some(hf) = hf_name(&t.name) else {
             if t.name == "rope_freqs.weight" {
@@ -109,20 +110,28 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             continue; // e.g. rope tables some converters add; not weights
         };
         let shape = t.shape();
-        let mut v = g.dequantize(t);
-        if arch == "llama" {
-            if t.name.ends_with("attn_q.weight") {
-                v = unpermute_rows(&v, n_heads, shape[1]);
-            } else if t.name.ends_with("attn_k.weight") {
-                v = unpermute_rows(&v, n_kv_heads, shape[1]);
-            }
-        }
+        let heads = match arch.as_str() {
+            "llama" if t.name.ends_with("attn_q.weight") => Some(n_heads),
+            "llama" if t.name.ends_with("attn_k.weight") => Some(n_kv_heads),
+            _ => None,
+        };
         // Norms and biases stay f32: tiny, and precision matters there.
         let dt = if shape.len() == 1 { DType::F32 } else { dtype };
-        named.push((hf, shape, encode(&v, dt)));
+        let cols = shape.get(1).copied().unwrap_or(1);
+        let g = &g;
+        let make = move || {
+            let v = g.dequantize(t);
+            let v = match heads {
+                Some(heads) => unpermute_rows(&v, heads, cols),
+                None => v,
+            };
+            encode(&v, dt)
+        };
+        let len = shape.iter().product::<usize>() * dt.size_bytes();
+        named.push((hf, Lazy { dtype: dt, shape, len, make: Box::new(make) }));
     }
     let n_tensors = named.len();
-    let bytes: usize = named.iter().map(|(_, _, b)| b.len()).sum();
+    let bytes: usize = named.iter().map(|(_, t)| t.len).sum();
 
     let tmp = out.with_file_name(format!(
         ".{}.partial-{}",
@@ -132,24 +141,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let result = (|| -> Result<()> {
-        let views: Vec<(String, safetensors::tensor::TensorView)> = named
-            .iter()
-            .map(|(n, shape, b)| {
-                let dt = match b.len() / shape.iter().product::<usize>() {
-                    4 => safetensors::Dtype::F32,
-                    _ if dtype == DType::F16 => safetensors::Dtype::F16,
-                    _ => safetensors::Dtype::BF16,
-                };
-                let dt = if shape.len() == 1 { safetensors::Dtype::F32 } else { dt };
-                let view = safetensors::tensor::TensorView::new(dt, shape.clone(), b)
-                    .map_err(|e| Error::tensor(gguf_path, n, format!("cannot encode: {e:?}")))?;
-                Ok((n.clone(), view))
-            })
-            .collect::<Result<_>>()?;
         let st_path = tmp.join("model.safetensors");
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
-        safetensors::serialize_to_file(views, Some(meta), &st_path)
+        safetensors::serialize_to_file(named, Some(meta), &st_path)
             .map_err(|e| Error::file(&st_path, format!("cannot write: {e:?}")))?;
         write_json(&tmp.join("config.json"), &config)?;
         let mut gen = serde_json::json!({});
@@ -169,6 +164,36 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     }
     std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
     Ok(Summary { n_tensors, bytes })
+}
+
+/// A tensor of the folder being written whose bytes (`len` of them) are made only when the
+/// safetensors writer asks for them.
+struct Lazy<'a> {
+    dtype: DType,
+    shape: Vec<usize>,
+    len: usize,
+    make: Box<dyn Fn() -> Vec<u8> + 'a>,
+}
+
+impl safetensors::View for Lazy<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        match self.dtype {
+            DType::F32 => safetensors::Dtype::F32,
+            DType::BF16 => safetensors::Dtype::BF16,
+            DType::F16 => safetensors::Dtype::F16,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let bytes = (self.make)();
+        assert_eq!(bytes.len(), self.len, "a converted tensor's bytes");
+        bytes.into()
+    }
+    fn data_len(&self) -> usize {
+        self.len
+    }
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
