@@ -28,14 +28,19 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     }
     let g = Gguf::open(gguf_path)?;
     let arch = meta_str(&g, "general.architecture")?.to_string();
-    let Some(architecture) =
-        [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")]
-            .into_iter()
-            .find_map(|(a, hf)| (a == arch).then_some(hf))
+    // (GGUF architecture, HF architecture, HF model_type)
+    let known = [
+        ("llama", "LlamaForCausalLM", "llama"),
+        ("qwen2", "Qwen2ForCausalLM", "qwen2"),
+        ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+        ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    ];
+    let Some((architecture, model_type)) =
+        known.into_iter().find_map(|(a, hf, mt)| (a == arch).then_some((hf, mt)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama, qwen2 or qwen3)"),
+            format!("unsupported architecture `{arch}` (expected llama, qwen2, qwen3 or qwen3moe)"),
         ));
     };
     let key = |k: &str| format!("{arch}.{k}");
@@ -73,9 +78,13 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
 
     let mut config = serde_json::json!({
         "architectures": [architecture],
-        "model_type": arch,
+        "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": meta_usize(&g, &key("feed_forward_length"))?,
+        "intermediate_size": match g.get(&key("feed_forward_length")).and_then(|v| v.as_u64()) {
+            Some(ff) => ff as usize,
+            None if arch == "qwen3moe" => meta_usize(&g, &key("expert_feed_forward_length"))?,
+            None => meta_usize(&g, &key("feed_forward_length"))?,
+        },
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
@@ -93,6 +102,26 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if let Some(b) = bos {
         config["bos_token_id"] = b.into();
     }
+    // Qwen3-MoE: the layers with a router are sparse (as every `decoder_sparse_step`-th where
+    // they fall so, else listed by their dense ones); llama.cpp renormalizes the chosen
+    // experts' shares, as Qwen3-MoE's own configs ask (`norm_topk_prob`).
+    let experts = if arch == "qwen3moe" { meta_usize(&g, &key("expert_count"))? } else { 0 };
+    if arch == "qwen3moe" {
+        let sparse: Vec<bool> =
+            (0..n_layers).map(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some()).collect();
+        let (step, only) = sparse_pattern(&sparse);
+        let moe = serde_json::json!({
+            "num_experts": experts,
+            "num_experts_per_tok": meta_usize(&g, &key("expert_used_count"))?,
+            "moe_intermediate_size": meta_usize(&g, &key("expert_feed_forward_length"))?,
+            "norm_topk_prob": true,
+            "decoder_sparse_step": step,
+            "mlp_only_layers": only,
+        });
+        if let (Some(c), Some(moe)) = (config.as_object_mut(), moe.as_object()) {
+            c.extend(moe.clone());
+        }
+    }
     if let Some(e) = eos {
         config["eos_token_id"] = e.into();
     }
@@ -103,6 +132,33 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     // it, so a conversion holds one tensor at a time, not the model.
     let mut named: Vec<(String, Lazy)> = Vec::new();
     for t in &g.tensors {
+        if let Some((layer, which)) = stacked_experts(&t.name) {
+            // [experts, rows, cols]: one HF tensor an expert.
+            let shape = t.shape();
+            if shape.len() != 3 || shape[0] != experts {
+                return Err(Error::tensor(
+                    gguf_path,
+                    &t.name,
+                    format!("shape {shape:?} is not [{experts} experts, rows, columns]"),
+                ));
+            }
+            if g.dequantize_part(t, 0, experts).is_none() {
+                return Err(Error::tensor(
+                    gguf_path,
+                    &t.name,
+                    "an expert's part does not end on a quantization block",
+                ));
+            }
+            let dt = dtype;
+            for e in 0..experts {
+                let g = &g;
+                let make = move || encode(&g.dequantize_part(t, e, experts).unwrap_or_default(), dt);
+                let len = shape[1] * shape[2] * dt.size_bytes();
+                let name = format!("model.layers.{layer}.mlp.experts.{e}.{which}.weight");
+                named.push((name, Lazy { dtype: dt, shape: shape[1..].to_vec(), len, make: Box::new(make) }));
+            }
+            continue;
+        }
         let Some(hf) = hf_name(&t.name) else {
             if t.name == "rope_freqs.weight" {
                 return Err(Error::tensor(gguf_path, &t.name, "RoPE frequency factors are not supported"));
@@ -220,6 +276,29 @@ fn meta_array<'a>(g: &'a Gguf, key: &str) -> Result<&'a [Value]> {
         .ok_or_else(|| Error::file(&g.path, format!("missing metadata array `{key}`")))
 }
 
+/// HF's description of which layers are sparse: `(decoder_sparse_step, mlp_only_layers)`, the
+/// step alone where the sparse layers are every step-th, else step 1 and the dense layers.
+fn sparse_pattern(sparse: &[bool]) -> (usize, Vec<usize>) {
+    let every = |s: usize| sparse.iter().enumerate().all(|(i, &sp)| sp == (i + 1).is_multiple_of(s));
+    match (1..=sparse.len()).find(|&s| every(s)) {
+        Some(step) => (step, Vec::new()),
+        None => (1, (0..sparse.len()).filter(|&i| !sparse[i]).collect()),
+    }
+}
+
+/// A stacked expert tensor's layer and the HF name of its experts' matrices (`gate_proj`,
+/// `up_proj`, `down_proj`), from its GGUF name (`blk.N.ffn_{gate,up,down}_exps.weight`).
+fn stacked_experts(gguf: &str) -> Option<(usize, &'static str)> {
+    let (layer, name) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let which = match name {
+        "ffn_gate_exps.weight" => "gate_proj",
+        "ffn_up_exps.weight" => "up_proj",
+        "ffn_down_exps.weight" => "down_proj",
+        _ => return None,
+    };
+    Some((layer.parse().ok()?, which))
+}
+
 /// GGUF tensor name → HF name.
 pub fn hf_name(gguf: &str) -> Option<String> {
     match gguf {
@@ -246,6 +325,7 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
+        "ffn_gate_inp.weight" => "mlp.gate.weight",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}"))
@@ -380,6 +460,14 @@ fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sparse_layers_as_hf_describes_them() {
+        assert_eq!(sparse_pattern(&[true; 4]), (1, vec![]));
+        assert_eq!(sparse_pattern(&[false, true, false, true]), (2, vec![]));
+        assert_eq!(sparse_pattern(&[false, true, true, true]), (1, vec![0]));
+        assert_eq!(sparse_pattern(&[true, false, true]), (1, vec![1]));
+    }
 
     #[test]
     fn unpermute_inverts_llama_cpp_permutation() {

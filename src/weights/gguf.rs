@@ -294,6 +294,18 @@ impl Gguf {
     pub fn dequantize(&self, t: &TensorEntry) -> Vec<f32> {
         dequantize(t.ty, &self.bytes[t.offset..t.offset + t.n_bytes])
     }
+
+    /// Part `part` of `parts` equal parts of `t` along its outermost dimension (an expert of
+    /// a stacked expert tensor), dequantized; `None` if a part does not end on a block.
+    pub fn dequantize_part(&self, t: &TensorEntry, part: usize, parts: usize) -> Option<Vec<f32>> {
+        let (block, block_bytes) = t.ty.block();
+        let per_part = t.n_elements() / parts;
+        if per_part * parts != t.n_elements() || !per_part.is_multiple_of(block) {
+            return None;
+        }
+        let (len, at) = (per_part / block * block_bytes, t.offset + part * per_part / block * block_bytes);
+        Some(dequantize(t.ty, &self.bytes[at..at + len]))
+    }
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {

@@ -629,7 +629,11 @@ pub enum GgufValue {
 
 /// Writes a GGUF file (version 3, 32-byte alignment) of f32 tensors, each `(name, shape as
 /// HuggingFace gives it, values)` (GGUF lists the dimensions innermost first), with `meta`.
-pub fn write_gguf(path: &Path, meta: &[(&str, GgufValue)], tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+pub fn write_gguf<K: AsRef<str>>(
+    path: &Path,
+    meta: &[(K, GgufValue)],
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+) {
     let raw: Vec<_> = tensors
         .iter()
         .map(|(name, shape, v)| {
@@ -640,9 +644,9 @@ pub fn write_gguf(path: &Path, meta: &[(&str, GgufValue)], tensors: &[(String, V
 }
 
 /// [`write_gguf`] of tensors already in GGML's bytes: (name, shape, GGML type id, bytes).
-pub fn write_gguf_raw(
+pub fn write_gguf_raw<K: AsRef<str>>(
     path: &Path,
-    meta: &[(&str, GgufValue)],
+    meta: &[(K, GgufValue)],
     tensors: &[(String, Vec<usize>, u32, Vec<u8>)],
 ) {
     fn string(out: &mut Vec<u8>, s: &str) {
@@ -654,7 +658,7 @@ pub fn write_gguf_raw(
     out.extend((tensors.len() as u64).to_le_bytes());
     out.extend((meta.len() as u64).to_le_bytes());
     for (key, value) in meta {
-        string(&mut out, key);
+        string(&mut out, key.as_ref());
         match value {
             GgufValue::U32(v) => {
                 out.extend(4u32.to_le_bytes());

@@ -468,31 +468,104 @@ fn byte_level_vocabulary(size: usize) -> (Vec<String>, Vec<String>) {
     (tokens, pairs.iter().map(|(a, b)| format!("{a} {b}")).collect())
 }
 
-/// The GGUF metadata llama.cpp writes for the Qwen3 model `m` with this vocabulary.
+/// The GGUF metadata llama.cpp writes for the Qwen3 model `m` (`arch` qwen3, or qwen3moe with
+/// its experts) with this vocabulary.
 fn qwen3_gguf_meta(
     m: &gridlm_reference::TinyModel,
+    arch: &str,
     tokens: Vec<String>,
     merges: Vec<String>,
-) -> Vec<(&'static str, GgufValue)> {
+) -> Vec<(String, GgufValue)> {
     let u = |v: usize| GgufValue::U32(v as u32);
-    vec![
-        ("general.architecture", GgufValue::Str("qwen3".into())),
-        ("qwen3.block_count", u(m.layers)),
-        ("qwen3.context_length", u(m.max_pos)),
-        ("qwen3.embedding_length", u(m.hidden)),
-        ("qwen3.feed_forward_length", u(m.inter)),
-        ("qwen3.attention.head_count", u(m.heads)),
-        ("qwen3.attention.head_count_kv", u(m.kv_heads)),
-        ("qwen3.attention.key_length", u(m.head_dim.unwrap())),
-        ("qwen3.attention.layer_norm_rms_epsilon", GgufValue::F32(1e-6)),
-        ("qwen3.rope.freq_base", GgufValue::F32(10000.0)),
-        ("tokenizer.ggml.model", GgufValue::Str("gpt2".into())),
-        ("tokenizer.ggml.pre", GgufValue::Str("qwen2".into())),
-        ("tokenizer.ggml.tokens", GgufValue::Strs(tokens)),
-        ("tokenizer.ggml.token_type", GgufValue::I32s(vec![1; m.vocab])),
-        ("tokenizer.ggml.merges", GgufValue::Strs(merges)),
-        ("tokenizer.ggml.eos_token_id", u(0)),
-    ]
+    let mut meta = vec![
+        ("general.architecture".to_string(), GgufValue::Str(arch.into())),
+        (format!("{arch}.block_count"), u(m.layers)),
+        (format!("{arch}.context_length"), u(m.max_pos)),
+        (format!("{arch}.embedding_length"), u(m.hidden)),
+        (format!("{arch}.feed_forward_length"), u(m.inter)),
+        (format!("{arch}.attention.head_count"), u(m.heads)),
+        (format!("{arch}.attention.head_count_kv"), u(m.kv_heads)),
+        (format!("{arch}.attention.key_length"), u(m.head_dim.unwrap())),
+        (format!("{arch}.attention.layer_norm_rms_epsilon"), GgufValue::F32(1e-6)),
+        (format!("{arch}.rope.freq_base"), GgufValue::F32(10000.0)),
+        ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), GgufValue::Str("qwen2".into())),
+        ("tokenizer.ggml.tokens".into(), GgufValue::Strs(tokens)),
+        ("tokenizer.ggml.token_type".into(), GgufValue::I32s(vec![1; m.vocab])),
+        ("tokenizer.ggml.merges".into(), GgufValue::Strs(merges)),
+        ("tokenizer.ggml.eos_token_id".into(), u(0)),
+    ];
+    if let Some((experts, per_token, width)) = m.experts {
+        meta.push((format!("{arch}.expert_count"), u(experts)));
+        meta.push((format!("{arch}.expert_used_count"), u(per_token)));
+        meta.push((format!("{arch}.expert_feed_forward_length"), u(width)));
+    }
+    meta
+}
+
+/// A Qwen3-MoE GGUF as llama.cpp stores one — each layer's experts stacked in one
+/// `ffn_{gate,up,down}_exps` tensor, the router as `ffn_gate_inp`, every second layer dense —
+/// converts into exactly the model it was written from (an HF tensor per expert, the dense
+/// layers found as every `decoder_sparse_step`-th), on which gridlm agrees with candle's
+/// `qwen3_moe`.
+#[test]
+fn a_qwen3_moe_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::qwen3_moe();
+    let (experts, _, _) = m.experts.unwrap();
+    let tensors = m.tensors();
+    let (tokens, merges) = byte_level_vocabulary(m.vocab);
+    let meta = qwen3_gguf_meta(&m, "qwen3moe", tokens, merges);
+    let mut gguf_tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (n, shape, v) in &tensors {
+        let Some((layer, rest)) = n.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) else {
+            gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
+            continue;
+        };
+        if rest == "mlp.gate.weight" {
+            gguf_tensors.push((format!("blk.{layer}.ffn_gate_inp.weight"), shape.clone(), v.clone()));
+        } else if let Some(which) = rest.strip_prefix("mlp.experts.0.") {
+            // Expert 0's tensor stands for the stack of every expert's, in order.
+            let stacked: Vec<f32> = (0..experts)
+                .flat_map(|e| {
+                    let name = n.replace("experts.0.", &format!("experts.{e}."));
+                    tensors.iter().find(|t| t.0 == name).unwrap().2.clone()
+                })
+                .collect();
+            let part = which.trim_end_matches("_proj.weight");
+            let name = format!("blk.{layer}.ffn_{part}_exps.weight");
+            gguf_tensors.push((name, vec![experts, shape[0], shape[1]], stacked));
+        } else if !rest.starts_with("mlp.experts.") {
+            gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
+        }
+    }
+    let gguf = tmp.path().join("tiny-qwen3moe.gguf");
+    write_gguf(&gguf, &meta, &gguf_tensors);
+    let out = tmp.path().join("folder");
+    let converted = convert_f32(&gguf, &out);
+    assert_eq!(converted.len(), tensors.len());
+    for (n, shape, v) in &tensors {
+        let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
+        assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let want = serde_json::json!({
+        "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 3,
+        "moe_intermediate_size": 40, "decoder_sparse_step": 2, "mlp_only_layers": [],
+        "intermediate_size": m.inter,
+    });
+    for (key, want) in want.as_object().unwrap() {
+        assert_eq!(&cfg[key], want, "config.json's {key}");
+    }
+    cfg["max_window_layers"] = m.layers.into();
+    cfg["use_sliding_window"] = false.into();
+    cfg["sliding_window"] = serde_json::Value::Null;
+    let cfg: qwen3_moe::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted qwen3_moe", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
 }
 
 /// A GGUF whose matrices are llama.cpp's k-quants — Q4_K, Q5_K and Q6_K in turn, quantized
@@ -512,7 +585,7 @@ fn a_k_quant_gguf_converts_to_candle_dequantization() {
         ..gridlm_reference::TinyModel::qwen3()
     };
     let (tokens, merges) = byte_level_vocabulary(m.vocab);
-    let meta = qwen3_gguf_meta(&m, tokens, merges);
+    let meta = qwen3_gguf_meta(&m, "qwen3", tokens, merges);
     let dev = Device::Cpu;
     let kinds = [(GgmlDType::Q4K, 12), (GgmlDType::Q5K, 13), (GgmlDType::Q6K, 14)];
     let mut counts = [0; 3];
@@ -562,7 +635,7 @@ fn a_qwen3_gguf_converts_to_the_model_it_holds() {
     let m = gridlm_reference::TinyModel::qwen3();
     let tensors = m.tensors();
     let (tokens, merges) = byte_level_vocabulary(m.vocab);
-    let meta = qwen3_gguf_meta(&m, tokens, merges);
+    let meta = qwen3_gguf_meta(&m, "qwen3", tokens, merges);
     let renamed: Vec<_> =
         tensors.iter().map(|(n, s, v)| (rename_tensor(n, false).unwrap(), s.clone(), v.clone())).collect();
     let gguf = tmp.path().join("tiny-qwen3.gguf");
