@@ -33,6 +33,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("llama", "LlamaForCausalLM", "llama"),
         ("qwen2", "Qwen2ForCausalLM", "qwen2"),
         ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+        ("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
         ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     ];
     let Some((architecture, model_type)) =
@@ -40,10 +41,11 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama, qwen2, qwen3 or qwen3moe)"),
+            format!("unsupported architecture `{arch}` (expected llama, qwen2, qwen3, qwen2moe or qwen3moe)"),
         ));
     };
     let key = |k: &str| format!("{arch}.{k}");
+    let moe = arch.ends_with("moe");
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
     let n_heads = meta_usize(&g, &key("attention.head_count"))?;
@@ -82,7 +84,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         "hidden_size": hidden,
         "intermediate_size": match g.get(&key("feed_forward_length")).and_then(|v| v.as_u64()) {
             Some(ff) => ff as usize,
-            None if arch == "qwen3moe" => meta_usize(&g, &key("expert_feed_forward_length"))?,
+            None if moe => meta_usize(&g, &key("expert_feed_forward_length"))?,
             None => meta_usize(&g, &key("feed_forward_length"))?,
         },
         "num_hidden_layers": n_layers,
@@ -95,18 +97,20 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         "max_position_embeddings": g.get(&key("context_length")).and_then(|v| v.as_u64()).unwrap_or(2048),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
-        "attention_bias": arch == "qwen2",
+        "attention_bias": arch.starts_with("qwen2"),
         "torch_dtype": match dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
         "rope_scaling": null,
     });
     if let Some(b) = bos {
         config["bos_token_id"] = b.into();
     }
-    // Qwen3-MoE: the layers with a router are sparse (as every `decoder_sparse_step`-th where
-    // they fall so, else listed by their dense ones); llama.cpp renormalizes the chosen
-    // experts' shares, as Qwen3-MoE's own configs ask (`norm_topk_prob`).
-    let experts = if arch == "qwen3moe" { meta_usize(&g, &key("expert_count"))? } else { 0 };
-    if arch == "qwen3moe" {
+    // Qwen2- and Qwen3-MoE: the layers with a router are sparse (as every
+    // `decoder_sparse_step`-th where they fall so, else listed by their dense ones); llama.cpp
+    // renormalizes the chosen experts' shares for Qwen3-MoE, as its own configs ask
+    // (`norm_topk_prob`), and not for Qwen2-MoE, whose configs do not. Qwen2-MoE's shared
+    // expert is as wide as `expert_shared_feed_forward_length` says.
+    let experts = if moe { meta_usize(&g, &key("expert_count"))? } else { 0 };
+    if moe {
         let sparse: Vec<bool> =
             (0..n_layers).map(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some()).collect();
         let (step, only) = sparse_pattern(&sparse);
@@ -114,12 +118,16 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             "num_experts": experts,
             "num_experts_per_tok": meta_usize(&g, &key("expert_used_count"))?,
             "moe_intermediate_size": meta_usize(&g, &key("expert_feed_forward_length"))?,
-            "norm_topk_prob": true,
+            "norm_topk_prob": arch == "qwen3moe",
             "decoder_sparse_step": step,
             "mlp_only_layers": only,
         });
         if let (Some(c), Some(moe)) = (config.as_object_mut(), moe.as_object()) {
             c.extend(moe.clone());
+        }
+        if arch == "qwen2moe" {
+            config["shared_expert_intermediate_size"] =
+                meta_usize(&g, &key("expert_shared_feed_forward_length"))?.into();
         }
     }
     if let Some(e) = eos {
@@ -165,7 +173,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             }
             continue; // e.g. rope tables some converters add; not weights
         };
-        let shape = t.shape();
+        // Qwen2-MoE's shared expert's gate: one row (GGUF stores it as a vector).
+        let shape = if t.name.ends_with("ffn_gate_inp_shexp.weight") { vec![1, hidden] } else { t.shape() };
         let heads = match arch.as_str() {
             "llama" if t.name.ends_with("attn_q.weight") => Some(n_heads),
             "llama" if t.name.ends_with("attn_k.weight") => Some(n_kv_heads),
@@ -326,6 +335,10 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
         "ffn_gate_inp.weight" => "mlp.gate.weight",
+        "ffn_gate_shexp.weight" => "mlp.shared_expert.gate_proj.weight",
+        "ffn_up_shexp.weight" => "mlp.shared_expert.up_proj.weight",
+        "ffn_down_shexp.weight" => "mlp.shared_expert.down_proj.weight",
+        "ffn_gate_inp_shexp.weight" => "mlp.shared_expert_gate.weight",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}"))

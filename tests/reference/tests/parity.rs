@@ -447,7 +447,8 @@ fn convert_f32(gguf: &Path, out: &Path) -> std::collections::HashMap<String, Ten
 }
 
 /// A byte-level BPE vocabulary of `size` tokens for GGUF metadata: the 256 byte characters,
-/// then merges of them (44 for a vocabulary of 300).
+/// then merges of them: a space and a letter, common pairs (44 in all, for a vocabulary of 300),
+/// then vowel-led pairs for a larger one.
 fn byte_level_vocabulary(size: usize) -> (Vec<String>, Vec<String>) {
     let chars = byte_chars();
     let space = chars[b' ' as usize].to_string();
@@ -462,14 +463,25 @@ fn byte_level_vocabulary(size: usize) -> (Vec<String>, Vec<String>) {
             .map(|p| (p[..1].to_string(), p[1..].to_string())),
         )
         .collect();
+    // More vowel-led pairs where the vocabulary is larger.
+    let more = "aeiou".chars().flat_map(|a| ('a'..='z').map(move |b| (a.to_string(), b.to_string())));
+    let mut pairs = pairs;
+    for pair in more {
+        if 256 + pairs.len() >= size {
+            break;
+        }
+        if !pairs.contains(&pair) {
+            pairs.push(pair);
+        }
+    }
     let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
     tokens.extend(pairs.iter().map(|(a, b)| format!("{a}{b}")));
     assert_eq!(tokens.len(), size);
     (tokens, pairs.iter().map(|(a, b)| format!("{a} {b}")).collect())
 }
 
-/// The GGUF metadata llama.cpp writes for the Qwen3 model `m` (`arch` qwen3, or qwen3moe with
-/// its experts) with this vocabulary.
+/// The GGUF metadata llama.cpp writes for the Qwen model `m` (`arch` qwen3, or qwen2moe or
+/// qwen3moe with its experts) with this vocabulary.
 fn qwen3_gguf_meta(
     m: &gridlm_reference::TinyModel,
     arch: &str,
@@ -485,7 +497,7 @@ fn qwen3_gguf_meta(
         (format!("{arch}.feed_forward_length"), u(m.inter)),
         (format!("{arch}.attention.head_count"), u(m.heads)),
         (format!("{arch}.attention.head_count_kv"), u(m.kv_heads)),
-        (format!("{arch}.attention.key_length"), u(m.head_dim.unwrap())),
+        (format!("{arch}.attention.key_length"), u(m.head_dim.unwrap_or(m.hidden / m.heads))),
         (format!("{arch}.attention.layer_norm_rms_epsilon"), GgufValue::F32(1e-6)),
         (format!("{arch}.rope.freq_base"), GgufValue::F32(10000.0)),
         ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
@@ -503,27 +515,32 @@ fn qwen3_gguf_meta(
     meta
 }
 
-/// A Qwen3-MoE GGUF as llama.cpp stores one — each layer's experts stacked in one
-/// `ffn_{gate,up,down}_exps` tensor, the router as `ffn_gate_inp`, every second layer dense —
-/// converts into exactly the model it was written from (an HF tensor per expert, the dense
-/// layers found as every `decoder_sparse_step`-th), on which gridlm agrees with candle's
-/// `qwen3_moe`.
-#[test]
-fn a_qwen3_moe_gguf_converts_to_the_model_it_holds() {
-    let tmp = tempfile::tempdir().unwrap();
-    let m = gridlm_reference::TinyModel::qwen3_moe();
+/// The random mixture-of-experts model `m` written as a GGUF of architecture `arch` as
+/// llama.cpp stores one — each layer's experts stacked in one `ffn_{gate,up,down}_exps` tensor,
+/// the router as `ffn_gate_inp`, a shared expert as `ffn_*_shexp` with its gate a vector —
+/// converted (f32) into `dir`, which must then hold exactly `m`'s tensors.
+fn moe_gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &str, dir: &Path) {
     let (experts, _, _) = m.experts.unwrap();
     let tensors = m.tensors();
     let (tokens, merges) = byte_level_vocabulary(m.vocab);
-    let meta = qwen3_gguf_meta(&m, "qwen3moe", tokens, merges);
+    let mut meta = qwen3_gguf_meta(m, arch, tokens, merges);
+    if let Some((_, shape, _)) = tensors.iter().find(|t| t.0.ends_with("shared_expert.gate_proj.weight")) {
+        meta.push((format!("{arch}.expert_shared_feed_forward_length"), GgufValue::U32(shape[0] as u32)));
+    }
     let mut gguf_tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for (n, shape, v) in &tensors {
         let Some((layer, rest)) = n.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) else {
             gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
             continue;
         };
+        let blk = |name: &str| format!("blk.{layer}.{name}.weight");
         if rest == "mlp.gate.weight" {
-            gguf_tensors.push((format!("blk.{layer}.ffn_gate_inp.weight"), shape.clone(), v.clone()));
+            gguf_tensors.push((blk("ffn_gate_inp"), shape.clone(), v.clone()));
+        } else if rest == "mlp.shared_expert_gate.weight" {
+            gguf_tensors.push((blk("ffn_gate_inp_shexp"), vec![shape[1]], v.clone()));
+        } else if let Some(which) = rest.strip_prefix("mlp.shared_expert.") {
+            let part = which.trim_end_matches("_proj.weight");
+            gguf_tensors.push((blk(&format!("ffn_{part}_shexp")), shape.clone(), v.clone()));
         } else if let Some(which) = rest.strip_prefix("mlp.experts.0.") {
             // Expert 0's tensor stands for the stack of every expert's, in order.
             let stacked: Vec<f32> = (0..experts)
@@ -533,37 +550,74 @@ fn a_qwen3_moe_gguf_converts_to_the_model_it_holds() {
                 })
                 .collect();
             let part = which.trim_end_matches("_proj.weight");
-            let name = format!("blk.{layer}.ffn_{part}_exps.weight");
-            gguf_tensors.push((name, vec![experts, shape[0], shape[1]], stacked));
+            gguf_tensors.push((blk(&format!("ffn_{part}_exps")), vec![experts, shape[0], shape[1]], stacked));
         } else if !rest.starts_with("mlp.experts.") {
             gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
         }
     }
-    let gguf = tmp.path().join("tiny-qwen3moe.gguf");
+    let gguf = dir.with_extension("gguf");
     write_gguf(&gguf, &meta, &gguf_tensors);
-    let out = tmp.path().join("folder");
-    let converted = convert_f32(&gguf, &out);
+    let converted = convert_f32(&gguf, dir);
     assert_eq!(converted.len(), tensors.len());
     for (n, shape, v) in &tensors {
         let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
         assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
     }
+}
+
+/// The config.json converted into `dir`, after checking the fields of `want`, with the
+/// sliding-window fields candle's Qwen configs ask for (gridlm needs none).
+fn converted_config(dir: &Path, want: serde_json::Value, layers: usize) -> serde_json::Value {
     let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
-    let want = serde_json::json!({
-        "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 3,
-        "moe_intermediate_size": 40, "decoder_sparse_step": 2, "mlp_only_layers": [],
-        "intermediate_size": m.inter,
-    });
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     for (key, want) in want.as_object().unwrap() {
         assert_eq!(&cfg[key], want, "config.json's {key}");
     }
-    cfg["max_window_layers"] = m.layers.into();
+    cfg["max_window_layers"] = layers.into();
     cfg["use_sliding_window"] = false.into();
+    cfg
+}
+
+/// A Qwen3-MoE GGUF (every second layer dense) converts into the model it holds (the dense
+/// layers found as every `decoder_sparse_step`-th), on which gridlm agrees with candle's
+/// `qwen3_moe`.
+#[test]
+fn a_qwen3_moe_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::qwen3_moe();
+    let out = tmp.path().join("folder");
+    moe_gguf_converts_to_the_model_it_holds(&m, "qwen3moe", &out);
+    let want = serde_json::json!({
+        "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 3,
+        "moe_intermediate_size": 40, "decoder_sparse_step": 2, "mlp_only_layers": [],
+        "intermediate_size": m.inter, "norm_topk_prob": true,
+    });
+    let mut cfg = converted_config(&out, want, m.layers);
     cfg["sliding_window"] = serde_json::Value::Null;
     let cfg: qwen3_moe::Config = serde_json::from_value(cfg).unwrap();
     let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
     tiny_matches_candle("converted qwen3_moe", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+}
+
+/// A Qwen2-MoE GGUF (QKV biases, a shared expert beside the experts, its gate a vector)
+/// converts into the model it holds, on which gridlm agrees with candle's `qwen2_moe`.
+#[test]
+fn a_qwen2_moe_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::qwen2_moe();
+    let out = tmp.path().join("folder");
+    moe_gguf_converts_to_the_model_it_holds(&m, "qwen2moe", &out);
+    let want = serde_json::json!({
+        "model_type": "qwen2_moe", "num_experts": 6, "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": 56, "norm_topk_prob": false, "attention_bias": true,
+    });
+    let mut cfg = converted_config(&out, want, m.layers);
+    cfg["sliding_window"] = m.max_pos.into();
+    let cfg: qwen2_moe::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = qwen2_moe::Model::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted qwen2_moe", &out, |ids, pos| {
         model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     });
 }
