@@ -36,16 +36,20 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
         ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     ];
+    // Mixtral is stored as a llama with experts.
+    let mixtral =
+        arch == "llama" && g.get("llama.expert_count").and_then(|v| v.as_u64()).is_some_and(|e| e > 0);
+    let known = known.map(|k| if mixtral { ("llama", "MixtralForCausalLM", "mixtral") } else { k });
     let Some((architecture, model_type)) =
         known.into_iter().find_map(|(a, hf, mt)| (a == arch).then_some((hf, mt)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama, qwen2, qwen3, qwen2moe or qwen3moe)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe or qwen3moe)"),
         ));
     };
     let key = |k: &str| format!("{arch}.{k}");
-    let moe = arch.ends_with("moe");
+    let moe = arch.ends_with("moe") || mixtral;
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
     let n_heads = meta_usize(&g, &key("attention.head_count"))?;
@@ -110,7 +114,11 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     // (`norm_topk_prob`), and not for Qwen2-MoE, whose configs do not. Qwen2-MoE's shared
     // expert is as wide as `expert_shared_feed_forward_length` says.
     let experts = if moe { meta_usize(&g, &key("expert_count"))? } else { 0 };
-    if moe {
+    if mixtral {
+        // Every layer sparse, experts as wide as `feed_forward_length`, shares renormalized.
+        config["num_local_experts"] = experts.into();
+        config["num_experts_per_tok"] = meta_usize(&g, &key("expert_used_count"))?.into();
+    } else if moe {
         let sparse: Vec<bool> =
             (0..n_layers).map(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some()).collect();
         let (step, only) = sparse_pattern(&sparse);
@@ -162,12 +170,27 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 let g = &g;
                 let make = move || encode(&g.dequantize_part(t, e, experts).unwrap_or_default(), dt);
                 let len = shape[1] * shape[2] * dt.size_bytes();
-                let name = format!("model.layers.{layer}.mlp.experts.{e}.{which}.weight");
+                let name = if mixtral {
+                    let w = match which {
+                        "gate_proj" => "w1",
+                        "up_proj" => "w3",
+                        _ => "w2",
+                    };
+                    format!("model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight")
+                } else {
+                    format!("model.layers.{layer}.mlp.experts.{e}.{which}.weight")
+                };
                 named.push((name, Lazy { dtype: dt, shape: shape[1..].to_vec(), len, make: Box::new(make) }));
             }
             continue;
         }
-        let Some(hf) = hf_name(&t.name) else {
+        let Some(hf) = hf_name(&t.name).map(|n| {
+            if mixtral {
+                n.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            } else {
+                n
+            }
+        }) else {
             if t.name == "rope_freqs.weight" {
                 return Err(Error::tensor(gguf_path, &t.name, "RoPE frequency factors are not supported"));
             }

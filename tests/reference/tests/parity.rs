@@ -494,7 +494,11 @@ fn qwen3_gguf_meta(
         (format!("{arch}.block_count"), u(m.layers)),
         (format!("{arch}.context_length"), u(m.max_pos)),
         (format!("{arch}.embedding_length"), u(m.hidden)),
-        (format!("{arch}.feed_forward_length"), u(m.inter)),
+        // As HF's config has it (Mixtral's is its experts' width).
+        (
+            format!("{arch}.feed_forward_length"),
+            u(m.config()["intermediate_size"].as_u64().unwrap() as usize),
+        ),
         (format!("{arch}.attention.head_count"), u(m.heads)),
         (format!("{arch}.attention.head_count_kv"), u(m.kv_heads)),
         (format!("{arch}.attention.key_length"), u(m.head_dim.unwrap_or(m.hidden / m.heads))),
@@ -534,6 +538,9 @@ fn moe_gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch
             continue;
         };
         let blk = |name: &str| format!("blk.{layer}.{name}.weight");
+        // Mixtral's names, as Qwen-MoE's.
+        let rest = rest.replace("block_sparse_moe.", "mlp.").replace("w1.", "gate_proj.");
+        let rest = rest.replace("w3.", "up_proj.").replace("w2.", "down_proj.");
         if rest == "mlp.gate.weight" {
             gguf_tensors.push((blk("ffn_gate_inp"), shape.clone(), v.clone()));
         } else if rest == "mlp.shared_expert_gate.weight" {
@@ -552,7 +559,14 @@ fn moe_gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch
             let part = which.trim_end_matches("_proj.weight");
             gguf_tensors.push((blk(&format!("ffn_{part}_exps")), vec![experts, shape[0], shape[1]], stacked));
         } else if !rest.starts_with("mlp.experts.") {
-            gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
+            // llama.cpp interleaves the halves of each q and k head of a llama.
+            let heads = match rest.as_str() {
+                "self_attn.q_proj.weight" if arch == "llama" => m.heads,
+                "self_attn.k_proj.weight" if arch == "llama" => m.kv_heads,
+                _ => 0,
+            };
+            let v = if heads > 0 { permute_heads(v, heads, shape[1]) } else { v.clone() };
+            gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v));
         }
     }
     let gguf = dir.with_extension("gguf");
@@ -563,6 +577,22 @@ fn moe_gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch
         let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
         assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
     }
+}
+
+/// Rows of `v` (`cols` wide, `heads` heads) as llama.cpp stores a llama's q and k: each head's
+/// rows as (row pairs of its halves) — its row `2j + k` is the head's row `k · hd/2 + j`.
+fn permute_heads(v: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let hd = v.len() / cols / heads;
+    let mut out = Vec::with_capacity(v.len());
+    for h in 0..heads {
+        for j in 0..hd / 2 {
+            for k in 0..2 {
+                let row = h * hd + k * hd / 2 + j;
+                out.extend_from_slice(&v[row * cols..(row + 1) * cols]);
+            }
+        }
+    }
+    out
 }
 
 /// The config.json converted into `dir`, after checking the fields of `want`, with the
@@ -597,6 +627,26 @@ fn a_qwen3_moe_gguf_converts_to_the_model_it_holds() {
     let cfg: qwen3_moe::Config = serde_json::from_value(cfg).unwrap();
     let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
     tiny_matches_candle("converted qwen3_moe", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+}
+
+/// A Mixtral GGUF (a llama with experts: q and k rows interleaved, every layer sparse)
+/// converts into the model it holds, on which gridlm agrees with candle's `mixtral`.
+#[test]
+fn a_mixtral_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::mixtral();
+    let out = tmp.path().join("folder");
+    moe_gguf_converts_to_the_model_it_holds(&m, "llama", &out);
+    let want = serde_json::json!({
+        "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+    });
+    let mut cfg = converted_config(&out, want, m.layers);
+    (cfg["sliding_window"], cfg["use_flash_attn"]) = (m.max_pos.into(), false.into());
+    let cfg: mixtral::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = mixtral::Model::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted mixtral", &out, |ids, pos| {
         model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     });
 }
