@@ -456,8 +456,8 @@ pub fn percentile(v: &[f64], q: f64) -> f64 {
 /// output head for the last position only.
 pub fn prefill_flops(cfg: &ModelConfig, n: usize) -> f64 {
     let h = cfg.hidden_size as f64;
-    let (qd, kvd) = (cfg.q_dim() as f64, cfg.kv_dim() as f64);
-    let attention_weights = h * (qd + 2.0 * kvd) + qd * h;
+    let qd = cfg.q_dim() as f64;
+    let attention_weights = cfg.attention_params();
     let ffn_weights: f64 = (0..cfg.n_layers).map(|i| cfg.ffn_params_per_token(i)).sum();
     let linear = 2.0 * (attention_weights * cfg.n_layers as f64 + ffn_weights) * n as f64;
     // Position `p` sees `min(p + 1, window)` keys.

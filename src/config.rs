@@ -537,6 +537,12 @@ impl ModelConfig {
             .collect()
     }
 
+    /// Weights of a layer's q, k, v and o projections.
+    pub fn attention_params(&self) -> f64 {
+        let (h, qd, kvd) = (self.hidden_size as f64, self.q_dim() as f64, self.kv_dim() as f64);
+        h * (qd + 2.0 * kvd) + qd * h
+    }
+
     /// Weights of layer `i`'s FFN: gate, up and down of every expert (and the router), or
     /// of its dense FFN.
     pub fn ffn_params(&self, i: usize) -> f64 {

@@ -88,7 +88,7 @@ pub fn balanced_layers(cfg: &ModelConfig, pp: usize) -> Vec<usize> {
     let h = cfg.hidden_size as f64;
     // Of a mixture of experts, the router and the experts one token chooses.
     let ffn = (0..n).map(|i| cfg.ffn_params_per_token(i)).sum::<f64>() / n as f64;
-    let layer = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h + ffn;
+    let layer = cfg.attention_params() + ffn;
     let head = cfg.vocab_size as f64 * h / layer;
     let share = (n as f64 + head) / pp as f64;
     let last = ((share - head).round().max(1.0) as usize).min(n - (pp - 1));

@@ -9,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod grid;
 pub mod host;
+pub mod inspect;
 pub mod kernels;
 pub mod model;
 pub mod plan;

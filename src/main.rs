@@ -48,6 +48,31 @@ enum Cmd {
     Report(ReportArgs),
     /// Predict memory and speed of every layout on a cluster, from a stated cost model.
     Plan(PlanArgs),
+    /// What a model folder holds and how a grid would split it, without reading a weight.
+    Inspect(InspectArgs),
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// HuggingFace model folder (config.json, and the safetensors headers: every tensor a rank
+    /// would read is looked up by name, shape and dtype).
+    #[arg(long)]
+    model: PathBuf,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Tensor-parallel ranks per stage.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Layers per stage, e.g. `16,14` (default: as generate and bench split them).
+    #[arg(long, value_delimiter = ',')]
+    layers: Option<Vec<usize>>,
+    /// Weights quantized at load: `int8` (as for generate and bench).
+    #[arg(long, value_parser = parse_quant)]
+    quant: Option<Quant>,
+    /// Print one JSON object instead of the text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// The sequences a benchmark runs (or a plan predicts).
@@ -523,6 +548,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => bench(a),
         Cmd::Report(a) => report(a),
         Cmd::Plan(a) => plan(a),
+        Cmd::Inspect(a) => inspect(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -623,6 +649,19 @@ fn status_line(stdout: &mut impl Write, line: &str) {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+fn inspect(a: InspectArgs) -> Result<()> {
+    at_least(&[("--pp", a.pp, 1), ("--tp", a.tp, 1)])?;
+    let cfg = ModelConfig::from_dir(&a.model)?;
+    let ckpt = Checkpoint::open(&a.model)?;
+    let x = gridlm::inspect::inspect(&ckpt, &cfg, (a.pp, a.tp, a.layers.as_deref()), a.quant)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&x)?);
+    } else {
+        print!("gridlm inspect: {}\n{}", a.model.display(), gridlm::inspect::table(&x));
+    }
+    Ok(())
 }
 
 fn plan(a: PlanArgs) -> Result<()> {

@@ -176,7 +176,7 @@ pub fn layouts(cfg: &ModelConfig, c: &Cluster, w: &Workload) -> Vec<Prediction> 
 pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usize) -> Prediction {
     let ranks = pp * tp;
     let (h, hd) = (cfg.hidden_size as f64, cfg.head_dim as f64);
-    let attention_params = h * (cfg.q_dim() + 2 * cfg.kv_dim()) as f64 + cfg.q_dim() as f64 * h;
+    let attention_params = cfg.attention_params();
     let head_params = cfg.vocab_size as f64 * h;
     // Weights one token multiplies by in the whole model (of a mixture of experts, the
     // experts it chooses).

@@ -3,6 +3,7 @@ mod batch;
 mod bench;
 mod generate;
 mod grid;
+mod inspect;
 mod quant;
 mod scale;
 

@@ -1,0 +1,34 @@
+//! `gridlm inspect`: a model folder's summary and a grid's split of it, from the headers alone.
+
+use super::*;
+
+/// `inspect` reads no weight but finds every tensor a rank would read: a Qwen3-MoE folder on two
+/// tp ranks (its experts' 40 columns split 32 and 8), and one missing an expert's tensor refused
+/// with one line naming it.
+#[test]
+fn inspect_splits_a_folder_without_loading_it() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    let m = gridlm_reference::TinyModel::qwen3_moe();
+    m.write(dir);
+    let out = gridlm(&["inspect", "--model", path_str(dir), "--tp", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["model_type"], "qwen3_moe");
+    assert!(j["ffn"]
+        .as_str()
+        .unwrap()
+        .starts_with("3 of 6 experts a token, 40 columns each, in 2 of 4 layers"));
+    let ranks = j["ranks"].as_array().unwrap();
+    let cols: Vec<u64> = ranks.iter().map(|r| r["expert_columns"].as_u64().unwrap()).collect();
+    assert_eq!(cols, [32, 8]);
+    assert!(ranks.iter().all(|r| r["weight_bytes"].as_u64().unwrap() > 0));
+    assert!(j["params_per_token"].as_f64() < j["params"].as_f64());
+    let text = gridlm(&["inspect", "--model", path_str(dir)]);
+    assert!(String::from_utf8_lossy(&text.stdout).contains("| rank | stage | tp | layers |"));
+    let gone = "model.layers.1.mlp.experts.5.up_proj.weight";
+    let tensors: Vec<_> = m.tensors().into_iter().filter(|(n, _, _)| n != gone).collect();
+    gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &tensors);
+    let out = gridlm(&["inspect", "--model", path_str(dir), "--tp", "2"]);
+    assert_one_line_error(&out, &[&format!("tensor `{gone}`"), "missing"]);
+}
