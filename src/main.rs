@@ -206,6 +206,11 @@ struct GenerateArgs {
     stop: Vec<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// Sample as the model folder's generation_config.json says (do_sample, temperature,
+    /// top_p, top_k, min_p, repetition_penalty, as HF's generate reads them), but for the
+    /// settings given here.
+    #[arg(long)]
+    model_sampling: bool,
     #[command(flatten)]
     batching: BatchArgs,
     #[command(flatten)]
@@ -265,20 +270,22 @@ struct SamplingArgs {
     // Negative values reach the checks below and get their message (a bare `-1` would
     // otherwise read as an unknown option).
     /// Sampling temperature; 0 (the default) picks the most likely token.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
-    temperature: f32,
-    /// Sample among the k most likely tokens only (0: all).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
-    top_k: usize,
-    /// Sample among the fewest most likely tokens whose probability reaches p (1: all).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
-    top_p: f32,
-    /// Sample among tokens at least this fraction as likely as the most likely one (0: all).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
-    min_p: f32,
-    /// Penalty on tokens already in the sequence (1: none; 1.1–1.3 is usual).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
-    repetition_penalty: f32,
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f32>,
+    /// Sample among the k most likely tokens only (0, the default: all).
+    #[arg(long, allow_negative_numbers = true)]
+    top_k: Option<usize>,
+    /// Sample among the fewest most likely tokens whose probability reaches p (1, the default:
+    /// all).
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Sample among tokens at least this fraction as likely as the most likely one (0, the
+    /// default: all).
+    #[arg(long, allow_negative_numbers = true)]
+    min_p: Option<f32>,
+    /// Penalty on tokens already in the sequence (1, the default: none; 1.1–1.3 is usual).
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f32>,
     /// Seed of the sampling draws (default: from the clock, printed with --json). The same
     /// seed gives the same tokens on every grid layout. Prompt i of a prompts file uses
     /// seed + i unless its line sets one.
@@ -287,17 +294,18 @@ struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    fn params(&self) -> Result<SamplingParams> {
+    /// The settings given, the others `base`'s.
+    fn params(&self, base: &SamplingParams) -> Result<SamplingParams> {
         let seed = self.seed.unwrap_or_else(|| {
             let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             t.as_nanos() as u64 ^ (std::process::id() as u64) << 32
         });
         let p = SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
+            temperature: self.temperature.unwrap_or(base.temperature),
+            top_k: self.top_k.unwrap_or(base.top_k),
+            top_p: self.top_p.unwrap_or(base.top_p),
+            min_p: self.min_p.unwrap_or(base.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(base.repetition_penalty),
             seed,
         };
         p.check().map_err(|e| anyhow::anyhow!("--{}", e.replacen('_', "-", 1)))?;
@@ -938,7 +946,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
         // The prompt's logits come with its first new token; without one there are none.
         anyhow::bail!("--logits-out needs --max-tokens of at least 1");
     }
-    let params = a.sampling.params()?;
+    let base = if a.model_sampling {
+        gridlm::engine::sampling::from_generation_config(&a.model.join("generation_config.json"))?
+    } else {
+        SamplingParams::default()
+    };
+    let params = a.sampling.params(&base)?;
     on_grid(&a.grid, |grid, comm, link| run_generate(&a, &params, grid, comm, link))
 }
 
@@ -1297,7 +1310,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     if let Some(b) = a.compare_batch.filter(|&b| b == a.work.batch) {
         anyhow::bail!("--compare-batch {b} is --batch itself: give another size");
     }
-    let params = a.sampling.params()?;
+    let params = a.sampling.params(&SamplingParams::default())?;
     if a.limits {
         return on_grid(&a.grid, |_, _, link| run_limits(&a, link));
     }

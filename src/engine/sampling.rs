@@ -23,6 +23,45 @@
 use crate::comm::Comm;
 use serde::{Deserialize, Serialize};
 
+/// The sampling settings of a model folder's `generation_config.json` (at `path`), as HF's
+/// `generate` reads them: greedy unless `do_sample` is true; then `temperature` (1 where absent
+/// or null), `top_p` (1), `top_k` (50, HF's default), `min_p` (none) and `repetition_penalty`
+/// (1). The seed is left 0.
+pub fn from_generation_config(path: &std::path::Path) -> crate::Result<SamplingParams> {
+    use crate::Error;
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
+    let field = |key: &str| v.get(key).filter(|x| !x.is_null());
+    let number = |key: &str, default: f64| match field(key) {
+        None => Ok(default),
+        Some(x) => x.as_f64().ok_or_else(|| Error::file(path, format!("`{key}` is {x}, not a number"))),
+    };
+    let sample = match field("do_sample") {
+        None => false,
+        Some(x) => {
+            x.as_bool().ok_or_else(|| Error::file(path, format!("`do_sample` is {x}, not true or false")))?
+        }
+    };
+    let mut p = SamplingParams {
+        repetition_penalty: number("repetition_penalty", 1.0)? as f32,
+        ..SamplingParams::default()
+    };
+    if sample {
+        p.temperature = number("temperature", 1.0)? as f32;
+        p.top_p = number("top_p", 1.0)? as f32;
+        p.top_k = match field("top_k") {
+            None => 50,
+            Some(x) => {
+                x.as_u64().ok_or_else(|| Error::file(path, format!("`top_k` is {x}, not a count")))? as usize
+            }
+        };
+        p.min_p = number("min_p", 0.0)? as f32;
+    }
+    p.check().map_err(|e| Error::file(path, e))?;
+    Ok(p)
+}
+
 /// How one sequence picks its tokens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
@@ -410,6 +449,38 @@ pub fn sample_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// generation_config.json read as HF's generate reads it: greedy without `do_sample`
+    /// (a repetition penalty kept), its numbers with it (HF's defaults where absent or null),
+    /// and a field of the wrong type or an invalid value named in one error.
+    #[test]
+    fn sampling_from_a_generation_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("generation_config.json");
+        let read = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            from_generation_config(&path)
+        };
+        let greedy = read(r#"{"temperature": 0.6, "repetition_penalty": 1.1, "eos_token_id": 2}"#).unwrap();
+        assert_eq!(greedy, SamplingParams { repetition_penalty: 1.1, ..SamplingParams::default() });
+        let p = read(r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": null}"#)
+            .unwrap();
+        assert_eq!(
+            (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty),
+            (0.6, 0.95, 20, 0.0, 1.0)
+        );
+        let p = read(r#"{"do_sample": true}"#).unwrap();
+        assert_eq!((p.temperature, p.top_p, p.top_k), (1.0, 1.0, 50));
+        for (text, msg) in [
+            (r#"{"do_sample": "yes"}"#, "`do_sample` is \"yes\", not true or false"),
+            (r#"{"do_sample": true, "top_k": -1}"#, "`top_k` is -1, not a count"),
+            (r#"{"do_sample": true, "top_p": 1.5}"#, "top_p must be in (0, 1], got 1.5"),
+            ("{", "invalid JSON"),
+        ] {
+            let e = read(text).unwrap_err().to_string();
+            assert!(e.contains("generation_config.json") && e.contains(msg), "{text}: {e}");
+        }
+    }
 
     /// Runs the whole protocol for one row split into `shards` pieces, in one process: what
     /// `sample_rows` does with a stage of that many ranks.

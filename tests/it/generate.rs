@@ -138,3 +138,28 @@ fn a_closed_stdout_ends_the_run_quietly() {
         assert!(!stderr.contains("error"), "json {json}: {stderr}");
     }
 }
+
+/// `--model-sampling` samples as the folder's generation_config.json says: the same tokens as
+/// those settings given on the command line with the same seed; a setting given wins (there,
+/// temperature 0: the greedy tokens); without the file, one error line naming it.
+#[test]
+fn model_sampling_follows_generation_config() {
+    let (_t, dir) = tiny_llama();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", path_str(&dir), "--prompt", "t5 t9", "--max-tokens", "12"];
+        args.extend(["--ignore-eos", "--seed", "3", "--json"]);
+        args.extend(extra);
+        json_of(&gridlm(&args))["token_ids"].clone()
+    };
+    let missing = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "t5", "--model-sampling"]);
+    assert_one_line_error(&missing, &["generation_config.json"]);
+    // Hot enough that the random model's peaked logits give way.
+    let config =
+        r#"{"do_sample": true, "temperature": 8.0, "top_k": 40, "top_p": 0.95, "repetition_penalty": 1.2}"#;
+    std::fs::write(dir.join("generation_config.json"), config).unwrap();
+    let sampled = run(&["--model-sampling"]);
+    let given = ["--temperature", "8", "--top-k", "40", "--top-p", "0.95", "--repetition-penalty", "1.2"];
+    assert_eq!(sampled, run(&given));
+    assert_ne!(sampled, run(&["--repetition-penalty", "1.2"]), "sampled as greedy");
+    assert_eq!(run(&["--model-sampling", "--temperature", "0"]), run(&["--repetition-penalty", "1.2"]));
+}
