@@ -369,14 +369,15 @@ fn random_gemma2_matches_candle_on_one_and_two_ranks() {
 
 /// Qwen3-MoE's mixture of experts (every second layer; the others dense), its experts' shares
 /// not renormalized, against candle's `qwen3_moe`; split over two ranks by heads and each
-/// expert's columns (40, as blocks of 16: 32 and 8), and by layers, the same tokens and logits
-/// within 1e-4 of the single rank.
+/// expert's columns (40, as blocks of 16: 32 and 8), and by layers, and over a 2x2 grid, the
+/// same tokens and logits within 1e-4 of the single rank.
 #[test]
 fn random_qwen3_moe_matches_candle_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let single = tiny_against_candle!(qwen3_moe, ModelForCausalLM, dir);
     same_on_two_ranks("random qwen3_moe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    same_on_ranks("random qwen3_moe", dir, &single, "4", &[&["--pp", "2", "--tp", "2"]]);
 }
 
 /// OLMo 2's norms on the sublayers' outputs only and its q and k normed over their whole
