@@ -326,6 +326,12 @@ impl TinyModel {
     pub fn qwen2_moe() -> Self {
         TinyModel { model_type: "qwen2_moe", layers: 4, experts: Some((6, 2, 40)), ..Self::qwen2() }
     }
+    /// Mistral-style: Llama's shape (uneven heads) with an untied head and a sliding window
+    /// (of `max_pos`, longer than the tests' sequences: candle's Mistral applies no window in
+    /// its decode steps, and one position wider than HF's in its prompt).
+    pub fn mistral() -> Self {
+        TinyModel { model_type: "mistral", tied: false, ..Self::llama() }
+    }
     /// OLMo 2-style: Llama's shape (uneven heads: under tp = 2 a KV head on both ranks) with
     /// norms on the attention's and the FFN's outputs only, q and k normed over their whole
     /// width, an untied head.
@@ -379,6 +385,7 @@ impl TinyModel {
             "qwen3_moe" => "Qwen3MoeForCausalLM",
             "mixtral" => "MixtralForCausalLM",
             "olmo2" => "Olmo2ForCausalLM",
+            "mistral" => "MistralForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, llama, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+    gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
@@ -240,6 +240,14 @@ macro_rules! tiny_against_candle {
         assert_eq!(run.prompt_ids, vec![5, 17, 42, 3, 99, 250, 7]);
         run
     }};
+}
+
+/// Mistral (Llama's forward with an untied head; its window longer than the sequence, the
+/// windows being checked through Gemma 3's), against candle's `mistral`.
+#[test]
+fn random_mistral_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny_against_candle!(mistral, Model, tmp.path());
 }
 
 #[test]
