@@ -110,9 +110,9 @@ impl Ffn {
 /// Layer `i`'s router tensor and expert `e`'s gate, up and down tensors: Qwen2- and
 /// Qwen3-MoE's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
 /// `block_sparse_moe.experts.E.{w1,w3,w2}`.
-fn expert_names(cfg: &ModelConfig, i: usize, e: usize) -> [String; 4] {
+pub(crate) fn expert_names(arch: Arch, i: usize, e: usize) -> [String; 4] {
     let p = |s: &str| format!("model.layers.{i}.{s}");
-    if cfg.arch == Arch::Mixtral {
+    if arch == Arch::Mixtral {
         let x = |w: &str| p(&format!("block_sparse_moe.experts.{e}.{w}.weight"));
         [p("block_sparse_moe.gate.weight"), x("w1"), x("w3"), x("w2")]
     } else {
@@ -122,7 +122,7 @@ fn expert_names(cfg: &ModelConfig, i: usize, e: usize) -> [String; 4] {
 }
 
 /// Layer `i`'s shared expert's gate, up and down tensors and its gate's (Qwen2-MoE).
-fn shared_expert_names(i: usize) -> [String; 4] {
+pub(crate) fn shared_expert_names(i: usize) -> [String; 4] {
     let p = |s: &str| format!("model.layers.{i}.mlp.shared_expert{s}.weight");
     [p(".gate_proj"), p(".up_proj"), p(".down_proj"), p("_gate")]
 }
@@ -630,8 +630,10 @@ impl Shard {
             let ffn = match cfg.moe.as_ref().filter(|m| m.sparse[i]) {
                 Some(moe) => {
                     let (e, fe, cols) = (moe.experts, moe.expert_ffn, plan.expert_ffn.clone());
-                    let router =
-                        PackedMat::pack_as(&ckpt.rows(&expert_names(&cfg, i, 0)[0], &[e, h], 0..e)?, None);
+                    let router = PackedMat::pack_as(
+                        &ckpt.rows(&expert_names(cfg.arch, i, 0)[0], &[e, h], 0..e)?,
+                        None,
+                    );
                     let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
                     // An expert's (or the shared expert's) gate/up rows of `cols` and down
                     // columns, stored as `[gate, up, down]` of `ffn` columns.
@@ -643,7 +645,7 @@ impl Shard {
                         ))
                     };
                     for x in 0..e {
-                        let [_, g, u, d] = expert_names(&cfg, i, x);
+                        let [_, g, u, d] = expert_names(cfg.arch, i, x);
                         let (gu, dn) = expert(&[g, u, d, String::new()], fe, &cols)?;
                         gate_up.push(gu);
                         down.push(dn);
@@ -767,7 +769,7 @@ impl Shard {
             match cfg.moe.as_ref().filter(|m| m.sparse[i]) {
                 Some(moe) => {
                     let (e, fe, cols) = (moe.experts, moe.expert_ffn, plan.expert_ffn.len());
-                    let router = src.dtype(&expert_names(cfg, i, 0)[0], &[e, h])?;
+                    let router = src.dtype(&expert_names(cfg.arch, i, 0)[0], &[e, h])?;
                     n += PackedMat::bytes_for(e, h, router, None);
                     // An expert's (or the shared expert's) bytes, stored as `[gate, up, down]`
                     // of `ffn` columns, `cols` of them here.
@@ -778,7 +780,7 @@ impl Shard {
                         )
                     };
                     for x in 0..e {
-                        let [_, g, u, d] = expert_names(cfg, i, x);
+                        let [_, g, u, d] = expert_names(cfg.arch, i, x);
                         n += expert(&[g, u, d, String::new()], fe, cols)?;
                     }
                     if moe.shared_ffn > 0 {

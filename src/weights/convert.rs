@@ -5,6 +5,7 @@
 
 use super::gguf::{Gguf, Value};
 use super::DType;
+use crate::config::Arch;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use std::collections::HashMap;
@@ -28,26 +29,27 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     }
     let g = Gguf::open(gguf_path)?;
     let arch = meta_str(&g, "general.architecture")?.to_string();
-    // (GGUF architecture, HF architecture, HF model_type)
+    // (GGUF architecture, HF architecture, the family: its `model_type`)
     let known = [
-        ("llama", "LlamaForCausalLM", "llama"),
-        ("qwen2", "Qwen2ForCausalLM", "qwen2"),
-        ("qwen3", "Qwen3ForCausalLM", "qwen3"),
-        ("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
-        ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+        ("llama", "LlamaForCausalLM", Arch::Llama),
+        ("qwen2", "Qwen2ForCausalLM", Arch::Qwen2),
+        ("qwen3", "Qwen3ForCausalLM", Arch::Qwen3),
+        ("qwen2moe", "Qwen2MoeForCausalLM", Arch::Qwen2Moe),
+        ("qwen3moe", "Qwen3MoeForCausalLM", Arch::Qwen3Moe),
     ];
-    // Mixtral is stored as a llama with experts.
-    let mixtral =
-        arch == "llama" && g.get("llama.expert_count").and_then(|v| v.as_u64()).is_some_and(|e| e > 0);
-    let known = known.map(|k| if mixtral { ("llama", "MixtralForCausalLM", "mixtral") } else { k });
-    let Some((architecture, model_type)) =
-        known.into_iter().find_map(|(a, hf, mt)| (a == arch).then_some((hf, mt)))
+    let Some((architecture, family)) =
+        known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
             format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe or qwen3moe)"),
         ));
     };
+    // Mixtral is stored as a llama with experts.
+    let mixtral =
+        arch == "llama" && g.get("llama.expert_count").and_then(|v| v.as_u64()).is_some_and(|e| e > 0);
+    let (architecture, family) =
+        if mixtral { ("MixtralForCausalLM", Arch::Mixtral) } else { (architecture, family) };
     let key = |k: &str| format!("{arch}.{k}");
     let moe = arch.ends_with("moe") || mixtral;
     let n_layers = meta_usize(&g, &key("block_count"))?;
@@ -84,7 +86,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
 
     let mut config = serde_json::json!({
         "architectures": [architecture],
-        "model_type": model_type,
+        "model_type": family.name(),
         "hidden_size": hidden,
         "intermediate_size": match g.get(&key("feed_forward_length")).and_then(|v| v.as_u64()) {
             Some(ff) => ff as usize,
@@ -148,53 +150,51 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     // it, so a conversion holds one tensor at a time, not the model.
     let mut named: Vec<(String, Lazy)> = Vec::new();
     for t in &g.tensors {
-        if let Some((layer, which)) = stacked_experts(&t.name) {
-            // [experts, rows, cols]: one HF tensor an expert.
-            let shape = t.shape();
-            if shape.len() != 3 || shape[0] != experts {
-                return Err(Error::tensor(
-                    gguf_path,
-                    &t.name,
-                    format!("shape {shape:?} is not [{experts} experts, rows, columns]"),
-                ));
+        // A mixture's tensors take the names the model reads them by; each expert's part of a
+        // stacked tensor ([experts, rows, columns]) becomes an HF tensor of its own.
+        let hf = match moe_tensor(&t.name) {
+            Some((layer, false, which @ 1..)) => {
+                let shape = t.shape();
+                if shape.len() != 3 || shape[0] != experts {
+                    return Err(Error::tensor(
+                        gguf_path,
+                        &t.name,
+                        format!("shape {shape:?} is not [{experts} experts, rows, columns]"),
+                    ));
+                }
+                if g.dequantize_part(t, 0, experts).is_none() {
+                    return Err(Error::tensor(
+                        gguf_path,
+                        &t.name,
+                        "an expert's part does not end on a quantization block",
+                    ));
+                }
+                let dt = dtype;
+                for e in 0..experts {
+                    let g = &g;
+                    let make = move || encode(&g.dequantize_part(t, e, experts).unwrap_or_default(), dt);
+                    let len = shape[1] * shape[2] * dt.size_bytes();
+                    let name = crate::model::expert_names(family, layer, e)[which].clone();
+                    named.push((
+                        name,
+                        Lazy { dtype: dt, shape: shape[1..].to_vec(), len, make: Box::new(make) },
+                    ));
+                }
+                continue;
             }
-            if g.dequantize_part(t, 0, experts).is_none() {
-                return Err(Error::tensor(
-                    gguf_path,
-                    &t.name,
-                    "an expert's part does not end on a quantization block",
-                ));
-            }
-            let dt = dtype;
-            for e in 0..experts {
-                let g = &g;
-                let make = move || encode(&g.dequantize_part(t, e, experts).unwrap_or_default(), dt);
-                let len = shape[1] * shape[2] * dt.size_bytes();
-                let name = if mixtral {
-                    let w = match which {
-                        "gate_proj" => "w1",
-                        "up_proj" => "w3",
-                        _ => "w2",
-                    };
-                    format!("model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight")
-                } else {
-                    format!("model.layers.{layer}.mlp.experts.{e}.{which}.weight")
-                };
-                named.push((name, Lazy { dtype: dt, shape: shape[1..].to_vec(), len, make: Box::new(make) }));
-            }
-            continue;
-        }
-        let Some(hf) = hf_name(&t.name).map(|n| {
-            if mixtral {
-                n.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-            } else {
-                n
-            }
-        }) else {
-            if t.name == "rope_freqs.weight" {
-                return Err(Error::tensor(gguf_path, &t.name, "RoPE frequency factors are not supported"));
-            }
-            continue; // e.g. rope tables some converters add; not weights
+            Some((layer, true, which)) => crate::model::shared_expert_names(layer)[which].clone(),
+            Some((layer, false, which)) => crate::model::expert_names(family, layer, 0)[which].clone(),
+            None => match hf_name(&t.name) {
+                Some(hf) => hf,
+                None if t.name == "rope_freqs.weight" => {
+                    return Err(Error::tensor(
+                        gguf_path,
+                        &t.name,
+                        "RoPE frequency factors are not supported",
+                    ));
+                }
+                None => continue, // e.g. rope tables some converters add; not weights
+            },
         };
         // Qwen2-MoE's shared expert's gate: one row (GGUF stores it as a vector).
         let shape = if t.name.ends_with("ffn_gate_inp_shexp.weight") { vec![1, hidden] } else { t.shape() };
@@ -318,17 +318,25 @@ fn sparse_pattern(sparse: &[bool]) -> (usize, Vec<usize>) {
     }
 }
 
-/// A stacked expert tensor's layer and the HF name of its experts' matrices (`gate_proj`,
-/// `up_proj`, `down_proj`), from its GGUF name (`blk.N.ffn_{gate,up,down}_exps.weight`).
-fn stacked_experts(gguf: &str) -> Option<(usize, &'static str)> {
+/// A mixture's tensor from its GGUF name: its layer, whether it is the shared expert's, and
+/// its index among the model's names for it: `model::expert_names`'s (0 the router,
+/// `ffn_gate_inp`; 1–3 gate, up and down, stacked with one part an expert, `ffn_*_exps`) or
+/// `model::shared_expert_names`'s (0–2 gate, up and down, `ffn_*_shexp`; 3 its gate,
+/// `ffn_gate_inp_shexp`).
+fn moe_tensor(gguf: &str) -> Option<(usize, bool, usize)> {
     let (layer, name) = gguf.strip_prefix("blk.")?.split_once('.')?;
-    let which = match name {
-        "ffn_gate_exps.weight" => "gate_proj",
-        "ffn_up_exps.weight" => "up_proj",
-        "ffn_down_exps.weight" => "down_proj",
+    let (shared, which) = match name {
+        "ffn_gate_inp.weight" => (false, 0),
+        "ffn_gate_exps.weight" => (false, 1),
+        "ffn_up_exps.weight" => (false, 2),
+        "ffn_down_exps.weight" => (false, 3),
+        "ffn_gate_shexp.weight" => (true, 0),
+        "ffn_up_shexp.weight" => (true, 1),
+        "ffn_down_shexp.weight" => (true, 2),
+        "ffn_gate_inp_shexp.weight" => (true, 3),
         _ => return None,
     };
-    Some((layer.parse().ok()?, which))
+    Some((layer.parse().ok()?, shared, which))
 }
 
 /// GGUF tensor name → HF name.
@@ -357,11 +365,6 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
-        "ffn_gate_inp.weight" => "mlp.gate.weight",
-        "ffn_gate_shexp.weight" => "mlp.shared_expert.gate_proj.weight",
-        "ffn_up_shexp.weight" => "mlp.shared_expert.up_proj.weight",
-        "ffn_down_shexp.weight" => "mlp.shared_expert.down_proj.weight",
-        "ffn_gate_inp_shexp.weight" => "mlp.shared_expert_gate.weight",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}"))
