@@ -107,35 +107,22 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         attn_scale: 1.0 / (hd as f32).sqrt(),
         attn_softcap: gemma2.then_some(50.0),
         final_softcap: gemma2.then_some(30.0),
-        // Qwen1.5-MoE-A2.7B: 60 experts of 1408 columns, 4 a token, a shared one of 5632;
-        // Qwen3-30B-A3B: 128 experts of 768 columns, 8 a token; Mixtral 8x7B: 8, 2 a token.
+        // (experts, a token, columns each, renormalized, shared expert's columns):
+        // Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, Mixtral 8x7B.
         moe: match arch {
-            Arch::Qwen2Moe => Some(Moe {
-                experts: 60,
-                per_token: 4,
-                expert_ffn: 1408,
-                norm_topk: false,
-                shared_ffn: 5632,
-                sparse: vec![true; l],
-            }),
-            Arch::Qwen3Moe => Some(Moe {
-                experts: 128,
-                per_token: 8,
-                expert_ffn: 768,
-                norm_topk: true,
-                shared_ffn: 0,
-                sparse: vec![true; l],
-            }),
-            Arch::Mixtral => Some(Moe {
-                experts: 8,
-                per_token: 2,
-                expert_ffn: ff,
-                norm_topk: true,
-                shared_ffn: 0,
-                sparse: vec![true; l],
-            }),
+            Arch::Qwen2Moe => Some((60, 4, 1408, false, 5632)),
+            Arch::Qwen3Moe => Some((128, 8, 768, true, 0)),
+            Arch::Mixtral => Some((8, 2, ff, true, 0)),
             _ => None,
-        },
+        }
+        .map(|(experts, per_token, expert_ffn, norm_topk, shared_ffn)| Moe {
+            experts,
+            per_token,
+            expert_ffn,
+            norm_topk,
+            shared_ffn,
+            sparse: vec![true; l],
+        }),
         bos_token_id: None,
         eos_token_ids: Vec::new(),
     })
