@@ -87,7 +87,8 @@ pub fn inspect(
     let h = cfg.hidden_size as f64;
     let attention = cfg.attention_params();
     let vocab = cfg.vocab_size as f64 * h;
-    let heads = if cfg.tie_word_embeddings { vocab } else { 2.0 * vocab };
+    // The embedding and the output head (one matrix where tied).
+    let embeddings = if cfg.tie_word_embeddings { vocab } else { 2.0 * vocab };
     let layers_params =
         |ffn: &dyn Fn(usize) -> f64| (0..cfg.n_layers).map(|i| attention + ffn(i)).sum::<f64>();
     let ffn = match &cfg.moe {
@@ -118,7 +119,7 @@ pub fn inspect(
         vocab: cfg.vocab_size,
         context: cfg.max_position_embeddings,
         ffn,
-        params: layers_params(&|i| cfg.ffn_params(i)) + heads,
+        params: layers_params(&|i| cfg.ffn_params(i)) + embeddings,
         params_per_token: layers_params(&|i| cfg.ffn_params_per_token(i)) + vocab,
         stored_dtype: stored.name(),
         weight_dtype: if quant.is_some() { "int8" } else { stored.name() },
