@@ -67,6 +67,8 @@ pub enum Tag {
     Plan = 1,
     Hidden = 2,
     Result = 3,
+    /// The driver's call to ranks asleep while it has no work ([`Link::sleep_until_woken`]).
+    Wake = 4,
 }
 
 /// Job-wide operations: point-to-point messages between world ranks and agreement on errors.
@@ -84,6 +86,9 @@ pub trait Link {
     /// answer — the error of the lowest failing rank (prefixed with that rank when there are
     /// several), or `Ok`. No rank is left waiting on one that failed.
     fn agree(&self, outcome: Result<(), String>) -> Result<(), String>;
+    /// Waits for an empty [`Tag::Wake`] message from `src`, napping between looks (a job
+    /// with nothing to do keeps no core busy, as a blocking receive's polling would).
+    fn sleep_until_woken(&self, src: usize);
     /// Time spent in point-to-point calls so far.
     fn times(&self) -> CommTimes {
         CommTimes::default()
@@ -131,6 +136,9 @@ impl Link for Single {
     }
     fn allgather_u64(&self, mine: &[u64], out: &mut [u64]) {
         out.copy_from_slice(mine);
+    }
+    fn sleep_until_woken(&self, src: usize) {
+        unreachable!("a single-rank job is woken by no rank (asked for {src})")
     }
     fn agree(&self, outcome: Result<(), String>) -> Result<(), String> {
         outcome

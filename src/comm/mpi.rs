@@ -169,6 +169,19 @@ impl Link for MpiLink<'_> {
     fn allgather_u64(&self, mine: &[u64], out: &mut [u64]) {
         self.world.all_gather_into(mine, out);
     }
+    fn sleep_until_woken(&self, src: usize) {
+        let from = self.world.process_at_rank(src as i32);
+        // Naps grow to 2 ms: the first request after a quiet spell waits at most that long.
+        let mut nap = std::time::Duration::from_micros(50);
+        loop {
+            if let Some((msg, _)) = from.immediate_matched_probe_with_tag(Tag::Wake as i32) {
+                msg.matched_receive_into(&mut [0u8; 0][..]);
+                return;
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(2));
+        }
+    }
     fn agree(&self, outcome: Result<(), String>) -> Result<(), String> {
         let msg = outcome.err().unwrap_or_default().into_bytes();
         let n = self.world.size() as usize;

@@ -24,7 +24,7 @@ use crate::kernels::{self, Team};
 use crate::model::{KvPool, Scratch, Shard, Span, PAGE};
 use crate::weights::DType;
 use sampling::SamplingParams;
-pub use scheduler::{Completion, Request, RunOptions};
+pub use scheduler::{Completion, Request, RunOptions, Traffic};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
@@ -69,6 +69,9 @@ pub enum Plan {
     /// Every rank calls its reader ([`Engine::set_reader`]), then waits for all the others to
     /// be done: a measurement taken between steps, at the same moment on every rank.
     Read,
+    /// The driver has nothing to do for now: every other rank sleeps until it wakes them
+    /// (before its next plan).
+    Idle,
     /// The job is over.
     End,
 }
@@ -218,6 +221,8 @@ pub struct Engine {
     sampling: sampling::Buffers,
     /// Driver: results computed here (one stage) not yet collected.
     ready: VecDeque<StepResult>,
+    /// Driver: the other ranks sleep (a [`Plan::Idle`] was the last plan).
+    asleep: bool,
     /// Reused from step to step, so a decode step allocates nothing: the plan and result as
     /// bytes, the plan as received (ranks other than the driver) and the buffers of the last
     /// step received while another plan is there, the emitting spans' slots,
@@ -439,6 +444,7 @@ impl Engine {
             candidates: Vec::new(),
             sampling: sampling::Buffers::default(),
             ready: VecDeque::new(),
+            asleep: false,
             plan_wire: Vec::new(),
             result_wire: Vec::new(),
             incoming: Plan::End,
@@ -685,6 +691,12 @@ impl Engine {
                 return Ok(None);
             }
             Plan::End => return Ok(None),
+            Plan::Idle => {
+                if self.grid.rank != 0 {
+                    link.sleep_until_woken(0);
+                }
+                return Ok(None);
+            }
             Plan::Read => {
                 if let Some(read) = &mut self.reader {
                     read(&self.team, self.side);
@@ -838,6 +850,11 @@ impl Engine {
     /// Driver: sends `plan` down the grid and does this rank's part of it. A step's result is
     /// taken later with [`Engine::collect`], so several steps can be in flight.
     fn launch(&mut self, plan: &Plan, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+        if std::mem::replace(&mut self.asleep, matches!(plan, Plan::Idle)) {
+            for rank in 1..link.world_size() {
+                link.send_bytes(rank, Tag::Wake, &[]);
+            }
+        }
         if let (_, Some(r)) = self.handle(Some(plan), comm, link)? {
             self.ready.push_back(r);
         }

@@ -123,6 +123,51 @@ struct InFlight {
     want_logits: bool,
 }
 
+/// The driver's side of a run: where its requests come from and where their tokens go.
+pub trait Traffic {
+    /// Appends to `into` the requests that came since the last call, numbered on from those
+    /// before (the first is 0). With `wait` nothing runs or waits, and the call may block until
+    /// a request comes. `Ok(false)`: no more will come; the run ends once those it has finish.
+    fn arrivals(&mut self, wait: bool, into: &mut Vec<Request>) -> Result<bool>;
+    /// Request `key` brought `token`; `false` stops it ([`Finish::Stop`]).
+    fn token(&mut self, key: usize, token: u32) -> Result<bool>;
+    /// Request `key` is over.
+    fn done(&mut self, key: usize, completion: Completion) -> Result<()>;
+}
+
+/// A list of requests known at the start: [`Engine::run`]'s traffic.
+struct Listed<'a, F> {
+    requests: &'a [Request],
+    given: bool,
+    out: Vec<Option<Completion>>,
+    on_token: F,
+}
+
+impl<F: FnMut(usize, u32) -> Result<bool>> Traffic for Listed<'_, F> {
+    fn arrivals(&mut self, _wait: bool, into: &mut Vec<Request>) -> Result<bool> {
+        if !std::mem::replace(&mut self.given, true) {
+            into.extend_from_slice(self.requests);
+        }
+        Ok(false)
+    }
+    fn token(&mut self, key: usize, token: u32) -> Result<bool> {
+        (self.on_token)(key, token)
+    }
+    fn done(&mut self, key: usize, completion: Completion) -> Result<()> {
+        self.out[key] = Some(completion);
+        Ok(())
+    }
+}
+
+/// A request the scheduler holds: waiting or running.
+struct Live {
+    key: usize,
+    req: Request,
+    out: Completion,
+    /// Its place while it runs.
+    seq: Option<Seq>,
+}
+
 impl Engine {
     /// Driver: completes every request, as many at a time as slots and KV memory allow, and
     /// calls `on_token(request, token)` as each token arrives (returning `false` stops that
@@ -146,8 +191,31 @@ impl Engine {
         opts: &RunOptions,
         comm: &dyn Comm,
         link: &dyn Link,
-        mut on_token: impl FnMut(usize, u32) -> Result<bool>,
+        on_token: impl FnMut(usize, u32) -> Result<bool>,
     ) -> Result<(Vec<Completion>, RunStats)> {
+        // The most pages the run can use at once: its `max_batch` largest requests at full length.
+        let ctx = self.max_context();
+        let mut need: Vec<usize> = requests.iter().map(|r| pages_of(r, ctx)).collect();
+        need.sort_unstable_by(|a, b| b.cmp(a));
+        let want = need.iter().take(opts.max_batch).sum::<usize>().max(1);
+        let mut listed = Listed { requests, given: false, out: vec![None; requests.len()], on_token };
+        let stats = self.drive(&mut listed, opts, want, comm, link)?;
+        let out = listed.out.into_iter().map(|c| c.expect("every listed request is done")).collect();
+        Ok((out, stats))
+    }
+
+    /// Driver: runs requests as `traffic` brings them until it brings no more and those it
+    /// brought are done, with a KV pool of `want` pages where the KV memory allows (the
+    /// pages the largest requests that can run at once need). Call [`Engine::finish`]
+    /// afterwards.
+    pub fn drive(
+        &mut self,
+        traffic: &mut dyn Traffic,
+        opts: &RunOptions,
+        want: usize,
+        comm: &dyn Comm,
+        link: &dyn Link,
+    ) -> Result<RunStats> {
         if opts.max_batch == 0 || opts.micro_batches == 0 || opts.step_tokens == 0 {
             return Err(Error::Input("max batch, micro-batches and step tokens must be at least 1".into()));
         }
@@ -157,19 +225,14 @@ impl Engine {
         let mut paused = 0.0;
         let ctx = self.max_context();
         let positions = |r: &Request| (r.prompt.len() + r.max_tokens).min(ctx);
-        let pages_of = |r: &Request| positions(r).div_ceil(PAGE);
         let page_bytes = self.max_page_bytes().max(1);
-        // The most pages the run can use at once: its `max_batch` largest requests at full length.
-        let mut need: Vec<usize> = requests.iter().map(pages_of).collect();
-        need.sort_unstable_by(|a, b| b.cmp(a));
-        let want = need.iter().take(opts.max_batch).sum::<usize>().max(1);
         // Unasked, a quarter of the tightest node's memory (where none is known, 1 GiB a node,
         // shared by its ranks).
         let room = self.kv_room();
         let auto = room.map_or((1 << 30) / crate::comm::mpi::local_ranks() / page_bytes, |r| r.pages / 4);
         let pages = match opts.kv_bytes {
-            Some(b) => (b / page_bytes).min(want),
-            None => want.min(auto).max(1),
+            Some(b) => (b / page_bytes).min(want.max(1)),
+            None => want.max(1).min(auto).max(1),
         };
         if pages == 0 {
             return Err(Error::Input(format!(
@@ -186,62 +249,31 @@ impl Engine {
             )));
         }
         let slots = opts.max_batch;
-        // Side by side: one group a side, one step in flight, each side's own clock.
-        let sides = opts.sides.map(|n| n.min(requests.len()));
-        let side_of = |i: usize| sides.map_or(0, |n| usize::from(i >= n));
+        // Side by side: the first `n` requests side 0's, the rest side 1's; one group a side,
+        // one step in flight, each side's own clock.
+        let side_of = |key: usize| opts.sides.map_or(0, |n| usize::from(key >= n));
         // A group's side, and its queue of waiting requests: side by side the group's own.
-        let side_of_group = |g: usize| if sides.is_some() { g } else { 0 };
-        let groups = if sides.is_some() { 2 } else { opts.micro_batches.min(slots) };
-        let depth = if opts.overlap && sides.is_none() { groups } else { 1 };
+        let side_of_group = |g: usize| if opts.sides.is_some() { g } else { 0 };
+        let groups = if opts.sides.is_some() { 2 } else { opts.micro_batches.min(slots) };
+        let depth = if opts.overlap && opts.sides.is_none() { groups } else { 1 };
         let mut clocks = [0.0f64; 2];
         let mut last = 0.0;
         self.begin(pages, slots, comm, link)?;
 
-        let mut out: Vec<Completion> = requests
-            .iter()
-            .map(|_| Completion {
-                token_ids: Vec::new(),
-                finish: Finish::Length,
-                error: None,
-                times_ms: Vec::new(),
-                prompt_logits: None,
-            })
-            .collect();
+        // The requests held, by place (a place is reused once its request is done).
+        let mut live: Vec<Option<Live>> = Vec::new();
+        let mut vacant: Vec<usize> = Vec::new();
+        let mut arrived = 0;
+        let mut came: Vec<Request> = Vec::new();
+        let mut more = true;
+        // Requests of each side so far (side by side, a side's slots).
+        let mut per_side = [0usize; 2];
         // Requests waiting, first come first served: one queue, or side by side one a side.
-        let mut waiting = vec![VecDeque::new(); if sides.is_some() { 2 } else { 1 }];
-        for (i, r) in requests.iter().enumerate() {
-            let need = pages_of(r);
-            let problem = match check_prompt(r.prompt.len(), ctx) {
-                Err(e) => Some(e.to_string()),
-                Ok(()) if need > pages => Some(format!(
-                    "the prompt of {} tokens with max_tokens {} needs {need} KV pages of {PAGE} positions ({:.1} MiB per rank) but the KV memory holds {pages} ({:.1} MiB)",
-                    r.prompt.len(),
-                    r.max_tokens,
-                    (need * page_bytes) as f64 / (1 << 20) as f64,
-                    (pages * page_bytes) as f64 / (1 << 20) as f64
-                )),
-                Ok(()) => r.params.check().err(),
-            };
-            match problem {
-                Some(e) => {
-                    out[i].finish = Finish::Error;
-                    out[i].error = Some(e);
-                }
-                None if r.max_tokens == 0 => out[i].finish = Finish::Length,
-                None => waiting[side_of(i)].push_back(i),
-            }
-        }
+        let mut waiting = vec![VecDeque::new(); if opts.sides.is_some() { 2 } else { 1 }];
         let mut free_slots: Vec<usize> = (0..slots).rev().collect();
         let mut free_pages = FreePages::new(pages);
-        let mut seqs: Vec<Option<Seq>> = requests.iter().map(|_| None).collect();
         let mut members: Vec<Vec<usize>> = vec![Vec::new(); groups];
         let mut busy = vec![false; groups];
-        // Slots a group may fill (side by side, a side's requests).
-        let per_group = |g: usize| match sides {
-            Some(n) if g == 0 => n,
-            Some(n) => requests.len() - n,
-            None => slots.div_ceil(groups),
-        };
         let mut flight: VecDeque<InFlight> = VecDeque::new();
         let mut stats = RunStats { kv_pages: pages, kv_page_bytes: page_bytes, ..RunStats::default() };
         let mut next_group = 0;
@@ -250,6 +282,59 @@ impl Engine {
         let mut plan = Plan::Step(Step::default());
         let mut spare: Vec<Vec<usize>> = Vec::new();
         loop {
+            // New requests: nothing running or waiting, wait for one (every other rank asleep
+            // meanwhile); else take what came.
+            if more {
+                let idle = flight.is_empty() && live.len() == vacant.len();
+                more = traffic.arrivals(false, &mut came)?;
+                if more && idle && came.is_empty() {
+                    self.launch(&Plan::Idle, comm, link)?;
+                    more = traffic.arrivals(true, &mut came)?;
+                }
+            }
+            for req in came.drain(..) {
+                let key = arrived;
+                arrived += 1;
+                let need = pages_of(&req, ctx);
+                let problem = match check_prompt(req.prompt.len(), ctx) {
+                    Err(e) => Some(e.to_string()),
+                    Ok(()) if need > pages => Some(format!(
+                        "the prompt of {} tokens with max_tokens {} needs {need} KV pages of {PAGE} positions ({:.1} MiB per rank) but the KV memory holds {pages} ({:.1} MiB)",
+                        req.prompt.len(),
+                        req.max_tokens,
+                        (need * page_bytes) as f64 / (1 << 20) as f64,
+                        (pages * page_bytes) as f64 / (1 << 20) as f64
+                    )),
+                    Ok(()) => req.params.check().err(),
+                };
+                let mut out = Completion {
+                    token_ids: Vec::new(),
+                    finish: Finish::Length,
+                    error: None,
+                    times_ms: Vec::new(),
+                    prompt_logits: None,
+                };
+                if problem.is_some() || req.max_tokens == 0 {
+                    if problem.is_some() {
+                        out.finish = Finish::Error;
+                        out.error = problem;
+                    }
+                    traffic.done(key, out)?;
+                    continue;
+                }
+                per_side[side_of(key)] += 1;
+                let at = vacant.pop().unwrap_or_else(|| {
+                    live.push(None);
+                    live.len() - 1
+                });
+                live[at] = Some(Live { key, req, out, seq: None });
+                waiting[side_of(key)].push_back(at);
+            }
+            // Slots a group may fill (side by side, a side's requests).
+            let per_group = |g: usize| match opts.sides {
+                Some(_) => per_side[g],
+                None => slots.div_ceil(groups),
+            };
             // Launch a step for every idle group with work, up to the depth.
             let mut tried = 0;
             while flight.len() < depth && tried < groups && !flight.iter().any(|f| f.want_logits) {
@@ -264,27 +349,27 @@ impl Engine {
                 // Admission, first come first served.
                 step.admit.clear();
                 let queue = &mut waiting[side_of_group(g)];
-                while let Some(&i) = queue.front() {
-                    let need = pages_of(&requests[i]);
+                while let Some(&at) = queue.front() {
+                    let l = live[at].as_mut().expect("a waiting request is held");
+                    let need = pages_of(&l.req, ctx);
                     if members[g].len() >= per_group(g) || free_slots.is_empty() || free_pages.len() < need {
                         break;
                     }
                     queue.pop_front();
                     let slot = free_slots.pop().expect("checked");
                     let pg = free_pages.take(need);
-                    step.admit.push(Admit { slot, pages: pg.clone(), params: requests[i].params.clone() });
-                    seqs[i] = Some(Seq { slot, pages: pg, group: g, fed: 0 });
-                    members[g].push(i);
+                    step.admit.push(Admit { slot, pages: pg.clone(), params: l.req.params.clone() });
+                    l.seq = Some(Seq { slot, pages: pg, group: g, fed: 0 });
+                    members[g].push(at);
                     // Room for every token the request can bring.
-                    let r = &requests[i];
+                    let r = &l.req;
                     let most = r.max_tokens.min(positions(r) + 1 - r.prompt.len());
-                    out[i].token_ids.reserve_exact(most);
-                    out[i].times_ms.reserve_exact(most);
+                    l.out.token_ids.reserve_exact(most);
+                    l.out.times_ms.reserve_exact(most);
                 }
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len());
                 let mut emitting = spare.pop().unwrap_or_default();
-                if !build_step(&members[g], &mut seqs, requests, &out, opts.step_tokens, step, &mut emitting)
-                {
+                if !build_step(&members[g], &mut live, opts.step_tokens, step, &mut emitting) {
                     spare.push(emitting);
                     continue;
                 }
@@ -299,9 +384,13 @@ impl Engine {
                 tried = 0;
             }
             let Some(f) = flight.pop_front() else {
-                if let Some(&i) = waiting.iter().find_map(|q| q.front()) {
+                if more {
+                    continue;
+                }
+                if let Some(&at) = waiting.iter().find_map(|q| q.front()) {
                     // Nothing runs, so every page is free: only a bug leaves a request waiting.
-                    return Err(Error::Comm(format!("request {i} waits with the KV pool empty")));
+                    let key = live[at].as_ref().map_or(at, |l| l.key);
+                    return Err(Error::Comm(format!("request {key} waits with the KV pool empty")));
                 }
                 break;
             };
@@ -313,21 +402,21 @@ impl Engine {
             // after the last first token and ended before the first last one, and `bench`
             // reported no decode at all.)
             let mut now = ms(t0, paused);
-            if sides.is_some() {
+            if opts.sides.is_some() {
                 // One step in flight: the time since the step before is this one's.
                 clocks[f.group] += now - last;
                 last = now;
                 now = clocks[f.group];
             }
-            for (&i, &tok) in f.emitting.iter().zip(&r.tokens) {
-                let req = &requests[i];
-                let c = &mut out[i];
+            for (&at, &tok) in f.emitting.iter().zip(&r.tokens) {
+                let l = live[at].as_mut().expect("an emitting request is held");
+                let (req, c) = (&l.req, &mut l.out);
                 if c.token_ids.is_empty() && req.keep_logits {
                     c.prompt_logits = r.logits.take();
                 }
                 c.token_ids.push(tok);
                 c.times_ms.push(now);
-                let go_on = on_token(i, tok)?;
+                let go_on = traffic.token(l.key, tok)?;
                 let pos = req.prompt.len() + c.token_ids.len() - 1;
                 let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
                     Some(Finish::Eos)
@@ -341,18 +430,21 @@ impl Engine {
                     None
                 };
                 if let Some(fin) = finish {
-                    c.finish = fin;
-                    let s = seqs[i].take().expect("an emitting request is running");
-                    members[s.group].retain(|&m| m != i);
+                    let mut l = live[at].take().expect("held just above");
+                    l.out.finish = fin;
+                    let s = l.seq.take().expect("an emitting request is running");
+                    members[s.group].retain(|&m| m != at);
                     free_slots.push(s.slot);
                     free_pages.give(&s.pages);
+                    vacant.push(at);
+                    traffic.done(l.key, l.out)?;
                 }
             }
             self.recycle(r);
             spare.push(f.emitting);
             if opts.read_between_steps
                 && flight.is_empty()
-                && (waiting.iter().any(|q| !q.is_empty()) || seqs.iter().any(Option::is_some))
+                && (waiting.iter().any(|q| !q.is_empty()) || live.len() > vacant.len())
             {
                 let t = Instant::now();
                 self.launch(&Plan::Read, comm, link)?;
@@ -360,8 +452,13 @@ impl Engine {
             }
         }
         stats.elapsed_ms = ms(t0, paused);
-        Ok((out, stats))
+        Ok(stats)
     }
+}
+
+/// The KV pages a request takes: its prompt and every token it may bring, within the context.
+fn pages_of(r: &Request, ctx: usize) -> usize {
+    (r.prompt.len() + r.max_tokens).min(ctx).div_ceil(PAGE)
 }
 
 /// The next step of a group, into `step` (its admissions already there): a decode token of
@@ -370,9 +467,7 @@ impl Engine {
 /// order. `false` when the group has nothing to run.
 fn build_step(
     members: &[usize],
-    seqs: &mut [Option<Seq>],
-    requests: &[Request],
-    out: &[Completion],
+    live: &mut [Option<Live>],
     step_tokens: usize,
     step: &mut Step,
     emitting: &mut Vec<usize>,
@@ -383,10 +478,11 @@ fn build_step(
     emitting.clear();
     *want_logits = false;
     for &i in members {
-        let s = seqs[i].as_ref().expect("members are running");
-        let p = &requests[i].prompt;
+        let l = live[i].as_ref().expect("members are held");
+        let s = l.seq.as_ref().expect("members are running");
+        let p = &l.req.prompt;
         if s.fed == p.len() {
-            let done = &out[i].token_ids;
+            let done = &l.out.token_ids;
             let last = *done.last().expect("a fully fed prompt has its first token");
             spans.push(Span { seq: s.slot, pos0: p.len() + done.len() - 1, len: 1, emit: true });
             tokens.push(last);
@@ -395,8 +491,9 @@ fn build_step(
     }
     let mut room = step_tokens.saturating_sub(tokens.len());
     for &i in members {
-        let s = seqs[i].as_mut().expect("members are running");
-        let p = &requests[i].prompt;
+        let l = live[i].as_mut().expect("members are held");
+        let s = l.seq.as_mut().expect("members are running");
+        let p = &l.req.prompt;
         if s.fed == p.len() {
             continue;
         }
@@ -409,7 +506,7 @@ fn build_step(
         tokens.extend_from_slice(&p[s.fed..s.fed + n]);
         s.fed += n;
         if emit {
-            if requests[i].keep_logits && !*want_logits && emitting.is_empty() {
+            if l.req.keep_logits && !*want_logits && emitting.is_empty() {
                 *want_logits = true;
             }
             emitting.push(i);

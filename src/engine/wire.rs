@@ -237,6 +237,7 @@ mod tests {
             Plan::Step(Step { admit: Vec::new(), want_logits: false, ..step() }),
             Plan::Begin { pages: 12, slots: 3 },
             Plan::Read,
+            Plan::Idle,
             Plan::End,
             Plan::Step(Step::default()),
         ] {

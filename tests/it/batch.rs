@@ -242,3 +242,65 @@ fn prompts_from_stdin_match_the_file() {
     assert_eq!(from_file.len(), 3);
     assert_eq!(run(true), from_file);
 }
+
+/// Requests that come while others run, one at every third turn of the scheduler (as `serve`
+/// brings them), with two slots and steps of 8 tokens: each gets the tokens it gets alone, the
+/// first come are done before the last come, and the scheduler waits for the traffic (the
+/// other ranks asleep) only when nothing runs.
+#[test]
+fn requests_coming_while_others_run_get_their_tokens_alone() {
+    use gridlm::engine::{Completion, Request, RunOptions, Traffic};
+    struct Drip {
+        requests: Vec<Request>,
+        given: usize,
+        turns: usize,
+        waits: Vec<usize>,
+        done: Vec<Option<Completion>>,
+        order: Vec<usize>,
+    }
+    impl Traffic for Drip {
+        fn arrivals(&mut self, wait: bool, into: &mut Vec<Request>) -> gridlm::Result<bool> {
+            self.turns += 1;
+            if wait {
+                self.waits.push(self.given);
+            }
+            if (wait || self.turns.is_multiple_of(3)) && self.given < self.requests.len() {
+                into.push(self.requests[self.given].clone());
+                self.given += 1;
+            }
+            Ok(self.given < self.requests.len())
+        }
+        fn token(&mut self, _key: usize, _token: u32) -> gridlm::Result<bool> {
+            Ok(true)
+        }
+        fn done(&mut self, key: usize, c: Completion) -> gridlm::Result<()> {
+            self.order.push(key);
+            self.done[key] = Some(c);
+            Ok(())
+        }
+    }
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let prompts: Vec<Vec<u32>> = TEXTS.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    let mut e = local_engine_on(&dir, None, 2);
+    let opts =
+        GenerateOptions { max_tokens: 12, ignore_eos: true, eos_ids: Vec::new(), keep_prompt_logits: false };
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| e.generate(p, &opts, &Single, &Single, |_| Ok(())).unwrap().token_ids)
+        .collect();
+    let requests: Vec<Request> = prompts.iter().map(|p| greedy_request(p.clone(), 12, false)).collect();
+    let n = requests.len();
+    let mut drip =
+        Drip { requests, given: 0, turns: 0, waits: Vec::new(), done: vec![None; n], order: Vec::new() };
+    let run = RunOptions { max_batch: 2, step_tokens: 8, ..RunOptions::default() };
+    e.drive(&mut drip, &run, 64, &Single, &Single).unwrap();
+    e.finish(&Single, &Single).unwrap();
+    for (i, (c, want)) in drip.done.iter().zip(&alone).enumerate() {
+        assert_eq!(&c.as_ref().unwrap().token_ids, want, "request {i} ({:?})", TEXTS[i]);
+    }
+    // The first waits for the first request; later ones come while others run.
+    assert_eq!(drip.waits.first(), Some(&0), "{:?}", drip.waits);
+    assert!(drip.waits.len() < n, "waited for every request: {:?}", drip.waits);
+    assert!(drip.order.first() < drip.order.last(), "{:?}", drip.order);
+}
