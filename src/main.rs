@@ -1177,7 +1177,9 @@ fn run_generate(
             merge(&mut out, &layout);
             writeln!(stdout, "{out}")?;
         } else {
-            writeln!(stdout)?;
+            // What the stream held back (as the possible start of a stop string) ends it.
+            let t = &trackers[0];
+            writeln!(stdout, "{}", texts[0].strip_prefix(t.shown()).unwrap_or(t.held()))?;
             let summary = format!(
                 "[{}, {} ({}), prefill {:.1} ms, decode {:.1} tokens/s, {}]\n",
                 count(p.ids.len(), "prompt token"),

@@ -165,6 +165,11 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
     Ok(out)
 }
 
+/// The length of the longest proper start of `stop` that `text` ends with.
+fn begun(text: &str, stop: &str) -> usize {
+    (1..stop.len()).rev().find(|&k| stop.is_char_boundary(k) && text.ends_with(&stop[..k])).unwrap_or(0)
+}
+
 /// `\n` → newline, `\t` → tab, `\\` → backslash in a plain-text prompt line.
 fn unescape(l: &str) -> String {
     let mut out = String::with_capacity(l.len());
@@ -188,21 +193,25 @@ fn unescape(l: &str) -> String {
     out
 }
 
-/// The text of one completion as its tokens arrive, cut at the first stop string.
+/// The text of one completion as its tokens arrive, cut at the first stop string. Text that
+/// may be the start of a stop string is held back until the next tokens tell, so a stream
+/// never shows what the cut takes away.
 pub struct TextTracker {
     stream: StreamDecoder,
     text: String,
     stop: Vec<String>,
     stopped: bool,
+    /// Bytes of `text` handed out.
+    shown: usize,
 }
 
 impl TextTracker {
     pub fn new(stop: Vec<String>) -> Self {
-        TextTracker { stream: StreamDecoder::default(), text: String::new(), stop, stopped: false }
+        TextTracker { stream: StreamDecoder::default(), text: String::new(), stop, stopped: false, shown: 0 }
     }
 
-    /// Adds a token. Returns the new text to show (never past a stop string) and whether the
-    /// completion goes on.
+    /// Adds a token. Returns the new text to show (never past a stop string, nor the start of
+    /// one that may still come) and whether the completion goes on.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<(String, bool)> {
         if self.stopped {
             return Ok((String::new(), false));
@@ -217,13 +226,28 @@ impl TextTracker {
             from -= 1;
         }
         let cut = self.stop.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min();
-        if let Some(cut) = cut {
-            self.stopped = true;
-            let shown = if cut > start { self.text[start..cut].to_string() } else { String::new() };
-            self.text.truncate(cut);
-            return Ok((shown, false));
-        }
-        Ok((piece, true))
+        let upto = match cut {
+            Some(cut) => {
+                self.stopped = true;
+                self.text.truncate(cut);
+                cut
+            }
+            // Hold back the longest end of the text that begins a stop string.
+            None => self.text.len() - self.stop.iter().map(|s| begun(&self.text, s)).max().unwrap_or(0),
+        };
+        let new = self.text.get(self.shown..upto).unwrap_or_default().to_string();
+        self.shown = self.shown.max(upto);
+        Ok((new, !self.stopped))
+    }
+
+    /// The text handed out by [`TextTracker::push`] so far.
+    pub fn shown(&self) -> &str {
+        &self.text[..self.shown]
+    }
+
+    /// The text not handed out: held back as the possible start of a stop string.
+    pub fn held(&self) -> &str {
+        &self.text[self.shown..]
     }
 
     pub fn stopped(&self) -> bool {
@@ -239,6 +263,16 @@ impl TextTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_started_part_of_a_stop_string_is_found() {
+        assert_eq!(begun("1, 2, 3, 4, 5, ", " 6"), 1);
+        assert_eq!(begun("one ends with</", "</end>"), 2);
+        assert_eq!(begun("no start here", "</end>"), 0);
+        // Whole stop strings are not held back (they cut), nor text past a partial character.
+        assert_eq!(begun("ends with x", "x"), 0);
+        assert_eq!(begun("café \u{e9}", "\u{e9}\u{e9}"), 2);
+    }
 
     fn defaults() -> Defaults {
         Defaults {

@@ -68,6 +68,31 @@ fn streamed_text_equals_json_text() {
     assert!(stderr.contains(&finish) && stderr.contains(", 1 rank (1x1)]"), "{stderr}");
 }
 
+/// A stop string that spans tokens (" 6" is a space token, then a digit): the streamed text
+/// holds the space back until the digit tells, so it ends where the JSON text is cut.
+#[test]
+fn streamed_text_stops_before_a_stop_string_across_tokens() {
+    let dir = smollm2("bf16");
+    let args = [
+        "generate",
+        "--model",
+        path_str(&dir),
+        "--prompt",
+        "1, 2, 3, 4,",
+        "--stop",
+        " 6",
+        "--max-tokens",
+        "16",
+    ];
+    let streamed = gridlm(&args);
+    assert!(streamed.status.success(), "{}", String::from_utf8_lossy(&streamed.stderr));
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    let j = json_of(&gridlm(&with_json));
+    assert_eq!((j["text"].as_str(), j["finish_reason"].as_str()), (Some(" 5,"), Some("stop")), "{j}");
+    assert_eq!(String::from_utf8(streamed.stdout).unwrap(), " 5,\n");
+}
+
 #[test]
 fn eos_stops_unless_ignored() {
     let dir = smollm2("bf16");
