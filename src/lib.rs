@@ -15,6 +15,7 @@ pub mod model;
 pub mod plan;
 pub mod prompts;
 pub mod scaling;
+pub mod serve;
 pub mod tokenizer;
 pub mod weights;
 

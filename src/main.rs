@@ -50,6 +50,37 @@ enum Cmd {
     Plan(PlanArgs),
     /// What a model folder holds and how a grid would split it, without reading a weight.
     Inspect(InspectArgs),
+    /// Answer OpenAI-style completion requests over HTTP, each joining the running batch as
+    /// it comes (continuous batching).
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// HuggingFace model folder (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on, `HOST:PORT` (port 0: a free one; the address is printed).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: String,
+    /// The model's name in answers and in /v1/models (default: the folder's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// New tokens of a request that does not say (`max_tokens`).
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling settings of a request that does not give them; request i's seed is seed + i.
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Start from the folder's generation_config.json sampling settings (as for generate).
+    #[arg(long)]
+    model_sampling: bool,
+    #[command(flatten)]
+    batching: BatchArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    grid: GridArgs,
 }
 
 #[derive(Args)]
@@ -557,6 +588,7 @@ fn main() -> ExitCode {
         Cmd::Report(a) => report(a),
         Cmd::Plan(a) => plan(a),
         Cmd::Inspect(a) => inspect(a),
+        Cmd::Serve(a) => serve(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -1265,6 +1297,91 @@ fn run_generate(
     } else {
         Err(Reported.into())
     }
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    a.engine.check()?;
+    a.batching.check()?;
+    at_least(&[("--max-tokens", a.max_tokens, 1)])?;
+    let base = if a.model_sampling {
+        gridlm::engine::sampling::from_generation_config(&a.model.join("generation_config.json"))?
+    } else {
+        SamplingParams::default()
+    };
+    let params = a.sampling.params(&base)?;
+    on_grid(&a.grid, |grid, comm, link| run_serve(&a, &params, grid, comm, link))
+}
+
+fn run_serve(
+    a: &ServeArgs,
+    params: &SamplingParams,
+    grid: Grid,
+    comm: &dyn Comm,
+    link: &dyn Link,
+) -> Result<()> {
+    use gridlm::serve::{self, Front, Served};
+    let driver = grid.rank == 0;
+    // Phase 1: configuration, layout, and (driver) tokenizer and the listening socket.
+    let setup = (|| -> gridlm::Result<_> {
+        let cfg = ModelConfig::from_dir(&a.model)?;
+        let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
+        let front = if driver {
+            let tok = Tokenizer::from_dir(&a.model)?;
+            let server = tiny_http::Server::http(&a.listen).map_err(|e| {
+                gridlm::Error::Input(format!("--listen {}: cannot listen there: {e}", a.listen))
+            })?;
+            Some((tok, server))
+        } else {
+            None
+        };
+        Ok((cfg, plan, front))
+    })();
+    let (cfg, plan, front) = agree(link, setup)?;
+    // Phase 2: this rank's shard.
+    let mut eos_ids = cfg.eos_token_ids.clone();
+    let ckpt = Checkpoint::open(&a.model).map(|c| Box::new(c) as Box<dyn Source>);
+    let shard = load_shard(link, ckpt, cfg, plan, a.engine.quant)?;
+    let mut engine = agree(link, Engine::new(shard, grid, a.engine.threads(), a.engine.kv_dtype))?;
+    a.engine.warn_if_oversubscribed();
+    engine.share_sizes(link);
+    let micro_batches = a.batching.overlap.micro_batches(grid.pp);
+    engine.pick_many_prefetch(a.batching.max_batch.div_ceil(micro_batches));
+    let Some((tok, server)) = front else {
+        engine.follow(comm, link)?;
+        return agree(link, Ok(()));
+    };
+    if let Some(id) = tok.eos_id() {
+        if !eos_ids.contains(&id) {
+            eos_ids.push(id);
+        }
+    }
+    let opts = a.batching.options(grid.pp, eos_ids);
+    let context = engine.max_context();
+    // KV pages for max-batch requests at the full context, where the KV memory allows.
+    let want = a.batching.max_batch.saturating_mul(context.div_ceil(gridlm::model::PAGE));
+    let name = a.name.clone().unwrap_or_else(|| {
+        let dir = a.model.canonicalize().unwrap_or_else(|_| a.model.clone());
+        dir.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let addr = server.server_addr().to_string();
+    let tok = std::sync::Arc::new(tok);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let front = Front {
+        tok: std::sync::Arc::clone(&tok),
+        model: name.clone(),
+        context,
+        defaults: serve::Defaults { max_tokens: a.max_tokens, params: params.clone() },
+        tx,
+        count: Default::default(),
+        created: serve::now_s(),
+    };
+    serve::start(server, front);
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "gridlm serve: {name} on http://{addr}/v1 ({})", ranks_of(&grid))?;
+    stdout.flush()?;
+    let run = engine.drive(&mut Served::new(rx, tok), &opts, want, comm, link);
+    engine.finish(comm, link)?;
+    agree(link, run.map(|_| ()).map_err(|e| gridlm::Error::Input(e.to_string())))
 }
 
 /// The first of the options `(name, value, least)` whose value is below its least, as one

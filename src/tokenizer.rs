@@ -73,6 +73,14 @@ impl Tokenizer {
     /// The prompt as one user message, after a system message if given, through the model's
     /// chat template, ready for generation.
     pub fn apply_chat_template(&self, system: Option<&str>, user: &str) -> Result<String> {
+        let system = system.map(|s| ("system", s));
+        let messages: Vec<(&str, &str)> = system.into_iter().chain([("user", user)]).collect();
+        self.render_chat(&messages)
+    }
+
+    /// A conversation of `(role, content)` messages through the model's chat template, with the
+    /// prompt for the assistant's next turn, ready for generation.
+    pub fn render_chat(&self, messages: &[(&str, &str)]) -> Result<String> {
         let (tpl, tpl_path) = self.chat_template.as_ref().ok_or_else(|| {
             let cfg_path = self.path.with_file_name("tokenizer_config.json");
             let msg =
@@ -100,10 +108,9 @@ impl Tokenizer {
         env.add_template("chat", tpl).map_err(bad)?;
         let t = env.get_template("chat").map_err(bad)?;
         t.render(minijinja::context! {
-            messages => system
-                .map(|s| minijinja::context! { role => "system", content => s })
-                .into_iter()
-                .chain([minijinja::context! { role => "user", content => user }])
+            messages => messages
+                .iter()
+                .map(|&(role, content)| minijinja::context! { role => role, content => content })
                 .collect::<Vec<_>>(),
             add_generation_prompt => true,
             bos_token => self.bos_token.clone().unwrap_or_default(),

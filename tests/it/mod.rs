@@ -6,6 +6,7 @@ mod grid;
 mod inspect;
 mod quant;
 mod scale;
+mod serve;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,0 +1,704 @@
+//! `gridlm serve`: OpenAI-style completions over HTTP, run by the scheduler as they come
+//! (continuous batching: a request joins the running batch at its next step).
+//!
+//! Threads: on the driver, an HTTP listener and a thread per request read, check and tokenize
+//! requests and write the answers; they never call MPI. The driver's main thread runs the
+//! scheduler ([`Engine::drive`](crate::engine::Engine::drive)) with [`Served`] as its traffic:
+//! requests reach it over a channel, and each token's text goes back over the request's own
+//! channel, so a streamed answer shows each piece as its step ends. While no request runs or
+//! waits, the other ranks sleep ([`crate::comm::Link::sleep_until_woken`]).
+
+use crate::engine::sampling::SamplingParams;
+use crate::engine::{check_prompt, Completion, Finish, Request, Traffic};
+use crate::error::Result;
+use crate::prompts::TextTracker;
+use crate::tokenizer::Tokenizer;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// The two endpoints that generate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `/v1/completions`: a prompt text, continued as it is.
+    Completion,
+    /// `/v1/chat/completions`: messages, through the model's chat template.
+    Chat,
+}
+
+/// What a request asks for, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ask {
+    pub kind: Kind,
+    /// The prompt text (completions), or the messages as `(role, content)` (chat).
+    pub prompt: String,
+    pub messages: Vec<(String, String)>,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop: Vec<String>,
+    pub params: SamplingParams,
+    pub stream: bool,
+    /// Streamed: a last chunk with the token counts (`stream_options.include_usage`).
+    pub stream_usage: bool,
+}
+
+/// Settings a request starts from: the server's command line.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub max_tokens: usize,
+    /// The seed of request `n` without its own is `params.seed + n`.
+    pub params: SamplingParams,
+}
+
+/// Keys a request may have; OpenAI's that change nothing here pass when they ask for nothing
+/// (`n` 1, penalties 0, no log-probabilities, no echo).
+const KEYS: [&str; 22] = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "n",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "echo",
+    "top_logprobs",
+];
+
+/// The value of `key`, if present and not null, as a `T`; the error names the key.
+fn field<T: serde::de::DeserializeOwned>(
+    obj: &Map<String, Value>,
+    key: &str,
+) -> std::result::Result<Option<T>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| format!("`{key}`: {e}")),
+    }
+}
+
+/// A stop setting: one string or a list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A chat message's content: a string, or a list of parts of which text ones are read.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Map<String, Value>>),
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Option<Content>,
+}
+
+/// Reads and checks a request body of endpoint `kind`; `n` numbers the request (for its
+/// default seed). The error says what is wrong, naming the key.
+pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Result<Ask, String> {
+    let obj: Map<String, Value> =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
+    if let Some(k) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(format!("unknown key `{k}`"));
+    }
+    let mut ask = Ask {
+        kind,
+        prompt: String::new(),
+        messages: Vec::new(),
+        max_tokens: d.max_tokens,
+        ignore_eos: false,
+        stop: Vec::new(),
+        params: SamplingParams { seed: d.params.seed.wrapping_add(n), ..d.params.clone() },
+        stream: false,
+        stream_usage: false,
+    };
+    match kind {
+        Kind::Completion => {
+            if obj.contains_key("messages") {
+                return Err("`messages` belongs to /v1/chat/completions; here the prompt is `prompt`".into());
+            }
+            ask.prompt = match obj.get("prompt") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                    a[0].as_str().unwrap_or("").into()
+                }
+                Some(_) => return Err("`prompt` must be a string (or a list of one)".into()),
+                None => return Err("no `prompt`".into()),
+            };
+        }
+        Kind::Chat => {
+            if obj.contains_key("prompt") {
+                return Err("`prompt` belongs to /v1/completions; here the conversation is `messages`".into());
+            }
+            let msgs: Vec<Message> = field(&obj, "messages")?.ok_or("no `messages`")?;
+            if msgs.is_empty() {
+                return Err("`messages` is empty".into());
+            }
+            for (i, m) in msgs.into_iter().enumerate() {
+                let text = match m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t,
+                    Some(Content::Parts(parts)) => {
+                        let mut text = String::new();
+                        for p in parts {
+                            match (
+                                p.get("type").and_then(Value::as_str),
+                                p.get("text").and_then(Value::as_str),
+                            ) {
+                                (Some("text"), Some(t)) => text.push_str(t),
+                                (kind, _) => {
+                                    return Err(format!(
+                                        "`messages[{i}]`: a content part of type {} (only text is read)",
+                                        kind.unwrap_or("(none)")
+                                    ))
+                                }
+                            }
+                        }
+                        text
+                    }
+                };
+                ask.messages.push((m.role, text));
+            }
+        }
+    }
+    let max: Option<usize> = field(&obj, "max_tokens")?;
+    let max = max.or(field(&obj, "max_completion_tokens")?);
+    ask.max_tokens = max.unwrap_or(ask.max_tokens);
+    if ask.max_tokens == 0 {
+        return Err("`max_tokens` must be at least 1".into());
+    }
+    ask.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(false);
+    ask.stream = field(&obj, "stream")?.unwrap_or(false);
+    if let Some(o) = field::<Map<String, Value>>(&obj, "stream_options")? {
+        ask.stream_usage =
+            field(&o, "include_usage").map_err(|e| format!("`stream_options`: {e}"))?.unwrap_or(false);
+    }
+    ask.stop = match field::<Stop>(&obj, "stop")? {
+        Some(Stop::One(x)) => vec![x],
+        Some(Stop::Many(x)) => x,
+        None => Vec::new(),
+    };
+    if ask.stop.iter().any(String::is_empty) {
+        return Err("`stop`: a stop string is empty".into());
+    }
+    let p = &mut ask.params;
+    p.temperature = field(&obj, "temperature")?.unwrap_or(p.temperature);
+    p.top_k = field(&obj, "top_k")?.unwrap_or(p.top_k);
+    p.top_p = field(&obj, "top_p")?.unwrap_or(p.top_p);
+    p.min_p = field(&obj, "min_p")?.unwrap_or(p.min_p);
+    p.repetition_penalty = field(&obj, "repetition_penalty")?.unwrap_or(p.repetition_penalty);
+    p.seed = field(&obj, "seed")?.unwrap_or(p.seed);
+    p.check().map_err(|e| format!("`{}", e.replacen(' ', "` ", 1)))?;
+    // Settings gridlm does not carry out are refused unless they ask for nothing.
+    if field::<u64>(&obj, "n")?.is_some_and(|n| n != 1) {
+        return Err("`n`: one completion a request (n = 1) is all this server makes".into());
+    }
+    for key in ["presence_penalty", "frequency_penalty"] {
+        if field::<f64>(&obj, key)?.is_some_and(|v| v != 0.0) {
+            return Err(format!("`{key}` is not supported (repetition_penalty is)"));
+        }
+    }
+    for key in ["echo", "logprobs"] {
+        if obj.get(key).is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false))) {
+            return Err(format!("`{key}` is not supported"));
+        }
+    }
+    if obj.get("top_logprobs").is_some_and(|v| !v.is_null()) {
+        return Err("`top_logprobs` is not supported".into());
+    }
+    Ok(ask)
+}
+
+/// A request on its way to the driver: what the scheduler runs, its stop strings, and where
+/// its text goes.
+pub struct Incoming {
+    pub request: Request,
+    pub stop: Vec<String>,
+    pub reply: Sender<Event>,
+}
+
+/// What the driver tells a request's thread.
+#[derive(Debug)]
+pub enum Event {
+    /// New text (never past a stop string).
+    Text(String),
+    /// The request is over: the rest of its text (what the last tokens completed), why it
+    /// ended, its error if it could not run, and how many tokens it brought.
+    Done { rest: String, finish: Finish, error: Option<String>, tokens: usize },
+}
+
+/// A request the driver runs: its text so far and its thread's channel.
+struct Client {
+    tracker: TextTracker,
+    reply: Sender<Event>,
+    /// The text could not be made (the request then stops with this error).
+    error: Option<String>,
+}
+
+/// The driver's traffic while serving: requests from the HTTP threads, text back to them.
+pub struct Served {
+    rx: Receiver<Incoming>,
+    tok: Arc<Tokenizer>,
+    clients: HashMap<usize, Client>,
+    next: usize,
+}
+
+impl Served {
+    pub fn new(rx: Receiver<Incoming>, tok: Arc<Tokenizer>) -> Self {
+        Served { rx, tok, clients: HashMap::new(), next: 0 }
+    }
+
+    fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
+        let client = Client { tracker: TextTracker::new(inc.stop), reply: inc.reply, error: None };
+        self.clients.insert(self.next, client);
+        self.next += 1;
+        into.push(inc.request);
+    }
+}
+
+impl Traffic for Served {
+    fn arrivals(&mut self, wait: bool, into: &mut Vec<Request>) -> Result<bool> {
+        if wait {
+            match self.rx.recv() {
+                Ok(inc) => self.take(inc, into),
+                Err(_) => return Ok(false),
+            }
+        }
+        loop {
+            match self.rx.try_recv() {
+                Ok(inc) => self.take(inc, into),
+                Err(TryRecvError::Empty) => return Ok(true),
+                Err(TryRecvError::Disconnected) => return Ok(false),
+            }
+        }
+    }
+
+    fn token(&mut self, key: usize, token: u32) -> Result<bool> {
+        let Some(c) = self.clients.get_mut(&key) else { return Ok(false) };
+        match c.tracker.push(&self.tok, token) {
+            // The thread is gone (its client hung up): stop.
+            Ok((piece, go_on)) => Ok(go_on && (piece.is_empty() || c.reply.send(Event::Text(piece)).is_ok())),
+            Err(e) => {
+                c.error = Some(e.to_string());
+                Ok(false)
+            }
+        }
+    }
+
+    fn done(&mut self, key: usize, completion: Completion) -> Result<()> {
+        let Some(c) = self.clients.remove(&key) else { return Ok(()) };
+        // The whole text as `generate` gives it; what the stream has not shown yet follows.
+        let (shown, held) = (c.tracker.shown(), c.tracker.held());
+        let rest = if c.tracker.stopped() || c.error.is_some() {
+            held.to_string()
+        } else {
+            match self.tok.decode(&completion.token_ids) {
+                Ok(all) => all.strip_prefix(shown).unwrap_or(held).to_string(),
+                Err(_) => held.to_string(),
+            }
+        };
+        let error = completion.error.or(c.error);
+        let finish = if error.is_some() { Finish::Error } else { completion.finish };
+        let _ = c.reply.send(Event::Done { rest, finish, error, tokens: completion.token_ids.len() });
+        Ok(())
+    }
+}
+
+/// OpenAI's `finish_reason` for a finish.
+pub fn finish_reason(f: Finish) -> &'static str {
+    match f {
+        Finish::Eos | Finish::Stop => "stop",
+        Finish::Length | Finish::Context => "length",
+        Finish::Error => "error",
+    }
+}
+
+/// What every request thread shares.
+pub struct Front {
+    pub tok: Arc<Tokenizer>,
+    /// The model's name, as `/v1/models` lists it and answers carry it.
+    pub model: String,
+    pub context: usize,
+    pub defaults: Defaults,
+    pub tx: Sender<Incoming>,
+    /// Requests so far (for ids and default seeds).
+    pub count: AtomicU64,
+    /// When the server started (seconds since the epoch).
+    pub created: u64,
+}
+
+/// The largest request body read.
+const MAX_BODY: u64 = 16 << 20;
+
+/// Seconds since the epoch.
+pub fn now_s() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Starts the listener's thread: each request gets a thread of its own.
+pub fn start(server: tiny_http::Server, front: Front) -> std::thread::JoinHandle<()> {
+    let front = Arc::new(front);
+    std::thread::spawn(move || {
+        for req in server.incoming_requests() {
+            let front = Arc::clone(&front);
+            std::thread::spawn(move || answer(req, &front));
+        }
+    })
+}
+
+/// An answer with a JSON body.
+fn reply_json(req: tiny_http::Request, status: u16, body: &Value) {
+    let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"application/json"[..])
+        .expect("a valid header");
+    let resp =
+        tiny_http::Response::from_string(body.to_string()).with_status_code(status).with_header(header);
+    let _ = req.respond(resp);
+}
+
+/// An error answer, in OpenAI's form.
+fn reply_error(req: tiny_http::Request, status: u16, msg: &str) {
+    let kind = if status >= 500 { "server_error" } else { "invalid_request_error" };
+    reply_json(req, status, &json!({"error": {"message": msg, "type": kind, "param": null, "code": null}}));
+}
+
+/// Answers one HTTP request, and logs it on stderr.
+fn answer(mut req: tiny_http::Request, front: &Front) {
+    use tiny_http::Method::{Get, Post};
+    let t0 = Instant::now();
+    let url = req.url().split('?').next().unwrap_or("").to_string();
+    let kind = match (req.method(), url.as_str()) {
+        (Get, "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
+        (Get, "/v1/models") => {
+            let model =
+                json!({"id": front.model, "object": "model", "created": front.created, "owned_by": "gridlm"});
+            return reply_json(req, 200, &json!({"object": "list", "data": [model]}));
+        }
+        (Post, "/v1/completions") => Kind::Completion,
+        (Post, "/v1/chat/completions") => Kind::Chat,
+        (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
+            let m = req.method().to_string();
+            return reply_error(req, 405, &format!("{url} does not take {m}"));
+        }
+        _ => {
+            return reply_error(
+                req,
+                404,
+                &format!(
+                "no endpoint {url} (there are /v1/completions, /v1/chat/completions, /v1/models and /health)"
+            ),
+            )
+        }
+    };
+    let n = front.count.fetch_add(1, Ordering::Relaxed);
+    let mut body = Vec::new();
+    if let Err(e) = req.as_reader().take(MAX_BODY + 1).read_to_end(&mut body) {
+        return reply_error(req, 400, &format!("cannot read the body: {e}"));
+    }
+    if body.len() as u64 > MAX_BODY {
+        return reply_error(req, 413, &format!("the body is larger than {} MiB", MAX_BODY >> 20));
+    }
+    let ask = match parse(kind, &body, &front.defaults, n) {
+        Ok(a) => a,
+        Err(e) => return reply_error(req, 400, &e),
+    };
+    let ids = match prompt_ids(&ask, front) {
+        Ok(ids) => ids,
+        Err(e) => return reply_error(req, 400, &e),
+    };
+    let (reply, events) = channel();
+    let request = Request {
+        prompt: ids.clone(),
+        max_tokens: ask.max_tokens,
+        ignore_eos: ask.ignore_eos,
+        params: ask.params.clone(),
+        keep_logits: false,
+    };
+    if front.tx.send(Incoming { request, stop: ask.stop.clone(), reply }).is_err() {
+        return reply_error(req, 503, "the server is shutting down");
+    }
+    let id = match kind {
+        Kind::Completion => format!("cmpl-{n}"),
+        Kind::Chat => format!("chatcmpl-{n}"),
+    };
+    let head = Head { id: &id, kind, model: &front.model, created: now_s(), prompt_tokens: ids.len() };
+    let (status, outcome) =
+        if ask.stream { stream(req, &head, &ask, &events) } else { whole(req, &head, &events) };
+    let streamed = if ask.stream { ", streamed" } else { "" };
+    let how = match outcome {
+        Some((finish, tokens)) => {
+            format!("{} prompt + {tokens} new tokens ({}{streamed})", ids.len(), finish.name())
+        }
+        None => format!("{} prompt tokens, the client went away{streamed}", ids.len()),
+    };
+    let line = format!("serve: {id} {url} {status}: {how}, {:.2} s\n", t0.elapsed().as_secs_f64());
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+/// The prompt's token ids, checked against the context.
+fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<u32>, String> {
+    let (text, special) = match ask.kind {
+        Kind::Completion => (ask.prompt.clone(), true),
+        Kind::Chat => {
+            let msgs: Vec<(&str, &str)> =
+                ask.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            (front.tok.render_chat(&msgs).map_err(|e| e.to_string())?, false)
+        }
+    };
+    let ids = front.tok.encode(&text, special).map_err(|e| e.to_string())?;
+    if ids.is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    check_prompt(ids.len(), front.context).map_err(|e| e.to_string())?;
+    Ok(ids)
+}
+
+/// What every answer to a request names.
+struct Head<'a> {
+    id: &'a str,
+    kind: Kind,
+    model: &'a str,
+    created: u64,
+    prompt_tokens: usize,
+}
+
+impl Head<'_> {
+    fn usage(&self, tokens: usize) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens, "total_tokens": self.prompt_tokens + tokens})
+    }
+
+    /// A choice carrying `text`: whole (`delta` false) or a streamed piece.
+    fn choice(&self, text: &str, finish: Option<Finish>, delta: bool) -> Value {
+        let reason = finish.map(finish_reason);
+        match (self.kind, delta) {
+            (Kind::Completion, _) => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason})
+            }
+            (Kind::Chat, false) => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason})
+            }
+            (Kind::Chat, true) => {
+                let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+            }
+        }
+    }
+
+    fn object(&self, streamed: bool) -> &'static str {
+        match (self.kind, streamed) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn body(&self, choices: Vec<Value>, streamed: bool) -> Value {
+        json!({"id": self.id, "object": self.object(streamed), "created": self.created, "model": self.model, "choices": choices})
+    }
+}
+
+/// Waits for the whole completion and answers with it. The status, and how it ended.
+fn whole(req: tiny_http::Request, head: &Head, events: &Receiver<Event>) -> (u16, Option<(Finish, usize)>) {
+    let mut text = String::new();
+    loop {
+        match events.recv() {
+            Ok(Event::Text(piece)) => text.push_str(&piece),
+            Ok(Event::Done { rest, finish, error, tokens }) => {
+                if let Some(e) = error {
+                    // Before any token: the request could not run (the KV memory, its settings).
+                    reply_error(req, 400, &e);
+                    return (400, Some((finish, tokens)));
+                }
+                text.push_str(&rest);
+                let mut body = head.body(vec![head.choice(&text, Some(finish), false)], false);
+                body["usage"] = head.usage(tokens);
+                reply_json(req, 200, &body);
+                return (200, Some((finish, tokens)));
+            }
+            Err(_) => {
+                reply_error(req, 500, "the driver stopped before the completion was done");
+                return (500, None);
+            }
+        }
+    }
+}
+
+/// Answers with server-sent events, a chunk as each piece of text comes, then `[DONE]`. The
+/// answer starts with the first event, so a request that cannot run gets a 400 as an unstreamed
+/// one does. The status, and how it ended (`None` when the client went away: the driver stops
+/// the request at its next token, finding the channel closed).
+fn stream(
+    req: tiny_http::Request,
+    head: &Head,
+    ask: &Ask,
+    events: &Receiver<Event>,
+) -> (u16, Option<(Finish, usize)>) {
+    let Ok(mut event) = events.recv() else {
+        reply_error(req, 500, "the driver stopped before the completion was done");
+        return (500, None);
+    };
+    if let Event::Done { error: Some(e), finish, tokens, .. } = &event {
+        reply_error(req, 400, e);
+        return (400, Some((*finish, *tokens)));
+    }
+    let mut sse = Sse { w: req.into_writer(), first: true };
+    let start = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
+    if sse.w.write_all(start.as_bytes()).is_err() {
+        return (200, None);
+    }
+    loop {
+        let sent = match event {
+            Event::Text(t) => sse.piece(head, &t, None),
+            Event::Done { rest, finish, error, tokens } => {
+                let mut sent = match error {
+                    // The text could not be made after some was sent: say so in the stream.
+                    Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
+                    None => sse.piece(head, &rest, Some(finish)),
+                };
+                if ask.stream_usage {
+                    let mut last = head.body(Vec::new(), true);
+                    last["usage"] = head.usage(tokens);
+                    sent = sent.and_then(|()| sse.event(&last));
+                }
+                let end = sent.and_then(|()| sse.data("[DONE]")).and_then(|()| sse.chunk(""));
+                return (200, end.ok().map(|()| (finish, tokens)));
+            }
+        };
+        if sent.is_err() {
+            return (200, None);
+        }
+        event = match events.recv() {
+            Ok(e) => e,
+            Err(_) => return (200, None),
+        };
+    }
+}
+
+/// A stream of server-sent events in HTTP chunks, each flushed as it is written.
+struct Sse {
+    w: Box<dyn Write + Send>,
+    /// No choice sent yet (a chat stream's first carries the role).
+    first: bool,
+}
+
+impl Sse {
+    fn chunk(&mut self, data: &str) -> std::io::Result<()> {
+        write!(self.w, "{:X}\r\n{data}\r\n", data.len())?;
+        self.w.flush()
+    }
+
+    fn data(&mut self, data: &str) -> std::io::Result<()> {
+        self.chunk(&format!("data: {data}\n\n"))
+    }
+
+    fn event(&mut self, v: &Value) -> std::io::Result<()> {
+        self.data(&v.to_string())
+    }
+
+    fn piece(&mut self, head: &Head, text: &str, finish: Option<Finish>) -> std::io::Result<()> {
+        let mut c = head.choice(text, finish, true);
+        if std::mem::take(&mut self.first) && head.kind == Kind::Chat {
+            c["delta"]["role"] = json!("assistant");
+        }
+        self.event(&head.body(vec![c], true))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> Defaults {
+        Defaults { max_tokens: 32, params: SamplingParams { seed: 100, ..Default::default() } }
+    }
+
+    fn ask(kind: Kind, body: &str) -> std::result::Result<Ask, String> {
+        parse(kind, body.as_bytes(), &defaults(), 3)
+    }
+
+    #[test]
+    fn completion_requests_take_openai_settings() {
+        let a = ask(Kind::Completion, r#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0.7,"top_p":0.9,"stop":"x","stream":true,"stream_options":{"include_usage":true},"n":1,"presence_penalty":0,"logprobs":null,"user":"u"}"#).unwrap();
+        assert_eq!(
+            (a.prompt.as_str(), a.max_tokens, a.stop.clone(), a.stream, a.stream_usage),
+            ("hi", 5, vec!["x".into()], true, true)
+        );
+        assert_eq!((a.params.temperature, a.params.top_p, a.params.seed), (0.7, 0.9, 103));
+        // The server's settings where the request gives none; a prompt as a list of one.
+        let a = ask(Kind::Completion, r#"{"prompt":["hi"],"seed":5,"stop":["a","b"]}"#).unwrap();
+        assert_eq!(
+            (a.max_tokens, a.params.temperature, a.params.seed, a.stop.len(), a.stream),
+            (32, 0.0, 5, 2, false)
+        );
+    }
+
+    #[test]
+    fn chat_requests_read_messages() {
+        let a = ask(
+            Kind::Chat,
+            r#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":7}"#,
+        )
+        .unwrap();
+        assert_eq!(a.messages, vec![("system".into(), "be brief".into()), ("user".into(), "ab".into())]);
+        assert_eq!(a.max_tokens, 7);
+    }
+
+    #[test]
+    fn bad_requests_name_what_is_wrong() {
+        for (kind, body, fragment) in [
+            (Kind::Completion, "[1]", "not a JSON object"),
+            (Kind::Completion, r#"{"prompt":"a","temprature":1}"#, "unknown key `temprature`"),
+            (Kind::Completion, r#"{"max_tokens":3}"#, "no `prompt`"),
+            (Kind::Completion, r#"{"prompt":["a","b"]}"#, "`prompt` must be a string"),
+            (Kind::Completion, r#"{"messages":[]}"#, "belongs to /v1/chat/completions"),
+            (Kind::Completion, r#"{"prompt":"a","max_tokens":0}"#, "`max_tokens` must be at least 1"),
+            (Kind::Completion, r#"{"prompt":"a","max_tokens":-1}"#, "`max_tokens`"),
+            (Kind::Completion, r#"{"prompt":"a","temperature":-1}"#, "`temperature` must be"),
+            (Kind::Completion, r#"{"prompt":"a","top_p":0}"#, "`top_p`"),
+            (Kind::Completion, r#"{"prompt":"a","stop":""}"#, "stop string is empty"),
+            (Kind::Completion, r#"{"prompt":"a","n":3}"#, "`n`"),
+            (
+                Kind::Completion,
+                r#"{"prompt":"a","frequency_penalty":0.5}"#,
+                "`frequency_penalty` is not supported",
+            ),
+            (Kind::Completion, r#"{"prompt":"a","logprobs":2}"#, "`logprobs` is not supported"),
+            (Kind::Completion, r#"{"prompt":"a","echo":true}"#, "`echo` is not supported"),
+            (Kind::Completion, r#"{"prompt":"a","stream":"yes"}"#, "`stream`"),
+            (Kind::Chat, r#"{"prompt":"a"}"#, "belongs to /v1/completions"),
+            (Kind::Chat, r#"{"messages":[]}"#, "`messages` is empty"),
+            (Kind::Chat, r#"{"messages":[{"content":"a"}]}"#, "`messages`"),
+            (Kind::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#, "image_url"),
+        ] {
+            let e = ask(kind, body).unwrap_err();
+            assert!(e.contains(fragment), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn finish_reasons_are_openai_s() {
+        let reasons = [Finish::Eos, Finish::Stop, Finish::Length, Finish::Context].map(finish_reason);
+        assert_eq!(reasons, ["stop", "stop", "length", "length"]);
+    }
+}

@@ -1,0 +1,306 @@
+//! `gridlm serve`: OpenAI-style completions over HTTP on a grid of ranks, each request joining
+//! the running batch as it comes, checked against the engine run alone on the real model.
+
+use super::*;
+use gridlm::comm::Single;
+use gridlm::engine::GenerateOptions;
+use gridlm::tokenizer::Tokenizer;
+use gridlm_reference::launch_command;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+/// A `gridlm serve` job on local ranks, stopped (its whole process group) when dropped.
+struct Server {
+    child: std::process::Child,
+    port: u16,
+    log: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Server {
+    /// `launch/local RANKS gridlm serve --model DIR --threads 1 --listen 127.0.0.1:0 ARGS...`,
+    /// once it says where it listens.
+    fn start(ranks: usize, dir: &Path, args: &[&str]) -> Server {
+        use std::os::unix::process::CommandExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("stderr");
+        let n = ranks.to_string();
+        let mut cmd = launch_command(&["local", &n]);
+        cmd.args(["serve", "--model", path_str(dir), "--threads", "1", "--listen", "127.0.0.1:0"]).args(args);
+        cmd.process_group(0).stdout(std::process::Stdio::piped());
+        cmd.stderr(std::fs::File::create(&log).unwrap());
+        let mut child = cmd.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let mut server = Server { child, port: 0, log, _tmp: tmp };
+        let line = rx.recv_timeout(Duration::from_secs(300)).unwrap_or_default();
+        let port = line.split("http://127.0.0.1:").nth(1).and_then(|r| r.split('/').next()?.parse().ok());
+        server.port =
+            port.unwrap_or_else(|| panic!("no address in {line:?}; stderr:\n{}", server.log_text()));
+        server
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `method path` with `body`: the status and the body (chunks joined).
+    fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut r = BufReader::new(s);
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        let status: u16 =
+            line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{line:?}"));
+        let (mut length, mut chunked) = (None, false);
+        loop {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            let l = line.trim_end().to_ascii_lowercase();
+            if l.is_empty() {
+                break;
+            }
+            if let Some(v) = l.strip_prefix("content-length:") {
+                length = v.trim().parse::<usize>().ok();
+            }
+            chunked |= l == "transfer-encoding: chunked";
+        }
+        let mut body = Vec::new();
+        if chunked {
+            loop {
+                line.clear();
+                r.read_line(&mut line).unwrap();
+                let n =
+                    usize::from_str_radix(line.trim(), 16).unwrap_or_else(|_| panic!("chunk size {line:?}"));
+                let mut chunk = vec![0; n + 2];
+                r.read_exact(&mut chunk).unwrap();
+                if n == 0 {
+                    break;
+                }
+                body.extend_from_slice(&chunk[..n]);
+            }
+        } else {
+            let mut b = vec![0; length.expect("a length or chunks")];
+            r.read_exact(&mut b).unwrap();
+            body = b;
+        }
+        (status, String::from_utf8(body).unwrap())
+    }
+
+    /// A POST whose answer is JSON.
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.http("POST", path, &body.to_string());
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        (status, v)
+    }
+
+    /// A streamed POST: the events' JSON objects, after checking the stream ends with `[DONE]`.
+    fn events(&self, path: &str, body: &Value) -> Vec<Value> {
+        let (status, text) = self.http("POST", path, &body.to_string());
+        assert_eq!(status, 200, "{text}");
+        let data: Vec<&str> =
+            text.split("\n\n").filter(|e| !e.is_empty()).map(|e| e.strip_prefix("data: ").unwrap()).collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+        data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: signals the process group the server was started in.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGTERM) };
+        for _ in 0..100 {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // SAFETY: as above.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+const TEXTS: [&str; 6] = [
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+    "Water boils at",
+    "In 1969, the first humans to walk on the Moon were",
+];
+
+/// A completion's text and token count.
+fn text_of(v: &Value) -> (String, u64) {
+    let c = &v["choices"][0];
+    let text = c["text"].as_str().or(c["message"]["content"].as_str()).unwrap_or_else(|| panic!("{v}"));
+    (text.to_string(), v["usage"]["completion_tokens"].as_u64().unwrap())
+}
+
+/// Two pipeline stages, a request at a time and six at once (so they join each other's steps
+/// as they come), streamed and not, completions and chat: every answer is the engine's greedy
+/// text for its prompt run alone in this process, token for token (without tensor parallelism a
+/// sequence's sums do not depend on what shares its step). The stream's pieces make the same
+/// text and end with the finish reason, the usage chunk and `[DONE]`; a stop string cuts the
+/// text; bad requests get a 400 (404, 405) naming what is wrong, and the server runs on.
+#[test]
+fn serve_answers_as_the_engine_alone_on_two_stages() {
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let eos_ids = tok.eos_id().into_iter().collect::<Vec<_>>();
+    let mut e = local_engine_on(&dir, None, 2);
+    let opts = GenerateOptions { max_tokens: 16, ignore_eos: false, eos_ids, keep_prompt_logits: false };
+    let mut alone = |ids: &[u32]| {
+        let g = e.generate(ids, &opts, &Single, &Single, |_| Ok(())).unwrap();
+        (tok.decode(&g.token_ids).unwrap(), g.token_ids.len() as u64)
+    };
+    let want: Vec<(String, u64)> = TEXTS.iter().map(|t| alone(&tok.encode(t, true).unwrap())).collect();
+    let chat_prompt = "Explain in one sentence why the sky is blue.";
+    let chat_ids = tok.encode(&tok.apply_chat_template(None, chat_prompt).unwrap(), false).unwrap();
+    let chat_want = alone(&chat_ids);
+
+    let server = Server::start(2, &dir, &["--pp", "2", "--max-tokens", "16"]);
+    let (status, models) = server.http("GET", "/v1/models", "");
+    assert_eq!(status, 200);
+    assert!(models.contains("\"SmolLM2-135M-Instruct-bf16\""), "{models}");
+    assert_eq!(server.http("GET", "/health", "").0, 200);
+
+    // One at a time (each after the ranks went to sleep), then all at once.
+    for (t, w) in TEXTS.iter().zip(&want).take(2) {
+        let (status, v) = server.post("/v1/completions", &json!({"prompt": t}));
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(&text_of(&v), w, "{t:?} alone");
+        assert_eq!(v["object"], "text_completion");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let server_ref = &server;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = TEXTS
+            .iter()
+            .map(|t| {
+                s.spawn(move || server_ref.post("/v1/completions", &json!({"prompt": t, "max_tokens": 16})))
+            })
+            .collect();
+        for ((h, t), w) in handles.into_iter().zip(TEXTS).zip(&want) {
+            let (status, v) = h.join().unwrap();
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(&text_of(&v), w, "{t:?} among the others");
+            let finish = if w.1 == 16 { "length" } else { "stop" };
+            assert_eq!(v["choices"][0]["finish_reason"], finish, "{t:?}");
+            assert_eq!(v["usage"]["prompt_tokens"], tok.encode(t, true).unwrap().len());
+        }
+    });
+
+    // Streamed: the same text in pieces, then the finish, the usage and [DONE].
+    let req = json!({"prompt": TEXTS[2], "stream": true, "stream_options": {"include_usage": true}});
+    let events = server.events("/v1/completions", &req);
+    let (usage, pieces) = events.split_last().unwrap();
+    assert!(pieces.len() > 2, "{events:?}");
+    let text: String = pieces.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!((text, usage["usage"]["completion_tokens"].as_u64().unwrap()), want[2]);
+    assert!(pieces[..pieces.len() - 1].iter().all(|e| e["choices"][0]["finish_reason"].is_null()));
+    assert_eq!(pieces.last().unwrap()["choices"][0]["finish_reason"], "length");
+
+    // Chat, whole and streamed.
+    let chat = json!({"messages": [{"role": "user", "content": chat_prompt}]});
+    let (status, v) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(text_of(&v), chat_want);
+    assert_eq!(
+        (v["object"].as_str(), v["choices"][0]["message"]["role"].as_str()),
+        (Some("chat.completion"), Some("assistant"))
+    );
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let events = server.events("/v1/chat/completions", &streamed);
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, chat_want.0);
+    assert_eq!(events.last().unwrap()["object"], "chat.completion.chunk");
+
+    // A stop string: the text up to it, finish reason `stop`.
+    let (cut, _) = want[3].0.split_at(want[3].0.find(" 6").expect("the count goes on past 6"));
+    let (_, v) = server.post("/v1/completions", &json!({"prompt": TEXTS[3], "stop": [" 6"]}));
+    assert_eq!(
+        (v["choices"][0]["text"].as_str(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(cut), Some("stop"))
+    );
+
+    // Bad requests: the status and a message naming what is wrong; the server runs on.
+    let long = "word ".repeat(9000);
+    for (path, body, status, fragment) in [
+        ("/v1/completions", "{\"prompt\": 1}".to_string(), 400, "`prompt` must be a string"),
+        ("/v1/completions", "not json".to_string(), 400, "not a JSON object"),
+        ("/v1/completions", "{\"prompt\":\"a\",\"temprature\":1}".into(), 400, "unknown key `temprature`"),
+        ("/v1/completions", "{\"prompt\":\"a\",\"top_p\":2}".into(), 400, "`top_p`"),
+        ("/v1/completions", "{\"prompt\":\"a\",\"n\":2}".into(), 400, "`n`"),
+        ("/v1/chat/completions", "{\"prompt\":\"a\"}".into(), 400, "`messages`"),
+        ("/v1/completions", json!({"prompt": long}).to_string(), 400, "context"),
+        ("/v1/embeddings", "{}".into(), 404, "no endpoint /v1/embeddings"),
+    ] {
+        let (got, text) = server.http("POST", path, &body);
+        assert_eq!(got, status, "{path} {body:.40}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(fragment), "{path} {body:.40}: {msg}");
+    }
+    assert_eq!(server.http("GET", "/v1/completions", "").0, 405);
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": TEXTS[0]}));
+    assert_eq!((status, text_of(&v)), (200, want[0].clone()), "after the bad requests");
+    let log = server.log_text();
+    assert!(!log.contains("panicked") && !log.contains("error:"), "{log}");
+    assert!(log.contains("serve: cmpl-0 /v1/completions 200"), "{log}");
+}
+
+/// Tensor parallelism over two ranks (9 heads split 5 + 4): a request alone gets the text
+/// `generate` gives on the same layout, whole and streamed, and a sampled request with a
+/// seed gets the same tokens twice.
+#[test]
+fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
+    let dir = smollm2("bf16");
+    let prompt = "The three primary colors are red,";
+    let mut cmd = launch_command(&["local", "2"]);
+    cmd.args(["generate", "--model", path_str(&dir), "--threads", "1", "--tp", "2", "--prompt", prompt]);
+    cmd.args(["--max-tokens", "24", "--json"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 300);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let server = Server::start(2, &dir, &["--tp", "2"]);
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 24}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], g["text"]);
+    assert_eq!(v["usage"]["completion_tokens"], g["token_ids"].as_array().unwrap().len());
+    let events =
+        server.events("/v1/completions", &json!({"prompt": prompt, "max_tokens": 24, "stream": true}));
+    let text: String = events.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(text, g["text"].as_str().unwrap());
+    let sampled =
+        json!({"prompt": prompt, "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": true});
+    let (a, b) = (server.post("/v1/completions", &sampled).1, server.post("/v1/completions", &sampled).1);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert_ne!(a["choices"][0]["text"], v["choices"][0]["text"], "sampled at temperature 1 as greedy");
+}
+
+/// A port already taken: one error line naming the address, exit 1.
+#[test]
+fn serve_reports_an_address_it_cannot_listen_on() {
+    let (_tmp, dir) = tiny_llama();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = gridlm(&["serve", "--model", path_str(&dir), "--listen", &addr]);
+    assert_one_line_error(&out, &["--listen", &addr, "cannot listen there"]);
+}
