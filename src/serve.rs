@@ -402,13 +402,8 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
             return reply_error(req, 405, &format!("{url} does not take {m}"));
         }
         _ => {
-            return reply_error(
-                req,
-                404,
-                &format!(
-                "no endpoint {url} (there are /v1/completions, /v1/chat/completions, /v1/models and /health)"
-            ),
-            )
+            let known = "/v1/completions, /v1/chat/completions, /v1/models and /health";
+            return reply_error(req, 404, &format!("no endpoint {url} (there are {known})"));
         }
     };
     let n = front.count.fetch_add(1, Ordering::Relaxed);
@@ -526,9 +521,11 @@ fn whole(req: tiny_http::Request, head: &Head, events: &Receiver<Event>) -> (u16
             Ok(Event::Text(piece)) => text.push_str(&piece),
             Ok(Event::Done { rest, finish, error, tokens }) => {
                 if let Some(e) = error {
-                    // Before any token: the request could not run (the KV memory, its settings).
-                    reply_error(req, 400, &e);
-                    return (400, Some((finish, tokens)));
+                    // Before any token the request could not run (the KV memory, its settings);
+                    // after some, its text could not be made.
+                    let status = if tokens == 0 { 400 } else { 500 };
+                    reply_error(req, status, &e);
+                    return (status, Some((finish, tokens)));
                 }
                 text.push_str(&rest);
                 let mut body = head.body(vec![head.choice(&text, Some(finish), false)], false);
