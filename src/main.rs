@@ -69,6 +69,14 @@ struct ServeArgs {
     /// New tokens of a request that does not say (`max_tokens`).
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
+    /// Completion requests answered at once (running or waiting for a slot or KV memory);
+    /// more get status 429.
+    #[arg(long, default_value_t = 256)]
+    max_in_flight: usize,
+    /// Requests must bring `Authorization: Bearer KEY` (all but /health); default: the
+    /// environment's GRIDLM_API_KEY, else none needed.
+    #[arg(long, env = "GRIDLM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Sampling settings of a request that does not give them; request i's seed is seed + i.
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -1302,7 +1310,10 @@ fn run_generate(
 fn serve(a: ServeArgs) -> Result<()> {
     a.engine.check()?;
     a.batching.check()?;
-    at_least(&[("--max-tokens", a.max_tokens, 1)])?;
+    at_least(&[("--max-tokens", a.max_tokens, 1), ("--max-in-flight", a.max_in_flight, 1)])?;
+    if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty() || k.trim() != k) {
+        anyhow::bail!("--api-key (or GRIDLM_API_KEY) must be a key without spaces around it");
+    }
     let base = if a.model_sampling {
         gridlm::engine::sampling::from_generation_config(&a.model.join("generation_config.json"))?
     } else {
@@ -1374,6 +1385,9 @@ fn run_serve(
         tx,
         count: Default::default(),
         created: serve::now_s(),
+        api_key: a.api_key.clone(),
+        max_in_flight: a.max_in_flight,
+        in_flight: Default::default(),
     };
     serve::start(server, front);
     let mut stdout = std::io::stdout();

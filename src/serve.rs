@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -347,6 +347,46 @@ pub struct Front {
     pub count: AtomicU64,
     /// When the server started (seconds since the epoch).
     pub created: u64,
+    /// The key every request but `/health` must bring (`Authorization: Bearer KEY`).
+    pub api_key: Option<String>,
+    /// Completion requests answered at once, at most (others get 429).
+    pub max_in_flight: usize,
+    pub in_flight: AtomicUsize,
+}
+
+/// A request's events from the driver. It counts as in flight until the last comes (before
+/// its answer is written, so a client that waits for one answer before asking again is never
+/// turned away by its own last request).
+struct Events<'a> {
+    rx: Receiver<Event>,
+    counted: Option<InFlight<'a>>,
+}
+
+impl Events<'_> {
+    fn recv(&mut self) -> std::result::Result<Event, std::sync::mpsc::RecvError> {
+        let e = self.rx.recv();
+        if !matches!(e, Ok(Event::Text(_))) {
+            self.counted = None;
+        }
+        e
+    }
+}
+
+/// A completion request being answered (counted in [`Front::in_flight`] while it lives).
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Whether `req` brings `key` as its bearer token.
+fn authorized(req: &tiny_http::Request, key: &str) -> bool {
+    req.headers().iter().any(|h| {
+        h.field.equiv("Authorization")
+            && h.value.as_str().strip_prefix("Bearer ").is_some_and(|k| k.trim() == key)
+    })
 }
 
 /// The largest request body read.
@@ -388,6 +428,9 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     use tiny_http::Method::{Get, Post};
     let t0 = Instant::now();
     let url = req.url().split('?').next().unwrap_or("").to_string();
+    if url != "/health" && front.api_key.as_deref().is_some_and(|k| !authorized(&req, k)) {
+        return reply_error(req, 401, "a missing or wrong API key (send `Authorization: Bearer KEY`)");
+    }
     let kind = match (req.method(), url.as_str()) {
         (Get, "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
         (Get, "/v1/models") => {
@@ -422,7 +465,15 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         Ok(ids) => ids,
         Err(e) => return reply_error(req, 400, &e),
     };
-    let (reply, events) = channel();
+    let counted = InFlight(&front.in_flight);
+    if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
+        let most = front.max_in_flight;
+        let msg =
+            format!("{most} requests are being answered, the most --max-in-flight allows: try again later");
+        return reply_error(req, 429, &msg);
+    }
+    let (reply, rx) = channel();
+    let mut events = Events { rx, counted: Some(counted) };
     let request = Request {
         prompt: ids.clone(),
         max_tokens: ask.max_tokens,
@@ -439,7 +490,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     };
     let head = Head { id: &id, kind, model: &front.model, created: now_s(), prompt_tokens: ids.len() };
     let (status, outcome) =
-        if ask.stream { stream(req, &head, &ask, &events) } else { whole(req, &head, &events) };
+        if ask.stream { stream(req, &head, &ask, &mut events) } else { whole(req, &head, &mut events) };
     let streamed = if ask.stream { ", streamed" } else { "" };
     let how = match outcome {
         Some((finish, tokens)) => {
@@ -514,7 +565,7 @@ impl Head<'_> {
 }
 
 /// Waits for the whole completion and answers with it. The status, and how it ended.
-fn whole(req: tiny_http::Request, head: &Head, events: &Receiver<Event>) -> (u16, Option<(Finish, usize)>) {
+fn whole(req: tiny_http::Request, head: &Head, events: &mut Events) -> (u16, Option<(Finish, usize)>) {
     let mut text = String::new();
     loop {
         match events.recv() {
@@ -549,7 +600,7 @@ fn stream(
     req: tiny_http::Request,
     head: &Head,
     ask: &Ask,
-    events: &Receiver<Event>,
+    events: &mut Events,
 ) -> (u16, Option<(Finish, usize)>) {
     let Ok(mut event) = events.recv() else {
         reply_error(req, 500, "the driver stopped before the completion was done");

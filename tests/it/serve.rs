@@ -15,6 +15,8 @@ use std::time::Duration;
 struct Server {
     child: std::process::Child,
     port: u16,
+    /// Sent as the bearer token, when set.
+    key: Option<String>,
     log: PathBuf,
     _tmp: tempfile::TempDir,
 }
@@ -39,7 +41,7 @@ impl Server {
             let _ = BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);
         });
-        let mut server = Server { child, port: 0, log, _tmp: tmp };
+        let mut server = Server { child, port: 0, key: None, log, _tmp: tmp };
         let line = rx.recv_timeout(Duration::from_secs(300)).unwrap_or_default();
         let port = line.split("http://127.0.0.1:").nth(1).and_then(|r| r.split('/').next()?.parse().ok());
         server.port =
@@ -51,17 +53,23 @@ impl Server {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// `method path` with `body`: the status and the body (chunks joined).
-    fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+    /// A connection with the request `method path` with `body` sent.
+    fn send(&self, method: &str, path: &str, body: &str) -> BufReader<TcpStream> {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        let auth = self.key.as_ref().map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
         write!(
             s,
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
         .unwrap();
-        let mut r = BufReader::new(s);
+        BufReader::new(s)
+    }
+
+    /// `method path` with `body`: the status and the body (chunks joined).
+    fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        let mut r = self.send(method, path, body);
         let mut line = String::new();
         r.read_line(&mut line).unwrap();
         let status: u16 =
@@ -295,7 +303,44 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     assert_ne!(a["choices"][0]["text"], v["choices"][0]["text"], "sampled at temperature 1 as greedy");
 }
 
-/// A port already taken: one error line naming the address, exit 1.
+/// With `--api-key`, a request without the key (or with another) gets 401, but for /health;
+/// with `--max-in-flight 1`, a request while another is answered gets 429, and one after it
+/// is answered (at once: the count drops before the answer is written).
+#[test]
+fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() {
+    let (_tmp, dir) = tiny_llama();
+    let mut server = Server::start(1, &dir, &["--api-key", "secret", "--max-in-flight", "1"]);
+    let ask = json!({"prompt": "t1 t2", "max_tokens": 3});
+    for key in [None, Some("wrong")] {
+        server.key = key.map(String::from);
+        let (status, v) = server.post("/v1/completions", &ask);
+        assert_eq!(status, 401, "{key:?}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("API key"), "{v}");
+        assert_eq!(server.http("GET", "/v1/models", "").0, 401);
+        assert_eq!(server.http("GET", "/health", "").0, 200);
+    }
+    server.key = Some("secret".into());
+    assert_eq!(server.post("/v1/completions", &ask).0, 200);
+    let long = json!({"prompt": "t1 t2", "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let mut stream = server.send("POST", "/v1/completions", &long.to_string());
+    let mut line = String::new();
+    while !line.contains("data: ") {
+        line.clear();
+        assert!(stream.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
+    }
+    let (status, v) = server.post("/v1/completions", &ask);
+    assert_eq!(status, 429, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-in-flight"), "{v}");
+    let mut rest = String::new();
+    stream.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    for _ in 0..20 {
+        assert_eq!(server.post("/v1/completions", &ask).0, 200, "one request after another");
+    }
+}
+
+/// A port already taken, a key with spaces around it, no request in flight: one error line
+/// naming the option, exit 1.
 #[test]
 fn serve_reports_an_address_it_cannot_listen_on() {
     let (_tmp, dir) = tiny_llama();
@@ -303,4 +348,8 @@ fn serve_reports_an_address_it_cannot_listen_on() {
     let addr = taken.local_addr().unwrap().to_string();
     let out = gridlm(&["serve", "--model", path_str(&dir), "--listen", &addr]);
     assert_one_line_error(&out, &["--listen", &addr, "cannot listen there"]);
+    let out = gridlm(&["serve", "--model", path_str(&dir), "--api-key", " x"]);
+    assert_one_line_error(&out, &["--api-key", "without spaces"]);
+    let out = gridlm(&["serve", "--model", path_str(&dir), "--max-in-flight", "0"]);
+    assert_one_line_error(&out, &["--max-in-flight must be at least 1"]);
 }
