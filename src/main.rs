@@ -1194,6 +1194,7 @@ fn run_generate(
         "threads": engine.threads(),
         "weight_dtype": engine.shard.weight_dtype(),
         "kv_dtype": engine.kv_dtype().name(),
+        "kv_ring_pages": engine.kv_ring_pages(),
     });
     if single {
         // Its own error, if any, ended every rank at the verdict above.

@@ -21,7 +21,7 @@ use crate::comm::{Comm, CommTimes, Link, Tag};
 use crate::error::{Error, Result};
 use crate::grid::{vocab_range, Grid};
 use crate::kernels::{self, Team};
-use crate::model::{KvPool, Scratch, Shard, Span, PAGE};
+use crate::model::{KvCache, Scratch, Shard, Span, PAGE};
 use crate::weights::DType;
 use sampling::SamplingParams;
 pub use scheduler::{Completion, Request, RunOptions, Traffic};
@@ -60,10 +60,12 @@ impl Finish {
 /// What every rank does next; made by the driver, encoded with bincode, passed down the grid.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Plan {
-    /// A KV pool of `pages` pages and `slots` sequence slots, replacing any before.
+    /// A KV pool of `pages` pages and `slots` sequence slots, replacing any before; no step
+    /// holds more than `chunk` positions of one sequence (the KV rings are sized by it).
     Begin {
         pages: usize,
         slots: usize,
+        chunk: usize,
     },
     Step(Step),
     /// Every rank calls its reader ([`Engine::set_reader`]), then waits for all the others to
@@ -210,8 +212,12 @@ pub struct Engine {
     /// until then this rank's own node), `None` where no node's memory is known.
     kv_room: Option<crate::host::KvRoom>,
     scratch: Scratch,
-    kv: KvPool,
+    kv: KvCache,
     tables: Vec<Vec<u32>>,
+    /// Each slot's pages in the KV rings (see [`KvCache`]).
+    ring_tables: Vec<Vec<u32>>,
+    /// The most positions of one sequence a step may hold (since the last `Begin`).
+    chunk: usize,
     slots: Vec<SlotState>,
     hidden: Vec<f32>,
     /// Hidden states of each emitting span's last token, for the output head.
@@ -426,7 +432,7 @@ impl Engine {
             available,
             ranks,
         });
-        let kv = shard.new_kv_pool(0, kv_dtype);
+        let kv = shard.new_kv(0, 0, 1, kv_dtype);
         Ok(Engine {
             shard,
             grid,
@@ -437,6 +443,8 @@ impl Engine {
             scratch: Scratch::default(),
             kv,
             tables: Vec::new(),
+            ring_tables: Vec::new(),
+            chunk: 0,
             slots: Vec::new(),
             hidden: Vec::new(),
             last: Vec::new(),
@@ -485,6 +493,12 @@ impl Engine {
 
     pub fn kv_dtype(&self) -> DType {
         self.kv_dtype
+    }
+
+    /// Pages of each slot's KV ring in the last run on this rank (0: its windowed layers, if
+    /// any, kept their keys in the pool; see [`KvCache`]).
+    pub fn kv_ring_pages(&self) -> usize {
+        self.kv.ring_pages()
     }
 
     pub fn threads(&self) -> usize {
@@ -681,11 +695,13 @@ impl Engine {
     /// complete on this rank (the last stage's tp rank 0 and, in a one-stage job, the driver).
     fn execute(&mut self, plan: &Plan, comm: &dyn Comm, link: &dyn Link) -> Result<Option<StepResult>> {
         let step = match plan {
-            Plan::Begin { pages, slots } => {
-                self.kv = self.shard.new_kv_pool(*pages, self.kv_dtype);
+            Plan::Begin { pages, slots, chunk } => {
+                self.kv = self.shard.new_kv(*pages, *slots, *chunk, self.kv_dtype);
                 self.scratch.reserve_decode(&self.shard, *pages, *slots, self.team.threads());
                 self.sampling.reserve(*slots, comm.size(), self.max_vocab_shard());
                 self.tables = vec![Vec::new(); *slots];
+                self.ring_tables = vec![Vec::new(); *slots];
+                self.chunk = *chunk;
                 self.slots.clear();
                 self.slots.resize_with(*slots, SlotState::default);
                 return Ok(None);
@@ -728,10 +744,11 @@ impl Engine {
         let g = self.grid;
         let words = self.shard.vocab_range().len().div_ceil(64);
         for a in &step.admit {
-            if a.slot >= self.tables.len() || a.pages.iter().any(|&p| p as usize >= self.kv.pages()) {
+            if a.slot >= self.tables.len() || a.pages.iter().any(|&p| p as usize >= self.kv.pool.pages()) {
                 return Err(Error::Comm("a step admits a sequence outside the slots or KV pages".into()));
             }
             self.tables[a.slot].clone_from(&a.pages);
+            self.kv.ring_table(a.slot, a.pages.len(), &mut self.ring_tables[a.slot]);
             let st = &mut self.slots[a.slot];
             st.params = a.params.clone();
             st.seen.clear();
@@ -741,19 +758,24 @@ impl Engine {
         let (spans, tokens) = (&step.spans, &step.tokens);
         let h = self.shard.cfg.hidden_size;
         let n = tokens.len();
-        let fits = |s: &Span| s.seq < self.tables.len() && s.pos0 + s.len <= self.tables[s.seq].len() * PAGE;
+        // A span longer than the `Begin`'s chunk could overwrite the keys of a ring it reads.
+        let fits = |s: &Span| {
+            s.seq < self.tables.len()
+                && s.pos0 + s.len <= self.tables[s.seq].len() * PAGE
+                && s.len <= self.chunk
+        };
         if spans.iter().map(|s| s.len).sum::<usize>() != n || !spans.iter().all(fits) {
             return Err(Error::Comm("a step's spans do not match its tokens, slots or KV pages".into()));
         }
         crate::grow(&mut self.hidden, n * h);
-        let Engine { shard, scratch, hidden, last, logits, team, kv, tables, .. } = self;
+        let Engine { shard, scratch, hidden, last, logits, team, kv, tables, ring_tables, .. } = self;
         let x = &mut hidden[..n * h];
         if g.is_first_stage() {
             shard.embed(tokens, x, comm);
         } else {
             link.recv_f32(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Hidden, x);
         }
-        shard.forward(x, spans, kv, tables, scratch, comm, team);
+        shard.forward(x, spans, kv, tables, ring_tables, scratch, comm, team);
         if !g.is_last_stage() {
             link.send_f32(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Hidden, x);
             return Ok(None);
@@ -902,9 +924,14 @@ impl Engine {
     }
 
     /// Driver: a pool of `pages` KV pages and `slots` sequence slots on every rank.
-    fn begin(&mut self, pages: usize, slots: usize, comm: &dyn Comm, link: &dyn Link) -> Result<()> {
+    fn begin(
+        &mut self,
+        (pages, slots, chunk): (usize, usize, usize),
+        comm: &dyn Comm,
+        link: &dyn Link,
+    ) -> Result<()> {
         self.ready.clear();
-        self.launch(&Plan::Begin { pages, slots }, comm, link)
+        self.launch(&Plan::Begin { pages, slots, chunk }, comm, link)
     }
 
     /// Driver: runs one step and waits for its result.
@@ -928,7 +955,8 @@ impl Engine {
         check_prompt(prompt.len(), self.max_context())?;
         let positions = (prompt.len() + forced.len()).min(self.max_context());
         let pages = positions.div_ceil(PAGE);
-        self.begin(pages, 1, comm, link)?;
+        // The prompt in one step, then a token a step.
+        self.begin((pages, 1, prompt.len()), comm, link)?;
         let admit =
             vec![Admit { slot: 0, pages: (0..pages as u32).collect(), params: SamplingParams::default() }];
         let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };

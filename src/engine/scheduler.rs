@@ -258,7 +258,9 @@ impl Engine {
         let depth = if opts.overlap && opts.sides.is_none() { groups } else { 1 };
         let mut clocks = [0.0f64; 2];
         let mut last = 0.0;
-        self.begin(pages, slots, comm, link)?;
+        // A step holds at most `step_tokens` of a sequence, or a page's worth when it would
+        // hold none (see `build_step`).
+        self.begin((pages, slots, opts.step_tokens.max(PAGE)), comm, link)?;
 
         // The requests held, by place (a place is reused once its request is done).
         let mut live: Vec<Option<Live>> = Vec::new();

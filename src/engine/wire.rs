@@ -235,7 +235,7 @@ mod tests {
         for plan in [
             Plan::Step(step()),
             Plan::Step(Step { admit: Vec::new(), want_logits: false, ..step() }),
-            Plan::Begin { pages: 12, slots: 3 },
+            Plan::Begin { pages: 12, slots: 3, chunk: 16 },
             Plan::Read,
             Plan::Idle,
             Plan::End,

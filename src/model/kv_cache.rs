@@ -126,6 +126,83 @@ enum Data {
     BF16(Store<bf16>),
 }
 
+/// A rank's KV cache: the pool of pages the driver hands out (its page tables), and, where it
+/// takes less memory, rings for the layers that attend through a window (Gemma 2 and 3's local
+/// layers, Mistral's and Phi-3's windows). A slot's ring is `ring_pages` pages of its own,
+/// logical page `p` of its sequence kept in ring page `p % ring_pages`, so position `pos` in
+/// slot `pos % (ring_pages × PAGE)`. A step's attention reads, of a sequence, the window before
+/// each of its at most `chunk` positions: `window - 1 + chunk` positions in a row, as many
+/// slots, which `ceil((window - 1 + chunk) / PAGE)` pages hold; one page more keeps the pages
+/// themselves apart (a range that starts mid-page spans one more), so no kernel thread reads a
+/// page another writes into. A windowed layer holds a window and a step of each sequence
+/// rather than its whole length.
+pub struct KvCache {
+    /// The pages in the driver's tables, for the layers not in a ring.
+    pub pool: KvPool,
+    /// Every slot's ring, one after the other, for the windowed layers.
+    pub ring: KvPool,
+    /// Pages of a slot's ring (0: no ring).
+    ring_pages: usize,
+    /// Each layer of the shard: whether it keeps its keys in the ring, and its index there or
+    /// in the pool.
+    place: Vec<(bool, usize)>,
+}
+
+impl KvCache {
+    /// A cache for layers attending through `windows` (one a layer, `None`: all positions) of
+    /// `n_kv` KV heads, `pages` pages in the pool and `slots` sequences of at most `chunk`
+    /// positions a step. The windowed layers take rings only where these hold fewer pages than
+    /// the pool would give them.
+    pub fn new(
+        windows: &[Option<usize>],
+        n_kv: usize,
+        head_dim: usize,
+        (pages, slots, chunk): (usize, usize, usize),
+        dtype: DType,
+    ) -> Self {
+        let widest = windows.iter().flatten().max();
+        let ring_pages = widest.map_or(0, |w| (w.saturating_sub(1) + chunk.max(1)).div_ceil(PAGE) + 1);
+        let ring_pages = if ring_pages > 0 && slots * ring_pages < pages { ring_pages } else { 0 };
+        let (mut in_pool, mut in_ring) = (0, 0);
+        let place = windows
+            .iter()
+            .map(|w| {
+                let ringed = ring_pages > 0 && w.is_some();
+                let n = if ringed { &mut in_ring } else { &mut in_pool };
+                *n += 1;
+                (ringed, *n - 1)
+            })
+            .collect();
+        KvCache {
+            pool: KvPool::new(in_pool, n_kv, head_dim, pages, dtype),
+            ring: KvPool::new(in_ring, n_kv, head_dim, slots * ring_pages, dtype),
+            ring_pages,
+            place,
+        }
+    }
+
+    /// Where layer `layer` keeps its keys and values: in the ring, and its index there or in
+    /// the pool.
+    pub fn place(&self, layer: usize) -> (bool, usize) {
+        self.place[layer]
+    }
+
+    /// Pages of a slot's ring (0: the windowed layers keep theirs in the pool).
+    pub fn ring_pages(&self) -> usize {
+        self.ring_pages
+    }
+
+    /// Into `out`, the ring pages of slot `slot` for a sequence of `pages` pages, in position
+    /// order (empty without rings).
+    pub fn ring_table(&self, slot: usize, pages: usize, out: &mut Vec<u32>) {
+        out.clear();
+        if self.ring_pages > 0 {
+            let r = self.ring_pages;
+            out.extend((0..pages).map(|p| (slot * r + p % r) as u32));
+        }
+    }
+}
+
 pub struct KvPool {
     n_kv: usize,
     head_dim: usize,

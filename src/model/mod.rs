@@ -20,7 +20,7 @@ use crate::kernels::{self, AttendOut, Region, SharedSlice, Team};
 use crate::kernels::{PackedMat, Quant};
 use crate::weights::checkpoint::Checkpoint;
 use crate::weights::{DType, Mat, Source};
-pub use kv_cache::{KvPool, PAGE};
+pub use kv_cache::{KvCache, KvPool, PAGE};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -915,9 +915,12 @@ impl Shard {
             .collect()
     }
 
-    /// A KV pool of `pages` pages for this rank's layers and KV heads.
-    pub fn new_kv_pool(&self, pages: usize, dtype: DType) -> KvPool {
-        KvPool::new(self.layers.len(), self.plan.kv_heads.len(), self.cfg.head_dim, pages, dtype)
+    /// A KV cache for this rank's layers and KV heads: a pool of `pages` pages, and rings for
+    /// `slots` sequences of at most `chunk` positions a step where they take less memory
+    /// ([`KvCache`]).
+    pub fn new_kv(&self, pages: usize, slots: usize, chunk: usize, dtype: DType) -> KvCache {
+        let windows: Vec<Option<usize>> = self.layers.iter().map(|l| self.windows[l.layout]).collect();
+        KvCache::new(&windows, self.plan.kv_heads.len(), self.cfg.head_dim, (pages, slots, chunk), dtype)
     }
 
     /// Bytes one KV page takes on this rank.
@@ -957,15 +960,17 @@ impl Shard {
     /// Runs this shard's layers on a step's tokens, updating `x` (`[n, hidden]`, `n` the total
     /// of the spans' lengths) in place. Each span is a run of consecutive positions of one
     /// sequence, whose keys and values go to (and whose attention reads) the pages
-    /// `tables[span.seq]` of `kv`: one span is a prompt (or a chunk of one) or a decode step,
-    /// several are a batch of sequences.
+    /// `tables[span.seq]` of `kv`'s pool (`ring_tables[span.seq]` of its ring, for windowed
+    /// layers kept there): one span is a prompt (or a chunk of one) or a decode step, several
+    /// are a batch of sequences.
     #[allow(clippy::too_many_arguments)] // the step's data, its cache, its buffers and its two kinds of parallelism
     pub fn forward(
         &self,
         x: &mut [f32],
         spans: &[Span],
-        kv: &mut KvPool,
+        kv: &mut KvCache,
         tables: &[Vec<u32>],
+        ring_tables: &[Vec<u32>],
         s: &mut Scratch,
         comm: &dyn Comm,
         team: &Team,
@@ -1165,7 +1170,8 @@ impl Shard {
         let part_out = SharedSlice::new(&mut part_out[..n_slots * hd]);
         let part_stats = SharedSlice::new(&mut part_stats[..n_slots * 2]);
         let own = SharedSlice::new(&mut own[..team.threads() * own_len]);
-        let kv = KvAccess(kv);
+        let (pool, ring) = (KvAccess(&mut kv.pool), KvAccess(&mut kv.ring));
+        let kv = &*kv;
         let comm = MainThread(comm);
         // The whole stage in one region of the team: every thread keeps its own copy of the
         // residual stream and computes the norms, residual sums (and, for a few tokens, SiLU
@@ -1185,7 +1191,11 @@ impl Shard {
             let (att_own, rest) = rest.split_at_mut(att_own_len);
             let act_own = &mut rest[..act_own_len];
             xo.copy_from_slice(unsafe { x_io.range(0, n * h) });
-            for (li, l) in self.layers.iter().enumerate() {
+            for (i, l) in self.layers.iter().enumerate() {
+                // Where the layer's keys and values are: its store, its index there and the
+                // sequences' tables into it.
+                let (ringed, li) = kv.place(i);
+                let (kv, tables) = if ringed { (&ring, ring_tables) } else { (&pool, tables) };
                 let lay = &layouts[l.layout];
                 let n_items = lay.n_items();
                 // Attention block.
@@ -1705,26 +1715,46 @@ mod tests {
             }
             let shard = Shard::from_source(&Synthetic { dtype, seed: 3 }, cfg, plan.clone(), quant).unwrap();
             // Seq 0's hidden state after its decode step at position 290, in a step of `spans`
-            // (tokens `toks`, seq 0's at `at`).
-            let run = |threads: usize, spans: &[Span], toks: &[u32], at: usize| -> Vec<u32> {
-                let team = Team::new(threads).unwrap();
-                let mut kv = shard.new_kv_pool(24, DType::F16);
-                let mut s = Scratch::default();
-                let mut step = |spans: &[Span], tokens: &[u32]| {
-                    let mut x = vec![0.0f32; tokens.len() * h];
-                    shard.embed(tokens, &mut x, &Single);
-                    shard.forward(&mut x, spans, &mut kv, &tables, &mut s, &Single, &team);
-                    x
+            // (tokens `toks`, seq 0's at `at`); with `ring`, its prompt prefilled 32 positions a
+            // step, so that a window's layers keep their keys in rings of 10 pages, which its
+            // 19 wrap around.
+            let run_with =
+                |ring: bool, threads: usize, spans: &[Span], toks: &[u32], at: usize| -> Vec<u32> {
+                    let team = Team::new(threads).unwrap();
+                    let chunk = if ring { 32 } else { 290 };
+                    let mut kv = shard.new_kv(64, tables.len(), chunk, DType::F16);
+                    assert_eq!(kv.ring_pages(), if ring && window.is_some() { 10 } else { 0 });
+                    let ring_tables: Vec<Vec<u32>> = (0..tables.len())
+                        .map(|i| {
+                            let mut t = Vec::new();
+                            kv.ring_table(i, tables[i].len(), &mut t);
+                            t
+                        })
+                        .collect();
+                    let mut s = Scratch::default();
+                    let mut step = |spans: &[Span], tokens: &[u32]| {
+                        let mut x = vec![0.0f32; tokens.len() * h];
+                        shard.embed(tokens, &mut x, &Single);
+                        shard.forward(&mut x, spans, &mut kv, &tables, &ring_tables, &mut s, &Single, &team);
+                        x
+                    };
+                    let p0 = prompt(290, 11);
+                    for (i, part) in p0.chunks(chunk).enumerate() {
+                        step(&[span(0, i * chunk, part.len())], part);
+                    }
+                    step(&[span(1, 0, 20)], &prompt(20, 5));
+                    step(&[span(2, 0, 3)], &prompt(3, 2));
+                    let x = step(spans, toks);
+                    x[at * h..(at + 1) * h].iter().map(|v| v.to_bits()).collect()
                 };
-                step(&[span(0, 0, 290)], &prompt(290, 11));
-                step(&[span(1, 0, 20)], &prompt(20, 5));
-                step(&[span(2, 0, 3)], &prompt(3, 2));
-                let x = step(spans, toks);
-                x[at * h..(at + 1) * h].iter().map(|v| v.to_bits()).collect()
+            let run = |threads: usize, spans: &[Span], toks: &[u32], at: usize| {
+                run_with(false, threads, spans, toks, at)
             };
             let alone = run(1, &[span(0, 290, 1)], &[16], 0);
             for threads in 1..=3 {
                 let name = format!("{arch:?} {dtype:?} {quant:?} window {window:?}, {threads} threads");
+                let batch = [span(1, 20, 1), span(0, 290, 1), span(2, 3, 1)];
+                assert_eq!(run_with(true, threads, &batch, &[40, 16, 41], 1), alone, "rings, {name}");
                 assert_eq!(run(threads, &[span(0, 290, 1)], &[16], 0), alone, "alone, {name}");
                 let batch = [span(1, 20, 1), span(0, 290, 1), span(2, 3, 1)];
                 assert_eq!(run(threads, &batch, &[40, 16, 41], 1), alone, "in a batch, {name}");

@@ -181,18 +181,29 @@ const TINY_PROMPT: [&str; 6] =
 /// gridlm's last-position logits and 32 greedy tokens on a random-weight model in `dir`
 /// against candle's: `forward(ids, pos)` runs candle's model on `ids` from position `pos` and
 /// gives its last position's logits. Returns gridlm's run.
-fn tiny_matches_candle(name: &str, dir: &Path, mut forward: impl FnMut(&[u32], usize) -> Vec<f32>) -> Run {
-    let ours = generate(dir, &TINY_PROMPT);
+fn tiny_matches_candle(name: &str, dir: &Path, forward: impl FnMut(&[u32], usize) -> Vec<f32>) -> Run {
+    tiny_matches_candle_with(name, dir, &TINY_PROMPT, 32, forward)
+}
+
+/// [`tiny_matches_candle`] of a run of gridlm with `args`, `new` greedy tokens.
+fn tiny_matches_candle_with(
+    name: &str,
+    dir: &Path,
+    args: &[&str],
+    new: usize,
+    mut forward: impl FnMut(&[u32], usize) -> Vec<f32>,
+) -> Run {
+    let ours = generate(dir, args);
     assert!(ours.prompt_ids.len() >= 7, "{name}: prompt ids {:?}", ours.prompt_ids);
     let mut logits = forward(&ours.prompt_ids, 0);
     let d = max_abs_diff(&ours.logits, &logits);
     eprintln!("{name}: max |Δ logits| = {d:.2e}");
     assert!(d <= LOGIT_TOL, "{name}: logits differ from candle by {d}");
     let mut tokens = Vec::new();
-    for i in 0..32 {
+    for i in 0..new {
         let next = argmax(&logits);
         tokens.push(next);
-        if i < 31 {
+        if i + 1 < new {
             logits = forward(&[next], ours.prompt_ids.len() + i);
         }
     }
@@ -293,6 +304,46 @@ fn random_gemma3_matches_candle_on_one_and_two_ranks() {
     let single = tiny_against_candle!(one at a time; gemma3, Model, dir, false);
     same_on_two_ranks("random gemma3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
     same_as_an_image_and_text_folder(dir, &single);
+}
+
+/// Gemma 3's local layers keep their keys in rings where the KV pool would give them more
+/// pages: one slot (`--max-batch 1`) and a prompt of 100 tokens prefilled 20 positions a step,
+/// so a local layer's ring is 3 pages (48 positions: a window of 4 and a step of 20 span at most
+/// 3; the step from position 80 spans 3), against a sequence of 100 + 40 positions in 9 pages,
+/// which wraps it three times. candle's 40 greedy tokens, token by token. The check fails with
+/// rings of one page (16 positions, fewer than the 23 of a step's keys).
+#[test]
+fn random_gemma3_with_ringed_local_layers_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    gridlm_reference::TinyModel::gemma3().write(dir);
+    let cfg: gemma3::Config =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let mut model = gemma3::Model::new(false, &cfg, candle_weights(dir)).unwrap();
+    let prompt: Vec<String> = (0..100).map(|i| format!("t{}", (5 + 37 * i) % 300)).collect();
+    let prompt = prompt.join(" ");
+    let args = [
+        "--prompt",
+        &prompt,
+        "--max-tokens",
+        "40",
+        "--kv-dtype",
+        "f32",
+        "--step-tokens",
+        "20",
+        "--max-batch",
+        "1",
+    ];
+    let run = tiny_matches_candle_with("random gemma3, ringed", dir, &args, 40, |ids, pos| {
+        let mut logits = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            let out = model.forward(&batch_of_one(&[*id]), pos + i).unwrap();
+            logits = out.flatten_all().unwrap().to_vec1().unwrap();
+        }
+        logits
+    });
+    assert_eq!(run.prompt_ids.len(), 100);
+    assert_eq!(run.json["kv_ring_pages"], 3, "{}", run.json);
 }
 
 /// The Gemma 3 model in `dir`, stored as an image-and-text folder stores its text model (under
