@@ -423,13 +423,19 @@ fn reply_error(req: tiny_http::Request, status: u16, msg: &str) {
     reply_json(req, status, &json!({"error": {"message": msg, "type": kind, "param": null, "code": null}}));
 }
 
-/// Answers one HTTP request, and logs it on stderr.
+/// Answers a completion request with an error, and logs it (its path, status and why).
+fn refuse(req: tiny_http::Request, url: &str, status: u16, msg: &str) {
+    reply_error(req, status, msg);
+    let _ = std::io::stderr().write_all(format!("serve: {url} {status}: {msg}\n").as_bytes());
+}
+
+/// Answers one HTTP request, and logs it on stderr (but for /health and /v1/models).
 fn answer(mut req: tiny_http::Request, front: &Front) {
     use tiny_http::Method::{Get, Post};
     let t0 = Instant::now();
     let url = req.url().split('?').next().unwrap_or("").to_string();
     if url != "/health" && front.api_key.as_deref().is_some_and(|k| !authorized(&req, k)) {
-        return reply_error(req, 401, "a missing or wrong API key (send `Authorization: Bearer KEY`)");
+        return refuse(req, &url, 401, "a missing or wrong API key (send `Authorization: Bearer KEY`)");
     }
     let kind = match (req.method(), url.as_str()) {
         (Get, "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
@@ -442,35 +448,35 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         (Post, "/v1/chat/completions") => Kind::Chat,
         (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
             let m = req.method().to_string();
-            return reply_error(req, 405, &format!("{url} does not take {m}"));
+            return refuse(req, &url, 405, &format!("{url} does not take {m}"));
         }
         _ => {
             let known = "/v1/completions, /v1/chat/completions, /v1/models and /health";
-            return reply_error(req, 404, &format!("no endpoint {url} (there are {known})"));
+            return refuse(req, &url, 404, &format!("no endpoint {url} (there are {known})"));
         }
     };
     let n = front.count.fetch_add(1, Ordering::Relaxed);
     let mut body = Vec::new();
     if let Err(e) = req.as_reader().take(MAX_BODY + 1).read_to_end(&mut body) {
-        return reply_error(req, 400, &format!("cannot read the body: {e}"));
+        return refuse(req, &url, 400, &format!("cannot read the body: {e}"));
     }
     if body.len() as u64 > MAX_BODY {
-        return reply_error(req, 413, &format!("the body is larger than {} MiB", MAX_BODY >> 20));
+        return refuse(req, &url, 413, &format!("the body is larger than {} MiB", MAX_BODY >> 20));
     }
     let ask = match parse(kind, &body, &front.defaults, n) {
         Ok(a) => a,
-        Err(e) => return reply_error(req, 400, &e),
+        Err(e) => return refuse(req, &url, 400, &e),
     };
     let ids = match prompt_ids(&ask, front) {
         Ok(ids) => ids,
-        Err(e) => return reply_error(req, 400, &e),
+        Err(e) => return refuse(req, &url, 400, &e),
     };
     let counted = InFlight(&front.in_flight);
     if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
         let most = front.max_in_flight;
         let msg =
             format!("{most} requests are being answered, the most --max-in-flight allows: try again later");
-        return reply_error(req, 429, &msg);
+        return refuse(req, &url, 429, &msg);
     }
     let (reply, rx) = channel();
     let mut events = Events { rx, counted: Some(counted) };
@@ -482,7 +488,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         keep_logits: false,
     };
     if front.tx.send(Incoming { request, stop: ask.stop.clone(), reply }).is_err() {
-        return reply_error(req, 503, "the server is shutting down");
+        return refuse(req, &url, 503, "the server is shutting down");
     }
     let id = match kind {
         Kind::Completion => format!("cmpl-{n}"),

@@ -272,6 +272,7 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
     let log = server.log_text();
     assert!(!log.contains("panicked") && !log.contains("error:"), "{log}");
     assert!(log.contains("serve: cmpl-0 /v1/completions 200"), "{log}");
+    assert!(log.contains("serve: /v1/completions 400: unknown key `temprature`"), "{log}");
 }
 
 /// Tensor parallelism over two ranks (9 heads split 5 + 4): a request alone gets the text
