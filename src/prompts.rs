@@ -61,15 +61,41 @@ enum Stop {
     Many(Vec<String>),
 }
 
-/// The value of `key` in a JSONL object, if present, as a `T`; the error names the key.
-fn field<T: serde::de::DeserializeOwned>(
+/// The value of `key` in a JSON object, if present and not null, as a `T`; the error names the
+/// key.
+pub(crate) fn field<T: serde::de::DeserializeOwned>(
     obj: &serde_json::Map<String, serde_json::Value>,
     key: &str,
 ) -> std::result::Result<Option<T>, String> {
     match obj.get(key) {
-        None => Ok(None),
+        None | Some(serde_json::Value::Null) => Ok(None),
         Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| format!("`{key}`: {e}")),
     }
+}
+
+/// The stop strings of a JSON object's `stop` (a string or a list), if it has one.
+pub(crate) fn stop_field(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<Option<Vec<String>>, String> {
+    Ok(field::<Stop>(obj, "stop")?.map(|s| match s {
+        Stop::One(x) => vec![x],
+        Stop::Many(x) => x,
+    }))
+}
+
+/// The sampling settings a JSON object gives (`temperature`, `top_k`, `top_p`, `min_p`,
+/// `repetition_penalty`, `seed`) over those of `p`, checked.
+pub(crate) fn sampling_fields(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    p: &mut SamplingParams,
+) -> std::result::Result<(), String> {
+    p.temperature = field(obj, "temperature")?.unwrap_or(p.temperature);
+    p.top_k = field(obj, "top_k")?.unwrap_or(p.top_k);
+    p.top_p = field(obj, "top_p")?.unwrap_or(p.top_p);
+    p.min_p = field(obj, "min_p")?.unwrap_or(p.min_p);
+    p.repetition_penalty = field(obj, "repetition_penalty")?.unwrap_or(p.repetition_penalty);
+    p.seed = field(obj, "seed")?.unwrap_or(p.seed);
+    p.check()
 }
 
 impl Defaults {
@@ -137,23 +163,12 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             s.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(s.ignore_eos);
             s.chat = field(&obj, "chat")?.unwrap_or(s.chat);
             s.system = field(&obj, "system")?.or(s.system.take());
-            match field::<Stop>(&obj, "stop")? {
-                Some(Stop::One(x)) => s.stop = vec![x],
-                Some(Stop::Many(x)) => s.stop = x,
-                None => {}
+            if let Some(stop) = stop_field(&obj)? {
+                s.stop = stop;
             }
-            let p = &mut s.params;
-            p.temperature = field(&obj, "temperature")?.unwrap_or(p.temperature);
-            p.top_k = field(&obj, "top_k")?.unwrap_or(p.top_k);
-            p.top_p = field(&obj, "top_p")?.unwrap_or(p.top_p);
-            p.min_p = field(&obj, "min_p")?.unwrap_or(p.min_p);
-            p.repetition_penalty = field(&obj, "repetition_penalty")?.unwrap_or(p.repetition_penalty);
-            p.seed = field(&obj, "seed")?.unwrap_or(p.seed);
-            Ok(())
+            sampling_fields(&obj, &mut s.params)
         };
         get(&mut s).map_err(at)?;
-        let p = &s.params;
-        p.check().map_err(at)?;
         if s.stop.iter().any(String::is_empty) {
             return Err(at("a stop string is empty".into()));
         }

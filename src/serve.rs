@@ -11,7 +11,7 @@
 use crate::engine::sampling::SamplingParams;
 use crate::engine::{check_prompt, Completion, Finish, Request, Traffic};
 use crate::error::Result;
-use crate::prompts::TextTracker;
+use crate::prompts::{field, sampling_fields, stop_field, TextTracker};
 use crate::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -81,25 +81,6 @@ const KEYS: [&str; 22] = [
     "echo",
     "top_logprobs",
 ];
-
-/// The value of `key`, if present and not null, as a `T`; the error names the key.
-fn field<T: serde::de::DeserializeOwned>(
-    obj: &Map<String, Value>,
-    key: &str,
-) -> std::result::Result<Option<T>, String> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| format!("`{key}`: {e}")),
-    }
-}
-
-/// A stop setting: one string or a list.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Stop {
-    One(String),
-    Many(Vec<String>),
-}
 
 /// A chat message's content: a string, or a list of parts of which text ones are read.
 #[derive(Deserialize)]
@@ -195,22 +176,11 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         ask.stream_usage =
             field(&o, "include_usage").map_err(|e| format!("`stream_options`: {e}"))?.unwrap_or(false);
     }
-    ask.stop = match field::<Stop>(&obj, "stop")? {
-        Some(Stop::One(x)) => vec![x],
-        Some(Stop::Many(x)) => x,
-        None => Vec::new(),
-    };
+    ask.stop = stop_field(&obj)?.unwrap_or_default();
     if ask.stop.iter().any(String::is_empty) {
         return Err("`stop`: a stop string is empty".into());
     }
-    let p = &mut ask.params;
-    p.temperature = field(&obj, "temperature")?.unwrap_or(p.temperature);
-    p.top_k = field(&obj, "top_k")?.unwrap_or(p.top_k);
-    p.top_p = field(&obj, "top_p")?.unwrap_or(p.top_p);
-    p.min_p = field(&obj, "min_p")?.unwrap_or(p.min_p);
-    p.repetition_penalty = field(&obj, "repetition_penalty")?.unwrap_or(p.repetition_penalty);
-    p.seed = field(&obj, "seed")?.unwrap_or(p.seed);
-    p.check().map_err(|e| format!("`{}", e.replacen(' ', "` ", 1)))?;
+    sampling_fields(&obj, &mut ask.params).map_err(|e| format!("`{}", e.replacen(' ', "` ", 1)))?;
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     if field::<u64>(&obj, "n")?.is_some_and(|n| n != 1) {
         return Err("`n`: one completion a request (n = 1) is all this server makes".into());
