@@ -1389,6 +1389,7 @@ fn run_serve(
         api_key: a.api_key.clone(),
         max_in_flight: a.max_in_flight,
         in_flight: Default::default(),
+        metrics: Default::default(),
     };
     serve::start(server, front);
     let mut stdout = std::io::stdout();

@@ -15,12 +15,12 @@ use crate::prompts::{field, sampling_fields, stop_field, TextTracker};
 use crate::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
-use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The two endpoints that generate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -322,6 +322,107 @@ pub struct Front {
     /// Completion requests answered at once, at most (others get 429).
     pub max_in_flight: usize,
     pub in_flight: AtomicUsize,
+    pub metrics: Metrics,
+}
+
+/// Upper bounds of the latency histograms' buckets, in seconds.
+const BOUNDS: [f64; 12] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// A latency histogram in Prometheus' form: cumulative bucket counts, a sum and a count.
+#[derive(Default)]
+struct Histogram {
+    buckets: [AtomicU64; BOUNDS.len()],
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        for (b, &bound) in self.buckets.iter().zip(&BOUNDS) {
+            if s <= bound {
+                b.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sum_us.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        use std::fmt::Write;
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, bound) in self.buckets.iter().zip(BOUNDS) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", b.load(Ordering::Relaxed));
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {}", self.sum_us.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// What the server has done, as `GET /metrics` gives it (Prometheus' text format).
+#[derive(Default)]
+pub struct Metrics {
+    /// Completion requests answered, by HTTP status.
+    statuses: Mutex<BTreeMap<u16, u64>>,
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
+    /// From a request's hand-over to the driver to its first token.
+    first_token: Histogram,
+    /// From a request's arrival to its answer's end.
+    duration: Histogram,
+}
+
+impl Metrics {
+    fn status(&self, status: u16) {
+        // A panicking request thread cannot leave the map half-written: take it as it is.
+        *self.statuses.lock().unwrap_or_else(|e| e.into_inner()).entry(status).or_default() += 1;
+    }
+
+    fn render(&self, in_flight: usize) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# HELP gridlm_requests_total Completion requests answered and requests refused, by HTTP status."
+        );
+        let _ = writeln!(out, "# TYPE gridlm_requests_total counter");
+        for (status, n) in self.statuses.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = writeln!(out, "gridlm_requests_total{{status=\"{status}\"}} {n}");
+        }
+        let gauges = [(
+            "gridlm_requests_in_flight",
+            "gauge",
+            "Completion requests being answered (running or waiting).",
+            in_flight as u64,
+        )];
+        let counters = [
+            (
+                "gridlm_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of the completions answered.",
+                &self.prompt_tokens,
+            ),
+            (
+                "gridlm_generation_tokens_total",
+                "counter",
+                "Tokens of the completions answered.",
+                &self.generation_tokens,
+            ),
+        ];
+        let values = gauges
+            .into_iter()
+            .chain(counters.into_iter().map(|(n, t, h, v)| (n, t, h, v.load(Ordering::Relaxed))));
+        for (name, kind, help, value) in values {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
+        let ttft = "Seconds from a request's hand-over to the scheduler to its first token.";
+        self.first_token.render("gridlm_time_to_first_token_seconds", ttft, &mut out);
+        let e2e = "Seconds from the arrival of a request handed to the scheduler to the end of its answer.";
+        self.duration.render("gridlm_request_duration_seconds", e2e, &mut out);
+        out
+    }
 }
 
 /// A request's events from the driver. It counts as in flight until the last comes (before
@@ -330,11 +431,17 @@ pub struct Front {
 struct Events<'a> {
     rx: Receiver<Event>,
     counted: Option<InFlight<'a>>,
+    /// When the request went to the driver, and how long its first event took.
+    sent: Instant,
+    first: Option<Duration>,
 }
 
 impl Events<'_> {
     fn recv(&mut self) -> std::result::Result<Event, std::sync::mpsc::RecvError> {
         let e = self.rx.recv();
+        if self.first.is_none() {
+            self.first = Some(self.sent.elapsed());
+        }
         if !matches!(e, Ok(Event::Text(_))) {
             self.counted = None;
         }
@@ -394,7 +501,8 @@ fn reply_error(req: tiny_http::Request, status: u16, msg: &str) {
 }
 
 /// Answers a completion request with an error, and logs it (its path, status and why).
-fn refuse(req: tiny_http::Request, url: &str, status: u16, msg: &str) {
+fn refuse(front: &Front, req: tiny_http::Request, url: &str, status: u16, msg: &str) {
+    front.metrics.status(status);
     reply_error(req, status, msg);
     let _ = std::io::stderr().write_all(format!("serve: {url} {status}: {msg}\n").as_bytes());
 }
@@ -405,10 +513,23 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     let t0 = Instant::now();
     let url = req.url().split('?').next().unwrap_or("").to_string();
     if url != "/health" && front.api_key.as_deref().is_some_and(|k| !authorized(&req, k)) {
-        return refuse(req, &url, 401, "a missing or wrong API key (send `Authorization: Bearer KEY`)");
+        return refuse(
+            front,
+            req,
+            &url,
+            401,
+            "a missing or wrong API key (send `Authorization: Bearer KEY`)",
+        );
     }
     let kind = match (req.method(), url.as_str()) {
         (Get, "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
+        (Get, "/metrics") => {
+            let text = front.metrics.render(front.in_flight.load(Ordering::Relaxed));
+            let kind = &b"text/plain; version=0.0.4"[..];
+            let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], kind).expect("a valid header");
+            let _ = req.respond(tiny_http::Response::from_string(text).with_header(header));
+            return;
+        }
         (Get, "/v1/models") => {
             let model =
                 json!({"id": front.model, "object": "model", "created": front.created, "owned_by": "gridlm"});
@@ -416,40 +537,40 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         }
         (Post, "/v1/completions") => Kind::Completion,
         (Post, "/v1/chat/completions") => Kind::Chat,
-        (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
+        (_, "/health" | "/metrics" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
             let m = req.method().to_string();
-            return refuse(req, &url, 405, &format!("{url} does not take {m}"));
+            return refuse(front, req, &url, 405, &format!("{url} does not take {m}"));
         }
         _ => {
-            let known = "/v1/completions, /v1/chat/completions, /v1/models and /health";
-            return refuse(req, &url, 404, &format!("no endpoint {url} (there are {known})"));
+            let known = "/v1/completions, /v1/chat/completions, /v1/models, /metrics and /health";
+            return refuse(front, req, &url, 404, &format!("no endpoint {url} (there are {known})"));
         }
     };
     let n = front.count.fetch_add(1, Ordering::Relaxed);
     let mut body = Vec::new();
     if let Err(e) = req.as_reader().take(MAX_BODY + 1).read_to_end(&mut body) {
-        return refuse(req, &url, 400, &format!("cannot read the body: {e}"));
+        return refuse(front, req, &url, 400, &format!("cannot read the body: {e}"));
     }
     if body.len() as u64 > MAX_BODY {
-        return refuse(req, &url, 413, &format!("the body is larger than {} MiB", MAX_BODY >> 20));
+        return refuse(front, req, &url, 413, &format!("the body is larger than {} MiB", MAX_BODY >> 20));
     }
     let ask = match parse(kind, &body, &front.defaults, n) {
         Ok(a) => a,
-        Err(e) => return refuse(req, &url, 400, &e),
+        Err(e) => return refuse(front, req, &url, 400, &e),
     };
     let ids = match prompt_ids(&ask, front) {
         Ok(ids) => ids,
-        Err(e) => return refuse(req, &url, 400, &e),
+        Err(e) => return refuse(front, req, &url, 400, &e),
     };
     let counted = InFlight(&front.in_flight);
     if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
         let most = front.max_in_flight;
         let msg =
             format!("{most} requests are being answered, the most --max-in-flight allows: try again later");
-        return refuse(req, &url, 429, &msg);
+        return refuse(front, req, &url, 429, &msg);
     }
     let (reply, rx) = channel();
-    let mut events = Events { rx, counted: Some(counted) };
+    let mut events = Events { rx, counted: Some(counted), sent: Instant::now(), first: None };
     let request = Request {
         prompt: ids.clone(),
         max_tokens: ask.max_tokens,
@@ -458,7 +579,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         keep_logits: false,
     };
     if front.tx.send(Incoming { request, stop: ask.stop.clone(), reply }).is_err() {
-        return refuse(req, &url, 503, "the server is shutting down");
+        return refuse(front, req, &url, 503, "the server is shutting down");
     }
     let id = match kind {
         Kind::Completion => format!("cmpl-{n}"),
@@ -467,6 +588,16 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     let head = Head { id: &id, kind, model: &front.model, created: now_s(), prompt_tokens: ids.len() };
     let (status, outcome) =
         if ask.stream { stream(req, &head, &ask, &mut events) } else { whole(req, &head, &mut events) };
+    let m = &front.metrics;
+    m.status(status);
+    m.duration.observe(t0.elapsed());
+    if let (Some((_, tokens)), Some(first)) = (outcome, events.first) {
+        if tokens > 0 {
+            m.first_token.observe(first);
+            m.prompt_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
+            m.generation_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+        }
+    }
     let streamed = if ask.stream { ", streamed" } else { "" };
     let how = match outcome {
         Some((finish, tokens)) => {

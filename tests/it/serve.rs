@@ -322,7 +322,13 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
         assert_eq!(server.http("GET", "/health", "").0, 200);
     }
     server.key = Some("secret".into());
-    assert_eq!(server.post("/v1/completions", &ask).0, 200);
+    // Tokens of the answers, for the metrics.
+    let mut tokens = 0;
+    let mut answered = |(status, v): (u16, Value)| {
+        tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        status
+    };
+    assert_eq!(answered(server.post("/v1/completions", &ask)), 200);
     // Thousands of tokens: the stream runs on while the next request comes.
     let long = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true, "stream": true});
     let mut stream = server.send("POST", "/v1/completions", &long.to_string());
@@ -337,13 +343,31 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     drop(stream);
     // The stream stops at its next token or two; until then, 429.
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while server.post("/v1/completions", &ask).0 == 429 {
+    let mut refused = 1;
+    while answered(server.post("/v1/completions", &ask)) == 429 {
         assert!(std::time::Instant::now() < deadline, "the stream never stopped:\n{}", server.log_text());
         std::thread::sleep(Duration::from_millis(20));
+        refused += 1;
     }
     for _ in 0..20 {
-        assert_eq!(server.post("/v1/completions", &ask).0, 200, "one request after another");
+        assert_eq!(answered(server.post("/v1/completions", &ask)), 200, "one request after another");
     }
+    // What /metrics counted: every status, the tokens of the answers, a first token of each.
+    let (status, metrics) = server.http("GET", "/metrics", "");
+    assert_eq!(status, 200, "{metrics}");
+    let value = |name: &str| -> u64 {
+        let line = metrics.lines().find(|l| l.split(' ').next() == Some(name));
+        line.and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name}:\n{metrics}"))
+    };
+    // Answered: the first, the stream (its client gone), the one after the loop and twenty.
+    assert_eq!(value("gridlm_requests_total{status=\"200\"}"), 23, "{metrics}");
+    assert_eq!(value("gridlm_requests_total{status=\"401\"}"), 4, "{metrics}");
+    assert_eq!(value("gridlm_requests_total{status=\"429\"}"), refused, "{metrics}");
+    assert_eq!(value("gridlm_requests_in_flight"), 0, "{metrics}");
+    assert_eq!(value("gridlm_generation_tokens_total"), tokens, "{metrics}");
+    assert_eq!(value("gridlm_time_to_first_token_seconds_count"), 22, "{metrics}");
+    assert_eq!(value("gridlm_request_duration_seconds_count"), 23, "{metrics}");
     assert!(server.log_text().contains("the client went away, streamed"), "{}", server.log_text());
 }
 
