@@ -24,6 +24,9 @@ pub struct Inspection {
     pub context: usize,
     /// The FFN in words: dense columns, or experts.
     pub ffn: String,
+    /// Layers that attend through a window, and the widest window (see [`crate::model::KvCache`]).
+    pub windowed_layers: usize,
+    pub window: Option<usize>,
     /// Weights of the matrices (norms and biases left out), and those one token multiplies by
     /// (of a mixture of experts, the ones it chooses).
     pub params: f64,
@@ -53,6 +56,9 @@ pub struct RankPlan {
     pub weight_bytes: usize,
     /// Bytes of keys and values one position takes on it, in an f16 KV cache.
     pub kv_bytes_per_position: usize,
+    /// Of those, its windowed layers' (which a run whose pool holds more than a window and a
+    /// step of each sequence keeps in rings instead).
+    pub kv_windowed_bytes_per_position: usize,
 }
 
 /// Inspects the model `cfg` whose tensors `src` holds on a `pp` × `tp` grid (`layers`: the
@@ -69,7 +75,9 @@ pub fn inspect(
         let grid = Grid::new(pp, tp, rank, world)?;
         let plan = ShardPlan::new(cfg, &grid, layers)?;
         let weight_bytes = Shard::planned_bytes(src, cfg, &plan, quant)?;
-        let kv = KvPool::page_bytes(plan.layers.len(), plan.kv_heads.len(), cfg.head_dim, DType::F16) / PAGE;
+        let kv_of =
+            |layers: usize| KvPool::page_bytes(layers, plan.kv_heads.len(), cfg.head_dim, DType::F16) / PAGE;
+        let windowed = plan.layers.clone().filter(|&i| cfg.layer_window(i).is_some()).count();
         ranks.push(RankPlan {
             rank,
             stage: grid.stage(),
@@ -81,7 +89,8 @@ pub fn inspect(
             expert_columns: plan.expert_ffn.len(),
             vocab: plan.vocab.clone(),
             weight_bytes,
-            kv_bytes_per_position: kv,
+            kv_bytes_per_position: kv_of(plan.layers.len()),
+            kv_windowed_bytes_per_position: kv_of(windowed),
         });
     }
     let h = cfg.hidden_size as f64;
@@ -119,6 +128,8 @@ pub fn inspect(
         vocab: cfg.vocab_size,
         context: cfg.max_position_embeddings,
         ffn,
+        windowed_layers: (0..cfg.n_layers).filter(|&i| cfg.layer_window(i).is_some()).count(),
+        window: (0..cfg.n_layers).filter_map(|i| cfg.layer_window(i)).max(),
         params: layers_params(&|i| cfg.ffn_params(i)) + embeddings,
         params_per_token: layers_params(&|i| cfg.ffn_params_per_token(i)) + vocab,
         stored_dtype: stored.name(),
@@ -137,6 +148,13 @@ pub fn table(x: &Inspection) -> String {
         x.model_type, x.layers, x.hidden, x.heads, x.kv_heads, x.head_dim, x.vocab, x.context
     );
     s += &format!("FFN: {}\n", x.ffn);
+    if let Some(w) = x.window {
+        s += &format!(
+            "attention: {} of {} layers through a window of {w} positions (their keys in rings of a \
+             window and a step a sequence, where a run's KV pool would give them more)\n",
+            x.windowed_layers, x.layers
+        );
+    }
     s += &format!(
         "{:.1} M weights ({:.1} M a token), stored {}, loaded {}; grid {}x{}\n\n",
         x.params / 1e6,

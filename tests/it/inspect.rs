@@ -32,3 +32,23 @@ fn inspect_splits_a_folder_without_loading_it() {
     let out = gridlm(&["inspect", "--model", path_str(dir), "--tp", "2"]);
     assert_one_line_error(&out, &[&format!("tensor `{gone}`"), "missing"]);
 }
+
+/// A Gemma 3-style folder (layers 0, 1 and 3 local through a window of 4) on two stages (layers
+/// 0–1 and 2–3): the windowed layers counted, and each rank's share of its KV bytes a position.
+#[test]
+fn inspect_counts_the_windowed_layers() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    gridlm_reference::TinyModel::gemma3().write(dir);
+    let out = gridlm(&["inspect", "--model", path_str(dir), "--pp", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((j["windowed_layers"].as_u64(), j["window"].as_u64()), (Some(3), Some(4)), "{j}");
+    let r = j["ranks"].as_array().unwrap();
+    let of = |i: usize, k: &str| r[i][k].as_u64().unwrap();
+    // Two windowed layers of two on stage 0, one of two on stage 1.
+    assert_eq!(of(0, "kv_windowed_bytes_per_position"), of(0, "kv_bytes_per_position"));
+    assert_eq!(2 * of(1, "kv_windowed_bytes_per_position"), of(1, "kv_bytes_per_position"));
+    let text = String::from_utf8_lossy(&gridlm(&["inspect", "--model", path_str(dir)]).stdout).to_string();
+    assert!(text.contains("attention: 3 of 4 layers through a window of 4 positions"), "{text}");
+}
