@@ -181,10 +181,10 @@ impl KvCache {
         }
     }
 
-    /// Where layer `layer` keeps its keys and values: in the ring, and its index there or in
-    /// the pool.
-    pub fn place(&self, layer: usize) -> (bool, usize) {
-        self.place[layer]
+    /// The pool, the ring and each layer's place, borrowed apart (a step writes the stores
+    /// while it reads the places).
+    pub fn parts(&mut self) -> (&mut KvPool, &mut KvPool, &[(bool, usize)]) {
+        (&mut self.pool, &mut self.ring, &self.place)
     }
 
     /// Pages of a slot's ring (0: the windowed layers keep theirs in the pool).

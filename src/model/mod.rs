@@ -1170,8 +1170,8 @@ impl Shard {
         let part_out = SharedSlice::new(&mut part_out[..n_slots * hd]);
         let part_stats = SharedSlice::new(&mut part_stats[..n_slots * 2]);
         let own = SharedSlice::new(&mut own[..team.threads() * own_len]);
-        let (pool, ring) = (KvAccess(&mut kv.pool), KvAccess(&mut kv.ring));
-        let kv = &*kv;
+        let (pool, ring, places) = kv.parts();
+        let (pool, ring) = (KvAccess(pool), KvAccess(ring));
         let comm = MainThread(comm);
         // The whole stage in one region of the team: every thread keeps its own copy of the
         // residual stream and computes the norms, residual sums (and, for a few tokens, SiLU
@@ -1194,7 +1194,7 @@ impl Shard {
             for (i, l) in self.layers.iter().enumerate() {
                 // Where the layer's keys and values are: its store, its index there and the
                 // sequences' tables into it.
-                let (ringed, li) = kv.place(i);
+                let (ringed, li) = places[i];
                 let (kv, tables) = if ringed { (&ring, ring_tables) } else { (&pool, tables) };
                 let lay = &layouts[l.layout];
                 let n_items = lay.n_items();
