@@ -579,9 +579,20 @@ fn one_line_panics() {
             let trace = std::backtrace::Backtrace::force_capture().to_string();
             let _ = std::io::stderr().write_all(trace.as_bytes());
         }
-        std::process::exit(101);
+        // A server's HTTP threads (its own and the HTTP library's) end alone: their request gets
+        // status 500 (or its connection closes) and the others are answered on. Any other
+        // thread's panic (the main thread's, a kernel thread's) ends the rank, and so the job.
+        let name = std::thread::current().name().map(str::to_string);
+        let compute =
+            matches!(name.as_deref(), Some("main")) || name.is_some_and(|n| n.starts_with("gridlm-kernel"));
+        if !(SERVING.load(std::sync::atomic::Ordering::Relaxed) && !compute) {
+            std::process::exit(101);
+        }
     }));
 }
+
+/// Set while this rank answers HTTP requests (`serve`'s driver): see [`one_line_panics`].
+static SERVING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn main() -> ExitCode {
     one_line_panics();
@@ -1391,6 +1402,7 @@ fn run_serve(
         in_flight: Default::default(),
         metrics: Default::default(),
     };
+    SERVING.store(true, std::sync::atomic::Ordering::Relaxed);
     serve::start(server, front);
     let mut stdout = std::io::stdout();
     writeln!(stdout, "gridlm serve: {name} on http://{addr}/v1 ({})", ranks_of(&grid))?;

@@ -512,6 +512,10 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     use tiny_http::Method::{Get, Post};
     let t0 = Instant::now();
     let url = req.url().split('?').next().unwrap_or("").to_string();
+    // Tests: a request thread that fails (the server must answer on).
+    if std::env::var_os("GRIDLM_TEST_SERVE_PANIC").is_some_and(|p| p == url.as_str()) {
+        panic!("a request to {url} (GRIDLM_TEST_SERVE_PANIC)");
+    }
     if url != "/health" && front.api_key.as_deref().is_some_and(|k| !authorized(&req, k)) {
         return refuse(
             front,

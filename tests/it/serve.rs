@@ -25,21 +25,29 @@ impl Server {
     /// `launch/local RANKS gridlm serve --model DIR --threads 1 --listen 127.0.0.1:0 ARGS...`,
     /// once it says where it listens.
     fn start(ranks: usize, dir: &Path, args: &[&str]) -> Server {
+        Self::start_with(ranks, dir, args, &[])
+    }
+
+    /// [`Server::start`] with `env` set for it.
+    fn start_with(ranks: usize, dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
         use std::os::unix::process::CommandExt;
         let tmp = tempfile::tempdir().unwrap();
         let log = tmp.path().join("stderr");
         let n = ranks.to_string();
         let mut cmd = launch_command(&["local", &n]);
         cmd.args(["serve", "--model", path_str(dir), "--threads", "1", "--listen", "127.0.0.1:0"]).args(args);
-        cmd.process_group(0).stdout(std::process::Stdio::piped());
+        cmd.envs(env.iter().copied()).process_group(0).stdout(std::process::Stdio::piped());
         cmd.stderr(std::fs::File::create(&log).unwrap());
         let mut child = cmd.spawn().unwrap();
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
+            let mut out = BufReader::new(stdout);
             let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = out.read_line(&mut line);
             let _ = tx.send(line);
+            // Read on to the end: a launcher writing into a closed pipe would die of it.
+            let _ = std::io::copy(&mut out, &mut std::io::sink());
         });
         let mut server = Server { child, port: 0, key: None, log, _tmp: tmp };
         let line = rx.recv_timeout(Duration::from_secs(300)).unwrap_or_default();
@@ -72,8 +80,9 @@ impl Server {
         let mut r = self.send(method, path, body);
         let mut line = String::new();
         r.read_line(&mut line).unwrap();
-        let status: u16 =
-            line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{line:?}"));
+        let status: u16 = line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| {
+            panic!("{method} {path}: a status line {line:?}; the server's stderr:\n{}", self.log_text())
+        });
         let (mut length, mut chunked) = (None, false);
         loop {
             line.clear();
@@ -307,11 +316,13 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
 /// With `--api-key`, a request without the key (or with another) gets 401, but for /health;
 /// with `--max-in-flight 1`, a request while a long stream runs gets 429; once the stream's
 /// client has gone away (which stops it), requests one after another are answered, each at
-/// once (the count drops before the answer is written).
+/// once (the count drops before the answer is written); a request thread that fails ends
+/// alone.
 #[test]
 fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() {
     let dir = smollm2("bf16");
-    let mut server = Server::start(1, &dir, &["--api-key", "secret", "--max-in-flight", "1"]);
+    let env = [("GRIDLM_TEST_SERVE_PANIC", "/v1/fail")];
+    let mut server = Server::start_with(1, &dir, &["--api-key", "secret", "--max-in-flight", "1"], &env);
     let ask = json!({"prompt": "The capital of France is", "max_tokens": 3});
     for key in [None, Some("wrong")] {
         server.key = key.map(String::from);
@@ -352,6 +363,12 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     for _ in 0..20 {
         assert_eq!(answered(server.post("/v1/completions", &ask)), 200, "one request after another");
     }
+    // A request thread that fails gets its request a 500 and one error line; the server answers
+    // on.
+    assert_eq!(server.http("GET", "/v1/fail", "").0, 500);
+    assert_eq!(answered(server.post("/v1/completions", &ask)), 200, "after a failed request thread");
+    let log = server.log_text();
+    assert!(log.contains("internal error") && log.contains("GRIDLM_TEST_SERVE_PANIC"), "{log}");
     // What /metrics counted: every status, the tokens of the answers, a first token of each.
     let (status, metrics) = server.http("GET", "/metrics", "");
     assert_eq!(status, 200, "{metrics}");
@@ -360,14 +377,15 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
         line.and_then(|l| l.rsplit(' ').next()?.parse().ok())
             .unwrap_or_else(|| panic!("no {name}:\n{metrics}"))
     };
-    // Answered: the first, the stream (its client gone), the one after the loop and twenty.
-    assert_eq!(value("gridlm_requests_total{status=\"200\"}"), 23, "{metrics}");
+    // Answered: the first, the stream (its client gone), the one after the loop, twenty and the
+    // one after the failed thread.
+    assert_eq!(value("gridlm_requests_total{status=\"200\"}"), 24, "{metrics}");
     assert_eq!(value("gridlm_requests_total{status=\"401\"}"), 4, "{metrics}");
     assert_eq!(value("gridlm_requests_total{status=\"429\"}"), refused, "{metrics}");
     assert_eq!(value("gridlm_requests_in_flight"), 0, "{metrics}");
     assert_eq!(value("gridlm_generation_tokens_total"), tokens, "{metrics}");
-    assert_eq!(value("gridlm_time_to_first_token_seconds_count"), 22, "{metrics}");
-    assert_eq!(value("gridlm_request_duration_seconds_count"), 23, "{metrics}");
+    assert_eq!(value("gridlm_time_to_first_token_seconds_count"), 23, "{metrics}");
+    assert_eq!(value("gridlm_request_duration_seconds_count"), 24, "{metrics}");
     assert!(server.log_text().contains("the client went away, streamed"), "{}", server.log_text());
 }
 
