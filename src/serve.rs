@@ -35,9 +35,12 @@ pub enum Kind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Ask {
     pub kind: Kind,
-    /// The prompt text (completions), or the messages as `(role, content)` (chat).
-    pub prompt: String,
+    /// The prompt texts (completions: one, or a list), or the messages as `(role, content)`
+    /// (chat).
+    pub prompts: Vec<String>,
     pub messages: Vec<(String, String)>,
+    /// Completions of each prompt (`n`); the `j`-th samples with seed + `j`.
+    pub n: usize,
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
@@ -96,6 +99,9 @@ struct Message {
     content: Option<Content>,
 }
 
+/// The most completions one request may ask for (its prompts × `n`).
+pub const MAX_CHOICES: usize = 64;
+
 /// Reads and checks a request body of endpoint `kind`; `n` numbers the request (for its
 /// default seed). The error says what is wrong, naming the key.
 pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Result<Ask, String> {
@@ -106,8 +112,9 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     }
     let mut ask = Ask {
         kind,
-        prompt: String::new(),
+        prompts: Vec::new(),
         messages: Vec::new(),
+        n: 1,
         max_tokens: d.max_tokens,
         ignore_eos: false,
         stop: Vec::new(),
@@ -120,12 +127,12 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             if obj.contains_key("messages") {
                 return Err("`messages` belongs to /v1/chat/completions; here the prompt is `prompt`".into());
             }
-            ask.prompt = match obj.get("prompt") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                    a[0].as_str().unwrap_or("").into()
+            ask.prompts = match obj.get("prompt") {
+                Some(Value::String(s)) => vec![s.clone()],
+                Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => {
+                    a.iter().filter_map(|p| p.as_str().map(String::from)).collect()
                 }
-                Some(_) => return Err("`prompt` must be a string (or a list of one)".into()),
+                Some(_) => return Err("`prompt` must be a string or a list of strings".into()),
                 None => return Err("no `prompt`".into()),
             };
         }
@@ -182,8 +189,14 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     }
     sampling_fields(&obj, &mut ask.params).map_err(|e| format!("`{}", e.replacen(' ', "` ", 1)))?;
     // Settings gridlm does not carry out are refused unless they ask for nothing.
-    if field::<u64>(&obj, "n")?.is_some_and(|n| n != 1) {
-        return Err("`n`: one completion a request (n = 1) is all this server makes".into());
+    ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
+    let choices = ask.n * ask.prompts.len().max(1);
+    if ask.n == 0 || choices > MAX_CHOICES {
+        return Err(format!(
+            "`n`: from 1 to {MAX_CHOICES} completions a request (prompts × n), got {} × {}",
+            ask.prompts.len().max(1),
+            ask.n
+        ));
     }
     for key in ["presence_penalty", "frequency_penalty"] {
         if field::<f64>(&obj, key)?.is_some_and(|v| v != 0.0) {
@@ -206,7 +219,9 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
 pub struct Incoming {
     pub request: Request,
     pub stop: Vec<String>,
-    pub reply: Sender<Event>,
+    /// Which of its HTTP request's completions it is (its events carry it).
+    pub choice: usize,
+    pub reply: Sender<(usize, Event)>,
 }
 
 /// What the driver tells a request's thread.
@@ -222,7 +237,8 @@ pub enum Event {
 /// A request the driver runs: its text so far and its thread's channel.
 struct Client {
     tracker: TextTracker,
-    reply: Sender<Event>,
+    choice: usize,
+    reply: Sender<(usize, Event)>,
     /// The text could not be made (the request then stops with this error).
     error: Option<String>,
 }
@@ -241,7 +257,8 @@ impl Served {
     }
 
     fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
-        let client = Client { tracker: TextTracker::new(inc.stop), reply: inc.reply, error: None };
+        let client =
+            Client { tracker: TextTracker::new(inc.stop), choice: inc.choice, reply: inc.reply, error: None };
         self.clients.insert(self.next, client);
         self.next += 1;
         into.push(inc.request);
@@ -269,7 +286,9 @@ impl Traffic for Served {
         let Some(c) = self.clients.get_mut(&key) else { return Ok(false) };
         match c.tracker.push(&self.tok, token) {
             // The thread is gone (its client hung up): stop.
-            Ok((piece, go_on)) => Ok(go_on && (piece.is_empty() || c.reply.send(Event::Text(piece)).is_ok())),
+            Ok((piece, go_on)) => {
+                Ok(go_on && (piece.is_empty() || c.reply.send((c.choice, Event::Text(piece))).is_ok()))
+            }
             Err(e) => {
                 c.error = Some(e.to_string());
                 Ok(false)
@@ -291,7 +310,8 @@ impl Traffic for Served {
         };
         let error = completion.error.or(c.error);
         let finish = if error.is_some() { Finish::Error } else { completion.finish };
-        let _ = c.reply.send(Event::Done { rest, finish, error, tokens: completion.token_ids.len() });
+        let done = Event::Done { rest, finish, error, tokens: completion.token_ids.len() };
+        let _ = c.reply.send((c.choice, done));
         Ok(())
     }
 }
@@ -425,11 +445,13 @@ impl Metrics {
     }
 }
 
-/// A request's events from the driver. It counts as in flight until the last comes (before
-/// its answer is written, so a client that waits for one answer before asking again is never
-/// turned away by its own last request).
+/// A request's events from the driver, each with its completion's index. It counts as in
+/// flight until its completions' last events come (before its answer is written, so a client
+/// that waits for one answer before asking again is never turned away by its own last request).
 struct Events<'a> {
-    rx: Receiver<Event>,
+    rx: Receiver<(usize, Event)>,
+    /// Completions not done yet.
+    open: usize,
     counted: Option<InFlight<'a>>,
     /// When the request went to the driver, and how long its first event took.
     sent: Instant,
@@ -437,12 +459,21 @@ struct Events<'a> {
 }
 
 impl Events<'_> {
-    fn recv(&mut self) -> std::result::Result<Event, std::sync::mpsc::RecvError> {
-        let e = self.rx.recv();
+    /// The next event, `None` once every completion is done (or the driver is gone).
+    fn recv(&mut self) -> Option<(usize, Event)> {
+        if self.open == 0 {
+            return None;
+        }
+        let e = self.rx.recv().ok();
         if self.first.is_none() {
             self.first = Some(self.sent.elapsed());
         }
-        if !matches!(e, Ok(Event::Text(_))) {
+        match &e {
+            Some((_, Event::Done { .. })) => self.open -= 1,
+            Some(_) => {}
+            None => self.open = 0,
+        }
+        if self.open == 0 {
             self.counted = None;
         }
         e
@@ -562,8 +593,8 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         Ok(a) => a,
         Err(e) => return refuse(front, req, &url, 400, &e),
     };
-    let ids = match prompt_ids(&ask, front) {
-        Ok(ids) => ids,
+    let prompts = match prompt_ids(&ask, front) {
+        Ok(p) => p,
         Err(e) => return refuse(front, req, &url, 400, &e),
     };
     let counted = InFlight(&front.in_flight);
@@ -573,62 +604,89 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
             format!("{most} requests are being answered, the most --max-in-flight allows: try again later");
         return refuse(front, req, &url, 429, &msg);
     }
+    // Each prompt's `n` completions, in that order; the `j`-th of a prompt samples with seed + j.
+    let k = prompts.len() * ask.n;
     let (reply, rx) = channel();
-    let mut events = Events { rx, counted: Some(counted), sent: Instant::now(), first: None };
-    let request = Request {
-        prompt: ids.clone(),
-        max_tokens: ask.max_tokens,
-        ignore_eos: ask.ignore_eos,
-        params: ask.params.clone(),
-        keep_logits: false,
-    };
-    if front.tx.send(Incoming { request, stop: ask.stop.clone(), reply }).is_err() {
-        return refuse(front, req, &url, 503, "the server is shutting down");
+    let mut events = Events { rx, open: k, counted: Some(counted), sent: Instant::now(), first: None };
+    for (i, ids) in prompts.iter().enumerate() {
+        for j in 0..ask.n {
+            let params =
+                SamplingParams { seed: ask.params.seed.wrapping_add(j as u64), ..ask.params.clone() };
+            let request = Request {
+                prompt: ids.clone(),
+                max_tokens: ask.max_tokens,
+                ignore_eos: ask.ignore_eos,
+                params,
+                keep_logits: false,
+            };
+            let inc =
+                Incoming { request, stop: ask.stop.clone(), choice: i * ask.n + j, reply: reply.clone() };
+            if front.tx.send(inc).is_err() {
+                return refuse(front, req, &url, 503, "the server is shutting down");
+            }
+        }
     }
+    drop(reply);
     let id = match kind {
         Kind::Completion => format!("cmpl-{n}"),
         Kind::Chat => format!("chatcmpl-{n}"),
     };
-    let head = Head { id: &id, kind, model: &front.model, created: now_s(), prompt_tokens: ids.len() };
+    let prompt_tokens = prompts.iter().map(Vec::len).sum();
+    let head = Head { id: &id, kind, model: &front.model, created: now_s(), prompt_tokens };
     let (status, outcome) =
-        if ask.stream { stream(req, &head, &ask, &mut events) } else { whole(req, &head, &mut events) };
+        if ask.stream { stream(req, &head, &ask, k, &mut events) } else { whole(req, &head, k, &mut events) };
     let m = &front.metrics;
     m.status(status);
     m.duration.observe(t0.elapsed());
-    if let (Some((_, tokens)), Some(first)) = (outcome, events.first) {
-        if tokens > 0 {
+    if let (Some(o), Some(first)) = (&outcome, events.first) {
+        if o.tokens > 0 {
             m.first_token.observe(first);
-            m.prompt_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
-            m.generation_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+            m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+            m.generation_tokens.fetch_add(o.tokens as u64, Ordering::Relaxed);
         }
     }
     let streamed = if ask.stream { ", streamed" } else { "" };
     let how = match outcome {
-        Some((finish, tokens)) => {
-            format!("{} prompt + {tokens} new tokens ({}{streamed})", ids.len(), finish.name())
+        Some(o) => {
+            let names: Vec<&str> = o.finish.iter().map(|f| f.name()).collect();
+            format!("{prompt_tokens} prompt + {} new tokens ({}{streamed})", o.tokens, names.join(", "))
         }
-        None => format!("{} prompt tokens, the client went away{streamed}", ids.len()),
+        None => format!("{prompt_tokens} prompt tokens, the client went away{streamed}"),
     };
     let line = format!("serve: {id} {url} {status}: {how}, {:.2} s\n", t0.elapsed().as_secs_f64());
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
-/// The prompt's token ids, checked against the context.
-fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<u32>, String> {
-    let (text, special) = match ask.kind {
-        Kind::Completion => (ask.prompt.clone(), true),
+/// Each prompt's token ids, checked against the context.
+fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, String> {
+    let texts: Vec<(String, bool)> = match ask.kind {
+        Kind::Completion => ask.prompts.iter().map(|p| (p.clone(), true)).collect(),
         Kind::Chat => {
             let msgs: Vec<(&str, &str)> =
                 ask.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            (front.tok.render_chat(&msgs).map_err(|e| e.to_string())?, false)
+            vec![(front.tok.render_chat(&msgs).map_err(|e| e.to_string())?, false)]
         }
     };
-    let ids = front.tok.encode(&text, special).map_err(|e| e.to_string())?;
-    if ids.is_empty() {
-        return Err("the prompt is empty".into());
-    }
-    check_prompt(ids.len(), front.context).map_err(|e| e.to_string())?;
-    Ok(ids)
+    let many = texts.len() > 1;
+    texts
+        .iter()
+        .enumerate()
+        .map(|(i, (text, special))| {
+            let at = |e: String| if many { format!("`prompt[{i}]`: {e}") } else { e };
+            let ids = front.tok.encode(text, *special).map_err(|e| at(e.to_string()))?;
+            if ids.is_empty() {
+                return Err(at("the prompt is empty".into()));
+            }
+            check_prompt(ids.len(), front.context).map_err(|e| at(e.to_string()))?;
+            Ok(ids)
+        })
+        .collect()
+}
+
+/// How a request's completions ended, and the tokens they brought together.
+struct Outcome {
+    finish: Vec<Finish>,
+    tokens: usize,
 }
 
 /// What every answer to a request names.
@@ -645,19 +703,19 @@ impl Head<'_> {
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens, "total_tokens": self.prompt_tokens + tokens})
     }
 
-    /// A choice carrying `text`: whole (`delta` false) or a streamed piece.
-    fn choice(&self, text: &str, finish: Option<Finish>, delta: bool) -> Value {
+    /// Choice `index` carrying `text`: whole (`delta` false) or a streamed piece.
+    fn choice(&self, index: usize, text: &str, finish: Option<Finish>, delta: bool) -> Value {
         let reason = finish.map(finish_reason);
         match (self.kind, delta) {
             (Kind::Completion, _) => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason})
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": reason})
             }
             (Kind::Chat, false) => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason})
+                json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason})
             }
             (Kind::Chat, true) => {
                 let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": reason})
             }
         }
     }
@@ -675,81 +733,97 @@ impl Head<'_> {
     }
 }
 
-/// Waits for the whole completion and answers with it. The status, and how it ended.
-fn whole(req: tiny_http::Request, head: &Head, events: &mut Events) -> (u16, Option<(Finish, usize)>) {
-    let mut text = String::new();
-    loop {
-        match events.recv() {
-            Ok(Event::Text(piece)) => text.push_str(&piece),
-            Ok(Event::Done { rest, finish, error, tokens }) => {
+/// Waits for the `k` completions and answers with them. The status, and how they ended.
+fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) -> (u16, Option<Outcome>) {
+    let mut texts = vec![String::new(); k];
+    let mut finish = vec![Finish::Length; k];
+    let (mut done, mut tokens) = (0, 0);
+    while let Some((i, event)) = events.recv() {
+        match event {
+            Event::Text(piece) => texts[i].push_str(&piece),
+            Event::Done { rest, finish: f, error, tokens: t } => {
+                tokens += t;
                 if let Some(e) = error {
-                    // Before any token the request could not run (the KV memory, its settings);
-                    // after some, its text could not be made.
-                    let status = if tokens == 0 { 400 } else { 500 };
+                    // Before any token a completion could not run (the KV memory, its settings);
+                    // after some, its text could not be made. The others stop at their next
+                    // token, their channel gone.
+                    let status = if t == 0 { 400 } else { 500 };
                     reply_error(req, status, &e);
-                    return (status, Some((finish, tokens)));
+                    return (status, Some(Outcome { finish: vec![Finish::Error], tokens }));
                 }
-                text.push_str(&rest);
-                let mut body = head.body(vec![head.choice(&text, Some(finish), false)], false);
-                body["usage"] = head.usage(tokens);
-                reply_json(req, 200, &body);
-                return (200, Some((finish, tokens)));
-            }
-            Err(_) => {
-                reply_error(req, 500, "the driver stopped before the completion was done");
-                return (500, None);
+                texts[i].push_str(&rest);
+                finish[i] = f;
+                done += 1;
             }
         }
     }
+    if done < k {
+        reply_error(req, 500, "the driver stopped before the completion was done");
+        return (500, None);
+    }
+    let choices = texts.iter().zip(&finish).enumerate().map(|(i, (t, f))| head.choice(i, t, Some(*f), false));
+    let mut body = head.body(choices.collect(), false);
+    body["usage"] = head.usage(tokens);
+    reply_json(req, 200, &body);
+    (200, Some(Outcome { finish, tokens }))
 }
 
-/// Answers with server-sent events, a chunk as each piece of text comes, then `[DONE]`. The
-/// answer starts with the first event, so a request that cannot run gets a 400 as an unstreamed
-/// one does. The status, and how it ended (`None` when the client went away: the driver stops
-/// the request at its next token, finding the channel closed).
+/// Answers with server-sent events, a chunk as each piece of text of any of the `k` completions
+/// comes (its `index` says which), then `[DONE]` once all are done. The answer starts with the
+/// first event, so a request that cannot run gets a 400 as an unstreamed one does. The status,
+/// and how they ended (`None` when the client went away: the driver stops the completions at
+/// their next token, finding the channel closed).
 fn stream(
     req: tiny_http::Request,
     head: &Head,
     ask: &Ask,
+    k: usize,
     events: &mut Events,
-) -> (u16, Option<(Finish, usize)>) {
-    let Ok(mut event) = events.recv() else {
+) -> (u16, Option<Outcome>) {
+    let Some(mut event) = events.recv() else {
         reply_error(req, 500, "the driver stopped before the completion was done");
         return (500, None);
     };
-    if let Event::Done { error: Some(e), finish, tokens, .. } = &event {
+    if let (_, Event::Done { error: Some(e), tokens, .. }) = &event {
         reply_error(req, 400, e);
-        return (400, Some((*finish, *tokens)));
+        return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens }));
     }
-    let mut sse = Sse { w: req.into_writer(), first: true };
+    let mut sse = Sse { w: req.into_writer(), first: vec![true; k] };
     let start = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
     if sse.w.write_all(start.as_bytes()).is_err() {
         return (200, None);
     }
+    let mut finish = vec![Finish::Length; k];
+    let (mut done, mut tokens) = (0, 0);
     loop {
-        let sent = match event {
-            Event::Text(t) => sse.piece(head, &t, None),
-            Event::Done { rest, finish, error, tokens } => {
-                let mut sent = match error {
+        let (i, e) = event;
+        let sent = match e {
+            Event::Text(t) => sse.piece(head, i, &t, None),
+            Event::Done { rest, finish: f, error, tokens: t } => {
+                (finish[i], done, tokens) = (f, done + 1, tokens + t);
+                match error {
                     // The text could not be made after some was sent: say so in the stream.
                     Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
-                    None => sse.piece(head, &rest, Some(finish)),
-                };
-                if ask.stream_usage {
-                    let mut last = head.body(Vec::new(), true);
-                    last["usage"] = head.usage(tokens);
-                    sent = sent.and_then(|()| sse.event(&last));
+                    None => sse.piece(head, i, &rest, Some(f)),
                 }
-                let end = sent.and_then(|()| sse.data("[DONE]")).and_then(|()| sse.chunk(""));
-                return (200, end.ok().map(|()| (finish, tokens)));
             }
         };
         if sent.is_err() {
             return (200, None);
         }
+        if done == k {
+            let mut end = Ok(());
+            if ask.stream_usage {
+                let mut last = head.body(Vec::new(), true);
+                last["usage"] = head.usage(tokens);
+                end = sse.event(&last);
+            }
+            let end = end.and_then(|()| sse.data("[DONE]")).and_then(|()| sse.chunk(""));
+            return (200, end.ok().map(|()| Outcome { finish, tokens }));
+        }
         event = match events.recv() {
-            Ok(e) => e,
-            Err(_) => return (200, None),
+            Some(e) => e,
+            None => return (200, None),
         };
     }
 }
@@ -757,8 +831,8 @@ fn stream(
 /// A stream of server-sent events in HTTP chunks, each flushed as it is written.
 struct Sse {
     w: Box<dyn Write + Send>,
-    /// No choice sent yet (a chat stream's first carries the role).
-    first: bool,
+    /// Each choice not sent yet (a chat stream's first chunk of a choice carries the role).
+    first: Vec<bool>,
 }
 
 impl Sse {
@@ -775,9 +849,15 @@ impl Sse {
         self.data(&v.to_string())
     }
 
-    fn piece(&mut self, head: &Head, text: &str, finish: Option<Finish>) -> std::io::Result<()> {
-        let mut c = head.choice(text, finish, true);
-        if std::mem::take(&mut self.first) && head.kind == Kind::Chat {
+    fn piece(
+        &mut self,
+        head: &Head,
+        index: usize,
+        text: &str,
+        finish: Option<Finish>,
+    ) -> std::io::Result<()> {
+        let mut c = head.choice(index, text, finish, true);
+        if std::mem::take(&mut self.first[index]) && head.kind == Kind::Chat {
             c["delta"]["role"] = json!("assistant");
         }
         self.event(&head.body(vec![c], true))
@@ -800,7 +880,7 @@ mod tests {
     fn completion_requests_take_openai_settings() {
         let a = ask(Kind::Completion, r#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0.7,"top_p":0.9,"stop":"x","stream":true,"stream_options":{"include_usage":true},"n":1,"presence_penalty":0,"logprobs":null,"user":"u"}"#).unwrap();
         assert_eq!(
-            (a.prompt.as_str(), a.max_tokens, a.stop.clone(), a.stream, a.stream_usage),
+            (a.prompts.concat().as_str(), a.max_tokens, a.stop.clone(), a.stream, a.stream_usage),
             ("hi", 5, vec!["x".into()], true, true)
         );
         assert_eq!((a.params.temperature, a.params.top_p, a.params.seed), (0.7, 0.9, 103));
@@ -810,6 +890,20 @@ mod tests {
             (a.max_tokens, a.params.temperature, a.params.seed, a.stop.len(), a.stream),
             (32, 0.0, 5, 2, false)
         );
+    }
+
+    #[test]
+    fn several_prompts_and_completions_a_request() {
+        let a = ask(Kind::Completion, r#"{"prompt":["a","b","c"],"n":2}"#).unwrap();
+        assert_eq!((a.prompts.clone(), a.n), (vec!["a".into(), "b".into(), "c".into()], 2));
+        let a = ask(Kind::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"n":64}"#).unwrap();
+        assert_eq!(a.n, 64);
+        for body in [r#"{"prompt":"a","n":0}"#, r#"{"prompt":["a","b"],"n":33}"#] {
+            let e = ask(Kind::Completion, body).unwrap_err();
+            assert!(e.contains("`n`: from 1 to 64 completions a request"), "{body}: {e}");
+        }
+        let e = ask(Kind::Completion, r#"{"prompt":[]}"#).unwrap_err();
+        assert!(e.contains("a string or a list of strings"), "{e}");
     }
 
     #[test]
@@ -829,14 +923,14 @@ mod tests {
             (Kind::Completion, "[1]", "not a JSON object"),
             (Kind::Completion, r#"{"prompt":"a","temprature":1}"#, "unknown key `temprature`"),
             (Kind::Completion, r#"{"max_tokens":3}"#, "no `prompt`"),
-            (Kind::Completion, r#"{"prompt":["a","b"]}"#, "`prompt` must be a string"),
+            (Kind::Completion, r#"{"prompt":["a",1]}"#, "`prompt` must be a string"),
             (Kind::Completion, r#"{"messages":[]}"#, "belongs to /v1/chat/completions"),
             (Kind::Completion, r#"{"prompt":"a","max_tokens":0}"#, "`max_tokens` must be at least 1"),
             (Kind::Completion, r#"{"prompt":"a","max_tokens":-1}"#, "`max_tokens`"),
             (Kind::Completion, r#"{"prompt":"a","temperature":-1}"#, "`temperature` must be"),
             (Kind::Completion, r#"{"prompt":"a","top_p":0}"#, "`top_p`"),
             (Kind::Completion, r#"{"prompt":"a","stop":""}"#, "stop string is empty"),
-            (Kind::Completion, r#"{"prompt":"a","n":3}"#, "`n`"),
+            (Kind::Completion, r#"{"prompt":"a","n":-1}"#, "`n`"),
             (
                 Kind::Completion,
                 r#"{"prompt":"a","frequency_penalty":0.5}"#,

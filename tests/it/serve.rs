@@ -249,6 +249,28 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
     assert_eq!(text, chat_want.0);
     assert_eq!(events.last().unwrap()["object"], "chat.completion.chunk");
 
+    // Two prompts, two completions each (greedy: the same twice), whole and streamed.
+    let pair = json!({"prompt": [TEXTS[0], TEXTS[4]], "n": 2});
+    let (status, v) = server.post("/v1/completions", &pair);
+    assert_eq!(status, 200, "{v}");
+    let texts: Vec<&str> = (0..4).map(|i| v["choices"][i]["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, [&want[0].0, &want[0].0, &want[4].0, &want[4].0]);
+    let prompt_tokens =
+        [TEXTS[0], TEXTS[4]].iter().map(|t| tok.encode(t, true).unwrap().len()).sum::<usize>();
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 2 * (want[0].1 + want[4].1));
+    let mut streamed = pair.clone();
+    streamed["stream"] = json!(true);
+    let events = server.events("/v1/completions", &streamed);
+    let mut joined = vec![String::new(); 4];
+    for e in &events {
+        let c = &e["choices"][0];
+        joined[c["index"].as_u64().unwrap() as usize] += c["text"].as_str().unwrap();
+    }
+    assert_eq!(joined, texts);
+    let finished = events.iter().filter(|e| !e["choices"][0]["finish_reason"].is_null()).count();
+    assert_eq!(finished, 4, "a finish reason for each completion");
+
     // A stop string: the text up to it, finish reason `stop`.
     let (cut, _) = want[3].0.split_at(want[3].0.find(" 6").expect("the count goes on past 6"));
     let (_, v) = server.post("/v1/completions", &json!({"prompt": TEXTS[3], "stop": [" 6"]}));
@@ -264,7 +286,7 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
         ("/v1/completions", "not json".to_string(), 400, "not a JSON object"),
         ("/v1/completions", "{\"prompt\":\"a\",\"temprature\":1}".into(), 400, "unknown key `temprature`"),
         ("/v1/completions", "{\"prompt\":\"a\",\"top_p\":2}".into(), 400, "`top_p`"),
-        ("/v1/completions", "{\"prompt\":\"a\",\"n\":2}".into(), 400, "`n`"),
+        ("/v1/completions", "{\"prompt\":\"a\",\"n\":65}".into(), 400, "`n`"),
         ("/v1/chat/completions", "{\"prompt\":\"a\"}".into(), 400, "`messages`"),
         ("/v1/completions", json!({"prompt": long}).to_string(), 400, "context"),
         ("/v1/embeddings", "{}".into(), 404, "no endpoint /v1/embeddings"),
@@ -311,6 +333,20 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     let (a, b) = (server.post("/v1/completions", &sampled).1, server.post("/v1/completions", &sampled).1);
     assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
     assert_ne!(a["choices"][0]["text"], v["choices"][0]["text"], "sampled at temperature 1 as greedy");
+    // Two completions of one request: the first samples with the seed, the second with seed + 1,
+    // each as a request of its own with that seed.
+    let mut seed8 = sampled.clone();
+    seed8["seed"] = json!(8);
+    let c = server.post("/v1/completions", &seed8).1;
+    let mut two = sampled.clone();
+    two["n"] = json!(2);
+    let (status, both) = server.post("/v1/completions", &two);
+    assert_eq!(status, 200, "{both}");
+    let texts: Vec<&Value> = (0..2).map(|i| &both["choices"][i]["text"]).collect();
+    assert_eq!(texts, [&a["choices"][0]["text"], &c["choices"][0]["text"]]);
+    assert_eq!(both["choices"][1]["index"], 1);
+    assert_ne!(texts[0], texts[1]);
+    assert_eq!(both["usage"]["completion_tokens"], 48);
 }
 
 /// With `--api-key`, a request without the key (or with another) gets 401, but for /health;
