@@ -333,6 +333,17 @@ struct SamplingArgs {
 }
 
 impl SamplingArgs {
+    /// The settings given, the others those of the model folder `model`'s generation_config.json
+    /// where `from_model` (`--model-sampling`), else the defaults (greedy).
+    fn params_over_model(&self, model: &Path, from_model: bool) -> Result<SamplingParams> {
+        let base = if from_model {
+            gridlm::engine::sampling::from_generation_config(&model.join("generation_config.json"))?
+        } else {
+            SamplingParams::default()
+        };
+        self.params(&base)
+    }
+
     /// The settings given, the others `base`'s.
     fn params(&self, base: &SamplingParams) -> Result<SamplingParams> {
         let seed = self.seed.unwrap_or_else(|| {
@@ -997,12 +1008,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         // The prompt's logits come with its first new token; without one there are none.
         anyhow::bail!("--logits-out needs --max-tokens of at least 1");
     }
-    let base = if a.model_sampling {
-        gridlm::engine::sampling::from_generation_config(&a.model.join("generation_config.json"))?
-    } else {
-        SamplingParams::default()
-    };
-    let params = a.sampling.params(&base)?;
+    let params = a.sampling.params_over_model(&a.model, a.model_sampling)?;
     on_grid(&a.grid, |grid, comm, link| run_generate(&a, &params, grid, comm, link))
 }
 
@@ -1093,6 +1099,29 @@ fn prepare_prompts(
         .collect()
 }
 
+/// This rank's engine on its shard of the folder `model` (loaded as `engine` says), every rank
+/// agreeing on the outcome; warns where the threads asked for exceed the cores.
+fn open_engine(
+    link: &dyn Link,
+    model: &Path,
+    (cfg, plan, grid): (ModelConfig, ShardPlan, Grid),
+    engine: &EngineArgs,
+) -> Result<Engine> {
+    let ckpt = Checkpoint::open(model).map(|c| Box::new(c) as Box<dyn Source>);
+    let shard = load_shard(link, ckpt, cfg, plan, engine.quant)?;
+    let e = agree(link, Engine::new(shard, grid, engine.threads(), engine.kv_dtype))?;
+    engine.warn_if_oversubscribed();
+    Ok(e)
+}
+
+/// The end-of-sequence ids of the config (`cfg_eos`) and the tokenizer's own, once each.
+fn eos_ids(mut cfg_eos: Vec<u32>, tok: &Tokenizer) -> Vec<u32> {
+    if let Some(id) = tok.eos_id().filter(|id| !cfg_eos.contains(id)) {
+        cfg_eos.push(id);
+    }
+    cfg_eos
+}
+
 /// "1 rank (1x1)", "4 ranks (2x2)": a grid's size and shape (pipeline stages × tp ranks), for
 /// the summary lines.
 fn ranks_of(grid: &Grid) -> String {
@@ -1107,7 +1136,6 @@ fn run_generate(
     link: &dyn Link,
 ) -> Result<()> {
     let driver = grid.rank == 0;
-    let threads = a.engine.threads();
     // Phase 1: configuration, layout, and (driver) tokenizer and prompts.
     let setup = (|| -> gridlm::Result<_> {
         let cfg = ModelConfig::from_dir(&a.model)?;
@@ -1127,11 +1155,8 @@ fn run_generate(
     let (cfg, plan, prompts) = agree(link, setup)?;
     // Phase 2: this rank's shard. The RSS growth over loading is the memory its weights take.
     let rss_before = host::rss_bytes();
-    let mut eos_ids = cfg.eos_token_ids.clone();
-    let ckpt = Checkpoint::open(&a.model).map(|c| Box::new(c) as Box<dyn Source>);
-    let shard = load_shard(link, ckpt, cfg, plan, a.engine.quant)?;
-    let mut engine = agree(link, Engine::new(shard, grid, threads, a.engine.kv_dtype))?;
-    a.engine.warn_if_oversubscribed();
+    let cfg_eos = cfg.eos_token_ids.clone();
+    let mut engine = open_engine(link, &a.model, (cfg, plan, grid), &a.engine)?;
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
     // The most tokens a decode step will hold, known to the driver (its prompts), for each
@@ -1147,11 +1172,7 @@ fn run_generate(
         gather_rank_reports(link, &engine, engine.profile(), weight_rss, None, 1);
         return agree(link, Ok(()));
     };
-    if let Some(id) = tok.eos_id() {
-        if !eos_ids.contains(&id) {
-            eos_ids.push(id);
-        }
-    }
+    let eos_ids = eos_ids(cfg_eos, &tok);
     let single = a.prompt.is_some();
     let requests: Vec<Request> = prompts
         .iter()
@@ -1326,12 +1347,7 @@ fn serve(a: ServeArgs) -> Result<()> {
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty() || k.trim() != k) {
         anyhow::bail!("--api-key (or GRIDLM_API_KEY) must be a key without spaces around it");
     }
-    let base = if a.model_sampling {
-        gridlm::engine::sampling::from_generation_config(&a.model.join("generation_config.json"))?
-    } else {
-        SamplingParams::default()
-    };
-    let params = a.sampling.params(&base)?;
+    let params = a.sampling.params_over_model(&a.model, a.model_sampling)?;
     on_grid(&a.grid, |grid, comm, link| run_serve(&a, &params, grid, comm, link))
 }
 
@@ -1361,11 +1377,8 @@ fn run_serve(
     })();
     let (cfg, plan, front) = agree(link, setup)?;
     // Phase 2: this rank's shard.
-    let mut eos_ids = cfg.eos_token_ids.clone();
-    let ckpt = Checkpoint::open(&a.model).map(|c| Box::new(c) as Box<dyn Source>);
-    let shard = load_shard(link, ckpt, cfg, plan, a.engine.quant)?;
-    let mut engine = agree(link, Engine::new(shard, grid, a.engine.threads(), a.engine.kv_dtype))?;
-    a.engine.warn_if_oversubscribed();
+    let cfg_eos = cfg.eos_token_ids.clone();
+    let mut engine = open_engine(link, &a.model, (cfg, plan, grid), &a.engine)?;
     engine.share_sizes(link);
     let micro_batches = a.batching.overlap.micro_batches(grid.pp);
     engine.pick_many_prefetch(a.batching.max_batch.div_ceil(micro_batches));
@@ -1373,11 +1386,7 @@ fn run_serve(
         engine.follow(comm, link)?;
         return agree(link, Ok(()));
     };
-    if let Some(id) = tok.eos_id() {
-        if !eos_ids.contains(&id) {
-            eos_ids.push(id);
-        }
-    }
+    let eos_ids = eos_ids(cfg_eos, &tok);
     let opts = a.batching.options(grid.pp, eos_ids);
     let context = engine.max_context();
     // KV pages for max-batch requests at the full context, where the KV memory allows.

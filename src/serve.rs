@@ -516,13 +516,17 @@ pub fn start(server: tiny_http::Server, front: Front) -> std::thread::JoinHandle
     })
 }
 
+/// An answer of `status` with `body` of the content type `kind`.
+fn reply(req: tiny_http::Request, status: u16, kind: &str, body: String) {
+    // A header of these ASCII words is always valid.
+    let header =
+        tiny_http::Header::from_bytes(&b"Content-Type"[..], kind.as_bytes()).expect("a valid header");
+    let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(status).with_header(header));
+}
+
 /// An answer with a JSON body.
 fn reply_json(req: tiny_http::Request, status: u16, body: &Value) {
-    let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], &b"application/json"[..])
-        .expect("a valid header");
-    let resp =
-        tiny_http::Response::from_string(body.to_string()).with_status_code(status).with_header(header);
-    let _ = req.respond(resp);
+    reply(req, status, "application/json", body.to_string());
 }
 
 /// An error answer, in OpenAI's form.
@@ -560,10 +564,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         (Get, "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
         (Get, "/metrics") => {
             let text = front.metrics.render(front.in_flight.load(Ordering::Relaxed));
-            let kind = &b"text/plain; version=0.0.4"[..];
-            let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], kind).expect("a valid header");
-            let _ = req.respond(tiny_http::Response::from_string(text).with_header(header));
-            return;
+            return reply(req, 200, "text/plain; version=0.0.4", text);
         }
         (Get, "/v1/models") => {
             let model =

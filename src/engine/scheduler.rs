@@ -224,7 +224,7 @@ impl Engine {
         let ms = |t0: Instant, paused: f64| t0.elapsed().as_secs_f64() * 1e3 - paused;
         let mut paused = 0.0;
         let ctx = self.max_context();
-        let positions = |r: &Request| (r.prompt.len() + r.max_tokens).min(ctx);
+        let positions = |r: &Request| positions_of(r, ctx);
         let page_bytes = self.max_page_bytes().max(1);
         // Unasked, a quarter of the tightest node's memory (where none is known, 1 GiB a node,
         // shared by its ranks).
@@ -460,7 +460,13 @@ impl Engine {
 
 /// The KV pages a request takes: its prompt and every token it may bring, within the context.
 fn pages_of(r: &Request, ctx: usize) -> usize {
-    (r.prompt.len() + r.max_tokens).min(ctx).div_ceil(PAGE)
+    positions_of(r, ctx).div_ceil(PAGE)
+}
+
+/// The positions a request may take: its prompt and every token it may bring, within the
+/// context.
+fn positions_of(r: &Request, ctx: usize) -> usize {
+    (r.prompt.len() + r.max_tokens).min(ctx)
 }
 
 /// The next step of a group, into `step` (its admissions already there): a decode token of

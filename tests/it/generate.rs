@@ -41,6 +41,15 @@ fn json_output_has_the_documented_keys() {
     assert_eq!(j["ranks"][0]["allocations_per_step"].as_f64(), Some(0.0), "{j}");
 }
 
+/// `gridlm ARGS` streaming (succeeded), and the JSON object of `gridlm ARGS --json`.
+fn streamed_and_json(args: &[&str]) -> (Output, serde_json::Value) {
+    let streamed = gridlm(args);
+    assert!(streamed.status.success(), "{}", String::from_utf8_lossy(&streamed.stderr));
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    (streamed, json_of(&gridlm(&with_json)))
+}
+
 #[test]
 fn streamed_text_equals_json_text() {
     let dir = smollm2("bf16");
@@ -54,11 +63,7 @@ fn streamed_text_equals_json_text() {
         "--max-tokens",
         "24",
     ];
-    let streamed = gridlm(&args);
-    assert!(streamed.status.success(), "{}", String::from_utf8_lossy(&streamed.stderr));
-    let mut with_json = args.to_vec();
-    with_json.push("--json");
-    let j = json_of(&gridlm(&with_json));
+    let (streamed, j) = streamed_and_json(&args);
     let text = String::from_utf8(streamed.stdout).unwrap();
     assert_eq!(text.trim_end_matches('\n'), j["text"].as_str().unwrap());
     assert!(!j["text"].as_str().unwrap().is_empty());
@@ -84,11 +89,7 @@ fn streamed_text_stops_before_a_stop_string_across_tokens() {
         "--max-tokens",
         "16",
     ];
-    let streamed = gridlm(&args);
-    assert!(streamed.status.success(), "{}", String::from_utf8_lossy(&streamed.stderr));
-    let mut with_json = args.to_vec();
-    with_json.push("--json");
-    let j = json_of(&gridlm(&with_json));
+    let (streamed, j) = streamed_and_json(&args);
     assert_eq!((j["text"].as_str(), j["finish_reason"].as_str()), (Some(" 5,"), Some("stop")), "{j}");
     assert_eq!(String::from_utf8(streamed.stdout).unwrap(), " 5,\n");
 }
