@@ -257,6 +257,11 @@ struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// With --json: each new token's log-probability under the model (the log-softmax of its
+    /// logits, before any repetition penalty or temperature) and the N most likely tokens' at
+    /// its position (0 to 20)
+    #[arg(long, value_name = "N", requires = "json", value_parser = clap::value_parser!(u64).range(0..=20))]
+    logprobs: Option<u64>,
     #[command(flatten)]
     grid: GridArgs,
     /// Write the logits of the last prompt position (f32, little-endian) to this file.
@@ -1128,6 +1133,24 @@ fn ranks_of(grid: &Grid) -> String {
     format!("{} ({}x{})", count(grid.pp * grid.tp, "rank"), grid.pp, grid.tp)
 }
 
+/// A completion's log-probabilities for `generate --json`: per token its id, text,
+/// log-probability and the alternatives' (`null` where none were asked for).
+fn logprobs_json(tok: &Tokenizer, c: &gridlm::engine::Completion) -> serde_json::Value {
+    if c.logprobs.is_empty() {
+        return serde_json::Value::Null;
+    }
+    let entry = |t: u32, v: f32| {
+        let text = String::from_utf8_lossy(&tok.token_bytes(t).unwrap_or_default()).into_owned();
+        serde_json::json!({"token": t, "text": text, "logprob": v})
+    };
+    let tokens = c.token_ids.iter().zip(&c.logprobs).map(|(&t, lp)| {
+        let mut e = entry(t, lp.logprob);
+        e["top"] = lp.top.iter().map(|&(a, v)| entry(a, v)).collect();
+        e
+    });
+    tokens.collect()
+}
+
 fn run_generate(
     a: &GenerateArgs,
     params: &SamplingParams,
@@ -1182,6 +1205,7 @@ fn run_generate(
             ignore_eos: p.spec.ignore_eos,
             params: p.spec.params.clone(),
             keep_logits: a.logits_out.is_some(),
+            logprobs: a.logprobs.map(|n| n as usize),
         })
         .collect();
     let opts = a.batching.options(grid.pp, eos_ids);
@@ -1242,6 +1266,7 @@ fn run_generate(
                 "token_ids": g.token_ids,
                 "text": texts[0],
                 "finish_reason": g.finish,
+                "logprobs": logprobs_json(&tok, g),
                 "prefill_ms": first,
                 "decode_tokens_per_s": tps,
                 "seed": p.spec.params.seed,
@@ -1284,6 +1309,7 @@ fn run_generate(
                     "token_ids": c.token_ids,
                     "text": text,
                     "finish_reason": c.finish,
+                    "logprobs": logprobs_json(&tok, c),
                     "error": c.error,
                     "seed": p.spec.params.seed,
                     "first_token_ms": c.times_ms.first(),
@@ -1691,6 +1717,7 @@ fn run_bench(
             ignore_eos: true,
             params: params.clone(),
             keep_logits: false,
+            logprobs: None,
         })
         .collect();
     let options = |batch: usize| RunOptions {

@@ -9,7 +9,7 @@
 //! waits, the other ranks sleep ([`crate::comm::Link::sleep_until_woken`]).
 
 use crate::engine::sampling::SamplingParams;
-use crate::engine::{check_prompt, Completion, Finish, Request, Traffic};
+use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
 use crate::error::Result;
 use crate::prompts::{field, sampling_fields, stop_field, TextTracker};
 use crate::tokenizer::Tokenizer;
@@ -48,6 +48,9 @@ pub struct Ask {
     pub stream: bool,
     /// Streamed: a last chunk with the token counts (`stream_options.include_usage`).
     pub stream_usage: bool,
+    /// Each token's log-probability, with this many alternatives' (completions: `logprobs`;
+    /// chat: `logprobs` true, `top_logprobs`).
+    pub logprobs: Option<usize>,
 }
 
 /// Settings a request starts from: the server's command line.
@@ -59,7 +62,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have; OpenAI's that change nothing here pass when they ask for nothing
-/// (`n` 1, penalties 0, no log-probabilities, no echo).
+/// (penalties 0, no echo).
 const KEYS: [&str; 22] = [
     "model",
     "prompt",
@@ -121,6 +124,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         params: SamplingParams { seed: d.params.seed.wrapping_add(n), ..d.params.clone() },
         stream: false,
         stream_usage: false,
+        logprobs: None,
     };
     match kind {
         Kind::Completion => {
@@ -203,13 +207,29 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             return Err(format!("`{key}` is not supported (repetition_penalty is)"));
         }
     }
-    for key in ["echo", "logprobs"] {
-        if obj.get(key).is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false))) {
-            return Err(format!("`{key}` is not supported"));
-        }
+    if obj.get("echo").is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false))) {
+        return Err("`echo` is not supported".into());
     }
-    if obj.get("top_logprobs").is_some_and(|v| !v.is_null()) {
-        return Err("`top_logprobs` is not supported".into());
+    let top: Option<usize> = field(&obj, "top_logprobs")?;
+    let (key, n) = match kind {
+        Kind::Completion => {
+            if top.is_some() {
+                return Err("`top_logprobs` belongs to /v1/chat/completions; here `logprobs` is the number of alternatives".into());
+            }
+            ask.logprobs = field(&obj, "logprobs")?;
+            ("logprobs", ask.logprobs)
+        }
+        Kind::Chat => {
+            let on: bool = field(&obj, "logprobs")?.unwrap_or(false);
+            if top.is_some() && !on {
+                return Err("`top_logprobs` needs `logprobs`: true".into());
+            }
+            ask.logprobs = on.then_some(top.unwrap_or(0));
+            ("top_logprobs", top)
+        }
+    };
+    if let Some(n) = n.filter(|&n| n > MAX_LOGPROBS) {
+        return Err(format!("`{key}`: at most {MAX_LOGPROBS} alternatives a token, got {n}"));
     }
     Ok(ask)
 }
@@ -224,14 +244,19 @@ pub struct Incoming {
     pub reply: Sender<(usize, Event)>,
 }
 
+/// Tokens and their log-probabilities (where the request asked for them), in order.
+pub type Logprobs = Vec<(u32, TokenLogprobs)>;
+
 /// What the driver tells a request's thread.
 #[derive(Debug)]
 pub enum Event {
-    /// New text (never past a stop string).
-    Text(String),
-    /// The request is over: the rest of its text (what the last tokens completed), why it
-    /// ended, its error if it could not run, and how many tokens it brought.
-    Done { rest: String, finish: Finish, error: Option<String>, tokens: usize },
+    /// New text (never past a stop string), and the log-probabilities of the tokens since the
+    /// last text.
+    Text(String, Logprobs),
+    /// The request is over: the rest of its text (what the last tokens completed) and its
+    /// tokens' log-probabilities not sent yet, why it ended, its error if it could not run, and
+    /// how many tokens it brought.
+    Done { rest: String, logprobs: Logprobs, finish: Finish, error: Option<String>, tokens: usize },
 }
 
 /// A request the driver runs: its text so far and its thread's channel.
@@ -241,6 +266,8 @@ struct Client {
     reply: Sender<(usize, Event)>,
     /// The text could not be made (the request then stops with this error).
     error: Option<String>,
+    /// Log-probabilities of the tokens since the last text sent.
+    pending: Logprobs,
 }
 
 /// The driver's traffic while serving: requests from the HTTP threads, text back to them.
@@ -257,8 +284,13 @@ impl Served {
     }
 
     fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
-        let client =
-            Client { tracker: TextTracker::new(inc.stop), choice: inc.choice, reply: inc.reply, error: None };
+        let client = Client {
+            tracker: TextTracker::new(inc.stop),
+            choice: inc.choice,
+            reply: inc.reply,
+            error: None,
+            pending: Vec::new(),
+        };
         self.clients.insert(self.next, client);
         self.next += 1;
         into.push(inc.request);
@@ -282,12 +314,17 @@ impl Traffic for Served {
         }
     }
 
-    fn token(&mut self, key: usize, token: u32) -> Result<bool> {
+    fn token(&mut self, key: usize, token: u32, logprobs: Option<&TokenLogprobs>) -> Result<bool> {
         let Some(c) = self.clients.get_mut(&key) else { return Ok(false) };
+        if let Some(lp) = logprobs {
+            c.pending.push((token, lp.clone()));
+        }
         match c.tracker.push(&self.tok, token) {
             // The thread is gone (its client hung up): stop.
             Ok((piece, go_on)) => {
-                Ok(go_on && (piece.is_empty() || c.reply.send((c.choice, Event::Text(piece))).is_ok()))
+                let sent = piece.is_empty()
+                    || c.reply.send((c.choice, Event::Text(piece, std::mem::take(&mut c.pending)))).is_ok();
+                Ok(go_on && sent)
             }
             Err(e) => {
                 c.error = Some(e.to_string());
@@ -310,7 +347,8 @@ impl Traffic for Served {
         };
         let error = completion.error.or(c.error);
         let finish = if error.is_some() { Finish::Error } else { completion.finish };
-        let done = Event::Done { rest, finish, error, tokens: completion.token_ids.len() };
+        let done =
+            Event::Done { rest, logprobs: c.pending, finish, error, tokens: completion.token_ids.len() };
         let _ = c.reply.send((c.choice, done));
         Ok(())
     }
@@ -619,6 +657,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
                 ignore_eos: ask.ignore_eos,
                 params,
                 keep_logits: false,
+                logprobs: ask.logprobs,
             };
             let inc =
                 Incoming { request, stop: ask.stop.clone(), choice: i * ask.n + j, reply: reply.clone() };
@@ -633,7 +672,15 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         Kind::Chat => format!("chatcmpl-{n}"),
     };
     let prompt_tokens = prompts.iter().map(Vec::len).sum();
-    let head = Head { id: &id, kind, model: &front.model, created: now_s(), prompt_tokens };
+    let head = Head {
+        id: &id,
+        kind,
+        model: &front.model,
+        created: now_s(),
+        prompt_tokens,
+        tok: &front.tok,
+        logprobs: ask.logprobs.is_some(),
+    };
     let (status, outcome) =
         if ask.stream { stream(req, &head, &ask, k, &mut events) } else { whole(req, &head, k, &mut events) };
     let m = &front.metrics;
@@ -697,6 +744,9 @@ struct Head<'a> {
     model: &'a str,
     created: u64,
     prompt_tokens: usize,
+    tok: &'a Tokenizer,
+    /// The request asked for log-probabilities.
+    logprobs: bool,
 }
 
 impl Head<'_> {
@@ -704,19 +754,69 @@ impl Head<'_> {
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens, "total_tokens": self.prompt_tokens + tokens})
     }
 
-    /// Choice `index` carrying `text`: whole (`delta` false) or a streamed piece.
-    fn choice(&self, index: usize, text: &str, finish: Option<Finish>, delta: bool) -> Value {
+    /// Choice `index` carrying `text` and its tokens' log-probabilities `lps` (the first of them
+    /// `*offset` bytes into the choice's text, moved on past them): whole (`delta` false) or a
+    /// streamed piece.
+    fn choice(
+        &self,
+        index: usize,
+        (text, lps): (&str, &[(u32, TokenLogprobs)]),
+        offset: &mut usize,
+        finish: Option<Finish>,
+        delta: bool,
+    ) -> Value {
         let reason = finish.map(finish_reason);
+        let lp = if self.logprobs { self.logprobs_json(lps, offset) } else { Value::Null };
         match (self.kind, delta) {
             (Kind::Completion, _) => {
-                json!({"index": index, "text": text, "logprobs": null, "finish_reason": reason})
+                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
             }
             (Kind::Chat, false) => {
-                json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason})
+                json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason})
             }
             (Kind::Chat, true) => {
                 let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
-                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": reason})
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
+            }
+        }
+    }
+
+    /// Log-probabilities as OpenAI gives them: completions' `tokens`, `token_logprobs`,
+    /// `top_logprobs` (the alternatives and the token itself by text) and `text_offset` (from
+    /// `*offset` on, in bytes); chat's `content`, a list of each token's text, log-probability,
+    /// bytes and alternatives.
+    fn logprobs_json(&self, lps: &[(u32, TokenLogprobs)], offset: &mut usize) -> Value {
+        let bytes = |t: u32| self.tok.token_bytes(t).unwrap_or_default();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        match self.kind {
+            Kind::Completion => {
+                let (mut tokens, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+                for (t, lp) in lps {
+                    let b = bytes(*t);
+                    let mut top = Map::new();
+                    for &(a, v) in &lp.top {
+                        top.entry(text(&bytes(a))).or_insert(json!(v));
+                    }
+                    top.entry(text(&b)).or_insert(json!(lp.logprob));
+                    tokens.push(json!(text(&b)));
+                    logprobs.push(json!(lp.logprob));
+                    tops.push(Value::Object(top));
+                    offsets.push(json!(*offset));
+                    *offset += b.len();
+                }
+                json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
+            }
+            Kind::Chat => {
+                let entry = |t: u32, v: f32| {
+                    let b = bytes(t);
+                    json!({"token": text(&b), "logprob": v, "bytes": b})
+                };
+                let content = lps.iter().map(|(t, lp)| {
+                    let mut e = entry(*t, lp.logprob);
+                    e["top_logprobs"] = lp.top.iter().map(|&(a, v)| entry(a, v)).collect();
+                    e
+                });
+                json!({"content": content.collect::<Vec<_>>()})
             }
         }
     }
@@ -737,12 +837,16 @@ impl Head<'_> {
 /// Waits for the `k` completions and answers with them. The status, and how they ended.
 fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) -> (u16, Option<Outcome>) {
     let mut texts = vec![String::new(); k];
+    let mut lps: Vec<Logprobs> = vec![Vec::new(); k];
     let mut finish = vec![Finish::Length; k];
     let (mut done, mut tokens) = (0, 0);
     while let Some((i, event)) = events.recv() {
         match event {
-            Event::Text(piece) => texts[i].push_str(&piece),
-            Event::Done { rest, finish: f, error, tokens: t } => {
+            Event::Text(piece, lp) => {
+                texts[i].push_str(&piece);
+                lps[i].extend(lp);
+            }
+            Event::Done { rest, logprobs, finish: f, error, tokens: t } => {
                 tokens += t;
                 if let Some(e) = error {
                     // Before any token a completion could not run (the KV memory, its settings);
@@ -753,6 +857,7 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
                     return (status, Some(Outcome { finish: vec![Finish::Error], tokens }));
                 }
                 texts[i].push_str(&rest);
+                lps[i].extend(logprobs);
                 finish[i] = f;
                 done += 1;
             }
@@ -762,7 +867,7 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
         reply_error(req, 500, "the driver stopped before the completion was done");
         return (500, None);
     }
-    let choices = texts.iter().zip(&finish).enumerate().map(|(i, (t, f))| head.choice(i, t, Some(*f), false));
+    let choices = (0..k).map(|i| head.choice(i, (&texts[i], &lps[i]), &mut 0, Some(finish[i]), false));
     let mut body = head.body(choices.collect(), false);
     body["usage"] = head.usage(tokens);
     reply_json(req, 200, &body);
@@ -789,7 +894,7 @@ fn stream(
         reply_error(req, 400, e);
         return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens }));
     }
-    let mut sse = Sse { w: req.into_writer(), first: vec![true; k] };
+    let mut sse = Sse { w: req.into_writer(), first: vec![true; k], offsets: vec![0; k] };
     let start = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
     if sse.w.write_all(start.as_bytes()).is_err() {
         return (200, None);
@@ -799,13 +904,13 @@ fn stream(
     loop {
         let (i, e) = event;
         let sent = match e {
-            Event::Text(t) => sse.piece(head, i, &t, None),
-            Event::Done { rest, finish: f, error, tokens: t } => {
+            Event::Text(t, lp) => sse.piece(head, i, (&t, &lp), None),
+            Event::Done { rest, logprobs, finish: f, error, tokens: t } => {
                 (finish[i], done, tokens) = (f, done + 1, tokens + t);
                 match error {
                     // The text could not be made after some was sent: say so in the stream.
                     Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
-                    None => sse.piece(head, i, &rest, Some(f)),
+                    None => sse.piece(head, i, (&rest, &logprobs), Some(f)),
                 }
             }
         };
@@ -834,6 +939,8 @@ struct Sse {
     w: Box<dyn Write + Send>,
     /// Each choice not sent yet (a chat stream's first chunk of a choice carries the role).
     first: Vec<bool>,
+    /// Bytes of each choice's text sent so far (the `text_offset` of its next token).
+    offsets: Vec<usize>,
 }
 
 impl Sse {
@@ -854,10 +961,10 @@ impl Sse {
         &mut self,
         head: &Head,
         index: usize,
-        text: &str,
+        piece: (&str, &[(u32, TokenLogprobs)]),
         finish: Option<Finish>,
     ) -> std::io::Result<()> {
-        let mut c = head.choice(index, text, finish, true);
+        let mut c = head.choice(index, piece, &mut self.offsets[index], finish, true);
         if std::mem::take(&mut self.first[index]) && head.kind == Kind::Chat {
             c["delta"]["role"] = json!("assistant");
         }
@@ -907,6 +1014,23 @@ mod tests {
         assert!(e.contains("a string or a list of strings"), "{e}");
     }
 
+    /// Completions ask for log-probabilities with the number of alternatives, chat with
+    /// `logprobs` true and `top_logprobs`; absent, null or false ask for none.
+    #[test]
+    fn log_probabilities_as_openai_asks() {
+        let msgs = r#""messages":[{"role":"user","content":"a"}]"#;
+        for (kind, body, want) in [
+            (Kind::Completion, r#"{"prompt":"a","logprobs":3}"#.to_string(), Some(3)),
+            (Kind::Completion, r#"{"prompt":"a","logprobs":0}"#.to_string(), Some(0)),
+            (Kind::Completion, r#"{"prompt":"a","logprobs":null}"#.to_string(), None),
+            (Kind::Chat, format!(r#"{{{msgs},"logprobs":true,"top_logprobs":4}}"#), Some(4)),
+            (Kind::Chat, format!(r#"{{{msgs},"logprobs":true}}"#), Some(0)),
+            (Kind::Chat, format!(r#"{{{msgs},"logprobs":false}}"#), None),
+        ] {
+            assert_eq!(ask(kind, &body).unwrap().logprobs, want, "{body}");
+        }
+    }
+
     #[test]
     fn chat_requests_read_messages() {
         let a = ask(
@@ -937,7 +1061,19 @@ mod tests {
                 r#"{"prompt":"a","frequency_penalty":0.5}"#,
                 "`frequency_penalty` is not supported",
             ),
-            (Kind::Completion, r#"{"prompt":"a","logprobs":2}"#, "`logprobs` is not supported"),
+            (Kind::Completion, r#"{"prompt":"a","logprobs":21}"#, "`logprobs`: at most 20 alternatives"),
+            (Kind::Completion, r#"{"prompt":"a","logprobs":true}"#, "`logprobs`"),
+            (Kind::Completion, r#"{"prompt":"a","top_logprobs":2}"#, "belongs to /v1/chat/completions"),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"user","content":"a"}],"top_logprobs":2}"#,
+                "needs `logprobs`: true",
+            ),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":30}"#,
+                "`top_logprobs`: at most 20",
+            ),
             (Kind::Completion, r#"{"prompt":"a","echo":true}"#, "`echo` is not supported"),
             (Kind::Completion, r#"{"prompt":"a","stream":"yes"}"#, "`stream`"),
             (Kind::Chat, r#"{"prompt":"a"}"#, "belongs to /v1/completions"),

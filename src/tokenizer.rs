@@ -14,6 +14,17 @@ pub struct Tokenizer {
     eos_token: Option<String>,
 }
 
+/// The byte that byte-level BPE writes as `c` (GPT-2's table: printable bytes as themselves,
+/// the others, in order, as U+0100 on), if any.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let c = c as u32;
+    if c < 256 {
+        return printable(c).then_some(c as u8);
+    }
+    (0..256u32).filter(|&b| !printable(b)).nth((c - 256) as usize).map(|b| b as u8)
+}
+
 /// A special token in tokenizer_config.json: a string or `{"content": "..."}`.
 fn token_str(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
@@ -59,6 +70,30 @@ impl Tokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| Error::file(&self.path, format!("cannot decode tokens: {e}")))
+    }
+
+    /// The bytes token `id` stands for in text (`None` for an id outside the vocabulary): a
+    /// byte-level BPE token's characters mapped back to their bytes (GPT-2's table), a
+    /// `<0xHH>` byte token's byte, `▁` as a space in SentencePiece pieces, a special token's
+    /// own text. A token may be part of a UTF-8 character, so its bytes need not be text.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        if byte_level {
+            let mut out = Vec::with_capacity(piece.len());
+            for c in piece.chars() {
+                match byte_of_char(c) {
+                    Some(b) => out.push(b),
+                    None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                }
+            }
+            return Some(out);
+        }
+        let hex = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
+        if let Some(b) = hex.filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            return Some(vec![b]);
+        }
+        Some(piece.replace('\u{2581}', " ").into_bytes())
     }
 
     pub fn token_id(&self, token: &str) -> Option<u32> {
@@ -195,6 +230,22 @@ mod tests {
         let t = tokenizer_with(dir.path(), r#"{{ strftime_now("%Q") }}"#);
         let e = t.apply_chat_template(None, "x").unwrap_err().to_string();
         assert!(e.contains("`%Q` is not a date format"), "{e}");
+    }
+
+    /// Byte-level BPE's characters are GPT-2's table read backwards: every byte has one
+    /// character, and no other character is a byte.
+    #[test]
+    fn byte_level_characters_are_bytes() {
+        assert_eq!(byte_of_char('a'), Some(b'a'));
+        assert_eq!(byte_of_char('\u{120}'), Some(b' '));
+        assert_eq!(byte_of_char('\u{10A}'), Some(b'\n'));
+        assert_eq!(byte_of_char('\u{143}'), Some(0xAD));
+        assert_eq!(byte_of_char('\u{AD}'), None);
+        assert_eq!(byte_of_char('\u{144}'), None);
+        let chars = (0..0x200u32).filter_map(char::from_u32).filter_map(byte_of_char);
+        let mut seen: Vec<u8> = chars.collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..=255).collect::<Vec<u8>>());
     }
 
     /// A tokenizer in `dir` (a three-word vocabulary) whose chat template is `template`.

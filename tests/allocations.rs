@@ -77,6 +77,7 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig) {
         ignore_eos: true,
         params,
         keep_logits: len == 9,
+        logprobs: None,
     };
     let sampled = |temperature, top_p, top_k, seed| SamplingParams {
         temperature,

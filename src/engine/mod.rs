@@ -78,12 +78,28 @@ pub enum Plan {
     End,
 }
 
-/// A sequence taking a slot: its KV pages (in position order) and how it picks tokens.
+/// A sequence taking a slot: its KV pages (in position order), how it picks tokens and
+/// whether its tokens' log-probabilities are reported (with how many alternatives).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Admit {
     pub slot: usize,
     pub pages: Vec<u32>,
     pub params: SamplingParams,
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives a token's log-probabilities list ([`TokenLogprobs::top`]).
+pub const MAX_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability, and the most likely tokens' at its position, under
+/// the model's own distribution: the log-softmax of the output head's logits (after a final
+/// soft-cap, Gemma 2's), before any repetition penalty or temperature, so they do not depend
+/// on how the token was picked.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The most likely tokens, as many as asked, most likely first (the lower id on ties).
+    pub top: Vec<(u32, f32)>,
 }
 
 /// One step of one micro-batch: sequences admitted first, then `tokens`, which are the `spans`
@@ -114,6 +130,9 @@ pub struct StepResult {
     /// The next token of each emitting span.
     pub tokens: Vec<u32>,
     pub logits: Option<Vec<f32>>,
+    /// Each emitting span's token's log-probabilities where its sequence asked for them; empty
+    /// when none of the step's did.
+    pub logprobs: Vec<Option<TokenLogprobs>>,
 }
 
 /// Settings of one greedy or sampled generation ([`Engine::generate`]).
@@ -168,8 +187,24 @@ pub fn check_prompt(n_tokens: usize, max_context: usize) -> Result<()> {
 #[derive(Default)]
 struct SlotState {
     params: SamplingParams,
+    logprobs: Option<usize>,
     seen: Vec<u64>,
     emitted: u64,
+}
+
+/// Reusable buffers of the log-probabilities a step reports ([`Engine::pick`]).
+#[derive(Default)]
+struct LogprobBufs {
+    /// The rows that report them and how many alternatives each lists.
+    rows: Vec<(usize, usize)>,
+    /// This rank's record of each such row ([`sampling::summarize`] after the picked token's
+    /// logit), and every rank's.
+    mine: Vec<f32>,
+    all: Vec<f32>,
+    idx: Vec<u32>,
+    merged: Vec<(f32, u32)>,
+    /// Those rows' logits before [`sampling::adjust`] changed them, where it does.
+    raw: Vec<f32>,
 }
 
 /// Where a rank's time went during decode steps (every span one token past its sequence's
@@ -225,6 +260,7 @@ pub struct Engine {
     logits: Vec<f32>,
     candidates: Vec<f32>,
     sampling: sampling::Buffers,
+    logprob_bufs: LogprobBufs,
     /// Driver: results computed here (one stage) not yet collected.
     ready: VecDeque<StepResult>,
     /// Driver: the other ranks sleep (a [`Plan::Idle`] was the last plan).
@@ -451,6 +487,7 @@ impl Engine {
             logits: Vec::new(),
             candidates: Vec::new(),
             sampling: sampling::Buffers::default(),
+            logprob_bufs: LogprobBufs::default(),
             ready: VecDeque::new(),
             asleep: false,
             plan_wire: Vec::new(),
@@ -751,6 +788,7 @@ impl Engine {
             self.kv.ring_table(a.slot, a.pages.len(), &mut self.ring_tables[a.slot]);
             let st = &mut self.slots[a.slot];
             st.params = a.params.clone();
+            st.logprobs = a.logprobs.map(|k| k.min(MAX_LOGPROBS));
             st.seen.clear();
             st.seen.resize(words, 0);
             st.emitted = 0;
@@ -816,7 +854,7 @@ impl Engine {
                 comm.allgatherv(&logits[..vl], &counts, &mut full);
                 result.logits = Some(full);
             }
-            self.pick(spans, m, comm, &mut result.tokens);
+            self.pick(spans, m, comm, &mut result);
         }
         if g.rank == 0 {
             return Ok(Some(result));
@@ -838,12 +876,39 @@ impl Engine {
     /// Last stage: the next token of each of the `m` emitting spans from `self.logits`, into
     /// `picked`, the same on every rank of the stage: greedy rows by one allgather of (value,
     /// index), sampled rows exactly over the whole vocabulary (see [`sampling`]).
-    fn pick(&mut self, spans: &[Span], m: usize, comm: &dyn Comm, picked: &mut Vec<u32>) {
+    fn pick(&mut self, spans: &[Span], m: usize, comm: &dyn Comm, result: &mut StepResult) {
         let vr = self.shard.vocab_range();
         let vl = vr.len();
         let mut emitting = std::mem::take(&mut self.emitting);
         emitting.clear();
         emitting.extend(spans.iter().filter(|s| s.emit).map(|s| s.seq));
+        // Rows reporting log-probabilities are summarized before their logits are adjusted,
+        // and kept as they were where adjusting changes them.
+        let lp = &mut self.logprob_bufs;
+        lp.rows.clear();
+        lp.rows.extend(
+            emitting.iter().enumerate().filter_map(|(row, &s)| self.slots[s].logprobs.map(|k| (row, k))),
+        );
+        let k_max = lp.rows.iter().map(|r| r.1).max().unwrap_or(0);
+        let rec = 1 + sampling::summary_len(k_max);
+        if !lp.rows.is_empty() {
+            lp.mine.resize(lp.rows.len() * rec, 0.0);
+            lp.raw.clear();
+            for (i, &(row, _)) in lp.rows.iter().enumerate() {
+                let logits = &self.logits[row * vl..(row + 1) * vl];
+                sampling::summarize(
+                    logits,
+                    vr.start,
+                    k_max,
+                    &mut lp.idx,
+                    &mut lp.mine[i * rec + 1..(i + 1) * rec],
+                );
+                if sampling::adjusts(&self.slots[emitting[row]].params) {
+                    lp.raw.extend_from_slice(logits);
+                }
+            }
+        }
+        let picked = &mut result.tokens;
         for (row, &slot) in emitting.iter().enumerate() {
             let st = &self.slots[slot];
             sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen);
@@ -866,7 +931,41 @@ impl Engine {
         for &slot in &emitting {
             self.slots[slot].emitted += 1;
         }
+        if !self.logprob_bufs.rows.is_empty() {
+            self.report_logprobs(&emitting, rec, comm, result);
+        }
         self.emitting = emitting;
+    }
+
+    /// The log-probabilities of the picked tokens of the rows in `logprob_bufs.rows`, whose
+    /// records of `rec` floats hold this rank's summaries: each record's first float becomes the
+    /// picked token's logit as the head gave it (−∞ where another rank holds the token), the
+    /// stage allgathers the records and every rank merges them alike.
+    fn report_logprobs(&mut self, emitting: &[usize], rec: usize, comm: &dyn Comm, result: &mut StepResult) {
+        let vr = self.shard.vocab_range();
+        let vl = vr.len();
+        let lp = &mut self.logprob_bufs;
+        let mut raw = lp.raw.chunks_exact(vl);
+        for (i, &(row, _)) in lp.rows.iter().enumerate() {
+            let logits = if sampling::adjusts(&self.slots[emitting[row]].params) {
+                raw.next().expect("a raw row for each adjusted one")
+            } else {
+                &self.logits[row * vl..(row + 1) * vl]
+            };
+            let t = result.tokens[row] as usize;
+            lp.mine[i * rec] = if vr.contains(&t) { logits[t - vr.start] } else { f32::NEG_INFINITY };
+        }
+        let n = comm.size();
+        lp.all.resize(n * lp.mine.len(), 0.0);
+        comm.allgather(&lp.mine, &mut lp.all);
+        result.logprobs.clear();
+        result.logprobs.resize(emitting.len(), None);
+        let per_rank = lp.mine.len();
+        for (i, &(row, k)) in lp.rows.iter().enumerate() {
+            let all = &lp.all;
+            let record = |r: usize| &all[r * per_rank + i * rec..r * per_rank + (i + 1) * rec];
+            result.logprobs[row] = Some(sampling::merge_logprobs(n, record, k, &mut lp.merged));
+        }
     }
 
     /// Driver: sends `plan` down the grid and does this rank's part of it. A step's result is
@@ -957,8 +1056,12 @@ impl Engine {
         let pages = positions.div_ceil(PAGE);
         // The prompt in one step, then a token a step.
         self.begin((pages, 1, prompt.len()), comm, link)?;
-        let admit =
-            vec![Admit { slot: 0, pages: (0..pages as u32).collect(), params: SamplingParams::default() }];
+        let admit = vec![Admit {
+            slot: 0,
+            pages: (0..pages as u32).collect(),
+            params: SamplingParams::default(),
+            logprobs: None,
+        }];
         let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };
         let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), want_logits: false, side: 0 };
         let mut out = vec![self.step(first, comm, link)?.tokens[0]];
@@ -992,6 +1095,7 @@ impl Engine {
             ignore_eos: opts.ignore_eos,
             params: SamplingParams::default(),
             keep_logits: opts.keep_prompt_logits,
+            logprobs: None,
         };
         let run = RunOptions { eos_ids: opts.eos_ids.clone(), ..RunOptions::default() };
         let mut done = self.run(&[req], &run, comm, link, |_, t| on_token(t).map(|()| true))?;
@@ -1014,7 +1118,7 @@ impl Engine {
 fn spare_result(spare: &mut Vec<Vec<u32>>) -> StepResult {
     let mut tokens = spare.pop().unwrap_or_default();
     tokens.clear();
-    StepResult { tokens, logits: None }
+    StepResult { tokens, logits: None, logprobs: Vec::new() }
 }
 
 /// The stage agrees on the greedy token of each of the `m` rows of `logits` (`[m, shard]`):

@@ -152,6 +152,11 @@ pub fn adjust(row: &mut [f32], p: &SamplingParams, seen: &[u64]) {
     }
 }
 
+/// Whether [`adjust`] changes a row's logits under these settings.
+pub fn adjusts(p: &SamplingParams) -> bool {
+    p.repetition_penalty != 1.0 || (!p.is_greedy() && p.temperature != 1.0)
+}
+
 /// Candidates a rank sends in the first round for a row with these settings.
 pub fn first_candidates(p: &SamplingParams) -> usize {
     p.top_k.max(64)
@@ -283,6 +288,31 @@ pub fn decide<'s>(
         return Decision::Token(best.1);
     }
     Decision::Threshold { theta }
+}
+
+/// A picked token's log-probabilities and the `k` most likely tokens' from the records of the
+/// `n` ranks of the stage (`record(r)`, in rank order): each the token's logit where that rank
+/// holds it (−∞ elsewhere), then its [`summarize`] of the row with at least `k` candidates.
+/// `merged` is reusable scratch. Pure and identical on every rank holding the same records.
+pub fn merge_logprobs<'s>(
+    n: usize,
+    record: impl Fn(usize) -> &'s [f32],
+    k: usize,
+    merged: &mut Vec<(f32, u32)>,
+) -> super::TokenLogprobs {
+    let records = || (0..n).map(&record);
+    let max = records().fold(f32::NEG_INFINITY, |m, r| m.max(r[1]));
+    let z: f64 = records().map(|r| f32s_to_f64(r[2], r[3]) * ((r[1] - max) as f64).exp()).sum();
+    let lse = max as f64 + z.ln();
+    let chosen = records().fold(f32::NEG_INFINITY, |m, r| m.max(r[0]));
+    merged.clear();
+    for r in records() {
+        let sent = r[5].to_bits() as usize;
+        merged.extend((0..sent).map(|j| (r[6 + 2 * j], r[7 + 2 * j].to_bits())));
+    }
+    merged.sort_unstable_by(|a, b| before(*a, *b));
+    let top = merged.iter().take(k).map(|&(v, t)| (t, (v as f64 - lse) as f32)).collect();
+    super::TokenLogprobs { logprob: (chosen as f64 - lse) as f32, top }
 }
 
 /// The larger of two (value, token) pairs; the lower token on ties (greedy picks and draws).
@@ -449,6 +479,41 @@ pub fn sample_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A row's log-probabilities merged from its shards' records are the log-softmax of the
+    /// whole row, whatever the split: the picked token's from the shard holding it, the `k`
+    /// most likely tokens (the lower id on ties) from each shard's candidates.
+    #[test]
+    fn logprobs_merged_from_shards_are_the_whole_rows() {
+        let row: Vec<f32> = (0..1000u32).map(|i| ((i * 7919 % 1009) as f32 / 40.0).sin() * 9.0).collect();
+        let mut row = row;
+        row[700] = row[3]; // a tie
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = max + row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+        let mut order: Vec<u32> = (0..1000).collect();
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        let (k, picked) = (5, 3u32);
+        let (mut idx, mut merged) = (Vec::new(), Vec::new());
+        for cuts in [vec![0, 1000], vec![0, 500, 1000], vec![0, 1, 333, 999, 1000]] {
+            let shards = cuts.len() - 1;
+            let rec = 1 + summary_len(k + 2);
+            let mut records = vec![0.0f32; shards * rec];
+            for s in 0..shards {
+                let (a, b) = (cuts[s], cuts[s + 1]);
+                let r = &mut records[s * rec..(s + 1) * rec];
+                summarize(&row[a..b], a, k + 2, &mut idx, &mut r[1..]);
+                let t = picked as usize;
+                r[0] = if (a..b).contains(&t) { row[t] } else { f32::NEG_INFINITY };
+            }
+            let lp = merge_logprobs(shards, |s| &records[s * rec..(s + 1) * rec], k, &mut merged);
+            assert!((lp.logprob as f64 - (row[3] as f64 - lse)).abs() < 1e-6, "{cuts:?}: {lp:?}");
+            let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+            assert_eq!(ids, order[..k], "{cuts:?}");
+            for &(t, v) in &lp.top {
+                assert!((v as f64 - (row[t as usize] as f64 - lse)).abs() < 1e-6, "{cuts:?}: {t}");
+            }
+        }
+    }
 
     /// generation_config.json read as HF's generate reads it: greedy without `do_sample`
     /// (a repetition penalty kept), its numbers with it (HF's defaults where absent or null),

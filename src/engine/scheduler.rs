@@ -12,7 +12,9 @@
 //! (prompt + `max_tokens`, within the context); otherwise it waits for a finishing sequence to
 //! return pages. A request that could never fit gets its own error; the others run on.
 
-use super::{check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Step, StepResult};
+use super::{
+    check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Step, StepResult, TokenLogprobs,
+};
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
 use crate::host::KvRoom;
@@ -29,6 +31,9 @@ pub struct Request {
     pub params: SamplingParams,
     /// Keep the raw full-vocabulary logits of the last prompt position.
     pub keep_logits: bool,
+    /// Report each token's log-probability and this many alternatives' (at most
+    /// [`MAX_LOGPROBS`](super::MAX_LOGPROBS)).
+    pub logprobs: Option<usize>,
 }
 
 /// How the scheduler runs a set of requests.
@@ -83,6 +88,8 @@ pub struct Completion {
     /// When each token arrived, in ms since the run began.
     pub times_ms: Vec<f64>,
     pub prompt_logits: Option<Vec<f32>>,
+    /// Each token's log-probabilities, where the request asked for them.
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 impl Completion {
@@ -129,8 +136,9 @@ pub trait Traffic {
     /// before (the first is 0). With `wait` nothing runs or waits, and the call may block until
     /// a request comes. `Ok(false)`: no more will come; the run ends once those it has finish.
     fn arrivals(&mut self, wait: bool, into: &mut Vec<Request>) -> Result<bool>;
-    /// Request `key` brought `token`; `false` stops it ([`Finish::Stop`]).
-    fn token(&mut self, key: usize, token: u32) -> Result<bool>;
+    /// Request `key` brought `token`, with its log-probabilities if the request asked for them;
+    /// `false` stops it ([`Finish::Stop`]).
+    fn token(&mut self, key: usize, token: u32, logprobs: Option<&TokenLogprobs>) -> Result<bool>;
     /// Request `key` is over.
     fn done(&mut self, key: usize, completion: Completion) -> Result<()>;
 }
@@ -150,7 +158,7 @@ impl<F: FnMut(usize, u32) -> Result<bool>> Traffic for Listed<'_, F> {
         }
         Ok(false)
     }
-    fn token(&mut self, key: usize, token: u32) -> Result<bool> {
+    fn token(&mut self, key: usize, token: u32, _: Option<&TokenLogprobs>) -> Result<bool> {
         (self.on_token)(key, token)
     }
     fn done(&mut self, key: usize, completion: Completion) -> Result<()> {
@@ -307,6 +315,11 @@ impl Engine {
                         (need * page_bytes) as f64 / (1 << 20) as f64,
                         (pages * page_bytes) as f64 / (1 << 20) as f64
                     )),
+                    Ok(()) if req.logprobs.is_some_and(|k| k > super::MAX_LOGPROBS) => Some(format!(
+                        "log-probabilities list at most {} alternatives a token, {} asked",
+                        super::MAX_LOGPROBS,
+                        req.logprobs.unwrap_or(0)
+                    )),
                     Ok(()) => req.params.check().err(),
                 };
                 let mut out = Completion {
@@ -315,6 +328,7 @@ impl Engine {
                     error: None,
                     times_ms: Vec::new(),
                     prompt_logits: None,
+                    logprobs: Vec::new(),
                 };
                 if problem.is_some() || req.max_tokens == 0 {
                     if problem.is_some() {
@@ -360,7 +374,12 @@ impl Engine {
                     queue.pop_front();
                     let slot = free_slots.pop().expect("checked");
                     let pg = free_pages.take(need);
-                    step.admit.push(Admit { slot, pages: pg.clone(), params: l.req.params.clone() });
+                    step.admit.push(Admit {
+                        slot,
+                        pages: pg.clone(),
+                        params: l.req.params.clone(),
+                        logprobs: l.req.logprobs,
+                    });
                     l.seq = Some(Seq { slot, pages: pg, group: g, fed: 0 });
                     members[g].push(at);
                     // Room for every token the request can bring.
@@ -368,6 +387,9 @@ impl Engine {
                     let most = r.max_tokens.min(positions(r) + 1 - r.prompt.len());
                     l.out.token_ids.reserve_exact(most);
                     l.out.times_ms.reserve_exact(most);
+                    if r.logprobs.is_some() {
+                        l.out.logprobs.reserve_exact(most);
+                    }
                 }
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len());
                 let mut emitting = spare.pop().unwrap_or_default();
@@ -410,7 +432,7 @@ impl Engine {
                 last = now;
                 now = clocks[f.group];
             }
-            for (&at, &tok) in f.emitting.iter().zip(&r.tokens) {
+            for (row, (&at, &tok)) in f.emitting.iter().zip(&r.tokens).enumerate() {
                 let l = live[at].as_mut().expect("an emitting request is held");
                 let (req, c) = (&l.req, &mut l.out);
                 if c.token_ids.is_empty() && req.keep_logits {
@@ -418,7 +440,20 @@ impl Engine {
                 }
                 c.token_ids.push(tok);
                 c.times_ms.push(now);
-                let go_on = traffic.token(l.key, tok)?;
+                let lp = match r.logprobs.get_mut(row).and_then(Option::take) {
+                    Some(lp) if req.logprobs.is_some() => {
+                        c.logprobs.push(lp);
+                        c.logprobs.last()
+                    }
+                    None if req.logprobs.is_some() => {
+                        return Err(Error::Comm(format!(
+                            "a step brought no log-probabilities for request {}",
+                            l.key
+                        )))
+                    }
+                    _ => None,
+                };
+                let go_on = traffic.token(l.key, tok, lp)?;
                 let pos = req.prompt.len() + c.token_ids.len() - 1;
                 let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
                     Some(Finish::Eos)

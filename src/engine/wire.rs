@@ -7,7 +7,7 @@
 //! step:   0u8, want_logits u8, side u8, spans u64, admit bytes u64,
 //!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens, admit (bincode)
 //! other:  1u8, the plan (bincode)
-//! result: tokens, 0u8 | 1u8 and the logits (bincode)
+//! result: tokens, 0u8 | 1u8 and (the logits, the log-probabilities) (bincode)
 //! tokens: count u64, then the tokens × u32
 //! ```
 
@@ -102,13 +102,12 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
 pub fn encode_result(r: &StepResult, out: &mut Vec<u8>) -> Result<()> {
     out.clear();
     tokens(out, &r.tokens);
-    match &r.logits {
-        None => out.push(0),
-        Some(l) => {
-            out.push(1);
-            bincode::serialize_into(&mut *out, l)
-                .map_err(|e| Error::Comm(format!("cannot encode a step's logits: {e}")))?;
-        }
+    if r.logits.is_none() && r.logprobs.is_empty() {
+        out.push(0);
+    } else {
+        out.push(1);
+        bincode::serialize_into(&mut *out, &(&r.logits, &r.logprobs))
+            .map_err(|e| Error::Comm(format!("cannot encode a step's logits: {e}")))?;
     }
     Ok(())
 }
@@ -117,16 +116,13 @@ pub fn encode_result(r: &StepResult, out: &mut Vec<u8>) -> Result<()> {
 pub fn decode_result(bytes: &[u8], into: &mut StepResult) -> Result<()> {
     let mut r = Reader { bytes, what: "a step result" };
     r.tokens(&mut into.tokens)?;
-    into.logits = match r.u8()? {
-        0 => None,
-        _ => Some(
-            bincode::deserialize(r.rest())
-                .map_err(|e| Error::Comm(format!("cannot decode a step's logits: {e}")))?,
-        ),
-    };
-    if into.logits.is_none() {
-        r.end()?;
+    if r.u8()? == 0 {
+        into.logits = None;
+        into.logprobs.clear();
+        return r.end();
     }
+    (into.logits, into.logprobs) = bincode::deserialize(r.rest())
+        .map_err(|e| Error::Comm(format!("cannot decode a step's logits: {e}")))?;
     Ok(())
 }
 
@@ -205,7 +201,7 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
     use crate::engine::sampling::SamplingParams;
-    use crate::engine::Admit;
+    use crate::engine::{Admit, TokenLogprobs};
 
     fn step() -> Step {
         Step {
@@ -213,6 +209,7 @@ mod tests {
                 slot: 2,
                 pages: vec![7, 3, 9],
                 params: SamplingParams { temperature: 0.7, seed: 42, ..SamplingParams::default() },
+                logprobs: Some(3),
             }],
             spans: vec![
                 Span { seq: 2, pos0: 0, len: 3, emit: false },
@@ -267,15 +264,17 @@ mod tests {
     #[test]
     fn results_round_trip() {
         let mut bytes = Vec::new();
-        let mut into = StepResult { tokens: vec![9; 5], logits: None };
+        let mut into = StepResult { tokens: vec![9; 5], ..StepResult::default() };
+        let lp = |v: f32| Some(TokenLogprobs { logprob: v, top: vec![(7, -0.25), (1, v)] });
         for r in [
-            StepResult { tokens: vec![4, 0, 17], logits: None },
-            StepResult { tokens: vec![3], logits: Some(vec![0.5, -1.0, f32::MIN]) },
-            StepResult { tokens: Vec::new(), logits: None },
+            StepResult { tokens: vec![4, 0, 17], ..StepResult::default() },
+            StepResult { tokens: vec![3], logits: Some(vec![0.5, -1.0, f32::MIN]), logprobs: vec![lp(-2.0)] },
+            StepResult { tokens: vec![5, 6, 8], logits: None, logprobs: vec![lp(-1.5), None, lp(-3.0)] },
+            StepResult { tokens: Vec::new(), ..StepResult::default() },
         ] {
             encode_result(&r, &mut bytes).unwrap();
             decode_result(&bytes, &mut into).unwrap();
-            assert_eq!((&into.tokens, &into.logits), (&r.tokens, &r.logits));
+            assert_eq!((&into.tokens, &into.logits, &into.logprobs), (&r.tokens, &r.logits, &r.logprobs));
         }
     }
 
@@ -295,8 +294,8 @@ mod tests {
         huge.extend(u64::MAX.to_le_bytes());
         assert!(decode_plan(&huge, &mut into).is_err());
         let mut r = Vec::new();
-        encode_result(&StepResult { tokens: vec![1, 2], logits: None }, &mut r).unwrap();
-        let mut into = StepResult { tokens: Vec::new(), logits: None };
+        encode_result(&StepResult { tokens: vec![1, 2], ..StepResult::default() }, &mut r).unwrap();
+        let mut into = StepResult::default();
         for cut in 0..r.len() {
             assert!(decode_result(&r[..cut], &mut into).is_err());
         }

@@ -249,7 +249,7 @@ fn prompts_from_stdin_match_the_file() {
 /// other ranks asleep) only when nothing runs.
 #[test]
 fn requests_coming_while_others_run_get_their_tokens_alone() {
-    use gridlm::engine::{Completion, Request, RunOptions, Traffic};
+    use gridlm::engine::{Completion, Request, RunOptions, TokenLogprobs, Traffic};
     struct Drip {
         requests: Vec<Request>,
         given: usize,
@@ -270,7 +270,7 @@ fn requests_coming_while_others_run_get_their_tokens_alone() {
             }
             Ok(self.given < self.requests.len())
         }
-        fn token(&mut self, _key: usize, _token: u32) -> gridlm::Result<bool> {
+        fn token(&mut self, _key: usize, _token: u32, _: Option<&TokenLogprobs>) -> gridlm::Result<bool> {
             Ok(true)
         }
         fn done(&mut self, key: usize, c: Completion) -> gridlm::Result<()> {

@@ -140,6 +140,25 @@ fn streaming_decode_keeps_multibyte_characters_whole() {
     assert_eq!(pieces.concat(), text);
 }
 
+/// Each token's bytes, one after another, spell the text, characters split between tokens
+/// included (what serve's and generate's log-probabilities report of a token).
+#[test]
+fn token_bytes_spell_the_text() {
+    use gridlm::tokenizer::Tokenizer;
+    let tok = Tokenizer::from_dir(&smollm2("bf16")).unwrap();
+    let text = "naïve café — 世界你好 🎉🚀 ok\n\tend";
+    let ids = tok.encode(text, false).unwrap();
+    let bytes: Vec<u8> = ids.iter().flat_map(|&t| tok.token_bytes(t).unwrap()).collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    assert!(
+        ids.iter().any(|&t| std::str::from_utf8(&tok.token_bytes(t).unwrap()).is_err()),
+        "no split character"
+    );
+    let eos = tok.eos_id().unwrap();
+    assert_eq!(tok.token_bytes(eos).unwrap(), b"<|im_end|>");
+    assert_eq!(tok.token_bytes(u32::MAX), None);
+}
+
 /// A reader of the answer that goes away (`gridlm generate ... | head -c 1`) ends the run
 /// quietly: exit status 0, no error line, for a streamed answer and for JSON alike.
 #[test]

@@ -60,7 +60,14 @@ pub fn smollm2(dtype: &str) -> PathBuf {
 /// A greedy request for `max_tokens` new tokens past any EOS, keeping the prompt's logits if
 /// asked.
 pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize, keep_logits: bool) -> gridlm::engine::Request {
-    gridlm::engine::Request { prompt, max_tokens, ignore_eos: true, params: Default::default(), keep_logits }
+    gridlm::engine::Request {
+        prompt,
+        max_tokens,
+        ignore_eos: true,
+        params: Default::default(),
+        keep_logits,
+        logprobs: None,
+    }
 }
 
 /// An in-process single-rank engine on `dir` (2 kernel threads, f16 KV cache).

@@ -307,19 +307,20 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
 }
 
 /// Tensor parallelism over two ranks (9 heads split 5 + 4): a request alone gets the text
-/// `generate` gives on the same layout, whole and streamed, and a sampled request with a
-/// seed gets the same tokens twice.
+/// `generate` gives on the same layout, whole and streamed, with the same log-probabilities
+/// where asked, and a sampled request with a seed gets the same tokens twice.
 #[test]
 fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     let dir = smollm2("bf16");
     let prompt = "The three primary colors are red,";
     let mut cmd = launch_command(&["local", "2"]);
     cmd.args(["generate", "--model", path_str(&dir), "--threads", "1", "--tp", "2", "--prompt", prompt]);
-    cmd.args(["--max-tokens", "24", "--json"]);
+    cmd.args(["--max-tokens", "24", "--json", "--logprobs", "3"]);
     let out = gridlm_reference::run_with_timeout(cmd, 300);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();
     let server = Server::start(2, &dir, &["--tp", "2"]);
+    logprobs_as_generate(&server, prompt, &g);
     let (status, v) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 24}));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["text"], g["text"]);
@@ -347,6 +348,61 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     assert_eq!(both["choices"][1]["index"], 1);
     assert_ne!(texts[0], texts[1]);
     assert_eq!(both["usage"]["completion_tokens"], 48);
+}
+
+/// Log-probabilities as OpenAI gives them, each token's those of `generate --logprobs 3` (`g`)
+/// for the same prompt: a completion's whole and streamed (the chunks' lists one after another
+/// are the whole one's), and a chat answer's, whose tokens' bytes spell its text.
+fn logprobs_as_generate(server: &Server, prompt: &str, g: &Value) {
+    let ask = json!({"prompt": prompt, "max_tokens": 24, "logprobs": 3});
+    let (status, v) = server.post("/v1/completions", &ask);
+    assert_eq!(status, 200, "{v}");
+    let (lp, want) = (&v["choices"][0]["logprobs"], g["logprobs"].as_array().unwrap());
+    assert_eq!(want.len(), g["token_ids"].as_array().unwrap().len());
+    let texts: Vec<&Value> = want.iter().map(|t| &t["text"]).collect();
+    let values: Vec<&Value> = want.iter().map(|t| &t["logprob"]).collect();
+    assert_eq!(lp["tokens"].as_array().unwrap().iter().collect::<Vec<_>>(), texts, "{lp}");
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().iter().collect::<Vec<_>>(), values, "{lp}");
+    let mut offset = 0;
+    for (i, w) in want.iter().enumerate() {
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        for alt in w["top"].as_array().unwrap() {
+            let text = alt["text"].as_str().unwrap();
+            assert!(top.contains_key(text), "token {i}: {text:?} not in {top:?}");
+        }
+        assert!(top.contains_key(w["text"].as_str().unwrap()) && top.len() <= 4, "token {i}: {top:?}");
+        assert_eq!(lp["text_offset"][i], offset);
+        offset += w["text"].as_str().unwrap().len();
+    }
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let events = server.events("/v1/completions", &streamed);
+    for key in ["tokens", "token_logprobs", "text_offset"] {
+        let joined: Vec<Value> = events
+            .iter()
+            .flat_map(|e| e["choices"][0]["logprobs"][key].as_array().unwrap().clone())
+            .collect();
+        assert_eq!(&Value::Array(joined), &lp[key], "streamed {key}");
+    }
+    let chat = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "logprobs": true, "top_logprobs": 2});
+    let (status, v) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    let mut bytes = Vec::new();
+    for c in content {
+        let top = c["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2, "{c}");
+        assert_eq!(
+            (&top[0]["token"], &top[0]["logprob"]),
+            (&c["token"], &c["logprob"]),
+            "greedy: the most likely"
+        );
+        assert!(top[1]["logprob"].as_f64() <= top[0]["logprob"].as_f64(), "{c}");
+        bytes.extend(c["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8));
+    }
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(String::from_utf8(bytes).unwrap().starts_with(text), "{v}");
 }
 
 /// With `--api-key`, a request without the key (or with another) gets 401, but for /health;

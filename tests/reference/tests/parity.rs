@@ -75,6 +75,104 @@ fn smollm2_f32_matches_candle() {
     }
 }
 
+/// candle's Llama on the f32 folder, fed `prompt` and then `forced` a token at a time: the
+/// logits before each token of `forced`.
+fn candle_llama_along(dir: &Path, prompt: &[u32], forced: &[u32]) -> Vec<Vec<f32>> {
+    let cfg: llama::LlamaConfig =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = cfg.into_config(false);
+    let model = llama::Llama::load(candle_weights(dir), &cfg).unwrap();
+    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    let mut out = Vec::new();
+    let mut input = prompt.to_vec();
+    let mut pos = 0;
+    for &t in forced {
+        let logits = model.forward(&batch_of_one(&input), pos, &mut cache).unwrap();
+        out.push(logits.squeeze(0).unwrap().to_vec1().unwrap());
+        pos += input.len();
+        input = vec![t];
+    }
+    out
+}
+
+/// log-softmax of `logits`, in f64.
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|&l| l as f64 - lse).collect()
+}
+
+/// `generate --logprobs 5` reports each token's log-probability and the five most likely
+/// tokens' as candle's logits give them (within 1e-3; an alternative may differ only where
+/// candle's own values nearly tie), on one rank, two tensor-parallel ranks (the vocabulary
+/// split: the normalizer is summed over both shards) and two stages; greedy, and sampled with
+/// a repetition penalty and a temperature, which change the pick but not the reported values.
+#[test]
+fn smollm2_logprobs_match_candle() {
+    let dir = smollm2("f32");
+    let prompt = ["--prompt", "The history of the Roman Empire began when", "--max-tokens", "12"];
+    let sampled = ["--temperature", "0.9", "--seed", "7", "--repetition-penalty", "1.3"];
+    let mut reference: Option<(Vec<u32>, Vec<Vec<f32>>)> = None;
+    for (how, extra) in [("greedy", &[][..]), ("sampled", &sampled[..])] {
+        for grid in [&[][..], &["--tp", "2"][..], &["--pp", "2"][..]] {
+            let mut args = prompt.to_vec();
+            args.extend(["--logprobs", "5", "--threads", "1"]);
+            args.extend(KV_F32);
+            args.extend(extra);
+            args.extend(grid);
+            let run = if grid.is_empty() {
+                generate(&dir, &args)
+            } else {
+                generate_on(&["local", "2"], &dir, &args)
+            };
+            let lps = run.json["logprobs"].as_array().expect("a logprobs list");
+            assert_eq!(lps.len(), run.token_ids.len(), "{how} {grid:?}: one entry a token");
+            // candle along these tokens (the same for every grid of one way).
+            let same = reference.as_ref().is_some_and(|(t, _)| *t == run.token_ids);
+            if !same {
+                let steps = candle_llama_along(&dir, &run.prompt_ids, &run.token_ids);
+                reference = Some((run.token_ids.clone(), steps));
+            }
+            let steps = &reference.as_ref().unwrap().1;
+            let mut worst = 0.0f64;
+            for (i, (lp, l)) in lps.iter().zip(steps).enumerate() {
+                let want = log_softmax(l);
+                let t = run.token_ids[i] as usize;
+                assert_eq!(lp["token"].as_u64(), Some(t as u64), "{how} {grid:?}: token {i}");
+                let got = lp["logprob"].as_f64().unwrap();
+                worst = worst.max((got - want[t]).abs());
+                assert!(
+                    (got - want[t]).abs() <= 1e-3,
+                    "{how} {grid:?}: token {i}: logprob {got}, candle {}",
+                    want[t]
+                );
+                let top = lp["top"].as_array().unwrap();
+                assert_eq!(top.len(), 5, "{how} {grid:?}: token {i}");
+                let mut order: Vec<usize> = (0..want.len()).collect();
+                order.sort_by(|&a, &b| want[b].total_cmp(&want[a]).then(a.cmp(&b)));
+                for (j, alt) in top.iter().enumerate() {
+                    let (id, v) = (alt["token"].as_u64().unwrap() as usize, alt["logprob"].as_f64().unwrap());
+                    assert!(
+                        (v - want[id]).abs() <= 1e-3,
+                        "{how} {grid:?}: token {i} alternative {j}: {v} against {}",
+                        want[id]
+                    );
+                    let tie = (want[order[j]] - want[id]).abs() <= 1e-3;
+                    assert!(
+                        id == order[j] || tie,
+                        "{how} {grid:?}: token {i}: alternative {j} is {id}, candle's {}",
+                        order[j]
+                    );
+                }
+                if grid.is_empty() && extra.is_empty() {
+                    assert_eq!(top[0]["token"], lp["token"], "greedy: the token is the most likely");
+                }
+            }
+            eprintln!("{how} {grid:?}: {} tokens, max |Δ logprob| = {worst:.2e}", lps.len());
+        }
+    }
+}
+
 /// `other` gives the same greedy tokens as `full` (f32 weights, f32 KV cache), or departs
 /// from them only where f32 itself nearly ties: at the first differing position, candle's f32
 /// logits prefer f32's token over `other`'s by less than 0.1.
