@@ -262,6 +262,11 @@ struct GenerateArgs {
     /// its position (0 to 20)
     #[arg(long, value_name = "N", requires = "json", value_parser = clap::value_parser!(u64).range(0..=20))]
     logprobs: Option<u64>,
+    /// With --json: the log-probability of each prompt token after the first, given those
+    /// before it, and the N most likely tokens' at its position (0 to 20). With --max-tokens 0
+    /// the prompt is only scored
+    #[arg(long, value_name = "N", requires = "json", value_parser = clap::value_parser!(u64).range(0..=20))]
+    prompt_logprobs: Option<u64>,
     #[command(flatten)]
     grid: GridArgs,
     /// Write the logits of the last prompt position (f32, little-endian) to this file.
@@ -1133,22 +1138,38 @@ fn ranks_of(grid: &Grid) -> String {
     format!("{} ({}x{})", count(grid.pp * grid.tp, "rank"), grid.pp, grid.tp)
 }
 
-/// A completion's log-probabilities for `generate --json`: per token its id, text,
-/// log-probability and the alternatives' (`null` where none were asked for).
-fn logprobs_json(tok: &Tokenizer, c: &gridlm::engine::Completion) -> serde_json::Value {
-    if c.logprobs.is_empty() {
+/// Tokens' log-probabilities for `generate --json`: per token its id, text, log-probability
+/// and the alternatives' (`null` where none were asked for).
+fn logprobs_json(tok: &Tokenizer, ids: &[u32], lps: &[gridlm::engine::TokenLogprobs]) -> serde_json::Value {
+    if lps.is_empty() {
         return serde_json::Value::Null;
     }
     let entry = |t: u32, v: f32| {
         let text = String::from_utf8_lossy(&tok.token_bytes(t).unwrap_or_default()).into_owned();
         serde_json::json!({"token": t, "text": text, "logprob": v})
     };
-    let tokens = c.token_ids.iter().zip(&c.logprobs).map(|(&t, lp)| {
+    let tokens = ids.iter().zip(lps).map(|(&t, lp)| {
         let mut e = entry(t, lp.logprob);
         e["top"] = lp.top.iter().map(|&(a, v)| entry(a, v)).collect();
         e
     });
     tokens.collect()
+}
+
+/// A prompt's log-probabilities for `generate --json`: `null` for its first token, then as
+/// [`logprobs_json`] (`null` where none were asked for).
+fn prompt_logprobs_json(
+    tok: &Tokenizer,
+    prompt: &[u32],
+    c: &gridlm::engine::Completion,
+) -> serde_json::Value {
+    match logprobs_json(tok, prompt.get(1..).unwrap_or_default(), &c.prompt_logprobs) {
+        serde_json::Value::Array(mut v) => {
+            v.insert(0, serde_json::Value::Null);
+            serde_json::Value::Array(v)
+        }
+        other => other,
+    }
 }
 
 fn run_generate(
@@ -1206,6 +1227,7 @@ fn run_generate(
             params: p.spec.params.clone(),
             keep_logits: a.logits_out.is_some(),
             logprobs: a.logprobs.map(|n| n as usize),
+            prompt_logprobs: a.prompt_logprobs.map(|n| n as usize),
         })
         .collect();
     let opts = a.batching.options(grid.pp, eos_ids);
@@ -1266,7 +1288,8 @@ fn run_generate(
                 "token_ids": g.token_ids,
                 "text": texts[0],
                 "finish_reason": g.finish,
-                "logprobs": logprobs_json(&tok, g),
+                "logprobs": logprobs_json(&tok, &g.token_ids, &g.logprobs),
+                "prompt_logprobs": prompt_logprobs_json(&tok, &p.ids, g),
                 "prefill_ms": first,
                 "decode_tokens_per_s": tps,
                 "seed": p.spec.params.seed,
@@ -1309,7 +1332,8 @@ fn run_generate(
                     "token_ids": c.token_ids,
                     "text": text,
                     "finish_reason": c.finish,
-                    "logprobs": logprobs_json(&tok, c),
+                    "logprobs": logprobs_json(&tok, &c.token_ids, &c.logprobs),
+                    "prompt_logprobs": prompt_logprobs_json(&tok, &p.ids, c),
                     "error": c.error,
                     "seed": p.spec.params.seed,
                     "first_token_ms": c.times_ms.first(),
@@ -1718,6 +1742,7 @@ fn run_bench(
             params: params.clone(),
             keep_logits: false,
             logprobs: None,
+            prompt_logprobs: None,
         })
         .collect();
     let options = |batch: usize| RunOptions {

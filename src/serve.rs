@@ -51,6 +51,9 @@ pub struct Ask {
     /// Each token's log-probability, with this many alternatives' (completions: `logprobs`;
     /// chat: `logprobs` true, `top_logprobs`).
     pub logprobs: Option<usize>,
+    /// Completions: the answer's text begins with the prompt's (and its log-probabilities
+    /// with the prompt's tokens').
+    pub echo: bool,
 }
 
 /// Settings a request starts from: the server's command line.
@@ -62,7 +65,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have; OpenAI's that change nothing here pass when they ask for nothing
-/// (penalties 0, no echo).
+/// (penalties 0).
 const KEYS: [&str; 22] = [
     "model",
     "prompt",
@@ -125,6 +128,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         stream: false,
         stream_usage: false,
         logprobs: None,
+        echo: false,
     };
     match kind {
         Kind::Completion => {
@@ -178,8 +182,12 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     let max: Option<usize> = field(&obj, "max_tokens")?;
     let max = max.or(field(&obj, "max_completion_tokens")?);
     ask.max_tokens = max.unwrap_or(ask.max_tokens);
-    if ask.max_tokens == 0 {
-        return Err("`max_tokens` must be at least 1".into());
+    ask.echo = field(&obj, "echo")?.unwrap_or(false);
+    if ask.echo && kind == Kind::Chat {
+        return Err("`echo` belongs to /v1/completions".into());
+    }
+    if ask.max_tokens == 0 && !ask.echo {
+        return Err("`max_tokens` must be at least 1 (0 only with `echo`)".into());
     }
     ask.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(false);
     ask.stream = field(&obj, "stream")?.unwrap_or(false);
@@ -206,9 +214,6 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         if field::<f64>(&obj, key)?.is_some_and(|v| v != 0.0) {
             return Err(format!("`{key}` is not supported (repetition_penalty is)"));
         }
-    }
-    if obj.get("echo").is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false))) {
-        return Err("`echo` is not supported".into());
     }
     let top: Option<usize> = field(&obj, "top_logprobs")?;
     let (key, n) = match kind {
@@ -250,6 +255,9 @@ pub type Logprobs = Vec<(u32, TokenLogprobs)>;
 /// What the driver tells a request's thread.
 #[derive(Debug)]
 pub enum Event {
+    /// The prompt's log-probabilities (of its tokens after the first), before any text, where
+    /// the request echoes its prompt with log-probabilities.
+    Prompt(Vec<TokenLogprobs>),
     /// New text (never past a stop string), and the log-probabilities of the tokens since the
     /// last text.
     Text(String, Logprobs),
@@ -331,6 +339,14 @@ impl Traffic for Served {
                 Ok(false)
             }
         }
+    }
+
+    fn prompt_scored(&mut self, key: usize, logprobs: &[TokenLogprobs]) -> Result<()> {
+        if let Some(c) = self.clients.get(&key) {
+            // A thread gone stops the request at its next token.
+            let _ = c.reply.send((c.choice, Event::Prompt(logprobs.to_vec())));
+        }
+        Ok(())
     }
 
     fn done(&mut self, key: usize, completion: Completion) -> Result<()> {
@@ -658,6 +674,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
                 params,
                 keep_logits: false,
                 logprobs: ask.logprobs,
+                prompt_logprobs: ask.logprobs.filter(|_| ask.echo),
             };
             let inc =
                 Incoming { request, stop: ask.stop.clone(), choice: i * ask.n + j, reply: reply.clone() };
@@ -680,6 +697,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         prompt_tokens,
         tok: &front.tok,
         logprobs: ask.logprobs.is_some(),
+        echo: ask.echo.then_some(Echo { texts: &ask.prompts, ids: &prompts, n: ask.n }),
     };
     let (status, outcome) =
         if ask.stream { stream(req, &head, &ask, k, &mut events) } else { whole(req, &head, k, &mut events) };
@@ -747,6 +765,25 @@ struct Head<'a> {
     tok: &'a Tokenizer,
     /// The request asked for log-probabilities.
     logprobs: bool,
+    /// Echoed prompts.
+    echo: Option<Echo<'a>>,
+}
+
+/// A request's prompts, echoed: their texts and tokens, and the completions of each (`n`).
+#[derive(Clone, Copy)]
+struct Echo<'a> {
+    texts: &'a [String],
+    ids: &'a [Vec<u32>],
+    n: usize,
+}
+
+/// A token with its log-probabilities, none for a prompt's first token.
+type Entry<'a> = (u32, Option<&'a TokenLogprobs>);
+type Entries<'a> = [Entry<'a>];
+
+/// `lps` as [`Entries`].
+fn entries(lps: &[(u32, TokenLogprobs)]) -> Vec<Entry<'_>> {
+    lps.iter().map(|(t, lp)| (*t, Some(lp))).collect()
 }
 
 impl Head<'_> {
@@ -760,7 +797,7 @@ impl Head<'_> {
     fn choice(
         &self,
         index: usize,
-        (text, lps): (&str, &[(u32, TokenLogprobs)]),
+        (text, lps): (&str, &Entries),
         offset: &mut usize,
         finish: Option<Finish>,
         delta: bool,
@@ -785,22 +822,31 @@ impl Head<'_> {
     /// `top_logprobs` (the alternatives and the token itself by text) and `text_offset` (from
     /// `*offset` on, in bytes); chat's `content`, a list of each token's text, log-probability,
     /// bytes and alternatives.
-    fn logprobs_json(&self, lps: &[(u32, TokenLogprobs)], offset: &mut usize) -> Value {
+    fn logprobs_json(&self, lps: &Entries, offset: &mut usize) -> Value {
         let bytes = |t: u32| self.tok.token_bytes(t).unwrap_or_default();
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         match self.kind {
             Kind::Completion => {
                 let (mut tokens, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
-                for (t, lp) in lps {
-                    let b = bytes(*t);
-                    let mut top = Map::new();
-                    for &(a, v) in &lp.top {
-                        top.entry(text(&bytes(a))).or_insert(json!(v));
-                    }
-                    top.entry(text(&b)).or_insert(json!(lp.logprob));
+                for &(t, lp) in lps {
+                    let b = bytes(t);
                     tokens.push(json!(text(&b)));
-                    logprobs.push(json!(lp.logprob));
-                    tops.push(Value::Object(top));
+                    match lp {
+                        Some(lp) => {
+                            let mut top = Map::new();
+                            for &(a, v) in &lp.top {
+                                top.entry(text(&bytes(a))).or_insert(json!(v));
+                            }
+                            top.entry(text(&b)).or_insert(json!(lp.logprob));
+                            logprobs.push(json!(lp.logprob));
+                            tops.push(Value::Object(top));
+                        }
+                        // A prompt's first token: nothing before it to give it a probability.
+                        None => {
+                            logprobs.push(Value::Null);
+                            tops.push(Value::Null);
+                        }
+                    }
                     offsets.push(json!(*offset));
                     *offset += b.len();
                 }
@@ -811,14 +857,25 @@ impl Head<'_> {
                     let b = bytes(t);
                     json!({"token": text(&b), "logprob": v, "bytes": b})
                 };
-                let content = lps.iter().map(|(t, lp)| {
-                    let mut e = entry(*t, lp.logprob);
+                // (Chat never echoes, so every token has its log-probabilities.)
+                let content = lps.iter().filter_map(|&(t, lp)| {
+                    let lp = lp?;
+                    let mut e = entry(t, lp.logprob);
                     e["top_logprobs"] = lp.top.iter().map(|&(a, v)| entry(a, v)).collect();
-                    e
+                    Some(e)
                 });
                 json!({"content": content.collect::<Vec<_>>()})
             }
         }
+    }
+
+    /// Choice `i`'s echoed prompt, if the request echoes: its text, and its tokens with the
+    /// log-probabilities `scored` of those after the first (where they were asked for).
+    fn echoed<'s>(&self, i: usize, scored: &'s [TokenLogprobs]) -> Option<(&str, Vec<Entry<'s>>)> {
+        let Echo { texts, ids, n } = self.echo?;
+        let ids = &ids[i / n];
+        let lps = std::iter::once(None).chain(scored.iter().map(Some));
+        Some((&texts[i / n], ids.iter().copied().zip(lps).collect()))
     }
 
     fn object(&self, streamed: bool) -> &'static str {
@@ -838,10 +895,12 @@ impl Head<'_> {
 fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) -> (u16, Option<Outcome>) {
     let mut texts = vec![String::new(); k];
     let mut lps: Vec<Logprobs> = vec![Vec::new(); k];
+    let mut prompt_lps: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); k];
     let mut finish = vec![Finish::Length; k];
     let (mut done, mut tokens) = (0, 0);
     while let Some((i, event)) = events.recv() {
         match event {
+            Event::Prompt(lp) => prompt_lps[i] = lp,
             Event::Text(piece, lp) => {
                 texts[i].push_str(&piece);
                 lps[i].extend(lp);
@@ -867,7 +926,13 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
         reply_error(req, 500, "the driver stopped before the completion was done");
         return (500, None);
     }
-    let choices = (0..k).map(|i| head.choice(i, (&texts[i], &lps[i]), &mut 0, Some(finish[i]), false));
+    let choices = (0..k).map(|i| {
+        let (mut text, mut all) =
+            head.echoed(i, &prompt_lps[i]).map_or((String::new(), Vec::new()), |(t, e)| (t.to_string(), e));
+        text.push_str(&texts[i]);
+        all.extend(entries(&lps[i]));
+        head.choice(i, (&text, &all), &mut 0, Some(finish[i]), false)
+    });
     let mut body = head.body(choices.collect(), false);
     body["usage"] = head.usage(tokens);
     reply_json(req, 200, &body);
@@ -894,7 +959,8 @@ fn stream(
         reply_error(req, 400, e);
         return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens }));
     }
-    let mut sse = Sse { w: req.into_writer(), first: vec![true; k], offsets: vec![0; k] };
+    let mut sse =
+        Sse { w: req.into_writer(), first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k] };
     let start = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
     if sse.w.write_all(start.as_bytes()).is_err() {
         return (200, None);
@@ -903,17 +969,28 @@ fn stream(
     let (mut done, mut tokens) = (0, 0);
     loop {
         let (i, e) = event;
-        let sent = match e {
-            Event::Text(t, lp) => sse.piece(head, i, (&t, &lp), None),
+        // An echoed prompt comes first, with its log-probabilities if they were asked for.
+        let scored = match &e {
+            Event::Prompt(lp) => &lp[..],
+            _ => &[],
+        };
+        let mut sent = Ok(());
+        if let Some((text, lps)) = head.echoed(i, scored).filter(|_| !sse.echoed[i]) {
+            sse.echoed[i] = true;
+            sent = sse.piece(head, i, (text, &lps), None);
+        }
+        let sent = sent.and_then(|()| match e {
+            Event::Prompt(_) => Ok(()),
+            Event::Text(t, lp) => sse.piece(head, i, (&t, &entries(&lp)), None),
             Event::Done { rest, logprobs, finish: f, error, tokens: t } => {
                 (finish[i], done, tokens) = (f, done + 1, tokens + t);
                 match error {
                     // The text could not be made after some was sent: say so in the stream.
                     Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
-                    None => sse.piece(head, i, (&rest, &logprobs), Some(f)),
+                    None => sse.piece(head, i, (&rest, &entries(&logprobs)), Some(f)),
                 }
             }
-        };
+        });
         if sent.is_err() {
             return (200, None);
         }
@@ -941,6 +1018,8 @@ struct Sse {
     first: Vec<bool>,
     /// Bytes of each choice's text sent so far (the `text_offset` of its next token).
     offsets: Vec<usize>,
+    /// Each choice whose echoed prompt was sent.
+    echoed: Vec<bool>,
 }
 
 impl Sse {
@@ -961,7 +1040,7 @@ impl Sse {
         &mut self,
         head: &Head,
         index: usize,
-        piece: (&str, &[(u32, TokenLogprobs)]),
+        piece: (&str, &Entries),
         finish: Option<Finish>,
     ) -> std::io::Result<()> {
         let mut c = head.choice(index, piece, &mut self.offsets[index], finish, true);
@@ -1051,6 +1130,12 @@ mod tests {
             (Kind::Completion, r#"{"prompt":["a",1]}"#, "`prompt` must be a string"),
             (Kind::Completion, r#"{"messages":[]}"#, "belongs to /v1/chat/completions"),
             (Kind::Completion, r#"{"prompt":"a","max_tokens":0}"#, "`max_tokens` must be at least 1"),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"user","content":"a"}],"echo":true}"#,
+                "belongs to /v1/completions",
+            ),
+            (Kind::Completion, r#"{"prompt":"a","echo":1}"#, "`echo`"),
             (Kind::Completion, r#"{"prompt":"a","max_tokens":-1}"#, "`max_tokens`"),
             (Kind::Completion, r#"{"prompt":"a","temperature":-1}"#, "`temperature` must be"),
             (Kind::Completion, r#"{"prompt":"a","top_p":0}"#, "`top_p`"),
@@ -1074,7 +1159,6 @@ mod tests {
                 r#"{"messages":[{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":30}"#,
                 "`top_logprobs`: at most 20",
             ),
-            (Kind::Completion, r#"{"prompt":"a","echo":true}"#, "`echo` is not supported"),
             (Kind::Completion, r#"{"prompt":"a","stream":"yes"}"#, "`stream`"),
             (Kind::Chat, r#"{"prompt":"a"}"#, "belongs to /v1/completions"),
             (Kind::Chat, r#"{"messages":[]}"#, "`messages` is empty"),

@@ -78,6 +78,7 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig) {
         params,
         keep_logits: len == 9,
         logprobs: None,
+        prompt_logprobs: None,
     };
     let sampled = |temperature, top_p, top_k, seed| SamplingParams {
         temperature,

@@ -114,6 +114,22 @@ pub struct Step {
     /// Whose weights and many-token way it runs on: 0 the engine's own, 1 its
     /// [`OtherSide`] (a comparison run step by step, [`RunOptions::sides`]).
     pub side: u8,
+    /// Prompt chunks whose positions' next tokens are scored, in span order.
+    pub scored: Vec<Scored>,
+}
+
+/// A prompt chunk of a request that asked for its prompt's log-probabilities
+/// ([`Request::prompt_logprobs`]): the last stage reports, for each of the span's positions, the
+/// log-probabilities of the prompt's next token there ([`TokenLogprobs`]), with `k` alternatives;
+/// at the prompt's last position the next token is the one generated, reported as a generated
+/// token's are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Scored {
+    /// Its span: an index into the step's spans.
+    pub span: usize,
+    /// The prompt's token after the span; `None` where the span ends the prompt.
+    pub next: Option<u32>,
+    pub k: usize,
 }
 
 /// Whether a step counts as a decode step in the [`StepProfile`]: every span one token past
@@ -133,6 +149,9 @@ pub struct StepResult {
     /// Each emitting span's token's log-probabilities where its sequence asked for them; empty
     /// when none of the step's did.
     pub logprobs: Vec<Option<TokenLogprobs>>,
+    /// The scored spans' positions' log-probabilities ([`Step::scored`]), one span's after
+    /// another: a span's length of them, one fewer where it ends the prompt.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// Settings of one greedy or sampled generation ([`Engine::generate`]).
@@ -205,7 +224,16 @@ struct LogprobBufs {
     merged: Vec<(f32, u32)>,
     /// Those rows' logits before [`sampling::adjust`] changed them, where it does.
     raw: Vec<f32>,
+    /// Scored prompt positions ([`Engine::score`]): (hidden row, target token, alternatives),
+    /// and a block's hidden states and logits.
+    targets: Vec<(usize, u32, usize)>,
+    rows_x: Vec<f32>,
+    rows_logits: Vec<f32>,
 }
+
+/// Prompt positions whose logits one pass of the output head computes when a prompt is scored
+/// ([`Engine::score`]): the head is read once for this many.
+const SCORE_ROWS: usize = 64;
 
 /// Where a rank's time went during decode steps (every span one token past its sequence's
 /// first position) since the last `Begin`: from taking each step's plan to finishing its part,
@@ -856,6 +884,9 @@ impl Engine {
             }
             self.pick(spans, m, comm, &mut result);
         }
+        if !step.scored.is_empty() {
+            self.score(step, comm, &mut result)?;
+        }
         if g.rank == 0 {
             return Ok(Some(result));
         }
@@ -865,6 +896,62 @@ impl Engine {
         }
         self.recycle(result);
         Ok(None)
+    }
+
+    /// Last stage, after the step's layers: the log-probabilities of the prompt's next token at
+    /// each position of the step's scored spans ([`Step::scored`]) into `result`, from the
+    /// hidden states in `self.hidden`. The output head runs over [`SCORE_ROWS`] positions at a
+    /// time; each rank summarizes its vocabulary shard of every row with the target token's
+    /// logit where it holds it, and one allgather a block gives the stage every record.
+    fn score(&mut self, step: &Step, comm: &dyn Comm, result: &mut StepResult) -> Result<()> {
+        let h = self.shard.cfg.hidden_size;
+        let vr = self.shard.vocab_range();
+        let vl = vr.len();
+        let lp = &mut self.logprob_bufs;
+        // (hidden row, target token, alternatives) of every scored position.
+        lp.targets.clear();
+        for sc in &step.scored {
+            let Some(sp) = step.spans.get(sc.span) else {
+                return Err(Error::Comm(format!("a step scores span {} of {}", sc.span, step.spans.len())));
+            };
+            let at: usize = step.spans[..sc.span].iter().map(|s| s.len).sum();
+            for p in 0..sp.len {
+                let target = if p + 1 < sp.len { Some(step.tokens[at + p + 1]) } else { sc.next };
+                if let Some(t) = target {
+                    lp.targets.push((at + p, t, sc.k.min(MAX_LOGPROBS)));
+                }
+            }
+        }
+        let k_max = lp.targets.iter().map(|t| t.2).max().unwrap_or(0);
+        let rec = 1 + sampling::summary_len(k_max);
+        let n = comm.size();
+        result.prompt_logprobs.clear();
+        result.prompt_logprobs.reserve(lp.targets.len());
+        for block in lp.targets.chunks(SCORE_ROWS) {
+            let m = block.len();
+            lp.rows_x.resize(m * h, 0.0);
+            for (i, &(row, _, _)) in block.iter().enumerate() {
+                lp.rows_x[i * h..(i + 1) * h].copy_from_slice(&self.hidden[row * h..(row + 1) * h]);
+            }
+            lp.rows_logits.resize(m * vl, 0.0);
+            self.shard.logits(&lp.rows_x, m, &mut self.scratch, &mut lp.rows_logits, &self.team);
+            lp.mine.resize(m * rec, 0.0);
+            for (i, &(_, t, _)) in block.iter().enumerate() {
+                let logits = &lp.rows_logits[i * vl..(i + 1) * vl];
+                let r = &mut lp.mine[i * rec..(i + 1) * rec];
+                sampling::summarize(logits, vr.start, k_max, &mut lp.idx, &mut r[1..]);
+                let t = t as usize;
+                r[0] = if vr.contains(&t) { logits[t - vr.start] } else { f32::NEG_INFINITY };
+            }
+            lp.all.resize(n * m * rec, 0.0);
+            comm.allgather(&lp.mine, &mut lp.all);
+            for (i, &(_, _, k)) in block.iter().enumerate() {
+                let all = &lp.all;
+                let record = |r: usize| &all[(r * m + i) * rec..(r * m + i + 1) * rec];
+                result.prompt_logprobs.push(sampling::merge_logprobs(n, record, k, &mut lp.merged));
+            }
+        }
+        Ok(())
     }
 
     /// The largest vocabulary shard of the stage (the same on every rank).
@@ -1063,7 +1150,7 @@ impl Engine {
             logprobs: None,
         }];
         let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };
-        let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), want_logits: false, side: 0 };
+        let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), ..Step::default() };
         let mut out = vec![self.step(first, comm, link)?.tokens[0]];
         for (i, &t) in forced.iter().enumerate().take(forced.len().saturating_sub(1)) {
             let pos = prompt.len() + i;
@@ -1071,8 +1158,7 @@ impl Engine {
                 break;
             }
             let span = Span { seq: 0, pos0: pos, len: 1, emit: true };
-            let step =
-                Step { admit: Vec::new(), spans: vec![span], tokens: vec![t], want_logits: false, side: 0 };
+            let step = Step { spans: vec![span], tokens: vec![t], ..Step::default() };
             out.push(self.step(step, comm, link)?.tokens[0]);
         }
         Ok(out)
@@ -1096,6 +1182,7 @@ impl Engine {
             params: SamplingParams::default(),
             keep_logits: opts.keep_prompt_logits,
             logprobs: None,
+            prompt_logprobs: None,
         };
         let run = RunOptions { eos_ids: opts.eos_ids.clone(), ..RunOptions::default() };
         let mut done = self.run(&[req], &run, comm, link, |_, t| on_token(t).map(|()| true))?;
@@ -1118,7 +1205,7 @@ impl Engine {
 fn spare_result(spare: &mut Vec<Vec<u32>>) -> StepResult {
     let mut tokens = spare.pop().unwrap_or_default();
     tokens.clear();
-    StepResult { tokens, logits: None, logprobs: Vec::new() }
+    StepResult { tokens, ..StepResult::default() }
 }
 
 /// The stage agrees on the greedy token of each of the `m` rows of `logits` (`[m, shard]`):

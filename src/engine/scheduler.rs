@@ -13,7 +13,8 @@
 //! return pages. A request that could never fit gets its own error; the others run on.
 
 use super::{
-    check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Step, StepResult, TokenLogprobs,
+    check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Scored, Step, StepResult,
+    TokenLogprobs,
 };
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
@@ -34,6 +35,10 @@ pub struct Request {
     /// Report each token's log-probability and this many alternatives' (at most
     /// [`MAX_LOGPROBS`](super::MAX_LOGPROBS)).
     pub logprobs: Option<usize>,
+    /// Report the log-probabilities of each prompt token after the first (given those before
+    /// it), with this many alternatives'. With `max_tokens` 0 the request only scores its
+    /// prompt.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// How the scheduler runs a set of requests.
@@ -90,6 +95,8 @@ pub struct Completion {
     pub prompt_logits: Option<Vec<f32>>,
     /// Each token's log-probabilities, where the request asked for them.
     pub logprobs: Vec<TokenLogprobs>,
+    /// The log-probabilities of each prompt token after the first, where the request asked.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 impl Completion {
@@ -123,10 +130,12 @@ struct Seq {
     fed: usize,
 }
 
-/// A launched step: the requests of its emitting spans, in order.
+/// A launched step: the requests of its emitting spans, in order, and of its scored spans
+/// (with the log-probabilities each brings and whether it ends its prompt).
 struct InFlight {
     group: usize,
     emitting: Vec<usize>,
+    scoring: Vec<(usize, usize, bool)>,
     want_logits: bool,
 }
 
@@ -141,6 +150,11 @@ pub trait Traffic {
     fn token(&mut self, key: usize, token: u32, logprobs: Option<&TokenLogprobs>) -> Result<bool>;
     /// Request `key` is over.
     fn done(&mut self, key: usize, completion: Completion) -> Result<()>;
+    /// Request `key`'s prompt is scored ([`Request::prompt_logprobs`]): the log-probabilities of
+    /// its tokens after the first, before any token it brings.
+    fn prompt_scored(&mut self, _key: usize, _logprobs: &[TokenLogprobs]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A list of requests known at the start: [`Engine::run`]'s traffic.
@@ -291,6 +305,8 @@ impl Engine {
         // allocates nothing: the plan, and the emitting lists of collected steps.
         let mut plan = Plan::Step(Step::default());
         let mut spare: Vec<Vec<usize>> = Vec::new();
+        // The requests a collected step ended, and how.
+        let mut ended: Vec<(usize, Finish)> = Vec::with_capacity(slots);
         loop {
             // New requests: nothing running or waiting, wait for one (every other rank asleep
             // meanwhile); else take what came.
@@ -315,11 +331,13 @@ impl Engine {
                         (need * page_bytes) as f64 / (1 << 20) as f64,
                         (pages * page_bytes) as f64 / (1 << 20) as f64
                     )),
-                    Ok(()) if req.logprobs.is_some_and(|k| k > super::MAX_LOGPROBS) => Some(format!(
-                        "log-probabilities list at most {} alternatives a token, {} asked",
-                        super::MAX_LOGPROBS,
-                        req.logprobs.unwrap_or(0)
-                    )),
+                    Ok(()) if req.logprobs.max(req.prompt_logprobs).is_some_and(|k| k > super::MAX_LOGPROBS) => {
+                        Some(format!(
+                            "log-probabilities list at most {} alternatives a token, {} asked",
+                            super::MAX_LOGPROBS,
+                            req.logprobs.max(req.prompt_logprobs).unwrap_or(0)
+                        ))
+                    }
                     Ok(()) => req.params.check().err(),
                 };
                 let mut out = Completion {
@@ -329,8 +347,9 @@ impl Engine {
                     times_ms: Vec::new(),
                     prompt_logits: None,
                     logprobs: Vec::new(),
+                    prompt_logprobs: Vec::new(),
                 };
-                if problem.is_some() || req.max_tokens == 0 {
+                if problem.is_some() || (req.max_tokens == 0 && req.prompt_logprobs.is_none()) {
                     if problem.is_some() {
                         out.finish = Finish::Error;
                         out.error = problem;
@@ -390,10 +409,14 @@ impl Engine {
                     if r.logprobs.is_some() {
                         l.out.logprobs.reserve_exact(most);
                     }
+                    if r.prompt_logprobs.is_some() {
+                        l.out.prompt_logprobs.reserve_exact(r.prompt.len() - 1);
+                    }
                 }
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len());
                 let mut emitting = spare.pop().unwrap_or_default();
-                if !build_step(&members[g], &mut live, opts.step_tokens, step, &mut emitting) {
+                let mut scoring = Vec::new();
+                if !build_step(&members[g], &mut live, opts.step_tokens, step, &mut emitting, &mut scoring) {
                     spare.push(emitting);
                     continue;
                 }
@@ -404,7 +427,7 @@ impl Engine {
                 let want_logits = step.want_logits;
                 busy[g] = true;
                 self.launch(&plan, comm, link)?;
-                flight.push_back(InFlight { group: g, emitting, want_logits });
+                flight.push_back(InFlight { group: g, emitting, scoring, want_logits });
                 tried = 0;
             }
             let Some(f) = flight.pop_front() else {
@@ -432,6 +455,28 @@ impl Engine {
                 last = now;
                 now = clocks[f.group];
             }
+            // Scored prompt chunks first: a prompt's scores come before its first token.
+            let brought: usize = f.scoring.iter().map(|s| s.1).sum();
+            if brought != r.prompt_logprobs.len() {
+                return Err(Error::Comm(format!(
+                    "a step scoring {brought} prompt positions brought {} log-probabilities",
+                    r.prompt_logprobs.len()
+                )));
+            }
+            let mut scores = r.prompt_logprobs.drain(..);
+            for &(at, count, last_chunk) in &f.scoring {
+                let l = live[at].as_mut().expect("a scored request is held");
+                l.out.prompt_logprobs.extend(scores.by_ref().take(count));
+                if !last_chunk {
+                    continue;
+                }
+                traffic.prompt_scored(l.key, &l.out.prompt_logprobs)?;
+                if l.req.max_tokens == 0 {
+                    // Its prompt scored, a request that brings no token is over.
+                    ended.push((at, Finish::Length));
+                }
+            }
+            drop(scores);
             for (row, (&at, &tok)) in f.emitting.iter().zip(&r.tokens).enumerate() {
                 let l = live[at].as_mut().expect("an emitting request is held");
                 let (req, c) = (&l.req, &mut l.out);
@@ -467,15 +512,18 @@ impl Engine {
                     None
                 };
                 if let Some(fin) = finish {
-                    let mut l = live[at].take().expect("held just above");
-                    l.out.finish = fin;
-                    let s = l.seq.take().expect("an emitting request is running");
-                    members[s.group].retain(|&m| m != at);
-                    free_slots.push(s.slot);
-                    free_pages.give(&s.pages);
-                    vacant.push(at);
-                    traffic.done(l.key, l.out)?;
+                    ended.push((at, fin));
                 }
+            }
+            for (at, fin) in ended.drain(..) {
+                let mut l = live[at].take().expect("an ended request is held");
+                l.out.finish = fin;
+                let s = l.seq.take().expect("an ended request was running");
+                members[s.group].retain(|&m| m != at);
+                free_slots.push(s.slot);
+                free_pages.give(&s.pages);
+                vacant.push(at);
+                traffic.done(l.key, l.out)?;
             }
             self.recycle(r);
             spare.push(f.emitting);
@@ -506,19 +554,24 @@ fn positions_of(r: &Request, ctx: usize) -> usize {
 
 /// The next step of a group, into `step` (its admissions already there): a decode token of
 /// each running member, then prompt chunks while the step has room (at least one chunk, so
-/// prefill always advances); and into `emitting` the requests of the emitting spans, in
-/// order. `false` when the group has nothing to run.
+/// prefill always advances); into `emitting` the requests of the emitting spans, in order, and
+/// into `scoring` those of the scored chunks (prompts asking for their log-probabilities: the
+/// request, the scores the chunk brings, whether it ends the prompt). `false` when the group
+/// has nothing to run.
 fn build_step(
     members: &[usize],
     live: &mut [Option<Live>],
     step_tokens: usize,
     step: &mut Step,
     emitting: &mut Vec<usize>,
+    scoring: &mut Vec<(usize, usize, bool)>,
 ) -> bool {
-    let Step { spans, tokens, want_logits, .. } = step;
+    let Step { spans, tokens, want_logits, scored, .. } = step;
     spans.clear();
     tokens.clear();
     emitting.clear();
+    scored.clear();
+    scoring.clear();
     *want_logits = false;
     for &i in members {
         let l = live[i].as_ref().expect("members are held");
@@ -544,7 +597,14 @@ fn build_step(
         if n == 0 {
             break;
         }
-        let emit = s.fed + n == p.len();
+        let ends = s.fed + n == p.len();
+        // A request that only scores its prompt brings no token.
+        let emit = ends && l.req.max_tokens > 0;
+        if let Some(k) = l.req.prompt_logprobs {
+            let next = p.get(s.fed + n).copied();
+            scored.push(Scored { span: spans.len(), next, k });
+            scoring.push((i, if ends { n - 1 } else { n }, ends));
+        }
         spans.push(Span { seq: s.slot, pos0: s.fed, len: n, emit });
         tokens.extend_from_slice(&p[s.fed..s.fed + n]);
         s.fed += n;

@@ -5,13 +5,14 @@
 //!
 //! ```text
 //! step:   0u8, want_logits u8, side u8, spans u64, admit bytes u64,
-//!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens, admit (bincode)
+//!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens,
+//!         scored u64, scored × (span u64, next u64 (u64::MAX: none), k u64), admit (bincode)
 //! other:  1u8, the plan (bincode)
-//! result: tokens, 0u8 | 1u8 and (the logits, the log-probabilities) (bincode)
+//! result: tokens, 0u8 | 1u8 and (logits, log-probabilities, prompt log-probabilities) (bincode)
 //! tokens: count u64, then the tokens × u32
 //! ```
 
-use super::{Plan, Step, StepResult};
+use super::{Plan, Scored, Step, StepResult};
 use crate::error::{Error, Result};
 use crate::model::Span;
 
@@ -19,6 +20,8 @@ const STEP: u8 = 0;
 const OTHER: u8 = 1;
 /// Bytes of one span on the wire.
 const SPAN_BYTES: usize = 3 * 8 + 1;
+/// Bytes of one scored span on the wire.
+const SCORED_BYTES: usize = 3 * 8;
 
 fn word(out: &mut Vec<u8>, v: usize) {
     out.extend_from_slice(&(v as u64).to_le_bytes());
@@ -50,6 +53,12 @@ pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
         out.push(u8::from(s.emit));
     }
     tokens(out, &step.tokens);
+    word(out, step.scored.len());
+    for s in &step.scored {
+        word(out, s.span);
+        out.extend_from_slice(&s.next.map_or(u64::MAX, u64::from).to_le_bytes());
+        word(out, s.k);
+    }
     if !step.admit.is_empty() {
         let start = out.len();
         bincode::serialize_into(&mut *out, &step.admit)
@@ -88,6 +97,18 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
         step.spans.push(Span { seq, pos0, len, emit: r.u8()? != 0 });
     }
     r.tokens(&mut step.tokens)?;
+    let n_scored = r.len(SCORED_BYTES)?;
+    step.scored.clear();
+    for _ in 0..n_scored {
+        let span = r.usize()?;
+        let next = u64::from_le_bytes(r.array()?);
+        let next = if next == u64::MAX {
+            None
+        } else {
+            Some(u32::try_from(next).map_err(|_| Error::Comm(format!("a plan scores token {next}")))?)
+        };
+        step.scored.push(Scored { span, next, k: r.usize()? });
+    }
     let admit = r.take(admit_bytes)?;
     if admit.is_empty() {
         step.admit.clear();
@@ -102,11 +123,11 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
 pub fn encode_result(r: &StepResult, out: &mut Vec<u8>) -> Result<()> {
     out.clear();
     tokens(out, &r.tokens);
-    if r.logits.is_none() && r.logprobs.is_empty() {
+    if r.logits.is_none() && r.logprobs.is_empty() && r.prompt_logprobs.is_empty() {
         out.push(0);
     } else {
         out.push(1);
-        bincode::serialize_into(&mut *out, &(&r.logits, &r.logprobs))
+        bincode::serialize_into(&mut *out, &(&r.logits, &r.logprobs, &r.prompt_logprobs))
             .map_err(|e| Error::Comm(format!("cannot encode a step's logits: {e}")))?;
     }
     Ok(())
@@ -119,9 +140,10 @@ pub fn decode_result(bytes: &[u8], into: &mut StepResult) -> Result<()> {
     if r.u8()? == 0 {
         into.logits = None;
         into.logprobs.clear();
+        into.prompt_logprobs.clear();
         return r.end();
     }
-    (into.logits, into.logprobs) = bincode::deserialize(r.rest())
+    (into.logits, into.logprobs, into.prompt_logprobs) = bincode::deserialize(r.rest())
         .map_err(|e| Error::Comm(format!("cannot decode a step's logits: {e}")))?;
     Ok(())
 }
@@ -218,6 +240,10 @@ mod tests {
             tokens: vec![1, 2, u32::MAX, 5],
             want_logits: true,
             side: 1,
+            scored: vec![
+                Scored { span: 0, next: Some(u32::MAX), k: 2 },
+                Scored { span: 1, next: None, k: 0 },
+            ],
         }
     }
 
@@ -268,13 +294,24 @@ mod tests {
         let lp = |v: f32| Some(TokenLogprobs { logprob: v, top: vec![(7, -0.25), (1, v)] });
         for r in [
             StepResult { tokens: vec![4, 0, 17], ..StepResult::default() },
-            StepResult { tokens: vec![3], logits: Some(vec![0.5, -1.0, f32::MIN]), logprobs: vec![lp(-2.0)] },
-            StepResult { tokens: vec![5, 6, 8], logits: None, logprobs: vec![lp(-1.5), None, lp(-3.0)] },
+            StepResult {
+                tokens: vec![3],
+                logits: Some(vec![0.5, -1.0, f32::MIN]),
+                logprobs: vec![lp(-2.0)],
+                ..StepResult::default()
+            },
+            StepResult {
+                tokens: vec![5, 6, 8],
+                logits: None,
+                logprobs: vec![lp(-1.5), None, lp(-3.0)],
+                prompt_logprobs: vec![lp(-0.5).unwrap(), lp(-4.0).unwrap()],
+            },
             StepResult { tokens: Vec::new(), ..StepResult::default() },
         ] {
             encode_result(&r, &mut bytes).unwrap();
             decode_result(&bytes, &mut into).unwrap();
-            assert_eq!((&into.tokens, &into.logits, &into.logprobs), (&r.tokens, &r.logits, &r.logprobs));
+            let got = (&into.tokens, &into.logits, &into.logprobs, &into.prompt_logprobs);
+            assert_eq!(got, (&r.tokens, &r.logits, &r.logprobs, &r.prompt_logprobs));
         }
     }
 

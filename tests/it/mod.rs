@@ -67,6 +67,7 @@ pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize, keep_logits: bool) ->
         params: Default::default(),
         keep_logits,
         logprobs: None,
+        prompt_logprobs: None,
     }
 }
 

@@ -315,7 +315,7 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     let prompt = "The three primary colors are red,";
     let mut cmd = launch_command(&["local", "2"]);
     cmd.args(["generate", "--model", path_str(&dir), "--threads", "1", "--tp", "2", "--prompt", prompt]);
-    cmd.args(["--max-tokens", "24", "--json", "--logprobs", "3"]);
+    cmd.args(["--max-tokens", "24", "--json", "--logprobs", "3", "--prompt-logprobs", "3"]);
     let out = gridlm_reference::run_with_timeout(cmd, 300);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -350,9 +350,11 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     assert_eq!(both["usage"]["completion_tokens"], 48);
 }
 
-/// Log-probabilities as OpenAI gives them, each token's those of `generate --logprobs 3` (`g`)
-/// for the same prompt: a completion's whole and streamed (the chunks' lists one after another
-/// are the whole one's), and a chat answer's, whose tokens' bytes spell its text.
+/// Log-probabilities as OpenAI gives them, each token's those of `generate --logprobs 3
+/// --prompt-logprobs 3` (`g`) for the same prompt: a completion's whole and streamed (the
+/// chunks' lists one after another are the whole one's), the same with the prompt echoed (its
+/// tokens first, the first without a value), the prompt alone scored (`max_tokens` 0), and a
+/// chat answer's, whose tokens' bytes spell its text.
 fn logprobs_as_generate(server: &Server, prompt: &str, g: &Value) {
     let ask = json!({"prompt": prompt, "max_tokens": 24, "logprobs": 3});
     let (status, v) = server.post("/v1/completions", &ask);
@@ -374,16 +376,53 @@ fn logprobs_as_generate(server: &Server, prompt: &str, g: &Value) {
         assert_eq!(lp["text_offset"][i], offset);
         offset += w["text"].as_str().unwrap().len();
     }
-    let mut streamed = ask.clone();
-    streamed["stream"] = json!(true);
-    let events = server.events("/v1/completions", &streamed);
-    for key in ["tokens", "token_logprobs", "text_offset"] {
-        let joined: Vec<Value> = events
-            .iter()
-            .flat_map(|e| e["choices"][0]["logprobs"][key].as_array().unwrap().clone())
-            .collect();
-        assert_eq!(&Value::Array(joined), &lp[key], "streamed {key}");
-    }
+    // A streamed answer's chunks' lists, one after another, are the whole answer's.
+    let same_streamed = |ask: &Value, whole: &Value| {
+        let mut streamed = ask.clone();
+        streamed["stream"] = json!(true);
+        let events = server.events("/v1/completions", &streamed);
+        for key in ["tokens", "token_logprobs", "text_offset"] {
+            let joined =
+                events.iter().flat_map(|e| e["choices"][0]["logprobs"][key].as_array().unwrap().clone());
+            assert_eq!(&Value::Array(joined.collect()), &whole[key], "streamed {key} of {ask}");
+        }
+    };
+    same_streamed(&ask, lp);
+    // Echoed: the prompt's tokens and their log-probabilities first.
+    let scored = g["prompt_logprobs"].as_array().unwrap();
+    assert!(scored.len() > 4 && scored[0].is_null(), "{g}");
+    let prompt_values: Vec<Value> =
+        scored.iter().map(|e| if e.is_null() { Value::Null } else { e["logprob"].clone() }).collect();
+    let tok = Tokenizer::from_dir(&smollm2("bf16")).unwrap();
+    let text = |t: &Value| {
+        String::from_utf8_lossy(&tok.token_bytes(t.as_u64().unwrap() as u32).unwrap()).into_owned()
+    };
+    let prompt_texts: Vec<Value> =
+        g["prompt_token_ids"].as_array().unwrap().iter().map(|t| json!(text(t))).collect();
+    let mut echo = ask.clone();
+    echo["echo"] = json!(true);
+    let (status, e) = server.post("/v1/completions", &echo);
+    assert_eq!(status, 200, "{e}");
+    let elp = &e["choices"][0]["logprobs"];
+    assert_eq!(
+        e["choices"][0]["text"],
+        json!(format!("{prompt}{}", v["choices"][0]["text"].as_str().unwrap()))
+    );
+    let cat = |a: &[Value], b: &Value| Value::Array(a.iter().chain(b.as_array().unwrap()).cloned().collect());
+    assert_eq!(elp["token_logprobs"], cat(&prompt_values, &lp["token_logprobs"]), "echoed");
+    assert_eq!(elp["tokens"], cat(&prompt_texts, &lp["tokens"]), "echoed");
+    assert!(
+        elp["top_logprobs"][0].is_null() && elp["top_logprobs"][1].as_object().unwrap().len() <= 4,
+        "{elp}"
+    );
+    same_streamed(&echo, elp);
+    echo["max_tokens"] = json!(0);
+    let (status, e) = server.post("/v1/completions", &echo);
+    assert_eq!(
+        (status, &e["choices"][0]["text"], &e["usage"]["completion_tokens"]),
+        (200, &json!(prompt), &json!(0))
+    );
+    assert_eq!(e["choices"][0]["logprobs"]["token_logprobs"], Value::Array(prompt_values), "scored alone");
     let chat = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "logprobs": true, "top_logprobs": 2});
     let (status, v) = server.post("/v1/chat/completions", &chat);
     assert_eq!(status, 200, "{v}");

@@ -9,8 +9,8 @@ use candle_transformers::models::{
     gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
 };
 use gridlm_reference::{
-    argmax, byte_chars, generate, generate_on, gridlm_bin, max_abs_diff, rename_tensor, run_with_timeout,
-    smollm2, write_gguf, GgufValue, Run,
+    argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, max_abs_diff, rename_tensor,
+    run_with_timeout, smollm2, write_gguf, GgufValue, Run,
 };
 use std::path::Path;
 
@@ -169,6 +169,80 @@ fn smollm2_logprobs_match_candle() {
                 }
             }
             eprintln!("{how} {grid:?}: {} tokens, max |Δ logprob| = {worst:.2e}", lps.len());
+        }
+    }
+}
+
+/// `entry` (a token's log-probabilities from `generate --json`: `token`, `logprob`, `top`) agrees
+/// with candle's logits `l` at that position within 1e-3, its alternatives candle's most likely
+/// tokens (but where candle's own values nearly tie); the largest difference.
+fn agrees_with_candle(what: &str, entry: &serde_json::Value, token: u32, l: &[f32], k: usize) -> f64 {
+    let want = log_softmax(l);
+    assert_eq!(entry["token"].as_u64(), Some(token as u64), "{what}");
+    let got = entry["logprob"].as_f64().unwrap();
+    let mut worst = (got - want[token as usize]).abs();
+    assert!(worst <= 1e-3, "{what}: logprob {got}, candle {}", want[token as usize]);
+    let top = entry["top"].as_array().unwrap();
+    assert_eq!(top.len(), k, "{what}");
+    let mut order: Vec<usize> = (0..want.len()).collect();
+    order.sort_by(|&a, &b| want[b].total_cmp(&want[a]).then(a.cmp(&b)));
+    for (j, alt) in top.iter().enumerate() {
+        let (id, v) = (alt["token"].as_u64().unwrap() as usize, alt["logprob"].as_f64().unwrap());
+        worst = worst.max((v - want[id]).abs());
+        assert!((v - want[id]).abs() <= 1e-3, "{what}: alternative {j}: {v} against {}", want[id]);
+        let tie = (want[order[j]] - want[id]).abs() <= 1e-3;
+        assert!(id == order[j] || tie, "{what}: alternative {j} is {id}, candle's {}", order[j]);
+    }
+    worst
+}
+
+/// `generate --prompt-logprobs 5` scores each prompt token after the first as candle's logits
+/// give it, the prompt fed whole or 16 positions a step (a chunk's last position scored by the
+/// next chunk's first token), on one rank, two tp ranks and two stages; with `--max-tokens 0`
+/// nothing is generated, otherwise the same scores come with the tokens.
+#[test]
+fn smollm2_prompt_logprobs_match_candle() {
+    let dir = smollm2("f32");
+    let text = "The history of the Roman Empire began when Augustus became the first emperor, and \
+                it lasted for centuries until the fall of Constantinople in 1453.";
+    let mut steps: Option<Vec<Vec<f32>>> = None;
+    for (grid, chunk) in
+        [(&[][..], "512"), (&[][..], "16"), (&["--tp", "2"][..], "16"), (&["--pp", "2"][..], "16")]
+    {
+        for new in ["0", "3"] {
+            let mut args =
+                vec!["--prompt", text, "--max-tokens", new, "--prompt-logprobs", "5", "--threads", "1"];
+            args.extend(["--step-tokens", chunk]);
+            args.extend(KV_F32);
+            args.extend(grid);
+            let what = format!("{grid:?}, {chunk} a step, {new} new");
+            // (`generate` asks for the logits of the first new token, so not with none.)
+            let mut cmd = launch_command(if grid.is_empty() { &[] } else { &["local", "2"] });
+            cmd.args(["generate", "--model", dir.to_str().unwrap(), "--json", "--ignore-eos"]).args(&args);
+            let out = run_with_timeout(cmd, 600);
+            assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let ids = |v: &serde_json::Value| -> Vec<u32> {
+                v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+            };
+            assert_eq!(ids(&json["token_ids"]).len(), new.parse::<usize>().unwrap(), "{what}");
+            let p = &ids(&json["prompt_token_ids"]);
+            assert!(p.len() > 16, "{what}: {} prompt tokens", p.len());
+            let steps = steps.get_or_insert_with(|| candle_llama_along(&dir, &p[..1], &p[1..]));
+            let lps = json["prompt_logprobs"].as_array().expect("a prompt_logprobs list");
+            assert_eq!(lps.len(), p.len(), "{what}: one entry a prompt token");
+            assert!(lps[0].is_null(), "{what}: the first token has none");
+            let mut worst = 0.0f64;
+            for (i, l) in steps.iter().enumerate() {
+                worst = worst.max(agrees_with_candle(
+                    &format!("{what}: prompt token {}", i + 1),
+                    &lps[i + 1],
+                    p[i + 1],
+                    l,
+                    5,
+                ));
+            }
+            eprintln!("{what}: {} prompt tokens, max |Δ logprob| = {worst:.2e}", p.len());
         }
     }
 }
