@@ -1452,6 +1452,7 @@ fn run_serve(
         tok: std::sync::Arc::clone(&tok),
         model: name.clone(),
         context,
+        vocab: engine.shard.cfg.vocab_size,
         defaults: serve::Defaults { max_tokens: a.max_tokens, params: params.clone() },
         tx,
         count: Default::default(),

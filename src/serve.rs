@@ -35,9 +35,10 @@ pub enum Kind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Ask {
     pub kind: Kind,
-    /// The prompt texts (completions: one, or a list), or the messages as `(role, content)`
-    /// (chat).
+    /// The prompt texts (completions: one, or a list), or their tokens (completions: a list
+    /// of token ids, or a list of such lists), or the messages as `(role, content)` (chat).
     pub prompts: Vec<String>,
+    pub token_prompts: Vec<Vec<u32>>,
     pub messages: Vec<(String, String)>,
     /// Completions of each prompt (`n`); the `j`-th samples with seed + `j`.
     pub n: usize,
@@ -119,6 +120,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     let mut ask = Ask {
         kind,
         prompts: Vec::new(),
+        token_prompts: Vec::new(),
         messages: Vec::new(),
         n: 1,
         max_tokens: d.max_tokens,
@@ -135,14 +137,25 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             if obj.contains_key("messages") {
                 return Err("`messages` belongs to /v1/chat/completions; here the prompt is `prompt`".into());
             }
-            ask.prompts = match obj.get("prompt") {
-                Some(Value::String(s)) => vec![s.clone()],
-                Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => {
-                    a.iter().filter_map(|p| p.as_str().map(String::from)).collect()
-                }
-                Some(_) => return Err("`prompt` must be a string or a list of strings".into()),
-                None => return Err("no `prompt`".into()),
+            // Token ids: a non-empty list of numbers that fit a u32.
+            let ids = |v: &Value| -> Option<Vec<u32>> {
+                let a = v.as_array().filter(|a| !a.is_empty())?;
+                a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
             };
+            match obj.get("prompt") {
+                Some(Value::String(s)) => ask.prompts = vec![s.clone()],
+                Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => {
+                    ask.prompts = a.iter().filter_map(|p| p.as_str().map(String::from)).collect()
+                }
+                Some(v) if ids(v).is_some() => ask.token_prompts = ids(v).into_iter().collect(),
+                Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|p| ids(p).is_some()) => {
+                    ask.token_prompts = a.iter().filter_map(ids).collect()
+                }
+                Some(_) => {
+                    return Err("`prompt` must be a string, a list of strings, a list of token ids or a list of such lists".into())
+                }
+                None => return Err("no `prompt`".into()),
+            }
         }
         Kind::Chat => {
             if obj.contains_key("prompt") {
@@ -202,11 +215,10 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     sampling_fields(&obj, &mut ask.params).map_err(|e| format!("`{}", e.replacen(' ', "` ", 1)))?;
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
-    let choices = ask.n * ask.prompts.len().max(1);
-    if ask.n == 0 || choices > MAX_CHOICES {
+    let prompts = (ask.prompts.len() + ask.token_prompts.len()).max(1);
+    if ask.n == 0 || ask.n * prompts > MAX_CHOICES {
         return Err(format!(
-            "`n`: from 1 to {MAX_CHOICES} completions a request (prompts × n), got {} × {}",
-            ask.prompts.len().max(1),
+            "`n`: from 1 to {MAX_CHOICES} completions a request (prompts × n), got {prompts} × {}",
             ask.n
         ));
     }
@@ -385,6 +397,8 @@ pub struct Front {
     /// The model's name, as `/v1/models` lists it and answers carry it.
     pub model: String,
     pub context: usize,
+    /// Tokens in the model's vocabulary (a prompt of token ids is checked against it).
+    pub vocab: usize,
     pub defaults: Defaults,
     pub tx: Sender<Incoming>,
     /// Requests so far (for ids and default seeds).
@@ -689,6 +703,15 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         Kind::Chat => format!("chatcmpl-{n}"),
     };
     let prompt_tokens = prompts.iter().map(Vec::len).sum();
+    // An echoed prompt of token ids is their bytes.
+    let echo_texts: Vec<String> = if ask.token_prompts.is_empty() {
+        ask.prompts.clone()
+    } else {
+        let bytes = |ids: &[u32]| {
+            ids.iter().flat_map(|&t| front.tok.token_bytes(t).unwrap_or_default()).collect::<Vec<u8>>()
+        };
+        prompts.iter().map(|ids| String::from_utf8_lossy(&bytes(ids)).into_owned()).collect()
+    };
     let head = Head {
         id: &id,
         kind,
@@ -697,7 +720,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         prompt_tokens,
         tok: &front.tok,
         logprobs: ask.logprobs.is_some(),
-        echo: ask.echo.then_some(Echo { texts: &ask.prompts, ids: &prompts, n: ask.n }),
+        echo: ask.echo.then_some(Echo { texts: &echo_texts, ids: &prompts, n: ask.n }),
     };
     let (status, outcome) =
         if ask.stream { stream(req, &head, &ask, k, &mut events) } else { whole(req, &head, k, &mut events) };
@@ -725,6 +748,18 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
 
 /// Each prompt's token ids, checked against the context.
 fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, String> {
+    let many = ask.token_prompts.len() > 1;
+    if !ask.token_prompts.is_empty() {
+        let checked = ask.token_prompts.iter().enumerate().map(|(i, ids)| {
+            let at = |e: String| if many { format!("`prompt[{i}]`: {e}") } else { format!("`prompt`: {e}") };
+            if let Some(t) = ids.iter().find(|&&t| t as usize >= front.vocab) {
+                return Err(at(format!("token id {t} is outside the vocabulary ({} tokens)", front.vocab)));
+            }
+            check_prompt(ids.len(), front.context).map_err(|e| at(e.to_string()))?;
+            Ok(ids.clone())
+        });
+        return checked.collect();
+    }
     let texts: Vec<(String, bool)> = match ask.kind {
         Kind::Completion => ask.prompts.iter().map(|p| (p.clone(), true)).collect(),
         Kind::Chat => {
@@ -1079,6 +1114,26 @@ mod tests {
         );
     }
 
+    /// A completion's prompt may come as token ids: a list, or a list of lists.
+    #[test]
+    fn prompts_of_token_ids() {
+        let a = ask(Kind::Completion, r#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!((a.prompts.len(), a.token_prompts.clone()), (0, vec![vec![1, 2, 3]]));
+        let a = ask(Kind::Completion, r#"{"prompt":[[4],[5,6]],"n":2}"#).unwrap();
+        assert_eq!(a.token_prompts, vec![vec![4], vec![5, 6]]);
+        for body in [
+            r#"{"prompt":[1,-2]}"#,
+            r#"{"prompt":[[1],[]]}"#,
+            r#"{"prompt":[1,"a"]}"#,
+            r#"{"prompt":[4294967296]}"#,
+        ] {
+            let e = ask(Kind::Completion, body).unwrap_err();
+            assert!(e.contains("a list of token ids or a list of such lists"), "{body}: {e}");
+        }
+        let e = ask(Kind::Completion, r#"{"prompt":[[1],[2],[3]],"n":22}"#).unwrap_err();
+        assert!(e.contains("got 3 × 22"), "{e}");
+    }
+
     #[test]
     fn several_prompts_and_completions_a_request() {
         let a = ask(Kind::Completion, r#"{"prompt":["a","b","c"],"n":2}"#).unwrap();
@@ -1090,7 +1145,7 @@ mod tests {
             assert!(e.contains("`n`: from 1 to 64 completions a request"), "{body}: {e}");
         }
         let e = ask(Kind::Completion, r#"{"prompt":[]}"#).unwrap_err();
-        assert!(e.contains("a string or a list of strings"), "{e}");
+        assert!(e.contains("a string, a list of strings"), "{e}");
     }
 
     /// Completions ask for log-probabilities with the number of alternatives, chat with

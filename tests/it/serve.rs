@@ -325,6 +325,14 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["text"], g["text"]);
     assert_eq!(v["usage"]["completion_tokens"], g["token_ids"].as_array().unwrap().len());
+    // The prompt as its token ids: the same answer; an id outside the vocabulary: 400.
+    let by_ids = json!({"prompt": g["prompt_token_ids"], "max_tokens": 24});
+    let (status, w) = server.post("/v1/completions", &by_ids);
+    assert_eq!((status, &w["choices"][0]["text"]), (200, &g["text"]), "{w}");
+    let (status, e) = server.post("/v1/completions", &json!({"prompt": [[1, 2], [49152]]}));
+    let msg = e["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(status, 400, "{e}");
+    assert!(msg.contains("`prompt[1]`: token id 49152 is outside the vocabulary (49152 tokens)"), "{e}");
     let events =
         server.events("/v1/completions", &json!({"prompt": prompt, "max_tokens": 24, "stream": true}));
     let text: String = events.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
