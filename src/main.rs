@@ -1410,8 +1410,13 @@ fn run_serve(
 ) -> Result<()> {
     use gridlm::serve::{self, Front, Served};
     let driver = grid.rank == 0;
+    // SIGUSR1, which mpirun passes on to every rank, drains the server: every rank lives on
+    // through it, and the driver stops listening, answers what it has, then ends the job.
+    let drain = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Phase 1: configuration, layout, and (driver) tokenizer and the listening socket.
     let setup = (|| -> gridlm::Result<_> {
+        signal_hook::flag::register(signal_hook::consts::SIGUSR1, std::sync::Arc::clone(&drain))
+            .map_err(|e| gridlm::Error::Input(format!("cannot take SIGUSR1 (to drain the server): {e}")))?;
         let cfg = ModelConfig::from_dir(&a.model)?;
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         let front = if driver {
@@ -1463,7 +1468,7 @@ fn run_serve(
         metrics: Default::default(),
     };
     SERVING.store(true, std::sync::atomic::Ordering::Relaxed);
-    serve::start(server, front);
+    serve::start(server, front, drain);
     let mut stdout = std::io::stdout();
     writeln!(stdout, "gridlm serve: {name} on http://{addr}/v1 ({})", ranks_of(&grid))?;
     stdout.flush()?;

@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -574,8 +574,22 @@ pub fn now_s() -> u64 {
 }
 
 /// Starts the listener's thread: each request gets a thread of its own.
-pub fn start(server: tiny_http::Server, front: Front) -> std::thread::JoinHandle<()> {
-    let front = Arc::new(front);
+pub fn start(server: tiny_http::Server, front: Front, drain: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    let (server, front) = (Arc::new(server), Arc::new(front));
+    // Draining: the listener stops taking requests, and once the last request thread is done
+    // (each holds the front, and with it the channel to the driver), the driver's traffic
+    // ends: the scheduler finishes what it has and the job ends.
+    let (listener, watched) = (Arc::clone(&server), Arc::clone(&front));
+    std::thread::spawn(move || {
+        while !drain.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let n = watched.in_flight.load(Ordering::Relaxed);
+        let line =
+            format!("serve: draining (SIGUSR1): no new requests; answering the {n} in flight, then ending\n");
+        let _ = std::io::stderr().write_all(line.as_bytes());
+        listener.unblock();
+    });
     std::thread::spawn(move || {
         for req in server.incoming_requests() {
             let front = Arc::clone(&front);

@@ -9,7 +9,7 @@ use gridlm_reference::launch_command;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A `gridlm serve` job on local ranks, stopped (its whole process group) when dropped.
 struct Server {
@@ -530,6 +530,53 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
 
 /// A port already taken, a key with spaces around it, no request in flight: one error line
 /// naming the option, exit 1.
+/// SIGUSR1 to the launcher (mpirun passes it on to every rank) drains the server: a stream in
+/// flight runs to its last token and `[DONE]`, no new connection is taken, and the job ends
+/// with status 0; an idle server ends at once.
+#[test]
+fn serve_drains_on_sigusr1() {
+    let dir = smollm2("bf16");
+    let mut server = Server::start(2, &dir, &["--tp", "2"]);
+    let ask = json!({"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": true, "stream": true});
+    std::thread::scope(|s| {
+        let stream = s.spawn(|| server.events("/v1/completions", &ask));
+        // Once the request runs (the count of requests in flight says so), the signal.
+        let t0 = Instant::now();
+        while !server.http("GET", "/metrics", "").1.contains("gridlm_requests_in_flight 1") {
+            assert!(t0.elapsed() < Duration::from_secs(60), "the stream never started");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        unsafe { libc::kill(server.child.id() as i32, libc::SIGUSR1) };
+        let events = stream.join().unwrap();
+        let last = &events[events.len() - 1]["choices"][0];
+        assert_eq!(last["finish_reason"], "length", "{events:?}");
+        let text: String = events.iter().map(|e| e["choices"][0]["text"].as_str().unwrap()).collect();
+        assert!(text.len() > 200, "{text:?}");
+    });
+    let status = wait_for(&mut server.child, Duration::from_secs(60));
+    assert!(status.success(), "{status:?}: {}", server.log_text());
+    assert!(std::net::TcpStream::connect(("127.0.0.1", server.port)).is_err(), "still listening");
+    let log = server.log_text();
+    assert!(log.contains("serve: draining (SIGUSR1): no new requests; answering the 1 in flight"), "{log}");
+    assert!(log.contains("200 new tokens (length, streamed)"), "{log}");
+    let mut idle = Server::start(2, &dir, &["--tp", "2"]);
+    unsafe { libc::kill(idle.child.id() as i32, libc::SIGUSR1) };
+    let status = wait_for(&mut idle.child, Duration::from_secs(30));
+    assert!(status.success(), "{status:?}: {}", idle.log_text());
+}
+
+/// `child`'s exit status, waited for at most `most`.
+fn wait_for(child: &mut std::process::Child, most: Duration) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(t0.elapsed() < most, "the server did not end within {most:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn serve_reports_an_address_it_cannot_listen_on() {
     let (_tmp, dir) = tiny_llama();
