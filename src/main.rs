@@ -335,6 +335,14 @@ struct SamplingArgs {
     /// Penalty on tokens already in the sequence (1, the default: none; 1.1–1.3 is usual).
     #[arg(long, allow_negative_numbers = true)]
     repetition_penalty: Option<f32>,
+    /// Subtracted from the logit of every token already generated (-2 to 2; 0, the default:
+    /// none), as OpenAI's presence_penalty.
+    #[arg(long, allow_negative_numbers = true)]
+    presence_penalty: Option<f32>,
+    /// Subtracted from a token's logit once for each time it was generated (-2 to 2; 0, the
+    /// default: none), as OpenAI's frequency_penalty.
+    #[arg(long, allow_negative_numbers = true)]
+    frequency_penalty: Option<f32>,
     /// Seed of the sampling draws (default: from the clock, printed with --json). The same
     /// seed gives the same tokens on every grid layout. Prompt i of a prompts file uses
     /// seed + i unless its line sets one.
@@ -366,6 +374,8 @@ impl SamplingArgs {
             top_p: self.top_p.unwrap_or(base.top_p),
             min_p: self.min_p.unwrap_or(base.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(base.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(base.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(base.frequency_penalty),
             seed,
         };
         p.check().map_err(|e| anyhow::anyhow!("--{}", e.replacen('_', "-", 1)))?;

@@ -37,7 +37,7 @@ pub struct PromptSpec {
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 13] = [
+const KEYS: [&str; 15] = [
     "prompt",
     "id",
     "max_tokens",
@@ -50,6 +50,8 @@ const KEYS: [&str; 13] = [
     "top_p",
     "min_p",
     "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
     "seed",
 ];
 
@@ -84,7 +86,8 @@ pub(crate) fn stop_field(
 }
 
 /// The sampling settings a JSON object gives (`temperature`, `top_k`, `top_p`, `min_p`,
-/// `repetition_penalty`, `seed`) over those of `p`, checked.
+/// `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`) over those of `p`,
+/// checked.
 pub(crate) fn sampling_fields(
     obj: &serde_json::Map<String, serde_json::Value>,
     p: &mut SamplingParams,
@@ -94,6 +97,8 @@ pub(crate) fn sampling_fields(
     p.top_p = field(obj, "top_p")?.unwrap_or(p.top_p);
     p.min_p = field(obj, "min_p")?.unwrap_or(p.min_p);
     p.repetition_penalty = field(obj, "repetition_penalty")?.unwrap_or(p.repetition_penalty);
+    p.presence_penalty = field(obj, "presence_penalty")?.unwrap_or(p.presence_penalty);
+    p.frequency_penalty = field(obj, "frequency_penalty")?.unwrap_or(p.frequency_penalty);
     p.seed = field(obj, "seed")?.unwrap_or(p.seed);
     p.check()
 }
@@ -122,7 +127,7 @@ impl Defaults {
 /// Reads a prompts file. JSONL when the name ends in `.jsonl` or the first non-blank line starts
 /// with `{`: each non-blank line is an object with `prompt` and optional `id`, `max_tokens`,
 /// `ignore_eos`, `chat`, `system`, `stop` (string or list), `temperature`, `top_k`, `top_p`, `min_p`,
-/// `repetition_penalty`, `seed`. Otherwise each non-blank line is a prompt, with `\n` and `\\`
+/// `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`. Otherwise each non-blank line is a prompt, with `\n` and `\\`
 /// as escapes. The path `-` reads standard input (under mpirun, the first rank's, where the
 /// prompts are read). Errors name the file (or `stdin`) and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {

@@ -65,8 +65,7 @@ pub struct Defaults {
     pub params: SamplingParams,
 }
 
-/// Keys a request may have; OpenAI's that change nothing here pass when they ask for nothing
-/// (penalties 0).
+/// Keys a request may have.
 const KEYS: [&str; 22] = [
     "model",
     "prompt",
@@ -221,11 +220,6 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             "`n`: from 1 to {MAX_CHOICES} completions a request (prompts × n), got {prompts} × {}",
             ask.n
         ));
-    }
-    for key in ["presence_penalty", "frequency_penalty"] {
-        if field::<f64>(&obj, key)?.is_some_and(|v| v != 0.0) {
-            return Err(format!("`{key}` is not supported (repetition_penalty is)"));
-        }
     }
     let top: Option<usize> = field(&obj, "top_logprobs")?;
     let (key, n) = match kind {
@@ -1212,9 +1206,10 @@ mod tests {
             (Kind::Completion, r#"{"prompt":"a","n":-1}"#, "`n`"),
             (
                 Kind::Completion,
-                r#"{"prompt":"a","frequency_penalty":0.5}"#,
-                "`frequency_penalty` is not supported",
+                r#"{"prompt":"a","frequency_penalty":2.5}"#,
+                "`frequency_penalty` must be in [-2, 2]",
             ),
+            (Kind::Completion, r#"{"prompt":"a","presence_penalty":"x"}"#, "`presence_penalty`"),
             (Kind::Completion, r#"{"prompt":"a","logprobs":21}"#, "`logprobs`: at most 20 alternatives"),
             (Kind::Completion, r#"{"prompt":"a","logprobs":true}"#, "`logprobs`"),
             (Kind::Completion, r#"{"prompt":"a","top_logprobs":2}"#, "belongs to /v1/chat/completions"),

@@ -208,6 +208,9 @@ struct SlotState {
     params: SamplingParams,
     logprobs: Option<usize>,
     seen: Vec<u64>,
+    /// How many times the sequence generated each token of this rank's shard, where the
+    /// presence or frequency penalty is on (else empty).
+    counts: Vec<u16>,
     emitted: u64,
 }
 
@@ -819,6 +822,10 @@ impl Engine {
             st.logprobs = a.logprobs.map(|k| k.min(MAX_LOGPROBS));
             st.seen.clear();
             st.seen.resize(words, 0);
+            st.counts.clear();
+            if st.params.counts_tokens() {
+                st.counts.resize(self.shard.vocab_range().len(), 0);
+            }
             st.emitted = 0;
         }
         let (spans, tokens) = (&step.spans, &step.tokens);
@@ -998,7 +1005,7 @@ impl Engine {
         let picked = &mut result.tokens;
         for (row, &slot) in emitting.iter().enumerate() {
             let st = &self.slots[slot];
-            sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen);
+            sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen, &st.counts);
         }
         let (logits, mine, all) = (&self.logits[..m * vl], &mut self.mine, &mut self.candidates);
         greedy_pick(logits, m, vr.start, mine, all, comm, picked);
@@ -1015,8 +1022,12 @@ impl Engine {
             let logits = &self.logits[..m * vl];
             sampling::sample_rows(logits, vl, max_shard, vr.start, &mut self.sampling, comm, picked);
         }
-        for &slot in &emitting {
-            self.slots[slot].emitted += 1;
+        for (&slot, &t) in emitting.iter().zip(&result.tokens) {
+            let st = &mut self.slots[slot];
+            st.emitted += 1;
+            if let Some(c) = (t as usize).checked_sub(vr.start).and_then(|i| st.counts.get_mut(i)) {
+                *c = c.saturating_add(1);
+            }
         }
         if !self.logprob_bufs.rows.is_empty() {
             self.report_logprobs(&emitting, rec, comm, result);

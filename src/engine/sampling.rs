@@ -76,6 +76,10 @@ pub struct SamplingParams {
     /// Logits of tokens already in the sequence are divided by it when positive, multiplied
     /// when negative (1: off).
     pub repetition_penalty: f32,
+    /// Subtracted from the logit of every token the sequence has generated (OpenAI's; 0: off).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once for each time the sequence generated it (0: off).
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -87,6 +91,8 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -113,7 +119,20 @@ impl SamplingParams {
         if !(r.is_finite() && r > 0.0) {
             return Err(format!("repetition_penalty must be a number > 0, got {r}"));
         }
+        for (name, v) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether the presence or frequency penalty is on (the sequence's generated tokens are
+    /// counted).
+    pub fn counts_tokens(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
     /// Gumbel noise for `token` as the sequence's token number `index`.
@@ -132,8 +151,10 @@ fn splitmix64(x: u64) -> u64 {
 }
 
 /// Applies the repetition penalty (to tokens of this shard marked in `seen`, a bit per shard
-/// token) and, when sampling, the temperature, to one row of shard logits.
-pub fn adjust(row: &mut [f32], p: &SamplingParams, seen: &[u64]) {
+/// token), the presence and frequency penalties (to tokens of this shard the sequence generated,
+/// `counts` times each, a count per shard token where they are on) and, when sampling, the
+/// temperature, to one row of shard logits.
+pub fn adjust(row: &mut [f32], p: &SamplingParams, seen: &[u64], counts: &[u16]) {
     if p.repetition_penalty != 1.0 {
         for (w, &bits) in seen.iter().enumerate() {
             let mut b = bits;
@@ -146,6 +167,11 @@ pub fn adjust(row: &mut [f32], p: &SamplingParams, seen: &[u64]) {
             }
         }
     }
+    if p.counts_tokens() {
+        for (l, &c) in row.iter_mut().zip(counts).filter(|(_, &c)| c > 0) {
+            *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+        }
+    }
     if !p.is_greedy() && p.temperature != 1.0 {
         let inv = 1.0 / p.temperature;
         row.iter_mut().for_each(|l| *l *= inv);
@@ -154,7 +180,7 @@ pub fn adjust(row: &mut [f32], p: &SamplingParams, seen: &[u64]) {
 
 /// Whether [`adjust`] changes a row's logits under these settings.
 pub fn adjusts(p: &SamplingParams) -> bool {
-    p.repetition_penalty != 1.0 || (!p.is_greedy() && p.temperature != 1.0)
+    p.repetition_penalty != 1.0 || p.counts_tokens() || (!p.is_greedy() && p.temperature != 1.0)
 }
 
 /// Candidates a rank sends in the first round for a row with these settings.
@@ -711,8 +737,16 @@ mod tests {
     fn penalty_and_temperature() {
         let mut row = vec![2.0, -2.0, 1.0, 4.0];
         let p = SamplingParams { temperature: 2.0, repetition_penalty: 2.0, ..Default::default() };
-        adjust(&mut row, &p, &[0b0011]);
+        adjust(&mut row, &p, &[0b0011], &[]);
         assert_eq!(row, vec![0.5, -2.0, 0.5, 2.0]);
+        // Presence and frequency penalties on the generated tokens (counted 2, 0, 1, 0), after
+        // the repetition penalty and before the temperature.
+        let mut row = vec![2.0, -2.0, 1.0, 4.0];
+        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..p };
+        adjust(&mut row, &p, &[0b0011], &[2, 0, 1, 0]);
+        assert_eq!(row, vec![(1.0 - 0.5 - 0.5) / 2.0, -2.0, (1.0 - 0.5 - 0.25) / 2.0, 2.0]);
+        assert!(SamplingParams { frequency_penalty: 2.5, ..Default::default() }.check().is_err());
+        assert!(SamplingParams { presence_penalty: -2.0, ..Default::default() }.check().is_ok());
         assert!(SamplingParams { top_p: 0.0, ..Default::default() }.check().is_err());
         assert!(SamplingParams { temperature: -1.0, ..Default::default() }.check().is_err());
         let d = SamplingParams::default();

@@ -20,11 +20,15 @@ const TEXTS: [&str; 8] = [
 ];
 
 /// Sampled prompts: (prompt, JSONL settings).
-const SAMPLED: [(&str, &str); 4] = [
+const SAMPLED: [(&str, &str); 5] = [
     ("Write a short poem about the sea.", r#""temperature":0.8,"top_k":40,"top_p":0.95,"seed":11"#),
     ("My favourite food is", r#""temperature":1.0,"seed":12"#),
     ("The best way to learn", r#""temperature":0.7,"min_p":0.05,"repetition_penalty":1.3,"seed":13"#),
     ("Tell me about cats.", r#""temperature":1.2,"top_p":0.8,"seed":14"#),
+    (
+        "Count to ten: one, two,",
+        r#""temperature":0.9,"presence_penalty":0.6,"frequency_penalty":0.8,"seed":15"#,
+    ),
 ];
 
 /// `launch/local RANKS gridlm generate --model DIR ARGS...` with a deadline.

@@ -159,6 +159,44 @@ fn token_bytes_spell_the_text() {
     assert_eq!(tok.token_bytes(u32::MAX), None);
 }
 
+/// Greedy with the presence and frequency penalties picks, at each position, the token whose
+/// logit less the penalties of the tokens generated before it is largest: checked on the
+/// reported log-probabilities (the model's own, before penalties: logit differences), among
+/// the 20 most likely tokens and the one picked. Without the penalties the text differs.
+#[test]
+fn presence_and_frequency_penalties_pick_the_penalized_best() {
+    let dir = smollm2("bf16");
+    let run = |extra: &[&str]| {
+        let mut args =
+            vec!["generate", "--model", path_str(&dir), "--prompt", "1, 2, 3, 4,", "--max-tokens", "24"];
+        args.extend(["--ignore-eos", "--json", "--logprobs", "20"]);
+        args.extend(extra);
+        json_of(&gridlm(&args))
+    };
+    let (presence, frequency) = (0.5, 1.5);
+    let j = run(&["--presence-penalty", "0.5", "--frequency-penalty", "1.5"]);
+    let tokens: Vec<u64> = j["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let mut counts = std::collections::HashMap::<u64, f64>::new();
+    for (i, lp) in j["logprobs"].as_array().unwrap().iter().enumerate() {
+        let penalized = |t: u64, logprob: f64| {
+            let c = counts.get(&t).copied().unwrap_or(0.0);
+            logprob - if c > 0.0 { presence + frequency * c } else { 0.0 }
+        };
+        let picked = penalized(tokens[i], lp["logprob"].as_f64().unwrap());
+        for alt in lp["top"].as_array().unwrap() {
+            let (t, v) = (alt["token"].as_u64().unwrap(), alt["logprob"].as_f64().unwrap());
+            assert!(
+                penalized(t, v) <= picked + 1e-4,
+                "token {i}: {t} scores {} over the pick's {picked}",
+                penalized(t, v)
+            );
+        }
+        *counts.entry(tokens[i]).or_default() += 1.0;
+    }
+    assert_ne!(j["token_ids"], run(&[])["token_ids"], "the penalties changed nothing");
+    assert!(counts.values().any(|&c| c > 1.0), "no token came twice: the check saw no frequency");
+}
+
 /// A reader of the answer that goes away (`gridlm generate ... | head -c 1`) ends the run
 /// quietly: exit status 0, no error line, for a streamed answer and for JSON alike.
 #[test]
