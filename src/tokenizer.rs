@@ -248,6 +248,25 @@ mod tests {
         assert_eq!(seen, (0..=255).collect::<Vec<u8>>());
     }
 
+    /// Outside byte-level BPE, a token's bytes are its piece with `▁` as a space, and a
+    /// `<0xHH>` byte token is that byte (SentencePiece's byte fallback).
+    #[test]
+    fn sentencepiece_pieces_and_byte_tokens_are_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let vocab =
+            serde_json::json!({"<unk>": 0, "\u{2581}hi": 1, "<0x0A>": 2, "<0xE4>": 3, "a\u{2581}b": 4});
+        let tok = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "ByteFallback"}, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        let bytes: Vec<Vec<u8>> = (1..5).map(|id| t.token_bytes(id).unwrap()).collect();
+        assert_eq!(bytes, [b" hi".to_vec(), vec![b'\n'], vec![0xE4], b"a b".to_vec()]);
+        assert_eq!(t.token_bytes(5), None);
+    }
+
     /// A tokenizer in `dir` (a three-word vocabulary) whose chat template is `template`.
     fn tokenizer_with(dir: &Path, template: &str) -> Tokenizer {
         let vocab = serde_json::json!({"<bos>": 0, "<eos>": 1, "hi": 2});
