@@ -732,9 +732,8 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     };
     let (status, outcome) =
         if ask.stream { stream(req, &head, &ask, k, &mut events) } else { whole(req, &head, k, &mut events) };
+    // The request's duration counted last, so what counts durations has counted the rest.
     let m = &front.metrics;
-    m.status(status);
-    m.duration.observe(t0.elapsed());
     if let (Some(o), Some(first)) = (&outcome, events.first) {
         if o.tokens > 0 {
             m.first_token.observe(first);
@@ -742,6 +741,8 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
             m.generation_tokens.fetch_add(o.tokens as u64, Ordering::Relaxed);
         }
     }
+    m.status(status);
+    m.duration.observe(t0.elapsed());
     let streamed = if ask.stream { ", streamed" } else { "" };
     let how = match outcome {
         Some(o) => {

@@ -508,9 +508,19 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     assert_eq!(answered(server.post("/v1/completions", &ask)), 200, "after a failed request thread");
     let log = server.log_text();
     assert!(log.contains("internal error") && log.contains("GRIDLM_TEST_SERVE_PANIC"), "{log}");
-    // What /metrics counted: every status, the tokens of the answers, a first token of each.
-    let (status, metrics) = server.http("GET", "/metrics", "");
-    assert_eq!(status, 200, "{metrics}");
+    // What /metrics counted: every status, the tokens of the answers, a first token of each. A
+    // request thread counts its request once its answer is written, so the client may ask before
+    // the last one has: wait for the 24 answers' durations (counted after the rest).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let metrics = loop {
+        let (status, metrics) = server.http("GET", "/metrics", "");
+        assert_eq!(status, 200, "{metrics}");
+        let settled = metrics.lines().any(|l| l == "gridlm_request_duration_seconds_count 24");
+        if settled || std::time::Instant::now() > deadline {
+            break metrics;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let value = |name: &str| -> u64 {
         let line = metrics.lines().find(|l| l.split(' ').next() == Some(name));
         line.and_then(|l| l.rsplit(' ').next()?.parse().ok())
@@ -528,8 +538,6 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     assert!(server.log_text().contains("the client went away, streamed"), "{}", server.log_text());
 }
 
-/// A port already taken, a key with spaces around it, no request in flight: one error line
-/// naming the option, exit 1.
 /// SIGUSR1 to the launcher (mpirun passes it on to every rank) drains the server: a stream in
 /// flight runs to its last token and `[DONE]`, no new connection is taken, and the job ends
 /// with status 0; an idle server ends at once.
@@ -577,6 +585,8 @@ fn wait_for(child: &mut std::process::Child, most: Duration) -> std::process::Ex
     }
 }
 
+/// A port already taken, a key with spaces around it, no request in flight: one error line
+/// naming the option, exit 1.
 #[test]
 fn serve_reports_an_address_it_cannot_listen_on() {
     let (_tmp, dir) = tiny_llama();
