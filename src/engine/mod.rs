@@ -234,6 +234,32 @@ struct LogprobBufs {
     rows_logits: Vec<f32>,
 }
 
+/// The logit of token `t` in a row of the vocabulary shard `vr`; −∞ where another rank holds it.
+fn shard_logit(row: &[f32], vr: &std::ops::Range<usize>, t: u32) -> f32 {
+    (t as usize).checked_sub(vr.start).and_then(|i| row.get(i)).copied().unwrap_or(f32::NEG_INFINITY)
+}
+
+/// Allgathers this rank's log-probability records over the stage `comm` (`mine`, `rec` floats a
+/// row: the target token's logit, then [`sampling::summarize`] of the row) into `all` and hands
+/// row `i`'s merged log-probabilities, with the `i`-th of `ks` alternatives, to `out(i, ..)`.
+fn gather_logprobs(
+    comm: &dyn Comm,
+    mine: &[f32],
+    all: &mut Vec<f32>,
+    merged: &mut Vec<(f32, u32)>,
+    rec: usize,
+    ks: impl Iterator<Item = usize>,
+    mut out: impl FnMut(usize, TokenLogprobs),
+) {
+    let (n, per_rank) = (comm.size(), mine.len());
+    all.resize(n * per_rank, 0.0);
+    comm.allgather(mine, all);
+    for (i, k) in ks.enumerate() {
+        let record = |r: usize| &all[r * per_rank + i * rec..r * per_rank + (i + 1) * rec];
+        out(i, sampling::merge_logprobs(n, record, k, merged));
+    }
+}
+
 /// Prompt positions whose logits one pass of the output head computes when a prompt is scored
 /// ([`Engine::score`]): the head is read once for this many.
 const SCORE_ROWS: usize = 64;
@@ -931,7 +957,6 @@ impl Engine {
         }
         let k_max = lp.targets.iter().map(|t| t.2).max().unwrap_or(0);
         let rec = 1 + sampling::summary_len(k_max);
-        let n = comm.size();
         result.prompt_logprobs.clear();
         result.prompt_logprobs.reserve(lp.targets.len());
         for block in lp.targets.chunks(SCORE_ROWS) {
@@ -947,16 +972,11 @@ impl Engine {
                 let logits = &lp.rows_logits[i * vl..(i + 1) * vl];
                 let r = &mut lp.mine[i * rec..(i + 1) * rec];
                 sampling::summarize(logits, vr.start, k_max, &mut lp.idx, &mut r[1..]);
-                let t = t as usize;
-                r[0] = if vr.contains(&t) { logits[t - vr.start] } else { f32::NEG_INFINITY };
+                r[0] = shard_logit(logits, &vr, t);
             }
-            lp.all.resize(n * m * rec, 0.0);
-            comm.allgather(&lp.mine, &mut lp.all);
-            for (i, &(_, _, k)) in block.iter().enumerate() {
-                let all = &lp.all;
-                let record = |r: usize| &all[(r * m + i) * rec..(r * m + i + 1) * rec];
-                result.prompt_logprobs.push(sampling::merge_logprobs(n, record, k, &mut lp.merged));
-            }
+            let out = &mut result.prompt_logprobs;
+            let ks = block.iter().map(|t| t.2);
+            gather_logprobs(comm, &lp.mine, &mut lp.all, &mut lp.merged, rec, ks, |_, l| out.push(l));
         }
         Ok(())
     }
@@ -1050,20 +1070,15 @@ impl Engine {
             } else {
                 &self.logits[row * vl..(row + 1) * vl]
             };
-            let t = result.tokens[row] as usize;
-            lp.mine[i * rec] = if vr.contains(&t) { logits[t - vr.start] } else { f32::NEG_INFINITY };
+            lp.mine[i * rec] = shard_logit(logits, &vr, result.tokens[row]);
         }
-        let n = comm.size();
-        lp.all.resize(n * lp.mine.len(), 0.0);
-        comm.allgather(&lp.mine, &mut lp.all);
         result.logprobs.clear();
         result.logprobs.resize(emitting.len(), None);
-        let per_rank = lp.mine.len();
-        for (i, &(row, k)) in lp.rows.iter().enumerate() {
-            let all = &lp.all;
-            let record = |r: usize| &all[r * per_rank + i * rec..r * per_rank + (i + 1) * rec];
-            result.logprobs[row] = Some(sampling::merge_logprobs(n, record, k, &mut lp.merged));
-        }
+        let LogprobBufs { rows, mine, all, merged, .. } = lp;
+        let out = &mut result.logprobs;
+        gather_logprobs(comm, mine, all, merged, rec, rows.iter().map(|r| r.1), |i, l| {
+            out[rows[i].0] = Some(l)
+        });
     }
 
     /// Driver: sends `plan` down the grid and does this rank's part of it. A step's result is
