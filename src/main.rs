@@ -1154,10 +1154,7 @@ fn logprobs_json(tok: &Tokenizer, ids: &[u32], lps: &[gridlm::engine::TokenLogpr
     if lps.is_empty() {
         return serde_json::Value::Null;
     }
-    let entry = |t: u32, v: f32| {
-        let text = String::from_utf8_lossy(&tok.token_bytes(t).unwrap_or_default()).into_owned();
-        serde_json::json!({"token": t, "text": text, "logprob": v})
-    };
+    let entry = |t: u32, v: f32| serde_json::json!({"token": t, "text": tok.bytes_text(&[t]), "logprob": v});
     let tokens = ids.iter().zip(lps).map(|(&t, lp)| {
         let mut e = entry(t, lp.logprob);
         e["top"] = lp.top.iter().map(|&(a, v)| entry(a, v)).collect();

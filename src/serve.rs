@@ -715,10 +715,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     let echo_texts: Vec<String> = if ask.token_prompts.is_empty() {
         ask.prompts.clone()
     } else {
-        let bytes = |ids: &[u32]| {
-            ids.iter().flat_map(|&t| front.tok.token_bytes(t).unwrap_or_default()).collect::<Vec<u8>>()
-        };
-        prompts.iter().map(|ids| String::from_utf8_lossy(&bytes(ids)).into_owned()).collect()
+        prompts.iter().map(|ids| front.tok.bytes_text(ids)).collect()
     };
     let head = Head {
         id: &id,
@@ -879,7 +876,7 @@ impl Head<'_> {
                         Some(lp) => {
                             let mut top = Map::new();
                             for &(a, v) in &lp.top {
-                                top.entry(text(&bytes(a))).or_insert(json!(v));
+                                top.entry(self.tok.bytes_text(&[a])).or_insert(json!(v));
                             }
                             top.entry(text(&b)).or_insert(json!(lp.logprob));
                             logprobs.push(json!(lp.logprob));

@@ -96,6 +96,13 @@ impl Tokenizer {
         Some(piece.replace('\u{2581}', " ").into_bytes())
     }
 
+    /// The text of tokens' bytes one after another ([`Tokenizer::token_bytes`]; none for an id
+    /// outside the vocabulary), U+FFFD where they end within a character.
+    pub fn bytes_text(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids.iter().flat_map(|&t| self.token_bytes(t).unwrap_or_default()).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

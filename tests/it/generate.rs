@@ -150,6 +150,7 @@ fn token_bytes_spell_the_text() {
     let ids = tok.encode(text, false).unwrap();
     let bytes: Vec<u8> = ids.iter().flat_map(|&t| tok.token_bytes(t).unwrap()).collect();
     assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    assert_eq!(tok.bytes_text(&ids), text);
     assert!(
         ids.iter().any(|&t| std::str::from_utf8(&tok.token_bytes(t).unwrap()).is_err()),
         "no split character"

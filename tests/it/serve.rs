@@ -402,9 +402,7 @@ fn logprobs_as_generate(server: &Server, prompt: &str, g: &Value) {
     let prompt_values: Vec<Value> =
         scored.iter().map(|e| if e.is_null() { Value::Null } else { e["logprob"].clone() }).collect();
     let tok = Tokenizer::from_dir(&smollm2("bf16")).unwrap();
-    let text = |t: &Value| {
-        String::from_utf8_lossy(&tok.token_bytes(t.as_u64().unwrap() as u32).unwrap()).into_owned()
-    };
+    let text = |t: &Value| tok.bytes_text(&[t.as_u64().unwrap() as u32]);
     let prompt_texts: Vec<Value> =
         g["prompt_token_ids"].as_array().unwrap().iter().map(|t| json!(text(t))).collect();
     let mut echo = ask.clone();
