@@ -419,10 +419,16 @@ struct BatchArgs {
     #[arg(long, default_value_t = 512)]
     step_tokens: usize,
     /// KV cache memory per rank, in MiB (default: what max-batch of the prompts need at full
-    /// length, within a quarter of the memory available). Prompts wait for room; one that can
+    /// length, within a quarter of the memory available; given, at most this, and with the
+    /// prefix cache up to this: what running sequences leave keeps prefixes, within a quarter of
+    /// the memory or what max-batch of the prompts need). Prompts wait for room; one that can
     /// never fit gets its own error.
     #[arg(long)]
     kv_mem_mib: Option<usize>,
+    /// Run every prompt whole: keep no KV pages of ended sequences for prompts that begin with
+    /// the same tokens (the prefix cache).
+    #[arg(long)]
+    no_prefix_cache: bool,
 }
 
 impl BatchArgs {
@@ -436,6 +442,7 @@ impl BatchArgs {
             eos_ids,
             read_between_steps: false,
             sides: None,
+            prefix_cache: !self.no_prefix_cache,
         }
     }
 
@@ -1336,6 +1343,7 @@ fn run_generate(
                     "id": p.spec.id,
                     "line": p.spec.line,
                     "prompt_tokens": p.ids.len(),
+                    "cached_tokens": c.cached_tokens,
                     "token_ids": c.token_ids,
                     "text": text,
                     "finish_reason": c.finish,
@@ -1360,6 +1368,7 @@ fn run_generate(
             "kv_pages": stats.kv_pages,
             "kv_page_bytes": stats.kv_page_bytes,
             "kv_pages_peak": stats.kv_pages_peak,
+            "cached_tokens": stats.cached_tokens,
             "ranks": ranks,
         });
         merge(&mut out, &layout);
@@ -1370,8 +1379,12 @@ fn run_generate(
                 format!("=== {}/{} (line {}, {}) ===", i + 1, done.len(), p.spec.line, c.finish.name());
             writeln!(stdout, "{head}\n{text}\n")?;
         }
+        let cached = match stats.cached_tokens {
+            0 => String::new(),
+            n => format!(", {} from the prefix cache", count(n, "prompt token")),
+        };
         let summary = format!(
-            "[{}, {} in {:.2} s, {:.1} tokens/s, {}, KV peak {}/{} pages, {}]\n",
+            "[{}, {} in {:.2} s, {:.1} tokens/s, {}, KV peak {}/{} pages{cached}, {}]\n",
             count(done.len(), "prompt"),
             count(generated, "new token"),
             stats.elapsed_ms / 1e3,
@@ -1767,6 +1780,8 @@ fn run_bench(
         eos_ids: Vec::new(),
         read_between_steps: between,
         sides: None,
+        // Every rep runs its prompts whole: a measurement of prefill, not of the cache.
+        prefix_cache: false,
     };
     // Each side's requests (the first prompts of one list) and options.
     let work =

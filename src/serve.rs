@@ -270,7 +270,14 @@ pub enum Event {
     /// The request is over: the rest of its text (what the last tokens completed) and its
     /// tokens' log-probabilities not sent yet, why it ended, its error if it could not run, and
     /// how many tokens it brought.
-    Done { rest: String, logprobs: Logprobs, finish: Finish, error: Option<String>, tokens: usize },
+    Done {
+        rest: String,
+        logprobs: Logprobs,
+        finish: Finish,
+        error: Option<String>,
+        tokens: usize,
+        cached: usize,
+    },
 }
 
 /// A request the driver runs: its text so far and its thread's channel.
@@ -369,8 +376,8 @@ impl Traffic for Served {
         };
         let error = completion.error.or(c.error);
         let finish = if error.is_some() { Finish::Error } else { completion.finish };
-        let done =
-            Event::Done { rest, logprobs: c.pending, finish, error, tokens: completion.token_ids.len() };
+        let (tokens, cached) = (completion.token_ids.len(), completion.cached_tokens);
+        let done = Event::Done { rest, logprobs: c.pending, finish, error, tokens, cached };
         let _ = c.reply.send((c.choice, done));
         Ok(())
     }
@@ -449,6 +456,8 @@ pub struct Metrics {
     /// Completion requests answered, by HTTP status.
     statuses: Mutex<BTreeMap<u16, u64>>,
     prompt_tokens: AtomicU64,
+    /// Of those, read from the prefix cache.
+    cached_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     /// From a request's hand-over to the driver to its first token.
     first_token: Histogram,
@@ -485,6 +494,12 @@ impl Metrics {
                 "counter",
                 "Prompt tokens of the completions answered.",
                 &self.prompt_tokens,
+            ),
+            (
+                "gridlm_prompt_tokens_cached_total",
+                "counter",
+                "Prompt tokens of the completions answered whose keys and values came from the prefix cache.",
+                &self.cached_tokens,
             ),
             (
                 "gridlm_generation_tokens_total",
@@ -723,6 +738,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         model: &front.model,
         created: now_s(),
         prompt_tokens,
+        n: ask.n,
         tok: &front.tok,
         logprobs: ask.logprobs.is_some(),
         echo: ask.echo.then_some(Echo { texts: &echo_texts, ids: &prompts, n: ask.n }),
@@ -735,6 +751,7 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         if o.tokens > 0 {
             m.first_token.observe(first);
             m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+            m.cached_tokens.fetch_add(o.cached as u64, Ordering::Relaxed);
             m.generation_tokens.fetch_add(o.tokens as u64, Ordering::Relaxed);
         }
     }
@@ -744,7 +761,9 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     let how = match outcome {
         Some(o) => {
             let names: Vec<&str> = o.finish.iter().map(|f| f.name()).collect();
-            format!("{prompt_tokens} prompt + {} new tokens ({}{streamed})", o.tokens, names.join(", "))
+            let cached = if o.cached > 0 { format!(" ({} cached)", o.cached) } else { String::new() };
+            let names = names.join(", ");
+            format!("{prompt_tokens} prompt{cached} + {} new tokens ({names}{streamed})", o.tokens)
         }
         None => format!("{prompt_tokens} prompt tokens, the client went away{streamed}"),
     };
@@ -794,6 +813,8 @@ fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, St
 struct Outcome {
     finish: Vec<Finish>,
     tokens: usize,
+    /// Prompt tokens from the prefix cache ([`Head::usage`]).
+    cached: usize,
 }
 
 /// What every answer to a request names.
@@ -803,6 +824,8 @@ struct Head<'a> {
     model: &'a str,
     created: u64,
     prompt_tokens: usize,
+    /// Completions of each prompt.
+    n: usize,
     tok: &'a Tokenizer,
     /// The request asked for log-probabilities.
     logprobs: bool,
@@ -828,8 +851,24 @@ fn entries(lps: &[(u32, TokenLogprobs)]) -> Vec<Entry<'_>> {
 }
 
 impl Head<'_> {
-    fn usage(&self, tokens: usize) -> Value {
-        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens, "total_tokens": self.prompt_tokens + tokens})
+    /// The token counts: `cached` of the prompt tokens came from the prefix cache (counted as
+    /// `prompt_tokens` is, once a prompt: its first completion's).
+    fn usage(&self, tokens: usize, cached: usize) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": tokens,
+            "total_tokens": self.prompt_tokens + tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+
+    /// Completion `i`'s cached prompt tokens, as [`Head::usage`] counts them.
+    fn cached(&self, i: usize, cached: usize) -> usize {
+        if i.is_multiple_of(self.n.max(1)) {
+            cached
+        } else {
+            0
+        }
     }
 
     /// Choice `index` carrying `text` and its tokens' log-probabilities `lps` (the first of them
@@ -938,7 +977,7 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
     let mut lps: Vec<Logprobs> = vec![Vec::new(); k];
     let mut prompt_lps: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); k];
     let mut finish = vec![Finish::Length; k];
-    let (mut done, mut tokens) = (0, 0);
+    let (mut done, mut tokens, mut cached) = (0, 0, 0);
     while let Some((i, event)) = events.recv() {
         match event {
             Event::Prompt(lp) => prompt_lps[i] = lp,
@@ -946,15 +985,16 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
                 texts[i].push_str(&piece);
                 lps[i].extend(lp);
             }
-            Event::Done { rest, logprobs, finish: f, error, tokens: t } => {
+            Event::Done { rest, logprobs, finish: f, error, tokens: t, cached: c } => {
                 tokens += t;
+                cached += head.cached(i, c);
                 if let Some(e) = error {
                     // Before any token a completion could not run (the KV memory, its settings);
                     // after some, its text could not be made. The others stop at their next
                     // token, their channel gone.
                     let status = if t == 0 { 400 } else { 500 };
                     reply_error(req, status, &e);
-                    return (status, Some(Outcome { finish: vec![Finish::Error], tokens }));
+                    return (status, Some(Outcome { finish: vec![Finish::Error], tokens, cached }));
                 }
                 texts[i].push_str(&rest);
                 lps[i].extend(logprobs);
@@ -975,9 +1015,9 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
         head.choice(i, (&text, &all), &mut 0, Some(finish[i]), false)
     });
     let mut body = head.body(choices.collect(), false);
-    body["usage"] = head.usage(tokens);
+    body["usage"] = head.usage(tokens, cached);
     reply_json(req, 200, &body);
-    (200, Some(Outcome { finish, tokens }))
+    (200, Some(Outcome { finish, tokens, cached }))
 }
 
 /// Answers with server-sent events, a chunk as each piece of text of any of the `k` completions
@@ -998,7 +1038,7 @@ fn stream(
     };
     if let (_, Event::Done { error: Some(e), tokens, .. }) = &event {
         reply_error(req, 400, e);
-        return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens }));
+        return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens, cached: 0 }));
     }
     let mut sse =
         Sse { w: req.into_writer(), first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k] };
@@ -1007,7 +1047,7 @@ fn stream(
         return (200, None);
     }
     let mut finish = vec![Finish::Length; k];
-    let (mut done, mut tokens) = (0, 0);
+    let (mut done, mut tokens, mut cached) = (0, 0, 0);
     loop {
         let (i, e) = event;
         // An echoed prompt comes first, with its log-probabilities if they were asked for.
@@ -1023,8 +1063,9 @@ fn stream(
         let sent = sent.and_then(|()| match e {
             Event::Prompt(_) => Ok(()),
             Event::Text(t, lp) => sse.piece(head, i, (&t, &entries(&lp)), None),
-            Event::Done { rest, logprobs, finish: f, error, tokens: t } => {
+            Event::Done { rest, logprobs, finish: f, error, tokens: t, cached: c } => {
                 (finish[i], done, tokens) = (f, done + 1, tokens + t);
+                cached += head.cached(i, c);
                 match error {
                     // The text could not be made after some was sent: say so in the stream.
                     Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
@@ -1039,11 +1080,11 @@ fn stream(
             let mut end = Ok(());
             if ask.stream_usage {
                 let mut last = head.body(Vec::new(), true);
-                last["usage"] = head.usage(tokens);
+                last["usage"] = head.usage(tokens, cached);
                 end = sse.event(&last);
             }
             let end = end.and_then(|()| sse.data("[DONE]")).and_then(|()| sse.chunk(""));
-            return (200, end.ok().map(|()| Outcome { finish, tokens }));
+            return (200, end.ok().map(|()| Outcome { finish, tokens, cached }));
         }
         event = match events.recv() {
             Some(e) => e,

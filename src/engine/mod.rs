@@ -13,6 +13,7 @@
 //!   tokens ◄─────────────────────────────────────────────────────
 //! ```
 
+mod prefix;
 pub mod sampling;
 pub mod scheduler;
 mod wire;
@@ -86,6 +87,9 @@ pub struct Admit {
     pub pages: Vec<u32>,
     pub params: SamplingParams,
     pub logprobs: Option<usize>,
+    /// The prompt's first tokens, whose keys and values the sequence's first pages hold
+    /// already (from the prefix cache): never sent in a span, but part of its history.
+    pub history: Vec<u32>,
 }
 
 /// The most alternatives a token's log-probabilities list ([`TokenLogprobs::top`]).
@@ -130,6 +134,17 @@ pub struct Scored {
     /// The prompt's token after the span; `None` where the span ends the prompt.
     pub next: Option<u32>,
     pub k: usize,
+}
+
+/// Marks in a sequence's `seen` bits (one per token of the vocabulary shard `vr`) the tokens
+/// of `tokens` in the shard.
+fn mark_seen(seen: &mut [u64], tokens: &[u32], vr: std::ops::Range<usize>) {
+    for &t in tokens {
+        if vr.contains(&(t as usize)) {
+            let i = t as usize - vr.start;
+            seen[i / 64] |= 1 << (i % 64);
+        }
+    }
 }
 
 /// Whether a step counts as a decode step in the [`StepProfile`]: every span one token past
@@ -709,6 +724,13 @@ impl Engine {
         kernels::dot::set_many_fetch(self.many_prefetch.0);
     }
 
+    /// Whether some layer of the model attends through a window (its keys may live in a
+    /// per-slot ring rather than the pages of the driver's tables).
+    pub fn windowed(&self) -> bool {
+        let cfg = &self.shard.cfg;
+        (0..cfg.n_layers).any(|i| cfg.layer_window(i).is_some())
+    }
+
     /// Largest number of positions a sequence may have.
     pub fn max_context(&self) -> usize {
         self.shard.cfg.max_position_embeddings
@@ -848,6 +870,9 @@ impl Engine {
             st.logprobs = a.logprobs.map(|k| k.min(MAX_LOGPROBS));
             st.seen.clear();
             st.seen.resize(words, 0);
+            if g.is_last_stage() {
+                mark_seen(&mut st.seen, &a.history, self.shard.vocab_range());
+            }
             st.counts.clear();
             if st.params.counts_tokens() {
                 st.counts.resize(self.shard.vocab_range().len(), 0);
@@ -883,13 +908,7 @@ impl Engine {
         let vr = shard.vocab_range();
         let mut at = 0;
         for sp in spans {
-            let seen = &mut self.slots[sp.seq].seen;
-            for &t in &tokens[at..at + sp.len] {
-                if vr.contains(&(t as usize)) {
-                    let i = t as usize - vr.start;
-                    seen[i / 64] |= 1 << (i % 64);
-                }
-            }
+            mark_seen(&mut self.slots[sp.seq].seen, &tokens[at..at + sp.len], vr.clone());
             at += sp.len;
         }
         let m = spans.iter().filter(|s| s.emit).count();
@@ -1174,6 +1193,7 @@ impl Engine {
             pages: (0..pages as u32).collect(),
             params: SamplingParams::default(),
             logprobs: None,
+            history: Vec::new(),
         }];
         let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };
         let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), ..Step::default() };

@@ -11,7 +11,11 @@
 //! admitted (FIFO) when a slot is free and the pool holds the pages of its whole length
 //! (prompt + `max_tokens`, within the context); otherwise it waits for a finishing sequence to
 //! return pages. A request that could never fit gets its own error; the others run on.
+//!
+//! The whole pages a sequence has written stay cached after it ends ([`PrefixCache`]), so a
+//! prompt beginning with the same tokens starts where they end and runs only the rest.
 
+use super::prefix::{PrefixCache, ROOT};
 use super::{
     check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Scored, Step, StepResult,
     TokenLogprobs,
@@ -52,8 +56,10 @@ pub struct RunOptions {
     pub overlap: bool,
     /// Most tokens in one step (decode tokens plus prompt chunks).
     pub step_tokens: usize,
-    /// KV memory per rank, in bytes; `None`: enough for `max_batch` of these requests at their
-    /// full length, at most a quarter of the memory available on this node per local rank.
+    /// KV memory per rank, in bytes: at most what `max_batch` of these requests need at their
+    /// full length or, with the prefix cache, the larger of that and the default; `None`:
+    /// enough for `max_batch` of these requests at their full length, at most a quarter of the
+    /// memory available on this node per local rank.
     pub kv_bytes: Option<usize>,
     pub eos_ids: Vec<u32>,
     /// After each step, when no other is in flight and work remains, every rank runs its
@@ -66,6 +72,10 @@ pub struct RunOptions {
     /// (`micro_batches` and `overlap` are not used), their steps alternate while both have
     /// work, and each side's token times count its own steps only, as if it had run alone.
     pub sides: Option<usize>,
+    /// Keep the KV pages of ended sequences' prompts and tokens for prompts that begin with
+    /// the same tokens ([`PrefixCache`]). Never with `sides` nor for a model with windowed
+    /// layers (their keys live in per-slot rings); a request scoring its prompt runs all of it.
+    pub prefix_cache: bool,
 }
 
 impl Default for RunOptions {
@@ -79,6 +89,7 @@ impl Default for RunOptions {
             eos_ids: Vec::new(),
             read_between_steps: false,
             sides: None,
+            prefix_cache: true,
         }
     }
 }
@@ -97,6 +108,8 @@ pub struct Completion {
     pub logprobs: Vec<TokenLogprobs>,
     /// The log-probabilities of each prompt token after the first, where the request asked.
     pub prompt_logprobs: Vec<TokenLogprobs>,
+    /// Prompt tokens whose keys and values came from the prefix cache, not run again.
+    pub cached_tokens: usize,
 }
 
 impl Completion {
@@ -117,8 +130,11 @@ pub struct RunStats {
     pub prefill_steps: usize,
     pub kv_pages: usize,
     pub kv_page_bytes: usize,
-    /// Most pages in use at once.
+    /// Most pages in use at once (by running sequences; cached pages held by none are free
+    /// to take).
     pub kv_pages_peak: usize,
+    /// Prompt tokens read from the prefix cache rather than run.
+    pub cached_tokens: usize,
     pub elapsed_ms: f64,
 }
 
@@ -128,6 +144,10 @@ struct Seq {
     group: usize,
     /// Prompt tokens sent so far.
     fed: usize,
+    /// Pages at the front of `pages` in the prefix cache (found there or put there), and the
+    /// last of them ([`ROOT`] for none); `None` once one of its pages was found cached
+    /// already, from another sequence (its later pages are then left out).
+    cached: Option<(usize, u32)>,
 }
 
 /// A launched step: the requests of its emitting spans, in order, and of its scored spans
@@ -252,7 +272,12 @@ impl Engine {
         // shared by its ranks).
         let room = self.kv_room();
         let auto = room.map_or((1 << 30) / crate::comm::mpi::local_ranks() / page_bytes, |r| r.pages / 4);
+        let caching = opts.prefix_cache && opts.sides.is_none() && !self.windowed();
+        // KV memory asked for is the pool's, with the prefix cache, up to the larger of what
+        // the requests need at once and the unasked default: what the running sequences leave
+        // of it keeps prefixes for later prompts.
         let pages = match opts.kv_bytes {
+            Some(b) if caching => (b / page_bytes).min(want.max(auto)),
             Some(b) => (b / page_bytes).min(want.max(1)),
             None => want.max(1).min(auto).max(1),
         };
@@ -271,6 +296,7 @@ impl Engine {
             )));
         }
         let slots = opts.max_batch;
+        let mut cache = PrefixCache::new(if caching { pages } else { 0 });
         // Side by side: the first `n` requests side 0's, the rest side 1's; one group a side,
         // one step in flight, each side's own clock.
         let side_of = |key: usize| opts.sides.map_or(0, |n| usize::from(key >= n));
@@ -348,6 +374,7 @@ impl Engine {
                     prompt_logits: None,
                     logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
+                    cached_tokens: 0,
                 };
                 if problem.is_some() || (req.max_tokens == 0 && req.prompt_logprobs.is_none()) {
                     if problem.is_some() {
@@ -387,19 +414,37 @@ impl Engine {
                 while let Some(&at) = queue.front() {
                     let l = live[at].as_mut().expect("a waiting request is held");
                     let need = pages_of(&l.req, ctx);
-                    if members[g].len() >= per_group(g) || free_slots.is_empty() || free_pages.len() < need {
+                    // The cached whole pages its prompt begins with, its last token left to run
+                    // (none for a prompt to score: all of it runs).
+                    let hit = match caching && l.req.prompt_logprobs.is_none() {
+                        true => cache.lookup(&l.req.prompt, (l.req.prompt.len() - 1) / PAGE),
+                        false => Vec::new(),
+                    };
+                    let fresh = need - hit.len();
+                    let room = free_pages.len() + cache.idle() - cache.idle_among(&hit);
+                    if members[g].len() >= per_group(g) || free_slots.is_empty() || room < fresh {
                         break;
                     }
                     queue.pop_front();
                     let slot = free_slots.pop().expect("checked");
-                    let pg = free_pages.take(need);
+                    cache.hold(&hit);
+                    if free_pages.len() < fresh {
+                        cache.reclaim(fresh - free_pages.len(), |p| free_pages.push(p));
+                    }
+                    let skipped = hit.len() * PAGE;
+                    let cached = Some((hit.len(), hit.last().copied().unwrap_or(ROOT)));
+                    let mut pg = hit;
+                    pg.extend(free_pages.take(fresh));
                     step.admit.push(Admit {
                         slot,
                         pages: pg.clone(),
                         params: l.req.params.clone(),
                         logprobs: l.req.logprobs,
+                        history: l.req.prompt[..skipped].to_vec(),
                     });
-                    l.seq = Some(Seq { slot, pages: pg, group: g, fed: 0 });
+                    l.seq = Some(Seq { slot, pages: pg, group: g, fed: skipped, cached });
+                    l.out.cached_tokens = skipped;
+                    stats.cached_tokens += skipped;
                     members[g].push(at);
                     // Room for every token the request can bring.
                     let r = &l.req;
@@ -413,7 +458,7 @@ impl Engine {
                         l.out.prompt_logprobs.reserve_exact(r.prompt.len() - 1);
                     }
                 }
-                stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len());
+                stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len() - cache.idle());
                 let mut emitting = spare.pop().unwrap_or_default();
                 let mut scoring = Vec::new();
                 if !build_step(&members[g], &mut live, opts.step_tokens, step, &mut emitting, &mut scoring) {
@@ -515,13 +560,22 @@ impl Engine {
                     ended.push((at, fin));
                 }
             }
+            if caching {
+                // Every token the group's sequences were sent is in their pages now.
+                for &at in &members[f.group] {
+                    cache_written(&mut cache, live[at].as_mut().expect("members are held"));
+                }
+            }
             for (at, fin) in ended.drain(..) {
                 let mut l = live[at].take().expect("an ended request is held");
                 l.out.finish = fin;
                 let s = l.seq.take().expect("an ended request was running");
                 members[s.group].retain(|&m| m != at);
                 free_slots.push(s.slot);
-                free_pages.give(&s.pages);
+                match caching {
+                    true => cache.release(&s.pages, |p| free_pages.push(p)),
+                    false => free_pages.give(&s.pages),
+                }
                 vacant.push(at);
                 traffic.done(l.key, l.out)?;
             }
@@ -538,6 +592,27 @@ impl Engine {
         }
         stats.elapsed_ms = ms(t0, paused);
         Ok(stats)
+    }
+}
+
+/// Puts into the prefix cache each whole page of a running sequence that its steps have
+/// written (every token it was sent: its prompt so far, then each token it brought but the
+/// last), after those it has there.
+fn cache_written(cache: &mut PrefixCache, l: &mut Live) {
+    let s = l.seq.as_mut().expect("a running request");
+    let (p, brought) = (&l.req.prompt, &l.out.token_ids);
+    let written = if s.fed < p.len() { s.fed } else { p.len() + brought.len().saturating_sub(1) };
+    while let Some((n, parent)) = s.cached {
+        if (n + 1) * PAGE > written {
+            break;
+        }
+        let mut block = [0; PAGE];
+        for (i, b) in block.iter_mut().enumerate() {
+            let pos = n * PAGE + i;
+            *b = if pos < p.len() { p[pos] } else { brought[pos - p.len()] };
+        }
+        let page = s.pages[n];
+        s.cached = cache.register(parent, &block, page).ok().map(|()| (n + 1, page));
     }
 }
 
@@ -644,6 +719,10 @@ impl FreePages {
     /// Pages back, to be taken again in the order given.
     fn give(&mut self, pages: &[u32]) {
         self.0.extend(pages.iter().rev());
+    }
+    /// One page back, to be taken next.
+    fn push(&mut self, page: u32) {
+        self.0.push(page);
     }
 }
 

@@ -232,6 +232,7 @@ mod tests {
                 pages: vec![7, 3, 9],
                 params: SamplingParams { temperature: 0.7, seed: 42, ..SamplingParams::default() },
                 logprobs: Some(3),
+                history: vec![4, 0, u32::MAX],
             }],
             spans: vec![
                 Span { seq: 2, pos0: 0, len: 3, emit: false },

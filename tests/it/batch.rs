@@ -308,3 +308,101 @@ fn requests_coming_while_others_run_get_their_tokens_alone() {
     assert!(drip.waits.len() < n, "waited for every request: {:?}", drip.waits);
     assert!(drip.order.first() < drip.order.last(), "{:?}", drip.order);
 }
+
+/// The prefix cache: five prompts run one after another (one slot, steps of 8 tokens), four
+/// of them after one long preamble, one with a repetition penalty and sampling (its history
+/// holds the cached tokens it never ran), and the last the first prompt followed by the text
+/// the first one brought (as the next turn of a conversation sends it). On layouts 1×1, 1×2
+/// and 2×1, each prompt brings the tokens it brings with `--no-prefix-cache` on the same
+/// layout. With KV memory for all of them it reads from the cache exactly the whole pages it
+/// shares with what ran before it (its last token always runs): the preamble's, and for the
+/// last prompt the first one's generated tokens' too. With KV memory for little more than one
+/// sequence (cached pages given up for new ones, the least recently used first, never the
+/// preamble that the next prompt holds), it reads at most those and at least the preamble.
+#[test]
+fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
+    use gridlm::model::PAGE;
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let preamble = "You are a careful assistant. You answer questions about the natural world in \
+                    short, exact sentences, and you always name the principle behind an answer. \
+                    Here is the question: ";
+    let firsts = ["Why is the sky blue?", "Why does ice float?", "What makes leaves green?"];
+    // The first prompt's continuation, as a conversation's next turn would send it.
+    let mut e = local_engine_on(&dir, None, 2);
+    let first = tok.encode(&format!("{preamble}{}", firsts[0]), true).unwrap();
+    let opts =
+        GenerateOptions { max_tokens: 24, ignore_eos: true, eos_ids: Vec::new(), keep_prompt_logits: false };
+    let said = e.generate(&first, &opts, &Single, &Single, |_| Ok(())).unwrap().token_ids;
+    let said = tok.decode(&said).unwrap();
+    let mut texts: Vec<String> = firsts.iter().map(|q| format!("{preamble}{q}")).collect();
+    texts.push(format!("{preamble}{} {}", firsts[1], "(Be brief.)"));
+    texts.push(format!("{preamble}{}{said} So", firsts[0]));
+    let settings = ["", "", "", r#","temperature":0.8,"repetition_penalty":1.3,"seed":5"#, ""];
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    let lines: Vec<String> = texts
+        .iter()
+        .zip(settings)
+        .map(|(t, s)| format!("{{\"prompt\":{}{s}}}", serde_json::json!(t)))
+        .collect();
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let base = ["--prompts-file", path_str(&file), "--max-tokens", "24", "--ignore-eos", "--max-batch", "1"];
+    let base: Vec<&str> = base.into_iter().chain(["--step-tokens", "8", "--json"]).collect();
+    let run = |ranks: usize, extra: &[&str]| {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let out = local(ranks, &dir, &args);
+        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        json_of(&out)
+    };
+    for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
+        let (p, t) = (pp.to_string(), tp.to_string());
+        let grid = ["--pp", p.as_str(), "--tp", t.as_str()];
+        let whole = run(pp * tp, &[&grid[..], &["--no-prefix-cache"]].concat());
+        let want: Vec<Vec<u32>> = whole["results"].as_array().unwrap().iter().map(ids).collect();
+        assert_eq!(whole["cached_tokens"], 0);
+        // What each prompt shares with what ran before it, in whole pages (the last token left).
+        let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+        let ran: Vec<Vec<u32>> =
+            prompts.iter().zip(&want).map(|(p, w)| [&p[..], &w[..w.len() - 1]].concat()).collect();
+        let shared: Vec<usize> = (0..prompts.len())
+            .map(|i| {
+                let common = |r: &Vec<u32>| prompts[i].iter().zip(r).take_while(|(a, b)| a == b).count();
+                let most = ran[..i].iter().map(common).max().unwrap_or(0);
+                most.min(prompts[i].len() - 1) / PAGE * PAGE
+            })
+            .collect();
+        assert!(shared[1] >= 2 * PAGE, "the preamble spans whole pages: {shared:?}");
+        assert!(
+            shared[4] >= prompts[0].len() / PAGE * PAGE + PAGE,
+            "the generated tokens' pages: {shared:?}"
+        );
+        // Pages of the largest sequence, and of all of them.
+        let pages: Vec<usize> = ran.iter().map(|r| (r.len() + 1).div_ceil(PAGE)).collect();
+        let (largest, all) = (pages.iter().max().unwrap(), pages.iter().sum::<usize>());
+        let page_bytes = whole["kv_page_bytes"].as_u64().unwrap() as usize;
+        let tight = ((largest + 1) * page_bytes).div_ceil(1 << 20).to_string();
+        for (mib, roomy) in [("16", true), (tight.as_str(), false)] {
+            let what = format!("{pp}x{tp}, KV memory {mib} MiB");
+            let v = run(pp * tp, &[&grid[..], &["--kv-mem-mib", mib]].concat());
+            let held = v["kv_pages"].as_u64().unwrap() as usize;
+            assert!(if roomy { held >= all } else { held > *largest && held < all }, "{what}: {held}");
+            let results = v["results"].as_array().unwrap();
+            let mut total = 0;
+            for (i, r) in results.iter().enumerate() {
+                assert_eq!(ids(r), want[i], "{what}: prompt {i} differs from the whole prompt's run");
+                let cached = r["cached_tokens"].as_u64().unwrap() as usize;
+                if roomy {
+                    assert_eq!(cached, shared[i], "{what}: prompt {i}'s cached tokens");
+                } else {
+                    assert!(
+                        cached <= shared[i] && cached >= shared[i].min(2 * PAGE),
+                        "{what}: prompt {i}: {cached}"
+                    );
+                }
+                total += cached;
+            }
+            assert_eq!(v["cached_tokens"], total, "{what}");
+        }
+    }
+}

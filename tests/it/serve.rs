@@ -571,6 +571,59 @@ fn serve_drains_on_sigusr1() {
     assert!(status.success(), "{status:?}: {}", idle.log_text());
 }
 
+/// A conversation's next turn reads its earlier turns from the prefix cache: on two pipeline
+/// stages, the second turn (the first turn's prompt, the answer the server gave, a new
+/// question) reads from the cache more whole pages than the first turn's prompt fills (so the
+/// pages of the tokens the server generated too), `usage.prompt_tokens_details.cached_tokens`
+/// and `/metrics` say how many, and the answer, whole and streamed, is the one a server with
+/// `--no-prefix-cache` gives (which reads none).
+#[test]
+fn serve_reads_a_conversations_earlier_turns_from_the_prefix_cache() {
+    let dir = smollm2("bf16");
+    let cached = Server::start(2, &dir, &["--pp", "2"]);
+    let whole = Server::start(2, &dir, &["--pp", "2", "--no-prefix-cache"]);
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a patient teacher who explains physics to curious students."}),
+        json!({"role": "user", "content": "Why is the sky blue?"}),
+    ];
+    let ask = |m: &Vec<Value>| json!({"messages": m, "max_tokens": 40});
+    let (status, first) = cached.post("/v1/chat/completions", &ask(&messages));
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+    let first_prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    messages.push(json!({"role": "assistant", "content": text_of(&first).0}));
+    messages.push(json!({"role": "user", "content": "And why are sunsets red?"}));
+    let (_, second) = cached.post("/v1/chat/completions", &ask(&messages));
+    let hit = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let page = gridlm::model::PAGE as u64;
+    assert!(hit > first_prompt / page * page && hit % page == 0, "{hit} of {}", second["usage"]);
+    assert!(hit < second["usage"]["prompt_tokens"].as_u64().unwrap());
+    let (_, again) = whole.post("/v1/chat/completions", &ask(&messages));
+    assert_eq!(text_of(&second), text_of(&again));
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{again}");
+    // Streamed, the same turn reads its last pages too (the second turn's own).
+    let mut streamed = ask(&messages);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = cached.events("/v1/chat/completions", &streamed);
+    let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, text_of(&second).0);
+    let usage = &events[events.len() - 1]["usage"];
+    let hit_again = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(hit_again >= hit, "{usage}");
+    // A request is counted after its answer is written: wait for the last one.
+    let line = format!("gridlm_prompt_tokens_cached_total {}", hit + hit_again);
+    let t0 = Instant::now();
+    loop {
+        let metrics = cached.http("GET", "/metrics", "").1;
+        if metrics.lines().any(|l| l == line) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{line} in:\n{metrics}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `child`'s exit status, waited for at most `most`.
 fn wait_for(child: &mut std::process::Child, most: Duration) -> std::process::ExitStatus {
     let t0 = Instant::now();
