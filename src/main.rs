@@ -1488,11 +1488,16 @@ fn run_serve(
         metrics: Default::default(),
     };
     SERVING.store(true, std::sync::atomic::Ordering::Relaxed);
-    serve::start(server, front, drain);
-    let mut stdout = std::io::stdout();
-    writeln!(stdout, "gridlm serve: {name} on http://{addr}/v1 ({})", ranks_of(&grid))?;
-    stdout.flush()?;
-    let run = engine.drive(&mut Served::new(rx, tok), &opts, want, comm, link);
+    // Requests are taken, and the address announced, once every rank has its KV pool in place
+    // (written through, ~2 s a GB): before, the first request waited for it.
+    let ranks = ranks_of(&grid);
+    let open = Box::new(move || {
+        serve::start(server, front, drain);
+        let mut stdout = std::io::stdout();
+        writeln!(stdout, "gridlm serve: {name} on http://{addr}/v1 ({ranks})")?;
+        stdout.flush()
+    });
+    let run = engine.drive(&mut Served::new(rx, tok, open), &opts, want, comm, link);
     engine.finish(comm, link)?;
     agree(link, run.map(|_| ()).map_err(|e| gridlm::Error::Input(e.to_string())))
 }

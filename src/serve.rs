@@ -297,11 +297,18 @@ pub struct Served {
     tok: Arc<Tokenizer>,
     clients: HashMap<usize, Client>,
     next: usize,
+    /// Opens the server to requests: called once, when the scheduler first asks for them (every
+    /// rank's KV pool is in place then, so the first request does not wait for it).
+    open: Option<Box<dyn FnOnce() -> std::io::Result<()>>>,
 }
 
 impl Served {
-    pub fn new(rx: Receiver<Incoming>, tok: Arc<Tokenizer>) -> Self {
-        Served { rx, tok, clients: HashMap::new(), next: 0 }
+    pub fn new(
+        rx: Receiver<Incoming>,
+        tok: Arc<Tokenizer>,
+        open: Box<dyn FnOnce() -> std::io::Result<()>>,
+    ) -> Self {
+        Served { rx, tok, clients: HashMap::new(), next: 0, open: Some(open) }
     }
 
     fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
@@ -320,6 +327,9 @@ impl Served {
 
 impl Traffic for Served {
     fn arrivals(&mut self, wait: bool, into: &mut Vec<Request>) -> Result<bool> {
+        if let Some(open) = self.open.take() {
+            open().map_err(|e| crate::Error::Input(format!("serve: cannot announce the server: {e}")))?;
+        }
         if wait {
             match self.rx.recv() {
                 Ok(inc) => self.take(inc, into),
