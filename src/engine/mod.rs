@@ -120,6 +120,21 @@ pub struct Step {
     pub side: u8,
     /// Prompt chunks whose positions' next tokens are scored, in span order.
     pub scored: Vec<Scored>,
+    /// Emitting spans ending in draft tokens to verify, in span order.
+    pub drafted: Vec<Drafted>,
+}
+
+/// An emitting span whose last `k` tokens are drafts (speculative decoding): guesses of the
+/// tokens after its first, to be checked in one step. The last stage yields a token after each
+/// of the span's last `k + 1` positions (its real last token's and each draft's), in order; the
+/// driver keeps the drafts the model would have chosen itself and the token after the last of
+/// them. Only for sequences picking greedily with nothing adjusting their logits, whose
+/// choice at a position depends on nothing but the tokens before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drafted {
+    /// Its span: an index into the step's spans.
+    pub span: usize,
+    pub k: usize,
 }
 
 /// A prompt chunk of a request that asked for its prompt's log-probabilities
@@ -911,22 +926,36 @@ impl Engine {
             mark_seen(&mut self.slots[sp.seq].seen, &tokens[at..at + sp.len], vr.clone());
             at += sp.len;
         }
-        let m = spans.iter().filter(|s| s.emit).count();
-        let vl = vr.len();
-        last.resize(m * h, 0.0);
-        logits.resize(m * vl, 0.0);
-        let mut end = 0;
-        let mut row = 0;
-        for sp in spans {
+        // The output head's rows: each emitting span's last position, and before it those of
+        // its drafts; `emitting` their slots.
+        let emitting = &mut self.emitting;
+        emitting.clear();
+        let (mut end, mut drafted) = (0, step.drafted.iter().peekable());
+        for (i, sp) in spans.iter().enumerate() {
             end += sp.len;
-            if sp.emit {
-                last[row * h..(row + 1) * h].copy_from_slice(&x[(end - 1) * h..end * h]);
-                row += 1;
+            if !sp.emit {
+                continue;
+            }
+            let k = drafted.next_if(|d| d.span == i).map_or(0, |d| d.k);
+            if k >= sp.len {
+                return Err(Error::Comm(format!("a step drafts {k} tokens in a span of {}", sp.len)));
+            }
+            for p in end - 1 - k..end {
+                let row = emitting.len();
+                crate::grow(last, (row + 1) * h);
+                last[row * h..(row + 1) * h].copy_from_slice(&x[p * h..(p + 1) * h]);
+                emitting.push(sp.seq);
             }
         }
+        if drafted.next().is_some() {
+            return Err(Error::Comm("a step drafts tokens in a span that does not emit".into()));
+        }
+        let m = emitting.len();
+        let vl = vr.len();
+        logits.resize(m * vl, 0.0);
         let mut result = spare_result(&mut self.spare_tokens);
         if m > 0 {
-            shard.logits(last, m, scratch, logits, team);
+            shard.logits(&last[..m * h], m, scratch, logits, team);
             if step.want_logits {
                 let vocab = shard.cfg.vocab_size;
                 let counts: Vec<usize> = (0..g.tp).map(|t| vocab_range(vocab, g.tp, t).len()).collect();
@@ -934,7 +963,7 @@ impl Engine {
                 comm.allgatherv(&logits[..vl], &counts, &mut full);
                 result.logits = Some(full);
             }
-            self.pick(spans, m, comm, &mut result);
+            self.pick(m, comm, &mut result);
         }
         if !step.scored.is_empty() {
             self.score(step, comm, &mut result)?;
@@ -1006,15 +1035,14 @@ impl Engine {
         (0..tp).map(|t| vocab_range(vocab, tp, t).len()).max().unwrap_or(0)
     }
 
-    /// Last stage: the next token of each of the `m` emitting spans from `self.logits`, into
-    /// `picked`, the same on every rank of the stage: greedy rows by one allgather of (value,
-    /// index), sampled rows exactly over the whole vocabulary (see [`sampling`]).
-    fn pick(&mut self, spans: &[Span], m: usize, comm: &dyn Comm, result: &mut StepResult) {
+    /// Last stage: the next token of each of the `m` rows of `self.logits` (their slots in
+    /// `self.emitting`), into `picked`, the same on every rank of the stage: greedy rows by one
+    /// allgather of (value, index), sampled rows exactly over the whole vocabulary (see
+    /// [`sampling`]).
+    fn pick(&mut self, m: usize, comm: &dyn Comm, result: &mut StepResult) {
         let vr = self.shard.vocab_range();
         let vl = vr.len();
-        let mut emitting = std::mem::take(&mut self.emitting);
-        emitting.clear();
-        emitting.extend(spans.iter().filter(|s| s.emit).map(|s| s.seq));
+        let emitting = std::mem::take(&mut self.emitting);
         // Rows reporting log-probabilities are summarized before their logits are adjusted,
         // and kept as they were where adjusting changes them.
         let lp = &mut self.logprob_bufs;

@@ -17,8 +17,8 @@
 
 use super::prefix::{PrefixCache, ROOT};
 use super::{
-    check_prompt, sampling::SamplingParams, Admit, Engine, Finish, Plan, Scored, Step, StepResult,
-    TokenLogprobs,
+    check_prompt, sampling, sampling::SamplingParams, Admit, Drafted, Engine, Finish, Plan, Scored, Step,
+    StepResult, TokenLogprobs,
 };
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
@@ -76,6 +76,11 @@ pub struct RunOptions {
     /// the same tokens ([`PrefixCache`]). Never with `sides` nor for a model with windowed
     /// layers (their keys live in per-slot rings); a request scoring its prompt runs all of it.
     pub prefix_cache: bool,
+    /// Speculative decoding by prompt lookup: at most this many draft tokens a step for each
+    /// greedy sequence whose logits nothing adjusts, taken from what followed the latest
+    /// earlier occurrence of its last tokens in its prompt and output, and checked in the
+    /// step ([`Drafted`]). 0: none.
+    pub speculate: usize,
 }
 
 impl Default for RunOptions {
@@ -90,6 +95,7 @@ impl Default for RunOptions {
             read_between_steps: false,
             sides: None,
             prefix_cache: true,
+            speculate: 0,
         }
     }
 }
@@ -135,6 +141,9 @@ pub struct RunStats {
     pub kv_pages_peak: usize,
     /// Prompt tokens read from the prefix cache rather than run.
     pub cached_tokens: usize,
+    /// Draft tokens checked ([`RunOptions::speculate`]), and those kept.
+    pub drafted: usize,
+    pub accepted: usize,
     pub elapsed_ms: f64,
 }
 
@@ -148,13 +157,18 @@ struct Seq {
     /// last of them ([`ROOT`] for none); `None` once one of its pages was found cached
     /// already, from another sequence (its later pages are then left out).
     cached: Option<(usize, u32)>,
+    /// The drafts of its step in flight (room for `speculate` made at admission, where it
+    /// may draft).
+    drafts: Vec<u32>,
 }
 
-/// A launched step: the requests of its emitting spans, in order, and of its scored spans
-/// (with the log-probabilities each brings and whether it ends its prompt).
+/// A launched step: the requests of its emitting spans, in order (each brings a token for its
+/// span and one for each of its drafts: `rows` in all), and of its scored spans (with the
+/// log-probabilities each brings and whether it ends its prompt).
 struct InFlight {
     group: usize,
     emitting: Vec<usize>,
+    rows: usize,
     scoring: Vec<(usize, usize, bool)>,
     want_logits: bool,
 }
@@ -442,7 +456,9 @@ impl Engine {
                         logprobs: l.req.logprobs,
                         history: l.req.prompt[..skipped].to_vec(),
                     });
-                    l.seq = Some(Seq { slot, pages: pg, group: g, fed: skipped, cached });
+                    let may_draft = opts.speculate > 0 && drafts_for(&l.req.params);
+                    let drafts = Vec::with_capacity(if may_draft { opts.speculate } else { 0 });
+                    l.seq = Some(Seq { slot, pages: pg, group: g, fed: skipped, cached, drafts });
                     l.out.cached_tokens = skipped;
                     stats.cached_tokens += skipped;
                     members[g].push(at);
@@ -461,10 +477,14 @@ impl Engine {
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len() - cache.idle());
                 let mut emitting = spare.pop().unwrap_or_default();
                 let mut scoring = Vec::new();
-                if !build_step(&members[g], &mut live, opts.step_tokens, step, &mut emitting, &mut scoring) {
+                let limits = Limits { step_tokens: opts.step_tokens, ctx };
+                let Some(rows) =
+                    build_step(&members[g], &mut live, limits, step, &mut emitting, &mut scoring)
+                else {
                     spare.push(emitting);
                     continue;
-                }
+                };
+                stats.drafted += rows - emitting.len();
                 if step.spans.iter().any(|s| s.len > 1 || !s.emit) {
                     stats.prefill_steps += 1;
                 }
@@ -472,7 +492,7 @@ impl Engine {
                 let want_logits = step.want_logits;
                 busy[g] = true;
                 self.launch(&plan, comm, link)?;
-                flight.push_back(InFlight { group: g, emitting, scoring, want_logits });
+                flight.push_back(InFlight { group: g, emitting, rows, scoring, want_logits });
                 tried = 0;
             }
             let Some(f) = flight.pop_front() else {
@@ -486,7 +506,7 @@ impl Engine {
                 }
                 break;
             };
-            let mut r: StepResult = self.collect(f.emitting.len(), link)?;
+            let mut r: StepResult = self.collect(f.rows, link)?;
             busy[f.group] = false;
             // A step's tokens arrive together: one time for all of them, not one per token
             // taken after the ones before it were handed on (and, for `generate`, printed).
@@ -522,42 +542,55 @@ impl Engine {
                 }
             }
             drop(scores);
-            for (row, (&at, &tok)) in f.emitting.iter().zip(&r.tokens).enumerate() {
+            let mut row = 0;
+            for &at in &f.emitting {
                 let l = live[at].as_mut().expect("an emitting request is held");
-                let (req, c) = (&l.req, &mut l.out);
-                if c.token_ids.is_empty() && req.keep_logits {
-                    c.prompt_logits = r.logits.take();
-                }
-                c.token_ids.push(tok);
-                c.times_ms.push(now);
-                let lp = match r.logprobs.get_mut(row).and_then(Option::take) {
-                    Some(lp) if req.logprobs.is_some() => {
-                        c.logprobs.push(lp);
-                        c.logprobs.last()
+                let (req, c, s) = (&l.req, &mut l.out, l.seq.as_ref().expect("an emitting request runs"));
+                // The span's rows: its last real token's, then each draft's. A draft is kept
+                // where the row before it chose it, and each kept row brings its token.
+                let rows = row..row + 1 + s.drafts.len();
+                row = rows.end;
+                for (i, r_i) in rows.enumerate() {
+                    let tok = r.tokens[r_i];
+                    if c.token_ids.is_empty() && req.keep_logits {
+                        c.prompt_logits = r.logits.take();
                     }
-                    None if req.logprobs.is_some() => {
-                        return Err(Error::Comm(format!(
-                            "a step brought no log-probabilities for request {}",
-                            l.key
-                        )))
+                    c.token_ids.push(tok);
+                    c.times_ms.push(now);
+                    let lp = match r.logprobs.get_mut(r_i).and_then(Option::take) {
+                        Some(lp) if req.logprobs.is_some() => {
+                            c.logprobs.push(lp);
+                            c.logprobs.last()
+                        }
+                        None if req.logprobs.is_some() => {
+                            return Err(Error::Comm(format!(
+                                "a step brought no log-probabilities for request {}",
+                                l.key
+                            )))
+                        }
+                        _ => None,
+                    };
+                    let go_on = traffic.token(l.key, tok, lp)?;
+                    let pos = req.prompt.len() + c.token_ids.len() - 1;
+                    let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
+                        Some(Finish::Eos)
+                    } else if !go_on {
+                        Some(Finish::Stop)
+                    } else if c.token_ids.len() >= req.max_tokens {
+                        Some(Finish::Length)
+                    } else if pos >= positions(req) {
+                        Some(Finish::Context)
+                    } else {
+                        None
+                    };
+                    if let Some(fin) = finish {
+                        ended.push((at, fin));
+                        break;
                     }
-                    _ => None,
-                };
-                let go_on = traffic.token(l.key, tok, lp)?;
-                let pos = req.prompt.len() + c.token_ids.len() - 1;
-                let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
-                    Some(Finish::Eos)
-                } else if !go_on {
-                    Some(Finish::Stop)
-                } else if c.token_ids.len() >= req.max_tokens {
-                    Some(Finish::Length)
-                } else if pos >= positions(req) {
-                    Some(Finish::Context)
-                } else {
-                    None
-                };
-                if let Some(fin) = finish {
-                    ended.push((at, fin));
+                    if s.drafts.get(i) != Some(&tok) {
+                        break;
+                    }
+                    stats.accepted += 1;
                 }
             }
             if caching {
@@ -627,40 +660,72 @@ fn positions_of(r: &Request, ctx: usize) -> usize {
     (r.prompt.len() + r.max_tokens).min(ctx)
 }
 
+/// What bounds a step: its tokens, the model's context.
+#[derive(Clone, Copy)]
+struct Limits {
+    step_tokens: usize,
+    ctx: usize,
+}
+
+/// Whether a sequence with these settings may draft ([`RunOptions::speculate`]): it picks the
+/// most likely token of logits nothing adjusts, so its choice at a position depends only on
+/// the tokens before it and a draft is checked by the model's own choice.
+fn drafts_for(p: &SamplingParams) -> bool {
+    p.is_greedy() && !sampling::adjusts(p)
+}
+
 /// The next step of a group, into `step` (its admissions already there): a decode token of
-/// each running member, then prompt chunks while the step has room (at least one chunk, so
-/// prefill always advances); into `emitting` the requests of the emitting spans, in order, and
-/// into `scoring` those of the scored chunks (prompts asking for their log-probabilities: the
-/// request, the scores the chunk brings, whether it ends the prompt). `false` when the group
-/// has nothing to run.
+/// each running member (after it, drafts where it may draft and its text offers some), then
+/// prompt chunks while the step has room (at least one chunk, so prefill always advances);
+/// into `emitting` the requests of the emitting spans, in order, and into `scoring` those of
+/// the scored chunks (prompts asking for their log-probabilities: the request, the scores the
+/// chunk brings, whether it ends the prompt). The rows the step brings (a token for each
+/// emitting span and for each draft), or `None` when the group has nothing to run.
 fn build_step(
     members: &[usize],
     live: &mut [Option<Live>],
-    step_tokens: usize,
+    limits: Limits,
     step: &mut Step,
     emitting: &mut Vec<usize>,
     scoring: &mut Vec<(usize, usize, bool)>,
-) -> bool {
-    let Step { spans, tokens, want_logits, scored, .. } = step;
+) -> Option<usize> {
+    let Step { spans, tokens, want_logits, scored, drafted, .. } = step;
     spans.clear();
     tokens.clear();
     emitting.clear();
     scored.clear();
     scoring.clear();
+    drafted.clear();
     *want_logits = false;
     for &i in members {
-        let l = live[i].as_ref().expect("members are held");
-        let s = l.seq.as_ref().expect("members are running");
-        let p = &l.req.prompt;
-        if s.fed == p.len() {
-            let done = &l.out.token_ids;
-            let last = *done.last().expect("a fully fed prompt has its first token");
-            spans.push(Span { seq: s.slot, pos0: p.len() + done.len() - 1, len: 1, emit: true });
-            tokens.push(last);
-            emitting.push(i);
+        let l = live[i].as_mut().expect("members are held");
+        let s = l.seq.as_mut().expect("members are running");
+        let (r, done) = (&l.req, &l.out.token_ids);
+        let p = &r.prompt;
+        s.drafts.clear();
+        if s.fed < p.len() {
+            continue;
         }
+        let last = *done.last().expect("a fully fed prompt has its first token");
+        let pos = p.len() + done.len() - 1;
+        // Drafts take the positions after `pos` (within the sequence's pages) and stand for
+        // tokens before the last one it may bring.
+        let most = (s.drafts.capacity())
+            .min(positions_of(r, limits.ctx).saturating_sub(pos + 1))
+            .min(r.max_tokens.saturating_sub(done.len() + 1));
+        if most > 0 {
+            lookup_drafts(p, done, most, &mut s.drafts);
+        }
+        let k = s.drafts.len();
+        if k > 0 {
+            drafted.push(Drafted { span: spans.len(), k });
+        }
+        spans.push(Span { seq: s.slot, pos0: pos, len: 1 + k, emit: true });
+        tokens.push(last);
+        tokens.extend_from_slice(&s.drafts);
+        emitting.push(i);
     }
-    let mut room = step_tokens.saturating_sub(tokens.len());
+    let mut room = limits.step_tokens.saturating_sub(tokens.len());
     for &i in members {
         let l = live[i].as_mut().expect("members are held");
         let s = l.seq.as_mut().expect("members are running");
@@ -691,7 +756,34 @@ fn build_step(
         }
         room = room.saturating_sub(n);
     }
-    !spans.is_empty()
+    let drafts: usize = drafted.iter().map(|d| d.k).sum();
+    (!spans.is_empty()).then_some(emitting.len() + drafts)
+}
+
+/// Longest run of a sequence's last tokens looked up in its text, for drafts.
+const DRAFT_NGRAM: usize = 3;
+/// Shortest run looked up: a single token repeats too often in any text to predict the next.
+const DRAFT_NGRAM_MIN: usize = 2;
+
+/// Prompt lookup: into `out` (cleared first), at most `k` tokens of what followed the latest
+/// earlier occurrence, in the sequence's text (`prompt` then `brought`), of its last
+/// [`DRAFT_NGRAM`] tokens, or failing that of fewer, down to [`DRAFT_NGRAM_MIN`]; none where
+/// none occurs.
+fn lookup_drafts(prompt: &[u32], brought: &[u32], k: usize, out: &mut Vec<u32>) {
+    out.clear();
+    let len = prompt.len() + brought.len();
+    let at = |i: usize| if i < prompt.len() { prompt[i] } else { brought[i - prompt.len()] };
+    for n in (DRAFT_NGRAM_MIN..=DRAFT_NGRAM).rev() {
+        if len <= n {
+            continue;
+        }
+        let tail = len - n;
+        // The latest start before the tail's own whose n tokens are the tail's.
+        if let Some(i) = (0..tail).rev().find(|&i| (0..n).all(|j| at(i + j) == at(tail + j))) {
+            out.extend((i + n..(i + n + k).min(len)).map(at));
+            return;
+        }
+    }
 }
 
 /// The KV pool's free pages, handed out so that a sequence's pages ascend through the pool
@@ -728,7 +820,27 @@ impl FreePages {
 
 #[cfg(test)]
 mod tests {
-    use super::FreePages;
+    use super::{lookup_drafts, FreePages};
+
+    #[test]
+    fn drafts_follow_the_latest_earlier_run_of_the_last_tokens() {
+        let mut out = Vec::new();
+        // The last three tokens (7 8 9) occur twice before: the latest one's followers, across
+        // the prompt's end, at most k of them.
+        lookup_drafts(&[7, 8, 9, 1, 2, 7, 8, 9, 3], &[4, 5, 7, 8, 9], 3, &mut out);
+        assert_eq!(out, [3, 4, 5]);
+        // Up to the text's end: what follows may be shorter than k.
+        lookup_drafts(&[5, 6, 1, 5, 6], &[], 4, &mut out);
+        assert_eq!(out, [1, 5, 6]);
+        // No earlier run of three: of two (8 9).
+        lookup_drafts(&[8, 9, 4, 4], &[1, 8, 9], 2, &mut out);
+        assert_eq!(out, [4, 4]);
+        // A lone repeated token is not enough; nothing earlier, nothing.
+        lookup_drafts(&[3, 1, 2, 5], &[3], 4, &mut out);
+        assert!(out.is_empty());
+        lookup_drafts(&[], &[1, 2], 4, &mut out);
+        assert!(out.is_empty());
+    }
 
     #[test]
     fn free_pages_ascend_and_come_back_in_order() {

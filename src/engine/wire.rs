@@ -6,13 +6,14 @@
 //! ```text
 //! step:   0u8, want_logits u8, side u8, spans u64, admit bytes u64,
 //!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens,
-//!         scored u64, scored × (span u64, next u64 (u64::MAX: none), k u64), admit (bincode)
+//!         scored u64, scored × (span u64, next u64 (u64::MAX: none), k u64),
+//!         drafted u64, drafted × (span u64, k u64), admit (bincode)
 //! other:  1u8, the plan (bincode)
 //! result: tokens, 0u8 | 1u8 and (logits, log-probabilities, prompt log-probabilities) (bincode)
 //! tokens: count u64, then the tokens × u32
 //! ```
 
-use super::{Plan, Scored, Step, StepResult};
+use super::{Drafted, Plan, Scored, Step, StepResult};
 use crate::error::{Error, Result};
 use crate::model::Span;
 
@@ -22,6 +23,8 @@ const OTHER: u8 = 1;
 const SPAN_BYTES: usize = 3 * 8 + 1;
 /// Bytes of one scored span on the wire.
 const SCORED_BYTES: usize = 3 * 8;
+/// Bytes of one drafted span on the wire.
+const DRAFTED_BYTES: usize = 2 * 8;
 
 fn word(out: &mut Vec<u8>, v: usize) {
     out.extend_from_slice(&(v as u64).to_le_bytes());
@@ -58,6 +61,11 @@ pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
         word(out, s.span);
         out.extend_from_slice(&s.next.map_or(u64::MAX, u64::from).to_le_bytes());
         word(out, s.k);
+    }
+    word(out, step.drafted.len());
+    for d in &step.drafted {
+        word(out, d.span);
+        word(out, d.k);
     }
     if !step.admit.is_empty() {
         let start = out.len();
@@ -108,6 +116,12 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
             Some(u32::try_from(next).map_err(|_| Error::Comm(format!("a plan scores token {next}")))?)
         };
         step.scored.push(Scored { span, next, k: r.usize()? });
+    }
+    let n_drafted = r.len(DRAFTED_BYTES)?;
+    step.drafted.clear();
+    for _ in 0..n_drafted {
+        let span = r.usize()?;
+        step.drafted.push(Drafted { span, k: r.usize()? });
     }
     let admit = r.take(admit_bytes)?;
     if admit.is_empty() {
@@ -245,6 +259,7 @@ mod tests {
                 Scored { span: 0, next: Some(u32::MAX), k: 2 },
                 Scored { span: 1, next: None, k: 0 },
             ],
+            drafted: vec![Drafted { span: 1, k: 3 }, Drafted { span: 4, k: 1 << 33 }],
         }
     }
 

@@ -406,3 +406,49 @@ fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
         }
     }
 }
+
+/// Speculative decoding by prompt lookup (`--speculate 4`): prompts whose answers repeat their
+/// text (a list to repeat, code to rewrite), one that does not, one sampled and one with a
+/// repetition penalty (neither drafts), three slots and steps of 8 tokens, with each token's
+/// log-probabilities: on 1×1, 1×2 and 2×1 every prompt brings the tokens and log-probabilities
+/// it brings without drafts on the same layout, bit for bit (a draft's row is the row its
+/// position gets when decoded alone), some drafts are kept and some are not (so a step's
+/// keys and values past the kept drafts are left for the next to overwrite).
+#[test]
+fn speculative_drafts_bring_the_tokens_decoded_without() {
+    let dir = smollm2("bf16");
+    let prompts = [
+        r#"{"prompt":"Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, melons, lemons, limes.","chat":true}"#,
+        r#"{"prompt":"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nRewrite both functions with type hints.","chat":true}"#,
+        r#"{"prompt":"Why is the sky blue?","chat":true}"#,
+        r#"{"prompt":"Repeat after me: one two three four five six seven","temperature":0.8,"seed":3}"#,
+        r#"{"prompt":"Repeat after me: one two three four five six seven","repetition_penalty":1.3}"#,
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    std::fs::write(&file, prompts.join("\n")).unwrap();
+    let base =
+        ["--prompts-file", path_str(&file), "--max-tokens", "48", "--max-batch", "3", "--step-tokens", "8"];
+    let base: Vec<&str> = base.into_iter().chain(["--json", "--logprobs", "2"]).collect();
+    for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
+        let (p, t) = (pp.to_string(), tp.to_string());
+        let run = |speculate: &str| {
+            let args: Vec<&str> =
+                base.iter().copied().chain(["--pp", &p, "--tp", &t, "--speculate", speculate]).collect();
+            let out = local(pp * tp, &dir, &args);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            json_of(&out)
+        };
+        let (plain, drafted) = (run("0"), run("4"));
+        assert_eq!(plain["drafted_tokens"], 0);
+        let (made, kept) =
+            (drafted["drafted_tokens"].as_u64().unwrap(), drafted["accepted_drafts"].as_u64().unwrap());
+        assert!(kept > 0 && made > kept, "{pp}x{tp}: {kept} of {made} drafts kept");
+        let (a, b) = (plain["results"].as_array().unwrap(), drafted["results"].as_array().unwrap());
+        for (i, (a, b)) in a.iter().zip(b).enumerate() {
+            assert_eq!(ids(b), ids(a), "{pp}x{tp}: prompt {i}'s tokens");
+            assert_eq!(b["logprobs"], a["logprobs"], "{pp}x{tp}: prompt {i}'s log-probabilities");
+            assert_eq!(b["finish_reason"], a["finish_reason"], "{pp}x{tp}: prompt {i}");
+        }
+    }
+}
