@@ -429,11 +429,12 @@ struct BatchArgs {
     /// the same tokens (the prefix cache).
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Speculative decoding by prompt lookup: up to N draft tokens a step for each greedy
-    /// sequence (no penalties), copied from what followed the latest earlier occurrence of its
-    /// last tokens in its prompt and output, and checked by the model in the same step. The
-    /// tokens are those decoded without; faster where the output repeats its context
-    /// (summaries, edits, code, quotes). 0 (the default): none.
+    /// Speculative decoding by prompt lookup: up to N draft tokens a step for each sequence
+    /// without a repetition, presence or frequency penalty, copied from what followed the
+    /// latest earlier occurrence of its last tokens in its prompt and output, and checked by
+    /// the model in the same step. The tokens are those decoded without (sampled ones too);
+    /// faster where the output repeats its context (summaries, edits, code, quotes). 0 (the
+    /// default): none.
     #[arg(long, default_value_t = 0)]
     speculate: usize,
 }

@@ -90,6 +90,7 @@ pub struct Admit {
     /// The prompt's first tokens, whose keys and values the sequence's first pages hold
     /// already (from the prefix cache): never sent in a span, but part of its history.
     pub history: Vec<u32>,
+    pub prompt_len: usize,
 }
 
 /// The most alternatives a token's log-probabilities list ([`TokenLogprobs::top`]).
@@ -128,8 +129,9 @@ pub struct Step {
 /// tokens after its first, to be checked in one step. The last stage yields a token after each
 /// of the span's last `k + 1` positions (its real last token's and each draft's), in order; the
 /// driver keeps the drafts the model would have chosen itself and the token after the last of
-/// them. Only for sequences picking greedily with nothing adjusting their logits, whose
-/// choice at a position depends on nothing but the tokens before it.
+/// them. Only for sequences whose choice at a position depends on nothing but the tokens
+/// before it: no penalty on what they generated (a sampled row draws with the noise of its
+/// token's number, [`SlotState`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Drafted {
     /// Its span: an index into the step's spans.
@@ -232,7 +234,8 @@ pub fn check_prompt(n_tokens: usize, max_context: usize) -> Result<()> {
 }
 
 /// A sequence slot as the last stage sees it: how it samples, which tokens of this rank's
-/// vocabulary shard it has seen (for the repetition penalty) and how many tokens it emitted.
+/// vocabulary shard it has seen (for the repetition penalty) and its prompt's length (a token
+/// picked after position `p` is its token number `p + 1 - prompt_len`, which seeds its draw).
 #[derive(Default)]
 struct SlotState {
     params: SamplingParams,
@@ -241,7 +244,7 @@ struct SlotState {
     /// How many times the sequence generated each token of this rank's shard, where the
     /// presence or frequency penalty is on (else empty).
     counts: Vec<u16>,
-    emitted: u64,
+    prompt_len: usize,
 }
 
 /// Reusable buffers of the log-probabilities a step reports ([`Engine::pick`]).
@@ -362,6 +365,8 @@ pub struct Engine {
     incoming: Plan,
     spare_step: Step,
     emitting: Vec<usize>,
+    /// Each emitting row's token number in its sequence (its draw's index).
+    indices: Vec<u64>,
     mine: Vec<f32>,
     spare_tokens: Vec<Vec<u32>>,
     read_sync: Vec<u64>,
@@ -582,6 +587,7 @@ impl Engine {
             incoming: Plan::End,
             spare_step: Step::default(),
             emitting: Vec::new(),
+            indices: Vec::new(),
             mine: Vec::new(),
             spare_tokens: Vec::new(),
             read_sync: Vec::new(),
@@ -892,7 +898,7 @@ impl Engine {
             if st.params.counts_tokens() {
                 st.counts.resize(self.shard.vocab_range().len(), 0);
             }
-            st.emitted = 0;
+            st.prompt_len = a.prompt_len;
         }
         let (spans, tokens) = (&step.spans, &step.tokens);
         let h = self.shard.cfg.hidden_size;
@@ -928,8 +934,9 @@ impl Engine {
         }
         // The output head's rows: each emitting span's last position, and before it those of
         // its drafts; `emitting` their slots.
-        let emitting = &mut self.emitting;
+        let (emitting, indices) = (&mut self.emitting, &mut self.indices);
         emitting.clear();
+        indices.clear();
         let (mut end, mut drafted) = (0, step.drafted.iter().peekable());
         for (i, sp) in spans.iter().enumerate() {
             end += sp.len;
@@ -945,6 +952,8 @@ impl Engine {
                 crate::grow(last, (row + 1) * h);
                 last[row * h..(row + 1) * h].copy_from_slice(&x[p * h..(p + 1) * h]);
                 emitting.push(sp.seq);
+                let pos = sp.pos0 + p + sp.len - end;
+                indices.push((pos + 1).saturating_sub(self.slots[sp.seq].prompt_len) as u64);
             }
         }
         if drafted.next().is_some() {
@@ -1081,7 +1090,7 @@ impl Engine {
         for (row, &slot) in emitting.iter().enumerate() {
             let st = &self.slots[slot];
             if !st.params.is_greedy() {
-                draws.push(sampling::Draw { row, params: st.params.clone(), index: st.emitted });
+                draws.push(sampling::Draw { row, params: st.params.clone(), index: self.indices[row] });
             }
         }
         if !draws.is_empty() {
@@ -1091,7 +1100,6 @@ impl Engine {
         }
         for (&slot, &t) in emitting.iter().zip(&result.tokens) {
             let st = &mut self.slots[slot];
-            st.emitted += 1;
             if let Some(c) = (t as usize).checked_sub(vr.start).and_then(|i| st.counts.get_mut(i)) {
                 *c = c.saturating_add(1);
             }
@@ -1222,6 +1230,7 @@ impl Engine {
             params: SamplingParams::default(),
             logprobs: None,
             history: Vec::new(),
+            prompt_len: prompt.len(),
         }];
         let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };
         let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), ..Step::default() };

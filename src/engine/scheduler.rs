@@ -17,8 +17,8 @@
 
 use super::prefix::{PrefixCache, ROOT};
 use super::{
-    check_prompt, sampling, sampling::SamplingParams, Admit, Drafted, Engine, Finish, Plan, Scored, Step,
-    StepResult, TokenLogprobs,
+    check_prompt, sampling::SamplingParams, Admit, Drafted, Engine, Finish, Plan, Scored, Step, StepResult,
+    TokenLogprobs,
 };
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
@@ -77,9 +77,9 @@ pub struct RunOptions {
     /// layers (their keys live in per-slot rings); a request scoring its prompt runs all of it.
     pub prefix_cache: bool,
     /// Speculative decoding by prompt lookup: at most this many draft tokens a step for each
-    /// greedy sequence whose logits nothing adjusts, taken from what followed the latest
-    /// earlier occurrence of its last tokens in its prompt and output, and checked in the
-    /// step ([`Drafted`]). 0: none.
+    /// sequence without a penalty on the tokens it generated (`drafts_for`), taken from what
+    /// followed the latest earlier occurrence of its last tokens in its prompt and output, and
+    /// checked in the step ([`Drafted`]). 0: none.
     pub speculate: usize,
 }
 
@@ -455,6 +455,7 @@ impl Engine {
                         params: l.req.params.clone(),
                         logprobs: l.req.logprobs,
                         history: l.req.prompt[..skipped].to_vec(),
+                        prompt_len: l.req.prompt.len(),
                     });
                     let may_draft = opts.speculate > 0 && drafts_for(&l.req.params);
                     let drafts = Vec::with_capacity(if may_draft { opts.speculate } else { 0 });
@@ -667,11 +668,12 @@ struct Limits {
     ctx: usize,
 }
 
-/// Whether a sequence with these settings may draft ([`RunOptions::speculate`]): it picks the
-/// most likely token of logits nothing adjusts, so its choice at a position depends only on
-/// the tokens before it and a draft is checked by the model's own choice.
+/// Whether a sequence with these settings may draft ([`RunOptions::speculate`]): no penalty
+/// depends on the tokens it generated, so its choice at a position depends only on the tokens
+/// before it (and, sampled, on its seed and the token's number, which seed the draw), and a
+/// draft is checked by the choice made at the position before it.
 fn drafts_for(p: &SamplingParams) -> bool {
-    p.is_greedy() && !sampling::adjusts(p)
+    p.repetition_penalty == 1.0 && !p.counts_tokens()
 }
 
 /// The next step of a group, into `step` (its admissions already there): a decode token of

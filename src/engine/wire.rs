@@ -247,6 +247,7 @@ mod tests {
                 params: SamplingParams { temperature: 0.7, seed: 42, ..SamplingParams::default() },
                 logprobs: Some(3),
                 history: vec![4, 0, u32::MAX],
+                prompt_len: 1 << 35,
             }],
             spans: vec![
                 Span { seq: 2, pos0: 0, len: 3, emit: false },

@@ -408,12 +408,13 @@ fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
 }
 
 /// Speculative decoding by prompt lookup (`--speculate 4`): prompts whose answers repeat their
-/// text (a list to repeat, code to rewrite), one that does not, one sampled and one with a
-/// repetition penalty (neither drafts), three slots and steps of 8 tokens, with each token's
-/// log-probabilities: on 1×1, 1×2 and 2×1 every prompt brings the tokens and log-probabilities
-/// it brings without drafts on the same layout, bit for bit (a draft's row is the row its
-/// position gets when decoded alone), some drafts are kept and some are not (so a step's
-/// keys and values past the kept drafts are left for the next to overwrite).
+/// text (a list to repeat, code to rewrite), one that does not, two sampled (their draws
+/// seeded by the token's number, so a draft's row draws as its position would alone) and one
+/// with a repetition penalty (which never drafts), three slots and steps of 8 tokens, with each
+/// token's log-probabilities: on 1×1, 1×2 and 2×1 every prompt brings the tokens and
+/// log-probabilities it brings without drafts on the same layout, bit for bit (a draft's row is
+/// the row its position gets when decoded alone), some drafts are kept and some are not (so a
+/// step's keys and values past the kept drafts are left for the next to overwrite).
 #[test]
 fn speculative_drafts_bring_the_tokens_decoded_without() {
     let dir = smollm2("bf16");
@@ -422,6 +423,7 @@ fn speculative_drafts_bring_the_tokens_decoded_without() {
         r#"{"prompt":"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nRewrite both functions with type hints.","chat":true}"#,
         r#"{"prompt":"Why is the sky blue?","chat":true}"#,
         r#"{"prompt":"Repeat after me: one two three four five six seven","temperature":0.8,"seed":3}"#,
+        r#"{"prompt":"Repeat this list exactly, twice: red, green, blue, cyan, pink.","chat":true,"temperature":0.6,"top_p":0.9,"seed":4}"#,
         r#"{"prompt":"Repeat after me: one two three four five six seven","repetition_penalty":1.3}"#,
     ];
     let tmp = tempfile::tempdir().unwrap();
