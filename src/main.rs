@@ -1353,6 +1353,8 @@ fn run_generate(
                     "line": p.spec.line,
                     "prompt_tokens": p.ids.len(),
                     "cached_tokens": c.cached_tokens,
+                    "drafted_tokens": c.drafted,
+                    "accepted_drafts": c.accepted,
                     "token_ids": c.token_ids,
                     "text": text,
                     "finish_reason": c.finish,

@@ -269,14 +269,14 @@ pub enum Event {
     Text(String, Logprobs),
     /// The request is over: the rest of its text (what the last tokens completed) and its
     /// tokens' log-probabilities not sent yet, why it ended, its error if it could not run, and
-    /// how many tokens it brought.
+    /// how many tokens it brought, cached and drafted.
     Done {
         rest: String,
         logprobs: Logprobs,
         finish: Finish,
         error: Option<String>,
         tokens: usize,
-        cached: usize,
+        counts: Counts,
     },
 }
 
@@ -386,8 +386,13 @@ impl Traffic for Served {
         };
         let error = completion.error.or(c.error);
         let finish = if error.is_some() { Finish::Error } else { completion.finish };
-        let (tokens, cached) = (completion.token_ids.len(), completion.cached_tokens);
-        let done = Event::Done { rest, logprobs: c.pending, finish, error, tokens, cached };
+        let tokens = completion.token_ids.len();
+        let counts = Counts {
+            cached: completion.cached_tokens,
+            drafted: completion.drafted,
+            accepted: completion.accepted,
+        };
+        let done = Event::Done { rest, logprobs: c.pending, finish, error, tokens, counts };
         let _ = c.reply.send((c.choice, done));
         Ok(())
     }
@@ -468,6 +473,9 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     /// Of those, read from the prefix cache.
     cached_tokens: AtomicU64,
+    /// Draft tokens checked, and those kept (`--speculate`).
+    draft_tokens: AtomicU64,
+    accepted_drafts: AtomicU64,
     generation_tokens: AtomicU64,
     /// From a request's hand-over to the driver to its first token.
     first_token: Histogram,
@@ -510,6 +518,18 @@ impl Metrics {
                 "counter",
                 "Prompt tokens of the completions answered whose keys and values came from the prefix cache.",
                 &self.cached_tokens,
+            ),
+            (
+                "gridlm_draft_tokens_total",
+                "counter",
+                "Draft tokens the completions answered checked (--speculate).",
+                &self.draft_tokens,
+            ),
+            (
+                "gridlm_draft_tokens_accepted_total",
+                "counter",
+                "Of those, the drafts kept.",
+                &self.accepted_drafts,
             ),
             (
                 "gridlm_generation_tokens_total",
@@ -761,7 +781,9 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         if o.tokens > 0 {
             m.first_token.observe(first);
             m.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-            m.cached_tokens.fetch_add(o.cached as u64, Ordering::Relaxed);
+            m.cached_tokens.fetch_add(o.counts.cached as u64, Ordering::Relaxed);
+            m.draft_tokens.fetch_add(o.counts.drafted as u64, Ordering::Relaxed);
+            m.accepted_drafts.fetch_add(o.counts.accepted as u64, Ordering::Relaxed);
             m.generation_tokens.fetch_add(o.tokens as u64, Ordering::Relaxed);
         }
     }
@@ -771,9 +793,12 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
     let how = match outcome {
         Some(o) => {
             let names: Vec<&str> = o.finish.iter().map(|f| f.name()).collect();
-            let cached = if o.cached > 0 { format!(" ({} cached)", o.cached) } else { String::new() };
+            let Counts { cached, drafted, accepted } = o.counts;
+            let cached = if cached > 0 { format!(" ({cached} cached)") } else { String::new() };
+            let drafts =
+                if drafted > 0 { format!(", {accepted} of {drafted} drafts kept") } else { String::new() };
             let names = names.join(", ");
-            format!("{prompt_tokens} prompt{cached} + {} new tokens ({names}{streamed})", o.tokens)
+            format!("{prompt_tokens} prompt{cached} + {} new tokens ({names}{streamed}{drafts})", o.tokens)
         }
         None => format!("{prompt_tokens} prompt tokens, the client went away{streamed}"),
     };
@@ -823,8 +848,16 @@ fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, St
 struct Outcome {
     finish: Vec<Finish>,
     tokens: usize,
-    /// Prompt tokens from the prefix cache ([`Head::usage`]).
+    counts: Counts,
+}
+
+/// What a request's completions took from the prefix cache (prompt tokens, counted once a
+/// prompt as [`Head::usage`] does) and drafted (tokens checked, and kept).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counts {
     cached: usize,
+    drafted: usize,
+    accepted: usize,
 }
 
 /// What every answer to a request names.
@@ -872,13 +905,14 @@ impl Head<'_> {
         })
     }
 
-    /// Completion `i`'s cached prompt tokens, as [`Head::usage`] counts them.
-    fn cached(&self, i: usize, cached: usize) -> usize {
+    /// `sum` with completion `i`'s counts added (its cached prompt tokens as
+    /// [`Head::usage`] counts them: once a prompt).
+    fn add(&self, sum: &mut Counts, i: usize, c: Counts) {
         if i.is_multiple_of(self.n.max(1)) {
-            cached
-        } else {
-            0
+            sum.cached += c.cached;
         }
+        sum.drafted += c.drafted;
+        sum.accepted += c.accepted;
     }
 
     /// Choice `index` carrying `text` and its tokens' log-probabilities `lps` (the first of them
@@ -987,7 +1021,7 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
     let mut lps: Vec<Logprobs> = vec![Vec::new(); k];
     let mut prompt_lps: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); k];
     let mut finish = vec![Finish::Length; k];
-    let (mut done, mut tokens, mut cached) = (0, 0, 0);
+    let (mut done, mut tokens, mut counts) = (0, 0, Counts::default());
     while let Some((i, event)) = events.recv() {
         match event {
             Event::Prompt(lp) => prompt_lps[i] = lp,
@@ -995,16 +1029,16 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
                 texts[i].push_str(&piece);
                 lps[i].extend(lp);
             }
-            Event::Done { rest, logprobs, finish: f, error, tokens: t, cached: c } => {
+            Event::Done { rest, logprobs, finish: f, error, tokens: t, counts: c } => {
                 tokens += t;
-                cached += head.cached(i, c);
+                head.add(&mut counts, i, c);
                 if let Some(e) = error {
                     // Before any token a completion could not run (the KV memory, its settings);
                     // after some, its text could not be made. The others stop at their next
                     // token, their channel gone.
                     let status = if t == 0 { 400 } else { 500 };
                     reply_error(req, status, &e);
-                    return (status, Some(Outcome { finish: vec![Finish::Error], tokens, cached }));
+                    return (status, Some(Outcome { finish: vec![Finish::Error], tokens, counts }));
                 }
                 texts[i].push_str(&rest);
                 lps[i].extend(logprobs);
@@ -1025,9 +1059,9 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
         head.choice(i, (&text, &all), &mut 0, Some(finish[i]), false)
     });
     let mut body = head.body(choices.collect(), false);
-    body["usage"] = head.usage(tokens, cached);
+    body["usage"] = head.usage(tokens, counts.cached);
     reply_json(req, 200, &body);
-    (200, Some(Outcome { finish, tokens, cached }))
+    (200, Some(Outcome { finish, tokens, counts }))
 }
 
 /// Answers with server-sent events, a chunk as each piece of text of any of the `k` completions
@@ -1048,7 +1082,8 @@ fn stream(
     };
     if let (_, Event::Done { error: Some(e), tokens, .. }) = &event {
         reply_error(req, 400, e);
-        return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens, cached: 0 }));
+        let counts = Counts::default();
+        return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens, counts }));
     }
     let mut sse =
         Sse { w: req.into_writer(), first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k] };
@@ -1057,7 +1092,7 @@ fn stream(
         return (200, None);
     }
     let mut finish = vec![Finish::Length; k];
-    let (mut done, mut tokens, mut cached) = (0, 0, 0);
+    let (mut done, mut tokens, mut counts) = (0, 0, Counts::default());
     loop {
         let (i, e) = event;
         // An echoed prompt comes first, with its log-probabilities if they were asked for.
@@ -1073,9 +1108,9 @@ fn stream(
         let sent = sent.and_then(|()| match e {
             Event::Prompt(_) => Ok(()),
             Event::Text(t, lp) => sse.piece(head, i, (&t, &entries(&lp)), None),
-            Event::Done { rest, logprobs, finish: f, error, tokens: t, cached: c } => {
+            Event::Done { rest, logprobs, finish: f, error, tokens: t, counts: c } => {
                 (finish[i], done, tokens) = (f, done + 1, tokens + t);
-                cached += head.cached(i, c);
+                head.add(&mut counts, i, c);
                 match error {
                     // The text could not be made after some was sent: say so in the stream.
                     Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
@@ -1090,11 +1125,11 @@ fn stream(
             let mut end = Ok(());
             if ask.stream_usage {
                 let mut last = head.body(Vec::new(), true);
-                last["usage"] = head.usage(tokens, cached);
+                last["usage"] = head.usage(tokens, counts.cached);
                 end = sse.event(&last);
             }
             let end = end.and_then(|()| sse.data("[DONE]")).and_then(|()| sse.chunk(""));
-            return (200, end.ok().map(|()| Outcome { finish, tokens, cached }));
+            return (200, end.ok().map(|()| Outcome { finish, tokens, counts }));
         }
         event = match events.recv() {
             Some(e) => e,

@@ -116,6 +116,9 @@ pub struct Completion {
     pub prompt_logprobs: Vec<TokenLogprobs>,
     /// Prompt tokens whose keys and values came from the prefix cache, not run again.
     pub cached_tokens: usize,
+    /// Draft tokens its steps checked ([`RunOptions::speculate`]), and those kept.
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl Completion {
@@ -389,6 +392,8 @@ impl Engine {
                     logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
                     cached_tokens: 0,
+                    drafted: 0,
+                    accepted: 0,
                 };
                 if problem.is_some() || (req.max_tokens == 0 && req.prompt_logprobs.is_none()) {
                     if problem.is_some() {
@@ -551,6 +556,7 @@ impl Engine {
                 // where the row before it chose it, and each kept row brings its token.
                 let rows = row..row + 1 + s.drafts.len();
                 row = rows.end;
+                c.drafted += s.drafts.len();
                 for (i, r_i) in rows.enumerate() {
                     let tok = r.tokens[r_i];
                     if c.token_ids.is_empty() && req.keep_logits {
@@ -591,6 +597,7 @@ impl Engine {
                     if s.drafts.get(i) != Some(&tok) {
                         break;
                     }
+                    c.accepted += 1;
                     stats.accepted += 1;
                 }
             }

@@ -446,6 +446,14 @@ fn speculative_drafts_bring_the_tokens_decoded_without() {
         let (made, kept) =
             (drafted["drafted_tokens"].as_u64().unwrap(), drafted["accepted_drafts"].as_u64().unwrap());
         assert!(kept > 0 && made > kept, "{pp}x{tp}: {kept} of {made} drafts kept");
+        let of = |key: &str| {
+            drafted["results"].as_array().unwrap().iter().map(|r| r[key].as_u64().unwrap()).sum::<u64>()
+        };
+        assert_eq!(
+            (of("drafted_tokens"), of("accepted_drafts")),
+            (made, kept),
+            "{pp}x{tp}: the results' counts"
+        );
         let (a, b) = (plain["results"].as_array().unwrap(), drafted["results"].as_array().unwrap());
         for (i, (a, b)) in a.iter().zip(b).enumerate() {
             assert_eq!(ids(b), ids(a), "{pp}x{tp}: prompt {i}'s tokens");

@@ -576,11 +576,12 @@ fn serve_drains_on_sigusr1() {
 /// question) reads from the cache more whole pages than the first turn's prompt fills (so the
 /// pages of the tokens the server generated too), `usage.prompt_tokens_details.cached_tokens`
 /// and `/metrics` say how many, and the answer, whole and streamed, is the one a server with
-/// `--no-prefix-cache` gives (which reads none).
+/// `--no-prefix-cache` gives (which reads none). The first server also drafts
+/// (`--speculate 4`), and `/metrics` counts its drafts, some kept.
 #[test]
 fn serve_reads_a_conversations_earlier_turns_from_the_prefix_cache() {
     let dir = smollm2("bf16");
-    let cached = Server::start(2, &dir, &["--pp", "2"]);
+    let cached = Server::start(2, &dir, &["--pp", "2", "--speculate", "4"]);
     let whole = Server::start(2, &dir, &["--pp", "2", "--no-prefix-cache"]);
     let mut messages = vec![
         json!({"role": "system", "content": "You are a patient teacher who explains physics to curious students."}),
@@ -614,14 +615,20 @@ fn serve_reads_a_conversations_earlier_turns_from_the_prefix_cache() {
     // A request is counted after its answer is written: wait for the last one.
     let line = format!("gridlm_prompt_tokens_cached_total {}", hit + hit_again);
     let t0 = Instant::now();
-    loop {
+    let metrics = loop {
         let metrics = cached.http("GET", "/metrics", "").1;
         if metrics.lines().any(|l| l == line) {
-            break;
+            break metrics;
         }
         assert!(t0.elapsed() < Duration::from_secs(30), "{line} in:\n{metrics}");
         std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+    let count = |name: &str| {
+        let line = metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} ")));
+        line.and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| panic!("{name} in:\n{metrics}"))
+    };
+    let (made, kept) = (count("gridlm_draft_tokens_total"), count("gridlm_draft_tokens_accepted_total"));
+    assert!(kept > 0 && made >= kept, "{kept} of {made} drafts kept");
 }
 
 /// `child`'s exit status, waited for at most `most`.
