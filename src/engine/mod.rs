@@ -357,7 +357,7 @@ pub struct Engine {
     asleep: bool,
     /// Reused from step to step, so a decode step allocates nothing: the plan and result as
     /// bytes, the plan as received (ranks other than the driver) and the buffers of the last
-    /// step received while another plan is there, the emitting spans' slots,
+    /// step received while another plan is there, the slot of each row of the output head,
     /// this rank's greedy candidates, token lists of results the driver has handed back, and
     /// the every-rank buffer a [`Plan::Read`] ends with.
     plan_wire: Vec<u8>,

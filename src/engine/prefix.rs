@@ -17,7 +17,7 @@
 //!
 //! It owns page bookkeeping only: which pages the driver hands out is the scheduler's, what
 //! the pages hold is every rank's [`crate::model::KvCache`]. Nothing here allocates after
-//! [`PrefixCache::new`] but [`PrefixCache::reclaim`] under memory pressure.
+//! [`PrefixCache::new`] but [`PrefixCache::reclaim`], under memory pressure.
 
 use crate::model::PAGE;
 use std::cmp::Reverse;
@@ -64,10 +64,10 @@ impl PrefixCache {
         self.idle
     }
 
-    /// The cached pages of the longest run of whole pages `tokens` begins with, at most
-    /// `max_pages` of them, first page first.
-    pub(super) fn lookup(&self, tokens: &[u32], max_pages: usize) -> Vec<u32> {
-        let mut found = Vec::new();
+    /// Into `found` (cleared first), the cached pages of the longest run of whole pages
+    /// `tokens` begins with, at most `max_pages` of them, first page first.
+    pub(super) fn lookup(&self, tokens: &[u32], max_pages: usize, found: &mut Vec<u32>) {
+        found.clear();
         let mut parent = ROOT;
         for block in tokens.chunks_exact(PAGE).take(max_pages) {
             let key = (parent, block.try_into().expect("chunks of PAGE tokens"));
@@ -79,7 +79,6 @@ impl PrefixCache {
                 None => break,
             }
         }
-        found
     }
 
     /// Of `pages` (a [`PrefixCache::lookup`]), those no sequence holds now.
@@ -140,8 +139,8 @@ impl PrefixCache {
         }
     }
 
-    /// Takes at least `want` idle pages out of the cache (all of them, if fewer are idle),
-    /// the least recently used leaves first, and gives each to `free`.
+    /// Takes `want` idle pages out of the cache (all of them, if fewer are idle), the least
+    /// recently used leaves first, and gives each to `free`.
     pub(super) fn reclaim(&mut self, want: usize, mut free: impl FnMut(u32)) {
         let leaf = |e: &Entry| e.refs == 0 && e.children == 0;
         let mut heap: BinaryHeap<Reverse<(u64, u32)>> = (self.entries.iter().enumerate())
@@ -184,6 +183,12 @@ mod tests {
         (0..n * PAGE).map(|i| base + (i / PAGE) as u32).collect()
     }
 
+    fn lookup(c: &PrefixCache, t: &[u32], max_pages: usize) -> Vec<u32> {
+        let mut found = vec![7; 3];
+        c.lookup(t, max_pages, &mut found);
+        found
+    }
+
     fn block(t: &[u32], j: usize) -> [u32; PAGE] {
         t[j * PAGE..(j + 1) * PAGE].try_into().unwrap()
     }
@@ -202,18 +207,18 @@ mod tests {
         let mut c = PrefixCache::new(16);
         let a = tokens(10, 3);
         register_all(&mut c, &a, &[4, 5, 6]);
-        assert_eq!(c.lookup(&a, 9), [4, 5, 6]);
-        assert_eq!(c.lookup(&a, 2), [4, 5]);
+        assert_eq!(lookup(&c, &a, 9), [4, 5, 6]);
+        assert_eq!(lookup(&c, &a, 2), [4, 5]);
         // A partial page is not a page.
-        assert_eq!(c.lookup(&a[..2 * PAGE + 3], 9), [4, 5]);
+        assert_eq!(lookup(&c, &a[..2 * PAGE + 3], 9), [4, 5]);
         // One token changed in the second page: only the first matches, and the same second
         // page's tokens after another first page match nothing.
         let mut b = a.clone();
         b[PAGE + 7] = 99;
-        assert_eq!(c.lookup(&b, 9), [4]);
+        assert_eq!(lookup(&c, &b, 9), [4]);
         let mut d = a.clone();
         d[0] = 99;
-        assert_eq!(c.lookup(&d, 9), Vec::<u32>::new());
+        assert_eq!(lookup(&c, &d, 9), Vec::<u32>::new());
         // The same tokens cached again are refused, naming the page that has them.
         assert_eq!(c.register(ROOT, &block(&a, 0), 9), Err(4));
         assert!(c.entries[9].is_none());
@@ -231,7 +236,7 @@ mod tests {
         c.release(&[3, 4, 8], |p| freed.push(p));
         assert_eq!((freed.as_slice(), c.idle()), (&[7, 8][..], 5));
         // A sequence takes `a`'s first two pages: they are held, not idle.
-        let hit = c.lookup(&a, 2);
+        let hit = lookup(&c, &a, 2);
         assert_eq!((c.idle_among(&hit), hit.as_slice()), (2, &[0, 1][..]));
         c.hold(&hit);
         assert_eq!(c.idle(), 3);
@@ -242,8 +247,8 @@ mod tests {
         assert_eq!(freed, [2, 4]);
         c.reclaim(9, |p| freed.push(p));
         assert_eq!((freed.as_slice(), c.idle()), (&[2, 4, 3][..], 0));
-        assert_eq!(c.lookup(&a, 9), [0, 1]);
-        assert_eq!(c.lookup(&b, 9), Vec::<u32>::new());
+        assert_eq!(lookup(&c, &a, 9), [0, 1]);
+        assert_eq!(lookup(&c, &b, 9), Vec::<u32>::new());
         // Released again, the held pages can go too, the leaf before its parent.
         c.release(&[0, 1], |_| unreachable!("both are cached"));
         freed.clear();

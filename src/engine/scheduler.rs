@@ -314,6 +314,8 @@ impl Engine {
         }
         let slots = opts.max_batch;
         let mut cache = PrefixCache::new(if caching { pages } else { 0 });
+        // A waiting request's cached pages, looked up at each try to admit it.
+        let mut hit: Vec<u32> = Vec::with_capacity(if caching { pages } else { 0 });
         // Side by side: the first `n` requests side 0's, the rest side 1's; one group a side,
         // one step in flight, each side's own clock.
         let side_of = |key: usize| opts.sides.map_or(0, |n| usize::from(key >= n));
@@ -433,15 +435,17 @@ impl Engine {
                 while let Some(&at) = queue.front() {
                     let l = live[at].as_mut().expect("a waiting request is held");
                     let need = pages_of(&l.req, ctx);
+                    if members[g].len() >= per_group(g) || free_slots.is_empty() {
+                        break;
+                    }
                     // The cached whole pages its prompt begins with, its last token left to run
                     // (none for a prompt to score: all of it runs).
-                    let hit = match caching && l.req.prompt_logprobs.is_none() {
-                        true => cache.lookup(&l.req.prompt, (l.req.prompt.len() - 1) / PAGE),
-                        false => Vec::new(),
-                    };
+                    hit.clear();
+                    if caching && l.req.prompt_logprobs.is_none() {
+                        cache.lookup(&l.req.prompt, (l.req.prompt.len() - 1) / PAGE, &mut hit);
+                    }
                     let fresh = need - hit.len();
-                    let room = free_pages.len() + cache.idle() - cache.idle_among(&hit);
-                    if members[g].len() >= per_group(g) || free_slots.is_empty() || room < fresh {
+                    if free_pages.len() + cache.idle() - cache.idle_among(&hit) < fresh {
                         break;
                     }
                     queue.pop_front();
@@ -452,7 +456,8 @@ impl Engine {
                     }
                     let skipped = hit.len() * PAGE;
                     let cached = Some((hit.len(), hit.last().copied().unwrap_or(ROOT)));
-                    let mut pg = hit;
+                    let mut pg = Vec::with_capacity(need);
+                    pg.extend_from_slice(&hit);
                     pg.extend(free_pages.take(fresh));
                     step.admit.push(Admit {
                         slot,
