@@ -434,9 +434,9 @@ struct BatchArgs {
     /// latest earlier occurrence of its last tokens in its prompt and output, and checked by
     /// the model in the same step. The tokens are those decoded without (sampled ones too);
     /// faster where the output repeats its context (summaries, edits, code, quotes). 0 (the
-    /// default): none.
-    #[arg(long, default_value_t = 0)]
-    speculate: usize,
+    /// default): none; at most 64
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=64))]
+    speculate: u16,
 }
 
 impl BatchArgs {
@@ -451,7 +451,7 @@ impl BatchArgs {
             read_between_steps: false,
             sides: None,
             prefix_cache: !self.no_prefix_cache,
-            speculate: self.speculate,
+            speculate: self.speculate.into(),
         }
     }
 

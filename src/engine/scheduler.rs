@@ -722,11 +722,13 @@ fn build_step(
         }
         let last = *done.last().expect("a fully fed prompt has its first token");
         let pos = p.len() + done.len() - 1;
-        // Drafts take the positions after `pos` (within the sequence's pages) and stand for
-        // tokens before the last one it may bring.
+        // Drafts take the positions after `pos` (within the sequence's pages), stand for
+        // tokens before the last one it may bring, and leave the span within the chunk every
+        // rank's buffers hold (`Engine::drive`'s `begin`).
         let most = (s.drafts.capacity())
             .min(positions_of(r, limits.ctx).saturating_sub(pos + 1))
-            .min(r.max_tokens.saturating_sub(done.len() + 1));
+            .min(r.max_tokens.saturating_sub(done.len() + 1))
+            .min(limits.step_tokens.max(PAGE) - 1);
         if most > 0 {
             lookup_drafts(p, done, most, &mut s.drafts);
         }
