@@ -261,6 +261,7 @@ fn bad_sampling_and_batching_flags() {
         &["--repetition-penalty must be a number > 0"],
     );
     assert_one_line_error(&run(&["--max-batch", "0"]), &["--max-batch"]);
+    assert_one_line_error(&run(&["--speculate", "65"]), &["--speculate", "not in 0..=64"]);
     assert_one_line_error(&run(&["--stop", ""]), &["--stop"]);
     assert_one_line_error(&run(&["--max-tokens", "0", "--logits-out", "l.f32"]), &["--logits-out needs"]);
 }
