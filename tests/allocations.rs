@@ -20,19 +20,25 @@ use gridlm::weights::DType;
 #[global_allocator]
 static ALLOCATOR: gridlm::allocs::Counting = gridlm::allocs::Counting;
 
-/// Allocations made by one run of `requests`, each asking for `new_tokens`.
-fn allocations(engine: &mut Engine, requests: &[Request], new_tokens: usize) -> u64 {
+/// Allocations made by one run of `requests`, each asking for `new_tokens`, with up to
+/// `speculate` drafts a step; and the drafts its steps checked.
+fn allocations(
+    engine: &mut Engine,
+    requests: &[Request],
+    new_tokens: usize,
+    speculate: usize,
+) -> (u64, usize) {
     let requests: Vec<Request> =
         requests.iter().map(|r| Request { max_tokens: new_tokens, ..r.clone() }).collect();
-    let opts = RunOptions { max_batch: requests.len(), ..RunOptions::default() };
+    let opts = RunOptions { max_batch: requests.len(), speculate, ..RunOptions::default() };
     let before = gridlm::allocs::count().expect("the counting allocator is installed");
-    let done = engine.run(&requests, &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
+    let (done, stats) = engine.run_with_stats(&requests, &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
     let after = gridlm::allocs::count().unwrap();
     for c in &done {
         assert_eq!(c.token_ids.len(), new_tokens, "{:?}", c.error);
     }
     drop(done);
-    after - before
+    (after - before, stats.drafted)
 }
 
 #[test]
@@ -43,14 +49,14 @@ fn decode_steps_allocate_nothing_per_token() {
     cfg.n_layers = 2;
     cfg.vocab_size = 3000;
     cfg.max_position_embeddings = 256;
-    decode_allocates_nothing("SmolLM2", &cfg);
+    decode_allocates_nothing("SmolLM2", &cfg, true);
     // Gemma 3's widths, a local layer (a window of 16, which the runs pass) before a global
     // one, so a step lays its attention out twice; with Gemma 2's soft caps as well.
     let mut cfg = synthetic::shape("gemma3-1b").unwrap();
     (cfg.n_layers, cfg.vocab_size, cfg.max_position_embeddings) = (2, 3000, 256);
     (cfg.sliding_window, cfg.local_layers) = (Some(16), Some(vec![true, false]));
     (cfg.attn_softcap, cfg.final_softcap) = (Some(50.0), Some(30.0));
-    decode_allocates_nothing("Gemma", &cfg);
+    decode_allocates_nothing("Gemma", &cfg, true);
     // Qwen1.5-MoE-A2.7B's widths, a dense layer and a mixture of 8 of its experts, 2 a token,
     // beside its shared expert: a batch's tokens choose different experts from step to step,
     // each expert's product taking one, two or three of its rows.
@@ -58,11 +64,13 @@ fn decode_steps_allocate_nothing_per_token() {
     (cfg.n_layers, cfg.vocab_size, cfg.max_position_embeddings) = (2, 3000, 256);
     let moe = cfg.moe.as_mut().unwrap();
     (moe.experts, moe.per_token, moe.sparse) = (8, 2, vec![false, true]);
-    decode_allocates_nothing("Qwen2-MoE", &cfg);
+    // (Its random experts never repeat what came before, so nothing to draft from.)
+    decode_allocates_nothing("Qwen2-MoE", &cfg, false);
 }
 
-/// [`decode_steps_allocate_nothing_per_token`] on the model `cfg` (named `model`).
-fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig) {
+/// [`decode_steps_allocate_nothing_per_token`] on the model `cfg` (named `model`), with a
+/// case of drafting sequences (`--speculate 4`) where `drafting`.
+fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, drafting: bool) {
     let new_engine = || {
         let grid = Grid::single();
         let plan = ShardPlan::new(cfg, &grid, None).unwrap();
@@ -88,11 +96,18 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig) {
         seed,
         ..SamplingParams::default()
     };
+    // A prompt of one run of tokens over and over, for drafts: each of its runs of two or three
+    // tokens occurs before, and so do the model's own loops.
+    let looping = |len: usize, params: SamplingParams| Request {
+        prompt: (0..len as u32).map(|i| 100 + i % 5).collect(),
+        ..request(len, params)
+    };
+    let plain = SamplingParams { temperature: 0.9, seed: 4, ..SamplingParams::default() };
     let cases = [
-        ("greedy", vec![request(5, SamplingParams::default())]),
+        ("greedy", vec![request(5, SamplingParams::default())], 0),
         // Its one step of prefill, the engine's first, feeds one token as a decode step does.
-        ("greedy, a one-token prompt", vec![request(1, SamplingParams::default())]),
-        ("greedy, batch 3", (0..3).map(|i| request(5 + 4 * i, SamplingParams::default())).collect()),
+        ("greedy, a one-token prompt", vec![request(1, SamplingParams::default())], 0),
+        ("greedy, batch 3", (0..3).map(|i| request(5 + 4 * i, SamplingParams::default())).collect(), 0),
         (
             "sampled, batch 3",
             vec![
@@ -100,9 +115,19 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig) {
                 request(9, sampled(1.0, 1.0, 20, 2)),
                 request(17, SamplingParams::default()),
             ],
+            0,
+        ),
+        (
+            "drafting, batch 3",
+            vec![
+                looping(23, SamplingParams::default()),
+                looping(17, plain),
+                request(9, sampled(0.8, 1.0, 0, 3)),
+            ],
+            4,
         ),
     ];
-    for (name, requests) in &cases {
+    for (name, requests, speculate) in cases.iter().filter(|c| drafting || c.2 == 0) {
         // A fresh engine's first run: its decode steps, from the first, allocate nothing. The
         // buffers they reuse are sized when the run begins: the attention tile states of a
         // lone sequence's rows (past position 32 its keys span two tiles, split between the
@@ -110,14 +135,19 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig) {
         // sampling's (the sampled rows of the third case).
         let name = format!("{model}, {name}");
         let mut fresh = new_engine();
-        allocations(&mut fresh, requests, 40);
+        let (_, drafted) = allocations(&mut fresh, requests, 40, *speculate);
         let first = fresh.profile();
-        assert!(first.steps >= 39, "{name}: {} decode steps", first.steps);
+        if *speculate == 0 {
+            assert!(first.steps >= 39, "{name}: {} decode steps", first.steps);
+        } else {
+            assert!(drafted > 0, "{name}: no draft");
+        }
         assert_eq!(first.allocations, Some(0), "{name}: the first run's {} decode steps", first.steps);
         // Buffers grow to their size in the first run; the two counted runs then differ only
         // in the number of decode steps.
-        allocations(&mut engine, requests, 40);
-        let (short, long) = (allocations(&mut engine, requests, 4), allocations(&mut engine, requests, 40));
+        allocations(&mut engine, requests, 40, *speculate);
+        let short = allocations(&mut engine, requests, 4, *speculate).0;
+        let long = allocations(&mut engine, requests, 40, *speculate).0;
         assert_eq!(
             long,
             short,

@@ -62,11 +62,14 @@ impl Finish {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Plan {
     /// A KV pool of `pages` pages and `slots` sequence slots, replacing any before; no step
-    /// holds more than `chunk` positions of one sequence (the KV rings are sized by it).
+    /// holds more than `chunk` positions of one sequence (the KV rings are sized by it), nor
+    /// more than `rows` rows of the output head but a prompt's last chunks' (the slots, and
+    /// their drafts: the buffers of decoding are sized for them).
     Begin {
         pages: usize,
         slots: usize,
         chunk: usize,
+        rows: usize,
     },
     Step(Step),
     /// Every rank calls its reader ([`Engine::set_reader`]), then waits for all the others to
@@ -165,11 +168,14 @@ fn mark_seen(seen: &mut [u64], tokens: &[u32], vr: std::ops::Range<usize>) {
 }
 
 /// Whether a step counts as a decode step in the [`StepProfile`]: every span one token past
-/// its sequence's first position. The step of a one-token prompt is its prefill (it admits the
-/// sequence, and in a fresh engine it is the step that sizes the buffers); a longer prompt's
-/// last chunk of one token counts, as it does the same work as a decode token.
+/// its sequence's first position, and its drafts ([`Drafted`]). The step of a one-token prompt
+/// is its prefill (it admits the sequence, and in a fresh engine it is the step that sizes the
+/// buffers); a longer prompt's last chunk of one token counts, as it does the same work as a
+/// decode token.
 fn is_decode(step: &Step) -> bool {
-    !step.spans.is_empty() && step.spans.iter().all(|sp| sp.len == 1 && sp.pos0 > 0)
+    let drafts = |i: usize| step.drafted.iter().find(|d| d.span == i).map_or(0, |d| d.k);
+    !step.spans.is_empty()
+        && step.spans.iter().enumerate().all(|(i, sp)| sp.len == 1 + drafts(i) && sp.pos0 > 0)
 }
 
 /// What the last stage sends back to the driver after a step.
@@ -367,6 +373,8 @@ pub struct Engine {
     emitting: Vec<usize>,
     /// Each emitting row's token number in its sequence (its draw's index).
     indices: Vec<u64>,
+    /// The most rows of the output head a decode step may have ([`Plan::Begin`]).
+    rows: usize,
     mine: Vec<f32>,
     spare_tokens: Vec<Vec<u32>>,
     read_sync: Vec<u64>,
@@ -588,6 +596,7 @@ impl Engine {
             spare_step: Step::default(),
             emitting: Vec::new(),
             indices: Vec::new(),
+            rows: 0,
             mine: Vec::new(),
             spare_tokens: Vec::new(),
             read_sync: Vec::new(),
@@ -832,10 +841,28 @@ impl Engine {
     /// complete on this rank (the last stage's tp rank 0 and, in a one-stage job, the driver).
     fn execute(&mut self, plan: &Plan, comm: &dyn Comm, link: &dyn Link) -> Result<Option<StepResult>> {
         let step = match plan {
-            Plan::Begin { pages, slots, chunk } => {
+            Plan::Begin { pages, slots, chunk, rows } => {
                 self.kv = self.shard.new_kv(*pages, *slots, *chunk, self.kv_dtype);
                 self.scratch.reserve_decode(&self.shard, *pages, *slots, self.team.threads());
-                self.sampling.reserve(*slots, comm.size(), self.max_vocab_shard());
+                // The output head's buffers, for every row a decode step may have.
+                let rows = (*rows).max(*slots);
+                self.sampling.reserve(rows, comm.size(), self.max_vocab_shard());
+                if self.grid.is_last_stage() {
+                    let (h, vl) = (self.shard.cfg.hidden_size, self.shard.vocab_range().len());
+                    crate::grow(&mut self.last, rows * h);
+                    self.logits.reserve((rows * vl).saturating_sub(self.logits.len()));
+                    self.emitting.reserve(rows.saturating_sub(self.emitting.len()));
+                    self.indices.reserve(rows.saturating_sub(self.indices.len()));
+                    self.mine.reserve((2 * rows).saturating_sub(self.mine.len()));
+                    let all = 2 * rows * comm.size();
+                    self.candidates.reserve(all.saturating_sub(self.candidates.len()));
+                }
+                // Results' token lists, on the last stage and the driver.
+                self.rows = rows;
+                for t in &mut self.spare_tokens {
+                    t.clear();
+                    t.reserve(rows);
+                }
                 self.tables = vec![Vec::new(); *slots];
                 self.ring_tables = vec![Vec::new(); *slots];
                 self.chunk = *chunk;
@@ -962,7 +989,7 @@ impl Engine {
         let m = emitting.len();
         let vl = vr.len();
         logits.resize(m * vl, 0.0);
-        let mut result = spare_result(&mut self.spare_tokens);
+        let mut result = spare_result(&mut self.spare_tokens, self.rows);
         if m > 0 {
             shard.logits(&last[..m * h], m, scratch, logits, team);
             if step.want_logits {
@@ -1157,7 +1184,7 @@ impl Engine {
             Some(r) => r,
             None => {
                 link.recv_bytes(self.grid.rank_of(self.grid.pp - 1, 0), Tag::Result, &mut self.result_wire);
-                let mut r = spare_result(&mut self.spare_tokens);
+                let mut r = spare_result(&mut self.spare_tokens, self.rows);
                 wire::decode_result(&self.result_wire, &mut r)?;
                 r
             }
@@ -1193,12 +1220,12 @@ impl Engine {
     /// Driver: a pool of `pages` KV pages and `slots` sequence slots on every rank.
     fn begin(
         &mut self,
-        (pages, slots, chunk): (usize, usize, usize),
+        (pages, slots, chunk, rows): (usize, usize, usize, usize),
         comm: &dyn Comm,
         link: &dyn Link,
     ) -> Result<()> {
         self.ready.clear();
-        self.launch(&Plan::Begin { pages, slots, chunk }, comm, link)
+        self.launch(&Plan::Begin { pages, slots, chunk, rows }, comm, link)
     }
 
     /// Driver: runs one step and waits for its result.
@@ -1223,7 +1250,7 @@ impl Engine {
         let positions = (prompt.len() + forced.len()).min(self.max_context());
         let pages = positions.div_ceil(PAGE);
         // The prompt in one step, then a token a step.
-        self.begin((pages, 1, prompt.len()), comm, link)?;
+        self.begin((pages, 1, prompt.len(), 1), comm, link)?;
         let admit = vec![Admit {
             slot: 0,
             pages: (0..pages as u32).collect(),
@@ -1285,8 +1312,8 @@ impl Engine {
 }
 
 /// An empty result, on a token list from `spare` (lists handed back earlier) where there is one.
-fn spare_result(spare: &mut Vec<Vec<u32>>) -> StepResult {
-    let mut tokens = spare.pop().unwrap_or_default();
+fn spare_result(spare: &mut Vec<Vec<u32>>, rows: usize) -> StepResult {
+    let mut tokens = spare.pop().unwrap_or_else(|| Vec::with_capacity(rows));
     tokens.clear();
     StepResult { tokens, ..StepResult::default() }
 }

@@ -327,7 +327,10 @@ impl Engine {
         let mut last = 0.0;
         // A step holds at most `step_tokens` of a sequence, or a page's worth when it would
         // hold none (see `build_step`).
-        self.begin((pages, slots, opts.step_tokens.max(PAGE)), comm, link)?;
+        // Every slot's token and its drafts: the most rows a step's output head takes but for
+        // prompts' last chunks.
+        let rows = slots * (1 + opts.speculate);
+        self.begin((pages, slots, opts.step_tokens.max(PAGE), rows), comm, link)?;
 
         // The requests held, by place (a place is reused once its request is done).
         let mut live: Vec<Option<Live>> = Vec::new();

@@ -275,7 +275,7 @@ mod tests {
         for plan in [
             Plan::Step(step()),
             Plan::Step(Step { admit: Vec::new(), want_logits: false, ..step() }),
-            Plan::Begin { pages: 12, slots: 3, chunk: 16 },
+            Plan::Begin { pages: 12, slots: 3, chunk: 16, rows: 15 },
             Plan::Read,
             Plan::Idle,
             Plan::End,
