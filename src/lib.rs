@@ -29,6 +29,12 @@ pub(crate) fn grow<T: Clone + Default>(v: &mut Vec<T>, len: usize) {
     }
 }
 
+/// Makes room in `v` for `len` elements in all (its capacity at least `len`), without changing
+/// its contents: buffers reserved when a run begins, so its steps never grow them.
+pub(crate) fn room<T>(v: &mut Vec<T>, len: usize) {
+    v.reserve(len.saturating_sub(v.len()));
+}
+
 /// FNV-1a of `s`: a stable 64-bit hash of a name (tensor names seed synthetic weights; boot ids
 /// group ranks by machine).
 pub(crate) fn fnv1a(s: &str) -> u64 {

@@ -181,11 +181,12 @@ fn is_decode(step: &Step) -> bool {
 /// What the last stage sends back to the driver after a step.
 #[derive(Debug, Default)]
 pub struct StepResult {
-    /// The next token of each emitting span.
+    /// The next token of each row of the output head, in order: for each emitting span, the
+    /// token after its last real one, then after each of its drafts ([`Drafted`]).
     pub tokens: Vec<u32>,
     pub logits: Option<Vec<f32>>,
-    /// Each emitting span's token's log-probabilities where its sequence asked for them; empty
-    /// when none of the step's did.
+    /// Each row's token's log-probabilities where its sequence asked for them; empty when none
+    /// of the step's did.
     pub logprobs: Vec<Option<TokenLogprobs>>,
     /// The scored spans' positions' log-probabilities ([`Step::scored`]), one span's after
     /// another: a span's length of them, one fewer where it ends the prompt.
@@ -850,12 +851,11 @@ impl Engine {
                 if self.grid.is_last_stage() {
                     let (h, vl) = (self.shard.cfg.hidden_size, self.shard.vocab_range().len());
                     crate::grow(&mut self.last, rows * h);
-                    self.logits.reserve((rows * vl).saturating_sub(self.logits.len()));
-                    self.emitting.reserve(rows.saturating_sub(self.emitting.len()));
-                    self.indices.reserve(rows.saturating_sub(self.indices.len()));
-                    self.mine.reserve((2 * rows).saturating_sub(self.mine.len()));
-                    let all = 2 * rows * comm.size();
-                    self.candidates.reserve(all.saturating_sub(self.candidates.len()));
+                    crate::room(&mut self.logits, rows * vl);
+                    crate::room(&mut self.emitting, rows);
+                    crate::room(&mut self.indices, rows);
+                    crate::room(&mut self.mine, 2 * rows);
+                    crate::room(&mut self.candidates, 2 * rows * comm.size());
                 }
                 // Results' token lists, on the last stage and the driver.
                 self.rows = rows;

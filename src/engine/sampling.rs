@@ -21,6 +21,7 @@
 //! (as in HF transformers): repetition penalty, temperature, top-k, top-p, min-p.
 
 use crate::comm::Comm;
+use crate::room;
 use serde::{Deserialize, Serialize};
 
 /// The sampling settings of a model folder's `generation_config.json` (at `path`), as HF's
@@ -402,9 +403,6 @@ impl Buffers {
     /// larger `top_k` grows them at its sequence's first token, in its prompt's step (not a
     /// decode step).
     pub fn reserve(&mut self, rows: usize, ranks: usize, max_shard: usize) {
-        fn room<T>(v: &mut Vec<T>, n: usize) {
-            v.reserve(n.saturating_sub(v.len()));
-        }
         let len = round_room(rows, first_candidates(&SamplingParams::default()), max_shard);
         room(&mut self.draws, rows);
         room(&mut self.mine, len);
