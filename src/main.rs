@@ -1392,15 +1392,16 @@ fn run_generate(
                 format!("=== {}/{} (line {}, {}) ===", i + 1, done.len(), p.spec.line, c.finish.name());
             writeln!(stdout, "{head}\n{text}\n")?;
         }
-        let mut cached = match stats.cached_tokens {
+        // What the prefix cache and the drafts did, where they did anything.
+        let mut extra = match stats.cached_tokens {
             0 => String::new(),
             n => format!(", {} from the prefix cache", count(n, "prompt token")),
         };
         if stats.drafted > 0 {
-            cached += &format!(", {} of {} drafts kept", stats.accepted, stats.drafted);
+            extra += &format!(", {} of {} drafts kept", stats.accepted, stats.drafted);
         }
         let summary = format!(
-            "[{}, {} in {:.2} s, {:.1} tokens/s, {}, KV peak {}/{} pages{cached}, {}]\n",
+            "[{}, {} in {:.2} s, {:.1} tokens/s, {}, KV peak {}/{} pages{extra}, {}]\n",
             count(done.len(), "prompt"),
             count(generated, "new token"),
             stats.elapsed_ms / 1e3,

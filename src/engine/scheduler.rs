@@ -160,8 +160,8 @@ struct Seq {
     /// last of them ([`ROOT`] for none); `None` once one of its pages was found cached
     /// already, from another sequence (its later pages are then left out).
     cached: Option<(usize, u32)>,
-    /// The drafts of its step in flight (room for `speculate` made at admission, where it
-    /// may draft).
+    /// The drafts of its step in flight (room for them made at admission, where it may
+    /// draft).
     drafts: Vec<u32>,
 }
 
@@ -370,6 +370,7 @@ impl Engine {
                 let key = arrived;
                 arrived += 1;
                 let need = pages_of(&req, ctx);
+                let alternatives = req.logprobs.max(req.prompt_logprobs).unwrap_or(0);
                 let problem = match check_prompt(req.prompt.len(), ctx) {
                     Err(e) => Some(e.to_string()),
                     Ok(()) if need > pages => Some(format!(
@@ -379,13 +380,10 @@ impl Engine {
                         (need * page_bytes) as f64 / (1 << 20) as f64,
                         (pages * page_bytes) as f64 / (1 << 20) as f64
                     )),
-                    Ok(()) if req.logprobs.max(req.prompt_logprobs).is_some_and(|k| k > super::MAX_LOGPROBS) => {
-                        Some(format!(
-                            "log-probabilities list at most {} alternatives a token, {} asked",
-                            super::MAX_LOGPROBS,
-                            req.logprobs.max(req.prompt_logprobs).unwrap_or(0)
-                        ))
-                    }
+                    Ok(()) if alternatives > super::MAX_LOGPROBS => Some(format!(
+                        "log-probabilities list at most {} alternatives a token, {alternatives} asked",
+                        super::MAX_LOGPROBS
+                    )),
                     Ok(()) => req.params.check().err(),
                 };
                 let mut out = Completion {
@@ -491,7 +489,7 @@ impl Engine {
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len() - cache.idle());
                 let mut emitting = spare.pop().unwrap_or_default();
                 let mut scoring = Vec::new();
-                let limits = Limits { step_tokens: opts.step_tokens, ctx };
+                let limits = Limits { step_tokens: opts.step_tokens, speculate: opts.speculate, ctx };
                 let Some(rows) =
                     build_step(&members[g], &mut live, limits, step, &mut emitting, &mut scoring)
                 else {
@@ -657,11 +655,19 @@ fn cache_written(cache: &mut PrefixCache, l: &mut Live) {
         }
         let mut block = [0; PAGE];
         for (i, b) in block.iter_mut().enumerate() {
-            let pos = n * PAGE + i;
-            *b = if pos < p.len() { p[pos] } else { brought[pos - p.len()] };
+            *b = token_at(p, brought, n * PAGE + i);
         }
         let page = s.pages[n];
         s.cached = cache.register(parent, &block, page).ok().map(|()| (n + 1, page));
+    }
+}
+
+/// Token `i` of a sequence's text: its prompt, then the tokens it brought.
+fn token_at(prompt: &[u32], brought: &[u32], i: usize) -> u32 {
+    if i < prompt.len() {
+        prompt[i]
+    } else {
+        brought[i - prompt.len()]
     }
 }
 
@@ -676,10 +682,11 @@ fn positions_of(r: &Request, ctx: usize) -> usize {
     (r.prompt.len() + r.max_tokens).min(ctx)
 }
 
-/// What bounds a step: its tokens, the model's context.
+/// What bounds a step: its tokens, a sequence's drafts, the model's context.
 #[derive(Clone, Copy)]
 struct Limits {
     step_tokens: usize,
+    speculate: usize,
     ctx: usize,
 }
 
@@ -728,7 +735,7 @@ fn build_step(
         // Drafts take the positions after `pos` (within the sequence's pages), stand for
         // tokens before the last one it may bring, and leave the span within the chunk every
         // rank's buffers hold (`Engine::drive`'s `begin`).
-        let most = (s.drafts.capacity())
+        let most = (if drafts_for(&r.params) { limits.speculate } else { 0 })
             .min(positions_of(r, limits.ctx).saturating_sub(pos + 1))
             .min(r.max_tokens.saturating_sub(done.len() + 1))
             .min(limits.step_tokens.max(PAGE) - 1);
@@ -791,7 +798,7 @@ const DRAFT_NGRAM_MIN: usize = 2;
 fn lookup_drafts(prompt: &[u32], brought: &[u32], k: usize, out: &mut Vec<u32>) {
     out.clear();
     let len = prompt.len() + brought.len();
-    let at = |i: usize| if i < prompt.len() { prompt[i] } else { brought[i - prompt.len()] };
+    let at = |i: usize| token_at(prompt, brought, i);
     for n in (DRAFT_NGRAM_MIN..=DRAFT_NGRAM).rev() {
         if len <= n {
             continue;
