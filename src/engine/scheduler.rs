@@ -434,7 +434,7 @@ impl Engine {
                 step.admit.clear();
                 let queue = &mut waiting[side_of_group(g)];
                 while let Some(&at) = queue.front() {
-                    let l = live[at].as_mut().expect("a waiting request is held");
+                    let l = live[at].as_ref().expect("a waiting request is held");
                     let need = pages_of(&l.req, ctx);
                     if members[g].len() >= per_group(g) || free_slots.is_empty() {
                         break;
@@ -444,12 +444,19 @@ impl Engine {
                     hit.clear();
                     if caching && l.req.prompt_logprobs.is_none() {
                         cache.lookup(&l.req.prompt, (l.req.prompt.len() - 1) / PAGE, &mut hit);
+                        // A prompt whose pages a running sequence is writing waits for them
+                        // (and the queue behind it, first come first served).
+                        let running = members.iter().flatten().filter_map(|&m| live[m].as_ref());
+                        if worth_waiting(&l.req.prompt, hit.len(), running) {
+                            break;
+                        }
                     }
                     let fresh = need - hit.len();
                     if free_pages.len() + cache.idle() - cache.idle_among(&hit) < fresh {
                         break;
                     }
                     queue.pop_front();
+                    let l = live[at].as_mut().expect("a waiting request is held");
                     let slot = free_slots.pop().expect("checked");
                     cache.hold(&hit);
                     if free_pages.len() < fresh {
@@ -660,6 +667,27 @@ fn cache_written(cache: &mut PrefixCache, l: &mut Live) {
         let page = s.pages[n];
         s.cached = cache.register(parent, &block, page).ok().map(|()| (n + 1, page));
     }
+}
+
+/// Whether a waiting `prompt`, `have` of whose whole pages are in the prefix cache, should wait
+/// for a `running` sequence to write more of them: one whose prompt it begins with, in more
+/// whole pages (its own last token left to run), that go into the cache once written (no
+/// earlier page of that sequence was found cached already, from another). It waits where the
+/// pages still to come spare at least half of what it would run now. Requests that arrive
+/// together after one preamble then run it once, the first of them alone: the others wait a
+/// step, not the time of running it again beside it. A prompt that shares only a few pages
+/// with a running one (a chat template's opening) does not wait for them.
+fn worth_waiting<'a>(prompt: &[u32], have: usize, running: impl Iterator<Item = &'a Live>) -> bool {
+    let most = (prompt.len() - 1) / PAGE;
+    let shared = |r: &Live| prompt.iter().zip(&r.req.prompt).take_while(|(a, b)| a == b).count() / PAGE;
+    let coming = running
+        .filter(|r| r.seq.as_ref().is_some_and(|s| s.cached.is_some()))
+        .map(shared)
+        .max()
+        .unwrap_or(0)
+        .min(most);
+    let gain = coming.saturating_sub(have) * PAGE;
+    gain > 0 && 2 * gain >= prompt.len() - have * PAGE
 }
 
 /// Token `i` of a sequence's text: its prompt, then the tokens it brought.

@@ -407,6 +407,70 @@ fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
     }
 }
 
+/// Prompts that arrive together after one preamble run it once: the first runs whole, and the
+/// others wait for its pages rather than run the preamble beside it, then read from the cache
+/// every whole page they share with it. A prompt that shares only its opening words with the
+/// first (most of it would still run) does not wait: it runs in the first step, beside the
+/// first prompt, with nothing cached. On 1×1, 1×2 and 2×1 (two micro-batches: the others wait
+/// in a group of their own while the first one's step is in flight), each brings the tokens it
+/// brings with `--no-prefix-cache`.
+#[test]
+fn prompts_arriving_together_after_one_preamble_run_it_once() {
+    use gridlm::model::PAGE;
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let preamble = "You are the support assistant of a hardware shop. Answer in one sentence. Returns \
+                    are accepted within 30 days with a receipt, exchanges within 60 days; opened \
+                    software is never returned; warranty repairs go through the maker; store credit \
+                    never expires. Question: ";
+    let texts = [
+        format!("{preamble}Can I return an opened game?"),
+        format!(
+            "You are the support assistant of a hardware shop. Answer in one sentence. Returns \
+             are accepted within 30 days. Our bakery next door sells these breads: {}",
+            "rye, spelt, sourdough, brioche, focaccia, ciabatta, baguette, pumpernickel, ".repeat(4)
+        ),
+        format!("{preamble}How long do I have to exchange a mouse?"),
+        format!("{preamble}Does store credit expire?"),
+        format!("{preamble}Who repairs a broken laptop under warranty?"),
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    let lines: Vec<String> =
+        texts.iter().map(|t| format!("{{\"prompt\":{}}}", serde_json::json!(t))).collect();
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    // The bakery prompt shares a page or two with the first: a small part of it.
+    let opening = common(&prompts[1], &prompts[0]) / PAGE;
+    assert!(opening >= 1 && 4 * opening * PAGE < prompts[1].len(), "{opening} pages of {}", prompts[1].len());
+    let base = ["--prompts-file", path_str(&file), "--max-tokens", "12", "--ignore-eos", "--json"];
+    for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
+        let (p, t) = (pp.to_string(), tp.to_string());
+        let run = |extra: &[&str]| {
+            let args: Vec<&str> =
+                base.iter().copied().chain(["--pp", &p, "--tp", &t]).chain(extra.iter().copied()).collect();
+            let out = local(pp * tp, &dir, &args);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            json_of(&out)
+        };
+        let (whole, cached) = (run(&["--no-prefix-cache"]), run(&[]));
+        let (a, b) = (whole["results"].as_array().unwrap(), cached["results"].as_array().unwrap());
+        let mut total = 0;
+        for (i, (a, b)) in a.iter().zip(b).enumerate() {
+            assert_eq!(ids(b), ids(a), "{pp}x{tp}: prompt {i}'s tokens");
+            let want = match i {
+                0 | 1 => 0,
+                _ => common(&prompts[i], &prompts[0]).min(prompts[i].len() - 1) / PAGE * PAGE,
+            };
+            assert_eq!(b["cached_tokens"], want, "{pp}x{tp}: prompt {i}'s cached tokens");
+            total += want;
+        }
+        assert!(total >= 3 * 2 * PAGE, "{pp}x{tp}: the preamble spans whole pages: {total}");
+        assert_eq!(cached["cached_tokens"], total, "{pp}x{tp}");
+    }
+}
+
 /// Speculative decoding by prompt lookup (`--speculate 4`): prompts whose answers repeat their
 /// text (a list to repeat, code to rewrite), one that does not, two sampled (their draws
 /// seeded by the token's number, so a draft's row draws as its position would alone) and one
