@@ -429,12 +429,11 @@ struct BatchArgs {
     /// the same tokens (the prefix cache).
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Speculative decoding by prompt lookup: up to N draft tokens a step for each sequence
-    /// without a repetition, presence or frequency penalty, copied from what followed the
-    /// latest earlier occurrence of its last tokens in its prompt and output, and checked by
-    /// the model in the same step. The tokens are those decoded without (sampled ones too);
-    /// faster where the output repeats its context (summaries, edits, code, quotes). 0 (the
-    /// default): none; at most 64
+    /// Speculative decoding by prompt lookup: up to N draft tokens a step for each sequence,
+    /// copied from what followed the latest earlier occurrence of its last tokens in its
+    /// prompt and output, and checked by the model in the same step. The tokens are those
+    /// decoded without (sampled and penalized ones too); faster where the output repeats its
+    /// context (summaries, edits, code, quotes). 0 (the default): none; at most 64
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=64))]
     speculate: u16,
 }

@@ -103,6 +103,9 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, draf
         ..request(len, params)
     };
     let plain = SamplingParams { temperature: 0.9, seed: 4, ..SamplingParams::default() };
+    // Penalized: its rows after drafts count them among its tokens, and put the counts back.
+    let counting =
+        SamplingParams { frequency_penalty: 0.5, presence_penalty: 0.2, ..SamplingParams::default() };
     let cases = [
         ("greedy", vec![request(5, SamplingParams::default())], 0),
         // Its one step of prefill, the engine's first, feeds one token as a decode step does.
@@ -118,10 +121,11 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, draf
             0,
         ),
         (
-            "drafting, batch 3",
+            "drafting, batch 4",
             vec![
                 looping(23, SamplingParams::default()),
                 looping(17, plain),
+                looping(9, counting),
                 request(9, sampled(0.8, 1.0, 0, 3)),
             ],
             4,

@@ -156,6 +156,15 @@ pub struct Scored {
     pub k: usize,
 }
 
+/// An output-head row of the last stage: its token's number in its sequence (its draw's
+/// index), and the draft fed after its position in the same span, if any (kept where the row
+/// picks it).
+#[derive(Debug, Clone, Copy)]
+struct HeadRow {
+    index: u64,
+    draft: Option<u32>,
+}
+
 /// Marks in a sequence's `seen` bits (one per token of the vocabulary shard `vr`) the tokens
 /// of `tokens` in the shard.
 fn mark_seen(seen: &mut [u64], tokens: &[u32], vr: std::ops::Range<usize>) {
@@ -372,8 +381,11 @@ pub struct Engine {
     incoming: Plan,
     spare_step: Step,
     emitting: Vec<usize>,
-    /// Each emitting row's token number in its sequence (its draw's index).
-    indices: Vec<u64>,
+    /// Each emitting row's token number and the draft after it ([`HeadRow`]).
+    head_rows: Vec<HeadRow>,
+    /// The counts a step's drafts changed while its rows were adjusted ([`Engine::pick`]), to
+    /// put back: (slot, local token, count before).
+    undo: Vec<(usize, usize, u16)>,
     /// The most rows of the output head a decode step may have ([`Plan::Begin`]).
     rows: usize,
     mine: Vec<f32>,
@@ -596,7 +608,8 @@ impl Engine {
             incoming: Plan::End,
             spare_step: Step::default(),
             emitting: Vec::new(),
-            indices: Vec::new(),
+            head_rows: Vec::new(),
+            undo: Vec::new(),
             rows: 0,
             mine: Vec::new(),
             spare_tokens: Vec::new(),
@@ -853,7 +866,8 @@ impl Engine {
                     crate::grow(&mut self.last, rows * h);
                     crate::room(&mut self.logits, rows * vl);
                     crate::room(&mut self.emitting, rows);
-                    crate::room(&mut self.indices, rows);
+                    crate::room(&mut self.head_rows, rows);
+                    crate::room(&mut self.undo, rows);
                     crate::room(&mut self.mine, 2 * rows);
                     crate::room(&mut self.candidates, 2 * rows * comm.size());
                 }
@@ -952,7 +966,8 @@ impl Engine {
             link.send_f32(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Hidden, x);
             return Ok(None);
         }
-        // Last stage: the tokens fed so far are each sequence's history.
+        // Last stage: the tokens fed so far are each sequence's history. (Its drafts too: they
+        // are copies of its earlier tokens, already there.)
         let vr = shard.vocab_range();
         let mut at = 0;
         for sp in spans {
@@ -961,9 +976,9 @@ impl Engine {
         }
         // The output head's rows: each emitting span's last position, and before it those of
         // its drafts; `emitting` their slots.
-        let (emitting, indices) = (&mut self.emitting, &mut self.indices);
+        let (emitting, head_rows) = (&mut self.emitting, &mut self.head_rows);
         emitting.clear();
-        indices.clear();
+        head_rows.clear();
         let (mut end, mut drafted) = (0, step.drafted.iter().peekable());
         for (i, sp) in spans.iter().enumerate() {
             end += sp.len;
@@ -980,7 +995,8 @@ impl Engine {
                 last[row * h..(row + 1) * h].copy_from_slice(&x[p * h..(p + 1) * h]);
                 emitting.push(sp.seq);
                 let pos = sp.pos0 + p + sp.len - end;
-                indices.push((pos + 1).saturating_sub(self.slots[sp.seq].prompt_len) as u64);
+                let index = (pos + 1).saturating_sub(self.slots[sp.seq].prompt_len) as u64;
+                head_rows.push(HeadRow { index, draft: tokens.get(p + 1).copied().filter(|_| p + 1 < end) });
             }
         }
         if drafted.next().is_some() {
@@ -1106,9 +1122,24 @@ impl Engine {
             }
         }
         let picked = &mut result.tokens;
+        // The presence and frequency penalties of a row after drafts count them among the
+        // sequence's generated tokens, as decoding them one by one would (the row's pick
+        // matters only where they are kept): each draft is counted after the row before it is
+        // adjusted, and the counts are put back before the picks. (The repetition penalty's
+        // history holds the drafts already.)
+        let undo = &mut self.undo;
+        undo.clear();
         for (row, &slot) in emitting.iter().enumerate() {
-            let st = &self.slots[slot];
+            let st = &mut self.slots[slot];
             sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen, &st.counts);
+            let draft = self.head_rows[row].draft.and_then(|d| (d as usize).checked_sub(vr.start));
+            if let Some((i, c)) = draft.and_then(|i| Some(i).zip(st.counts.get_mut(i))) {
+                undo.push((slot, i, *c));
+                *c = c.saturating_add(1);
+            }
+        }
+        for &(slot, i, c) in undo.iter().rev() {
+            self.slots[slot].counts[i] = c;
         }
         let (logits, mine, all) = (&self.logits[..m * vl], &mut self.mine, &mut self.candidates);
         greedy_pick(logits, m, vr.start, mine, all, comm, picked);
@@ -1117,7 +1148,11 @@ impl Engine {
         for (row, &slot) in emitting.iter().enumerate() {
             let st = &self.slots[slot];
             if !st.params.is_greedy() {
-                draws.push(sampling::Draw { row, params: st.params.clone(), index: self.indices[row] });
+                draws.push(sampling::Draw {
+                    row,
+                    params: st.params.clone(),
+                    index: self.head_rows[row].index,
+                });
             }
         }
         if !draws.is_empty() {
@@ -1125,11 +1160,18 @@ impl Engine {
             let logits = &self.logits[..m * vl];
             sampling::sample_rows(logits, vl, max_shard, vr.start, &mut self.sampling, comm, picked);
         }
-        for (&slot, &t) in emitting.iter().zip(&result.tokens) {
+        // Each sequence brings its rows' tokens up to the first that differs from the draft
+        // after it (as the driver keeps them): those are counted.
+        let mut kept = true;
+        for ((&slot, &t), r) in emitting.iter().zip(&result.tokens).zip(&self.head_rows) {
             let st = &mut self.slots[slot];
-            if let Some(c) = (t as usize).checked_sub(vr.start).and_then(|i| st.counts.get_mut(i)) {
+            if let Some(c) =
+                (t as usize).checked_sub(vr.start).and_then(|i| st.counts.get_mut(i)).filter(|_| kept)
+            {
                 *c = c.saturating_add(1);
             }
+            // The span's last row (no draft after it) ends it.
+            kept = r.draft.is_none() || (kept && r.draft == Some(t));
         }
         if !self.logprob_bufs.rows.is_empty() {
             self.report_logprobs(&emitting, rec, comm, result);

@@ -77,9 +77,9 @@ pub struct RunOptions {
     /// layers (their keys live in per-slot rings); a request scoring its prompt runs all of it.
     pub prefix_cache: bool,
     /// Speculative decoding by prompt lookup: at most this many draft tokens a step for each
-    /// sequence without a penalty on the tokens it generated (`drafts_for`), taken from what
-    /// followed the latest earlier occurrence of its last tokens in its prompt and output, and
-    /// checked in the step ([`Drafted`]). 0: none.
+    /// sequence, taken from what followed the latest earlier occurrence of its last tokens in
+    /// its prompt and output, and checked in the step ([`Drafted`]; a penalized sequence's
+    /// rows count the drafts before them, see `Engine::pick`). 0: none.
     pub speculate: usize,
 }
 
@@ -475,8 +475,7 @@ impl Engine {
                         history: l.req.prompt[..skipped].to_vec(),
                         prompt_len: l.req.prompt.len(),
                     });
-                    let may_draft = opts.speculate > 0 && drafts_for(&l.req.params);
-                    let drafts = Vec::with_capacity(if may_draft { opts.speculate } else { 0 });
+                    let drafts = Vec::with_capacity(opts.speculate);
                     l.seq = Some(Seq { slot, pages: pg, group: g, fed: skipped, cached, drafts });
                     l.out.cached_tokens = skipped;
                     stats.cached_tokens += skipped;
@@ -718,14 +717,6 @@ struct Limits {
     ctx: usize,
 }
 
-/// Whether a sequence with these settings may draft ([`RunOptions::speculate`]): no penalty
-/// depends on the tokens it generated, so its choice at a position depends only on the tokens
-/// before it (and, sampled, on its seed and the token's number, which seed the draw), and a
-/// draft is checked by the choice made at the position before it.
-fn drafts_for(p: &SamplingParams) -> bool {
-    p.repetition_penalty == 1.0 && !p.counts_tokens()
-}
-
 /// The next step of a group, into `step` (its admissions already there): a decode token of
 /// each running member (after it, drafts where it may draft and its text offers some), then
 /// prompt chunks while the step has room (at least one chunk, so prefill always advances);
@@ -763,7 +754,8 @@ fn build_step(
         // Drafts take the positions after `pos` (within the sequence's pages), stand for
         // tokens before the last one it may bring, and leave the span within the chunk every
         // rank's buffers hold (`Engine::drive`'s `begin`).
-        let most = (if drafts_for(&r.params) { limits.speculate } else { 0 })
+        let most = limits
+            .speculate
             .min(positions_of(r, limits.ctx).saturating_sub(pos + 1))
             .min(r.max_tokens.saturating_sub(done.len() + 1))
             .min(limits.step_tokens.max(PAGE) - 1);
@@ -822,7 +814,8 @@ const DRAFT_NGRAM_MIN: usize = 2;
 /// Prompt lookup: into `out` (cleared first), at most `k` tokens of what followed the latest
 /// earlier occurrence, in the sequence's text (`prompt` then `brought`), of its last
 /// [`DRAFT_NGRAM`] tokens, or failing that of fewer, down to [`DRAFT_NGRAM_MIN`]; none where
-/// none occurs.
+/// none occurs. (Drafts are tokens of the sequence's own text: the last stage's repetition
+/// penalty counts them as history already, see `Engine::pick`.)
 fn lookup_drafts(prompt: &[u32], brought: &[u32], k: usize, out: &mut Vec<u32>) {
     out.clear();
     let len = prompt.len() + brought.len();

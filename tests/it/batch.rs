@@ -473,12 +473,14 @@ fn prompts_arriving_together_after_one_preamble_run_it_once() {
 
 /// Speculative decoding by prompt lookup (`--speculate 4`): prompts whose answers repeat their
 /// text (a list to repeat, code to rewrite), one that does not, two sampled (their draws
-/// seeded by the token's number, so a draft's row draws as its position would alone) and one
-/// with a repetition penalty (which never drafts), three slots and steps of 8 tokens, with each
-/// token's log-probabilities: on 1×1, 1×2 and 2×1 every prompt brings the tokens and
-/// log-probabilities it brings without drafts on the same layout, bit for bit (a draft's row is
-/// the row its position gets when decoded alone), some drafts are kept and some are not (so a
-/// step's keys and values past the kept drafts are left for the next to overwrite).
+/// seeded by the token's number, so a draft's row draws as its position would alone) and three
+/// penalized (repetition; sampled with presence and frequency; frequency: a row after drafts
+/// counts them among the sequence's tokens, and the last stage keeps in its history only the
+/// drafts kept), three slots and steps of 8 tokens, with each token's log-probabilities: on
+/// 1×1, 1×2 and 2×1 every prompt brings the tokens and log-probabilities it brings without
+/// drafts on the same layout, bit for bit (a draft's row is the row its position gets when
+/// decoded alone), some drafts are kept and some are not (so a step's keys and values past the
+/// kept drafts are left for the next to overwrite), penalized prompts' too.
 #[test]
 fn speculative_drafts_bring_the_tokens_decoded_without() {
     let dir = smollm2("bf16");
@@ -489,7 +491,12 @@ fn speculative_drafts_bring_the_tokens_decoded_without() {
         r#"{"prompt":"Repeat after me: one two three four five six seven","temperature":0.8,"seed":3}"#,
         r#"{"prompt":"Repeat this list exactly, twice: red, green, blue, cyan, pink.","chat":true,"temperature":0.6,"top_p":0.9,"seed":4}"#,
         r#"{"prompt":"Repeat after me: one two three four five six seven","repetition_penalty":1.3}"#,
+        r#"{"prompt":"Repeat this list exactly, twice: red, green, blue, cyan, pink.","chat":true,"temperature":0.7,"seed":9,"presence_penalty":0.4,"frequency_penalty":0.3}"#,
+        r#"{"prompt":"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nRewrite both functions with type hints.","chat":true,"frequency_penalty":0.5}"#,
+        r#"{"prompt":"Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, melons, lemons, limes.","chat":true,"frequency_penalty":1.4}"#,
     ];
+    // The penalized prompts.
+    let penalized = 5..9;
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
     std::fs::write(&file, prompts.join("\n")).unwrap();
@@ -519,6 +526,10 @@ fn speculative_drafts_bring_the_tokens_decoded_without() {
             "{pp}x{tp}: the results' counts"
         );
         let (a, b) = (plain["results"].as_array().unwrap(), drafted["results"].as_array().unwrap());
+        let of_penalized =
+            |key: &str| b[penalized.clone()].iter().map(|r| r[key].as_u64().unwrap()).sum::<u64>();
+        let (made, kept) = (of_penalized("drafted_tokens"), of_penalized("accepted_drafts"));
+        assert!(kept > 0 && made > kept, "{pp}x{tp}: penalized prompts kept {kept} of {made} drafts");
         for (i, (a, b)) in a.iter().zip(b).enumerate() {
             assert_eq!(ids(b), ids(a), "{pp}x{tp}: prompt {i}'s tokens");
             assert_eq!(b["logprobs"], a["logprobs"], "{pp}x{tp}: prompt {i}'s log-probabilities");
