@@ -12,8 +12,9 @@
 //! idle and stays cached until its page is wanted for a new sequence: then idle pages go,
 //! the least recently used first, always a page no cached page follows (a leaf), so no cached
 //! page ever names a parent that has gone. A sequence holds every page of its chain from the
-//! first (what it matched, then what it registered), so an idle page has only idle pages
-//! after it and every idle page can be reclaimed.
+//! first (what it matched, then what it registered, or where another sequence had registered
+//! the same tokens first, that one's page: [`PrefixCache::hold`]), so an idle page has only
+//! idle pages after it and every idle page can be reclaimed.
 //!
 //! It owns page bookkeeping only: which pages the driver hands out is the scheduler's, what
 //! the pages hold is every rank's [`crate::model::KvCache`]. Nothing here allocates after
@@ -86,7 +87,8 @@ impl PrefixCache {
         pages.iter().filter(|&&p| self.entry(p).refs == 0).count()
     }
 
-    /// A new sequence's table begins with `pages` (a [`PrefixCache::lookup`]): it holds them.
+    /// A sequence holds `pages`: the cached pages its table begins with (a
+    /// [`PrefixCache::lookup`]), or one it found registered in place of its own.
     pub(super) fn hold(&mut self, pages: &[u32]) {
         self.clock += 1;
         for &p in pages {
@@ -103,7 +105,8 @@ impl PrefixCache {
     /// Page `page` of a running sequence now holds `block`, after its cached page `parent`
     /// ([`ROOT`] for its first page): cached, and held by the sequence, unless the same
     /// tokens after the same parent are cached already (another sequence ran them at the
-    /// same time), whose page is returned instead (`page` stays the sequence's own).
+    /// same time), whose page is returned instead (`page` stays the sequence's own; the
+    /// sequence may hold that one and register its later pages after it).
     pub(super) fn register(&mut self, parent: u32, block: &[u32; PAGE], page: u32) -> Result<(), u32> {
         let key = (parent, *block);
         if let Some(&there) = self.pages.get(&key) {
@@ -254,6 +257,35 @@ mod tests {
         freed.clear();
         c.reclaim(9, |p| freed.push(p));
         assert_eq!(freed, [1, 0]);
+        assert!(c.pages.is_empty());
+    }
+
+    /// Two sequences ran the same first page at once: the second finds the first's registered,
+    /// holds it and registers its own later page after it (as the scheduler does). A lookup
+    /// then follows the first's page into the second's; no page goes while either holds it,
+    /// and once both end every page is idle and reclaimable, leaves first.
+    #[test]
+    fn a_page_found_registered_is_held_and_followed() {
+        let mut c = PrefixCache::new(16);
+        let (a, b) = (tokens(10, 2), [tokens(10, 1), tokens(50, 1)].concat());
+        register_all(&mut c, &a, &[0, 1]);
+        // `b` ran its first page as page 5: page 0 has those tokens.
+        assert_eq!(c.register(ROOT, &block(&b, 0), 5), Err(0));
+        c.hold(&[0]);
+        c.register(0, &block(&b, 1), 6).unwrap();
+        assert_eq!(lookup(&c, &b, 9), [0, 6]);
+        // `a` ends: page 0 is still held by `b`.
+        c.release(&[0, 1], |_| unreachable!("both are cached"));
+        assert_eq!(c.idle(), 1);
+        let mut freed = Vec::new();
+        c.reclaim(9, |p| freed.push(p));
+        assert_eq!(freed, [1]);
+        // `b` ends: its own first page (never cached) is freed, and its chain goes idle.
+        c.release(&[5, 6], |p| freed.push(p));
+        c.release(&[0], |_| unreachable!("page 0 is cached"));
+        assert_eq!((freed.as_slice(), c.idle()), (&[1, 5][..], 2));
+        c.reclaim(9, |p| freed.push(p));
+        assert_eq!(freed, [1, 5, 6, 0]);
         assert!(c.pages.is_empty());
     }
 }

@@ -156,10 +156,15 @@ struct Seq {
     group: usize,
     /// Prompt tokens sent so far.
     fed: usize,
-    /// Pages at the front of `pages` in the prefix cache (found there or put there), and the
-    /// last of them ([`ROOT`] for none); `None` once one of its pages was found cached
-    /// already, from another sequence (its later pages are then left out).
-    cached: Option<(usize, u32)>,
+    /// Pages at the front of its text in the prefix cache (found there or put there), and the
+    /// last of them in the cache's chain ([`ROOT`] for none): its own page, or another
+    /// sequence's that holds the same tokens (`borrowed`).
+    cached: (usize, u32),
+    /// Cached pages of other sequences it holds in its chain in place of its own: pages it ran
+    /// at the same time as another (`PrefixCache::register` found the same tokens after the
+    /// same parent), so its later pages follow theirs in the cache. (Room for all its pages
+    /// made at admission.)
+    borrowed: Vec<u32>,
     /// The drafts of its step in flight (room for them made at admission, where it may
     /// draft).
     drafts: Vec<u32>,
@@ -463,7 +468,8 @@ impl Engine {
                         cache.reclaim(fresh - free_pages.len(), |p| free_pages.push(p));
                     }
                     let skipped = hit.len() * PAGE;
-                    let cached = Some((hit.len(), hit.last().copied().unwrap_or(ROOT)));
+                    let cached = (hit.len(), hit.last().copied().unwrap_or(ROOT));
+                    let borrowed = Vec::with_capacity(if caching { need } else { 0 });
                     let mut pg = Vec::with_capacity(need);
                     pg.extend_from_slice(&hit);
                     pg.extend(free_pages.take(fresh));
@@ -476,7 +482,7 @@ impl Engine {
                         prompt_len: l.req.prompt.len(),
                     });
                     let drafts = Vec::with_capacity(opts.speculate);
-                    l.seq = Some(Seq { slot, pages: pg, group: g, fed: skipped, cached, drafts });
+                    l.seq = Some(Seq { slot, pages: pg, group: g, fed: skipped, cached, borrowed, drafts });
                     l.out.cached_tokens = skipped;
                     stats.cached_tokens += skipped;
                     members[g].push(at);
@@ -626,7 +632,10 @@ impl Engine {
                 members[s.group].retain(|&m| m != at);
                 free_slots.push(s.slot);
                 match caching {
-                    true => cache.release(&s.pages, |p| free_pages.push(p)),
+                    true => {
+                        cache.release(&s.pages, |p| free_pages.push(p));
+                        cache.release(&s.borrowed, |p| free_pages.push(p));
+                    }
                     false => free_pages.give(&s.pages),
                 }
                 vacant.push(at);
@@ -650,41 +659,44 @@ impl Engine {
 
 /// Puts into the prefix cache each whole page of a running sequence that its steps have
 /// written (every token it was sent: its prompt so far, then each token it brought but the
-/// last), after those it has there.
+/// last), after those it has there. Where another sequence's page with the same tokens after
+/// the same parent is cached already (the two ran them at the same time), the sequence holds
+/// that one instead and its later pages follow it: their keys and values are the same bits
+/// (a sequence's tokens are, whatever shares its steps), so a later prompt may read them
+/// after either.
 fn cache_written(cache: &mut PrefixCache, l: &mut Live) {
     let s = l.seq.as_mut().expect("a running request");
     let (p, brought) = (&l.req.prompt, &l.out.token_ids);
     let written = if s.fed < p.len() { s.fed } else { p.len() + brought.len().saturating_sub(1) };
-    while let Some((n, parent)) = s.cached {
-        if (n + 1) * PAGE > written {
-            break;
-        }
+    while (s.cached.0 + 1) * PAGE <= written {
+        let (n, parent) = s.cached;
         let mut block = [0; PAGE];
         for (i, b) in block.iter_mut().enumerate() {
             *b = token_at(p, brought, n * PAGE + i);
         }
         let page = s.pages[n];
-        s.cached = cache.register(parent, &block, page).ok().map(|()| (n + 1, page));
+        s.cached = match cache.register(parent, &block, page) {
+            Ok(()) => (n + 1, page),
+            Err(there) => {
+                cache.hold(&[there]);
+                s.borrowed.push(there);
+                (n + 1, there)
+            }
+        };
     }
 }
 
 /// Whether a waiting `prompt`, `have` of whose whole pages are in the prefix cache, should wait
 /// for a `running` sequence to write more of them: one whose prompt it begins with, in more
-/// whole pages (its own last token left to run), that go into the cache once written (no
-/// earlier page of that sequence was found cached already, from another). It waits where the
-/// pages still to come spare at least half of what it would run now. Requests that arrive
+/// whole pages (its own last token left to run), which go into the cache once written. It
+/// waits where the pages still to come spare at least half of what it would run now. Requests that arrive
 /// together after one preamble then run it once, the first of them alone: the others wait a
 /// step, not the time of running it again beside it. A prompt that shares only a few pages
 /// with a running one (a chat template's opening) does not wait for them.
 fn worth_waiting<'a>(prompt: &[u32], have: usize, running: impl Iterator<Item = &'a Live>) -> bool {
     let most = (prompt.len() - 1) / PAGE;
     let shared = |r: &Live| prompt.iter().zip(&r.req.prompt).take_while(|(a, b)| a == b).count() / PAGE;
-    let coming = running
-        .filter(|r| r.seq.as_ref().is_some_and(|s| s.cached.is_some()))
-        .map(shared)
-        .max()
-        .unwrap_or(0)
-        .min(most);
+    let coming = running.map(shared).max().unwrap_or(0).min(most);
     let gain = coming.saturating_sub(have) * PAGE;
     gain > 0 && 2 * gain >= prompt.len() - have * PAGE
 }

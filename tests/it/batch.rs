@@ -471,6 +471,70 @@ fn prompts_arriving_together_after_one_preamble_run_it_once() {
     }
 }
 
+/// Two prompts after one short preamble, given at once, each with a long text of its own
+/// (so neither waits for the other): both run the preamble, and the second finds the first's
+/// pages registered before its own. It then holds those in its chain and caches its later
+/// pages after them, so a third prompt, the second followed by its answer (its conversation's
+/// next turn, admitted when a slot frees), reads every whole page it shares with the second's
+/// text, not only the preamble's. On 1×1, 1×2 and 2×1 (two micro-batches), with the tokens of
+/// `--no-prefix-cache`.
+#[test]
+fn a_prompt_run_beside_the_same_preamble_caches_its_later_pages() {
+    use gridlm::model::PAGE;
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let preamble = "You are the support assistant of a hardware shop. Answer in one sentence. Returns \
+                    are accepted within 30 days with a receipt, exchanges within 60 days. ";
+    let first = format!(
+        "{preamble}Here is my story: {}What can I do?",
+        "I bought a keyboard, a mouse and a monitor last spring, and the monitor flickers. ".repeat(4)
+    );
+    let second = format!(
+        "{preamble}Here is another story: {}Can you help?",
+        "My laptop fan is loud, the battery drains fast, and the charger gets very hot. ".repeat(4)
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    let write = |texts: &[&str]| {
+        let lines: Vec<String> =
+            texts.iter().map(|t| format!("{{\"prompt\":{}}}", serde_json::json!(t))).collect();
+        std::fs::write(&file, lines.join("\n")).unwrap();
+    };
+    let base = ["--prompts-file", path_str(&file), "--max-tokens", "20", "--ignore-eos", "--max-batch", "2"];
+    let base: Vec<&str> = base.into_iter().chain(["--json"]).collect();
+    let run = |pp: usize, tp: usize, extra: &[&str]| {
+        let (p, t) = (pp.to_string(), tp.to_string());
+        let args: Vec<&str> =
+            base.iter().copied().chain(["--pp", &p, "--tp", &t]).chain(extra.iter().copied()).collect();
+        let out = local(pp * tp, &dir, &args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        json_of(&out)
+    };
+    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
+        // The second prompt's answer, and its conversation's next turn.
+        write(&[&first, &second]);
+        let said = ids(&run(pp, tp, &["--no-prefix-cache"])["results"][1]);
+        let third = format!("{second}{} Thank you. What else?", tok.decode(&said).unwrap());
+        write(&[&first, &second, &third]);
+        let whole = run(pp, tp, &["--no-prefix-cache"]);
+        let cached = run(pp, tp, &[]);
+        let (a, b) = (whole["results"].as_array().unwrap(), cached["results"].as_array().unwrap());
+        for (i, (a, b)) in a.iter().zip(b).enumerate() {
+            assert_eq!(ids(b), ids(a), "{pp}x{tp}: prompt {i}'s tokens");
+        }
+        let [p1, p2, p3] = [&first, &second, &third].map(|t| tok.encode(t, true).unwrap());
+        assert_eq!(ids(&b[1]), said, "{pp}x{tp}: the second answers as alone");
+        // Both ran the preamble: neither waited for the other.
+        assert_eq!((&b[0]["cached_tokens"], &b[1]["cached_tokens"]), (&0.into(), &0.into()), "{pp}x{tp}");
+        let ran = [&p2[..], &said[..said.len() - 1]].concat();
+        let want = common(&p3, &ran).min(p3.len() - 1) / PAGE * PAGE;
+        let preamble_only = common(&p3, &p1) / PAGE * PAGE;
+        assert!(want > preamble_only + 4 * PAGE, "{pp}x{tp}: {want} against {preamble_only}");
+        assert_eq!(b[2]["cached_tokens"], want, "{pp}x{tp}: the next turn's cached tokens");
+    }
+}
+
 /// Speculative decoding by prompt lookup (`--speculate 4`): prompts whose answers repeat their
 /// text (a list to repeat, code to rewrite), one that does not, two sampled (their draws
 /// seeded by the token's number, so a draft's row draws as its position would alone) and three
