@@ -689,10 +689,10 @@ fn cache_written(cache: &mut PrefixCache, l: &mut Live) {
 /// Whether a waiting `prompt`, `have` of whose whole pages are in the prefix cache, should wait
 /// for a `running` sequence to write more of them: one whose prompt it begins with, in more
 /// whole pages (its own last token left to run), which go into the cache once written. It
-/// waits where the pages still to come spare at least half of what it would run now. Requests that arrive
-/// together after one preamble then run it once, the first of them alone: the others wait a
-/// step, not the time of running it again beside it. A prompt that shares only a few pages
-/// with a running one (a chat template's opening) does not wait for them.
+/// waits where the pages still to come spare at least half of what it would run now.
+/// Requests that arrive together after one preamble then run it once, the first of them
+/// alone: the others wait a step, not the time of running it again beside it. A prompt that
+/// shares only a few pages with a running one (a chat template's opening) does not wait.
 fn worth_waiting<'a>(prompt: &[u32], have: usize, running: impl Iterator<Item = &'a Live>) -> bool {
     let most = (prompt.len() - 1) / PAGE;
     let shared = |r: &Live| prompt.iter().zip(&r.req.prompt).take_while(|(a, b)| a == b).count() / PAGE;
