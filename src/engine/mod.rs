@@ -132,9 +132,9 @@ pub struct Step {
 /// tokens after its first, to be checked in one step. The last stage yields a token after each
 /// of the span's last `k + 1` positions (its real last token's and each draft's), in order; the
 /// driver keeps the drafts the model would have chosen itself and the token after the last of
-/// them. Only for sequences whose choice at a position depends on nothing but the tokens
-/// before it: no penalty on what they generated (a sampled row draws with the noise of its
-/// token's number, [`SlotState`]).
+/// them. A row's choice is the one its position gets decoded alone: a sampled row draws with
+/// the noise of its token's number ([`SlotState`]), and a penalized row counts the drafts
+/// before it among the sequence's tokens ([`Engine::pick`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Drafted {
     /// Its span: an index into the step's spans.
@@ -261,6 +261,15 @@ struct SlotState {
     /// presence or frequency penalty is on (else empty).
     counts: Vec<u16>,
     prompt_len: usize,
+}
+
+impl SlotState {
+    /// Token `t`'s local index in the shard from `shard_start` and its count, where the
+    /// sequence counts its tokens and the shard holds `t`.
+    fn count_of(&mut self, t: u32, shard_start: usize) -> Option<(usize, &mut u16)> {
+        let i = (t as usize).checked_sub(shard_start)?;
+        self.counts.get_mut(i).map(|c| (i, c))
+    }
 }
 
 /// Reusable buffers of the log-probabilities a step reports ([`Engine::pick`]).
@@ -996,7 +1005,7 @@ impl Engine {
                 emitting.push(sp.seq);
                 let pos = sp.pos0 + p + sp.len - end;
                 let index = (pos + 1).saturating_sub(self.slots[sp.seq].prompt_len) as u64;
-                head_rows.push(HeadRow { index, draft: tokens.get(p + 1).copied().filter(|_| p + 1 < end) });
+                head_rows.push(HeadRow { index, draft: (p + 1 < end).then(|| tokens[p + 1]) });
             }
         }
         if drafted.next().is_some() {
@@ -1132,8 +1141,7 @@ impl Engine {
         for (row, &slot) in emitting.iter().enumerate() {
             let st = &mut self.slots[slot];
             sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen, &st.counts);
-            let draft = self.head_rows[row].draft.and_then(|d| (d as usize).checked_sub(vr.start));
-            if let Some((i, c)) = draft.and_then(|i| Some(i).zip(st.counts.get_mut(i))) {
+            if let Some((i, c)) = self.head_rows[row].draft.and_then(|d| st.count_of(d, vr.start)) {
                 undo.push((slot, i, *c));
                 *c = c.saturating_add(1);
             }
@@ -1164,10 +1172,7 @@ impl Engine {
         // after it (as the driver keeps them): those are counted.
         let mut kept = true;
         for ((&slot, &t), r) in emitting.iter().zip(&result.tokens).zip(&self.head_rows) {
-            let st = &mut self.slots[slot];
-            if let Some(c) =
-                (t as usize).checked_sub(vr.start).and_then(|i| st.counts.get_mut(i)).filter(|_| kept)
-            {
+            if let Some((_, c)) = self.slots[slot].count_of(t, vr.start).filter(|_| kept) {
                 *c = c.saturating_add(1);
             }
             // The span's last row (no draft after it) ends it.
