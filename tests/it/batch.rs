@@ -50,6 +50,26 @@ fn ids(v: &Value) -> Vec<u32> {
     v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
+/// One line of a prompts file: `text` as its prompt, then `settings` (each `,"key":value`).
+fn prompt_line(text: &str, settings: &str) -> String {
+    format!("{{\"prompt\":{}{settings}}}", serde_json::json!(text))
+}
+
+/// `generate` with `args` (`--json` among them) on a grid of `pp` stages × `tp` ranks: its
+/// JSON object, the run having succeeded.
+fn run_on(dir: &Path, (pp, tp): (usize, usize), args: &[&str]) -> Value {
+    let (p, t) = (pp.to_string(), tp.to_string());
+    let args: Vec<&str> = args.iter().copied().chain(["--pp", &p, "--tp", &t]).collect();
+    let out = local(pp * tp, dir, &args);
+    assert!(out.status.success(), "{pp}x{tp} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    json_of(&out)
+}
+
+/// How many tokens `a` and `b` begin with alike.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// A departure of `got` from `alone` (the greedy tokens of `prompt` run alone) may only be at a
 /// near-tie: at the first differing position, the alone run's logits (from `e`, the engine it
 /// ran on) prefer its token over `got`'s by less than [`NEAR_TIE`].
@@ -111,9 +131,8 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
 
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
-    let mut lines: Vec<String> =
-        TEXTS.iter().map(|t| format!("{{\"prompt\":{}}}", serde_json::json!(t))).collect();
-    lines.extend(SAMPLED.iter().map(|(p, s)| format!("{{\"prompt\":{},{s}}}", serde_json::json!(p))));
+    let mut lines: Vec<String> = TEXTS.iter().map(|t| prompt_line(t, "")).collect();
+    lines.extend(SAMPLED.iter().map(|(p, s)| prompt_line(p, &format!(",{s}"))));
     std::fs::write(&file, lines.join("\n")).unwrap();
     let base = [
         "--prompts-file",
@@ -129,12 +148,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
 
     let mut sampled_first: Option<Vec<Vec<u32>>> = None;
     for (pp, tp) in [(1, 1), (1, 2), (2, 1), (2, 2)] {
-        let (p, t) = (pp.to_string(), tp.to_string());
-        let mut args = base.to_vec();
-        args.extend(["--pp", &p, "--tp", &t]);
-        let out = local(pp * tp, &dir, &args);
-        assert!(out.status.success(), "{pp}x{tp}: {}", String::from_utf8_lossy(&out.stderr));
-        let v = json_of(&out);
+        let v = run_on(&dir, (pp, tp), &base);
         let results = v["results"].as_array().unwrap();
         assert_eq!(results.len(), TEXTS.len() + SAMPLED.len());
         assert_eq!(v["micro_batches"], pp, "{pp}x{tp}: one micro-batch per stage by default");
@@ -341,24 +355,17 @@ fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
     let settings = ["", "", "", r#","temperature":0.8,"repetition_penalty":1.3,"seed":5"#, ""];
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
-    let lines: Vec<String> = texts
-        .iter()
-        .zip(settings)
-        .map(|(t, s)| format!("{{\"prompt\":{}{s}}}", serde_json::json!(t)))
-        .collect();
+    let lines: Vec<String> = texts.iter().zip(settings).map(|(t, s)| prompt_line(t, s)).collect();
     std::fs::write(&file, lines.join("\n")).unwrap();
     let base = ["--prompts-file", path_str(&file), "--max-tokens", "24", "--ignore-eos", "--max-batch", "1"];
     let base: Vec<&str> = base.into_iter().chain(["--step-tokens", "8", "--json"]).collect();
-    let run = |ranks: usize, extra: &[&str]| {
+    let run = |grid: (usize, usize), extra: &[&str]| {
         let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
-        let out = local(ranks, &dir, &args);
-        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
-        json_of(&out)
+        run_on(&dir, grid, &args)
     };
-    for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
-        let (p, t) = (pp.to_string(), tp.to_string());
-        let grid = ["--pp", p.as_str(), "--tp", t.as_str()];
-        let whole = run(pp * tp, &[&grid[..], &["--no-prefix-cache"]].concat());
+    for grid in [(1, 1), (1, 2), (2, 1)] {
+        let (pp, tp) = grid;
+        let whole = run(grid, &["--no-prefix-cache"]);
         let want: Vec<Vec<u32>> = whole["results"].as_array().unwrap().iter().map(ids).collect();
         assert_eq!(whole["cached_tokens"], 0);
         // What each prompt shares with what ran before it, in whole pages (the last token left).
@@ -367,8 +374,7 @@ fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
             prompts.iter().zip(&want).map(|(p, w)| [&p[..], &w[..w.len() - 1]].concat()).collect();
         let shared: Vec<usize> = (0..prompts.len())
             .map(|i| {
-                let common = |r: &Vec<u32>| prompts[i].iter().zip(r).take_while(|(a, b)| a == b).count();
-                let most = ran[..i].iter().map(common).max().unwrap_or(0);
+                let most = ran[..i].iter().map(|r| common_prefix(&prompts[i], r)).max().unwrap_or(0);
                 most.min(prompts[i].len() - 1) / PAGE * PAGE
             })
             .collect();
@@ -384,7 +390,7 @@ fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
         let tight = ((largest + 1) * page_bytes).div_ceil(1 << 20).to_string();
         for (mib, roomy) in [("16", true), (tight.as_str(), false)] {
             let what = format!("{pp}x{tp}, KV memory {mib} MiB");
-            let v = run(pp * tp, &[&grid[..], &["--kv-mem-mib", mib]].concat());
+            let v = run(grid, &["--kv-mem-mib", mib]);
             let held = v["kv_pages"].as_u64().unwrap() as usize;
             assert!(if roomy { held >= all } else { held > *largest && held < all }, "{what}: {held}");
             let results = v["results"].as_array().unwrap();
@@ -436,32 +442,23 @@ fn prompts_arriving_together_after_one_preamble_run_it_once() {
     ];
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
-    let lines: Vec<String> =
-        texts.iter().map(|t| format!("{{\"prompt\":{}}}", serde_json::json!(t))).collect();
+    let lines: Vec<String> = texts.iter().map(|t| prompt_line(t, "")).collect();
     std::fs::write(&file, lines.join("\n")).unwrap();
     let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
-    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
     // The bakery prompt shares a page or two with the first: a small part of it.
-    let opening = common(&prompts[1], &prompts[0]) / PAGE;
+    let opening = common_prefix(&prompts[1], &prompts[0]) / PAGE;
     assert!(opening >= 1 && 4 * opening * PAGE < prompts[1].len(), "{opening} pages of {}", prompts[1].len());
     let base = ["--prompts-file", path_str(&file), "--max-tokens", "12", "--ignore-eos", "--json"];
     for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
-        let (p, t) = (pp.to_string(), tp.to_string());
-        let run = |extra: &[&str]| {
-            let args: Vec<&str> =
-                base.iter().copied().chain(["--pp", &p, "--tp", &t]).chain(extra.iter().copied()).collect();
-            let out = local(pp * tp, &dir, &args);
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            json_of(&out)
-        };
-        let (whole, cached) = (run(&["--no-prefix-cache"]), run(&[]));
+        let whole = run_on(&dir, (pp, tp), &[&base[..], &["--no-prefix-cache"]].concat());
+        let cached = run_on(&dir, (pp, tp), &base);
         let (a, b) = (whole["results"].as_array().unwrap(), cached["results"].as_array().unwrap());
         let mut total = 0;
         for (i, (a, b)) in a.iter().zip(b).enumerate() {
             assert_eq!(ids(b), ids(a), "{pp}x{tp}: prompt {i}'s tokens");
             let want = match i {
                 0 | 1 => 0,
-                _ => common(&prompts[i], &prompts[0]).min(prompts[i].len() - 1) / PAGE * PAGE,
+                _ => common_prefix(&prompts[i], &prompts[0]).min(prompts[i].len() - 1) / PAGE * PAGE,
             };
             assert_eq!(b["cached_tokens"], want, "{pp}x{tp}: prompt {i}'s cached tokens");
             total += want;
@@ -496,21 +493,12 @@ fn a_prompt_run_beside_the_same_preamble_caches_its_later_pages() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
     let write = |texts: &[&str]| {
-        let lines: Vec<String> =
-            texts.iter().map(|t| format!("{{\"prompt\":{}}}", serde_json::json!(t))).collect();
+        let lines: Vec<String> = texts.iter().map(|t| prompt_line(t, "")).collect();
         std::fs::write(&file, lines.join("\n")).unwrap();
     };
     let base = ["--prompts-file", path_str(&file), "--max-tokens", "20", "--ignore-eos", "--max-batch", "2"];
     let base: Vec<&str> = base.into_iter().chain(["--json"]).collect();
-    let run = |pp: usize, tp: usize, extra: &[&str]| {
-        let (p, t) = (pp.to_string(), tp.to_string());
-        let args: Vec<&str> =
-            base.iter().copied().chain(["--pp", &p, "--tp", &t]).chain(extra.iter().copied()).collect();
-        let out = local(pp * tp, &dir, &args);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        json_of(&out)
-    };
-    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let run = |pp: usize, tp: usize, extra: &[&str]| run_on(&dir, (pp, tp), &[&base[..], extra].concat());
     for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
         // The second prompt's answer, and its conversation's next turn.
         write(&[&first, &second]);
@@ -528,8 +516,8 @@ fn a_prompt_run_beside_the_same_preamble_caches_its_later_pages() {
         // Both ran the preamble: neither waited for the other.
         assert_eq!((&b[0]["cached_tokens"], &b[1]["cached_tokens"]), (&0.into(), &0.into()), "{pp}x{tp}");
         let ran = [&p2[..], &said[..said.len() - 1]].concat();
-        let want = common(&p3, &ran).min(p3.len() - 1) / PAGE * PAGE;
-        let preamble_only = common(&p3, &p1) / PAGE * PAGE;
+        let want = common_prefix(&p3, &ran).min(p3.len() - 1) / PAGE * PAGE;
+        let preamble_only = common_prefix(&p3, &p1) / PAGE * PAGE;
         assert!(want > preamble_only + 4 * PAGE, "{pp}x{tp}: {want} against {preamble_only}");
         assert_eq!(b[2]["cached_tokens"], want, "{pp}x{tp}: the next turn's cached tokens");
     }
@@ -568,14 +556,8 @@ fn speculative_drafts_bring_the_tokens_decoded_without() {
         ["--prompts-file", path_str(&file), "--max-tokens", "48", "--max-batch", "3", "--step-tokens", "8"];
     let base: Vec<&str> = base.into_iter().chain(["--json", "--logprobs", "2"]).collect();
     for (pp, tp) in [(1, 1), (1, 2), (2, 1)] {
-        let (p, t) = (pp.to_string(), tp.to_string());
-        let run = |speculate: &str| {
-            let args: Vec<&str> =
-                base.iter().copied().chain(["--pp", &p, "--tp", &t, "--speculate", speculate]).collect();
-            let out = local(pp * tp, &dir, &args);
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            json_of(&out)
-        };
+        let run =
+            |speculate: &str| run_on(&dir, (pp, tp), &[&base[..], &["--speculate", speculate]].concat());
         let (plain, drafted) = (run("0"), run("4"));
         assert_eq!(plain["drafted_tokens"], 0);
         let (made, kept) =
