@@ -1271,6 +1271,19 @@ pub trait Avx512Load {}
 impl<T> Avx512Load for T {}
 
 #[cfg(target_arch = "x86_64")]
+/// Bytes of a thread's piece of a one-token product from which the AVX2 kernels (float and int8)
+/// read it in two streams, its first half beside its second; a shorter piece goes in one. Two
+/// streams from memory pay on long pieces and cost on short ones, whose streams each start anew. On
+/// the 2-core Zen 4 machine whose virtual CPUs show no AVX-512 (`gridlm bench`, the two ways step
+/// by step in one run): with two streams from 1 MiB on rather than for every piece, SmolLM2 bf16
+/// decoded 2.8–5.1% faster while the cores sat together and 5.4–8.5% apart (six runs), int8
+/// 4.9–7.4% (three); the llama-3.2-1b shape in bf16 and int8 (pieces of megabytes, the same streams
+/// but for the tails) and the qwen2-0.5b shape within 1% either way. One stream for every piece
+/// decoded SmolLM2 as fast as from 1 MiB on, but the llama-3.2-1b shape 0.7–7.2% slower (four runs,
+/// slowest apart); from 4 MiB on, SmolLM2 as from 1 MiB and the shape up to 2% slower; from 256 KiB
+/// on, SmolLM2 1.3–2.2% faster than two streams for every piece (together).
+pub const TWO_STREAMS_FROM: usize = 1 << 20;
+
 pub use avx2::{
     panel_q8_many as avx2_panel_q8_many, panel_rows as avx2_panel_rows, panels as avx2_panels,
     panels_many as avx2_panels_many, panels_q8 as avx2_panels_q8, Avx2Load,
@@ -1861,8 +1874,8 @@ mod avx2 {
     /// Consecutive packed panels (four rows each, chunks of [`BLOCK`] columns side by side)
     /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
     /// inside the last panel (the matrix's padding rows are not written). Each panel is read
-    /// once, with nothing between two panels but four sums, in two streams: the range's first
-    /// half beside its second.
+    /// once, with nothing between two panels but four sums: from [`super::TWO_STREAMS_FROM`]
+    /// bytes on in two streams, the range's first half beside its second, below that in one.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
@@ -1871,9 +1884,10 @@ mod avx2 {
         with_fetch!(fetch, panels_with::<T>(w, x, kb, out))
     }
 
-    /// [`panels`], prefetching as the [`Fetch`] of code `F` says. The range's first half and
-    /// its second are read side by side, a panel of each at a time (an odd last panel alone):
-    /// two streams from memory instead of one, each panel's sums the same bits. On the 2-core
+    /// [`panels`], prefetching as the [`Fetch`] of code `F` says. A long range's first half
+    /// and its second are read side by side, a panel of each at a time (an odd last panel
+    /// alone): two streams from memory instead of one, each panel's sums the same bits. On the
+    /// 2-core
     /// Zen 3 machine SmolLM2's layer and head products, one token in a loop, read at medians
     /// of 0.98–1.03 of a probe read beside them with two streams against 0.90–0.96 with one
     /// (three series of 30–40 interleaved rounds); two neighbouring panels at a time, one
@@ -1889,24 +1903,28 @@ mod avx2 {
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
         let xp = x.as_ptr();
         let panel = |p: usize| w.as_ptr().add(p * 4 * n);
-        let (pairs, last) = two_streams(out.len().div_ceil(4));
+        let (pairs, alone) = streams(out.len().div_ceil(4), std::mem::size_of_val(w));
         for (p, q) in pairs {
             let [a, b] = panel_sums::<T, F, 2>([panel(p), panel(q)], xp, n, kb);
             store_rows(a, panel_out(out, p));
             store_rows(b, panel_out(out, q));
         }
-        if let Some(p) = last {
+        for p in alone {
             let [s] = panel_sums::<T, F, 1>([panel(p)], xp, n, kb);
             store_rows(s, panel_out(out, p));
         }
     }
 
-    /// The panels `0..np` of a thread's range as the one-token kernels read them, in two
-    /// streams: pairs `(p, p + np / 2)`, the first half beside the second, then an odd last
-    /// panel alone.
-    pub(super) fn two_streams(np: usize) -> (impl Iterator<Item = (usize, usize)>, Option<usize>) {
-        let half = np / 2;
-        ((0..half).map(move |p| (p, p + half)), (np % 2 == 1).then(|| np - 1))
+    /// The panels `0..np` of a thread's range (`bytes` of weights) as the one-token kernels
+    /// read them: from [`super::TWO_STREAMS_FROM`] bytes on in two streams, pairs
+    /// `(p, p + np / 2)` (the first half beside the second) and then an odd last panel alone;
+    /// below that in one stream, every panel alone, in order.
+    pub(super) fn streams(
+        np: usize,
+        bytes: usize,
+    ) -> (impl Iterator<Item = (usize, usize)>, std::ops::Range<usize>) {
+        let half = if bytes >= super::TWO_STREAMS_FROM { np / 2 } else { 0 };
+        ((0..half).map(move |p| (p, p + half)), 2 * half..np)
     }
 
     /// Panel `p`'s rows of `out` (fewer than four where `out` ends inside it).
@@ -2156,10 +2174,10 @@ mod avx2 {
     /// 8–11.) Per group they are
     /// converted and scaled once, in the same order on every path, so the paths agree bit for
     /// bit. Two rows share one register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
-    /// `out` may end inside the last panel. The panels go in two streams, as the float
-    /// kernel's do ([`panels`]): on the 2-core Zen 3 machine the llama-3.2-1b shape's int8
-    /// decode read at 0.91–0.97 of the bandwidth with them against 0.84–0.87 with one
-    /// (three interleaved pairs), where bf16 reads at ~0.9–1.0.
+    /// `out` may end inside the last panel. A long range's panels go in two streams, as the
+    /// float kernel's do ([`panels`], [`super::TWO_STREAMS_FROM`]): on the 2-core Zen 3 machine
+    /// the llama-3.2-1b shape's int8 decode read at 0.91–0.97 of the bandwidth with them
+    /// against 0.84–0.87 with one (three interleaved pairs), where bf16 reads at ~0.9–1.0.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c, and what `path` names; every |q| ≤
@@ -2217,14 +2235,14 @@ mod avx2 {
                 let kc = n / BLOCK;
                 let panel = |p: usize| w.as_ptr().add(p * 4 * n);
                 let rs = |p: usize| _mm_loadu_ps(row_scales.as_ptr().add(4 * p));
-                // Two streams, as in the float kernel ([`panels_with`]).
-                let (pairs, last) = two_streams(out.len().div_ceil(4));
+                // One stream or two, as in the float kernel ([`panels_with`]).
+                let (pairs, alone) = streams(out.len().div_ceil(4), w.len());
                 for (p, o) in pairs {
                     let [a, b] = sums::<F, 2>([panel(p), panel(o)], q.as_ptr(), s, kc);
                     store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
                     store_rows(finish_q8(b.0, b.1, rs(o)), panel_out(out, o));
                 }
-                if let Some(p) = last {
+                for p in alone {
                     let [a] = sums::<F, 1>([panel(p)], q.as_ptr(), s, kc);
                     store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
                 }

@@ -1170,6 +1170,48 @@ mod tests {
         }
     }
 
+    /// A thread's first piece of a one-token product long enough for two streams
+    /// ([`dot::TWO_STREAMS_FROM`]) and its later, shorter ones in one give the sums the reference
+    /// gives, and the same bits as the many-token kernels, on every path and weight type. One
+    /// thread takes the whole matrix in halves of what it has left: 1200 rows of 2048 columns
+    /// make a first piece of 150 panels, 1.2 MiB of int8 and twice or four times that of the
+    /// 16- and 32-bit types, then pieces below 1 MiB.
+    #[test]
+    fn long_and_short_one_token_pieces_give_the_same_sums() {
+        let team = Team::new(1).unwrap();
+        let (rows, cols) = (1200, 2048);
+        assert!(rows / 2 * cols >= dot::TWO_STREAMS_FROM && rows / 4 * cols < dot::TWO_STREAMS_FROM);
+        let wf = rand_vec(rows * cols, 41);
+        let float = [DType::F32, DType::BF16, DType::F16].map(|d| (d, None));
+        for (dtype, quant) in float.into_iter().chain([(DType::F32, Some(Quant::Int8))]) {
+            let data = Data::F32(wf.clone()).cast(dtype);
+            let w = PackedMat::pack_as(&Mat { rows, cols, data: data.clone() }, quant);
+            let x = rand_vec(2 * cols, 13);
+            if quant.is_some() {
+                let want = |x: &[f32]| int8_reference(&w, x, 1);
+                assert_matmul_on_every_isa(&team, &w, &x[..cols], 1, &want, 1e-5, "int8");
+            } else {
+                let w64: Vec<f64> = data.to_f32_vec().iter().map(|&v| v as f64).collect();
+                let want = |x: &[f32]| naive_matmul(&w64, rows, cols, x, 1);
+                assert_matmul_on_every_isa(&team, &w, &x[..cols], 1, &want, 1e-6, &format!("{dtype:?}"));
+            }
+            for path in paths(quant.is_some()) {
+                let mut many = vec![0.0f32; 2 * rows];
+                on_path(path, || matmul(&team, &w, &x, 2, &mut many));
+                for t in 0..2 {
+                    let mut one = vec![0.0f32; rows];
+                    on_path(path, || matmul(&team, &w, &x[t * cols..(t + 1) * cols], 1, &mut one));
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&one),
+                        bits(&many[t * rows..(t + 1) * rows]),
+                        "{path:?} {dtype:?} {quant:?} token {t}"
+                    );
+                }
+            }
+        }
+    }
+
     /// A product of no tokens does nothing, on every path and weight type, from a team or
     /// inside a region (the batch kernels would otherwise index a last token that is not there).
     #[test]
