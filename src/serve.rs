@@ -852,7 +852,7 @@ struct Outcome {
 }
 
 /// What a request's completions took from the prefix cache (prompt tokens, counted once a
-/// prompt as [`Head::usage`] does) and drafted (tokens checked, and kept).
+/// prompt as `Head::usage` does) and drafted (tokens checked, and kept).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Counts {
     cached: usize,

@@ -133,8 +133,8 @@ pub struct Step {
 /// of the span's last `k + 1` positions (its real last token's and each draft's), in order; the
 /// driver keeps the drafts the model would have chosen itself and the token after the last of
 /// them. A row's choice is the one its position gets decoded alone: a sampled row draws with
-/// the noise of its token's number ([`SlotState`]), and a penalized row counts the drafts
-/// before it among the sequence's tokens ([`Engine::pick`]).
+/// the noise of its token's number (`SlotState`), and a penalized row counts the drafts
+/// before it among the sequence's tokens (`Engine::pick`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Drafted {
     /// Its span: an index into the step's spans.

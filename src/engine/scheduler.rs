@@ -12,7 +12,7 @@
 //! (prompt + `max_tokens`, within the context); otherwise it waits for a finishing sequence to
 //! return pages. A request that could never fit gets its own error; the others run on.
 //!
-//! The whole pages a sequence has written stay cached after it ends ([`PrefixCache`]), so a
+//! The whole pages a sequence has written stay cached after it ends (`PrefixCache`), so a
 //! prompt beginning with the same tokens starts where they end and runs only the rest.
 
 use super::prefix::{PrefixCache, ROOT};
@@ -73,7 +73,7 @@ pub struct RunOptions {
     /// work, and each side's token times count its own steps only, as if it had run alone.
     pub sides: Option<usize>,
     /// Keep the KV pages of ended sequences' prompts and tokens for prompts that begin with
-    /// the same tokens ([`PrefixCache`]). Never with `sides` nor for a model with windowed
+    /// the same tokens (`PrefixCache`). Never with `sides` nor for a model with windowed
     /// layers (their keys live in per-slot rings); a request scoring its prompt runs all of it.
     pub prefix_cache: bool,
     /// Speculative decoding by prompt lookup: at most this many draft tokens a step for each
