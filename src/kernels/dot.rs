@@ -1270,7 +1270,6 @@ pub trait Avx512Load {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> Avx512Load for T {}
 
-#[cfg(target_arch = "x86_64")]
 /// Bytes of a thread's piece of a one-token product from which the AVX2 float kernels and the int8
 /// ones (one loop for `maddubs`, AVX-VNNI and AVX512-VNNI) read it in two streams, its first half
 /// beside its second; a shorter piece goes in one. Two streams from memory pay on long pieces and
@@ -1286,6 +1285,7 @@ impl<T> Avx512Load for T {}
 /// with AVX-512), nor on Zen 3.
 pub const TWO_STREAMS_FROM: usize = 1 << 20;
 
+#[cfg(target_arch = "x86_64")]
 pub use avx2::{
     panel_q8_many as avx2_panel_q8_many, panel_rows as avx2_panel_rows, panels as avx2_panels,
     panels_many as avx2_panels_many, panels_q8 as avx2_panels_q8, Avx2Load,
@@ -1886,18 +1886,17 @@ mod avx2 {
         with_fetch!(fetch, panels_with::<T>(w, x, kb, out))
     }
 
-    /// [`panels`], prefetching as the [`Fetch`] of code `F` says. A long range's first half
-    /// and its second are read side by side, a panel of each at a time (an odd last panel
-    /// alone): two streams from memory instead of one, each panel's sums the same bits. On the
-    /// 2-core
-    /// Zen 3 machine SmolLM2's layer and head products, one token in a loop, read at medians
-    /// of 0.98–1.03 of a probe read beside them with two streams against 0.90–0.96 with one
-    /// (three series of 30–40 interleaved rounds); two neighbouring panels at a time, one
-    /// stream read by two pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901
-    /// of the bandwidth against 0.832–0.871 (four interleaved pairs), less in the step than in
-    /// the loop; with the cores' placement changing between runs, pairs fell either way.
-    /// The hardware's prefetch alone ([`Fetch::None`]) gains most (0.78–0.82 → ~0.92 in the
-    /// loop), so the start-up pick now and then takes it over `Near` (~0.96).
+    /// [`panels`], prefetching as the [`Fetch`] of code `F` says. A long range's first half and its
+    /// second are read side by side, a panel of each at a time (an odd last panel alone): two
+    /// streams from memory instead of one, each panel's sums the same bits. On the 2-core Zen 3
+    /// machine SmolLM2's layer and head products, one token in a loop, read at medians of 0.98–1.03
+    /// of a probe read beside them with two streams against 0.90–0.96 with one (three series of
+    /// 30–40 interleaved rounds); two neighbouring panels at a time, one stream read by two
+    /// pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901 of the bandwidth
+    /// against 0.832–0.871 (four interleaved pairs), less in the step than in the loop; with the
+    /// cores' placement changing between runs, pairs fell either way. The hardware's prefetch alone
+    /// ([`Fetch::None`]) gains most (0.78–0.82 → ~0.92 in the loop), so the start-up pick now and
+    /// then takes it over `Near` (~0.96).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn panels_with<T: Avx2Load, const F: u8>(w: &[T], x: &[f32], kb: usize, out: &mut [f32]) {
         let n = x.len();
