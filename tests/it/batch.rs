@@ -50,9 +50,16 @@ fn ids(v: &Value) -> Vec<u32> {
     v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
-/// One line of a prompts file: `text` as its prompt, then `settings` (each `,"key":value`).
-fn prompt_line(text: &str, settings: &str) -> String {
-    format!("{{\"prompt\":{}{settings}}}", serde_json::json!(text))
+/// Writes a prompts file to `file`, a line per `(text, settings)`: `text` as its prompt, then
+/// `settings` (each `,"key":value`).
+fn write_prompts<S: AsRef<str>, T: AsRef<str>>(file: &Path, prompts: impl IntoIterator<Item = (S, T)>) {
+    let lines: Vec<String> = prompts
+        .into_iter()
+        .map(|(text, settings)| {
+            format!("{{\"prompt\":{}{}}}", serde_json::json!(text.as_ref()), settings.as_ref())
+        })
+        .collect();
+    std::fs::write(file, lines.join("\n")).unwrap();
 }
 
 /// `generate` with `args` (`--json` among them) on a grid of `pp` stages × `tp` ranks: its
@@ -131,9 +138,8 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
 
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
-    let mut lines: Vec<String> = TEXTS.iter().map(|t| prompt_line(t, "")).collect();
-    lines.extend(SAMPLED.iter().map(|(p, s)| prompt_line(p, &format!(",{s}"))));
-    std::fs::write(&file, lines.join("\n")).unwrap();
+    let sampled = SAMPLED.iter().map(|(p, s)| (*p, format!(",{s}")));
+    write_prompts(&file, TEXTS.iter().map(|t| (*t, String::new())).chain(sampled));
     let base = [
         "--prompts-file",
         path_str(&file),
@@ -355,8 +361,7 @@ fn cached_prefixes_bring_the_tokens_of_whole_prompts() {
     let settings = ["", "", "", r#","temperature":0.8,"repetition_penalty":1.3,"seed":5"#, ""];
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
-    let lines: Vec<String> = texts.iter().zip(settings).map(|(t, s)| prompt_line(t, s)).collect();
-    std::fs::write(&file, lines.join("\n")).unwrap();
+    write_prompts(&file, texts.iter().zip(settings));
     let base = ["--prompts-file", path_str(&file), "--max-tokens", "24", "--ignore-eos", "--max-batch", "1"];
     let base: Vec<&str> = base.into_iter().chain(["--step-tokens", "8", "--json"]).collect();
     let run = |grid: (usize, usize), extra: &[&str]| {
@@ -442,8 +447,7 @@ fn prompts_arriving_together_after_one_preamble_run_it_once() {
     ];
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
-    let lines: Vec<String> = texts.iter().map(|t| prompt_line(t, "")).collect();
-    std::fs::write(&file, lines.join("\n")).unwrap();
+    write_prompts(&file, texts.iter().map(|t| (t, "")));
     let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
     // The bakery prompt shares a page or two with the first: a small part of it.
     let opening = common_prefix(&prompts[1], &prompts[0]) / PAGE;
@@ -492,10 +496,7 @@ fn a_prompt_run_beside_the_same_preamble_caches_its_later_pages() {
     );
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
-    let write = |texts: &[&str]| {
-        let lines: Vec<String> = texts.iter().map(|t| prompt_line(t, "")).collect();
-        std::fs::write(&file, lines.join("\n")).unwrap();
-    };
+    let write = |texts: &[&str]| write_prompts(&file, texts.iter().map(|t| (t, "")));
     let base = ["--prompts-file", path_str(&file), "--max-tokens", "20", "--ignore-eos", "--max-batch", "2"];
     let base: Vec<&str> = base.into_iter().chain(["--json"]).collect();
     let run = |pp: usize, tp: usize, extra: &[&str]| run_on(&dir, (pp, tp), &[&base[..], extra].concat());
