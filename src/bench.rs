@@ -50,6 +50,10 @@ pub struct RankReport {
     pub baseline_many_prefetch: Option<String>,
     pub baseline_many_prefetch_by: Option<String>,
     pub baseline_many_prefetch_timings: Option<usize>,
+    /// With `--compare-prefetch`: the one-token way the baseline ran under, and what decided
+    /// it (`--compare-prefetch`; null otherwise).
+    pub baseline_prefetch: Option<String>,
+    pub baseline_prefetch_by: Option<String>,
     /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
     /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
     /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
@@ -96,8 +100,8 @@ pub struct BenchReport {
     /// the slowest rank's): one empty job to every thread and back
     /// ([`crate::kernels::limits::handoff_us`]).
     pub handoff_us: f64,
-    /// With `--compare-unquantized` or `--compare-batch`: what these runs were compared with,
-    /// run in turn with them.
+    /// With `--compare-unquantized`, `--compare-batch` or `--compare-prefetch`: what these runs
+    /// were compared with, run in turn with them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline: Option<Baseline>,
     pub ranks: Vec<RankReport>,
@@ -195,7 +199,8 @@ impl DecodeFigures {
 }
 
 /// What a bench's runs are compared with, run in turn with them on the same engine: the same
-/// weights unquantized (`--compare-unquantized`), or another batch size (`--compare-batch`).
+/// weights unquantized (`--compare-unquantized`), another batch size (`--compare-batch`), or
+/// another one-token prefetch way (`--compare-prefetch`).
 /// Every warm-up and rep runs both, one right after the other, so the two meet the same moments
 /// of a host whose bandwidth wanders, and their speeds compare without its drift between two
 /// separate runs of bench.
@@ -203,6 +208,9 @@ impl DecodeFigures {
 pub struct Baseline {
     pub weight_dtype: String,
     pub batch: usize,
+    /// With `--compare-prefetch`: the one-token prefetch way the baseline ran under (null
+    /// otherwise).
+    pub prefetch: Option<String>,
     #[serde(flatten)]
     pub decode: DecodeFigures,
     /// The compared runs' decode tokens/s over these (each the mean of its runs' rates).
@@ -244,6 +252,7 @@ impl Baseline {
         Baseline {
             weight_dtype,
             batch,
+            prefetch: None,
             alternated,
             speedup,
             speedup_by_rep: compared.runs.iter().zip(&decode.runs).map(|(c, b)| rate(c) / rate(b)).collect(),
@@ -653,10 +662,10 @@ impl BenchReport {
         }
         if let Some(u) = &self.baseline {
             let b = &u.decode;
-            let what = if u.batch != self.batch {
-                format!("batch {}", u.batch)
-            } else {
-                format!("{} weights", u.weight_dtype)
+            let what = match &u.prefetch {
+                Some(way) => format!("prefetch {way}"),
+                None if u.batch != self.batch => format!("batch {}", u.batch),
+                None => format!("{} weights", u.weight_dtype),
             };
             let each = |v: &mut dyn Iterator<Item = f64>, places: usize| {
                 v.map(|x| format!("{x:.places$}")).collect::<Vec<_>>().join(", ")
@@ -706,7 +715,7 @@ impl BenchReport {
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}), many tokens {} ({}){}; kernels {}{}\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}){}, many tokens {} ({}){}; kernels {}{}\n",
                 r.rank,
                 r.stage,
                 r.tp,
@@ -719,6 +728,10 @@ impl BenchReport {
                 r.sendrecv_ms,
                 r.prefetch,
                 by_timings(&r.prefetch_by, r.prefetch_timings),
+                match (&r.baseline_prefetch, &r.baseline_prefetch_by) {
+                    (Some(way), Some(by)) => format!(", the baseline's {way} ({by})"),
+                    _ => String::new(),
+                },
                 r.many_prefetch,
                 by_timings(&r.many_prefetch_by, r.many_prefetch_timings),
                 match (&r.baseline_many_prefetch, &r.baseline_many_prefetch_by, r.baseline_many_prefetch_timings) {

@@ -541,6 +541,13 @@ struct BenchArgs {
     /// and --batch's decode speed-up over it.
     #[arg(long, conflicts_with = "compare_unquantized")]
     compare_batch: Option<usize>,
+    /// Run one-token products prefetching this way (none, near, far, nta or page) in turn with
+    /// the way each rank took at start-up (timed, or named by GRIDLM_PREFETCH), step by step on
+    /// the same weights and batch; report both and the rank's own way's decode speed-up over
+    /// it. No way changes a result: both sides generate the same tokens. For decode of one
+    /// token a step (--batch 1, or as many micro-batches as sequences).
+    #[arg(long, value_parser = parse_fetch, conflicts_with_all = ["compare_unquantized", "compare_batch"])]
+    compare_prefetch: Option<Fetch>,
     #[command(flatten)]
     grid: GridArgs,
 }
@@ -588,6 +595,11 @@ struct ConvertArgs {
 
 fn parse_quant(s: &str) -> Result<Quant, String> {
     Quant::parse(s).ok_or_else(|| format!("unknown quantization `{s}` (expected int8)"))
+}
+
+fn parse_fetch(s: &str) -> Result<Fetch, String> {
+    let names = Fetch::ALL.map(Fetch::name).join(", ");
+    Fetch::parse(s).ok_or_else(|| format!("unknown prefetch way `{s}` (expected one of {names})"))
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -902,18 +914,23 @@ fn count_cpu_list(s: &str) -> Option<usize> {
         .sum()
 }
 
+/// The prefetch ways a bench's baseline ran under where they differ from the rank's own: the
+/// one-token way (`--compare-prefetch`) and the many-token way (`--compare-batch`).
+type BaselineWays = (Option<(Fetch, PrefetchBy)>, Option<(ManyFetch, PrefetchBy)>);
+
 /// Collective: every rank's memory and time figures, in world-rank order. `weight_rss` is the
 /// RSS growth while the rank loaded its shard; the current RSS is taken now. `profile` is where
 /// the rank's decode steps went: the engine's own since its last run began, or (bench with a
-/// baseline) since the last run of the side it reports on. `base_many`: the many-token way the
-/// baseline batch of `bench --compare-batch` ran under. `step_tokens`: the tokens of a decode
+/// baseline) since the last run of the side it reports on. `base_ways`: the one-token way the
+/// baseline of `bench --compare-prefetch` ran under, and the many-token way the baseline batch
+/// of `bench --compare-batch` ran under. `step_tokens`: the tokens of a decode
 /// step whose weight bytes each rank reports (more of a mixture's experts for more tokens).
 fn gather_rank_reports(
     link: &dyn Link,
     engine: &Engine,
     profile: StepProfile,
     weight_rss: usize,
-    base_many: Option<(ManyFetch, PrefetchBy)>,
+    (base_prefetch, base_many): BaselineWays,
     step_tokens: usize,
 ) -> Vec<RankReport> {
     let (grid, shard) = (engine.grid, &engine.shard);
@@ -922,7 +939,7 @@ fn gather_rank_reports(
     let allocs = profile.allocations_per_step().map_or(u64::MAX, f64::to_bits);
     // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL`, `Int8Path::ALL` and
     // `ManyFetch::ALL` (the order they are declared in; u64::MAX: weights not int8, or no
-    // baseline batch).
+    // baseline way).
     let (prefetch, many_prefetch) = (engine.prefetch(), engine.many_prefetch());
     let isa = dot::detect();
     let int8 = if shard.weight_dtype() == "int8" { dot::int8_path_for(isa) as u64 } else { u64::MAX };
@@ -948,6 +965,8 @@ fn gather_rank_reports(
         many_prefetch.1 as u64,
         base_many.map_or(u64::MAX, |m| m.0 as u64),
         base_many.map_or(u64::MAX, |m| m.1 as u64),
+        base_prefetch.map_or(u64::MAX, |p| p.0 as u64),
+        base_prefetch.map_or(u64::MAX, |p| p.1 as u64),
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -983,6 +1002,10 @@ fn gather_rank_reports(
             baseline_many_prefetch_by: (v[20] != u64::MAX)
                 .then(|| by(v[20]).map_or("?", |b| b.many_name()).to_string()),
             baseline_many_prefetch_timings: (v[20] != u64::MAX).then(|| by(v[20]).map_or(0, |b| b.timings())),
+            baseline_prefetch: (v[21] != u64::MAX)
+                .then(|| Fetch::ALL.get(v[21] as usize).map_or("?", |f| f.name()).to_string()),
+            baseline_prefetch_by: (v[22] != u64::MAX)
+                .then(|| by(v[22]).map_or("?", |b| b.name()).to_string()),
         })
         .collect()
 }
@@ -1235,7 +1258,7 @@ fn run_generate(
 
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
-        gather_rank_reports(link, &engine, engine.profile(), weight_rss, None, 1);
+        gather_rank_reports(link, &engine, engine.profile(), weight_rss, (None, None), 1);
         return agree(link, Ok(()));
     };
     let eos_ids = eos_ids(cfg_eos, &tok);
@@ -1271,8 +1294,14 @@ fn run_generate(
     });
     // Whatever happened, release the other ranks, then collect their memory figures.
     engine.finish(comm, link)?;
-    let ranks =
-        generate_rank_values(gather_rank_reports(link, &engine, engine.profile(), weight_rss, None, 1));
+    let ranks = generate_rank_values(gather_rank_reports(
+        link,
+        &engine,
+        engine.profile(),
+        weight_rss,
+        (None, None),
+        1,
+    ));
     // The driver's verdict on the run (a lone prompt's own error included) reaches every rank,
     // so each says the same line and ends alone rather than being aborted by the launcher.
     let verdict = match &run {
@@ -1663,6 +1692,16 @@ fn run_bench(
         };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
+        let micro = a.overlap.micro_batches(grid.pp).min(a.work.batch);
+        if let Some(way) = a.compare_prefetch.filter(|_| a.work.batch.div_ceil(micro) > 1) {
+            return Err(gridlm::Error::Input(format!(
+                "--compare-prefetch {}: --batch {} decodes {} tokens a step, through the many-token kernels, which the one-token prefetch does not touch; use --batch 1 (or --micro-batches {})",
+                way.name(),
+                a.work.batch,
+                a.work.batch.div_ceil(micro),
+                a.work.batch
+            )));
+        }
         // Every sequence must decode all its new tokens, or the figures would count tokens
         // that were never made.
         let positions = a.work.prompt_len + a.work.new_tokens;
@@ -1710,6 +1749,9 @@ fn run_bench(
         engine.set_many_prefetch(main_many);
         picked
     });
+    // `--compare-prefetch`: the one-token way the baseline runs under, beside the rank's own.
+    let main_prefetch = engine.prefetch();
+    let base_prefetch = a.compare_prefetch.map(|way| (way, PrefetchBy::Compared));
     // `--compare-unquantized`: the same layers unquantized, loaded beside the quantized ones
     // and run in turn with them on the same kernel threads (see the run schedule below).
     let mut spare = None;
@@ -1814,7 +1856,7 @@ fn run_bench(
     // machine int8 against bf16 came out at 1.47x where the same runs at the same reads gave
     // 1.90x). Micro-batches of a pipeline keep whole runs in turn: each side's steps overlap
     // with its own.
-    let comparing = spare.is_some() || a.compare_batch.is_some();
+    let comparing = spare.is_some() || a.compare_batch.is_some() || base_prefetch.is_some();
     let stepwise = comparing && micro(a.work.batch) == 1 && micro(base_batch) == 1;
     // Step by step, the one run of both: the main side's requests, then the baseline's.
     let both = stepwise.then(|| {
@@ -1836,9 +1878,10 @@ fn run_bench(
     if stepwise {
         // The engine holds the baseline's weights or many-token way beside its own, and each
         // step says whose it runs on.
-        let other = match spare.take() {
-            Some(spare) => gridlm::engine::OtherSide::Weights(Box::new(spare)),
-            None => gridlm::engine::OtherSide::ManyPrefetch(base_many.unwrap_or(main_many)),
+        let other = match (spare.take(), base_prefetch) {
+            (Some(spare), _) => gridlm::engine::OtherSide::Weights(Box::new(spare)),
+            (None, Some(way)) => gridlm::engine::OtherSide::Prefetch(way),
+            (None, None) => gridlm::engine::OtherSide::ManyPrefetch(base_many.unwrap_or(main_many)),
         };
         engine.set_other_side(Some(other));
     }
@@ -1882,6 +1925,9 @@ fn run_bench(
         if let Some(base_many) = base_many.filter(|_| !stepwise) {
             engine.set_many_prefetch(if side == Side::Main { main_many } else { base_many });
         }
+        if let Some(base_prefetch) = base_prefetch.filter(|_| !stepwise) {
+            engine.set_prefetch(if side == Side::Main { main_prefetch } else { base_prefetch });
+        }
         if n == a.warmup * sides(0).len() {
             read_around(&engine);
         }
@@ -1895,9 +1941,13 @@ fn run_bench(
                     Run::Rep(k) => format!("rep {}/{}", k + 1, a.reps),
                 };
                 let other = if side == Side::Main { Side::Baseline } else { Side::Main };
-                let name = |side: Side| match &spare_dtypes {
-                    Some(d) => d[side as usize].clone(),
-                    None => format!("batch {}", work[side as usize].0.len()),
+                let name = |side: Side| match (&spare_dtypes, base_prefetch) {
+                    (Some(d), _) => d[side as usize].clone(),
+                    (None, Some(base)) => {
+                        let way = if side == Side::Main { main_prefetch.0 } else { base.0 };
+                        format!("prefetch {}", way.name())
+                    }
+                    (None, None) => format!("batch {}", work[side as usize].0.len()),
                 };
                 if stepwise {
                     label += &format!(" ({}, step by step with {})", name(side), name(other));
@@ -1977,6 +2027,7 @@ fn run_bench(
         engine.swap_weights(spare);
     }
     engine.set_many_prefetch(main_many);
+    engine.set_prefetch(main_prefetch);
     let after = limits(&engine);
     // The resident memory reported below is the engine's, without the probe's buffer.
     engine.set_reader(None);
@@ -2048,7 +2099,8 @@ fn run_bench(
         (shard.weight_dtype().to_string(), all.iter().sum::<u64>())
     });
     drop(spare.take());
-    let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_many, tokens_per_step);
+    let base_ways = (base_prefetch, base_many);
+    let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_ways, tokens_per_step);
     if !driver {
         return Ok(());
     }
@@ -2075,13 +2127,14 @@ fn run_bench(
         let (weight_dtype, bytes_per_step) = base_weights.unwrap_or_default();
         let weight_bytes_per_token = bytes_per_step * micro(base_batch) as u64 / base_batch as u64;
         let alternated = if stepwise { Alternated::Steps } else { Alternated::Runs };
-        Baseline::new(
+        let decode = Baseline::new(
             weight_dtype,
             base_batch,
             figures(Side::Baseline, weight_bytes_per_token),
             &decode,
             alternated,
-        )
+        );
+        Baseline { prefetch: base_prefetch.map(|way| way.0.name().to_string()), ..decode }
     });
     let report = BenchReport {
         model: match (&a.model, &a.shape) {

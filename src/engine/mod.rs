@@ -424,6 +424,9 @@ pub enum OtherSide {
     Weights(Box<SpareWeights>),
     /// The engine's own weights under another many-token way.
     ManyPrefetch((kernels::ManyFetch, PrefetchBy)),
+    /// The engine's own weights under another one-token way (`gridlm bench
+    /// --compare-prefetch`).
+    Prefetch((kernels::Fetch, PrefetchBy)),
 }
 
 /// Weights held aside with the prefetch ways chosen for them ([`Engine::spare_weights`]), to
@@ -462,11 +465,18 @@ pub enum PrefetchBy {
     /// As [`PrefetchBy::Timed`], in two timings: the first would have left `page` (`whole`)
     /// and the second decided. Named `timed` too; [`PrefetchBy::timings`] tells them apart.
     TimedTwice,
+    /// `gridlm bench --compare-prefetch` named it, for the baseline of a comparison.
+    Compared,
 }
 
 impl PrefetchBy {
-    pub const ALL: [PrefetchBy; 4] =
-        [PrefetchBy::Env, PrefetchBy::Timed, PrefetchBy::Default, PrefetchBy::TimedTwice];
+    pub const ALL: [PrefetchBy; 5] = [
+        PrefetchBy::Env,
+        PrefetchBy::Timed,
+        PrefetchBy::Default,
+        PrefetchBy::TimedTwice,
+        PrefetchBy::Compared,
+    ];
 
     /// What decided by a pick that took `timings` timings ([`kernels::Picked::timings`]).
     fn timed(timings: usize) -> PrefetchBy {
@@ -482,6 +492,7 @@ impl PrefetchBy {
             PrefetchBy::Env => "GRIDLM_PREFETCH",
             PrefetchBy::Timed | PrefetchBy::TimedTwice => "timed",
             PrefetchBy::Default => "default",
+            PrefetchBy::Compared => "--compare-prefetch",
         }
     }
 
@@ -489,7 +500,7 @@ impl PrefetchBy {
     /// it was not timed), else 1 or 2.
     pub fn timings(self) -> usize {
         match self {
-            PrefetchBy::Env | PrefetchBy::Default => 0,
+            PrefetchBy::Env | PrefetchBy::Default | PrefetchBy::Compared => 0,
             PrefetchBy::Timed => 1,
             PrefetchBy::TimedTwice => 2,
         }
@@ -696,6 +707,13 @@ impl Engine {
         self.many_prefetch = timed_many_prefetch(&self.shard, &self.team, tokens, self.many_prefetch);
     }
 
+    /// Makes `way` this rank's one-token prefetch (and the process's): `gridlm bench
+    /// --compare-prefetch` runs its baseline under the way it names.
+    pub fn set_prefetch(&mut self, way: (kernels::Fetch, PrefetchBy)) {
+        self.prefetch = way;
+        kernels::dot::set_fetch(way.0);
+    }
+
     /// Makes `way` this rank's many-token prefetch (and the process's), as a pick of
     /// [`Engine::pick_many_prefetch`] returned by [`Engine::many_prefetch`] left it: `gridlm
     /// bench --compare-batch` runs each batch size under the way picked for its own steps.
@@ -721,7 +739,7 @@ impl Engine {
         }
         let prefetch = choose_prefetch(&shard, &self.team)?;
         let many_prefetch = timed_many_prefetch(&shard, &self.team, tokens, many_prefetch_from_env()?);
-        self.set_prefetch();
+        self.apply_prefetch();
         Ok(SpareWeights { shard, prefetch, many_prefetch })
     }
 
@@ -732,7 +750,7 @@ impl Engine {
         std::mem::swap(&mut self.shard, &mut spare.shard);
         std::mem::swap(&mut self.prefetch, &mut spare.prefetch);
         std::mem::swap(&mut self.many_prefetch, &mut spare.many_prefetch);
-        self.set_prefetch();
+        self.apply_prefetch();
     }
 
     /// What steps of side 1 run on from now on ([`Step::side`]); returns the one before. The
@@ -757,7 +775,7 @@ impl Engine {
         Ok(())
     }
 
-    /// Swaps the engine's weights or many-token way with its other side's (see [`OtherSide`]).
+    /// Swaps the engine's weights or prefetch way with its other side's (see [`OtherSide`]).
     fn swap_sides(&mut self) {
         let Some(mut other) = self.other.take() else { return };
         match &mut other {
@@ -766,13 +784,17 @@ impl Engine {
                 let way = std::mem::replace(many, self.many_prefetch);
                 self.set_many_prefetch(way);
             }
+            OtherSide::Prefetch(one) => {
+                let way = std::mem::replace(one, self.prefetch);
+                self.set_prefetch(way);
+            }
         }
         self.other = Some(other);
         self.side = 1 - self.side;
     }
 
     /// Sets this engine's prefetch ways for the process (they are read by the kernels).
-    fn set_prefetch(&self) {
+    fn apply_prefetch(&self) {
         kernels::dot::set_fetch(self.prefetch.0);
         kernels::dot::set_many_fetch(self.many_prefetch.0);
     }

@@ -319,6 +319,15 @@ fn bad_command_lines() {
     let batch = ["bench", "--shape", "smollm2-135m", "--batch", "2", "--compare-batch"];
     assert_one_line_error(&gridlm(&[&batch[..], &["2"]].concat()), &["--compare-batch 2 is --batch"]);
     assert_one_line_error(&gridlm(&[&batch[..], &["0"]].concat()), &["--compare-batch must be at least 1"]);
+    // A one-token prefetch way: named from the list, and compared only where one token a step
+    // runs through the one-token products.
+    let prefetch = ["bench", "--shape", "smollm2-135m", "--compare-prefetch"];
+    assert_one_line_error(
+        &gridlm(&[&prefetch[..], &["fast"]].concat()),
+        &["`fast`", "none, near, far, nta, page"],
+    );
+    let batch_of_2 = [&prefetch[..], &["nta", "--batch", "2"]].concat();
+    assert_one_line_error(&gridlm(&batch_of_2), &["--compare-prefetch nta: --batch 2", "--batch 1"]);
     // A count below its least: the option named, with what it got.
     let shape = ["bench", "--shape", "smollm2-135m"];
     for (option, value, least) in

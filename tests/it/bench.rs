@@ -421,6 +421,66 @@ fn bench_compares_a_batch_with_another_in_turn() {
     assert_many_prefetch(rank, "baseline_many_prefetch", 1);
 }
 
+/// `--compare-prefetch`: the one-token products under another prefetch way, step by step with
+/// the rank's own on the same weights and batch. No way changes a result, so both sides give
+/// the same tokens; every rank reports both ways, on one rank and on two of a stage (tp);
+/// a batch decoded many tokens a step, which the one-token way does not touch, is refused.
+#[test]
+fn bench_compares_one_token_prefetch_ways_step_by_step() {
+    let (_t, dir) = tiny_llama();
+    let mut cmd = std::process::Command::new(bin());
+    // The rank's own way named, so the labels are known.
+    cmd.env("GRIDLM_PREFETCH", "near").args(["bench", "--shape", "smollm2-135m"]);
+    cmd.args(["--compare-prefetch", "none", "--prompt-len", "8", "--new-tokens", "4"]);
+    cmd.args(["--warmup", "0", "--reps", "2", "--bandwidth-mib", "64", "--json"]);
+    let (j, stderr) = bench_one_rank(cmd);
+    let b = &j["baseline"];
+    assert_eq!((&b["prefetch"], &b["batch"], &b["alternated"]), (&"none".into(), &1.into(), &"steps".into()));
+    assert_eq!(b["tokens_digest"], j["tokens_digest"], "{j}");
+    assert!(!j["tokens_digest"].is_null(), "{j}");
+    let rank = &j["ranks"][0];
+    assert_eq!((&rank["prefetch"], &rank["prefetch_by"]), (&"near".into(), &"GRIDLM_PREFETCH".into()));
+    let base = (&rank["baseline_prefetch"], &rank["baseline_prefetch_by"]);
+    assert_eq!(base, (&"none".into(), &"--compare-prefetch".into()), "{rank}");
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    let tps = "decode_tokens_per_s";
+    assert!((f(b, "speedup") / (f(&j, tps) / f(b, tps)) - 1.0).abs() < 1e-9, "{b}");
+    // The same weights: the same bytes a token on both sides.
+    assert_eq!(b["weight_bytes_per_token"], j["weight_bytes_per_token"], "{j}");
+    let labels = progress_labels(&stderr);
+    let expected = [
+        "rep 1/2 (prefetch near, step by step with prefetch none)",
+        "rep 1/2 (prefetch none, step by step with prefetch near)",
+        "rep 2/2 (prefetch near, step by step with prefetch none)",
+        "rep 2/2 (prefetch none, step by step with prefetch near)",
+    ];
+    assert_eq!(labels, expected, "{stderr}");
+    // Without a comparison there is no baseline's way.
+    assert!(["baseline_prefetch", "baseline_prefetch_by"].iter().all(|k| {
+        let mut cmd = std::process::Command::new(bin());
+        cmd.args(["bench", "--model", path_str(&dir), "--prompt-len", "4", "--new-tokens", "2"]);
+        cmd.args(["--warmup", "0", "--reps", "1", "--bandwidth-mib", "32", "--json"]);
+        bench_one_rank(cmd).0["ranks"][0][k].is_null()
+    }));
+    // Two ranks of a stage: each reports its own way and the baseline's, one table row says
+    // what the baseline ran under.
+    std::env::set_var("GRIDLM_BIN", bin());
+    let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
+    cmd.args(["bench", "--model", path_str(&dir), "--tp", "2", "--threads", "1", "--prompt-len", "5"]);
+    cmd.args(["--new-tokens", "4", "--warmup", "0", "--reps", "1", "--bandwidth-mib", "32"]);
+    cmd.args(["--compare-prefetch", "far"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 120);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("baseline: prefetch far"), "{table}");
+    assert_eq!(table.matches("the baseline's far (--compare-prefetch)").count(), 2, "{table}");
+    // The digests of both sides, in the table: the same.
+    let digests: Vec<&str> =
+        table.lines().filter_map(|l| l.split("digest ").nth(1)?.split(' ').next()).collect();
+    assert_eq!(digests.len(), 2, "{table}");
+    assert_eq!(digests[0], digests[1], "{table}");
+}
+
 /// A comparison run step by step gives each side the tokens that side gives run alone, on one
 /// rank and on grids: under tensor parallelism every rank of the stage must switch to the step's
 /// side (a rank left on the other weights would add int8 partial sums to unquantized ones), and

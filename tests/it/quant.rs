@@ -137,24 +137,37 @@ fn two_sides_step_by_step_compute_as_each_alone() {
 }
 
 /// Side by side on the engine's own weights under another many-token way (`bench
-/// --compare-batch`): the engine holds the way of the side whose step ran last, and hands the
-/// other side's back when the other side is taken away.
+/// --compare-batch`) or one-token way (`bench --compare-prefetch`): the engine holds the way of
+/// the side whose step ran last, and hands the other side's back when the other side is taken
+/// away. (The process's way, which the kernels read, is not checked here: the tests of this
+/// process set it at once.)
 #[test]
-fn two_sides_step_by_step_swap_the_many_token_way() {
-    use gridlm::engine::{OtherSide, PrefetchBy, RunOptions};
-    use gridlm::kernels::ManyFetch;
+fn two_sides_step_by_step_swap_the_prefetch_ways() {
+    use gridlm::engine::{OtherSide, PrefetchBy};
+    use gridlm::kernels::{Fetch, ManyFetch};
     let (_t, dir) = tiny_llama();
     let mut engine = local_engine(&dir, None);
     let own = engine.many_prefetch();
     let theirs = (if own.0 == ManyFetch::Nta { ManyFetch::L2 } else { ManyFetch::Nta }, PrefetchBy::Env);
-    assert!(engine.set_other_side(Some(OtherSide::ManyPrefetch(theirs))).is_none());
-    let request = greedy_request(vec![1, 5, 9], 3, false);
-    let opts = RunOptions { max_batch: 2, sides: Some(1), ..RunOptions::default() };
-    let done = engine.run(&[request.clone(), request], &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
-    // The same weights: the same tokens on both sides.
-    assert_eq!(done[0].token_ids, done[1].token_ids);
     // Side 1's step ran last.
+    run_both_sides(&mut engine, OtherSide::ManyPrefetch(theirs));
     assert_eq!(engine.many_prefetch(), theirs);
     let Some(OtherSide::ManyPrefetch(back)) = engine.set_other_side(None) else { panic!("no way back") };
     assert_eq!((engine.many_prefetch(), back), (own, theirs));
+    let own = engine.prefetch();
+    let theirs = (if own.0 == Fetch::Nta { Fetch::Far } else { Fetch::Nta }, PrefetchBy::Compared);
+    run_both_sides(&mut engine, OtherSide::Prefetch(theirs));
+    assert_eq!(engine.prefetch(), theirs);
+    let Some(OtherSide::Prefetch(back)) = engine.set_other_side(None) else { panic!("no way back") };
+    assert_eq!((engine.prefetch(), back), (own, theirs));
+}
+
+/// One prompt run on each side of `engine`, side 1 on `other`, step by step: on the same
+/// weights, the same tokens on both sides.
+fn run_both_sides(engine: &mut gridlm::engine::Engine, other: gridlm::engine::OtherSide) {
+    assert!(engine.set_other_side(Some(other)).is_none());
+    let request = greedy_request(vec![1, 5, 9], 3, false);
+    let opts = gridlm::engine::RunOptions { max_batch: 2, sides: Some(1), ..Default::default() };
+    let done = engine.run(&[request.clone(), request], &opts, &Single, &Single, |_, _| Ok(true)).unwrap();
+    assert_eq!(done[0].token_ids, done[1].token_ids);
 }
