@@ -923,8 +923,8 @@ type BaselineWays = (Option<(Fetch, PrefetchBy)>, Option<(ManyFetch, PrefetchBy)
 /// the rank's decode steps went: the engine's own since its last run began, or (bench with a
 /// baseline) since the last run of the side it reports on. `base_ways`: the one-token way the
 /// baseline of `bench --compare-prefetch` ran under, and the many-token way the baseline batch
-/// of `bench --compare-batch` ran under. `step_tokens`: the tokens of a decode
-/// step whose weight bytes each rank reports (more of a mixture's experts for more tokens).
+/// of `bench --compare-batch` ran under. `step_tokens`: the tokens of a decode step whose
+/// weight bytes each rank reports (more of a mixture's experts for more tokens).
 fn gather_rank_reports(
     link: &dyn Link,
     engine: &Engine,
@@ -1876,7 +1876,7 @@ fn run_bench(
         .as_ref()
         .map(|s| [engine.shard.weight_dtype().to_string(), s.shard().weight_dtype().to_string()]);
     if stepwise {
-        // The engine holds the baseline's weights or many-token way beside its own, and each
+        // The engine holds the baseline's weights or prefetch way beside its own, and each
         // step says whose it runs on.
         let other = match (spare.take(), base_prefetch) {
             (Some(spare), _) => gridlm::engine::OtherSide::Weights(Box::new(spare)),
