@@ -546,7 +546,8 @@ struct BenchArgs {
     /// the same weights and batch; report both and the rank's own way's decode speed-up over
     /// it. No way changes a result: both sides generate the same tokens. For decode of one
     /// token a step (--batch 1, or as many micro-batches as sequences).
-    #[arg(long, value_parser = parse_fetch, conflicts_with_all = ["compare_unquantized", "compare_batch"])]
+    #[arg(long, value_name = "WAY", value_parser = parse_fetch,
+          conflicts_with_all = ["compare_unquantized", "compare_batch"])]
     compare_prefetch: Option<Fetch>,
     #[command(flatten)]
     grid: GridArgs,
