@@ -1678,6 +1678,11 @@ fn run_bench(
     link: &dyn Link,
 ) -> Result<()> {
     let threads = a.engine.threads();
+    // Micro-batches of a run of `batch` sequences, and whether their steps overlap.
+    let micro = |batch: usize| a.overlap.micro_batches(grid.pp).min(batch);
+    let overlapped = |batch: usize| micro(batch) > 1 && !a.overlap.no_overlap;
+    let micro_batches = micro(a.work.batch);
+    let tokens_per_step = a.work.batch.div_ceil(micro_batches);
     let setup = (|| -> gridlm::Result<_> {
         if a.model.is_some() && a.shape_layers.is_some() {
             let msg = "--shape-layers needs --shape (it cuts a named shape; a --model folder is read whole)";
@@ -1693,13 +1698,12 @@ fn run_bench(
         };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
-        let micro = a.overlap.micro_batches(grid.pp).min(a.work.batch);
-        if let Some(way) = a.compare_prefetch.filter(|_| a.work.batch.div_ceil(micro) > 1) {
+        if let Some(way) = a.compare_prefetch.filter(|_| tokens_per_step > 1) {
             return Err(gridlm::Error::Input(format!(
                 "--compare-prefetch {}: --batch {} decodes {} tokens a step, through the many-token kernels, which the one-token prefetch does not touch; use --batch 1 (or --micro-batches {})",
                 way.name(),
                 a.work.batch,
-                a.work.batch.div_ceil(micro),
+                tokens_per_step,
                 a.work.batch
             )));
         }
@@ -1731,11 +1735,6 @@ fn run_bench(
     a.engine.warn_if_oversubscribed();
     let weight_rss = host::rss_bytes().saturating_sub(rss_before);
     engine.share_sizes(link);
-    // Micro-batches of a run of `batch` sequences, and whether their steps overlap.
-    let micro = |batch: usize| a.overlap.micro_batches(grid.pp).min(batch);
-    let overlapped = |batch: usize| micro(batch) > 1 && !a.overlap.no_overlap;
-    let micro_batches = micro(a.work.batch);
-    let tokens_per_step = a.work.batch.div_ceil(micro_batches);
     let unpicked = engine.many_prefetch();
     engine.pick_many_prefetch(tokens_per_step);
     // The baseline's batch size (`--compare-batch`), else the same.
