@@ -456,12 +456,11 @@ fn bench_compares_one_token_prefetch_ways_step_by_step() {
     ];
     assert_eq!(labels, expected, "{stderr}");
     // Without a comparison there is no baseline's way.
-    assert!(["baseline_prefetch", "baseline_prefetch_by"].iter().all(|k| {
-        let mut cmd = std::process::Command::new(bin());
-        cmd.args(["bench", "--model", path_str(&dir), "--prompt-len", "4", "--new-tokens", "2"]);
-        cmd.args(["--warmup", "0", "--reps", "1", "--bandwidth-mib", "32", "--json"]);
-        bench_one_rank(cmd).0["ranks"][0][k].is_null()
-    }));
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(["bench", "--model", path_str(&dir), "--prompt-len", "4", "--new-tokens", "2"]);
+    cmd.args(["--warmup", "0", "--reps", "1", "--bandwidth-mib", "32", "--json"]);
+    let rank = &bench_one_rank(cmd).0["ranks"][0];
+    assert!(["baseline_prefetch", "baseline_prefetch_by"].iter().all(|k| rank[k].is_null()), "{rank}");
     // Two ranks of a stage: each reports its own way and the baseline's, one table row says
     // what the baseline ran under.
     std::env::set_var("GRIDLM_BIN", bin());
