@@ -2237,7 +2237,7 @@ mod avx2 {
                 let panel = |p: usize| w.as_ptr().add(p * 4 * n);
                 let rs = |p: usize| _mm_loadu_ps(row_scales.as_ptr().add(4 * p));
                 // One stream or two, as in the float kernel ([`panels_with`]).
-                let (pairs, alone) = streams(out.len().div_ceil(4), w.len());
+                let (pairs, alone) = streams(out.len().div_ceil(4), std::mem::size_of_val(w));
                 for (p, o) in pairs {
                     let [a, b] = sums::<F, 2>([panel(p), panel(o)], q.as_ptr(), s, kc);
                     store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));

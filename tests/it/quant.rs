@@ -149,8 +149,8 @@ fn two_sides_step_by_step_swap_the_prefetch_ways() {
     let mut engine = local_engine(&dir, None);
     let own = engine.many_prefetch();
     let theirs = (if own.0 == ManyFetch::Nta { ManyFetch::L2 } else { ManyFetch::Nta }, PrefetchBy::Env);
-    // Side 1's step ran last.
     run_both_sides(&mut engine, OtherSide::ManyPrefetch(theirs));
+    // Side 1's step ran last.
     assert_eq!(engine.many_prefetch(), theirs);
     let Some(OtherSide::ManyPrefetch(back)) = engine.set_other_side(None) else { panic!("no way back") };
     assert_eq!((engine.many_prefetch(), back), (own, theirs));
