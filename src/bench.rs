@@ -237,12 +237,13 @@ pub enum Alternated {
 }
 
 impl Baseline {
-    /// The baseline's figures (`decode`, of `weight_dtype` weights at `batch` sequences) and
-    /// the speed-ups of the runs compared with it (`compared`), rep by rep in the same order;
-    /// `alternated` as the field says.
+    /// The baseline's figures (`decode`, of `weight_dtype` weights at `batch` sequences, under
+    /// the one-token way `prefetch` where it has its own) and the speed-ups of the runs compared
+    /// with it (`compared`), rep by rep in the same order; `alternated` as the field says.
     pub fn new(
         weight_dtype: String,
         batch: usize,
+        prefetch: Option<String>,
         decode: DecodeFigures,
         compared: &DecodeFigures,
         alternated: Alternated,
@@ -252,7 +253,7 @@ impl Baseline {
         Baseline {
             weight_dtype,
             batch,
-            prefetch: None,
+            prefetch,
             alternated,
             speedup,
             speedup_by_rep: compared.runs.iter().zip(&decode.runs).map(|(c, b)| rate(c) / rate(b)).collect(),

@@ -2127,14 +2127,14 @@ fn run_bench(
         let (weight_dtype, bytes_per_step) = base_weights.unwrap_or_default();
         let weight_bytes_per_token = bytes_per_step * micro(base_batch) as u64 / base_batch as u64;
         let alternated = if stepwise { Alternated::Steps } else { Alternated::Runs };
-        let decode = Baseline::new(
+        Baseline::new(
             weight_dtype,
             base_batch,
+            base_prefetch.map(|way| way.0.name().to_string()),
             figures(Side::Baseline, weight_bytes_per_token),
             &decode,
             alternated,
-        );
-        Baseline { prefetch: base_prefetch.map(|way| way.0.name().to_string()), ..decode }
+        )
     });
     let report = BenchReport {
         model: match (&a.model, &a.shape) {
