@@ -657,8 +657,8 @@ pub const WHOLE_MAX: usize = 8;
 /// machine (48 KiB), under `whole` named, the batch-8 step's time over the batch-1 step's in
 /// the same run (`--compare-batch 1`, steps alternating): the llama-3.2-1b shape 1.335–1.343
 /// against 1.417–1.443 while the cores sat apart (two runs and four) and 1.174–1.181 against
-/// 1.193–1.214 together (four and three); SmolLM2 and the llama-2-7b shape a little less (the
-/// README's "Many-token prefetch"). Read when `whole` is set ([`set_many_fetch`]), before a
+/// 1.193–1.214 together (four and three); SmolLM2 and the llama-2-7b shape a little less
+/// ("Many-token prefetch" in docs/performance-notes.md). Read when `whole` is set ([`set_many_fetch`]), before a
 /// product streams under it.
 pub fn whole_l1_ahead() -> usize {
     static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
