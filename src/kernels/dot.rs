@@ -1297,6 +1297,132 @@ mod avx2 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
+    /// Three rows of scores against sixteen keys of a page (two vectors) in one pass over the
+    /// dimensions: twelve accumulators ([`SCORE_SETS`] × three rows × two vectors), the two
+    /// vectors of keys of a dimension and one broadcast of the query: fifteen of the sixteen
+    /// registers, so written in `asm!`. Compiled from intrinsics (`scores_block` with three rows
+    /// and two vectors) the compiler kept some of the sums on the stack (each FMA chain then
+    /// waits on a store and a load), and three rows went by eight keys instead, six chains,
+    /// too few to cover the FMA's latency on both pipes (the broadcasts loaded twice as often
+    /// besides). On the 2-core Zen 4 machine whose virtual CPUs hide AVX-512, one thread, a page
+    /// of sixteen f16 keys × 64 dimensions against three rows in L2: ~72 ns against ~103 by
+    /// eight keys (~0.94 of the core's FMA peak against ~0.66). Each sum is the same bits as
+    /// `scores_block`'s: dimension `d` into set `d % 2` in order, the sets added at the end.
+    ///
+    /// Expands to [`Avx2Load::scores_3x16`] for key type `$ty`, whose four loads put dimension
+    /// `d`'s keys 0–7 and 8–15 into `ymm12` and `ymm13`, then dimension `d + 1`'s (`{k}` is
+    /// dimension `d`'s first key, `{pl}` a dimension's bytes, `{v1}` eight keys' bytes). With
+    /// `fetch`, asks for the lines [`super::PAGE_AHEAD`] beyond each dimension pair's rows of
+    /// the page, as `scores_block` does: one line or two ([`FETCH_3X16_BYTES`] at most).
+    macro_rules! scores_3x16 {
+        ($ty:ty, [$($k0:literal),+], [$($k1:literal),+], [$($k2:literal),+], [$($k3:literal),+]$(,)?) => {
+            #[inline]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn scores_3x16(
+                kt: *const $ty,
+                page_len: usize,
+                q: *const f32,
+                hd: usize,
+                out: *mut f32,
+                stride: usize,
+                fetch: bool,
+            ) {
+                const _: () = assert!(SCORE_SETS == 2);
+                debug_assert!(hd > 0 && hd.is_multiple_of(2));
+                let span = SCORE_SETS * page_len * std::mem::size_of::<$ty>();
+                debug_assert!(!fetch || span <= FETCH_3X16_BYTES);
+                if fetch && span <= 64 {
+                    scores_3x16!(@pass $ty, kt, page_len, q, hd, out, stride, "prefetcht1 [{k} + {ahead}]",
+                        [$($k0),+], [$($k1),+], [$($k2),+], [$($k3),+])
+                } else if fetch {
+                    scores_3x16!(@pass $ty, kt, page_len, q, hd, out, stride,
+                        "prefetcht1 [{k} + {ahead}]\n prefetcht1 [{k} + {ahead} + 64]",
+                        [$($k0),+], [$($k1),+], [$($k2),+], [$($k3),+])
+                } else {
+                    scores_3x16!(@pass $ty, kt, page_len, q, hd, out, stride, "/* {ahead} */",
+                        [$($k0),+], [$($k1),+], [$($k2),+], [$($k3),+])
+                }
+            }
+        };
+        (@pass $ty:ty, $kt:expr, $page_len:expr, $q:expr, $hd:expr, $out:expr, $stride:expr, $pf:literal,
+         [$($k0:literal),+], [$($k1:literal),+], [$($k2:literal),+], [$($k3:literal),+]) => {
+            std::arch::asm!(
+                "vxorps ymm0, ymm0, ymm0",
+                "vxorps ymm1, ymm1, ymm1",
+                "vxorps ymm2, ymm2, ymm2",
+                "vxorps ymm3, ymm3, ymm3",
+                "vxorps ymm4, ymm4, ymm4",
+                "vxorps ymm5, ymm5, ymm5",
+                "vxorps ymm6, ymm6, ymm6",
+                "vxorps ymm7, ymm7, ymm7",
+                "vxorps ymm8, ymm8, ymm8",
+                "vxorps ymm9, ymm9, ymm9",
+                "vxorps ymm10, ymm10, ymm10",
+                "vxorps ymm11, ymm11, ymm11",
+                "2:",
+                $pf,
+                // Dimension d into set 0 (ymm0–5: row 0's two vectors, row 1's, row 2's).
+                $($k0,)+
+                $($k1,)+
+                "vbroadcastss ymm14, [{q}]",
+                "vfmadd231ps ymm0, ymm14, ymm12",
+                "vfmadd231ps ymm1, ymm14, ymm13",
+                "vbroadcastss ymm14, [{q} + {hd4}]",
+                "vfmadd231ps ymm2, ymm14, ymm12",
+                "vfmadd231ps ymm3, ymm14, ymm13",
+                "vbroadcastss ymm14, [{q} + {hd4} * 2]",
+                "vfmadd231ps ymm4, ymm14, ymm12",
+                "vfmadd231ps ymm5, ymm14, ymm13",
+                // Dimension d + 1 into set 1 (ymm6–11).
+                $($k2,)+
+                $($k3,)+
+                "vbroadcastss ymm14, [{q} + 4]",
+                "vfmadd231ps ymm6, ymm14, ymm12",
+                "vfmadd231ps ymm7, ymm14, ymm13",
+                "vbroadcastss ymm14, [{q} + {hd4} + 4]",
+                "vfmadd231ps ymm8, ymm14, ymm12",
+                "vfmadd231ps ymm9, ymm14, ymm13",
+                "vbroadcastss ymm14, [{q} + {hd4} * 2 + 4]",
+                "vfmadd231ps ymm10, ymm14, ymm12",
+                "vfmadd231ps ymm11, ymm14, ymm13",
+                "lea {k}, [{k} + {pl} * 2]",
+                "add {q}, 8",
+                "dec {n}",
+                "jnz 2b",
+                "vaddps ymm0, ymm0, ymm6",
+                "vaddps ymm1, ymm1, ymm7",
+                "vaddps ymm2, ymm2, ymm8",
+                "vaddps ymm3, ymm3, ymm9",
+                "vaddps ymm4, ymm4, ymm10",
+                "vaddps ymm5, ymm5, ymm11",
+                "vmovups [{o}], ymm0",
+                "vmovups [{o} + 32], ymm1",
+                "vmovups [{o} + {st4}], ymm2",
+                "vmovups [{o} + {st4} + 32], ymm3",
+                "vmovups [{o} + {st4} * 2], ymm4",
+                "vmovups [{o} + {st4} * 2 + 32], ymm5",
+                k = inout(reg) $kt => _,
+                q = inout(reg) $q => _,
+                n = inout(reg) $hd / 2 => _,
+                hd4 = in(reg) $hd * 4,
+                pl = in(reg) $page_len * std::mem::size_of::<$ty>(),
+                o = in(reg) $out,
+                st4 = in(reg) $stride * 4,
+                v1 = const 8 * std::mem::size_of::<$ty>(),
+                ahead = const super::PAGE_AHEAD,
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _,
+                options(nostack)
+            )
+        };
+    }
+
+    /// The most bytes of a page's dimension pair (`SCORE_SETS * page_len` keys) whose lines
+    /// [`Avx2Load::scores_3x16`] asks for ahead: two lines.
+    const FETCH_3X16_BYTES: usize = 128;
+
     /// Loads eight consecutive elements as f32 lanes. Every such type also has the 512-bit
     /// loads, so kernels generic over it can take either path.
     pub trait Avx2Load: Elem + super::Avx512Load {
@@ -1320,6 +1446,22 @@ mod avx2 {
         unsafe fn load_half<const HI: bool>(p: *const Self) -> __m256 {
             Self::load8(p.add(if HI { 8 } else { 0 }))
         }
+        /// Three rows of scores against sixteen keys of a page, `kt` the first key of
+        /// dimension 0 and `out` row 0's first score (the `scores_3x16` macro: the sums of
+        /// `scores_block` with three rows, bit for bit).
+        /// # Safety
+        /// The CPU must have avx2, fma and f16c; `kt` has sixteen readable keys in each of `hd`
+        /// (even) dimensions `page_len` apart, `q` three rows of `hd`, and `out` three rows of
+        /// sixteen scores `stride` apart, writable.
+        unsafe fn scores_3x16(
+            kt: *const Self,
+            page_len: usize,
+            q: *const f32,
+            hd: usize,
+            out: *mut f32,
+            stride: usize,
+            fetch: bool,
+        );
     }
     impl Avx2Load for f32 {
         #[inline]
@@ -1327,6 +1469,13 @@ mod avx2 {
         unsafe fn load8(p: *const f32) -> __m256 {
             _mm256_loadu_ps(p)
         }
+        scores_3x16!(
+            f32,
+            ["vmovups ymm12, [{k}]"],
+            ["vmovups ymm13, [{k} + {v1}]"],
+            ["vmovups ymm12, [{k} + {pl}]"],
+            ["vmovups ymm13, [{k} + {pl} + {v1}]"],
+        );
     }
     impl Avx2Load for bf16 {
         #[inline]
@@ -1336,6 +1485,13 @@ mod avx2 {
             let h = _mm_loadu_si128(p as *const __m128i);
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
         }
+        scores_3x16!(
+            bf16,
+            ["vpmovzxwd ymm12, [{k}]", "vpslld ymm12, ymm12, 16"],
+            ["vpmovzxwd ymm13, [{k} + {v1}]", "vpslld ymm13, ymm13, 16"],
+            ["vpmovzxwd ymm12, [{k} + {pl}]", "vpslld ymm12, ymm12, 16"],
+            ["vpmovzxwd ymm13, [{k} + {pl} + {v1}]", "vpslld ymm13, ymm13, 16"],
+        );
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load16(p: *const bf16) -> (__m256, __m256) {
@@ -1389,6 +1545,13 @@ mod avx2 {
         unsafe fn load8(p: *const f16) -> __m256 {
             _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         }
+        scores_3x16!(
+            f16,
+            ["vcvtph2ps ymm12, [{k}]"],
+            ["vcvtph2ps ymm13, [{k} + {v1}]"],
+            ["vcvtph2ps ymm12, [{k} + {pl}]"],
+            ["vcvtph2ps ymm13, [{k} + {pl} + {v1}]"],
+        );
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn load_half<const HI: bool>(p: *const f16) -> __m256 {
@@ -1457,10 +1620,19 @@ mod avx2 {
             let mut j = 0;
             while j < page_len {
                 let ask = fetch && r == 0 && j == 0;
-                // At most eight accumulators, as on AVX-512: three rows × sixteen keys would
-                // need twelve, and with the keys and a broadcast the compiler kept some of them
-                // on the stack (on the 2-core Zen 4 machine, three rows over a page of f16 keys
-                // took ~165 ns so, ~109 ns by eight keys at a time; the same sums either way).
+                // Three rows by sixteen keys in `asm!` (twelve accumulators), where the head
+                // size is even and what it is to ask ahead for fits its requests.
+                let span = SCORE_SETS * page_len * std::mem::size_of::<T>();
+                if nr == 3 && page_len - j >= 16 && hd.is_multiple_of(2) && (!ask || span <= FETCH_3X16_BYTES)
+                {
+                    T::scores_3x16(k.add(j), page_len, qr, hd, or.add(j), stride, ask);
+                    j += 16;
+                    continue;
+                }
+                // Otherwise at most eight accumulators, as on AVX-512: from intrinsics, three
+                // rows × sixteen keys kept some of their twelve on the stack (on the 2-core Zen 4
+                // machine, three rows over a page of f16 keys took ~165 ns so, ~103 ns by eight
+                // keys at a time, ~72 in `asm!`; the same sums every way).
                 let wide = page_len - j >= 16 && nr <= 2;
                 match (nr, wide) {
                     (2, true) => scores_block::<T, 2, 2>(k, page_len, j, qr, hd, or, stride, ask),
@@ -1502,12 +1674,18 @@ mod avx2 {
             let ask = fetch && r == 0;
             let mut c = c0;
             while c + 8 <= hd {
-                // Up to eight accumulators (rows × column vectors): enough FMA chains in flight,
-                // and with the value vectors and a broadcast they stay in registers.
+                // Eight or nine accumulators (rows × column vectors): enough FMA chains in
+                // flight to cover the FMA's latency on both pipes, and with the value vectors
+                // and a broadcast they stay in registers. Three rows go by three vectors (nine
+                // chains): by two (six), on the 2-core Zen 4 machine whose virtual CPUs hide
+                // AVX-512, one thread, a page of sixteen f16 values × 64 columns against three
+                // rows in L2 took ~93 ns against ~84. Each sum takes the keys in order however
+                // the columns are blocked: the same bits.
                 let cols = hd - c;
                 let nv = match nr {
                     1 if cols >= 64 => 8,
                     1 | 2 if cols >= 32 => 4,
+                    3 if cols >= 24 => 3,
                     _ if cols >= 16 => 2,
                     _ => 1,
                 };
@@ -1519,6 +1697,7 @@ mod avx2 {
                     (2, 4) => values_block::<T, 2, 4>(pr, stride, vp, n, hd, c, or, ask),
                     (2, 2) => values_block::<T, 2, 2>(pr, stride, vp, n, hd, c, or, ask),
                     (2, _) => values_block::<T, 2, 1>(pr, stride, vp, n, hd, c, or, ask),
+                    (3, 3) => values_block::<T, 3, 3>(pr, stride, vp, n, hd, c, or, ask),
                     (3, 2) => values_block::<T, 3, 2>(pr, stride, vp, n, hd, c, or, ask),
                     (3, _) => values_block::<T, 3, 1>(pr, stride, vp, n, hd, c, or, ask),
                     (_, 2) => values_block::<T, 4, 2>(pr, stride, vp, n, hd, c, or, ask),
@@ -2765,6 +2944,7 @@ mod avx512 {
                     (2, 2) => values_block::<T, 2, 2>(pr, stride, vp, n, hd, c, or, ask),
                     (2, _) => values_block::<T, 2, 1>(pr, stride, vp, n, hd, c, or, ask),
                     (3, 4) => values_block::<T, 3, 4>(pr, stride, vp, n, hd, c, or, ask),
+                    (3, 3) => values_block::<T, 3, 3>(pr, stride, vp, n, hd, c, or, ask),
                     (3, 2) => values_block::<T, 3, 2>(pr, stride, vp, n, hd, c, or, ask),
                     (3, _) => values_block::<T, 3, 1>(pr, stride, vp, n, hd, c, or, ask),
                     (_, 4) => values_block::<T, 4, 4>(pr, stride, vp, n, hd, c, or, ask),

@@ -1231,27 +1231,39 @@ mod tests {
     }
 
     /// A row's scores are the same bits however many rows share the call (1 to 9: every
-    /// register blocking), so a query's attention does not depend on the rest of its step,
-    /// and whether or not the kernel asks ahead.
+    /// register blocking, the three-row `asm!` kernel among them, with and without a tail of
+    /// eight keys or an odd head size), so a query's attention does not depend on the rest of
+    /// its step, and whether or not the kernel asks ahead, for every key type.
     #[test]
     fn page_scores_of_a_row_do_not_depend_on_the_other_rows() {
-        let (page_len, hd) = (16, 64);
-        let kt: Vec<f16> = rand_vec(hd * page_len, 4).into_iter().map(f16::from_f32).collect();
-        let q = rand_vec(9 * hd, 6);
-        for isa in isas() {
-            let mut alone = vec![0.0f32; 9 * page_len];
-            for r in 0..9 {
-                let o = &mut alone[r * page_len..(r + 1) * page_len];
-                dot::page_scores(&kt, page_len, &q[r * hd..(r + 1) * hd], o, page_len, false, isa);
-            }
-            for rows in 1..=9 {
-                let mut s = vec![0.0f32; rows * page_len];
-                let ahead = rows % 2 == 1;
-                dot::page_scores(&kt, page_len, &q[..rows * hd], &mut s, page_len, ahead, isa);
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&s), bits(&alone[..rows * page_len]), "{isa:?}: {rows} rows");
+        fn check<T: dot::Elem + dot::Avx2Load>() {
+            for (page_len, hd) in [(16, 64), (24, 18), (48, 17)] {
+                let kt: Vec<T> = rand_vec(hd * page_len, 4).into_iter().map(T::from_f32).collect();
+                let q = rand_vec(9 * hd, 6);
+                for isa in isas() {
+                    let mut alone = vec![0.0f32; 9 * page_len];
+                    for r in 0..9 {
+                        let o = &mut alone[r * page_len..(r + 1) * page_len];
+                        dot::page_scores(&kt, page_len, &q[r * hd..(r + 1) * hd], o, page_len, false, isa);
+                    }
+                    for rows in 1..=9 {
+                        let mut s = vec![0.0f32; rows * page_len];
+                        let ahead = rows % 2 == 1;
+                        dot::page_scores(&kt, page_len, &q[..rows * hd], &mut s, page_len, ahead, isa);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&s),
+                            bits(&alone[..rows * page_len]),
+                            "{isa:?} {page_len}/{hd}: {rows} rows of {}",
+                            std::any::type_name::<T>()
+                        );
+                    }
+                }
             }
         }
+        check::<f32>();
+        check::<f16>();
+        check::<bf16>();
     }
 
     /// Two pages scored in one call give the bits of two calls, on every path, for every
@@ -1282,29 +1294,37 @@ mod tests {
     /// machine.
     #[test]
     fn page_kernels_agree_between_avx2_and_avx512() {
-        let isas = isas();
-        if !isas.contains(&dot::Isa::Avx512) {
-            return;
-        }
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        for (page_len, hd, rows) in [(16, 64, 3), (32, 64, 2), (16, 24, 5), (48, 136, 1), (32, 200, 9)] {
-            let kt: Vec<f16> = rand_vec(hd * page_len, 7).into_iter().map(f16::from_f32).collect();
-            let q = rand_vec(rows * hd, 8);
-            let p = rand_vec(rows * page_len, 9);
-            let o0 = rand_vec(rows * hd, 10);
-            let run = |isa, ahead| {
-                let mut s = vec![0.0f32; rows * page_len];
-                dot::page_scores(&kt, page_len, &q, &mut s, page_len, ahead, isa);
-                let mut o = o0.clone();
-                dot::page_values(&p, page_len, &kt, hd, &mut o, ahead, isa);
-                (bits(&s), bits(&o))
-            };
-            let want = run(dot::Isa::Avx2, false);
-            for (isa, ahead) in [(dot::Isa::Avx2, true), (dot::Isa::Avx512, false), (dot::Isa::Avx512, true)]
+        fn check<T: dot::Elem + dot::Avx2Load>() {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for (page_len, hd, rows) in
+                [(16, 64, 3), (32, 64, 2), (16, 24, 5), (48, 136, 1), (32, 200, 9), (48, 40, 3), (32, 18, 7)]
             {
-                assert_eq!(run(isa, ahead), want, "{page_len}/{hd}/{rows}, {isa:?}, ahead {ahead}");
+                let kt: Vec<T> = rand_vec(hd * page_len, 7).into_iter().map(T::from_f32).collect();
+                let q = rand_vec(rows * hd, 8);
+                let p = rand_vec(rows * page_len, 9);
+                let o0 = rand_vec(rows * hd, 10);
+                let run = |isa, ahead| {
+                    let mut s = vec![0.0f32; rows * page_len];
+                    dot::page_scores(&kt, page_len, &q, &mut s, page_len, ahead, isa);
+                    let mut o = o0.clone();
+                    dot::page_values(&p, page_len, &kt, hd, &mut o, ahead, isa);
+                    (bits(&s), bits(&o))
+                };
+                let want = run(dot::Isa::Avx2, false);
+                for (isa, ahead) in
+                    [(dot::Isa::Avx2, true), (dot::Isa::Avx512, false), (dot::Isa::Avx512, true)]
+                {
+                    let ty = std::any::type_name::<T>();
+                    assert_eq!(run(isa, ahead), want, "{ty} {page_len}/{hd}/{rows}, {isa:?}, ahead {ahead}");
+                }
             }
         }
+        if !isas().contains(&dot::Isa::Avx512) {
+            return;
+        }
+        check::<f32>();
+        check::<f16>();
+        check::<bf16>();
     }
 
     /// Page scores and page value sums against f64 sums, for every key type and on every
@@ -1324,6 +1344,9 @@ mod tests {
                     (48, 24, 1),
                     (16, 136, 1),
                     (32, 200, 6),
+                    (24, 18, 3),
+                    (48, 40, 3),
+                    (16, 17, 3),
                 ] {
                     let kt: Vec<T> = rand_vec(hd * page_len, 1).into_iter().map(T::from_f32).collect();
                     let q = rand_vec(rows * hd, 2);
