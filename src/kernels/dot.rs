@@ -658,8 +658,8 @@ pub const WHOLE_MAX: usize = 8;
 /// the same run (`--compare-batch 1`, steps alternating): the llama-3.2-1b shape 1.335–1.343
 /// against 1.417–1.443 while the cores sat apart (two runs and four) and 1.174–1.181 against
 /// 1.193–1.214 together (four and three); SmolLM2 and the llama-2-7b shape a little less
-/// ("Many-token prefetch" in docs/performance-notes.md). Read when `whole` is set ([`set_many_fetch`]), before a
-/// product streams under it.
+/// ("Many-token prefetch" in docs/performance-notes.md). Read when `whole` is set
+/// ([`set_many_fetch`]), before a product streams under it.
 pub fn whole_l1_ahead() -> usize {
     static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *AHEAD.get_or_init(|| {
@@ -1613,6 +1613,10 @@ mod avx2 {
         // attention then does not depend on how many other rows (positions of its span, heads
         // of its group) come with it, and a prompt decoded in a batch gives the sums it gives
         // alone. (The split once ranged from one set for four rows to eight for one.)
+        // Three rows by sixteen keys go in `asm!` (twelve accumulators) where the head size is
+        // even, and, when it is to ask ahead, where a dimension pair's keys fit its requests.
+        let by_asm = hd.is_multiple_of(2);
+        let asks_fit = SCORE_SETS * page_len * std::mem::size_of::<T>() <= FETCH_3X16_BYTES;
         let mut r = 0;
         while r < rows {
             let nr = (rows - r).min(4);
@@ -1620,11 +1624,7 @@ mod avx2 {
             let mut j = 0;
             while j < page_len {
                 let ask = fetch && r == 0 && j == 0;
-                // Three rows by sixteen keys in `asm!` (twelve accumulators), where the head
-                // size is even and what it is to ask ahead for fits its requests.
-                let span = SCORE_SETS * page_len * std::mem::size_of::<T>();
-                if nr == 3 && page_len - j >= 16 && hd.is_multiple_of(2) && (!ask || span <= FETCH_3X16_BYTES)
-                {
+                if nr == 3 && page_len - j >= 16 && by_asm && (!ask || asks_fit) {
                     T::scores_3x16(k.add(j), page_len, qr, hd, or.add(j), stride, ask);
                     j += 16;
                     continue;
@@ -2944,7 +2944,6 @@ mod avx512 {
                     (2, 2) => values_block::<T, 2, 2>(pr, stride, vp, n, hd, c, or, ask),
                     (2, _) => values_block::<T, 2, 1>(pr, stride, vp, n, hd, c, or, ask),
                     (3, 4) => values_block::<T, 3, 4>(pr, stride, vp, n, hd, c, or, ask),
-                    (3, 3) => values_block::<T, 3, 3>(pr, stride, vp, n, hd, c, or, ask),
                     (3, 2) => values_block::<T, 3, 2>(pr, stride, vp, n, hd, c, or, ask),
                     (3, _) => values_block::<T, 3, 1>(pr, stride, vp, n, hd, c, or, ask),
                     (_, 4) => values_block::<T, 4, 4>(pr, stride, vp, n, hd, c, or, ask),
