@@ -965,6 +965,64 @@ mod tests {
         }
     }
 
+    /// One int8 panel of `n` columns and four tokens' inputs for the token-group kernels'
+    /// tests: weights and inputs at |q| ≤ 127 with extremes (127 and −127) among random ones,
+    /// positive scales.
+    #[cfg(target_arch = "x86_64")]
+    struct Q8Panel {
+        w: Vec<i8>,
+        qs: Vec<Vec<i8>>,
+        ss: Vec<Vec<f32>>,
+        rs: Vec<f32>,
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    impl Q8Panel {
+        fn new(n: usize) -> Q8Panel {
+            let ints = |len: usize, seed: u64| -> Vec<i8> {
+                rand_vec(len, seed).iter().map(|v| (v * 128.0).floor().clamp(-127.0, 127.0) as i8).collect()
+            };
+            let mut w = ints(4 * n, n as u64);
+            w.iter_mut().step_by(5).for_each(|v| *v = -127);
+            w[..16].fill(127);
+            let qs = (0..4)
+                .map(|t| {
+                    let mut q = ints(n, 11 + t as u64);
+                    q[..16].fill(if t % 2 == 0 { 127 } else { -127 });
+                    q
+                })
+                .collect();
+            let ss = (0..4)
+                .map(|t| rand_vec(n.div_ceil(32), 20 + t).iter().map(|v| v.abs() + 0.01).collect())
+                .collect();
+            let rs = rand_vec(4, 3).iter().map(|v| v.abs() + 0.01).collect();
+            Q8Panel { w, qs, ss, rs }
+        }
+
+        /// Each token's four sums by the one-token kernel of path `k`, alone.
+        fn alone(&self, k: dot::Int8Path) -> Vec<[f32; 4]> {
+            (0..4)
+                .map(|t| {
+                    let mut out = [f32::NAN; 4];
+                    // SAFETY: `k` is a path this CPU runs (the callers take it from
+                    // `int8_kernels`); the lengths are as the kernel asks.
+                    unsafe {
+                        dot::avx2_panels_q8(
+                            &self.w,
+                            &self.qs[t],
+                            &self.ss[t],
+                            &self.rs,
+                            &mut out,
+                            Fetch::Near,
+                            k,
+                        )
+                    };
+                    out
+                })
+                .collect()
+        }
+    }
+
     /// The many-token int8 kernel (AVX512-VNNI) gives each token of a group the bits the
     /// one-token kernel of every VNNI path gives it alone (inputs at the VNNI range, |q| ≤ 127,
     /// extremes among random ones), for one to four tokens.
@@ -979,19 +1037,8 @@ mod tests {
             .filter(|k| matches!(k, dot::Int8Path::AvxVnni | dot::Int8Path::Avx512Vnni))
             .collect();
         for &n in &[16usize, 32, 48, 2048] {
-            let ints = |len: usize, seed: u64| -> Vec<i8> {
-                rand_vec(len, seed).iter().map(|v| (v * 128.0).floor().clamp(-127.0, 127.0) as i8).collect()
-            };
-            let mut w = ints(4 * n, n as u64);
-            w.iter_mut().step_by(5).for_each(|v| *v = -127);
-            w[..16].fill(127);
-            let qs: Vec<Vec<i8>> = (0..4)
-                .map(|t| {
-                    let mut q = ints(n, 11 + t as u64);
-                    q[..16].fill(if t % 2 == 0 { 127 } else { -127 });
-                    q
-                })
-                .collect();
+            let case = Q8Panel::new(n);
+            let Q8Panel { w, qs, ss, rs } = &case;
             let us: Vec<Vec<u8>> = qs
                 .iter()
                 .map(|q| {
@@ -1000,19 +1047,8 @@ mod tests {
                     u
                 })
                 .collect();
-            let ss: Vec<Vec<f32>> = (0..4)
-                .map(|t| rand_vec(n.div_ceil(32), 20 + t).iter().map(|v| v.abs() + 0.01).collect())
-                .collect();
-            let rs: Vec<f32> = rand_vec(4, 3).iter().map(|v| v.abs() + 0.01).collect();
             for &k in &vnni {
-                let alone: Vec<[f32; 4]> = (0..4)
-                    .map(|t| {
-                        let mut out = [f32::NAN; 4];
-                        // SAFETY: `k` is a path this CPU runs; the lengths are as the kernel asks.
-                        unsafe { dot::avx2_panels_q8(&w, &qs[t], &ss[t], &rs, &mut out, Fetch::Near, k) };
-                        out
-                    })
-                    .collect();
+                let alone = case.alone(k);
                 for (nt, spread) in (1..=4).flat_map(|nt| [(nt, false), (nt, true)]) {
                     let mut out = vec![[f32::NAN; 4]; nt];
                     let x = std::array::from_fn(|t| us[t.min(nt - 1)].as_ptr());
@@ -1023,13 +1059,42 @@ mod tests {
                     let ahead = spread.then(|| dot::Ahead::share(next, w.len() / 64, (0, 1), n / 16));
                     // SAFETY: `int8_many` found AVX512-VNNI on a 512-bit ISA; each token's
                     // offset input and scales cover the `n` columns.
-                    unsafe { dot::avx2_panel_q8_many(&w, x, s, &rs, &mut out, ahead) };
+                    unsafe { dot::avx2_panel_q8_many(w, x, s, rs, &mut out, ahead) };
                     for t in 0..nt {
                         let (got, want) = (out[t].map(f32::to_bits), alone[t].map(f32::to_bits));
                         assert_eq!(
                             got, want,
                             "one token on {k:?}: n {n}, {nt} tokens, token {t}, spread {spread}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 256-bit token-group int8 kernel gives each of one to four tokens the bits the
+    /// one-token kernel of the same path gives it alone, on every path this CPU has (`maddubs`,
+    /// and each VNNI form), with extreme weights and inputs (|q| = 127) among random ones, a
+    /// row of one chunk (a group cut short), odd chunk counts and a long row.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn int8_token_group_kernel_matches_one_token() {
+        let kernels = dot::int8_kernels();
+        for &n in &[16usize, 32, 48, 80, 2048] {
+            let case = Q8Panel::new(n);
+            let Q8Panel { w, qs, ss, rs } = &case;
+            for &k in &kernels {
+                let alone = case.alone(k);
+                for nt in 1..=4 {
+                    let mut out = vec![[f32::NAN; 4]; nt];
+                    let q = std::array::from_fn(|t| qs[t.min(nt - 1)].as_ptr());
+                    let s = std::array::from_fn(|t| ss[t.min(nt - 1)].as_ptr());
+                    // SAFETY: `k` is a path this CPU runs; every |q| ≤ 127, and each token's
+                    // input and scales cover the panel's `n` columns.
+                    unsafe { dot::avx2_panel_q8_tokens(w, q, s, rs, &mut out, k) };
+                    for t in 0..nt {
+                        let (got, want) = (out[t].map(f32::to_bits), alone[t].map(f32::to_bits));
+                        assert_eq!(got, want, "{k:?}: n {n}, {nt} tokens, token {t}");
                     }
                 }
             }

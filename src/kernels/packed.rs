@@ -916,8 +916,10 @@ fn matmul_int8(
             });
             return;
         }
-        // With AVX512-VNNI a token group goes through each panel at once, its inputs offset to
-        // unsigned ([`dot::avx2_panel_q8_many`]); elsewhere token by token.
+        // A token group goes through each panel at once: with AVX512-VNNI in 512-bit registers,
+        // its inputs offset to unsigned ([`dot::avx2_panel_q8_many`]); elsewhere in 256-bit
+        // ones, as the one-token kernel sums them ([`dot::avx2_panel_q8_tokens`]). Portable
+        // code goes token by token.
         let many = dot::int8_many(isa);
         if many {
             crate::grow(xu, n_tok * cols_p);
@@ -952,6 +954,18 @@ fn matmul_int8(
                         // path is a VNNI one; `panel` is four rows of the block's columns (a
                         // multiple of CHUNK), and each token's offset input and scales cover them.
                         unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc, ahead) };
+                        return;
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    if path != Int8Path::Portable {
+                        let i = |i: usize| t + i.min(acc.len() - 1);
+                        let x = std::array::from_fn(|k| xq[i(k) * cols_p + cr.start..].as_ptr());
+                        let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
+                        // SAFETY: `path` is not the portable one, so it was produced on an ISA
+                        // detected with avx2, fma and f16c (and its VNNI, if it names one);
+                        // `panel` is four rows of the block's columns (a multiple of CHUNK),
+                        // and each token's input (quantized for `path`) and scales cover them.
+                        unsafe { dot::avx2_panel_q8_tokens(panel, x, s, row_scales, acc, path) };
                         return;
                     }
                     for (i, a) in acc.iter_mut().enumerate() {
