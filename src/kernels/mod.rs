@@ -1083,15 +1083,24 @@ mod tests {
         for &n in &[16usize, 32, 48, 80, 2048] {
             let case = Q8Panel::new(n);
             let Q8Panel { w, qs, ss, rs } = &case;
+            let abs: Vec<Vec<u8>> = qs
+                .iter()
+                .map(|q| {
+                    let mut a = vec![0u8; n];
+                    dot::abs_q8(q, &mut a);
+                    a
+                })
+                .collect();
             for &k in &kernels {
                 let alone = case.alone(k);
                 for nt in 1..=4 {
                     let mut out = vec![[f32::NAN; 4]; nt];
                     let q = std::array::from_fn(|t| qs[t.min(nt - 1)].as_ptr());
+                    let qa = std::array::from_fn(|t| abs[t.min(nt - 1)].as_ptr());
                     let s = std::array::from_fn(|t| ss[t.min(nt - 1)].as_ptr());
                     // SAFETY: `k` is a path this CPU runs; every |q| ≤ 127, and each token's
-                    // input and scales cover the panel's `n` columns.
-                    unsafe { dot::avx2_panel_q8_tokens(w, q, s, rs, &mut out, k) };
+                    // input, its |q| and its scales cover the panel's `n` columns.
+                    unsafe { dot::avx2_panel_q8_tokens(w, q, qa, s, rs, &mut out, k) };
                     for t in 0..nt {
                         let (got, want) = (out[t].map(f32::to_bits), alone[t].map(f32::to_bits));
                         assert_eq!(got, want, "{k:?}: n {n}, {nt} tokens, token {t}");

@@ -921,11 +921,13 @@ fn matmul_int8(
         // ones, as the one-token kernel sums them ([`dot::avx2_panel_q8_tokens`]). Portable
         // code goes token by token.
         let many = dot::int8_many(isa);
+        crate::grow(xu, n_tok * cols_p);
         if many {
-            crate::grow(xu, n_tok * cols_p);
             dot::offset_q8(xq, &mut xu[..n_tok * cols_p]);
+        } else {
+            dot::abs_q8(xq, &mut xu[..n_tok * cols_p]);
         }
-        let xu = &xu[..if many { n_tok * cols_p } else { 0 }];
+        let xu = &xu[..n_tok * cols_p];
         // A row in one column block, as one token sums it, however many tokens: a token's
         // sums are then the same bits in any step. The inputs are a byte a column, so a tile's
         // fill `TILE_BYTES` with four times the tokens of a float tile.
@@ -960,12 +962,14 @@ fn matmul_int8(
                     if path != Int8Path::Portable {
                         let i = |i: usize| t + i.min(acc.len() - 1);
                         let x = std::array::from_fn(|k| xq[i(k) * cols_p + cr.start..].as_ptr());
+                        let xa = std::array::from_fn(|k| xu[i(k) * cols_p + cr.start..].as_ptr());
                         let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
                         // SAFETY: `path` is not the portable one, so it was produced on an ISA
                         // detected with avx2, fma and f16c (and its VNNI, if it names one);
                         // `panel` is four rows of the block's columns (a multiple of CHUNK),
-                        // and each token's input (quantized for `path`) and scales cover them.
-                        unsafe { dot::avx2_panel_q8_tokens(panel, x, s, row_scales, acc, path) };
+                        // and each token's input (quantized for `path`), its |q| (`xu`, not
+                        // `many`) and its scales cover them.
+                        unsafe { dot::avx2_panel_q8_tokens(panel, x, xa, s, row_scales, acc, path) };
                         return;
                     }
                     for (i, a) in acc.iter_mut().enumerate() {
