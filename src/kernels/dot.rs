@@ -255,8 +255,6 @@ pub fn int8_path_for(isa: Isa) -> Int8Path {
     }
 }
 
-/// `q + 128` as unsigned bytes, each of `q` into `out`: the input of the many-token VNNI
-/// kernel ([`avx2_panel_q8_many`]).
 /// |q| as unsigned bytes, each of `q` into `out`: the unsigned side of the products of the
 /// 256-bit token-group int8 kernel ([`avx2_panel_q8_tokens`]).
 pub fn abs_q8(q: &[i8], out: &mut [u8]) {
@@ -265,6 +263,8 @@ pub fn abs_q8(q: &[i8], out: &mut [u8]) {
     }
 }
 
+/// `q + 128` as unsigned bytes, each of `q` into `out`: the input of the many-token VNNI
+/// kernel ([`avx2_panel_q8_many`]).
 pub fn offset_q8(q: &[i8], out: &mut [u8]) {
     for (o, &v) in out.iter_mut().zip(q) {
         *o = (v as u8) ^ 0x80;
@@ -2576,21 +2576,22 @@ mod avx2 {
 
     /// One int8 panel (`w`: four rows of `n` columns, chunk by chunk) against one to four
     /// tokens at once (`out.len()` of them; `q[t]`, `qa[t]` and `s[t]` token `t`'s quantized
-    /// input, its |q| ([`super::abs_q8`]) and its scales), each token's four sums into `out[t]`: the sums [`panels_q8`] gives each token
-    /// alone, bit for bit (the same integers per lane and group, converted, scaled and added
-    /// in the same order), on the same `path`. A group of two chunks is loaded once for all
-    /// the tokens, and one call goes through the panel, where a batch's decode step and a
-    /// prompt's products called [`panels_q8`] on one panel for each token: on the 2-core Zen 4
-    /// machine (AVX2, `maddubs`), SmolLM2 int8 decode steps at a batch of 8 took 15–17% less
-    /// time (three runs, the two ways alternating step by step; int8 then at 1.02× bf16's
-    /// tokens/s, 0.91× before), the llama-3.2-1b shape's int8 prefill of 512 tokens ran at
-    /// 76.9–78.5 tokens/s against 70.1–74.8, and 2 to 64 tokens over SmolLM2's products in
-    /// cache 5–30% faster; with each token's |q| made once per product rather than by a
-    /// `vpsignb` per chunk, the batch's steps 4.7–5.2% shorter again (three runs, step by step).
-    /// (Why int8 gains no more over bf16 there: the `vpsignb`, `vpmaddubsw`
-    /// and `vpmaddwd` of 32 products seem to share the two pipes f32 FMAs take; in a loop of
-    /// independent chains they took ~1.9 cycles per 32 products, an FMA 0.5 per 8, so both
-    /// make ~16 products a cycle.) Not measured with AVX-VNNI.
+    /// input, its |q| ([`super::abs_q8`]) and its scales), each token's four sums into
+    /// `out[t]`: the sums [`panels_q8`] gives each token alone, bit for bit (the same integers
+    /// per lane and group, converted, scaled and added in the same order), on the same `path`.
+    /// A group of two chunks is loaded once for all the tokens, and one call goes through the
+    /// panel, where a batch's decode step and a prompt's products called [`panels_q8`] on one
+    /// panel for each token: on the 2-core Zen 4 machine (AVX2, `maddubs`), SmolLM2 int8
+    /// decode steps at a batch of 8 took 15–17% less time (three runs, the two ways
+    /// alternating step by step; int8 then at 1.02× bf16's tokens/s, 0.91× before), the
+    /// llama-3.2-1b shape's int8 prefill of 512 tokens ran at 76.9–78.5 tokens/s against
+    /// 70.1–74.8, and 2 to 64 tokens over SmolLM2's products in cache 5–30% faster; with each
+    /// token's |q| made once per product rather than by a `vpsignb` per chunk, the batch's
+    /// steps 4.7–5.2% shorter again (three runs, step by step). (Why int8 gains no more over
+    /// bf16 there: the `vpsignb`, `vpmaddubsw` and `vpmaddwd` of 32 products seem to share the
+    /// two pipes f32 FMAs take; in a loop of independent chains they took ~1.9 cycles per 32
+    /// products, an FMA 0.5 per 8, so both make ~16 products a cycle.) Not measured with
+    /// AVX-VNNI.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c, and what `path` names; `w.len()` is `4 n` with
