@@ -178,6 +178,49 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
     }
 }
 
+/// With int8 weights (`--quant int8`) too, the eight greedy prompts batched (three slots,
+/// steps of at most 8 tokens, so prompts are prefilled in chunks beside other sequences'
+/// decode tokens) each get the tokens they get alone: a token's int8 sums are the same bits in
+/// a step of any size (one token through the one-token kernel, a group of up to four through
+/// the token-group kernel that replaced a call per token where there is no AVX512-VNNI).
+#[test]
+fn int8_batched_prompts_equal_each_alone() {
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let eos = tok.eos_id().into_iter().collect::<Vec<_>>();
+    let opts = GenerateOptions { max_tokens: 16, ignore_eos: false, eos_ids: eos, keep_prompt_logits: false };
+    let mut e = local_engine_on(&dir, Some(gridlm::kernels::Quant::Int8), 2);
+    let alone: Vec<Vec<u32>> = TEXTS
+        .iter()
+        .map(|t| {
+            let p = tok.encode(t, true).unwrap();
+            e.generate(&p, &opts, &Single, &Single, |_| Ok(())).unwrap().token_ids
+        })
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    write_prompts(&file, TEXTS.iter().map(|t| (*t, "")));
+    let args = [
+        "--prompts-file",
+        path_str(&file),
+        "--max-tokens",
+        "16",
+        "--max-batch",
+        "3",
+        "--step-tokens",
+        "8",
+        "--quant",
+        "int8",
+        "--json",
+    ];
+    let v = run_on(&dir, (1, 1), &args);
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), TEXTS.len());
+    for (i, want) in alone.iter().enumerate() {
+        assert_eq!(&ids(&results[i]), want, "int8: prompt {i} ({:?}) differs from alone", TEXTS[i]);
+    }
+}
+
 /// Sampling really samples: a seed decides the tokens (same seed, same tokens; other seeds,
 /// other tokens), and greedy is what temperature 0 gives.
 #[test]
