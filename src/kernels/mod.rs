@@ -999,6 +999,18 @@ mod tests {
             Q8Panel { w, qs, ss, rs }
         }
 
+        /// Each token's input as the bytes `f` makes of it (`dot::offset_q8`, `dot::abs_q8`).
+        fn unsigned(&self, f: fn(&[i8], &mut [u8])) -> Vec<Vec<u8>> {
+            self.qs
+                .iter()
+                .map(|q| {
+                    let mut u = vec![0u8; q.len()];
+                    f(q, &mut u);
+                    u
+                })
+                .collect()
+        }
+
         /// Each token's four sums by the one-token kernel of path `k`, alone.
         fn alone(&self, k: dot::Int8Path) -> Vec<[f32; 4]> {
             (0..4)
@@ -1038,15 +1050,8 @@ mod tests {
             .collect();
         for &n in &[16usize, 32, 48, 2048] {
             let case = Q8Panel::new(n);
-            let Q8Panel { w, qs, ss, rs } = &case;
-            let us: Vec<Vec<u8>> = qs
-                .iter()
-                .map(|q| {
-                    let mut u = vec![0u8; n];
-                    dot::offset_q8(q, &mut u);
-                    u
-                })
-                .collect();
+            let Q8Panel { w, ss, rs, .. } = &case;
+            let us = case.unsigned(dot::offset_q8);
             for &k in &vnni {
                 let alone = case.alone(k);
                 for (nt, spread) in (1..=4).flat_map(|nt| [(nt, false), (nt, true)]) {
@@ -1083,14 +1088,7 @@ mod tests {
         for &n in &[16usize, 32, 48, 80, 2048] {
             let case = Q8Panel::new(n);
             let Q8Panel { w, qs, ss, rs } = &case;
-            let abs: Vec<Vec<u8>> = qs
-                .iter()
-                .map(|q| {
-                    let mut a = vec![0u8; n];
-                    dot::abs_q8(q, &mut a);
-                    a
-                })
-                .collect();
+            let abs = case.unsigned(dot::abs_q8);
             for &k in &kernels {
                 let alone = case.alone(k);
                 for nt in 1..=4 {

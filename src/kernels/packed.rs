@@ -921,13 +921,16 @@ fn matmul_int8(
         // ones, as the one-token kernel sums them ([`dot::avx2_panel_q8_tokens`]). Portable
         // code goes token by token.
         let many = dot::int8_many(isa);
-        crate::grow(xu, n_tok * cols_p);
+        // The inputs' unsigned side for those kernels: offset for AVX512-VNNI's, |q| for the
+        // 256-bit one's; the portable path reads none.
+        let unsigned = if path == Int8Path::Portable { 0 } else { n_tok * cols_p };
+        crate::grow(xu, unsigned);
         if many {
-            dot::offset_q8(xq, &mut xu[..n_tok * cols_p]);
+            dot::offset_q8(xq, &mut xu[..unsigned]);
         } else {
-            dot::abs_q8(xq, &mut xu[..n_tok * cols_p]);
+            dot::abs_q8(xq, &mut xu[..unsigned]);
         }
-        let xu = &xu[..n_tok * cols_p];
+        let xu = &xu[..unsigned];
         // A row in one column block, as one token sums it, however many tokens: a token's
         // sums are then the same bits in any step. The inputs are a byte a column, so a tile's
         // fill `TILE_BYTES` with four times the tokens of a float tile.

@@ -72,6 +72,23 @@ fn run_on(dir: &Path, (pp, tp): (usize, usize), args: &[&str]) -> Value {
     json_of(&out)
 }
 
+/// `generate`'s arguments for the prompts in `file` batched: 16 tokens each, three slots and
+/// steps of at most 8 tokens (so slots are reused and prompts are prefilled in chunks between
+/// other sequences' decode steps), the results as JSON.
+fn batched(file: &Path) -> [&str; 9] {
+    [
+        "--prompts-file",
+        path_str(file),
+        "--max-tokens",
+        "16",
+        "--max-batch",
+        "3",
+        "--step-tokens",
+        "8",
+        "--json",
+    ]
+}
+
 /// How many tokens `a` and `b` begin with alike.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -140,17 +157,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
     let file = tmp.path().join("prompts.jsonl");
     let sampled = SAMPLED.iter().map(|(p, s)| (*p, format!(",{s}")));
     write_prompts(&file, TEXTS.iter().map(|t| (*t, String::new())).chain(sampled));
-    let base = [
-        "--prompts-file",
-        path_str(&file),
-        "--max-tokens",
-        "16",
-        "--max-batch",
-        "3",
-        "--step-tokens",
-        "8",
-        "--json",
-    ];
+    let base = batched(&file);
 
     let mut sampled_first: Option<Vec<Vec<u32>>> = None;
     for (pp, tp) in [(1, 1), (1, 2), (2, 1), (2, 2)] {
@@ -200,19 +207,7 @@ fn int8_batched_prompts_equal_each_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
     write_prompts(&file, TEXTS.iter().map(|t| (*t, "")));
-    let args = [
-        "--prompts-file",
-        path_str(&file),
-        "--max-tokens",
-        "16",
-        "--max-batch",
-        "3",
-        "--step-tokens",
-        "8",
-        "--quant",
-        "int8",
-        "--json",
-    ];
+    let args = [&batched(&file)[..], &["--quant", "int8"]].concat();
     let v = run_on(&dir, (1, 1), &args);
     let results = v["results"].as_array().unwrap();
     assert_eq!(results.len(), TEXTS.len());
