@@ -941,38 +941,43 @@ fn matmul_int8(
                 let row_scales = &scales[p * PANEL..(p + 1) * PANEL];
                 by_groups(p, ts.clone(), TOK_GROUP, emit, |t, acc| {
                     #[cfg(target_arch = "x86_64")]
-                    if many {
-                        let i = |i: usize| t + i.min(acc.len() - 1);
-                        let x = std::array::from_fn(|k| xu[i(k) * cols_p + cr.start..].as_ptr());
-                        let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
-                        // In wide rows, each group's share of the next panel's block (see
-                        // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it), asked
-                        // for once per two chunks (a scale group of the inputs).
-                        let ahead = (cols_p >= dot::SPREAD_FROM).then(|| {
-                            let next = block_at(d, p + 1, cols_p, cr.start);
-                            let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
-                            let lines = (PANEL * cr.len()).div_ceil(64);
-                            dot::Ahead::share(next as *const u8, lines, pass, (cr.len() / CHUNK).div_ceil(2))
-                        });
-                        // SAFETY: `many` only after detecting AVX512-VNNI on a 512-bit ISA
-                        // (itself only after detecting avx512f, avx2, fma and f16c), where the
-                        // path is a VNNI one; `panel` is four rows of the block's columns (a
-                        // multiple of CHUNK), and each token's offset input and scales cover them.
-                        unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc, ahead) };
-                        return;
-                    }
-                    #[cfg(target_arch = "x86_64")]
                     if path != Int8Path::Portable {
-                        let i = |i: usize| t + i.min(acc.len() - 1);
-                        let x = std::array::from_fn(|k| xq[i(k) * cols_p + cr.start..].as_ptr());
-                        let xa = std::array::from_fn(|k| xu[i(k) * cols_p + cr.start..].as_ptr());
-                        let s = std::array::from_fn(|k| xs[i(k) * kc + groups.start..].as_ptr());
-                        // SAFETY: `path` is not the portable one, so it was produced on an ISA
-                        // detected with avx2, fma and f16c (and its VNNI, if it names one);
-                        // `panel` is four rows of the block's columns (a multiple of CHUNK),
-                        // and each token's input (quantized for `path`), its |q| (`xu`, not
-                        // `many`) and its scales cover them.
-                        unsafe { dot::avx2_panel_q8_tokens(panel, x, xa, s, row_scales, acc, path) };
+                        let rows = (t, acc.len());
+                        let s = group_rows(xs, rows, kc, groups.start);
+                        if many {
+                            let x = group_rows(xu, rows, cols_p, cr.start);
+                            // In wide rows, each group's share of the next panel's block (see
+                            // `dot::SPREAD_FROM`; an int8 row is one block, `cr` all of it),
+                            // asked for once per two chunks (a scale group of the inputs).
+                            let ahead = (cols_p >= dot::SPREAD_FROM).then(|| {
+                                let next = block_at(d, p + 1, cols_p, cr.start);
+                                let pass = ((t - ts.start) / TOK_GROUP, ts.len().div_ceil(TOK_GROUP));
+                                let lines = (PANEL * cr.len()).div_ceil(64);
+                                dot::Ahead::share(
+                                    next as *const u8,
+                                    lines,
+                                    pass,
+                                    (cr.len() / CHUNK).div_ceil(2),
+                                )
+                            });
+                            // SAFETY: `many` only after detecting AVX512-VNNI on a 512-bit ISA
+                            // (itself only after detecting avx512f, avx2, fma and f16c), where
+                            // the path is a VNNI one; `panel` is four rows of the block's columns
+                            // (a multiple of CHUNK), and each token's offset input (`xu`) and
+                            // scales cover them.
+                            unsafe { dot::avx2_panel_q8_many(panel, x, s, row_scales, acc, ahead) };
+                        } else {
+                            let (x, xa) = (
+                                group_rows(xq, rows, cols_p, cr.start),
+                                group_rows(xu, rows, cols_p, cr.start),
+                            );
+                            // SAFETY: `path` is not the portable one, so it was produced on an
+                            // ISA detected with avx2, fma and f16c (and its VNNI, if it names
+                            // one); `panel` is four rows of the block's columns (a multiple of
+                            // CHUNK), and each token's input (quantized for `path`), its |q|
+                            // (`xu`, not `many`) and its scales cover them.
+                            unsafe { dot::avx2_panel_q8_tokens(panel, x, xa, s, row_scales, acc, path) };
+                        }
                         return;
                     }
                     for (i, a) in acc.iter_mut().enumerate() {
@@ -1398,6 +1403,14 @@ unsafe fn quad<T: dot::Elem + dot::Avx2Load, const NT: usize>(
 /// requests ahead, which read nothing).
 fn block_at<T>(d: &[T], p: usize, cols_p: usize, c0: usize) -> *const T {
     d.as_ptr().wrapping_add((p * cols_p + c0) * PANEL)
+}
+
+/// Where the int8 token-group kernels read a group's rows of `v` (one per token, `stride`
+/// apart) from column `start`: tokens `t..t + n` of `(t, n)`, the last of them standing in for
+/// the kernels' unused ones.
+#[cfg(target_arch = "x86_64")]
+fn group_rows<T>(v: &[T], (t, n): (usize, usize), stride: usize, start: usize) -> [*const T; TOK_GROUP] {
+    std::array::from_fn(|k| v[(t + k.min(n - 1)) * stride + start..].as_ptr())
 }
 
 /// Sums one panel against 1 to 6 prepared inputs (AVX2 takes up to 3): `acc[i][lane] = row
