@@ -89,6 +89,31 @@ fn batched(file: &Path) -> [&str; 9] {
     ]
 }
 
+/// Each prompt's tokens and finish, run alone.
+type Alone = Vec<(Vec<u32>, Finish)>;
+
+/// Each of [`TEXTS`] run alone, greedy, as [`batched`] runs it (16 tokens at most, ending at
+/// end-of-sequence), on an engine of two kernel threads with weights quantized as `quant`
+/// says: the engine, the prompts' tokens and each one's tokens and finish.
+fn greedy_alone(
+    dir: &Path,
+    quant: Option<gridlm::kernels::Quant>,
+) -> (gridlm::engine::Engine, Vec<Vec<u32>>, Alone) {
+    let tok = Tokenizer::from_dir(dir).unwrap();
+    let eos = tok.eos_id().into_iter().collect::<Vec<_>>();
+    let prompts: Vec<Vec<u32>> = TEXTS.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    let opts = GenerateOptions { max_tokens: 16, ignore_eos: false, eos_ids: eos, keep_prompt_logits: false };
+    let mut e = local_engine_on(dir, quant, 2);
+    let alone = prompts
+        .iter()
+        .map(|p| {
+            let g = e.generate(p, &opts, &Single, &Single, |_| Ok(())).unwrap();
+            (g.token_ids, g.finish)
+        })
+        .collect();
+    (e, prompts, alone)
+}
+
 /// How many tokens `a` and `b` begin with alike.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -133,25 +158,14 @@ const NEAR_TIE: f32 = 0.1;
 #[test]
 fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
     let dir = smollm2("bf16");
-    let tok = Tokenizer::from_dir(&dir).unwrap();
-    let eos = tok.eos_id().into_iter().collect::<Vec<_>>();
-    let prompts: Vec<Vec<u32>> = TEXTS.iter().map(|t| tok.encode(t, true).unwrap()).collect();
-    let lens: std::collections::BTreeSet<usize> = prompts.iter().map(Vec::len).collect();
-    assert!(lens.len() >= 5, "prompts of different lengths: {lens:?}");
-    let opts = GenerateOptions { max_tokens: 16, ignore_eos: false, eos_ids: eos, keep_prompt_logits: false };
     // Alone on two kernel threads, the batched runs below on one (`--threads 1`): a
     // sequence's sums are the same whatever shares its step and on any number of threads
     // (a lone sequence's attention is split between the threads on tile boundaries and
     // merged as one pass folds its tiles), so even the near-tie this text has (0.01 at the
     // Moon prompt's fifth token) must go the same way.
-    let mut e = local_engine_on(&dir, None, 2);
-    let alone: Vec<(Vec<u32>, Finish)> = prompts
-        .iter()
-        .map(|p| {
-            let g = e.generate(p, &opts, &Single, &Single, |_| Ok(())).unwrap();
-            (g.token_ids, g.finish)
-        })
-        .collect();
+    let (mut e, prompts, alone) = greedy_alone(&dir, None);
+    let lens: std::collections::BTreeSet<usize> = prompts.iter().map(Vec::len).collect();
+    assert!(lens.len() >= 5, "prompts of different lengths: {lens:?}");
 
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
@@ -193,17 +207,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_on_every_layout() {
 #[test]
 fn int8_batched_prompts_equal_each_alone() {
     let dir = smollm2("bf16");
-    let tok = Tokenizer::from_dir(&dir).unwrap();
-    let eos = tok.eos_id().into_iter().collect::<Vec<_>>();
-    let opts = GenerateOptions { max_tokens: 16, ignore_eos: false, eos_ids: eos, keep_prompt_logits: false };
-    let mut e = local_engine_on(&dir, Some(gridlm::kernels::Quant::Int8), 2);
-    let alone: Vec<Vec<u32>> = TEXTS
-        .iter()
-        .map(|t| {
-            let p = tok.encode(t, true).unwrap();
-            e.generate(&p, &opts, &Single, &Single, |_| Ok(())).unwrap().token_ids
-        })
-        .collect();
+    let (_, _, alone) = greedy_alone(&dir, Some(gridlm::kernels::Quant::Int8));
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("prompts.jsonl");
     write_prompts(&file, TEXTS.iter().map(|t| (*t, "")));
@@ -211,7 +215,7 @@ fn int8_batched_prompts_equal_each_alone() {
     let v = run_on(&dir, (1, 1), &args);
     let results = v["results"].as_array().unwrap();
     assert_eq!(results.len(), TEXTS.len());
-    for (i, want) in alone.iter().enumerate() {
+    for (i, (want, _)) in alone.iter().enumerate() {
         assert_eq!(&ids(&results[i]), want, "int8: prompt {i} ({:?}) differs from alone", TEXTS[i]);
     }
 }
