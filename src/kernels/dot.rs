@@ -1023,17 +1023,26 @@ pub fn act_mul(gate: &mut [f32], up: &[f32], act: Activation, isa: Isa) {
 pub(crate) const AVX2_FLOAT_GROUP: usize = 3;
 
 /// Writes (`first`) or adds one token's sums for a panel's rows into `o` (the panel's rows of
-/// the output, fewer than four in a matrix's last panel). A whole panel goes by a copy of fixed
-/// size, not by a call to `memmove` as a slice copy of a length known only at run time does:
-/// such calls, one per panel and token in the scheduled path and one per panel and token group
+/// the output, fewer than four in a matrix's last panel), with no call to `memcpy`: such
+/// calls, one per panel and token in the scheduled path and one per panel and token group
 /// where a kernel's sums were copied into a group's accumulators, took a tenth of the decode
-/// time of SmolLM2 at batch 8 on the 2-core Zen 5 machine.
+/// time of SmolLM2 at batch 8 on the 2-core Zen 5 machine. A slice copy of a length known only
+/// at run time is such a call, and LLVM made the whole panel's fixed copy beside it one as well
+/// (the same call with the length 16 bytes, and a `vzeroupper` before it: ~2% of a batch-8
+/// step of the AVX2 kernel on the 2-core Zen 4 machine); so a last panel's rows go one by one
+/// through volatile stores, which no pass turns into a call.
 #[inline]
 pub(crate) fn store_sums(o: &mut [f32], sums: &[f32; 4], first: bool) {
     match <&mut [f32; 4]>::try_from(&mut *o) {
         Ok(whole) if first => *whole = *sums,
-        _ if first => o.iter_mut().zip(sums).for_each(|(o, v)| *o = *v),
-        _ => o.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
+        Ok(whole) => whole.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
+        Err(_) => {
+            for (o, v) in o.iter_mut().zip(sums) {
+                let s = if first { *v } else { *o + v };
+                // SAFETY: `o` is a valid, exclusive reference.
+                unsafe { std::ptr::write_volatile(o, s) };
+            }
+        }
     }
 }
 
@@ -3313,20 +3322,10 @@ mod avx512 {
                 _mm512_extractf32x4_ps::<3>(v),
             ];
             for (i, lane) in lanes.into_iter().take(nt).enumerate() {
-                let o = out.add((t + i) * stride + r0);
+                let o = std::slice::from_raw_parts_mut(out.add((t + i) * stride + r0), nr);
                 let mut four = [0.0f32; 4];
-                let lane = if c0 == 0 {
-                    lane
-                } else {
-                    std::ptr::copy_nonoverlapping(o, four.as_mut_ptr(), nr);
-                    _mm_add_ps(_mm_loadu_ps(four.as_ptr()), lane)
-                };
-                if nr == 4 {
-                    _mm_storeu_ps(o, lane);
-                } else {
-                    _mm_storeu_ps(four.as_mut_ptr(), lane);
-                    std::ptr::copy_nonoverlapping(four.as_ptr(), o, nr);
-                }
+                _mm_storeu_ps(four.as_mut_ptr(), lane);
+                super::store_sums(o, &four, c0 == 0);
             }
         };
         let panels = w.len() / (4 * n);
