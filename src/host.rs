@@ -248,47 +248,69 @@ pub fn gather_nodes(link: &dyn Link, bytes: usize) -> (Vec<[u64; 3]>, Vec<String
     (figures, hosts)
 }
 
-/// Where the job's nodes leave least memory for KV pages, as [`tightest_node`] finds it.
+/// One node of the job as a run's buffers see it: what all its ranks take together per unit of
+/// a run, and the memory it has available (the most any of its ranks saw).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KvRoom {
-    /// KV pages (of every rank's own size) the tightest node holds for all its ranks.
-    pub pages: usize,
-    /// The lowest rank on that node, the node's host name (that rank's), its available bytes
+pub struct NodeRoom {
+    /// The lowest rank on the node, the node's host name (that rank's), its available bytes
     /// and its ranks.
     pub rank: usize,
     pub host: String,
     pub available: usize,
     pub ranks: usize,
+    /// Bytes the node's ranks take together for a KV page (each rank's own size), a token of a
+    /// step, a sequence slot and a row of the output head (see [`NodeRoom::need`]).
+    pub per: [usize; 4],
 }
 
-/// Of every rank's `[node key, KV page bytes, bytes available]` ([`gather_nodes`];
-/// `u64::MAX`: unknown), the pages a pool may have so that each node's ranks together fit in
-/// the memory the node has available (the most any of its ranks saw), at the node where that
-/// is fewest, named by its lowest rank's entry in `hosts` (one a rank, or none). `None` where no
-/// node's memory is known.
-pub fn tightest_node(all: &[[u64; 3]], hosts: &[String]) -> Option<KvRoom> {
-    let mut nodes: Vec<(u64, usize, u64, u64, usize)> = Vec::new(); // key, first rank, bytes a page, available, ranks
+impl NodeRoom {
+    /// The KV pages the node holds for all its ranks, with nothing else beside them.
+    pub fn pages(&self) -> usize {
+        self.available / self.per[0].max(1)
+    }
+
+    /// Bytes the node's ranks take together for a run of `counts`: `[KV pages, tokens of its
+    /// largest step, sequence slots, rows of the output head]`.
+    pub fn need(&self, counts: [usize; 4]) -> usize {
+        self.per.iter().zip(counts).fold(0usize, |sum, (&per, n)| sum.saturating_add(per.saturating_mul(n)))
+    }
+}
+
+/// Every node of the job whose memory is known (`u64::MAX`: unknown), in the order of its
+/// lowest rank, from every rank's `[node key, KV page bytes, bytes available]`
+/// ([`gather_nodes`]) and its own `[token, slot, row]` bytes (`per_rank`, in rank order; see
+/// [`NodeRoom::per`]), each node named by its lowest rank's entry in `hosts` (one a rank, or
+/// none).
+pub fn node_rooms(all: &[[u64; 3]], per_rank: &[[u64; 3]], hosts: &[String]) -> Vec<NodeRoom> {
+    let mut nodes: Vec<(u64, NodeRoom, u64)> = Vec::new(); // key, the node, bytes available
+    let size = |b: u64| usize::try_from(b).unwrap_or(usize::MAX);
     for (rank, &[key, page, avail]) in all.iter().enumerate() {
+        let [token, slot, row] = per_rank.get(rank).copied().unwrap_or_default();
+        let per = [page, token, slot, row].map(size);
         match nodes.iter_mut().find(|n| n.0 == key) {
-            Some(n) => {
-                n.2 += page;
-                n.3 = n.3.max(avail);
-                n.4 += 1;
+            Some((_, node, most)) => {
+                for (sum, p) in node.per.iter_mut().zip(per) {
+                    *sum = sum.saturating_add(p);
+                }
+                *most = (*most).max(avail);
+                node.ranks += 1;
             }
-            None => nodes.push((key, rank, page, avail, 1)),
+            None => {
+                let host = hosts.get(rank).cloned().unwrap_or_else(|| "unknown".into());
+                nodes.push((key, NodeRoom { rank, host, available: 0, ranks: 1, per }, avail));
+            }
         }
     }
     nodes
         .into_iter()
-        .filter(|n| n.3 != u64::MAX)
-        .map(|(_, rank, page, avail, ranks)| KvRoom {
-            pages: usize::try_from(avail / page.max(1)).unwrap_or(usize::MAX),
-            rank,
-            host: hosts.get(rank).cloned().unwrap_or_else(|| "unknown".into()),
-            available: usize::try_from(avail).unwrap_or(usize::MAX),
-            ranks,
-        })
-        .min_by_key(|r| (r.pages, r.rank))
+        .filter(|n| n.2 != u64::MAX)
+        .map(|(_, node, avail)| NodeRoom { available: size(avail), ..node })
+        .collect()
+}
+
+/// The node with room for the fewest KV pages ([`NodeRoom::pages`]; of equals, the lowest rank's).
+pub fn tightest(nodes: &[NodeRoom]) -> Option<&NodeRoom> {
+    nodes.iter().min_by_key(|n| (n.pages(), n.rank))
 }
 
 #[cfg(test)]
@@ -304,23 +326,29 @@ mod tests {
         // node-a: ranks 0 and 2, pages of 3 and 1 MiB, 40 MiB (the most its ranks saw) → 10
         // pages; node-b: rank 1 alone, 2 MiB pages, 30 MiB → 15.
         let all = [[a, 3 * M, 40 * M], [b, 2 * M, 30 * M], [a, M, 38 * M]];
+        let per = [[10, 20, 30], [1, 2, 3], [100, 200, 300]];
         let hosts = ["node-a", "node-b", "node-a"].map(String::from);
-        let room = tightest_node(&all, &hosts).unwrap();
+        let nodes = node_rooms(&all, &per, &hosts);
         let host = String::from("node-a");
-        assert_eq!(room, KvRoom { pages: 10, rank: 0, host, available: 40 << 20, ranks: 2 });
+        let room = NodeRoom { rank: 0, host, available: 40 << 20, ranks: 2, per: [4 << 20, 110, 220, 330] };
+        assert_eq!(tightest(&nodes), Some(&room));
+        assert_eq!(room.pages(), 10);
+        // What a run takes there: its pages, and its steps' tokens, slots and rows, all ranks.
+        assert_eq!(room.need([2, 1000, 3, 5]), (8 << 20) + 110_000 + 660 + 1650);
+        assert_eq!(room.need([usize::MAX, 1, 1, 1]), usize::MAX);
         // node-b with less: it is the tightest now.
         let all = [[a, 3 * M, 40 * M], [b, 2 * M, 12 * M], [a, M, 38 * M]];
         let host = String::from("node-b");
-        assert_eq!(
-            tightest_node(&all, &hosts).unwrap(),
-            KvRoom { pages: 6, rank: 1, host, available: 12 << 20, ranks: 1 }
-        );
+        let room = NodeRoom { rank: 1, host, available: 12 << 20, ranks: 1, per: [2 << 20, 1, 2, 3] };
+        assert_eq!(tightest(&node_rooms(&all, &per, &hosts)), Some(&room));
+        assert_eq!(room.pages(), 6);
         // A node whose memory is unknown sets no bound; none known, no room at all.
         let all = [[a, 3 * M, u64::MAX], [b, 2 * M, 12 * M]];
-        assert_eq!(tightest_node(&all, &hosts).unwrap().rank, 1);
-        assert_eq!(tightest_node(&[[a, M, u64::MAX]], &hosts), None);
+        assert_eq!(node_rooms(&all, &per, &hosts).len(), 1);
+        assert_eq!(tightest(&node_rooms(&all, &per, &hosts)).unwrap().rank, 1);
+        assert_eq!(tightest(&node_rooms(&[[a, M, u64::MAX]], &per, &hosts)), None);
         // Without host names the host is `unknown` (the error line still names the rank).
-        assert_eq!(tightest_node(&all, &[]).unwrap().host, "unknown");
+        assert_eq!(node_rooms(&all, &per, &[])[0].host, "unknown");
     }
 
     #[test]

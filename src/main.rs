@@ -1839,7 +1839,10 @@ fn run_bench(
         micro_batches: micro(batch),
         overlap: !a.overlap.no_overlap,
         step_tokens: a.step_tokens.unwrap_or(batch.div_ceil(micro(batch)) * a.work.prompt_len),
-        kv_bytes: None,
+        // As much as the batch needs at full length, so that every sequence runs from the
+        // first step to the last (a pool that holds fewer would have some wait, and the
+        // figures would be those of a smaller batch); more than the memory holds is an error.
+        kv_bytes: Some(usize::MAX),
         eos_ids: Vec::new(),
         read_between_steps: between,
         sides: None,

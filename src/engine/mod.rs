@@ -358,9 +358,10 @@ pub struct Engine {
     kv_dtype: DType,
     /// Bytes of a KV page on the rank where it is largest (see [`Engine::share_sizes`]).
     max_page_bytes: usize,
-    /// The KV pages the tightest node of the job has memory for (see [`Engine::share_sizes`];
-    /// until then this rank's own node), `None` where no node's memory is known.
-    kv_room: Option<crate::host::KvRoom>,
+    /// The job's nodes whose memory is known, with what their ranks take for a run's buffers
+    /// (see [`Engine::share_sizes`]; until then this rank's own node, as if its every rank
+    /// were this one).
+    rooms: Vec<crate::host::NodeRoom>,
     scratch: Scratch,
     kv: KvCache,
     tables: Vec<Vec<u32>>,
@@ -515,6 +516,24 @@ impl PrefetchBy {
     }
 }
 
+/// Bytes of a rank's buffers in a run beyond its weights and KV pages, `[per token of a
+/// step, per sequence slot, per row of the output head]`: the forward pass's
+/// ([`Scratch::bytes_per`]) and a step's hidden states; on the last stage each row's hidden
+/// state and its logits over the stage's largest vocabulary shard. From below, as
+/// [`Scratch::bytes_per`] is.
+fn buffer_bytes(shard: &Shard, threads: usize, grid: &Grid) -> [usize; 3] {
+    let [token, slot] = Scratch::bytes_per(shard, threads);
+    let h = shard.cfg.hidden_size;
+    let row =
+        if grid.is_last_stage() { 4 * (h + largest_vocab_shard(shard.cfg.vocab_size, grid.tp)) } else { 0 };
+    [token + 4 * h, slot, row]
+}
+
+/// The most tokens of a `vocab` split over `tp` ranks any one rank holds.
+fn largest_vocab_shard(vocab: usize, tp: usize) -> usize {
+    (0..tp).map(|t| vocab_range(vocab, tp, t).len()).max().unwrap_or(0)
+}
+
 /// This rank's one-token prefetch: the one `GRIDLM_PREFETCH` names (none, near, far, nta or
 /// page), else the fastest on its own layers, timed on `team` ([`Shard::pick_fetch`]: `page`
 /// unless another is clearly faster), else [`kernels::Fetch::Near`].
@@ -594,13 +613,17 @@ impl Engine {
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
         // Alone, a rank takes its share of its node: the others are not known yet.
         let ranks = crate::comm::mpi::local_ranks();
-        let kv_room = crate::host::mem_available().map(|available| crate::host::KvRoom {
-            pages: available / ranks / max_page_bytes.max(1),
-            rank: grid.rank,
-            host: crate::host::name(),
-            available,
-            ranks,
-        });
+        let [token, slot, row] = buffer_bytes(&shard, team.threads(), &grid);
+        let rooms = crate::host::mem_available()
+            .map(|available| crate::host::NodeRoom {
+                rank: grid.rank,
+                host: crate::host::name(),
+                available,
+                ranks,
+                per: [max_page_bytes, token, slot, row].map(|b| b.saturating_mul(ranks)),
+            })
+            .into_iter()
+            .collect();
         let kv = shard.new_kv(0, 0, 1, kv_dtype);
         Ok(Engine {
             shard,
@@ -608,7 +631,7 @@ impl Engine {
             team,
             kv_dtype,
             max_page_bytes,
-            kv_room,
+            rooms,
             scratch: Scratch::default(),
             kv,
             tables: Vec::new(),
@@ -646,17 +669,26 @@ impl Engine {
     }
 
     /// Collective over the job: every rank learns the largest KV page of any rank, which
-    /// sizes the pool the driver plans for (a page table is the same on every rank), and the
-    /// pages the memory of the tightest node holds for all its ranks.
+    /// sizes the pool the driver plans for (a page table is the same on every rank), and what
+    /// each node's memory holds for the buffers of all its ranks.
     pub fn share_sizes(&mut self, link: &dyn Link) {
         let (all, hosts) = crate::host::gather_nodes(link, self.shard.kv_page_bytes(self.kv_dtype));
         self.max_page_bytes = all.iter().map(|r| r[1]).max().unwrap_or(0) as usize;
-        self.kv_room = crate::host::tightest_node(&all, &hosts);
+        let mine = buffer_bytes(&self.shard, self.team.threads(), &self.grid).map(|b| b as u64);
+        let mut per = vec![0u64; 3 * link.world_size()];
+        link.allgather_u64(&mine, &mut per);
+        let per: Vec<[u64; 3]> = per.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect();
+        self.rooms = crate::host::node_rooms(&all, &per, &hosts);
     }
 
-    /// The KV pages the tightest node has memory for (see [`Engine::share_sizes`]).
-    pub fn kv_room(&self) -> Option<&crate::host::KvRoom> {
-        self.kv_room.as_ref()
+    /// The job's nodes whose memory is known (see [`Engine::share_sizes`]).
+    pub fn rooms(&self) -> &[crate::host::NodeRoom] {
+        &self.rooms
+    }
+
+    /// The node with room for the fewest KV pages, `None` where no node's memory is known.
+    pub fn kv_room(&self) -> Option<&crate::host::NodeRoom> {
+        crate::host::tightest(&self.rooms)
     }
 
     /// Bytes of one KV page on the rank where it is largest.
@@ -1114,8 +1146,7 @@ impl Engine {
 
     /// The largest vocabulary shard of the stage (the same on every rank).
     fn max_vocab_shard(&self) -> usize {
-        let (vocab, tp) = (self.shard.cfg.vocab_size, self.grid.tp);
-        (0..tp).map(|t| vocab_range(vocab, tp, t).len()).max().unwrap_or(0)
+        largest_vocab_shard(self.shard.cfg.vocab_size, self.grid.tp)
     }
 
     /// Last stage: the next token of each of the `m` rows of `self.logits` (their slots in

@@ -22,7 +22,6 @@ use super::{
 };
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
-use crate::host::KvRoom;
 use crate::model::{Span, PAGE};
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -262,6 +261,8 @@ impl Engine {
         let mut need: Vec<usize> = requests.iter().map(|r| pages_of(r, ctx)).collect();
         need.sort_unstable_by(|a, b| b.cmp(a));
         let want = need.iter().take(opts.max_batch).sum::<usize>().max(1);
+        // No more slots than requests: each slot's buffers are reserved whether it runs or not.
+        let opts = &RunOptions { max_batch: opts.max_batch.min(requests.len()).max(1), ..opts.clone() };
         let mut listed = Listed { requests, given: false, out: vec![None; requests.len()], on_token };
         let stats = self.drive(&mut listed, opts, want, comm, link)?;
         let out = listed.out.into_iter().map(|c| c.expect("every listed request is done")).collect();
@@ -293,7 +294,7 @@ impl Engine {
         // Unasked, a quarter of the tightest node's memory (where none is known, 1 GiB a node,
         // shared by its ranks).
         let room = self.kv_room();
-        let auto = room.map_or((1 << 30) / crate::comm::mpi::local_ranks() / page_bytes, |r| r.pages / 4);
+        let auto = room.map_or((1 << 30) / crate::comm::mpi::local_ranks() / page_bytes, |r| r.pages() / 4);
         let caching = opts.prefix_cache && opts.sides.is_none() && !self.windowed();
         // KV memory asked for is the pool's, with the prefix cache, up to the larger of what
         // the requests need at once and the unasked default: what the running sequences leave
@@ -309,15 +310,26 @@ impl Engine {
                 opts.kv_bytes.unwrap_or(0)
             )));
         }
-        if let (Some(_), Some(room)) = (opts.kv_bytes, room.filter(|r| pages > r.pages)) {
-            let KvRoom { rank, host, available, ranks, .. } = room;
+        let slots = opts.max_batch;
+        // Every slot's token and its drafts: the most rows a step's output head takes but for
+        // prompts' last chunks. A step holds at most `step_tokens` (a page's worth when it
+        // would hold none, see `build_step`), or its decode tokens where they are more.
+        let rows = slots * (1 + opts.speculate);
+        let tokens = opts.step_tokens.max(PAGE).max(rows);
+        let counts = [pages, tokens, slots, rows];
+        if let Some(room) = self.rooms().iter().find(|r| r.need(counts) > r.available) {
+            let (need, kv) = (room.need(counts), room.need([pages, 0, 0, 0]));
             return Err(Error::Input(format!(
-                "the KV cache would take {} MiB per rank (what the prompts need at full length, within the KV memory asked for), but host {host} (the node of rank {rank}) has {} MiB available for its {ranks} rank(s): ask for less KV memory or a smaller batch",
-                (pages * page_bytes) >> 20,
-                available >> 20
+                "a run of {slots} sequence(s) at once would take {} MiB ({} MiB of KV cache, {} MiB of buffers for steps of up to {tokens} tokens), but host {} (the node of rank {}) has {} MiB available for its {} rank(s): use a smaller batch, fewer tokens a step or less KV memory",
+                need >> 20,
+                kv >> 20,
+                (need - kv) >> 20,
+                room.host,
+                room.rank,
+                room.available >> 20,
+                room.ranks
             )));
         }
-        let slots = opts.max_batch;
         let mut cache = PrefixCache::new(if caching { pages } else { 0 });
         // A waiting request's cached pages, looked up at each try to admit it.
         let mut hit: Vec<u32> = Vec::with_capacity(if caching { pages } else { 0 });
@@ -330,11 +342,6 @@ impl Engine {
         let depth = if opts.overlap && opts.sides.is_none() { groups } else { 1 };
         let mut clocks = [0.0f64; 2];
         let mut last = 0.0;
-        // A step holds at most `step_tokens` of a sequence, or a page's worth when it would
-        // hold none (see `build_step`).
-        // Every slot's token and its drafts: the most rows a step's output head takes but for
-        // prompts' last chunks.
-        let rows = slots * (1 + opts.speculate);
         self.begin((pages, slots, opts.step_tokens.max(PAGE), rows), comm, link)?;
 
         // The requests held, by place (a place is reused once its request is done).

@@ -1569,42 +1569,84 @@ pub struct Scratch {
 }
 
 impl Scratch {
+    /// Floats of each token-sized buffer [`Scratch::ensure`] makes for `n` tokens, in the order
+    /// of the fields from `xn` to `sin_local`.
+    fn lens(n: usize, m: &Shard) -> [usize; 19] {
+        let cfg = &m.cfg;
+        let (nq, nkv, hd, h) = (m.plan.q_heads.len(), m.plan.kv_heads.len(), cfg.head_dim, cfg.hidden_size);
+        let ffl = m.plan.ffn.len();
+        let (experts, nk) = cfg.moe.as_ref().map_or((0, 0), |moe| (moe.experts, n * moe.per_token));
+        let (efl, sfl) = (m.plan.expert_ffn.len(), m.plan.shared_ffn.len());
+        let local = if m.inv_freq_local.is_some() { n * hd / 2 } else { 0 };
+        [
+            n * h,
+            n * (nq + 2 * nkv) * hd,
+            n * nq * hd,
+            n * h,
+            n * 2 * ffl,
+            n * ffl,
+            n * hd / 2,
+            n * hd / 2,
+            n * experts,
+            nk * h,
+            nk * 2 * efl,
+            nk * efl,
+            nk * h,
+            n * 2 * sfl,
+            n * sfl,
+            n * sfl.min(1) * h,
+            2 * n,
+            local,
+            local,
+        ]
+    }
+
     fn ensure(&mut self, n: usize, m: &Shard) {
         if n <= self.tok_cap && !self.xn.is_empty() {
             return;
         }
-        let cfg = &m.cfg;
-        let (nq, nkv, hd) = (m.plan.q_heads.len(), m.plan.kv_heads.len(), cfg.head_dim);
         let n = n.max(self.tok_cap).max(1);
-        let ffl = m.plan.ffn.len();
         self.tok_cap = n;
         self.tokens = Vec::with_capacity(n);
         self.blocks = Vec::with_capacity(n);
         self.layouts =
             m.windows.iter().map(|&window| Layout { window, splits: Vec::with_capacity(n + 1) }).collect();
-        self.xn = vec![0.0; n * cfg.hidden_size];
-        self.qkv = vec![0.0; n * (nq + 2 * nkv) * hd];
-        self.att = vec![0.0; n * nq * hd];
-        self.o = vec![0.0; n * cfg.hidden_size];
-        self.gu = vec![0.0; n * 2 * ffl];
-        self.act = vec![0.0; n * ffl];
-        self.cos = vec![0.0; n * hd / 2];
-        self.sin = vec![0.0; n * hd / 2];
-        let (experts, nk) = cfg.moe.as_ref().map_or((0, 0), |moe| (moe.experts, n * moe.per_token));
-        let (h, efl) = (cfg.hidden_size, m.plan.expert_ffn.len());
-        self.moe_logits = vec![0.0; n * experts];
-        self.moe_x = vec![0.0; nk * h];
-        self.moe_gu = vec![0.0; nk * 2 * efl];
-        self.moe_act = vec![0.0; nk * efl];
-        self.moe_out = vec![0.0; nk * h];
-        let sfl = m.plan.shared_ffn.len();
-        self.moe_shared_gu = vec![0.0; n * 2 * sfl];
-        self.moe_shared_act = vec![0.0; n * sfl];
-        self.moe_shared_out = vec![0.0; n * sfl.min(1) * h];
-        self.qk_inv = vec![0.0; 2 * n];
-        let local = if m.inv_freq_local.is_some() { n * hd / 2 } else { 0 };
-        self.cos_local = vec![0.0; local];
-        self.sin_local = vec![0.0; local];
+        let buffers = [
+            &mut self.xn,
+            &mut self.qkv,
+            &mut self.att,
+            &mut self.o,
+            &mut self.gu,
+            &mut self.act,
+            &mut self.cos,
+            &mut self.sin,
+            &mut self.moe_logits,
+            &mut self.moe_x,
+            &mut self.moe_gu,
+            &mut self.moe_act,
+            &mut self.moe_out,
+            &mut self.moe_shared_gu,
+            &mut self.moe_shared_act,
+            &mut self.moe_shared_out,
+            &mut self.qk_inv,
+            &mut self.cos_local,
+            &mut self.sin_local,
+        ];
+        for (b, len) in buffers.into_iter().zip(Self::lens(n, m)) {
+            *b = vec![0.0; len];
+        }
+    }
+
+    /// Bytes of the buffers of a run on `m` with `threads` kernel threads, beyond its weights
+    /// and KV pages: `[per token of a step, per sequence slot]` — the token-sized buffers of
+    /// [`Scratch::ensure`] and each thread's own ([`own_lens`], as [`Scratch::reserve_decode`]
+    /// reserves them for the slots), and the tile states of a slot's split blocks. An estimate
+    /// from below (tables, layouts and routing left out) for telling a run that cannot fit.
+    pub(crate) fn bytes_per(m: &Shard, threads: usize) -> [usize; 2] {
+        const SMALL: usize = kernels::TILE_PAGES / kernels::SMALL_TILE_PAGES;
+        let token = Self::lens(1, m).iter().sum::<usize>() + threads * 2 * m.cfg.hidden_size;
+        let slot = threads * 2 * m.cfg.hidden_size + m.plan.q_heads.len() * SMALL * (m.cfg.head_dim + 2);
+        [4 * token, 4 * slot]
     }
 
     /// Room, before a run's first step, for the tile states of any decode step of at most

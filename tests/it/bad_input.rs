@@ -302,7 +302,28 @@ fn kv_memory_beyond_the_machine() {
         "--kv-mem-mib",
         "999999999",
     ]);
-    assert_one_line_error(&out, &["the KV cache would take", "MiB available", "ask for less KV memory"]);
+    assert_one_line_error(&out, &["MiB of KV cache", "MiB available", "less KV memory"]);
+}
+
+/// A batch whose buffers the machine cannot hold is one line before any step, where it used to
+/// fill the memory until the kernel killed the process (bench: 100 000 sequences' keys and
+/// values and a first step of 6.4 million prompt tokens; serve: 100 000 slots, each with its row of
+/// logits and a decode token's buffers); generate reserves no more slots than it has prompts, so
+/// a larger `--max-batch` costs a lone prompt nothing.
+#[test]
+fn batches_beyond_the_machine() {
+    let model = smollm2("bf16");
+    let out = gridlm(&["bench", "--shape", "smollm2-135m", "--batch", "100000", "--prompt-len", "64"]);
+    assert_one_line_error(
+        &out,
+        &["a run of 100000 sequence(s)", "MiB of KV cache", "steps of up to 6400000 tokens"],
+    );
+    let out =
+        gridlm(&["serve", "--model", path_str(&model), "--max-batch", "100000", "--listen", "127.0.0.1:0"]);
+    assert_one_line_error(&out, &["a run of 100000 sequence(s)", "MiB available", "a smaller batch"]);
+    let args = ["generate", "--model", path_str(&model), "--prompt", "hi", "--max-tokens", "2"];
+    let out = gridlm(&[&args[..], &["--max-batch", "1000000"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// Options clap rejects (unknown, malformed, missing) get the same one-line error as any other

@@ -284,7 +284,7 @@ fn kv_memory_beyond_the_node_counts_all_its_ranks() {
     let out = local(2, &model, &[&args[..], &["--tp", "2", "--kv-mem-mib", "999999999"]].concat(), &[]);
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
     assert_every_rank_says(&out, 2, &format!("but host {} (the node of rank 0) has", host.trim()));
-    assert_every_rank_says(&out, 2, "for its 2 rank(s): ask for less KV memory");
+    assert_every_rank_says(&out, 2, "for its 2 rank(s): use a smaller batch");
     // A lone prompt that needs more KV pages than 1 MiB holds.
     let out = local(2, &model, &["--prompt", "hello", "--max-tokens", "200", "--kv-mem-mib", "1"], &[]);
     assert_every_rank_says(&out, 2, "KV pages of");
