@@ -1920,6 +1920,7 @@ fn run_bench(
     let mut holding = Side::Main;
     let mut main_profile = engine.profile();
     let mut outcome = Ok(());
+    let mut failed = None;
     for (n, &(side, run)) in schedule.iter().enumerate() {
         if let Some(spare) = spare.as_mut().filter(|_| side != holding) {
             engine.swap_weights(spare);
@@ -1993,9 +1994,10 @@ fn run_bench(
                 Err(e) => outcome = Err(e),
             }
         }
-        // The driver's outcome decides for every rank whether the runs go on.
-        let failed = link.agree(outcome.as_ref().map(|_| ()).map_err(|e| e.to_string())).is_err();
-        if failed {
+        // The driver's outcome decides for every rank whether the runs go on; a failure is
+        // every rank's to report, once the collectives below are done.
+        if let Err(msg) = link.agree(outcome.as_ref().map(|_| ()).map_err(|e| e.to_string())) {
+            failed = Some(msg);
             break;
         }
         if side == Side::Main {
@@ -2104,10 +2106,12 @@ fn run_bench(
     drop(spare.take());
     let base_ways = (base_prefetch, base_many);
     let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_ways, tokens_per_step);
+    if let Some(msg) = failed {
+        return Err(Agreed(msg).into());
+    }
     if !driver {
         return Ok(());
     }
-    outcome?;
 
     // Each micro-batch's decode step reads every rank's weights once.
     let weight_bytes_per_step: u64 = ranks.iter().map(|r| r.bytes_per_token).sum();

@@ -285,6 +285,13 @@ fn kv_memory_beyond_the_node_counts_all_its_ranks() {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
     assert_every_rank_says(&out, 2, &format!("but host {} (the node of rank 0) has", host.trim()));
     assert_every_rank_says(&out, 2, "for its 2 rank(s): use a smaller batch");
+    // bench's batch beyond the node, over two stages: its failed run is every rank's to report
+    // (before, rank 0 alone printed it and the launcher aborted the job).
+    let mut cmd = launch_command(&["local", "2"]);
+    cmd.args(["bench", "--shape", "smollm2-135m", "--pp", "2", "--threads", "1", "--batch", "20000"]);
+    cmd.args(["--prompt-len", "8"]);
+    let out = run_with_timeout(cmd, 120);
+    assert_every_rank_says(&out, 2, "a run of 20000 sequence(s) at once would take");
     // A lone prompt that needs more KV pages than 1 MiB holds.
     let out = local(2, &model, &["--prompt", "hello", "--max-tokens", "200", "--kv-mem-mib", "1"], &[]);
     assert_every_rank_says(&out, 2, "KV pages of");
