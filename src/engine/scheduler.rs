@@ -261,8 +261,13 @@ impl Engine {
         let mut need: Vec<usize> = requests.iter().map(|r| pages_of(r, ctx)).collect();
         need.sort_unstable_by(|a, b| b.cmp(a));
         let want = need.iter().take(opts.max_batch).sum::<usize>().max(1);
-        // No more slots than requests: each slot's buffers are reserved whether it runs or not.
-        let opts = &RunOptions { max_batch: opts.max_batch.min(requests.len()).max(1), ..opts.clone() };
+        // No more slots than requests (each slot's buffers are reserved whether it runs or
+        // not), and no more tokens a step than all the prompts and a decode token and its
+        // drafts for every slot (a step's buffers are counted against the memory for as
+        // many): neither changes what any step holds.
+        let slots = opts.max_batch.min(requests.len()).max(1);
+        let most = requests.iter().map(|r| r.prompt.len()).sum::<usize>() + slots * (1 + opts.speculate);
+        let opts = &RunOptions { max_batch: slots, step_tokens: opts.step_tokens.min(most), ..opts.clone() };
         let mut listed = Listed { requests, given: false, out: vec![None; requests.len()], on_token };
         let stats = self.drive(&mut listed, opts, want, comm, link)?;
         let out = listed.out.into_iter().map(|c| c.expect("every listed request is done")).collect();

@@ -308,8 +308,9 @@ fn kv_memory_beyond_the_machine() {
 /// A batch whose buffers the machine cannot hold is one line before any step, where it used to
 /// fill the memory until the kernel killed the process (bench: 100 000 sequences' keys and
 /// values and a first step of 6.4 million prompt tokens; serve: 100 000 slots, each with its row of
-/// logits and a decode token's buffers); generate reserves no more slots than it has prompts, so
-/// a larger `--max-batch` costs a lone prompt nothing.
+/// logits and a decode token's buffers); generate reserves no more slots than it has prompts and
+/// counts no more tokens a step than they hold, so a larger `--max-batch` or `--step-tokens`
+/// costs a lone prompt nothing.
 #[test]
 fn batches_beyond_the_machine() {
     let model = smollm2("bf16");
@@ -323,6 +324,9 @@ fn batches_beyond_the_machine() {
     assert_one_line_error(&out, &["a run of 100000 sequence(s)", "MiB available", "a smaller batch"]);
     let args = ["generate", "--model", path_str(&model), "--prompt", "hi", "--max-tokens", "2"];
     let out = gridlm(&[&args[..], &["--max-batch", "1000000"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Nor more tokens a step than its prompts and decode tokens could ever fill.
+    let out = gridlm(&[&args[..], &["--step-tokens", "100000000", "--speculate", "8"]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
