@@ -17,18 +17,30 @@ fn proc_kb(path: &str, field: &str) -> Option<usize> {
     Some(line.split_whitespace().nth(1)?.parse::<usize>().ok()? * 1024)
 }
 
+/// The caches of this process's first CPU as Linux lists them under `root`
+/// (`/sys/devices/system/cpu`): each one's level, type (`Data`, `Instruction`, `Unified`) and
+/// bytes, where it says.
+fn caches(root: &Path) -> Vec<(u32, String, usize)> {
+    let Some(cpu) = first_cpu().map(|c| root.join(format!("cpu{c}"))) else { return Vec::new() };
+    (0..16)
+        .filter_map(|i| {
+            let dir = cpu.join(format!("cache/index{i}"));
+            let field = |f: &str| std::fs::read_to_string(dir.join(f)).ok().map(|v| v.trim().to_string());
+            Some((field("level")?.parse().ok()?, field("type")?, cache_size(&field("size")?)?))
+        })
+        .collect()
+}
+
 /// Bytes of a level-1 data cache of this process's first CPU, as Linux lists its caches
 /// under `root` (`/sys/devices/system/cpu`), if it says.
 pub fn l1d_bytes(root: &Path) -> Option<usize> {
-    let cpu = root.join(format!("cpu{}", first_cpu()?));
-    (0..16).find_map(|i| {
-        let dir = cpu.join(format!("cache/index{i}"));
-        let field = |f: &str| std::fs::read_to_string(dir.join(f)).ok().map(|v| v.trim().to_string());
-        if field("level")? != "1" || field("type")? != "Data" {
-            return None;
-        }
-        cache_size(&field("size")?)
-    })
+    caches(root).into_iter().find(|c| c.0 == 1 && c.1 == "Data").map(|c| c.2)
+}
+
+/// Bytes of the last-level cache of this process's first CPU (its highest level's), as
+/// Linux lists its caches under `root`, if it says.
+pub fn last_level_cache_bytes(root: &Path) -> Option<usize> {
+    caches(root).into_iter().max_by_key(|c| c.0).map(|c| c.2)
 }
 
 /// A cache size as sysfs writes it (`48K`, `1024K`, `32M`), in bytes.
@@ -421,7 +433,9 @@ mod tests {
             std::fs::write(dir.join("size"), format!("{size}\n")).unwrap();
         }
         assert_eq!(l1d_bytes(root.path()), Some(48 << 10));
+        assert_eq!(last_level_cache_bytes(root.path()), Some(1 << 20));
         assert_eq!(l1d_bytes(&root.path().join("none")), None);
+        assert_eq!(last_level_cache_bytes(&root.path().join("none")), None);
     }
 
     #[test]

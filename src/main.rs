@@ -1600,6 +1600,23 @@ fn bench(a: BenchArgs) -> Result<()> {
     on_grid(&a.grid, |grid, comm, link| run_bench(&a, &params, grid, comm, link))
 }
 
+/// A warning (from each node's first rank) where the bandwidth probe's buffer of `mib` MiB is
+/// not far larger than the last-level cache: its reads then come partly from the cache, and
+/// the bandwidth and every efficiency set against it are not the memory's.
+fn warn_if_probe_fits_cache(mib: usize) {
+    let llc = host::last_level_cache_bytes(Path::new("/sys/devices/system/cpu"));
+    if let Some(llc) = llc.filter(|&b| mib << 20 < 4 * b) {
+        if gridlm::comm::mpi::local_rank() == 0 {
+            let line = format!(
+                "warning: --bandwidth-mib {mib} is less than 4 times the {} MiB last-level cache: \
+                 the bandwidth read is partly the cache's, not the memory's\n",
+                llc >> 20
+            );
+            let _ = std::io::stderr().write_all(line.as_bytes());
+        }
+    }
+}
+
 /// `bench --limits`: every rank measures with its own threads at the same time; the sums are
 /// what the job's ranks get together.
 fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
@@ -1612,6 +1629,7 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
     a.engine.warn_if_oversubscribed();
     // The probe's buffer is held until every figure is taken: once freed, its pages go back
     // to the host on these cores (see `ReadProbe`).
+    warn_if_probe_fits_cache(a.bandwidth_mib);
     let probe = gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20);
     let bw = probe.best(&team, 5).0;
     // One core reading alone (every rank's main thread at once): what a rank reads while the
@@ -1765,6 +1783,7 @@ fn run_bench(
     // The FMA peak and the fastest read (and the way of reading that made it) are measured
     // before and after the timed runs; each rank's best of the two counts, so a passing
     // disturbance of the machine during one measurement does not lower them.
+    warn_if_probe_fits_cache(a.bandwidth_mib);
     let probe = std::rc::Rc::new(gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20));
     // The bf16 dot-product peak is NaN where the bf16 kernels have no `vdpbf16ps`.
     let limits = |engine: &Engine| {
