@@ -1627,9 +1627,9 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
             .map_err(|e| gridlm::Error::Input(format!("cannot start {threads} kernel threads: {e}"))),
     )?;
     a.engine.warn_if_oversubscribed();
+    warn_if_probe_fits_cache(a.bandwidth_mib);
     // The probe's buffer is held until every figure is taken: once freed, its pages go back
     // to the host on these cores (see `ReadProbe`).
-    warn_if_probe_fits_cache(a.bandwidth_mib);
     let probe = gridlm::kernels::limits::ReadProbe::new(a.bandwidth_mib << 20);
     let bw = probe.best(&team, 5).0;
     // One core reading alone (every rank's main thread at once): what a rank reads while the
