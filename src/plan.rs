@@ -6,7 +6,8 @@
 //! places them, so a stage's tp ranks share a node when they fit):
 //!
 //! * memory: the rank's weights (its layers' slice, the embedding or output head slice) plus
-//!   the KV cache of the batch at full length;
+//!   the KV cache of the batch at full length and the f32 buffers of the first step (all the
+//!   batch's prompt tokens at once; on the last stage a row of logits for each sequence);
 //! * a decode step of a stage: max(bytes read ÷ bandwidth per rank, FLOPs ÷ peak per rank),
 //!   where bytes are the rank's weights (of a mixture of experts, the routers and the experts
 //!   the step's tokens are expected to choose, `Moe::expected_experts`; FLOPs count those one
@@ -215,7 +216,15 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
             if s == 0 && !(pp == 1 && cfg.tie_word_embeddings) { head_params / tp as f64 } else { 0.0 };
         let held = (params + embed) * w.weight_bytes;
         let kv = layers * kv_heads * hd * 2.0 * ctx * b * w.kv_bytes;
-        mem_max = mem_max.max(held + kv);
+        // The buffers of the first step (every prompt at once, as bench runs it): each
+        // token's residual stream, norm and hidden state, and its slices of the attention and
+        // widest FFN activations (a product's outputs are its weights ÷ its inputs); on the
+        // last stage each sequence's hidden state and logits over the rank's vocabulary shard.
+        let widest_ffn = stage_layers.clone().map(|i| cfg.ffn_params_per_token(i)).fold(0.0, f64::max);
+        let per_token = 3.0 * h + (attention_params + widest_ffn) / (h * tp as f64);
+        let rows = if s == pp - 1 { b * (h + (cfg.vocab_size as f64 / tp as f64).ceil()) } else { 0.0 };
+        let buffers = 4.0 * (b * w.prompt_len as f64 * per_token + rows);
+        mem_max = mem_max.max(held + kv + buffers);
         let share = c.sharing(first, ranks);
         // Reading at the same time on the socket: every rank there where the stages overlap,
         // else this stage's ranks there (the stages take turns).
