@@ -317,10 +317,12 @@ impl Engine {
         }
         let slots = opts.max_batch;
         // Every slot's token and its drafts: the most rows a step's output head takes but for
-        // prompts' last chunks. A step holds at most `step_tokens` (a page's worth when it
-        // would hold none, see `build_step`), or its decode tokens where they are more.
+        // prompts' last chunks. A step holds at most `step_tokens` of a sequence (a page's
+        // worth when it would hold none, see `build_step`), in all that or its decode tokens
+        // where they are more.
         let rows = slots * (1 + opts.speculate);
-        let tokens = opts.step_tokens.max(PAGE).max(rows);
+        let chunk = opts.step_tokens.max(PAGE);
+        let tokens = chunk.max(rows);
         let counts = [pages, tokens, slots, rows];
         if let Some(room) = self.rooms().iter().find(|r| r.need(counts) > r.available) {
             let (need, kv) = (room.need(counts), room.need([pages, 0, 0, 0]));
@@ -347,7 +349,7 @@ impl Engine {
         let depth = if opts.overlap && opts.sides.is_none() { groups } else { 1 };
         let mut clocks = [0.0f64; 2];
         let mut last = 0.0;
-        self.begin((pages, slots, opts.step_tokens.max(PAGE), rows), comm, link)?;
+        self.begin((pages, slots, chunk, rows), comm, link)?;
 
         // The requests held, by place (a place is reused once its request is done).
         let mut live: Vec<Option<Live>> = Vec::new();
