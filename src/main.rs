@@ -1938,9 +1938,10 @@ fn run_bench(
     // The side whose weights the engine holds (the baseline's only with spare weights).
     let mut holding = Side::Main;
     let mut main_profile = engine.profile();
-    let mut outcome = Ok(());
     let mut failed = None;
     for (n, &(side, run)) in schedule.iter().enumerate() {
+        // The driver's outcome of this run (every other rank's is `Ok`).
+        let mut outcome = Ok(());
         if let Some(spare) = spare.as_mut().filter(|_| side != holding) {
             engine.swap_weights(spare);
             holding = side;
