@@ -79,7 +79,8 @@ pub(crate) fn field<T: serde::de::DeserializeOwned>(
 pub(crate) fn stop_field(
     obj: &serde_json::Map<String, serde_json::Value>,
 ) -> std::result::Result<Option<Vec<String>>, String> {
-    Ok(field::<Stop>(obj, "stop")?.map(|s| match s {
+    let stop = field::<Stop>(obj, "stop").map_err(|_| "`stop` must be a string or a list of strings")?;
+    Ok(stop.map(|s| match s {
         Stop::One(x) => vec![x],
         Stop::Many(x) => x,
     }))
@@ -100,7 +101,8 @@ pub(crate) fn sampling_fields(
     p.presence_penalty = field(obj, "presence_penalty")?.unwrap_or(p.presence_penalty);
     p.frequency_penalty = field(obj, "frequency_penalty")?.unwrap_or(p.frequency_penalty);
     p.seed = field(obj, "seed")?.unwrap_or(p.seed);
-    p.check()
+    // The check names a setting by its bare key first: here it is a JSON key.
+    p.check().map_err(|e| format!("`{}", e.replacen(' ', "` ", 1)))
 }
 
 impl Defaults {

@@ -13,7 +13,6 @@ use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Tr
 use crate::error::Result;
 use crate::prompts::{field, sampling_fields, stop_field, TextTracker};
 use crate::tokenizer::Tokenizer;
-use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
@@ -91,20 +90,6 @@ const KEYS: [&str; 22] = [
     "top_logprobs",
 ];
 
-/// A chat message's content: a string, or a list of parts of which text ones are read.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<Map<String, Value>>),
-}
-
-#[derive(Deserialize)]
-struct Message {
-    role: String,
-    content: Option<Content>,
-}
-
 /// The most completions one request may ask for (its prompts × `n`).
 pub const MAX_CHOICES: usize = 64;
 
@@ -160,15 +145,20 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             if obj.contains_key("prompt") {
                 return Err("`prompt` belongs to /v1/completions; here the conversation is `messages`".into());
             }
-            let msgs: Vec<Message> = field(&obj, "messages")?.ok_or("no `messages`")?;
+            let msgs: Vec<Map<String, Value>> = field(&obj, "messages")?.ok_or("no `messages`")?;
             if msgs.is_empty() {
                 return Err("`messages` is empty".into());
             }
-            for (i, m) in msgs.into_iter().enumerate() {
-                let text = match m.content {
-                    None => String::new(),
-                    Some(Content::Text(t)) => t,
-                    Some(Content::Parts(parts)) => {
+            for (i, m) in msgs.iter().enumerate() {
+                let role = match m.get("role") {
+                    Some(Value::String(r)) => r.clone(),
+                    Some(_) => return Err(format!("`messages[{i}].role` must be a string")),
+                    None => return Err(format!("`messages[{i}]` has no `role`")),
+                };
+                let text = match m.get("content") {
+                    None | Some(Value::Null) => String::new(),
+                    Some(Value::String(t)) => t.clone(),
+                    Some(Value::Array(parts)) => {
                         let mut text = String::new();
                         for p in parts {
                             match (
@@ -186,8 +176,13 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
                         }
                         text
                     }
+                    Some(_) => {
+                        return Err(format!(
+                            "`messages[{i}].content` must be a string or a list of text parts"
+                        ))
+                    }
                 };
-                ask.messages.push((m.role, text));
+                ask.messages.push((role, text));
             }
         }
     }
@@ -211,7 +206,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     if ask.stop.iter().any(String::is_empty) {
         return Err("`stop`: a stop string is empty".into());
     }
-    sampling_fields(&obj, &mut ask.params).map_err(|e| format!("`{}", e.replacen(' ', "` ", 1)))?;
+    sampling_fields(&obj, &mut ask.params)?;
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
     let prompts = (ask.prompts.len() + ask.token_prompts.len()).max(1);
@@ -1310,11 +1305,26 @@ mod tests {
             (Kind::Completion, r#"{"prompt":"a","stream":"yes"}"#, "`stream`"),
             (Kind::Chat, r#"{"prompt":"a"}"#, "belongs to /v1/completions"),
             (Kind::Chat, r#"{"messages":[]}"#, "`messages` is empty"),
-            (Kind::Chat, r#"{"messages":[{"content":"a"}]}"#, "`messages`"),
+            (Kind::Chat, r#"{"messages":[{"content":"a"}]}"#, "`messages[0]` has no `role`"),
             (Kind::Chat, r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#, "image_url"),
+            (Kind::Chat, r#"{"messages":[{"role":1}]}"#, "`messages[0].role` must be a string"),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"user","content":"a"},{"role":"user","content":5}]}"#,
+                "`messages[1].content` must be a string or a list of text parts",
+            ),
+            (Kind::Completion, r#"{"prompt":"a","top_k":-1}"#, "`top_k`: invalid value: integer `-1`"),
+            (Kind::Completion, r#"{"prompt":"a","seed":-1}"#, "`seed`: invalid value"),
+            (
+                Kind::Completion,
+                r#"{"prompt":"a","stop":[1]}"#,
+                "`stop` must be a string or a list of strings",
+            ),
         ] {
             let e = ask(kind, body).unwrap_err();
             assert!(e.contains(fragment), "{body}: {e}");
+            // One pair of backticks around each name.
+            assert!(!e.contains("``") && e.matches('`').count() % 2 == 0, "{body}: {e}");
         }
     }
 

@@ -237,7 +237,7 @@ fn bad_prompts_files() {
     std::fs::write(&jl, "{\"prompt\":\"t1\"}\nt2\n").unwrap();
     assert_one_line_error(&run(&jl, &[]), &["p.jsonl:2:", "not a prompt object"]);
     std::fs::write(&jl, "{\"prompt\":\"t1\",\"min_p\":1.5}\n").unwrap();
-    assert_one_line_error(&run(&jl, &[]), &["p.jsonl:1:", "min_p must be in [0, 1]"]);
+    assert_one_line_error(&run(&jl, &[]), &["p.jsonl:1:", "`min_p` must be in [0, 1]"]);
     std::fs::write(&jl, "\n").unwrap();
     assert_one_line_error(&run(&jl, &[]), &["p.jsonl", "no prompts"]);
 }
