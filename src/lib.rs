@@ -9,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod grid;
 pub mod host;
+pub mod http;
 pub mod inspect;
 pub mod kernels;
 pub mod model;

@@ -638,7 +638,7 @@ fn one_line_panics() {
             let trace = std::backtrace::Backtrace::force_capture().to_string();
             let _ = std::io::stderr().write_all(trace.as_bytes());
         }
-        // A server's HTTP threads (its own and the HTTP library's) end alone: their request gets
+        // A server's HTTP threads (a connection's, named gridlm-http) end alone: their request gets
         // status 500 (or its connection closes) and the others are answered on. Any other
         // thread's panic (the main thread's, a kernel thread's) ends the rank, and so the job.
         let name = std::thread::current().name().map(str::to_string);
@@ -1487,7 +1487,7 @@ fn run_serve(
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         let front = if driver {
             let tok = Tokenizer::from_dir(&a.model)?;
-            let server = tiny_http::Server::http(&a.listen).map_err(|e| {
+            let server = gridlm::http::Server::bind(&a.listen).map_err(|e| {
                 gridlm::Error::Input(format!("--listen {}: cannot listen there: {e}", a.listen))
             })?;
             Some((tok, server))
@@ -1516,7 +1516,7 @@ fn run_serve(
         let dir = a.model.canonicalize().unwrap_or_else(|_| a.model.clone());
         dir.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
     });
-    let addr = server.server_addr().to_string();
+    let addr = server.local_addr().map_or_else(|_| a.listen.clone(), |a| a.to_string());
     let tok = std::sync::Arc::new(tok);
     let (tx, rx) = std::sync::mpsc::channel();
     let front = Front {

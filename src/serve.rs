@@ -11,11 +11,12 @@
 use crate::engine::sampling::SamplingParams;
 use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
 use crate::error::Result;
+use crate::http;
 use crate::prompts::{field, sampling_fields, stop_field, TextTracker};
 use crate::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -592,25 +593,31 @@ impl Drop for InFlight<'_> {
 }
 
 /// Whether `req` brings `key` as its bearer token.
-fn authorized(req: &tiny_http::Request, key: &str) -> bool {
-    req.headers().iter().any(|h| {
-        h.field.equiv("Authorization")
-            && h.value.as_str().strip_prefix("Bearer ").is_some_and(|k| k.trim() == key)
-    })
+fn authorized(req: &http::Request, key: &str) -> bool {
+    req.header("Authorization").and_then(|v| v.strip_prefix("Bearer ")).is_some_and(|k| k.trim() == key)
 }
 
-/// The largest request body read.
-const MAX_BODY: u64 = 16 << 20;
+/// What a client may send and how long it may take: a body of 16 MiB (a prompt of token ids
+/// for the longest context is under 2), twice the requests in flight in connections (at least
+/// 64), a minute for a request to begin on a connection and for each read and write.
+fn limits(front: &Front) -> http::Limits {
+    http::Limits {
+        max_body: 16 << 20,
+        max_connections: front.max_in_flight.saturating_mul(2).max(64),
+        idle: Duration::from_secs(60),
+        io: Duration::from_secs(60),
+    }
+}
 
 /// Seconds since the epoch.
 pub fn now_s() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Starts the listener's thread: each request gets a thread of its own.
-pub fn start(server: tiny_http::Server, front: Front, drain: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+/// Starts the listener's thread: each connection gets a thread of its own.
+pub fn start(server: http::Server, front: Front, drain: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     let (server, front) = (Arc::new(server), Arc::new(front));
-    // Draining: the listener stops taking requests, and once the last request thread is done
+    // Draining: the listener stops taking connections, and once the last request is answered
     // (each holds the front, and with it the channel to the driver), the driver's traffic
     // ends: the scheduler finishes what it has and the job ends.
     let (listener, watched) = (Arc::clone(&server), Arc::clone(&front));
@@ -619,48 +626,57 @@ pub fn start(server: tiny_http::Server, front: Front, drain: Arc<AtomicBool>) ->
             std::thread::sleep(Duration::from_millis(50));
         }
         let n = watched.in_flight.load(Ordering::Relaxed);
+        drop(watched);
         let line =
             format!("serve: draining (SIGUSR1): no new requests; answering the {n} in flight, then ending\n");
         let _ = std::io::stderr().write_all(line.as_bytes());
-        listener.unblock();
+        listener.stop();
     });
-    std::thread::spawn(move || {
-        for req in server.incoming_requests() {
-            let front = Arc::clone(&front);
-            std::thread::spawn(move || answer(req, &front));
-        }
-    })
+    std::thread::spawn(move || server.run(limits(&front), front))
+}
+
+impl http::Handler for Front {
+    fn request(&self, req: http::Request) {
+        answer(req, self);
+    }
+
+    fn refused(&self, status: u16, why: &str) -> (Vec<u8>, &'static str) {
+        self.metrics.status(status);
+        let _ = std::io::stderr().write_all(format!("serve: {status}: {why}\n").as_bytes());
+        (error_body(status, why).to_string().into_bytes(), "application/json")
+    }
 }
 
 /// An answer of `status` with `body` of the content type `kind`.
-fn reply(req: tiny_http::Request, status: u16, kind: &str, body: String) {
-    // A header of these ASCII words is always valid.
-    let header =
-        tiny_http::Header::from_bytes(&b"Content-Type"[..], kind.as_bytes()).expect("a valid header");
-    let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(status).with_header(header));
+fn reply(req: http::Request, status: u16, kind: &str, body: String) {
+    let _ = req.respond(status, kind, body.as_bytes());
 }
 
 /// An answer with a JSON body.
-fn reply_json(req: tiny_http::Request, status: u16, body: &Value) {
+fn reply_json(req: http::Request, status: u16, body: &Value) {
     reply(req, status, "application/json", body.to_string());
 }
 
 /// An error answer, in OpenAI's form.
-fn reply_error(req: tiny_http::Request, status: u16, msg: &str) {
+fn reply_error(req: http::Request, status: u16, msg: &str) {
+    reply_json(req, status, &error_body(status, msg));
+}
+
+/// An error's body, in OpenAI's form.
+fn error_body(status: u16, msg: &str) -> Value {
     let kind = if status >= 500 { "server_error" } else { "invalid_request_error" };
-    reply_json(req, status, &json!({"error": {"message": msg, "type": kind, "param": null, "code": null}}));
+    json!({"error": {"message": msg, "type": kind, "param": null, "code": null}})
 }
 
 /// Answers a completion request with an error, and logs it (its path, status and why).
-fn refuse(front: &Front, req: tiny_http::Request, url: &str, status: u16, msg: &str) {
+fn refuse(front: &Front, req: http::Request, url: &str, status: u16, msg: &str) {
     front.metrics.status(status);
     reply_error(req, status, msg);
     let _ = std::io::stderr().write_all(format!("serve: {url} {status}: {msg}\n").as_bytes());
 }
 
 /// Answers one HTTP request, and logs it on stderr (but for /health and /v1/models).
-fn answer(mut req: tiny_http::Request, front: &Front) {
-    use tiny_http::Method::{Get, Post};
+fn answer(mut req: http::Request, front: &Front) {
     let t0 = Instant::now();
     let url = req.url().split('?').next().unwrap_or("").to_string();
     // Tests: a request thread that fails (the server must answer on).
@@ -677,18 +693,18 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         );
     }
     let kind = match (req.method(), url.as_str()) {
-        (Get, "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
-        (Get, "/metrics") => {
+        ("GET", "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
+        ("GET", "/metrics") => {
             let text = front.metrics.render(front.in_flight.load(Ordering::Relaxed));
             return reply(req, 200, "text/plain; version=0.0.4", text);
         }
-        (Get, "/v1/models") => {
+        ("GET", "/v1/models") => {
             let model =
                 json!({"id": front.model, "object": "model", "created": front.created, "owned_by": "gridlm"});
             return reply_json(req, 200, &json!({"object": "list", "data": [model]}));
         }
-        (Post, "/v1/completions") => Kind::Completion,
-        (Post, "/v1/chat/completions") => Kind::Chat,
+        ("POST", "/v1/completions") => Kind::Completion,
+        ("POST", "/v1/chat/completions") => Kind::Chat,
         (_, "/health" | "/metrics" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
             let m = req.method().to_string();
             return refuse(front, req, &url, 405, &format!("{url} does not take {m}"));
@@ -699,13 +715,10 @@ fn answer(mut req: tiny_http::Request, front: &Front) {
         }
     };
     let n = front.count.fetch_add(1, Ordering::Relaxed);
-    let mut body = Vec::new();
-    if let Err(e) = req.as_reader().take(MAX_BODY + 1).read_to_end(&mut body) {
-        return refuse(front, req, &url, 400, &format!("cannot read the body: {e}"));
-    }
-    if body.len() as u64 > MAX_BODY {
-        return refuse(front, req, &url, 413, &format!("the body is larger than {} MiB", MAX_BODY >> 20));
-    }
+    let body = match std::mem::replace(&mut req.body, Ok(Vec::new())) {
+        Ok(body) => body,
+        Err((status, why)) => return refuse(front, req, &url, status, &why),
+    };
     let ask = match parse(kind, &body, &front.defaults, n) {
         Ok(a) => a,
         Err(e) => return refuse(front, req, &url, 400, &e),
@@ -1011,7 +1024,7 @@ impl Head<'_> {
 }
 
 /// Waits for the `k` completions and answers with them. The status, and how they ended.
-fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) -> (u16, Option<Outcome>) {
+fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16, Option<Outcome>) {
     let mut texts = vec![String::new(); k];
     let mut lps: Vec<Logprobs> = vec![Vec::new(); k];
     let mut prompt_lps: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); k];
@@ -1065,7 +1078,7 @@ fn whole(req: tiny_http::Request, head: &Head, k: usize, events: &mut Events) ->
 /// and how they ended (`None` when the client went away: the driver stops the completions at
 /// their next token, finding the channel closed).
 fn stream(
-    req: tiny_http::Request,
+    req: http::Request,
     head: &Head,
     ask: &Ask,
     k: usize,
@@ -1080,12 +1093,10 @@ fn stream(
         let counts = Counts::default();
         return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens, counts }));
     }
-    let mut sse =
-        Sse { w: req.into_writer(), first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k] };
-    let start = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
-    if sse.w.write_all(start.as_bytes()).is_err() {
+    let Ok(w) = req.start_chunked(200, "text/event-stream", &[("Cache-Control", "no-cache")]) else {
         return (200, None);
-    }
+    };
+    let mut sse = Sse { w, first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k] };
     let mut finish = vec![Finish::Length; k];
     let (mut done, mut tokens, mut counts) = (0, 0, Counts::default());
     loop {
@@ -1123,7 +1134,7 @@ fn stream(
                 last["usage"] = head.usage(tokens, counts.cached);
                 end = sse.event(&last);
             }
-            let end = end.and_then(|()| sse.data("[DONE]")).and_then(|()| sse.chunk(""));
+            let end = end.and_then(|()| sse.data("[DONE]")).and_then(|()| sse.w.finish());
             return (200, end.ok().map(|()| Outcome { finish, tokens, counts }));
         }
         event = match events.recv() {
@@ -1135,7 +1146,7 @@ fn stream(
 
 /// A stream of server-sent events in HTTP chunks, each flushed as it is written.
 struct Sse {
-    w: Box<dyn Write + Send>,
+    w: http::Chunked,
     /// Each choice not sent yet (a chat stream's first chunk of a choice carries the role).
     first: Vec<bool>,
     /// Bytes of each choice's text sent so far (the `text_offset` of its next token).
@@ -1145,13 +1156,8 @@ struct Sse {
 }
 
 impl Sse {
-    fn chunk(&mut self, data: &str) -> std::io::Result<()> {
-        write!(self.w, "{:X}\r\n{data}\r\n", data.len())?;
-        self.w.flush()
-    }
-
     fn data(&mut self, data: &str) -> std::io::Result<()> {
-        self.chunk(&format!("data: {data}\n\n"))
+        self.w.chunk(format!("data: {data}\n\n").as_bytes())
     }
 
     fn event(&mut self, v: &Value) -> std::io::Result<()> {
@@ -1324,7 +1330,7 @@ mod tests {
             let e = ask(kind, body).unwrap_err();
             assert!(e.contains(fragment), "{body}: {e}");
             // One pair of backticks around each name.
-            assert!(!e.contains("``") && e.matches('`').count() % 2 == 0, "{body}: {e}");
+            assert!(!e.contains("``") && e.matches('`').count().is_multiple_of(2), "{body}: {e}");
         }
     }
 
