@@ -150,6 +150,26 @@ impl Request {
         self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
+    /// Whether the client went away (closed or reset the connection) before its answer: the
+    /// connection reads as ended. Bytes it holds (a next request) are left for their reader.
+    pub fn client_gone(&self) -> bool {
+        let Some(w) = &self.w else { return false };
+        let mut byte = 0u8;
+        // SAFETY: the descriptor is the connection's own, open while `w` lives; at most one
+        // byte is peeked into `byte`, without waiting.
+        let n = unsafe {
+            libc::recv(w.as_raw_fd(), (&raw mut byte).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        };
+        match n {
+            0 => true,
+            1.. => false,
+            _ => !matches!(
+                io::Error::last_os_error().kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ),
+        }
+    }
+
     /// Answers with `status` and `body` of content type `kind`.
     pub fn respond(mut self, status: u16, kind: &str, body: &[u8]) -> io::Result<()> {
         let w = self.w.take().expect("a request is answered once");

@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -559,15 +559,36 @@ struct Events<'a> {
     /// When the request went to the driver, and how long its first event took.
     sent: Instant,
     first: Option<Duration>,
+    /// When [`Events::recv_unless`] last asked whether the client went away.
+    asked: Instant,
 }
 
 impl Events<'_> {
     /// The next event, `None` once every completion is done (or the driver is gone).
     fn recv(&mut self) -> Option<(usize, Event)> {
+        self.recv_unless(&|| false)
+    }
+
+    /// The next event as [`Events::recv`], or `None` once `gone` says the client went away
+    /// (asked every quarter second, events coming or not).
+    fn recv_unless(&mut self, gone: &dyn Fn() -> bool) -> Option<(usize, Event)> {
+        const EVERY: Duration = Duration::from_millis(250);
         if self.open == 0 {
             return None;
         }
-        let e = self.rx.recv().ok();
+        let e = loop {
+            if self.asked.elapsed() >= EVERY {
+                self.asked = Instant::now();
+                if gone() {
+                    break None;
+                }
+            }
+            match self.rx.recv_timeout(EVERY) {
+                Ok(e) => break Some(e),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break None,
+            }
+        };
         if self.first.is_none() {
             self.first = Some(self.sent.elapsed());
         }
@@ -737,7 +758,14 @@ fn answer(mut req: http::Request, front: &Front) {
     // Each prompt's `n` completions, in that order; the `j`-th of a prompt samples with seed + j.
     let k = prompts.len() * ask.n;
     let (reply, rx) = channel();
-    let mut events = Events { rx, open: k, counted: Some(counted), sent: Instant::now(), first: None };
+    let mut events = Events {
+        rx,
+        open: k,
+        counted: Some(counted),
+        sent: Instant::now(),
+        first: None,
+        asked: Instant::now(),
+    };
     for (i, ids) in prompts.iter().enumerate() {
         for j in 0..ask.n {
             let params =
@@ -1030,7 +1058,7 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
     let mut prompt_lps: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); k];
     let mut finish = vec![Finish::Length; k];
     let (mut done, mut tokens, mut counts) = (0, 0, Counts::default());
-    while let Some((i, event)) = events.recv() {
+    while let Some((i, event)) = events.recv_unless(&|| req.client_gone()) {
         match event {
             Event::Prompt(lp) => prompt_lps[i] = lp,
             Event::Text(piece, lp) => {
@@ -1056,6 +1084,11 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
         }
     }
     if done < k {
+        // The client went away (nginx's 499): its completions stop at their next token, the
+        // driver finding their channel closed once `events` is dropped.
+        if req.client_gone() {
+            return (499, None);
+        }
         reply_error(req, 500, "the driver stopped before the completion was done");
         return (500, None);
     }
@@ -1084,7 +1117,10 @@ fn stream(
     k: usize,
     events: &mut Events,
 ) -> (u16, Option<Outcome>) {
-    let Some(mut event) = events.recv() else {
+    let Some(mut event) = events.recv_unless(&|| req.client_gone()) else {
+        if req.client_gone() {
+            return (499, None);
+        }
         reply_error(req, 500, "the driver stopped before the completion was done");
         return (500, None);
     };
