@@ -224,7 +224,8 @@ impl Gguf {
             let v = c.value(ty)?;
             meta.insert(key, v);
         }
-        let mut raw = Vec::with_capacity(n_tensors);
+        // The counts are checked against the file's size only: reserve for a plausible few.
+        let mut raw = Vec::with_capacity(n_tensors.min(1 << 16));
         for _ in 0..n_tensors {
             let name = c.string()?;
             let n_dims = c.u32()? as usize;
@@ -255,7 +256,9 @@ impl Gguf {
                     ),
                 )
             })?;
-            let n: usize = dims.iter().product();
+            let corrupt = |what: &str| Error::tensor(path, &name, format!("corrupt GGUF: {what}"));
+            let n = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            let n = n.ok_or_else(|| corrupt(&format!("dimensions {dims:?} overflow")))?;
             let (block, block_bytes) = ty.block();
             if !n.is_multiple_of(block) {
                 return Err(Error::tensor(
@@ -264,8 +267,10 @@ impl Gguf {
                     format!("{n} elements is not a multiple of the block size {block}"),
                 ));
             }
-            let n_bytes = n / block * block_bytes;
-            let offset = data_start + offset;
+            let n_bytes = (n / block).checked_mul(block_bytes);
+            let n_bytes = n_bytes.ok_or_else(|| corrupt(&format!("dimensions {dims:?} overflow")))?;
+            let offset = data_start.checked_add(offset).filter(|o| o.checked_add(n_bytes).is_some());
+            let offset = offset.ok_or_else(|| corrupt("a data offset beyond any file"))?;
             if offset + n_bytes > bytes.len() {
                 return Err(Error::tensor(
                     path,
@@ -404,6 +409,43 @@ mod tests {
 
     fn f16_bytes(x: f32) -> [u8; 2] {
         f16::from_f32(x).to_bits().to_le_bytes()
+    }
+
+    /// A GGUF file of one F32 tensor `t` with `dims` at data offset `offset`, padded to
+    /// `size` bytes (the header's lengths are checked against the file's size).
+    fn one_tensor(dims: &[u64], offset: u64, size: usize) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.push(b't');
+        b.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| b.extend(d.to_le_bytes()));
+        b.extend(0u32.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        b.resize(size, 0);
+        b
+    }
+
+    /// Crafted sizes and offsets are errors naming the tensor, not an overflow (a panic, or a
+    /// wrapped size passing the file-size check).
+    #[test]
+    fn sizes_and_offsets_beyond_any_file_are_corrupt() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("x.gguf");
+        for (dims, offset, want) in [
+            (&[1u64 << 16; 4][..], 0, "dimensions [65536, 65536, 65536, 65536] overflow"),
+            (&[1 << 16, 1 << 16, 1 << 15, 1 << 15], 0, "overflow"),
+            (&[4], u64::MAX - 8, "a data offset beyond any file"),
+            (&[4], 1 << 20, "beyond the end of the file"),
+        ] {
+            std::fs::write(&path, one_tensor(dims, offset, 70_000)).unwrap();
+            let e = Gguf::open(&path).err().expect("an error").to_string();
+            assert!(e.contains("`t`") && e.contains(want), "{dims:?} at {offset}: {e}");
+        }
+        std::fs::write(&path, one_tensor(&[4], 0, 70_000)).unwrap();
+        assert_eq!(Gguf::open(&path).unwrap().tensors[0].n_bytes, 16);
     }
 
     #[test]
