@@ -510,11 +510,13 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     // (it ran to its end, thousands of tokens, when the HTTP library hid the hang-up).
     let whole = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true});
     let gone = server.send("POST", "/v1/completions", &whole.to_string());
-    let mut before = 0;
-    while answered(server.post("/v1/completions", &ask)) == 200 {
+    // Asked before it is counted in flight, a request would take its place and turn it away.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !server.http("GET", "/metrics", "").1.lines().any(|l| l == "gridlm_requests_in_flight 1") {
         assert!(std::time::Instant::now() < deadline, "the request never ran:\n{}", server.log_text());
-        before += 1;
+        std::thread::sleep(Duration::from_millis(20));
     }
+    assert_eq!(answered(server.post("/v1/completions", &ask)), 429);
     refused += 1;
     drop(gone);
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -536,7 +538,7 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     // request thread counts its request once its answer is written, so the client may ask before
     // the last one has: wait for the answers' durations (counted after the rest).
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let durations = format!("gridlm_request_duration_seconds_count {}", 26 + before);
+    let durations = "gridlm_request_duration_seconds_count 26";
     let metrics = loop {
         let (status, metrics) = server.http("GET", "/metrics", "");
         assert_eq!(status, 200, "{metrics}");
@@ -551,17 +553,16 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
         line.and_then(|l| l.rsplit(' ').next()?.parse().ok())
             .unwrap_or_else(|| panic!("no {name}:\n{metrics}"))
     };
-    // Answered: the first, the stream (its client gone), the one after each loop, those before
-    // the unstreamed one ran, twenty and the one after the failed thread; that one's client
-    // gone, 499.
-    assert_eq!(value("gridlm_requests_total{status=\"200\"}"), 25 + before, "{metrics}");
+    // Answered: the first, the stream (its client gone), the one after each loop, twenty and
+    // the one after the failed thread; the unstreamed one's client gone, 499.
+    assert_eq!(value("gridlm_requests_total{status=\"200\"}"), 25, "{metrics}");
     assert_eq!(value("gridlm_requests_total{status=\"499\"}"), 1, "{metrics}");
     assert_eq!(value("gridlm_requests_total{status=\"401\"}"), 4, "{metrics}");
     assert_eq!(value("gridlm_requests_total{status=\"429\"}"), refused, "{metrics}");
     assert_eq!(value("gridlm_requests_in_flight"), 0, "{metrics}");
     assert_eq!(value("gridlm_generation_tokens_total"), tokens, "{metrics}");
-    assert_eq!(value("gridlm_time_to_first_token_seconds_count"), 24 + before, "{metrics}");
-    assert_eq!(value("gridlm_request_duration_seconds_count"), 26 + before, "{metrics}");
+    assert_eq!(value("gridlm_time_to_first_token_seconds_count"), 24, "{metrics}");
+    assert_eq!(value("gridlm_request_duration_seconds_count"), 26, "{metrics}");
     let log = server.log_text();
     assert!(log.contains("200: 4 prompt tokens, the client went away, streamed"), "{log}");
     assert!(log.contains("499: 4 prompt tokens, the client went away, "), "{log}");
