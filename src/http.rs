@@ -28,7 +28,8 @@ pub struct Limits {
     pub max_connections: usize,
     /// How long a connection may wait for its next request's head to begin; then it closes.
     pub idle: Duration,
-    /// How long each read of a request and each write of an answer may wait.
+    /// How long a request's head (once begun) and its body may take to come, and how long each
+    /// write of an answer may wait.
     pub io: Duration,
 }
 
@@ -341,8 +342,8 @@ fn connection<H: Handler>(stream: TcpStream, limits: Limits, handler: &Weak<H>, 
                 return linger(&stream, &mut r);
             }
         };
-        let _ = stream.set_read_timeout(Some(limits.io));
-        let body = match read_body(&mut r, &head, limits.max_body, &stream) {
+        let mut timed = Timed { r: &mut r, stream: &stream, deadline: Instant::now() + limits.io };
+        let body = match read_body(&mut timed, &head, limits.max_body, &stream) {
             Ok(body) => Ok(body),
             Err(Some(refusal)) => Err(refusal),
             Err(None) => return,
@@ -375,16 +376,18 @@ fn linger(stream: &TcpStream, r: &mut BufReader<TcpStream>) {
 }
 
 /// Reads a request's head: `Err(None)` where the connection closed or stayed idle before one
-/// began. Once a head has begun, each read may take `io`.
+/// began. Once a head has begun, the whole of it must come within `io`.
 fn read_head(r: &mut BufReader<TcpStream>, io: Duration, stream: &TcpStream) -> Result<Head, Unread> {
-    let mut buf: Vec<u8> = Vec::new();
+    let late = || Some((408, "the request's head did not come in time".into()));
+    let (mut buf, mut deadline) = (Vec::new(), None);
     loop {
+        if deadline.is_some_and(|d| left_until(stream, d).is_err()) {
+            return Err(late());
+        }
         let got = match r.fill_buf() {
             Ok(got) => got,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) if is_timeout(&e) && !buf.is_empty() => {
-                return Err(Some((408, "the request's head did not come in time".into())))
-            }
+            Err(e) if is_timeout(&e) && !buf.is_empty() => return Err(late()),
             Err(_) => return Err(None),
         };
         if got.is_empty() {
@@ -393,7 +396,7 @@ fn read_head(r: &mut BufReader<TcpStream>, io: Duration, stream: &TcpStream) -> 
         let before = buf.len();
         buf.extend_from_slice(&got[..got.len().min(MAX_HEAD + 1 - before)]);
         if before == 0 {
-            let _ = stream.set_read_timeout(Some(io));
+            deadline = Some(Instant::now() + io);
         }
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut headers);
@@ -436,12 +439,7 @@ fn is_timeout(e: &io::Error) -> bool {
 /// Reads a request's body as its head declares it (a length, chunks, or none), at most `max`
 /// bytes. A body declared larger is refused without reading it; an `Expect: 100-continue`
 /// gets its interim answer once the body is to be read.
-fn read_body(
-    r: &mut BufReader<TcpStream>,
-    head: &Head,
-    max: usize,
-    w: &TcpStream,
-) -> Result<Vec<u8>, Unread> {
+fn read_body(r: &mut Timed, head: &Head, max: usize, w: &TcpStream) -> Result<Vec<u8>, Unread> {
     let too_large = || Some((413, format!("the body is larger than {}", size_text(max))));
     let chunked = match head.header("Transfer-Encoding") {
         None => false,
@@ -522,8 +520,43 @@ fn size_text(bytes: usize) -> String {
     }
 }
 
+/// Sets `stream`'s read timeout to what is left until `deadline`; an error once it has passed.
+fn left_until(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    stream.set_read_timeout(Some(left))
+}
+
+/// A connection's reader whose reads must all end by a deadline (a body trickling in a byte at a
+/// time does not hold its connection for longer).
+struct Timed<'a> {
+    r: &'a mut BufReader<TcpStream>,
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        left_until(self.stream, self.deadline)?;
+        self.r.read(buf)
+    }
+}
+
+impl BufRead for Timed<'_> {
+    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        left_until(self.stream, self.deadline)?;
+        self.r.fill_buf()
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.r.consume(n);
+    }
+}
+
 /// A line of a chunked body's framing, without its line end.
-fn chunk_line(r: &mut BufReader<TcpStream>) -> io::Result<String> {
+fn chunk_line(r: &mut impl BufRead) -> io::Result<String> {
     let mut line = Vec::new();
     (&mut *r).take(MAX_CHUNK_LINE as u64 + 2).read_until(b'\n', &mut line)?;
     if line.last() != Some(&b'\n') {
@@ -710,9 +743,31 @@ mod tests {
     #[test]
     fn slow_clients_and_connections_beyond_the_most_are_turned_away() {
         let (server, ..) = start(LIMITS);
-        // A head begun but not ended within the time of a read: 408.
+        // A head begun but not ended in time: 408; so with a head or a body coming a byte at a
+        // time, each byte well within the time (300 ms) but not the whole.
         let got = answers(&exchange(&server, b"GET / HTTP/1.1\r\nHost: x\r\n"));
         assert_eq!(got[0].0, 408, "{got:?}");
+        for (head, body) in [
+            ("GET / HTTP/1.1\r\nX: abcdefghij", ""),
+            ("POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\n", "abcdefghij"),
+        ] {
+            let mut s = connect(&server);
+            let trickle = if body.is_empty() { head } else { body };
+            if !body.is_empty() {
+                s.write_all(head.as_bytes()).unwrap();
+            }
+            for b in trickle.bytes() {
+                if s.write_all(&[b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let mut out = Vec::new();
+            let _ = s.read_to_end(&mut out);
+            let got = answers(&String::from_utf8_lossy(&out));
+            assert_eq!(got[0].0, 408, "{head:?}: {got:?}");
+            assert!(got[0].1.contains("did not come in time"), "{got:?}");
+        }
         // Four connections open and idle, the fifth is turned away at once.
         let idle: Vec<TcpStream> = (0..LIMITS.max_connections).map(|_| connect(&server)).collect();
         std::thread::sleep(Duration::from_millis(100));

@@ -620,7 +620,8 @@ fn authorized(req: &http::Request, key: &str) -> bool {
 
 /// What a client may send and how long it may take: a body of 16 MiB (a prompt of token ids
 /// for the longest context is under 2), twice the requests in flight in connections (at least
-/// 64), a minute for a request to begin on a connection and for each read and write.
+/// 64), a minute for a request to begin on a connection, for its head and body to come and for
+/// each write of an answer.
 fn limits(front: &Front) -> http::Limits {
     http::Limits {
         max_body: 16 << 20,
