@@ -173,7 +173,8 @@ impl Request {
 
     /// Answers with `status` and `body` of content type `kind`.
     pub fn respond(mut self, status: u16, kind: &str, body: &[u8]) -> io::Result<()> {
-        let w = self.w.take().expect("a request is answered once");
+        // Taken only here and by the drop, each once: `self` is consumed.
+        let Some(w) = self.w.take() else { return Err(io::ErrorKind::NotConnected.into()) };
         let sent = write_answer(&w, status, kind, body, self.keep_alive, self.method == "HEAD");
         self.done.store(sent.is_ok(), Ordering::SeqCst);
         sent
@@ -182,7 +183,8 @@ impl Request {
     /// Starts an answer of `status` whose body of content type `kind` comes in chunks, with the
     /// `extra` headers.
     pub fn start_chunked(mut self, status: u16, kind: &str, extra: &[(&str, &str)]) -> io::Result<Chunked> {
-        let w = self.w.take().expect("a request is answered once");
+        // Taken only here and by the drop, each once: `self` is consumed.
+        let Some(w) = self.w.take() else { return Err(io::ErrorKind::NotConnected.into()) };
         let mut head = head(status, kind, self.keep_alive);
         for (name, value) in extra {
             head.push_str(&format!("{name}: {value}\r\n"));
