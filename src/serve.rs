@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The two endpoints that generate.
@@ -249,6 +249,8 @@ pub struct Incoming {
     /// Which of its HTTP request's completions it is (its events carry it).
     pub choice: usize,
     pub reply: Sender<(usize, Event)>,
+    /// Upgradable while its HTTP thread waits for its events (not: the client went away).
+    pub listener: Weak<()>,
 }
 
 /// Tokens and their log-probabilities (where the request asked for them), in order.
@@ -281,6 +283,7 @@ struct Client {
     tracker: TextTracker,
     choice: usize,
     reply: Sender<(usize, Event)>,
+    listener: Weak<()>,
     /// The text could not be made (the request then stops with this error).
     error: Option<String>,
     /// Log-probabilities of the tokens since the last text sent.
@@ -312,6 +315,7 @@ impl Served {
             tracker: TextTracker::new(inc.stop),
             choice: inc.choice,
             reply: inc.reply,
+            listener: inc.listener,
             error: None,
             pending: Vec::new(),
         };
@@ -339,6 +343,10 @@ impl Traffic for Served {
                 Err(TryRecvError::Disconnected) => return Ok(false),
             }
         }
+    }
+
+    fn abandoned(&self, key: usize) -> bool {
+        self.clients.get(&key).is_some_and(|c| c.listener.strong_count() == 0)
     }
 
     fn token(&mut self, key: usize, token: u32, logprobs: Option<&TokenLogprobs>) -> Result<bool> {
@@ -561,6 +569,9 @@ struct Events<'a> {
     first: Option<Duration>,
     /// When [`Events::recv_unless`] last asked whether the client went away.
     asked: Instant,
+    /// Held while the events are awaited: the driver's sign that the client is there (a
+    /// request whose client went away before it ran ends without running).
+    listening: Arc<()>,
 }
 
 impl Events<'_> {
@@ -766,6 +777,7 @@ fn answer(mut req: http::Request, front: &Front) {
         sent: Instant::now(),
         first: None,
         asked: Instant::now(),
+        listening: Arc::new(()),
     };
     for (i, ids) in prompts.iter().enumerate() {
         for j in 0..ask.n {
@@ -780,8 +792,13 @@ fn answer(mut req: http::Request, front: &Front) {
                 logprobs: ask.logprobs,
                 prompt_logprobs: ask.logprobs.filter(|_| ask.echo),
             };
-            let inc =
-                Incoming { request, stop: ask.stop.clone(), choice: i * ask.n + j, reply: reply.clone() };
+            let inc = Incoming {
+                request,
+                stop: ask.stop.clone(),
+                choice: i * ask.n + j,
+                reply: reply.clone(),
+                listener: Arc::downgrade(&events.listening),
+            };
             if front.tx.send(inc).is_err() {
                 return refuse(front, req, &url, 503, "the server is shutting down");
             }

@@ -196,6 +196,11 @@ pub trait Traffic {
     fn prompt_scored(&mut self, _key: usize, _logprobs: &[TokenLogprobs]) -> Result<()> {
         Ok(())
     }
+    /// Whether nobody waits for request `key` any more (its client went away): asked while it
+    /// waits to be admitted, it then ends without running ([`Finish::Stop`], no tokens).
+    fn abandoned(&self, _key: usize) -> bool {
+        false
+    }
 }
 
 /// A list of requests known at the start: [`Engine::run`]'s traffic.
@@ -454,6 +459,14 @@ impl Engine {
                 let queue = &mut waiting[side_of_group(g)];
                 while let Some(&at) = queue.front() {
                     let l = live[at].as_ref().expect("a waiting request is held");
+                    if traffic.abandoned(l.key) {
+                        queue.pop_front();
+                        let mut l = live[at].take().expect("a waiting request is held");
+                        l.out.finish = Finish::Stop;
+                        vacant.push(at);
+                        traffic.done(l.key, l.out)?;
+                        continue;
+                    }
                     let need = pages_of(&l.req, ctx);
                     if members[g].len() >= per_group(g) || free_slots.is_empty() {
                         break;

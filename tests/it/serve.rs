@@ -689,3 +689,42 @@ fn serve_reports_an_address_it_cannot_listen_on() {
     let out = gridlm(&["serve", "--model", path_str(&dir), "--max-in-flight", "0"]);
     assert_one_line_error(&out, &["--max-in-flight must be at least 1"]);
 }
+
+/// A request whose client goes away while it waits for a slot ends without running: with one
+/// slot taken by a stream, a request queued behind it is dropped by its client; once the stream
+/// ends too, the same prompt asked again finds none of its pages in the prefix cache (had the
+/// queued request run its prompt when the slot came free, they would be there).
+#[test]
+fn a_request_whose_client_left_while_it_waited_never_runs() {
+    let dir = smollm2("bf16");
+    let server = Server::start(1, &dir, &["--max-batch", "1"]);
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true, "stream": true});
+    let mut stream = server.send("POST", "/v1/completions", &long.to_string());
+    let mut line = String::new();
+    while !line.contains("data: ") {
+        line.clear();
+        assert!(stream.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
+    }
+    let prompt = "The history of the river valley is a long one: ".repeat(8);
+    let queued =
+        server.send("POST", "/v1/completions", &json!({"prompt": prompt, "max_tokens": 1}).to_string());
+    let in_flight = |n: usize| {
+        let want = format!("gridlm_requests_in_flight {n}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !server.http("GET", "/metrics", "").1.lines().any(|l| l == want) {
+            assert!(Instant::now() < deadline, "never {want}:\n{}", server.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    in_flight(2);
+    drop(queued);
+    in_flight(1);
+    drop(stream);
+    in_flight(0);
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1}));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 2 * gridlm::model::PAGE as u64, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}\n{}", server.log_text());
+    let log = server.log_text();
+    assert!(log.contains(" 499: ") && log.contains("the client went away, streamed"), "{log}");
+}
