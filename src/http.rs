@@ -122,9 +122,7 @@ impl Drop for Open {
 
 /// A request: its method, target and headers, and its body or why it was not read.
 pub struct Request {
-    method: String,
-    url: String,
-    headers: Vec<(String, String)>,
+    head: Head,
     /// The body, or the status and reason it was not read (too large, malformed, too slow).
     pub body: Result<Vec<u8>, (u16, String)>,
     /// Where the answer goes (`None` once it went).
@@ -138,17 +136,17 @@ pub struct Request {
 impl Request {
     /// The request method (`GET`, `POST`, ...).
     pub fn method(&self) -> &str {
-        &self.method
+        &self.head.method
     }
 
     /// The request target (path and query).
     pub fn url(&self) -> &str {
-        &self.url
+        &self.head.url
     }
 
     /// The value of the first header named `name` (in any case).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.head.header(name)
     }
 
     /// Whether the client went away (closed or reset the connection) before its answer: the
@@ -175,7 +173,7 @@ impl Request {
     pub fn respond(mut self, status: u16, kind: &str, body: &[u8]) -> io::Result<()> {
         // Taken only here and by the drop, each once: `self` is consumed.
         let Some(w) = self.w.take() else { return Err(io::ErrorKind::NotConnected.into()) };
-        let sent = write_answer(&w, status, kind, body, self.keep_alive, self.method == "HEAD");
+        let sent = write_answer(&w, status, kind, body, self.keep_alive, self.head.method == "HEAD");
         self.done.store(sent.is_ok(), Ordering::SeqCst);
         sent
     }
@@ -295,16 +293,19 @@ struct Head {
 }
 
 impl Head {
+    /// The values of the headers named `name` (in any case), in order.
+    fn values<'a, 'n>(&'a self, name: &'n str) -> impl Iterator<Item = &'a str> + use<'a, 'n> {
+        self.headers.iter().filter(move |(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    /// The value of the first header named `name`.
     fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.values(name).next()
     }
 
     /// Whether a header named `name` (any of them) lists `token` (comma-separated, any case).
     fn lists(&self, name: &str, token: &str) -> bool {
-        self.headers
-            .iter()
-            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-            .any(|(_, v)| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+        self.values(name).any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
     }
 
     fn keep_alive(&self) -> bool {
@@ -353,8 +354,7 @@ fn connection<H: Handler>(stream: TcpStream, limits: Limits, handler: &Weak<H>, 
         let keep_alive = head.keep_alive() && body.is_ok();
         let done = Arc::new(AtomicBool::new(false));
         let Ok(w) = stream.try_clone() else { return };
-        let Head { method, url, headers, .. } = head;
-        live.request(Request { method, url, headers, body, w: Some(w), keep_alive, done: Arc::clone(&done) });
+        live.request(Request { head, body, w: Some(w), keep_alive, done: Arc::clone(&done) });
         drop(live);
         if !keep_alive || !done.load(Ordering::SeqCst) {
             return linger(&stream, &mut r);
@@ -451,14 +451,14 @@ fn read_body(r: &mut Timed, head: &Head, max: usize, w: &TcpStream) -> Result<Ve
         Some(te) if te.rsplit(',').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("chunked")) => true,
         Some(te) => return Err(Some((501, format!("Transfer-Encoding {te} is not spoken here")))),
     };
-    let mut lengths = head.headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case("Content-Length"));
+    let mut lengths = head.values("Content-Length");
     let length = match lengths.next() {
         None => 0,
-        Some((_, v)) => {
+        Some(v) => {
             let digits = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
             let n = v.parse::<u64>().ok().filter(|_| digits);
             match n {
-                Some(_) if lengths.any(|(_, o)| o != v) => {
+                Some(_) if lengths.any(|o| o != v) => {
                     return Err(Some((400, "Content-Length headers that differ".into())))
                 }
                 Some(n) => n,
