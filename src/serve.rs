@@ -1069,6 +1069,17 @@ impl Head<'_> {
     }
 }
 
+/// Ends a request whose events stopped before its completions were done: the client went away
+/// (nginx's 499; its completions stop at their next token, the driver finding their channel
+/// closed once the events are dropped), or the driver stopped (500).
+fn cut_short(req: http::Request) -> (u16, Option<Outcome>) {
+    if req.client_gone() {
+        return (499, None);
+    }
+    reply_error(req, 500, "the driver stopped before the completion was done");
+    (500, None)
+}
+
 /// Waits for the `k` completions and answers with them. The status, and how they ended.
 fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16, Option<Outcome>) {
     let mut texts = vec![String::new(); k];
@@ -1102,13 +1113,7 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
         }
     }
     if done < k {
-        // The client went away (nginx's 499): its completions stop at their next token, the
-        // driver finding their channel closed once `events` is dropped.
-        if req.client_gone() {
-            return (499, None);
-        }
-        reply_error(req, 500, "the driver stopped before the completion was done");
-        return (500, None);
+        return cut_short(req);
     }
     let choices = (0..k).map(|i| {
         let (mut text, mut all) =
@@ -1136,11 +1141,7 @@ fn stream(
     events: &mut Events,
 ) -> (u16, Option<Outcome>) {
     let Some(mut event) = events.recv_unless(&|| req.client_gone()) else {
-        if req.client_gone() {
-            return (499, None);
-        }
-        reply_error(req, 500, "the driver stopped before the completion was done");
-        return (500, None);
+        return cut_short(req);
     };
     if let (_, Event::Done { error: Some(e), tokens, .. }) = &event {
         reply_error(req, 400, e);

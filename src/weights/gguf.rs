@@ -257,8 +257,8 @@ impl Gguf {
                 )
             })?;
             let corrupt = |what: &str| Error::tensor(path, &name, format!("corrupt GGUF: {what}"));
-            let n = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-            let n = n.ok_or_else(|| corrupt(&format!("dimensions {dims:?} overflow")))?;
+            let overflow = || corrupt(&format!("dimensions {dims:?} overflow"));
+            let n = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(overflow)?;
             let (block, block_bytes) = ty.block();
             if !n.is_multiple_of(block) {
                 return Err(Error::tensor(
@@ -267,8 +267,7 @@ impl Gguf {
                     format!("{n} elements is not a multiple of the block size {block}"),
                 ));
             }
-            let n_bytes = (n / block).checked_mul(block_bytes);
-            let n_bytes = n_bytes.ok_or_else(|| corrupt(&format!("dimensions {dims:?} overflow")))?;
+            let n_bytes = (n / block).checked_mul(block_bytes).ok_or_else(overflow)?;
             let offset = data_start.checked_add(offset).filter(|o| o.checked_add(n_bytes).is_some());
             let offset = offset.ok_or_else(|| corrupt("a data offset beyond any file"))?;
             if offset + n_bytes > bytes.len() {
