@@ -75,6 +75,30 @@ impl Server {
         BufReader::new(s)
     }
 
+    /// A streamed completion of thousands of tokens, once its first event has come: it runs on
+    /// while other requests come, until its connection is dropped.
+    fn long_stream(&self) -> BufReader<TcpStream> {
+        let long =
+            json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true, "stream": true});
+        let mut stream = self.send("POST", "/v1/completions", &long.to_string());
+        let mut line = String::new();
+        while !line.contains("data: ") {
+            line.clear();
+            assert!(stream.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
+        }
+        stream
+    }
+
+    /// Waits (a minute at most) until `/metrics` counts `n` requests in flight.
+    fn wait_in_flight(&self, n: usize) {
+        let want = format!("gridlm_requests_in_flight {n}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.http("GET", "/metrics", "").1.lines().any(|l| l == want) {
+            assert!(Instant::now() < deadline, "never {want}:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// `method path` with `body`: the status and the body (chunks joined).
     fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
         let mut r = self.send(method, path, body);
@@ -487,13 +511,7 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     };
     assert_eq!(answered(server.post("/v1/completions", &ask)), 200);
     // Thousands of tokens: the stream runs on while the next request comes.
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true, "stream": true});
-    let mut stream = server.send("POST", "/v1/completions", &long.to_string());
-    let mut line = String::new();
-    while !line.contains("data: ") {
-        line.clear();
-        assert!(stream.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
-    }
+    let stream = server.long_stream();
     let (status, v) = server.post("/v1/completions", &ask);
     assert_eq!(status, 429, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("--max-in-flight"), "{v}");
@@ -511,11 +529,7 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     let whole = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true});
     let gone = server.send("POST", "/v1/completions", &whole.to_string());
     // Asked before it is counted in flight, a request would take its place and turn it away.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !server.http("GET", "/metrics", "").1.lines().any(|l| l == "gridlm_requests_in_flight 1") {
-        assert!(std::time::Instant::now() < deadline, "the request never ran:\n{}", server.log_text());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    server.wait_in_flight(1);
     assert_eq!(answered(server.post("/v1/completions", &ask)), 429);
     refused += 1;
     drop(gone);
@@ -579,11 +593,7 @@ fn serve_drains_on_sigusr1() {
     std::thread::scope(|s| {
         let stream = s.spawn(|| server.events("/v1/completions", &ask));
         // Once the request runs (the count of requests in flight says so), the signal.
-        let t0 = Instant::now();
-        while !server.http("GET", "/metrics", "").1.contains("gridlm_requests_in_flight 1") {
-            assert!(t0.elapsed() < Duration::from_secs(60), "the stream never started");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        server.wait_in_flight(1);
         unsafe { libc::kill(server.child.id() as i32, libc::SIGUSR1) };
         let events = stream.join().unwrap();
         let last = &events[events.len() - 1]["choices"][0];
@@ -698,29 +708,15 @@ fn serve_reports_an_address_it_cannot_listen_on() {
 fn a_request_whose_client_left_while_it_waited_never_runs() {
     let dir = smollm2("bf16");
     let server = Server::start(1, &dir, &["--max-batch", "1"]);
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true, "stream": true});
-    let mut stream = server.send("POST", "/v1/completions", &long.to_string());
-    let mut line = String::new();
-    while !line.contains("data: ") {
-        line.clear();
-        assert!(stream.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
-    }
+    let stream = server.long_stream();
     let prompt = "The history of the river valley is a long one: ".repeat(8);
     let queued =
         server.send("POST", "/v1/completions", &json!({"prompt": prompt, "max_tokens": 1}).to_string());
-    let in_flight = |n: usize| {
-        let want = format!("gridlm_requests_in_flight {n}");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !server.http("GET", "/metrics", "").1.lines().any(|l| l == want) {
-            assert!(Instant::now() < deadline, "never {want}:\n{}", server.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
-    in_flight(2);
+    server.wait_in_flight(2);
     drop(queued);
-    in_flight(1);
+    server.wait_in_flight(1);
     drop(stream);
-    in_flight(0);
+    server.wait_in_flight(0);
     let (status, v) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1}));
     assert_eq!(status, 200, "{v}");
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 2 * gridlm::model::PAGE as u64, "{v}");
