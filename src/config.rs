@@ -126,6 +126,31 @@ pub enum RopeScaling {
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
 }
 
+impl RopeScaling {
+    /// The inverse frequency `f` of a rotated pair, scaled (as HF's `rope_init_fn`s do).
+    pub fn scale(&self, f: f64) -> f64 {
+        match *self {
+            RopeScaling::Linear { factor } => f / factor,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                if wavelen < old / high_freq_factor {
+                    f
+                } else if wavelen > old / low_freq_factor {
+                    f / factor
+                } else {
+                    let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    (1.0 - smooth) * f / factor + smooth * f
+                }
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -512,27 +537,7 @@ impl ModelConfig {
         (0..self.head_dim / 2)
             .map(|i| {
                 let f = 1.0 / theta.powf(2.0 * i as f64 / d);
-                match scaling {
-                    None => f,
-                    Some(RopeScaling::Linear { factor }) => f / factor,
-                    Some(RopeScaling::Llama3 {
-                        factor,
-                        low_freq_factor,
-                        high_freq_factor,
-                        original_max_position_embeddings: old,
-                    }) => {
-                        let wavelen = 2.0 * std::f64::consts::PI / f;
-                        if wavelen < old / high_freq_factor {
-                            f
-                        } else if wavelen > old / low_freq_factor {
-                            f / factor
-                        } else {
-                            let smooth =
-                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    }
-                }
+                scaling.map_or(f, |s| s.scale(f))
             })
             .collect()
     }
@@ -739,12 +744,20 @@ fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling,
     };
     match kind {
         "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
-        "llama3" => Ok(RopeScaling::Llama3 {
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")?,
-        }),
+        "llama3" => {
+            let (low_freq_factor, high_freq_factor) = (num("low_freq_factor")?, num("high_freq_factor")?);
+            if high_freq_factor <= low_freq_factor {
+                return Err(format!(
+                    "rope_scaling's `high_freq_factor` ({high_freq_factor}) must exceed its `low_freq_factor` ({low_freq_factor})"
+                ));
+            }
+            Ok(RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+            })
+        }
         other => Err(format!("unsupported rope_scaling type `{other}` (expected linear or llama3)")),
     }
 }
@@ -795,6 +808,11 @@ mod tests {
                 r#""rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":-1,"high_freq_factor":4,
                    "original_max_position_embeddings":8192}"#,
                 "rope_scaling's `low_freq_factor` is -1",
+            ),
+            (
+                r#""rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":4,
+                   "original_max_position_embeddings":8192}"#,
+                "rope_scaling's `high_freq_factor` (4) must exceed its `low_freq_factor` (4)",
             ),
         ];
         for (extra, msg) in cases {

@@ -5,7 +5,7 @@
 
 use super::gguf::{Gguf, Value};
 use super::DType;
-use crate::config::Arch;
+use crate::config::{Arch, RopeScaling};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use std::collections::HashMap;
@@ -15,6 +15,9 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::processors::sequence::Sequence as PostSequence;
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
 /// What `convert` did, for the CLI to report.
@@ -80,6 +83,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             ),
         ));
     }
+    let theta = g.get(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0);
     let tied = g.tensor("output.weight").is_none();
     let bos = g.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64());
     let eos = g.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64());
@@ -99,13 +103,13 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         "head_dim": head_dim,
         "vocab_size": vocab_size,
         "rms_norm_eps": g.get(&key("attention.layer_norm_rms_epsilon")).and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32 as f64,
-        "rope_theta": g.get(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0),
+        "rope_theta": theta,
         "max_position_embeddings": g.get(&key("context_length")).and_then(|v| v.as_u64()).unwrap_or(2048),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
         "attention_bias": arch.starts_with("qwen2"),
         "torch_dtype": match dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
-        "rope_scaling": null,
+        "rope_scaling": rope_scaling(&g, &arch, theta, head_dim)?,
     });
     if let Some(b) = bos {
         config["bos_token_id"] = b.into();
@@ -186,14 +190,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             Some((layer, false, which)) => crate::model::expert_names(family, layer, 0)[which].clone(),
             None => match hf_name(&t.name) {
                 Some(hf) => hf,
-                None if t.name == "rope_freqs.weight" => {
-                    return Err(Error::tensor(
-                        gguf_path,
-                        &t.name,
-                        "RoPE frequency factors are not supported",
-                    ));
-                }
-                None => continue, // e.g. rope tables some converters add; not weights
+                // Not weights: RoPE frequency factors (read into `rope_scaling`), tables some
+                // converters add.
+                None => continue,
             },
         };
         // Qwen2-MoE's shared expert's gate: one row (GGUF stores it as a vector).
@@ -282,6 +281,141 @@ impl safetensors::View for Lazy<'_> {
     fn data_len(&self) -> usize {
         self.len
     }
+}
+
+/// HF's `rope_scaling` for what the GGUF says of RoPE scaling: linear scaling as metadata
+/// (`rope.scaling.type` and `rope.scaling.factor`, or the older `rope.scale_linear`), and Llama
+/// 3.1–3.3's scaling by frequency as the tensor `rope_freqs.weight` (what each rotated pair's
+/// frequency is divided by), from which HF's `llama3` numbers are recovered
+/// ([`llama3_scaling`]).
+fn rope_scaling(g: &Gguf, arch: &str, theta: f64, head_dim: usize) -> Result<serde_json::Value> {
+    let key = |k: &str| format!("{arch}.rope.{k}");
+    let number = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+    let linear = match g.get(&key("scaling.type")).and_then(|v| v.as_str()) {
+        None | Some("none") => number("scale_linear").filter(|&f| f != 1.0).map(|f| ("scale_linear", f)),
+        Some("linear") => match number("scaling.factor") {
+            Some(f) => Some(("scaling.factor", f)),
+            None => {
+                let msg = format!("linear RoPE scaling without the metadata number `{}`", key("scaling.factor"));
+                return Err(Error::file(&g.path, msg));
+            }
+        },
+        Some(other) => {
+            return Err(Error::file(
+                &g.path,
+                format!(
+                    "unsupported RoPE scaling `{other}` (`{}`; supported: none, linear, and Llama 3's frequency factors)",
+                    key("scaling.type")
+                ),
+            ))
+        }
+    };
+    let factors = g.tensor("rope_freqs.weight");
+    match (linear, factors) {
+        (None, None) => Ok(serde_json::Value::Null),
+        (Some((_, f)), None) if f.is_finite() && f > 0.0 => {
+            Ok(serde_json::json!({"rope_type": "linear", "factor": f}))
+        }
+        (Some((k, f)), None) => {
+            Err(Error::file(&g.path, format!("`{}` is {f} (expected a finite positive number)", key(k))))
+        }
+        (Some((k, _)), Some(t)) => Err(Error::tensor(
+            &g.path,
+            &t.name,
+            format!("RoPE frequency factors beside linear scaling (`{}`) have no HF equivalent", key(k)),
+        )),
+        (None, Some(t)) => {
+            let factors = g.dequantize(t);
+            if factors.len() != head_dim / 2 {
+                let msg = format!(
+                    "holds {} RoPE frequency factors; a head of {head_dim} dimensions rotates {} pairs",
+                    factors.len(),
+                    head_dim / 2
+                );
+                return Err(Error::tensor(&g.path, &t.name, msg));
+            }
+            if let Some(f) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+                let msg = format!("holds the RoPE frequency factor {f} (expected finite positive numbers)");
+                return Err(Error::tensor(&g.path, &t.name, msg));
+            }
+            let original = number("scaling.original_context_length");
+            match llama3_scaling(&factors, theta, original) {
+                Some(None) => Ok(serde_json::Value::Null),
+                Some(Some([factor, low, high, old])) => Ok(serde_json::json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": old as u64,
+                })),
+                None => Err(Error::tensor(
+                    &g.path,
+                    &t.name,
+                    "RoPE frequency factors that no Llama 3 scaling (HF's `llama3` RoPE type) gives",
+                )),
+            }
+        }
+    }
+}
+
+/// HF's `llama3` RoPE scaling, `[factor, low_freq_factor, high_freq_factor,
+/// original_max_position_embeddings]`, under which each rotated pair's frequency (RoPE base
+/// `theta`, a pair a factor) is its unscaled one divided by its factor in `factors`, as
+/// llama.cpp's converter writes them; `Some(None)` where every factor is 1 (no scaling), `None`
+/// where no such scaling gives every factor within 1e-4 of it.
+///
+/// `factor` is the largest factor. Meta's releases (3.1 to 3.3) take 1, 4 and 8192 for the
+/// others (`original_context_length` for 8192 where the GGUF gives it), tried first. Otherwise
+/// the factors strictly between 1 and `factor` lie on the ramp between the unscaled and the
+/// scaled frequencies, where the share `s` of the unscaled one (`1/r = (1 - s)/factor + s`) is
+/// linear in a wavelength's inverse: `s = (old/λ - low)/(high - low)`. A line through two or
+/// more of them gives `old/(high - low)` and `low/(high - low)`, which fix the three but for one
+/// scale (times k, each, the same frequencies): `old` is taken as the integer nearest to where
+/// `low` is 1. With fewer on the ramp only Meta's numbers are tried.
+fn llama3_scaling(factors: &[f32], theta: f64, original: Option<f64>) -> Option<Option<[f64; 4]>> {
+    use std::f64::consts::TAU;
+    let d = 2.0 * factors.len() as f64;
+    let freq = |i: usize| 1.0 / theta.powf(2.0 * i as f64 / d);
+    let r: Vec<f64> = factors.iter().map(|&x| x as f64).collect();
+    let near = |a: f64, b: f64| (a - b).abs() <= 1e-4 * b;
+    if r.iter().all(|&x| near(x, 1.0)) {
+        return Some(None);
+    }
+    let factor = r.iter().copied().fold(0.0, f64::max);
+    let gives = |&[factor, low_freq_factor, high_freq_factor, old]: &[f64; 4]| {
+        let s = RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old,
+        };
+        high_freq_factor > low_freq_factor && (0..r.len()).all(|i| near(freq(i) / s.scale(freq(i)), r[i]))
+    };
+    let mut tries = vec![[factor, 1.0, 4.0, original.unwrap_or(8192.0)]];
+    // (1/λ, s) on the ramp.
+    let ramp: Vec<(f64, f64)> = (0..r.len())
+        .filter(|&i| !near(r[i], 1.0) && !near(r[i], factor))
+        .map(|i| (freq(i) / TAU, (1.0 / r[i] - 1.0 / factor) / (1.0 - 1.0 / factor)))
+        .collect();
+    if ramp.len() >= 2 {
+        let n = ramp.len() as f64;
+        let (mx, ms) = (ramp.iter().map(|p| p.0).sum::<f64>() / n, ramp.iter().map(|p| p.1).sum::<f64>() / n);
+        let cov: f64 = ramp.iter().map(|p| (p.0 - mx) * (p.1 - ms)).sum();
+        let var: f64 = ramp.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+        // s = a/λ + b: a = old/(high - low), b = -low/(high - low).
+        let a = cov / var;
+        let b = ms - a * mx;
+        if a > 0.0 && b < 0.0 {
+            let tidy = |x: f64| (x * 1e3).round() / 1e3;
+            for old in original.into_iter().chain([(-a / b).round().max(1.0)]) {
+                let low = -b * old / a;
+                let high = low + old / a;
+                tries.push([factor, tidy(low), tidy(high), old]);
+                tries.push([factor, low, high, old]);
+            }
+        }
+    }
+    tries.into_iter().find(gives).map(Some)
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
@@ -397,6 +531,50 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
     }
 }
 
+/// The tokenizer's post-processor: byte-level, then the BOS and EOS tokens around a text where
+/// the GGUF asks for them (`tokenizer.ggml.add_bos_token`, as Llama 3's do; `add_eos_token`), as
+/// HF's own tokenizer.json files add them.
+fn post_processor(g: &Gguf, tokens: &[&str]) -> Result<PostProcessorWrapper> {
+    let byte_level = ByteLevel::new(true, false, true);
+    let mut special = Vec::new();
+    for which in ["bos", "eos"] {
+        if !g.get(&format!("tokenizer.ggml.add_{which}_token")).and_then(|v| v.as_bool()).unwrap_or(false) {
+            continue;
+        }
+        let key = format!("tokenizer.ggml.{which}_token_id");
+        let id = meta_usize(g, &key)?;
+        let Some(token) = tokens.get(id) else {
+            let msg = format!("`{key}` is {id}, beyond the vocabulary of {}", tokens.len());
+            return Err(Error::file(&g.path, msg));
+        };
+        special.push((which, token.to_string(), id as u32));
+    }
+    if special.is_empty() {
+        return Ok(byte_level.into());
+    }
+    let token = |which: &str, seq: &str| {
+        special.iter().find(|s| s.0 == which).map(|s| format!("{}:{seq} ", s.1)).unwrap_or_default()
+    };
+    let (single, pair) = (
+        format!("{}$A:0 {}", token("bos", "0"), token("eos", "0")),
+        format!(
+            "{}$A:0 {}{}$B:1 {}",
+            token("bos", "0"),
+            token("eos", "0"),
+            token("bos", "1"),
+            token("eos", "1")
+        ),
+    );
+    let template = TemplateProcessing::builder()
+        .try_single(single.trim_end())
+        .and_then(|t| t.try_pair(pair.trim_end()))
+        .map_err(|e| Error::file(&g.path, format!("cannot make the tokenizer's template: {e}")))?
+        .special_tokens(special.iter().map(|(_, t, id)| (t.clone(), *id)).collect::<Vec<_>>())
+        .build()
+        .map_err(|e| Error::file(&g.path, format!("cannot make the tokenizer's template: {e}")))?;
+    Ok(PostSequence::new(vec![byte_level.into(), template.into()]).into())
+}
+
 /// Pre-tokenizers for llama.cpp's `tokenizer.ggml.pre` names.
 fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
     let split = |re: &str| -> Result<PreTokenizerWrapper> {
@@ -462,7 +640,7 @@ fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
     let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
     tok.with_pre_tokenizer(Some(pre_tokenizer(pre, path)?));
     tok.with_decoder(Some(ByteLevel::default()));
-    tok.with_post_processor(Some(ByteLevel::new(true, false, true)));
+    tok.with_post_processor(Some(post_processor(g, &tokens)?));
     // Control (3) and user-defined (4) tokens are matched whole before BPE runs.
     let added: Vec<AddedToken> = tokens
         .iter()
@@ -532,5 +710,56 @@ mod tests {
         assert_eq!(hf_name("output_norm.weight").unwrap(), "model.norm.weight");
         assert_eq!(hf_name("blk.3.attn_k_norm.weight").unwrap(), "model.layers.3.self_attn.k_norm.weight");
         assert!(hf_name("blk.x.attn_q.weight").is_none());
+    }
+
+    /// `rope_freqs.weight` as llama.cpp's converter computes it from HF's `llama3` numbers:
+    /// frequencies in f32, the rest in Python's floats, stored as f32.
+    fn llama_cpp_factors([factor, low, high, old]: [f64; 4], theta: f32, head_dim: usize) -> Vec<f32> {
+        (0..head_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
+                let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+                let r = if wavelen < old / high {
+                    1.0
+                } else if wavelen > old / low {
+                    factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                };
+                r as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn llama3_scaling_from_llama_cpp_frequency_factors() {
+        // Llama 3.2 1B and 3B, Llama 3.1 8B and 70B: Meta's numbers.
+        for (s, theta, hd) in
+            [([32.0, 1.0, 4.0, 8192.0], 500000.0, 64), ([8.0, 1.0, 4.0, 8192.0], 500000.0, 128)]
+        {
+            let r = llama_cpp_factors(s, theta, hd);
+            assert_eq!(llama3_scaling(&r, theta as f64, None), Some(Some(s)), "{s:?}");
+        }
+        // Others, from the ramp between: recovered, or at another scale of old, low and high.
+        for (s, want, theta, hd) in [
+            ([4.0, 1.0, 16.0, 256.0], [4.0, 1.0, 16.0, 256.0], 10000.0, 16),
+            ([6.0, 2.0, 32.0, 512.0], [6.0, 1.0, 16.0, 256.0], 10000.0, 16),
+            ([16.0, 1.5, 6.0, 16384.0], [16.0, 1.0, 4.0, 10923.0], 1000000.0, 128),
+        ] {
+            let r = llama_cpp_factors(s, theta, hd);
+            let got = llama3_scaling(&r, theta as f64, None).unwrap().unwrap();
+            assert!(got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-3 * w), "{s:?}: {got:?}");
+            assert_eq!(llama3_scaling(&r, theta as f64, Some(s[3])), Some(Some(s)), "{s:?} with its old");
+        }
+        // No scaling; factors no llama3 scaling gives (not growing with the wavelength, a ramp
+        // off its line).
+        assert_eq!(llama3_scaling(&[1.0; 32], 500000.0, None), Some(None));
+        let mut r = llama_cpp_factors([8.0, 1.0, 4.0, 8192.0], 500000.0, 128);
+        r.swap(0, 63);
+        assert_eq!(llama3_scaling(&r, 500000.0, None), None);
+        let mut r = llama_cpp_factors([4.0, 1.0, 16.0, 256.0], 10000.0, 16);
+        r[2] *= 1.01;
+        assert_eq!(llama3_scaling(&r, 10000.0, None), None);
     }
 }

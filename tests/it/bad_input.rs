@@ -193,6 +193,82 @@ fn convert_truncated_gguf() {
     assert!(!out_dir.exists());
 }
 
+/// A GGUF's RoPE scaling: linear (as metadata, new and old keys) is HF's linear; what HF's
+/// config cannot say is one error line naming it, and no folder.
+#[test]
+fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
+    use gridlm_reference::{write_gguf, GgufValue};
+    let tmp = tempfile::tempdir().unwrap();
+    // A llama of one layer's worth of metadata, 4 heads of 8, a vocabulary of 2 (a folder of
+    // its embedding alone; enough to read its RoPE).
+    let meta = |extra: Vec<(&'static str, GgufValue)>| {
+        let mut m = vec![
+            ("general.architecture", GgufValue::Str("llama".into())),
+            ("llama.block_count", GgufValue::U32(1)),
+            ("llama.embedding_length", GgufValue::U32(32)),
+            ("llama.feed_forward_length", GgufValue::U32(64)),
+            ("llama.attention.head_count", GgufValue::U32(4)),
+            ("tokenizer.ggml.model", GgufValue::Str("gpt2".into())),
+            ("tokenizer.ggml.tokens", GgufValue::Strs(vec!["a".into(), "b".into()])),
+            ("tokenizer.ggml.merges", GgufValue::Strs(vec![])),
+        ];
+        m.extend(extra);
+        m
+    };
+    let embd = ("token_embd.weight".to_string(), vec![2, 32], vec![0.5; 64]);
+    let freqs = |v: Vec<f32>| ("rope_freqs.weight".to_string(), vec![v.len()], v);
+    let convert = |name: &str, meta: Vec<(&str, GgufValue)>, factors: Option<Vec<f32>>| {
+        let gguf = tmp.path().join(format!("{name}.gguf"));
+        let tensors: Vec<_> = [Some(embd.clone()), factors.map(freqs)].into_iter().flatten().collect();
+        write_gguf(&gguf, &meta, &tensors);
+        let out_dir = tmp.path().join(name);
+        (gridlm(&["convert", "--gguf", path_str(&gguf), "--out", path_str(&out_dir)]), out_dir)
+    };
+    let type_linear = ("llama.rope.scaling.type", GgufValue::Str("linear".into()));
+    let linears = [
+        ("linear", vec![type_linear, ("llama.rope.scaling.factor", GgufValue::F32(4.0))]),
+        ("old", vec![("llama.rope.scale_linear", GgufValue::F32(4.0))]),
+    ];
+    for (name, extra) in linears {
+        let (out, dir) = convert(name, meta(extra), None);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["rope_scaling"], serde_json::json!({"rope_type": "linear", "factor": 4.0}), "{name}");
+    }
+    let refused =
+        |name: &str, extra: Vec<(&'static str, GgufValue)>, factors: Option<Vec<f32>>, says: &[&str]| {
+            let (out, dir) = convert(name, meta(extra), factors);
+            assert_one_line_error(&out, says);
+            assert!(!dir.exists(), "{name}");
+        };
+    let yarn = ("llama.rope.scaling.type", GgufValue::Str("yarn".into()));
+    refused("yarn", vec![yarn], None, &["unsupported RoPE scaling `yarn`", "llama.rope.scaling.type"]);
+    let type_linear = ("llama.rope.scaling.type", GgufValue::Str("linear".into()));
+    refused(
+        "no-factor",
+        vec![type_linear],
+        None,
+        &["without the metadata number `llama.rope.scaling.factor`"],
+    );
+    refused(
+        "few",
+        vec![],
+        Some(vec![1.0, 2.0]),
+        &["rope_freqs.weight", "holds 2 RoPE frequency factors", "rotates 4"],
+    );
+    refused("nan", vec![], Some(vec![1.0, f32::NAN, 2.0, 2.0]), &["rope_freqs.weight", "NaN"]);
+    // Divisors that fall again at a longer wavelength.
+    refused("off", vec![], Some(vec![1.0, 1.5, 3.0, 2.0]), &["rope_freqs.weight", "no Llama 3 scaling"]);
+    let old_linear = ("llama.rope.scale_linear", GgufValue::F32(2.0));
+    refused(
+        "both",
+        vec![old_linear],
+        Some(vec![1.0; 4]),
+        &["beside linear scaling (`llama.rope.scale_linear`)"],
+    );
+}
+
 #[test]
 fn zero_threads() {
     let (_t, dir) = tiny_llama();

@@ -215,6 +215,9 @@ pub struct TinyModel {
     pub max_pos: usize,
     /// A mixture of experts: (experts, chosen per token, columns of each expert).
     pub experts: Option<(usize, usize, usize)>,
+    /// Llama 3's RoPE scaling: HF's `llama3` `[factor, low_freq_factor, high_freq_factor,
+    /// original_max_position_embeddings]`.
+    pub llama3_rope: Option<[f64; 4]>,
 }
 
 impl TinyModel {
@@ -232,6 +235,7 @@ impl TinyModel {
             tied: false,
             max_pos: 256,
             experts: None,
+            llama3_rope: None,
         }
     }
     /// Qwen3-style: per-head q/k norms, no QKV bias, heads wider than `hidden / heads` (so
@@ -249,6 +253,7 @@ impl TinyModel {
             tied: true,
             max_pos: 256,
             experts: None,
+            llama3_rope: None,
         }
     }
     /// Phi-3-style: q, k and v rows in one `qkv_proj` tensor and gate and up rows in one
@@ -273,6 +278,7 @@ impl TinyModel {
             tied: true,
             max_pos: 256,
             experts: None,
+            llama3_rope: None,
         }
     }
     /// Gemma 2-style: Gemma 3's norms, GELU and scaled embedding without the per-head q/k norms,
@@ -305,6 +311,24 @@ impl TinyModel {
             tied: true,
             max_pos: 128,
             experts: None,
+            llama3_rope: None,
+        }
+    }
+
+    /// Llama 3.1-style: Llama with its RoPE frequencies scaled by their wavelength (a factor of
+    /// 4 beyond 256 positions, none below 16, a ramp between: of a head's 8 frequencies, 1
+    /// unscaled, 3 on the ramp, 4 scaled), heads of 16 dimensions, an untied head.
+    pub fn llama3() -> Self {
+        TinyModel {
+            hidden: 64,
+            inter: 128,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            tied: false,
+            max_pos: 512,
+            llama3_rope: Some([4.0, 1.0, 16.0, 256.0]),
+            ..Self::llama()
         }
     }
 
@@ -400,6 +424,12 @@ impl TinyModel {
         });
         if let Some(hd) = self.head_dim {
             cfg["head_dim"] = hd.into();
+        }
+        if let Some([factor, low, high, old]) = self.llama3_rope {
+            cfg["rope_scaling"] = serde_json::json!({
+                "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                "original_max_position_embeddings": old as u64,
+            });
         }
         if self.model_type.starts_with("qwen3") || self.model_type == "olmo2" {
             cfg["attention_bias"] = false.into();
@@ -629,6 +659,7 @@ pub fn rename_tensor(name: &str, from_gguf: bool) -> Option<String> {
 pub enum GgufValue {
     U32(u32),
     F32(f32),
+    Bool(bool),
     Str(String),
     Strs(Vec<String>),
     I32s(Vec<i32>),
@@ -674,6 +705,10 @@ pub fn write_gguf_raw<K: AsRef<str>>(
             GgufValue::F32(v) => {
                 out.extend(6u32.to_le_bytes());
                 out.extend(v.to_le_bytes());
+            }
+            GgufValue::Bool(v) => {
+                out.extend(7u32.to_le_bytes());
+                out.push(u8::from(*v));
             }
             GgufValue::Str(v) => {
                 out.extend(8u32.to_le_bytes());

@@ -649,6 +649,32 @@ fn random_mixtral_matches_candle_on_one_and_two_ranks() {
     same_on_two_ranks("random mixtral", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
+/// candle's Llama on `config` (HF's config.json) with the weights in `dir`: `forward(ids, pos)`
+/// for [`tiny_matches_candle`].
+fn candle_llama_forward(config: serde_json::Value, dir: &Path) -> impl FnMut(&[u32], usize) -> Vec<f32> {
+    let cfg: llama::LlamaConfig = serde_json::from_value(config).unwrap();
+    let cfg = cfg.into_config(false);
+    let model = llama::Llama::load(candle_weights(dir), &cfg).unwrap();
+    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    move |ids, pos| {
+        let logits = model.forward(&batch_of_one(ids), pos, &mut cache).unwrap();
+        logits.flatten_all().unwrap().to_vec1().unwrap()
+    }
+}
+
+/// Llama 3.1's RoPE scaled by wavelength (some frequencies unscaled, some on the ramp, the
+/// rest scaled), against candle's `llama`; split over two ranks by heads and by layers, the
+/// same tokens and logits within 1e-4 of the single rank.
+#[test]
+fn random_llama3_rope_scaling_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let m = gridlm_reference::TinyModel::llama3();
+    m.write(dir);
+    let single = tiny_matches_candle("random llama3", dir, candle_llama_forward(m.config(), dir));
+    same_on_two_ranks("random llama3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
 /// The model in `dir` on two local ranks under each of `grids`: `single`'s tokens, and logits
 /// within 1e-4 of it.
 fn same_on_two_ranks(name: &str, dir: &Path, single: &Run, grids: &[&[&str]]) {
@@ -751,15 +777,21 @@ fn qwen3_gguf_meta(
     meta
 }
 
-/// The random mixture-of-experts model `m` written as a GGUF of architecture `arch` as
-/// llama.cpp stores one — each layer's experts stacked in one `ffn_{gate,up,down}_exps` tensor,
-/// the router as `ffn_gate_inp`, a shared expert as `ffn_*_shexp` with its gate a vector —
-/// converted (f32) into `dir`, which must then hold exactly `m`'s tensors.
-fn moe_gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &str, dir: &Path) {
-    let (experts, _, _) = m.experts.unwrap();
+/// The random model `m` written as a GGUF of architecture `arch` as llama.cpp stores one — a
+/// llama's q and k rows interleaved, Llama 3's RoPE scaling as `rope_freqs.weight`, each
+/// layer's experts stacked in one `ffn_{gate,up,down}_exps` tensor, the router as
+/// `ffn_gate_inp`, a shared expert as `ffn_*_shexp` with its gate a vector — converted (f32)
+/// into `dir`, which must then hold exactly `m`'s tensors.
+fn gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &str, dir: &Path) {
+    let experts = m.experts.map_or(0, |(experts, _, _)| experts);
     let tensors = m.tensors();
     let (tokens, merges) = byte_level_vocabulary(m.vocab);
     let mut meta = qwen3_gguf_meta(m, arch, tokens, merges);
+    if m.llama3_rope.is_some() {
+        // As Llama 3's: a BOS token before every text.
+        meta.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(LLAMA3_BOS)));
+        meta.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)));
+    }
     if let Some((_, shape, _)) = tensors.iter().find(|t| t.0.ends_with("shared_expert.gate_proj.weight")) {
         meta.push((format!("{arch}.expert_shared_feed_forward_length"), GgufValue::U32(shape[0] as u32)));
     }
@@ -801,6 +833,13 @@ fn moe_gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch
             gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v));
         }
     }
+    if let Some(scaling) = m.llama3_rope {
+        gguf_tensors.push((
+            "rope_freqs.weight".into(),
+            vec![m.hidden / m.heads / 2],
+            llama_cpp_rope_factors(m, scaling),
+        ));
+    }
     let gguf = dir.with_extension("gguf");
     write_gguf(&gguf, &meta, &gguf_tensors);
     let converted = convert_f32(&gguf, dir);
@@ -809,6 +848,28 @@ fn moe_gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch
         let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
         assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
     }
+}
+
+/// The tensor `rope_freqs.weight` llama.cpp's converter writes for HF's `llama3` RoPE scaling
+/// `[factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]` of `m`: what
+/// each rotated pair's frequency is divided by (frequencies in f32, the rest in Python's floats).
+fn llama_cpp_rope_factors(m: &gridlm_reference::TinyModel, [factor, low, high, old]: [f64; 4]) -> Vec<f32> {
+    let hd = m.hidden / m.heads;
+    (0..hd / 2)
+        .map(|i| {
+            let freq = 1.0 / 10000f32.powf((2 * i) as f32 / hd as f32);
+            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+            let r = if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            r as f32
+        })
+        .collect()
 }
 
 /// Rows of `v` (`cols` wide, `heads` heads) as llama.cpp stores a llama's q and k: each head's
@@ -848,7 +909,7 @@ fn a_qwen3_moe_gguf_converts_to_the_model_it_holds() {
     let tmp = tempfile::tempdir().unwrap();
     let m = gridlm_reference::TinyModel::qwen3_moe();
     let out = tmp.path().join("folder");
-    moe_gguf_converts_to_the_model_it_holds(&m, "qwen3moe", &out);
+    gguf_converts_to_the_model_it_holds(&m, "qwen3moe", &out);
     let want = serde_json::json!({
         "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 3,
         "moe_intermediate_size": 40, "decoder_sparse_step": 2, "mlp_only_layers": [],
@@ -870,7 +931,7 @@ fn a_mixtral_gguf_converts_to_the_model_it_holds() {
     let tmp = tempfile::tempdir().unwrap();
     let m = gridlm_reference::TinyModel::mixtral();
     let out = tmp.path().join("folder");
-    moe_gguf_converts_to_the_model_it_holds(&m, "llama", &out);
+    gguf_converts_to_the_model_it_holds(&m, "llama", &out);
     let want = serde_json::json!({
         "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
     });
@@ -883,6 +944,30 @@ fn a_mixtral_gguf_converts_to_the_model_it_holds() {
     });
 }
 
+/// The BOS token of the Llama 3-style GGUF the tests write.
+const LLAMA3_BOS: u32 = 2;
+
+/// A Llama 3.1-style GGUF (its RoPE scaling as llama.cpp writes it: a divisor of each
+/// frequency, the tensor `rope_freqs.weight`; a BOS token before every text) converts into the
+/// model it holds, its config's `rope_scaling` HF's `llama3` numbers, its tokenizer putting the
+/// BOS token first; gridlm on it agrees with candle's `llama` on the original config.
+#[test]
+fn a_llama3_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::llama3();
+    let out = tmp.path().join("folder");
+    gguf_converts_to_the_model_it_holds(&m, "llama", &out);
+    let [factor, low, high, old] = m.llama3_rope.unwrap();
+    let want = serde_json::json!({"rope_scaling": {
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+        "original_max_position_embeddings": old as u64,
+    }});
+    converted_config(&out, want, m.layers);
+    let run = tiny_matches_candle("converted llama3", &out, candle_llama_forward(m.config(), &out));
+    assert_eq!(run.prompt_ids[0], LLAMA3_BOS, "{:?}", run.prompt_ids);
+    assert_eq!(run.prompt_ids.iter().filter(|&&t| t == LLAMA3_BOS).count(), 1, "{:?}", run.prompt_ids);
+}
+
 /// A Qwen2-MoE GGUF (QKV biases, a shared expert beside the experts, its gate a vector)
 /// converts into the model it holds, on which gridlm agrees with candle's `qwen2_moe`.
 #[test]
@@ -890,7 +975,7 @@ fn a_qwen2_moe_gguf_converts_to_the_model_it_holds() {
     let tmp = tempfile::tempdir().unwrap();
     let m = gridlm_reference::TinyModel::qwen2_moe();
     let out = tmp.path().join("folder");
-    moe_gguf_converts_to_the_model_it_holds(&m, "qwen2moe", &out);
+    gguf_converts_to_the_model_it_holds(&m, "qwen2moe", &out);
     let want = serde_json::json!({
         "model_type": "qwen2_moe", "num_experts": 6, "num_experts_per_tok": 2,
         "shared_expert_intermediate_size": 56, "norm_topk_prob": false, "attention_bias": true,
