@@ -10,7 +10,13 @@ use crate::error::{Error, Result};
 use half::{bf16, f16};
 use std::collections::HashMap;
 use std::path::Path;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::prepend::Prepend;
+use tokenizers::normalizers::utils::Sequence as NormalizerSequence;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -83,6 +89,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             ),
         ));
     }
+    // Made first, so a vocabulary it cannot convert is refused before any weight is written.
+    let (tokenizer, tokenizer_config) = tokenizer_of(&g)?;
     let theta = g.get(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0);
     let tied = g.tensor("output.weight").is_none();
     let bos = g.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64());
@@ -242,7 +250,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             gen["eos_token_id"] = e.into();
         }
         write_json(&tmp.join("generation_config.json"), &gen)?;
-        write_tokenizer(&g, &tmp)?;
+        let tok_path = tmp.join("tokenizer.json");
+        tokenizer.save(&tok_path, false).map_err(|e| Error::file(&tok_path, format!("cannot write: {e}")))?;
+        write_json(&tmp.join("tokenizer_config.json"), &tokenizer_config)?;
         Ok(())
     })();
     if let Err(e) = result {
@@ -531,11 +541,11 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
     }
 }
 
-/// The tokenizer's post-processor: byte-level, then the BOS and EOS tokens around a text where
+/// The tokenizer's post-processor: byte-level (of a byte-level BPE), then the BOS and EOS tokens around a text where
 /// the GGUF asks for them (`tokenizer.ggml.add_bos_token`, as Llama 3's do; `add_eos_token`), as
 /// HF's own tokenizer.json files add them.
-fn post_processor(g: &Gguf, tokens: &[&str]) -> Result<PostProcessorWrapper> {
-    let byte_level = ByteLevel::new(true, false, true);
+fn post_processor(g: &Gguf, tokens: &[&str], byte_level: bool) -> Result<Option<PostProcessorWrapper>> {
+    let byte_level = byte_level.then(|| ByteLevel::new(true, false, true).into());
     let mut special = Vec::new();
     for which in ["bos", "eos"] {
         if !g.get(&format!("tokenizer.ggml.add_{which}_token")).and_then(|v| v.as_bool()).unwrap_or(false) {
@@ -550,7 +560,7 @@ fn post_processor(g: &Gguf, tokens: &[&str]) -> Result<PostProcessorWrapper> {
         special.push((which, token.to_string(), id as u32));
     }
     if special.is_empty() {
-        return Ok(byte_level.into());
+        return Ok(byte_level);
     }
     let token = |which: &str, seq: &str| {
         special.iter().find(|s| s.0 == which).map(|s| format!("{}:{seq} ", s.1)).unwrap_or_default()
@@ -572,7 +582,10 @@ fn post_processor(g: &Gguf, tokens: &[&str]) -> Result<PostProcessorWrapper> {
         .special_tokens(special.iter().map(|(_, t, id)| (t.clone(), *id)).collect::<Vec<_>>())
         .build()
         .map_err(|e| Error::file(&g.path, format!("cannot make the tokenizer's template: {e}")))?;
-    Ok(PostSequence::new(vec![byte_level.into(), template.into()]).into())
+    Ok(Some(match byte_level {
+        Some(b) => PostSequence::new(vec![b, template.into()]).into(),
+        None => template.into(),
+    }))
 }
 
 /// Pre-tokenizers for llama.cpp's `tokenizer.ggml.pre` names.
@@ -600,28 +613,15 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
     }
 }
 
-/// Builds `tokenizer.json` and `tokenizer_config.json` from the GGUF vocabulary and merges.
-fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
+/// The tokenizer (`tokenizer.json`) and `tokenizer_config.json` of the GGUF's vocabulary, as
+/// HF's converters make them: byte-level BPE from its merges (`tokenizer.ggml.model` gpt2), or
+/// SentencePiece's BPE from its pieces' scores (llama; [`sentencepiece`]).
+fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
     let path = &g.path;
     let model = meta_str(g, "tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        return Err(Error::file(
-            path,
-            format!("unsupported tokenizer model `{model}` (expected gpt2, a byte-level BPE)"),
-        ));
-    }
     let tokens: Vec<&str> = meta_array(g, "tokenizer.ggml.tokens")?
         .iter()
         .map(|v| v.as_str().ok_or_else(|| Error::file(path, "tokenizer.ggml.tokens holds a non-string")))
-        .collect::<Result<_>>()?;
-    let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
-        .iter()
-        .map(|v| {
-            v.as_str()
-                .and_then(|s| s.split_once(' '))
-                .map(|(a, b)| (a.to_string(), b.to_string()))
-                .ok_or_else(|| Error::file(path, "tokenizer.ggml.merges holds an entry that is not `a b`"))
-        })
         .collect::<Result<_>>()?;
     let types: Vec<i64> = match g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
         Some(a) => a
@@ -632,15 +632,47 @@ fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
     };
     let vocab: tokenizers::models::bpe::Vocab =
         tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(|e| Error::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
-    let mut tok = Tokenizer::new(bpe);
-    let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
-    tok.with_pre_tokenizer(Some(pre_tokenizer(pre, path)?));
-    tok.with_decoder(Some(ByteLevel::default()));
-    tok.with_post_processor(Some(post_processor(g, &tokens)?));
+    let name_of =
+        |key: &str| g.get(key).and_then(|v| v.as_u64()).and_then(|i| tokens.get(i as usize)).copied();
+    let byte_level = match model {
+        "gpt2" => true,
+        "llama" => false,
+        other => {
+            return Err(Error::file(
+                path,
+                format!(
+                    "unsupported tokenizer model `{other}` (expected gpt2, a byte-level BPE, or llama, SentencePiece's BPE)"
+                ),
+            ))
+        }
+    };
+    let mut tok = if byte_level {
+        let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .and_then(|s| s.split_once(' '))
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| {
+                        Error::file(path, "tokenizer.ggml.merges holds an entry that is not `a b`")
+                    })
+            })
+            .collect::<Result<_>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| Error::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
+        let mut tok = Tokenizer::new(bpe);
+        let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        tok.with_pre_tokenizer(Some(pre_tokenizer(pre, path)?));
+        tok.with_decoder(Some(ByteLevel::default()));
+        tok
+    } else {
+        let unk =
+            name_of("tokenizer.ggml.unknown_token_id").or(tokens.iter().copied().find(|t| *t == "<unk>"));
+        sentencepiece(g, &tokens, vocab, unk)?
+    };
+    tok.with_post_processor(post_processor(g, &tokens, byte_level)?);
     // Control (3) and user-defined (4) tokens are matched whole before BPE runs.
     let added: Vec<AddedToken> = tokens
         .iter()
@@ -649,29 +681,82 @@ fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<()> {
         .map(|(s, &t)| AddedToken::from(s.to_string(), t == 3))
         .collect();
     tok.add_special_tokens(&added);
-    let tok_path = dir.join("tokenizer.json");
-    tok.save(&tok_path, false).map_err(|e| Error::file(&tok_path, format!("cannot write: {e}")))?;
 
-    let name_of = |key: &str| {
-        g.get(key)
-            .and_then(|v| v.as_u64())
-            .and_then(|i| tokens.get(i as usize))
-            .map(|s| serde_json::Value::String(s.to_string()))
-            .unwrap_or(serde_json::Value::Null)
-    };
+    let name = |key: &str| name_of(key).map_or(serde_json::Value::Null, |s| s.into());
     let mut cfg = serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name_of("tokenizer.ggml.bos_token_id"),
-        "eos_token": name_of("tokenizer.ggml.eos_token_id"),
-        "unk_token": name_of("tokenizer.ggml.unknown_token_id"),
-        "pad_token": name_of("tokenizer.ggml.padding_token_id"),
+        "bos_token": name("tokenizer.ggml.bos_token_id"),
+        "eos_token": name("tokenizer.ggml.eos_token_id"),
+        "unk_token": name("tokenizer.ggml.unknown_token_id"),
+        "pad_token": name("tokenizer.ggml.padding_token_id"),
         "add_bos_token": g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
         "model_max_length": g.get(&format!("{}.context_length", meta_str(g, "general.architecture")?)).and_then(|v| v.as_u64()).unwrap_or(2048),
     });
     if let Some(t) = g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
         cfg["chat_template"] = t.into();
     }
-    write_json(&dir.join("tokenizer_config.json"), &cfg)
+    Ok((tok, cfg))
+}
+
+/// SentencePiece's BPE (llama.cpp's `llama` tokenizer model, as Llama 2, Mistral and Mixtral
+/// GGUFs hold it) as HF's Llama converter makes it: a merge for each way a piece splits into two
+/// pieces of the vocabulary, ranked by the merged piece's score (highest first; its splits by the
+/// ids of their halves), so the BPE merges what SentencePiece would; a character outside the
+/// vocabulary as its UTF-8 bytes' `<0xHH>` tokens (else `unk`); spaces as `▁`, one put before
+/// the text unless `tokenizer.ggml.add_space_prefix` is false.
+fn sentencepiece(
+    g: &Gguf,
+    tokens: &[&str],
+    vocab: tokenizers::models::bpe::Vocab,
+    unk: Option<&str>,
+) -> Result<Tokenizer> {
+    let path = &g.path;
+    let scores: Vec<f64> = meta_array(g, "tokenizer.ggml.scores")?
+        .iter()
+        .map(|v| v.as_f64().ok_or_else(|| Error::file(path, "tokenizer.ggml.scores holds a non-number")))
+        .collect::<Result<_>>()?;
+    if scores.len() != tokens.len() {
+        let msg = format!("tokenizer.ggml.scores holds scores for {} of {} tokens", scores.len(), tokens.len());
+        return Err(Error::file(path, msg));
+    }
+    let mut merges: Vec<(f64, (String, String))> = Vec::new();
+    for (piece, &score) in tokens.iter().zip(&scores) {
+        let mut splits: Vec<(u32, u32, &str, &str)> = piece
+            .char_indices()
+            .skip(1)
+            .filter_map(|(i, _)| {
+                let (l, r) = piece.split_at(i);
+                Some((*vocab.get(l)?, *vocab.get(r)?, l, r))
+            })
+            .collect();
+        splits.sort_unstable();
+        merges.extend(splits.into_iter().map(|(_, _, l, r)| (score, (l.to_string(), r.to_string()))));
+    }
+    // Stable: a piece's splits stay in their order.
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges.into_iter().map(|m| m.1).collect())
+        .fuse_unk(true)
+        .byte_fallback(true);
+    if let Some(unk) = unk {
+        bpe = bpe.unk_token(unk.to_string());
+    }
+    let bpe = bpe.build().map_err(|e| Error::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
+    let mut tok = Tokenizer::new(bpe);
+    let prefix = g.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()).unwrap_or(true);
+    let space = |s: &str, by: &str| {
+        tokenizers::normalizers::replace::Replace::new(s, by).map_err(|e| Error::file(path, e.to_string()))
+    };
+    let mut normalizers: Vec<tokenizers::NormalizerWrapper> = vec![space(" ", "\u{2581}")?.into()];
+    let mut decoders: Vec<tokenizers::DecoderWrapper> =
+        vec![space("\u{2581}", " ")?.into(), ByteFallback::new().into(), Fuse::new().into()];
+    if prefix {
+        normalizers.insert(0, Prepend::new("\u{2581}".into()).into());
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    tok.with_normalizer(Some(NormalizerSequence::new(normalizers)));
+    tok.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(tok)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 mod bad_input;
 mod batch;
 mod bench;
+mod convert;
 mod generate;
 mod grid;
 mod inspect;

@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub mod sentencepiece;
+
 /// Root of the gridlm repository.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repo root")
@@ -663,6 +665,7 @@ pub enum GgufValue {
     Str(String),
     Strs(Vec<String>),
     I32s(Vec<i32>),
+    F32s(Vec<f32>),
 }
 
 /// Writes a GGUF file (version 3, 32-byte alignment) of f32 tensors, each `(name, shape as
@@ -723,6 +726,12 @@ pub fn write_gguf_raw<K: AsRef<str>>(
             GgufValue::I32s(v) => {
                 out.extend(9u32.to_le_bytes());
                 out.extend(5u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|x| out.extend(x.to_le_bytes()));
+            }
+            GgufValue::F32s(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(6u32.to_le_bytes());
                 out.extend((v.len() as u64).to_le_bytes());
                 v.iter().for_each(|x| out.extend(x.to_le_bytes()));
             }

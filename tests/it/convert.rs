@@ -1,0 +1,184 @@
+//! `gridlm convert`'s tokenizers, against tokenizers written here from their algorithms.
+
+use super::*;
+use gridlm_reference::sentencepiece::SentencePiece;
+use gridlm_reference::{rand_vec, write_gguf, GgufValue};
+
+/// Words of a made-up language, two of them with a character beyond ASCII.
+const WORDS: [&str; 24] = [
+    "the", "then", "there", "other", "rank", "ranks", "tank", "pipe", "pipeline", "line", "tensor", "sensor",
+    "grid", "rigid", "merge", "emerge", "score", "core", "naïve", "café", "a", "an", "and", "sand",
+];
+
+/// A llama's metadata with one layer, 4 heads of 8, a vocabulary of `tokens` (a byte-level BPE
+/// without merges unless `extra` says otherwise), then `extra`'s keys, which take precedence.
+fn llama_meta(tokens: usize, extra: Vec<(&'static str, GgufValue)>) -> Vec<(&'static str, GgufValue)> {
+    let mut meta = vec![
+        ("general.architecture", GgufValue::Str("llama".into())),
+        ("llama.block_count", GgufValue::U32(1)),
+        ("llama.embedding_length", GgufValue::U32(32)),
+        ("llama.feed_forward_length", GgufValue::U32(64)),
+        ("llama.attention.head_count", GgufValue::U32(4)),
+        ("tokenizer.ggml.model", GgufValue::Str("gpt2".into())),
+        ("tokenizer.ggml.tokens", GgufValue::Strs((0..tokens).map(|i| format!("t{i}")).collect())),
+        ("tokenizer.ggml.merges", GgufValue::Strs(vec![])),
+    ];
+    meta.retain(|(k, _)| !extra.iter().any(|(e, _)| e == k));
+    meta.extend(extra);
+    meta
+}
+
+/// `gridlm convert` of a GGUF of `meta`, an embedding of its `tokens` rows and `more` tensors,
+/// written as `name.gguf` in `dir`, into the folder `dir/name`.
+fn convert(
+    dir: &Path,
+    name: &str,
+    tokens: usize,
+    meta: &[(&str, GgufValue)],
+    more: Vec<(String, Vec<usize>, Vec<f32>)>,
+) -> (Output, PathBuf) {
+    let gguf = dir.join(format!("{name}.gguf"));
+    let mut tensors = vec![("token_embd.weight".to_string(), vec![tokens, 32], vec![0.5; tokens * 32])];
+    tensors.extend(more);
+    write_gguf(&gguf, meta, &tensors);
+    let out_dir = dir.join(name);
+    (gridlm(&["convert", "--gguf", path_str(&gguf), "--out", path_str(&out_dir)]), out_dir)
+}
+
+/// `convert` that must fail with one error line saying each of `says`, leaving no folder.
+fn refused(
+    dir: &Path,
+    name: &str,
+    meta: &[(&str, GgufValue)],
+    more: Vec<(String, Vec<usize>, Vec<f32>)>,
+    says: &[&str],
+) {
+    let (out, folder) = convert(dir, name, 2, meta, more);
+    assert_one_line_error(&out, says);
+    assert!(!folder.exists(), "{name}");
+}
+
+/// A GGUF's RoPE scaling: linear (as metadata, new and old keys) is HF's linear; what HF's
+/// config cannot say is one error line naming it, and no folder.
+#[test]
+fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let type_linear = || ("llama.rope.scaling.type", GgufValue::Str("linear".into()));
+    let linears = [
+        ("linear", vec![type_linear(), ("llama.rope.scaling.factor", GgufValue::F32(4.0))]),
+        ("old", vec![("llama.rope.scale_linear", GgufValue::F32(4.0))]),
+    ];
+    for (name, extra) in linears {
+        let (out, folder) = convert(dir, name, 2, &llama_meta(2, extra), vec![]);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(folder.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["rope_scaling"], serde_json::json!({"rope_type": "linear", "factor": 4.0}), "{name}");
+    }
+    let freqs = |v: Vec<f32>| vec![("rope_freqs.weight".to_string(), vec![v.len()], v)];
+    let yarn = ("llama.rope.scaling.type", GgufValue::Str("yarn".into()));
+    let says = ["unsupported RoPE scaling `yarn`", "llama.rope.scaling.type"];
+    refused(dir, "yarn", &llama_meta(2, vec![yarn]), vec![], &says);
+    let says = ["without the metadata number `llama.rope.scaling.factor`"];
+    refused(dir, "no-factor", &llama_meta(2, vec![type_linear()]), vec![], &says);
+    let says = ["rope_freqs.weight", "holds 2 RoPE frequency factors", "rotates 4"];
+    refused(dir, "few", &llama_meta(2, vec![]), freqs(vec![1.0, 2.0]), &says);
+    let says = ["rope_freqs.weight", "NaN"];
+    refused(dir, "nan", &llama_meta(2, vec![]), freqs(vec![1.0, f32::NAN, 2.0, 2.0]), &says);
+    // Divisors that fall again at a longer wavelength.
+    let says = ["rope_freqs.weight", "no Llama 3 scaling"];
+    refused(dir, "off", &llama_meta(2, vec![]), freqs(vec![1.0, 1.5, 3.0, 2.0]), &says);
+    let old_linear = ("llama.rope.scale_linear", GgufValue::F32(2.0));
+    let says = ["beside linear scaling (`llama.rope.scale_linear`)"];
+    refused(dir, "both", &llama_meta(2, vec![old_linear]), freqs(vec![1.0; 4]), &says);
+}
+
+/// A vocabulary convert cannot make a tokenizer of is one error line naming what is wrong, and
+/// no folder: an unknown tokenizer model, SentencePiece pieces without their scores or with
+/// fewer scores than pieces, a BOS token asked for beyond the vocabulary.
+#[test]
+fn convert_refuses_a_vocabulary_it_cannot_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let model = |m: &str| ("tokenizer.ggml.model", GgufValue::Str(m.into()));
+    let says = ["unsupported tokenizer model `bert`", "expected gpt2", "or llama"];
+    refused(dir, "bert", &llama_meta(2, vec![model("bert")]), vec![], &says);
+    refused(dir, "no-scores", &llama_meta(2, vec![model("llama")]), vec![], &["`tokenizer.ggml.scores`"]);
+    let few = ("tokenizer.ggml.scores", GgufValue::F32s(vec![0.0]));
+    let says = ["tokenizer.ggml.scores holds scores for 1 of 2 tokens"];
+    refused(dir, "few-scores", &llama_meta(2, vec![model("llama"), few]), vec![], &says);
+    let bos = [
+        ("tokenizer.ggml.add_bos_token", GgufValue::Bool(true)),
+        ("tokenizer.ggml.bos_token_id", GgufValue::U32(9)),
+    ];
+    let says = ["`tokenizer.ggml.bos_token_id` is 9, beyond the vocabulary of 2"];
+    refused(dir, "bos", &llama_meta(2, bos.into()), vec![], &says);
+}
+
+/// Deterministic indices below `n`.
+fn picks(count: usize, seed: u64, n: usize) -> Vec<usize> {
+    rand_vec(count, seed, 1.0)
+        .into_iter()
+        .map(|x| (((x + 1.0) / 2.0 * n as f32) as usize).min(n - 1))
+        .collect()
+}
+
+/// A SentencePiece GGUF (llama.cpp's `llama` tokenizer model: pieces, their scores and types,
+/// as Llama 2, Mistral and Mixtral GGUFs hold them) converts into a tokenizer that encodes as
+/// SentencePiece does — merges by score, characters beyond the vocabulary (CJK, emoji, tabs,
+/// newlines, digits) as their bytes, runs of spaces, spaces first and last — decodes back to the
+/// text, and puts the BOS token first as the GGUF asks.
+#[test]
+fn a_sentencepiece_gguf_converts_to_a_tokenizer_that_encodes_as_sentencepiece() {
+    let corpus: Vec<&str> = picks(4000, 7, WORDS.len()).into_iter().map(|i| WORDS[i]).collect();
+    let sp = SentencePiece::learn(&corpus.join(" "), 120);
+    let n = sp.pieces.len();
+    let meta = llama_meta(
+        n,
+        vec![
+            ("tokenizer.ggml.model", GgufValue::Str("llama".into())),
+            ("tokenizer.ggml.tokens", GgufValue::Strs(sp.pieces.clone())),
+            ("tokenizer.ggml.scores", GgufValue::F32s(sp.scores.clone())),
+            ("tokenizer.ggml.token_type", GgufValue::I32s(sp.types.clone())),
+            ("tokenizer.ggml.unknown_token_id", GgufValue::U32(SentencePiece::UNK)),
+            ("tokenizer.ggml.bos_token_id", GgufValue::U32(SentencePiece::BOS)),
+            ("tokenizer.ggml.eos_token_id", GgufValue::U32(SentencePiece::EOS)),
+            ("tokenizer.ggml.add_bos_token", GgufValue::Bool(true)),
+        ],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, dir) = convert(tmp.path(), "spm", n, &meta, vec![]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+
+    let mut texts: Vec<String> =
+        ["the tank", "  two spaces", "trailing ", "naïve café", "a\nb\tc", "emerge 2024 😀 中文"]
+            .map(String::from)
+            .to_vec();
+    // Words and characters beyond them, spaces among them.
+    let chars: Vec<char> = "theranksipl gdcoméï  \n\t09中😀".chars().collect();
+    for t in 0..1500u64 {
+        let len = 1 + picks(1, 100 + t, 40)[0];
+        let words: String =
+            picks(len, 200 + t, WORDS.len()).into_iter().map(|i| WORDS[i]).collect::<Vec<_>>().join(" ");
+        let mixed: String = picks(len, 300 + t, chars.len()).into_iter().map(|i| chars[i]).collect();
+        texts.extend([words, mixed]);
+    }
+    let mut merged = 0;
+    for text in &texts {
+        let want = sp.encode(text);
+        let got = tok.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(got, want, "{text:?}");
+        assert_eq!(sp.decode(&want), *text);
+        assert_eq!(tok.decode(&got, true).unwrap(), *text);
+        let with_bos = tok.encode(text.as_str(), true).unwrap().get_ids().to_vec();
+        assert_eq!(with_bos, [&[SentencePiece::BOS][..], &want].concat(), "{text:?}");
+        merged += want.iter().filter(|&&id| sp.pieces[id as usize].chars().count() > 1).count();
+    }
+    // The check meets the learned pieces, not single characters alone.
+    assert!(merged > texts.len(), "{merged} merged pieces in {} texts", texts.len());
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["bos_token"].as_str(), cfg["eos_token"].as_str()), (Some("<s>"), Some("</s>")));
+}
