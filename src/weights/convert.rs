@@ -716,7 +716,8 @@ fn sentencepiece(
         .map(|v| v.as_f64().ok_or_else(|| Error::file(path, "tokenizer.ggml.scores holds a non-number")))
         .collect::<Result<_>>()?;
     if scores.len() != tokens.len() {
-        let msg = format!("tokenizer.ggml.scores holds scores for {} of {} tokens", scores.len(), tokens.len());
+        let msg =
+            format!("tokenizer.ggml.scores holds scores for {} of {} tokens", scores.len(), tokens.len());
         return Err(Error::file(path, msg));
     }
     let mut merges: Vec<(f64, (String, String))> = Vec::new();
@@ -797,28 +798,9 @@ mod tests {
         assert!(hf_name("blk.x.attn_q.weight").is_none());
     }
 
-    /// `rope_freqs.weight` as llama.cpp's converter computes it from HF's `llama3` numbers:
-    /// frequencies in f32, the rest in Python's floats, stored as f32.
-    fn llama_cpp_factors([factor, low, high, old]: [f64; 4], theta: f32, head_dim: usize) -> Vec<f32> {
-        (0..head_dim / 2)
-            .map(|i| {
-                let freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
-                let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
-                let r = if wavelen < old / high {
-                    1.0
-                } else if wavelen > old / low {
-                    factor
-                } else {
-                    let smooth = (old / wavelen - low) / (high - low);
-                    1.0 / ((1.0 - smooth) / factor + smooth)
-                };
-                r as f32
-            })
-            .collect()
-    }
-
     #[test]
     fn llama3_scaling_from_llama_cpp_frequency_factors() {
+        use gridlm_reference::llama_cpp_rope_factors as llama_cpp_factors;
         // Llama 3.2 1B and 3B, Llama 3.1 8B and 70B: Meta's numbers.
         for (s, theta, hd) in
             [([32.0, 1.0, 4.0, 8192.0], 500000.0, 64), ([8.0, 1.0, 4.0, 8192.0], 500000.0, 128)]

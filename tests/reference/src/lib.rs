@@ -755,6 +755,28 @@ pub fn write_gguf_raw<K: AsRef<str>>(
     std::fs::write(path, out).expect("write GGUF");
 }
 
+/// The tensor `rope_freqs.weight` llama.cpp's converter writes for HF's `llama3` RoPE scaling
+/// `[factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]` of heads of
+/// `head_dim` with RoPE base `theta`: what each rotated pair's frequency is divided by
+/// (frequencies in f32, the rest in Python's floats).
+pub fn llama_cpp_rope_factors([factor, low, high, old]: [f64; 4], theta: f32, head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
+            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+            let r = if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            r as f32
+        })
+        .collect()
+}
+
 /// GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE
 /// vocabulary (printable Latin-1 bytes as themselves, the others from U+0100 on).
 pub fn byte_chars() -> Vec<char> {

@@ -9,8 +9,8 @@ use candle_transformers::models::{
     gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
 };
 use gridlm_reference::{
-    argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, max_abs_diff, rename_tensor,
-    run_with_timeout, smollm2, write_gguf, GgufValue, Run,
+    argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
+    max_abs_diff, rename_tensor, run_with_timeout, smollm2, write_gguf, GgufValue, Run,
 };
 use std::path::Path;
 
@@ -837,7 +837,7 @@ fn gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &s
         gguf_tensors.push((
             "rope_freqs.weight".into(),
             vec![m.hidden / m.heads / 2],
-            llama_cpp_rope_factors(m, scaling),
+            llama_cpp_rope_factors(scaling, 10000.0, m.hidden / m.heads),
         ));
     }
     let gguf = dir.with_extension("gguf");
@@ -848,28 +848,6 @@ fn gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &s
         let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
         assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
     }
-}
-
-/// The tensor `rope_freqs.weight` llama.cpp's converter writes for HF's `llama3` RoPE scaling
-/// `[factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]` of `m`: what
-/// each rotated pair's frequency is divided by (frequencies in f32, the rest in Python's floats).
-fn llama_cpp_rope_factors(m: &gridlm_reference::TinyModel, [factor, low, high, old]: [f64; 4]) -> Vec<f32> {
-    let hd = m.hidden / m.heads;
-    (0..hd / 2)
-        .map(|i| {
-            let freq = 1.0 / 10000f32.powf((2 * i) as f32 / hd as f32);
-            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
-            let r = if wavelen < old / high {
-                1.0
-            } else if wavelen > old / low {
-                factor
-            } else {
-                let smooth = (old / wavelen - low) / (high - low);
-                1.0 / ((1.0 - smooth) / factor + smooth)
-            };
-            r as f32
-        })
-        .collect()
 }
 
 /// Rows of `v` (`cols` wide, `heads` heads) as llama.cpp stores a llama's q and k: each head's
