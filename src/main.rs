@@ -592,6 +592,10 @@ struct ConvertArgs {
     /// Dtype of the written weight matrices (norms stay f32).
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     dtype: DType,
+    /// Write the tokenizer alone (tokenizer.json, tokenizer_config.json), of any GGUF with a
+    /// vocabulary, weights or none
+    #[arg(long, conflicts_with = "dtype")]
+    vocab_only: bool,
 }
 
 fn parse_quant(s: &str) -> Result<Quant, String> {
@@ -880,6 +884,11 @@ fn report(a: ReportArgs) -> Result<()> {
 }
 
 fn run_convert(a: ConvertArgs) -> Result<()> {
+    if a.vocab_only {
+        convert::convert_vocab(&a.gguf, &a.out)?;
+        eprintln!("wrote {} (the tokenizer)", a.out.display());
+        return Ok(());
+    }
     let s = convert::convert(&a.gguf, &a.out, a.dtype)?;
     eprintln!(
         "wrote {} ({} tensors, {:.1} MB of weights in {})",

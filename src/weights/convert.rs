@@ -228,14 +228,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let n_tensors = named.len();
     let bytes: usize = named.iter().map(|(_, t)| t.len).sum();
 
-    let tmp = out.with_file_name(format!(
-        ".{}.partial-{}",
-        out.file_name().and_then(|s| s.to_str()).unwrap_or("model"),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    let result = (|| -> Result<()> {
+    write_aside(out, |tmp| {
         let st_path = tmp.join("model.safetensors");
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
@@ -250,17 +243,44 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             gen["eos_token_id"] = e.into();
         }
         write_json(&tmp.join("generation_config.json"), &gen)?;
-        let tok_path = tmp.join("tokenizer.json");
-        tokenizer.save(&tok_path, false).map_err(|e| Error::file(&tok_path, format!("cannot write: {e}")))?;
-        write_json(&tmp.join("tokenizer_config.json"), &tokenizer_config)?;
-        Ok(())
-    })();
-    if let Err(e) = result {
+        write_tokenizer(tmp, &tokenizer, &tokenizer_config)
+    })?;
+    Ok(Summary { n_tensors, bytes })
+}
+
+/// `gridlm convert --vocab-only`: the tokenizer of a GGUF's vocabulary alone (`tokenizer.json`
+/// and `tokenizer_config.json`), of any architecture, weights or none (as llama.cpp's
+/// vocabulary-only files hold).
+pub fn convert_vocab(gguf_path: &Path, out: &Path) -> Result<()> {
+    if out.exists() {
+        return Err(Error::file(out, "already exists; remove it or choose another --out"));
+    }
+    let g = Gguf::open(gguf_path)?;
+    let (tokenizer, config) = tokenizer_of(&g)?;
+    write_aside(out, |tmp| write_tokenizer(tmp, &tokenizer, &config))
+}
+
+fn write_tokenizer(dir: &Path, tokenizer: &Tokenizer, config: &serde_json::Value) -> Result<()> {
+    let path = dir.join("tokenizer.json");
+    tokenizer.save(&path, false).map_err(|e| Error::file(&path, format!("cannot write: {e}")))?;
+    write_json(&dir.join("tokenizer_config.json"), config)
+}
+
+/// The folder `out` written by `write` into a folder beside it, renamed into place once whole;
+/// on failure removed, so nothing half-written is left.
+fn write_aside(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = out.with_file_name(format!(
+        ".{}.partial-{}",
+        out.file_name().and_then(|s| s.to_str()).unwrap_or("model"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    if let Err(e) = write(&tmp) {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
-    Ok(Summary { n_tensors, bytes })
+    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))
 }
 
 /// A tensor of the folder being written whose bytes (`len` of them) are made only when the
@@ -541,14 +561,20 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
     }
 }
 
-/// The tokenizer's post-processor: byte-level (of a byte-level BPE), then the BOS and EOS tokens around a text where
-/// the GGUF asks for them (`tokenizer.ggml.add_bos_token`, as Llama 3's do; `add_eos_token`), as
-/// HF's own tokenizer.json files add them.
-fn post_processor(g: &Gguf, tokens: &[&str], byte_level: bool) -> Result<Option<PostProcessorWrapper>> {
+/// The tokenizer's post-processor: byte-level (of a byte-level BPE), then the BOS and EOS tokens
+/// around a text where the GGUF asks for them (`tokenizer.ggml.add_bos_token`, BOS where it says
+/// nothing if `bos_unless_said`; `add_eos_token`), as HF's own tokenizer.json files add them.
+fn post_processor(
+    g: &Gguf,
+    tokens: &[&str],
+    byte_level: bool,
+    bos_unless_said: bool,
+) -> Result<Option<PostProcessorWrapper>> {
     let byte_level = byte_level.then(|| ByteLevel::new(true, false, true).into());
     let mut special = Vec::new();
-    for which in ["bos", "eos"] {
-        if !g.get(&format!("tokenizer.ggml.add_{which}_token")).and_then(|v| v.as_bool()).unwrap_or(false) {
+    for (which, unless_said) in [("bos", bos_unless_said), ("eos", false)] {
+        let add = g.get(&format!("tokenizer.ggml.add_{which}_token")).and_then(|v| v.as_bool());
+        if !add.unwrap_or(unless_said) {
             continue;
         }
         let key = format!("tokenizer.ggml.{which}_token_id");
@@ -600,7 +626,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
         "gpt-2" | "gpt2" | "default" => Ok(ByteLevel::new(false, true, true).into()),
-        "llama-bpe" | "llama3" => split(
+        "llama-bpe" | "llama3" | "llama-v3" => split(
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ),
         "qwen2" => split(
@@ -646,6 +672,11 @@ fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
             ))
         }
     };
+    // Llama 3's vocabulary takes a word that is a token whole, whatever the merges would make
+    // of it (HF's `ignore_merges`), and puts BOS first unless the GGUF says otherwise, as
+    // llama.cpp reads it; so does SentencePiece's.
+    let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+    let llama3 = byte_level && matches!(pre, "llama-bpe" | "llama3" | "llama-v3");
     let mut tok = if byte_level {
         let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
             .iter()
@@ -660,10 +691,10 @@ fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
             .collect::<Result<_>>()?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
+            .ignore_merges(llama3)
             .build()
             .map_err(|e| Error::file(path, format!("cannot build the BPE tokenizer: {e}")))?;
         let mut tok = Tokenizer::new(bpe);
-        let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
         tok.with_pre_tokenizer(Some(pre_tokenizer(pre, path)?));
         tok.with_decoder(Some(ByteLevel::default()));
         tok
@@ -672,7 +703,7 @@ fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
             name_of("tokenizer.ggml.unknown_token_id").or(tokens.iter().copied().find(|t| *t == "<unk>"));
         sentencepiece(g, &tokens, vocab, unk)?
     };
-    tok.with_post_processor(post_processor(g, &tokens, byte_level)?);
+    tok.with_post_processor(post_processor(g, &tokens, byte_level, llama3 || !byte_level)?);
     // Control (3) and user-defined (4) tokens are matched whole before BPE runs.
     let added: Vec<AddedToken> = tokens
         .iter()
@@ -689,7 +720,7 @@ fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
         "eos_token": name("tokenizer.ggml.eos_token_id"),
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
         "pad_token": name("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+        "add_bos_token": g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(llama3 || !byte_level),
         "model_max_length": g.get(&format!("{}.context_length", meta_str(g, "general.architecture")?)).and_then(|v| v.as_u64()).unwrap_or(2048),
     });
     if let Some(t) = g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {

@@ -182,3 +182,55 @@ fn a_sentencepiece_gguf_converts_to_a_tokenizer_that_encodes_as_sentencepiece() 
         serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
     assert_eq!((cfg["bos_token"].as_str(), cfg["eos_token"].as_str()), (Some("<s>"), Some("</s>")));
 }
+
+/// llama.cpp's tokenizer test vocabularies, fetched by `launch/get-vocabs`: (name, the BOS
+/// token HF's tokenizer puts first, if it does). Real models' vocabularies: Llama 2's and
+/// Phi-3's SentencePiece, Llama 3's, Qwen2's, GPT-2's, StarCoder's and Refact's byte-level BPE.
+const REAL_VOCABULARIES: [(&str, Option<u32>); 7] = [
+    ("llama-spm", Some(1)),
+    ("phi-3", Some(1)),
+    ("llama-bpe", Some(128000)),
+    ("qwen2", None),
+    ("gpt-2", None),
+    ("starcoder", None),
+    ("refact", None),
+];
+
+/// Each real vocabulary converts (`--vocab-only`: these files hold no weights) into a tokenizer
+/// that encodes llama.cpp's test strings (accents, CJK, emoji, runs of spaces, tabs and
+/// newlines, digits, code) into exactly the ids HF's own tokenizer gave them, and puts the BOS
+/// token first where HF's does.
+#[test]
+fn real_vocabularies_encode_as_hf_tokenizers_do() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fetched = Command::new(root.join("launch/get-vocabs")).output().unwrap();
+    assert!(fetched.status.success(), "{}", String::from_utf8_lossy(&fetched.stderr));
+    let vocabs = PathBuf::from(String::from_utf8(fetched.stdout).unwrap().trim());
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, bos) in REAL_VOCABULARIES {
+        let gguf = vocabs.join(format!("ggml-vocab-{name}.gguf"));
+        let dir = tmp.path().join(name);
+        let out = gridlm(&["convert", "--vocab-only", "--gguf", path_str(&gguf), "--out", path_str(&dir)]);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let read = |ext: &str| std::fs::read_to_string(format!("{}{ext}", gguf.display())).unwrap();
+        let (texts, ids) = (read(".inp"), read(".out"));
+        // Each text ends with a line of its own saying so.
+        let texts: Vec<&str> = texts.split_terminator("\n__ggml_vocab_test__\n").collect();
+        let ids: Vec<Vec<u32>> =
+            ids.lines().map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect()).collect();
+        assert!(
+            texts.len() >= 40 && ids.len() == texts.len(),
+            "{name}: {} texts, {} answers",
+            texts.len(),
+            ids.len()
+        );
+        for (text, want) in texts.iter().zip(&ids) {
+            let got = tok.encode(*text, false).unwrap().get_ids().to_vec();
+            assert_eq!(&got, want, "{name}: {text:?}");
+        }
+        let hello = tok.encode("Hello", true).unwrap().get_ids().to_vec();
+        assert_eq!(hello.len(), 1 + usize::from(bos.is_some()), "{name}: {hello:?}");
+        assert_eq!(bos.is_some_and(|b| hello[0] == b), bos.is_some(), "{name}: {hello:?}");
+    }
+}
