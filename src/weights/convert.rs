@@ -614,27 +614,61 @@ fn post_processor(
     }))
 }
 
-/// Pre-tokenizers for llama.cpp's `tokenizer.ggml.pre` names.
+/// llama.cpp's `tokenizer.ggml.pre` names of Llama 3's pre-tokenizer: its regex, whole-word
+/// tokens taken whole (`ignore_merges`) and BOS first by default.
+const LLAMA3_PRES: [&str; 4] = ["llama-bpe", "llama3", "llama-v3", "falcon3"];
+
+/// Pre-tokenizers for llama.cpp's `tokenizer.ggml.pre` names, with the regexes of the HF
+/// tokenizer.json files they stand for (split in turn, each piece kept), then byte-level.
 fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
-    let split = |re: &str| -> Result<PreTokenizerWrapper> {
-        let s = Split::new(SplitPattern::Regex(re.into()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| Error::file(path, format!("cannot build pre-tokenizer `{pre}`: {e}")))?;
-        Ok(Sequence::new(vec![s.into(), ByteLevel::new(false, false, false).into()]).into())
+    let split = |res: &[&str]| -> Result<PreTokenizerWrapper> {
+        let mut parts: Vec<PreTokenizerWrapper> = Vec::new();
+        for re in res {
+            let s = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| Error::file(path, format!("cannot build pre-tokenizer `{pre}`: {e}")))?;
+            parts.push(s.into());
+        }
+        parts.push(ByteLevel::new(false, false, false).into());
+        Ok(Sequence::new(parts).into())
     };
     match pre {
         "smollm" | "starcoder" | "refact" => {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
         "gpt-2" | "gpt2" | "default" => Ok(ByteLevel::new(false, true, true).into()),
-        "llama-bpe" | "llama3" | "llama-v3" => split(
+        p if LLAMA3_PRES.contains(&p) => split(&[
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        ),
-        "qwen2" => split(
+        ]),
+        "qwen2" | "deepseek-r1-qwen" => split(&[
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        ),
+        ]),
+        "qwen35" => split(&[
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ]),
+        "deepseek-llm" => split(&[
+            "[\\r\\n]",
+            "\\s?[A-Za-z\u{b5}\u{c0}-\u{d6}\u{d8}-\u{f6}\u{f8}-\u{1ba}\u{1bc}-\u{1bf}\u{1c4}-\u{293}\u{295}-\u{2af}\u{370}-\u{373}\u{376}\u{377}\u{37b}-\u{37d}\u{37f}\u{386}\u{388}-\u{38a}\u{38c}\u{38e}-\u{3a1}\u{3a3}-\u{3f5}\u{3f7}-\u{481}\u{48a}-\u{52f}\u{531}-\u{556}\u{10a0}-\u{10c5}\u{13a0}-\u{13f5}\u{13f8}-\u{13fd}\u{1c90}-\u{1cba}\u{1cbd}-\u{1cbf}\u{1d00}-\u{1d2b}\u{1d6b}-\u{1d77}\u{1d79}-\u{1d9a}\u{1e00}-\u{1f15}\u{1f18}-\u{1f1d}\u{1f20}-\u{1f45}\u{1f48}-\u{1f4d}\u{1f50}-\u{1f57}\u{1f59}\u{1f5b}\u{1f5d}\u{1f5f}-\u{1f7d}\u{1f80}-\u{1fb4}\u{1fb6}-\u{1fbc}\u{1fbe}\u{1fc2}-\u{1fc4}\u{1fc6}-\u{1fcc}\u{1fd0}-\u{1fd3}\u{1fd6}-\u{1fdb}\u{1fe0}-\u{1fec}\u{1ff2}-\u{1ff4}\u{1ff6}-\u{1ffc}\u{2102}\u{2107}\u{210a}-\u{2113}\u{2115}\u{2119}-\u{211d}\u{2124}\u{2126}\u{2128}\u{212a}-\u{212d}\u{212f}-\u{2134}\u{2139}\u{213c}-\u{213f}\u{2145}-\u{2149}\u{214e}\u{2183}\u{2184}\u{2c00}-\u{2c7b}\u{2c7e}-\u{2ce4}\u{2ceb}-\u{2cee}\u{2cf2}\u{2cf3}\u{a640}-\u{a66d}\u{a680}-\u{a69b}\u{a722}-\u{a76f}\u{a771}-\u{a787}\u{a78b}-\u{a78e}\u{ab70}-\u{abbf}\u{fb00}-\u{fb06}\u{fb13}-\u{fb17}\u{ff21}-\u{ff3a}\u{ff41}-\u{ff5a}\u{10400}-\u{1044f}\u{104b0}-\u{104d3}\u{104d8}-\u{104fb}\u{10c80}-\u{10cb2}\u{10cc0}-\u{10cf2}\u{118a0}-\u{118df}\u{1e900}-\u{1e943}]+",
+            "\\s?[!-/:-~\u{ff01}-\u{ff0f}\u{ff1a}-\u{ff5e}\u{2018}-\u{201f}\u{3000}-\u{3002}]+",
+            "\\s+$",
+            "[\u{4e00}-\u{9fa5}\u{800}-\u{4e00}\u{ac00}-\u{d7ff}]+",
+            "\\p{N}+",
+        ]),
+        "deepseek-coder" => split(&[
+            "[\\r\\n]",
+            "\\s?\\p{L}+",
+            "\\s?\\p{P}+",
+            "[\u{4e00}-\u{9fa5}\u{800}-\u{4e00}\u{ac00}-\u{d7ff}]+",
+            "\\p{N}",
+        ]),
+        "tekken" => split(&[
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ]),
         other => Err(Error::file(
             path,
-            format!("unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, llama-bpe, qwen2)"),
+            format!(
+                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
+                LLAMA3_PRES.join(", ")
+            ),
         )),
     }
 }
@@ -672,11 +706,11 @@ fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
             ))
         }
     };
-    // Llama 3's vocabulary takes a word that is a token whole, whatever the merges would make
-    // of it (HF's `ignore_merges`), and puts BOS first unless the GGUF says otherwise, as
-    // llama.cpp reads it; so does SentencePiece's.
+    // Llama 3's vocabulary (and Mistral's Tekken) takes a word that is a token whole, whatever
+    // the merges would make of it (HF's `ignore_merges`), and puts BOS first unless the GGUF
+    // says otherwise, as llama.cpp reads it; so does SentencePiece's.
     let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
-    let llama3 = byte_level && matches!(pre, "llama-bpe" | "llama3" | "llama-v3");
+    let llama3 = byte_level && (LLAMA3_PRES.contains(&pre) || pre == "tekken");
     let mut tok = if byte_level {
         let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
             .iter()

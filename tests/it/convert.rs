@@ -185,12 +185,16 @@ fn a_sentencepiece_gguf_converts_to_a_tokenizer_that_encodes_as_sentencepiece() 
 
 /// llama.cpp's tokenizer test vocabularies, fetched by `launch/get-vocabs`: (name, the BOS
 /// token HF's tokenizer puts first, if it does). Real models' vocabularies: Llama 2's and
-/// Phi-3's SentencePiece, Llama 3's, Qwen2's, GPT-2's, StarCoder's and Refact's byte-level BPE.
-const REAL_VOCABULARIES: [(&str, Option<u32>); 7] = [
+/// Phi-3's SentencePiece; Llama 3's, Qwen2's, Qwen3.5's, DeepSeek LLM's and DeepSeek Coder's,
+/// GPT-2's, StarCoder's and Refact's byte-level BPE.
+const REAL_VOCABULARIES: [(&str, Option<u32>); 10] = [
     ("llama-spm", Some(1)),
     ("phi-3", Some(1)),
     ("llama-bpe", Some(128000)),
     ("qwen2", None),
+    ("qwen35", None),
+    ("deepseek-llm", Some(100000)),
+    ("deepseek-coder", Some(32013)),
     ("gpt-2", None),
     ("starcoder", None),
     ("refact", None),
