@@ -95,6 +95,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let tied = g.tensor("output.weight").is_none();
     let bos = g.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64());
     let eos = g.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64());
+    let ends = end_tokens(&g, eos);
 
     let mut config = serde_json::json!({
         "architectures": [architecture],
@@ -239,13 +240,46 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         if let Some(b) = bos {
             gen["bos_token_id"] = b.into();
         }
-        if let Some(e) = eos {
-            gen["eos_token_id"] = e.into();
+        match ends[..] {
+            [] => {}
+            [e] => gen["eos_token_id"] = e.into(),
+            _ => gen["eos_token_id"] = ends.clone().into(),
         }
         write_json(&tmp.join("generation_config.json"), &gen)?;
         write_tokenizer(tmp, &tokenizer, &tokenizer_config)
     })?;
     Ok(Summary { n_tensors, bytes })
+}
+
+/// The tokens that end a completion, for `generation_config.json` (as HF's instruct models list
+/// them: Llama 3.1's end of text, of a message and of a turn, say), read as llama.cpp reads a
+/// GGUF: its EOS, EOT and EOM tokens and the control tokens named as ends of a turn or a text
+/// by the chat formats it knows; EOS first.
+fn end_tokens(g: &Gguf, eos: Option<u64>) -> Vec<u64> {
+    const NAMES: [&str; 9] = [
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+    ];
+    let id = |k: &str| g.get(&format!("tokenizer.ggml.{k}_token_id")).and_then(|v| v.as_u64());
+    let mut ends: Vec<u64> = [eos, id("eot"), id("eom")].into_iter().flatten().collect();
+    let tokens = g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).unwrap_or_default();
+    let types = g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()).unwrap_or_default();
+    for (i, (t, ty)) in tokens.iter().zip(types).enumerate() {
+        let control = ty.as_u64() == Some(3);
+        if control && t.as_str().is_some_and(|t| NAMES.contains(&t)) {
+            ends.push(i as u64);
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    ends.retain(|e| seen.insert(*e));
+    ends
 }
 
 /// `gridlm convert --vocab-only`: the tokenizer of a GGUF's vocabulary alone (`tokenizer.json`

@@ -238,3 +238,29 @@ fn real_vocabularies_encode_as_hf_tokenizers_do() {
         assert_eq!(bos.is_some_and(|b| hello[0] == b), bos.is_some(), "{name}: {hello:?}");
     }
 }
+
+/// A converted model stops where llama.cpp stops it: `generation_config.json` lists the GGUF's
+/// EOS, EOT and EOM tokens and the control tokens that end a turn or a text in the chat formats
+/// llama.cpp knows (here Llama 3's), EOS first; a word that only looks like one is not listed.
+#[test]
+fn convert_lists_the_tokens_that_end_a_completion() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tokens =
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>", "a", "<|im_end|>", "<|end|>"];
+    let meta = llama_meta(
+        tokens.len(),
+        vec![
+            ("tokenizer.ggml.tokens", GgufValue::Strs(tokens.map(String::from).to_vec())),
+            ("tokenizer.ggml.token_type", GgufValue::I32s(vec![3, 3, 3, 3, 1, 3, 1])),
+            ("tokenizer.ggml.eos_token_id", GgufValue::U32(3)),
+            ("tokenizer.ggml.eom_token_id", GgufValue::U32(2)),
+        ],
+    );
+    let (out, dir) = convert(tmp.path(), "ends", tokens.len(), &meta, vec![]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let read = |f: &str| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir.join(f)).unwrap()).unwrap()
+    };
+    assert_eq!(read("generation_config.json")["eos_token_id"], serde_json::json!([3, 2, 1, 5]));
+    assert_eq!(read("config.json")["eos_token_id"], serde_json::json!(3));
+}
