@@ -45,13 +45,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("qwen3", "Qwen3ForCausalLM", Arch::Qwen3),
         ("qwen2moe", "Qwen2MoeForCausalLM", Arch::Qwen2Moe),
         ("qwen3moe", "Qwen3MoeForCausalLM", Arch::Qwen3Moe),
+        ("phi3", "Phi3ForCausalLM", Arch::Phi3),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe or qwen3moe)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe or phi3)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -156,6 +157,28 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if let Some(e) = eos {
         config["eos_token_id"] = e.into();
     }
+    if let Some(d) = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()) {
+        if d as usize != head_dim {
+            let msg = format!(
+                "`{}` is {d}: RoPE over part of a head's {head_dim} dimensions is not supported",
+                key("rope.dimension_count")
+            );
+            return Err(Error::file(gguf_path, msg));
+        }
+    }
+    if arch == "phi3" {
+        // Phi-3's long-context variants keep LongRoPE's factors as tensors.
+        if let Some(t) = g.tensors.iter().find(|t| t.name.starts_with("rope_factors_")) {
+            return Err(Error::tensor(gguf_path, &t.name, "Phi-3's LongRoPE scaling is not supported"));
+        }
+        config["sliding_window"] = g
+            .get(&key("attention.sliding_window"))
+            .and_then(|v| v.as_u64())
+            .map_or(serde_json::Value::Null, |w| w.into());
+        if let Some(n) = g.get(&key("rope.scaling.original_context_length")).and_then(|v| v.as_u64()) {
+            config["original_max_position_embeddings"] = n.into();
+        }
+    }
 
     // Tensors, renamed to HF names; Q/K rows of llama GGUFs un-permuted (llama.cpp interleaves
     // the two halves of each head for its RoPE; HF rotates halves; its qwen2 and qwen3
@@ -197,7 +220,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             }
             Some((layer, true, which)) => crate::model::shared_expert_names(layer)[which].clone(),
             Some((layer, false, which)) => crate::model::expert_names(family, layer, 0)[which].clone(),
-            None => match hf_name(&t.name) {
+            None => match hf_name_in(&arch, &t.name) {
                 Some(hf) => hf,
                 // Not weights: RoPE frequency factors (read into `rope_scaling`), tables some
                 // converters add.
@@ -566,6 +589,22 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// [`hf_name`] of a tensor of the GGUF architecture `arch`: Phi-3's fused q, k and v rows
+/// (`attn_qkv`) and gate and up rows (`ffn_up`, twice the FFN's width) are HF's `qkv_proj` and
+/// `gate_up_proj`.
+fn hf_name_in(arch: &str, gguf: &str) -> Option<String> {
+    let fused = |part: &str, hf: &str| {
+        let layer = gguf.strip_prefix("blk.")?.strip_suffix(part)?.parse::<usize>().ok()?;
+        Some(format!("model.layers.{layer}.{hf}"))
+    };
+    match arch {
+        "phi3" => fused(".attn_qkv.weight", "self_attn.qkv_proj.weight")
+            .or_else(|| fused(".ffn_up.weight", "mlp.gate_up_proj.weight"))
+            .or_else(|| hf_name(gguf)),
+        _ => hf_name(gguf),
+    }
 }
 
 /// Undoes llama.cpp's Q/K permutation. Within each head of `head_dim` rows, GGUF row `2i + j`

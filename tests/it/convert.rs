@@ -12,19 +12,27 @@ const WORDS: [&str; 24] = [
 
 /// A llama's metadata with one layer, 4 heads of 8, a vocabulary of `tokens` (a byte-level BPE
 /// without merges unless `extra` says otherwise), then `extra`'s keys, which take precedence.
-fn llama_meta(tokens: usize, extra: Vec<(&'static str, GgufValue)>) -> Vec<(&'static str, GgufValue)> {
+fn llama_meta(tokens: usize, extra: Vec<(&str, GgufValue)>) -> Vec<(String, GgufValue)> {
+    arch_meta("llama", tokens, extra)
+}
+
+/// [`llama_meta`] of the GGUF architecture `arch`.
+fn arch_meta(arch: &str, tokens: usize, extra: Vec<(&str, GgufValue)>) -> Vec<(String, GgufValue)> {
     let mut meta = vec![
-        ("general.architecture", GgufValue::Str("llama".into())),
-        ("llama.block_count", GgufValue::U32(1)),
-        ("llama.embedding_length", GgufValue::U32(32)),
-        ("llama.feed_forward_length", GgufValue::U32(64)),
-        ("llama.attention.head_count", GgufValue::U32(4)),
-        ("tokenizer.ggml.model", GgufValue::Str("gpt2".into())),
-        ("tokenizer.ggml.tokens", GgufValue::Strs((0..tokens).map(|i| format!("t{i}")).collect())),
-        ("tokenizer.ggml.merges", GgufValue::Strs(vec![])),
+        ("general.architecture".to_string(), GgufValue::Str(arch.into())),
+        (format!("{arch}.block_count"), GgufValue::U32(1)),
+        (format!("{arch}.embedding_length"), GgufValue::U32(32)),
+        (format!("{arch}.feed_forward_length"), GgufValue::U32(64)),
+        (format!("{arch}.attention.head_count"), GgufValue::U32(4)),
+        ("tokenizer.ggml.model".to_string(), GgufValue::Str("gpt2".into())),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            GgufValue::Strs((0..tokens).map(|i| format!("t{i}")).collect()),
+        ),
+        ("tokenizer.ggml.merges".to_string(), GgufValue::Strs(vec![])),
     ];
     meta.retain(|(k, _)| !extra.iter().any(|(e, _)| e == k));
-    meta.extend(extra);
+    meta.extend(extra.into_iter().map(|(k, v)| (k.to_string(), v)));
     meta
 }
 
@@ -34,7 +42,7 @@ fn convert(
     dir: &Path,
     name: &str,
     tokens: usize,
-    meta: &[(&str, GgufValue)],
+    meta: &[(String, GgufValue)],
     more: Vec<(String, Vec<usize>, Vec<f32>)>,
 ) -> (Output, PathBuf) {
     let gguf = dir.join(format!("{name}.gguf"));
@@ -49,7 +57,7 @@ fn convert(
 fn refused(
     dir: &Path,
     name: &str,
-    meta: &[(&str, GgufValue)],
+    meta: &[(String, GgufValue)],
     more: Vec<(String, Vec<usize>, Vec<f32>)>,
     says: &[&str],
 ) {
@@ -89,6 +97,13 @@ fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
     // Divisors that fall again at a longer wavelength.
     let says = ["rope_freqs.weight", "no Llama 3 scaling"];
     refused(dir, "off", &llama_meta(2, vec![]), freqs(vec![1.0, 1.5, 3.0, 2.0]), &says);
+    // RoPE over part of each head; Phi-3's LongRoPE (its 128k-context models).
+    let partial = ("llama.rope.dimension_count", GgufValue::U32(4));
+    let says = ["`llama.rope.dimension_count` is 4: RoPE over part of a head's 8 dimensions"];
+    refused(dir, "partial", &llama_meta(2, vec![partial]), vec![], &says);
+    let long = vec![("rope_factors_long.weight".to_string(), vec![4], vec![1.0; 4])];
+    let says = ["rope_factors_long.weight", "Phi-3's LongRoPE scaling is not supported"];
+    refused(dir, "longrope", &arch_meta("phi3", 2, vec![]), long, &says);
     let old_linear = ("llama.rope.scale_linear", GgufValue::F32(2.0));
     let says = ["beside linear scaling (`llama.rope.scale_linear`)"];
     refused(dir, "both", &llama_meta(2, vec![old_linear]), freqs(vec![1.0; 4]), &says);

@@ -628,7 +628,7 @@ pub const GGUF_NAMES: [(&str, &str); 3] = [
     ("output_norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
 ];
-pub const GGUF_LAYER_NAMES: [(&str, &str); 14] = [
+pub const GGUF_LAYER_NAMES: [(&str, &str); 16] = [
     ("attn_norm.weight", "input_layernorm.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("attn_q.weight", "self_attn.q_proj.weight"),
@@ -643,6 +643,9 @@ pub const GGUF_LAYER_NAMES: [(&str, &str); 14] = [
     ("ffn_gate.weight", "mlp.gate_proj.weight"),
     ("ffn_up.weight", "mlp.up_proj.weight"),
     ("ffn_down.weight", "mlp.down_proj.weight"),
+    // Phi-3's fused rows (after the llama names, which GGUF names map to first).
+    ("attn_qkv.weight", "self_attn.qkv_proj.weight"),
+    ("ffn_up.weight", "mlp.gate_up_proj.weight"),
 ];
 
 /// A tensor's name in one naming (`from_gguf`: llama.cpp's to HuggingFace's, else back).

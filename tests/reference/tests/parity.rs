@@ -787,6 +787,10 @@ fn gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &s
     let tensors = m.tensors();
     let (tokens, merges) = byte_level_vocabulary(m.vocab);
     let mut meta = qwen3_gguf_meta(m, arch, tokens, merges);
+    if m.model_type == "phi3" {
+        meta.push(("phi3.attention.sliding_window".into(), GgufValue::U32(m.max_pos as u32)));
+        meta.push(("phi3.rope.dimension_count".into(), GgufValue::U32((m.hidden / m.heads) as u32)));
+    }
     if m.llama3_rope.is_some() {
         // As Llama 3's: a BOS token before every text.
         meta.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(LLAMA3_BOS)));
@@ -944,6 +948,25 @@ fn a_llama3_gguf_converts_to_the_model_it_holds() {
     let run = tiny_matches_candle("converted llama3", &out, candle_llama_forward(m.config(), &out));
     assert_eq!(run.prompt_ids[0], LLAMA3_BOS, "{:?}", run.prompt_ids);
     assert_eq!(run.prompt_ids.iter().filter(|&&t| t == LLAMA3_BOS).count(), 1, "{:?}", run.prompt_ids);
+}
+
+/// A Phi-3 GGUF (q, k and v rows fused as `attn_qkv`, gate and up as `ffn_up`, a sliding window
+/// in the metadata) converts into the model it holds, on which gridlm agrees with candle's
+/// `phi3`.
+#[test]
+fn a_phi3_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::phi3();
+    let out = tmp.path().join("folder");
+    gguf_converts_to_the_model_it_holds(&m, "phi3", &out);
+    let want =
+        serde_json::json!({"model_type": "phi3", "sliding_window": m.max_pos, "tie_word_embeddings": false});
+    let cfg = converted_config(&out, want, m.layers);
+    let cfg: phi3::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = phi3::Model::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted phi3", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
 }
 
 /// A Qwen2-MoE GGUF (QKV biases, a shared expert beside the experts, its gate a vector)
