@@ -647,10 +647,11 @@ fn post_processor(
     let mut special = Vec::new();
     for (which, unless_said) in [("bos", bos_unless_said), ("eos", false)] {
         let add = g.get(&format!("tokenizer.ggml.add_{which}_token")).and_then(|v| v.as_bool());
-        if !add.unwrap_or(unless_said) {
+        let key = format!("tokenizer.ggml.{which}_token_id");
+        // A token asked for must be there; one only assumed may be missing.
+        if !add.unwrap_or(unless_said) || (add.is_none() && g.get(&key).is_none()) {
             continue;
         }
-        let key = format!("tokenizer.ggml.{which}_token_id");
         let id = meta_usize(g, &key)?;
         let Some(token) = tokens.get(id) else {
             let msg = format!("`{key}` is {id}, beyond the vocabulary of {}", tokens.len());
@@ -674,13 +675,14 @@ fn post_processor(
             token("eos", "1")
         ),
     );
+    let failed = |e: String| Error::file(&g.path, format!("cannot make the tokenizer's template: {e}"));
     let template = TemplateProcessing::builder()
         .try_single(single.trim_end())
         .and_then(|t| t.try_pair(pair.trim_end()))
-        .map_err(|e| Error::file(&g.path, format!("cannot make the tokenizer's template: {e}")))?
+        .map_err(failed)?
         .special_tokens(special.iter().map(|(_, t, id)| (t.clone(), *id)).collect::<Vec<_>>())
         .build()
-        .map_err(|e| Error::file(&g.path, format!("cannot make the tokenizer's template: {e}")))?;
+        .map_err(|e| failed(e.to_string()))?;
     Ok(Some(match byte_level {
         Some(b) => PostSequence::new(vec![b, template.into()]).into(),
         None => template.into(),
