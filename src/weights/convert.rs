@@ -91,12 +91,11 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ));
     }
     // Made first, so a vocabulary it cannot convert is refused before any weight is written.
-    let (tokenizer, tokenizer_config) = tokenizer_of(&g)?;
+    let Vocabulary { tokenizer, config: tokenizer_config, ends } = tokenizer_of(&g)?;
     let theta = g.get(&key("rope.freq_base")).and_then(|v| v.as_f64()).unwrap_or(10000.0);
     let tied = g.tensor("output.weight").is_none();
     let bos = g.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64());
     let eos = g.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64());
-    let ends = end_tokens(&g, eos);
 
     let mut config = serde_json::json!({
         "architectures": [architecture],
@@ -220,7 +219,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             }
             Some((layer, true, which)) => crate::model::shared_expert_names(layer)[which].clone(),
             Some((layer, false, which)) => crate::model::expert_names(family, layer, 0)[which].clone(),
-            None => match hf_name_in(&arch, &t.name) {
+            None => match hf_name(&arch, &t.name) {
                 Some(hf) => hf,
                 // Not weights: RoPE frequency factors (read into `rope_scaling`), tables some
                 // converters add.
@@ -276,9 +275,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
 
 /// The tokens that end a completion, for `generation_config.json` (as HF's instruct models list
 /// them: Llama 3.1's end of text, of a message and of a turn, say), read as llama.cpp reads a
-/// GGUF: its EOS, EOT and EOM tokens and the control tokens named as ends of a turn or a text
-/// by the chat formats it knows; EOS first.
-fn end_tokens(g: &Gguf, eos: Option<u64>) -> Vec<u64> {
+/// GGUF: its EOS, EOT and EOM tokens and the control tokens (`types` 3) named as ends of a turn
+/// or a text by the chat formats it knows; EOS first.
+fn end_tokens(g: &Gguf, tokens: &[&str], types: &[i64]) -> Vec<u64> {
     const NAMES: [&str; 9] = [
         "<|eot_id|>",
         "<|eom_id|>",
@@ -291,12 +290,9 @@ fn end_tokens(g: &Gguf, eos: Option<u64>) -> Vec<u64> {
         "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
     ];
     let id = |k: &str| g.get(&format!("tokenizer.ggml.{k}_token_id")).and_then(|v| v.as_u64());
-    let mut ends: Vec<u64> = [eos, id("eot"), id("eom")].into_iter().flatten().collect();
-    let tokens = g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).unwrap_or_default();
-    let types = g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()).unwrap_or_default();
-    for (i, (t, ty)) in tokens.iter().zip(types).enumerate() {
-        let control = ty.as_u64() == Some(3);
-        if control && t.as_str().is_some_and(|t| NAMES.contains(&t)) {
+    let mut ends: Vec<u64> = [id("eos"), id("eot"), id("eom")].into_iter().flatten().collect();
+    for (i, (t, &ty)) in tokens.iter().zip(types).enumerate() {
+        if ty == 3 && NAMES.contains(t) {
             ends.push(i as u64);
         }
     }
@@ -313,7 +309,7 @@ pub fn convert_vocab(gguf_path: &Path, out: &Path) -> Result<()> {
         return Err(Error::file(out, "already exists; remove it or choose another --out"));
     }
     let g = Gguf::open(gguf_path)?;
-    let (tokenizer, config) = tokenizer_of(&g)?;
+    let Vocabulary { tokenizer, config, .. } = tokenizer_of(&g)?;
     write_aside(out, |tmp| write_tokenizer(tmp, &tokenizer, &config))
 }
 
@@ -560,8 +556,8 @@ fn moe_tensor(gguf: &str) -> Option<(usize, bool, usize)> {
     Some((layer.parse().ok()?, shared, which))
 }
 
-/// GGUF tensor name → HF name.
-pub fn hf_name(gguf: &str) -> Option<String> {
+/// GGUF tensor name → HF name, for a tensor of the GGUF architecture `arch`.
+pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     match gguf {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
@@ -584,27 +580,14 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "attn_k_norm.weight" => "self_attn.k_norm.weight",
         "attn_output.weight" => "self_attn.o_proj.weight",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
+        // Phi-3's fused q, k and v rows, and gate and up rows (twice the FFN's width).
+        "attn_qkv.weight" if arch == "phi3" => "self_attn.qkv_proj.weight",
+        "ffn_up.weight" if arch == "phi3" => "mlp.gate_up_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}"))
-}
-
-/// [`hf_name`] of a tensor of the GGUF architecture `arch`: Phi-3's fused q, k and v rows
-/// (`attn_qkv`) and gate and up rows (`ffn_up`, twice the FFN's width) are HF's `qkv_proj` and
-/// `gate_up_proj`.
-fn hf_name_in(arch: &str, gguf: &str) -> Option<String> {
-    let fused = |part: &str, hf: &str| {
-        let layer = gguf.strip_prefix("blk.")?.strip_suffix(part)?.parse::<usize>().ok()?;
-        Some(format!("model.layers.{layer}.{hf}"))
-    };
-    match arch {
-        "phi3" => fused(".attn_qkv.weight", "self_attn.qkv_proj.weight")
-            .or_else(|| fused(".ffn_up.weight", "mlp.gate_up_proj.weight"))
-            .or_else(|| hf_name(gguf)),
-        _ => hf_name(gguf),
-    }
 }
 
 /// Undoes llama.cpp's Q/K permutation. Within each head of `head_dim` rows, GGUF row `2i + j`
@@ -748,10 +731,19 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
     }
 }
 
+/// What a GGUF's vocabulary converts into.
+struct Vocabulary {
+    tokenizer: Tokenizer,
+    /// `tokenizer_config.json`.
+    config: serde_json::Value,
+    /// The tokens that end a completion ([`end_tokens`]).
+    ends: Vec<u64>,
+}
+
 /// The tokenizer (`tokenizer.json`) and `tokenizer_config.json` of the GGUF's vocabulary, as
 /// HF's converters make them: byte-level BPE from its merges (`tokenizer.ggml.model` gpt2), or
 /// SentencePiece's BPE from its pieces' scores (llama; [`sentencepiece`]).
-fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
+fn tokenizer_of(g: &Gguf) -> Result<Vocabulary> {
     let path = &g.path;
     let model = meta_str(g, "tokenizer.ggml.model")?;
     let tokens: Vec<&str> = meta_array(g, "tokenizer.ggml.tokens")?
@@ -835,7 +827,7 @@ fn tokenizer_of(g: &Gguf) -> Result<(Tokenizer, serde_json::Value)> {
     if let Some(t) = g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
         cfg["chat_template"] = t.into();
     }
-    Ok((tok, cfg))
+    Ok(Vocabulary { tokenizer: tok, config: cfg, ends: end_tokens(g, &tokens, &types) })
 }
 
 /// SentencePiece's BPE (llama.cpp's `llama` tokenizer model, as Llama 2, Mistral and Mixtral
@@ -932,10 +924,23 @@ mod tests {
 
     #[test]
     fn names() {
-        assert_eq!(hf_name("blk.12.ffn_down.weight").unwrap(), "model.layers.12.mlp.down_proj.weight");
-        assert_eq!(hf_name("output_norm.weight").unwrap(), "model.norm.weight");
-        assert_eq!(hf_name("blk.3.attn_k_norm.weight").unwrap(), "model.layers.3.self_attn.k_norm.weight");
-        assert!(hf_name("blk.x.attn_q.weight").is_none());
+        assert_eq!(
+            hf_name("llama", "blk.12.ffn_down.weight").unwrap(),
+            "model.layers.12.mlp.down_proj.weight"
+        );
+        assert_eq!(hf_name("llama", "output_norm.weight").unwrap(), "model.norm.weight");
+        assert_eq!(
+            hf_name("qwen3", "blk.3.attn_k_norm.weight").unwrap(),
+            "model.layers.3.self_attn.k_norm.weight"
+        );
+        assert!(hf_name("llama", "blk.x.attn_q.weight").is_none());
+        assert_eq!(hf_name("llama", "blk.1.ffn_up.weight").unwrap(), "model.layers.1.mlp.up_proj.weight");
+        assert_eq!(hf_name("phi3", "blk.1.ffn_up.weight").unwrap(), "model.layers.1.mlp.gate_up_proj.weight");
+        assert_eq!(
+            hf_name("phi3", "blk.1.attn_qkv.weight").unwrap(),
+            "model.layers.1.self_attn.qkv_proj.weight"
+        );
+        assert!(hf_name("llama", "blk.1.attn_qkv.weight").is_none());
     }
 
     #[test]
