@@ -28,14 +28,8 @@ const PROMPTS: &[(&str, &[&str])] = &[
 
 /// candle's Llama on the f32 folder: last-position logits of the prompt and `n` greedy tokens.
 fn candle_llama(dir: &Path, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Vec<Vec<f32>>) {
-    let dev = Device::Cpu;
-    let cfg: llama::LlamaConfig =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    let cfg = cfg.into_config(false);
-    let model = llama::Llama::load(candle_weights(dir), &cfg).unwrap();
-    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
-    let mut logits: Vec<f32> =
-        model.forward(&batch_of_one(prompt), 0, &mut cache).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+    let mut forward = candle_llama_forward(folder_config(dir), dir);
+    let mut logits = forward(prompt, 0);
     let prompt_logits = logits.clone();
     let mut tokens = Vec::new();
     let mut all = Vec::new();
@@ -46,15 +40,14 @@ fn candle_llama(dir: &Path, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Ve
         if i + 1 == n {
             break;
         }
-        logits = model
-            .forward(&batch_of_one(&[next]), prompt.len() + i, &mut cache)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        logits = forward(&[next], prompt.len() + i);
     }
     (prompt_logits, tokens, all)
+}
+
+/// The folder's config.json.
+fn folder_config(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap()
 }
 
 #[test]
@@ -78,17 +71,12 @@ fn smollm2_f32_matches_candle() {
 /// candle's Llama on the f32 folder, fed `prompt` and then `forced` a token at a time: the
 /// logits before each token of `forced`.
 fn candle_llama_along(dir: &Path, prompt: &[u32], forced: &[u32]) -> Vec<Vec<f32>> {
-    let cfg: llama::LlamaConfig =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    let cfg = cfg.into_config(false);
-    let model = llama::Llama::load(candle_weights(dir), &cfg).unwrap();
-    let mut cache = llama::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    let mut forward = candle_llama_forward(folder_config(dir), dir);
     let mut out = Vec::new();
     let mut input = prompt.to_vec();
     let mut pos = 0;
     for &t in forced {
-        let logits = model.forward(&batch_of_one(&input), pos, &mut cache).unwrap();
-        out.push(logits.squeeze(0).unwrap().to_vec1().unwrap());
+        out.push(forward(&input, pos));
         pos += input.len();
         input = vec![t];
     }
@@ -317,8 +305,7 @@ fn gguf_conversion_matches_candle_dequantization() {
     let content = gguf_file::Content::read(&mut f).unwrap();
     let dev = Device::Cpu;
     let ours = candle_core::safetensors::load(dir.join("model.safetensors"), &dev).unwrap();
-    let cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = folder_config(&dir);
     let n_heads = cfg["num_attention_heads"].as_u64().unwrap() as usize;
     let n_kv = cfg["num_key_value_heads"].as_u64().unwrap() as usize;
     let mut checked = 0;
@@ -489,8 +476,7 @@ fn random_gemma3_with_ringed_local_layers_matches_candle() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     gridlm_reference::TinyModel::gemma3().write(dir);
-    let cfg: gemma3::Config =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let cfg: gemma3::Config = serde_json::from_value(folder_config(dir)).unwrap();
     let mut model = gemma3::Model::new(false, &cfg, candle_weights(dir)).unwrap();
     let prompt: Vec<String> = (0..100).map(|i| format!("t{}", (5 + 37 * i) % 300)).collect();
     let prompt = prompt.join(" ");
@@ -523,9 +509,7 @@ fn random_gemma3_with_ringed_local_layers_matches_candle() {
 /// leaving out the fields whose values are HF's defaults): the same tokens and logits, bit for
 /// bit, as the text-only folder gave (`single`).
 fn same_as_an_image_and_text_folder(dir: &Path, single: &Run) {
-    let text_config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    let mut text_config = text_config.as_object().unwrap().clone();
+    let mut text_config = folder_config(dir).as_object().unwrap().clone();
     for default in
         ["rope_local_base_freq", "rms_norm_eps", "hidden_activation", "attention_bias", "tie_word_embeddings"]
     {
@@ -873,8 +857,7 @@ fn permute_heads(v: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 /// The config.json converted into `dir`, after checking the fields of `want`, with the
 /// sliding-window fields candle's Qwen configs ask for (gridlm needs none).
 fn converted_config(dir: &Path, want: serde_json::Value, layers: usize) -> serde_json::Value {
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let mut cfg = folder_config(dir);
     for (key, want) in want.as_object().unwrap() {
         assert_eq!(&cfg[key], want, "config.json's {key}");
     }
@@ -1078,8 +1061,7 @@ fn a_qwen3_gguf_converts_to_the_model_it_holds() {
         let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
         assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
     }
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let mut cfg = folder_config(&out);
     let want = serde_json::json!({"model_type": "qwen3", "head_dim": 16, "attention_bias": false, "tie_word_embeddings": true});
     for (key, want) in want.as_object().unwrap() {
         assert_eq!(&cfg[key], want, "config.json's {key}");
