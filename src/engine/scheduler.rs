@@ -458,15 +458,16 @@ impl Engine {
                 step.admit.clear();
                 let queue = &mut waiting[side_of_group(g)];
                 while let Some(&at) = queue.front() {
-                    let l = live[at].as_ref().expect("a waiting request is held");
-                    if traffic.abandoned(l.key) {
+                    if live[at].as_ref().is_some_and(|l| traffic.abandoned(l.key)) {
                         queue.pop_front();
-                        let mut l = live[at].take().expect("a waiting request is held");
-                        l.out.finish = Finish::Stop;
                         vacant.push(at);
-                        traffic.done(l.key, l.out)?;
+                        if let Some(mut l) = live[at].take() {
+                            l.out.finish = Finish::Stop;
+                            traffic.done(l.key, l.out)?;
+                        }
                         continue;
                     }
+                    let l = live[at].as_ref().expect("a waiting request is held");
                     let need = pages_of(&l.req, ctx);
                     if members[g].len() >= per_group(g) || free_slots.is_empty() {
                         break;
