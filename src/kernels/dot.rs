@@ -1289,8 +1289,8 @@ pub trait Avx512Load {}
 impl<T> Avx512Load for T {}
 
 /// Bytes of a thread's piece of a one-token product from which the AVX2 float kernels and the int8
-/// ones (one loop for `maddubs`, AVX-VNNI and AVX512-VNNI) read it in two streams, its first half
-/// beside its second; a shorter piece goes in one. Two streams from memory pay on long pieces and
+/// ones of `maddubs` and AVX-VNNI read it in two streams, its first half beside its second; a
+/// shorter piece goes in one (and every piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two streams from memory pay on long pieces and
 /// cost on short ones, whose streams each start anew. On the 2-core Zen 4 machine whose virtual
 /// CPUs show no AVX-512 (`gridlm bench`, the two ways step by step in one run): with two streams
 /// from 1 MiB on rather than for every piece, SmolLM2 bf16 decoded 2.8–5.1% faster while the cores
@@ -1299,9 +1299,18 @@ impl<T> Avx512Load for T {}
 /// within 1% either way. One stream for every piece decoded SmolLM2 as fast as from 1 MiB on, but
 /// the llama-3.2-1b shape 0.7–7.2% slower (four runs, slowest apart); from 4 MiB on, SmolLM2 as
 /// from 1 MiB and the shape up to 2% slower; from 256 KiB on, SmolLM2 1.3–2.2% faster than two
-/// streams for every piece (together). Not measured where AVX512-VNNI runs int8 (Zen 4 and Zen 5
-/// with AVX-512), nor on Zen 3.
+/// streams for every piece (together). Not measured on Zen 3.
 pub const TWO_STREAMS_FROM: usize = 1 << 20;
+
+/// The threshold for kernels that read every piece in one stream: the int8 one-token kernel of
+/// AVX512-VNNI (the same loop as `maddubs`', one `vpdpbusd` a chunk instead of three
+/// instructions). On the 2-core Zen 4 machine with AVX-512 (`gridlm bench`, the two ways step
+/// by step in one run), one stream for every piece against two from [`TWO_STREAMS_FROM`] on:
+/// the llama-3.2-1b shape's int8 decode 2–5% faster in 9 of 10 runs (the other 2% slower),
+/// either placement of the cores; the qwen2-0.5b shape 0–6% faster (three runs); SmolLM2 within
+/// 2% either way (three), where the same way both times gave 0.98–1.02. Two streams for every
+/// piece decoded SmolLM2 8–11% slower (three runs, apart and between).
+pub const ONE_STREAM: usize = usize::MAX;
 
 #[cfg(target_arch = "x86_64")]
 pub use avx2::{
@@ -2104,7 +2113,8 @@ mod avx2 {
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
         let xp = x.as_ptr();
         let panel = |p: usize| w.as_ptr().add(p * 4 * n);
-        let (pairs, alone) = streams(out.len().div_ceil(4), std::mem::size_of_val(w));
+        let (pairs, alone) =
+            streams(out.len().div_ceil(4), std::mem::size_of_val(w), super::TWO_STREAMS_FROM);
         for (p, q) in pairs {
             let [a, b] = panel_sums::<T, F, 2>([panel(p), panel(q)], xp, n, kb);
             store_rows(a, panel_out(out, p));
@@ -2117,14 +2127,16 @@ mod avx2 {
     }
 
     /// The panels `0..np` of a thread's range (`bytes` of weights) as the one-token kernels
-    /// read them: from [`super::TWO_STREAMS_FROM`] bytes on in two streams, pairs
-    /// `(p, p + np / 2)` (the first half beside the second) and then an odd last panel alone;
-    /// below that in one stream, every panel alone, in order.
+    /// read them: from `from` bytes on ([`super::TWO_STREAMS_FROM`], or
+    /// [`super::ONE_STREAM`]) in two streams, pairs `(p, p + np / 2)` (the first half beside
+    /// the second) and then an odd last panel alone; below that in one stream, every panel
+    /// alone, in order.
     pub(super) fn streams(
         np: usize,
         bytes: usize,
+        from: usize,
     ) -> (impl Iterator<Item = (usize, usize)>, std::ops::Range<usize>) {
-        let half = if bytes >= super::TWO_STREAMS_FROM { np / 2 } else { 0 };
+        let half = if bytes >= from { np / 2 } else { 0 };
         ((0..half).map(move |p| (p, p + half)), 2 * half..np)
     }
 
@@ -2378,7 +2390,8 @@ mod avx2 {
     /// `out` may end inside the last panel. A long range's panels go in two streams, as the
     /// float kernel's do ([`panels`], [`super::TWO_STREAMS_FROM`]): on the 2-core Zen 3 machine
     /// the llama-3.2-1b shape's int8 decode read at 0.91–0.97 of the bandwidth with them
-    /// against 0.84–0.87 with one (three interleaved pairs), where bf16 reads at ~0.9–1.0.
+    /// against 0.84–0.87 with one (three interleaved pairs), where bf16 reads at ~0.9–1.0. With
+    /// AVX512-VNNI every range goes in one stream ([`super::ONE_STREAM`]).
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c, and what `path` names; every |q| ≤
@@ -2425,7 +2438,7 @@ mod avx2 {
     /// One [`panels_q8`] kernel, prefetching as the [`Fetch`] of code `F` says: `$add(acc, ax,
     /// sw)` adds a chunk's products to a group's 32-bit sums.
     macro_rules! panels_q8_kernel {
-        ($name:ident, $tokens:ident, $features:literal, $add:ident) => {
+        ($name:ident, $tokens:ident, $features:literal, $add:ident, $two_from:expr) => {
             /// One panel against `NT` tokens at once, each token's four sums into `out[t]`: what
             /// [`panels_q8`] gives each token alone, bit for bit (see [`panel_q8_tokens`]).
             #[target_feature(enable = $features)]
@@ -2502,8 +2515,9 @@ mod avx2 {
                 let kc = n / BLOCK;
                 let panel = |p: usize| w.as_ptr().add(p * 4 * n);
                 let rs = |p: usize| _mm_loadu_ps(row_scales.as_ptr().add(4 * p));
-                // One stream or two, as in the float kernel ([`panels_with`]).
-                let (pairs, alone) = streams(out.len().div_ceil(4), std::mem::size_of_val(w));
+                // One stream or two, as in the float kernel ([`panels_with`]), from `$two_from`
+                // bytes on.
+                let (pairs, alone) = streams(out.len().div_ceil(4), std::mem::size_of_val(w), $two_from);
                 for (p, o) in pairs {
                     let [a, b] = sums::<F, 2>([panel(p), panel(o)], q.as_ptr(), s, kc);
                     store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
@@ -2575,13 +2589,26 @@ mod avx2 {
         };
     }
 
-    panels_q8_kernel!(panels_q8_maddubs, tokens_q8_maddubs, "avx2,fma,f16c", add_maddubs);
-    panels_q8_kernel!(panels_q8_avx_vnni, tokens_q8_avx_vnni, "avx2,fma,f16c,avxvnni", add_dpbusd_avx);
+    panels_q8_kernel!(
+        panels_q8_maddubs,
+        tokens_q8_maddubs,
+        "avx2,fma,f16c",
+        add_maddubs,
+        super::TWO_STREAMS_FROM
+    );
+    panels_q8_kernel!(
+        panels_q8_avx_vnni,
+        tokens_q8_avx_vnni,
+        "avx2,fma,f16c,avxvnni",
+        add_dpbusd_avx,
+        super::TWO_STREAMS_FROM
+    );
     panels_q8_kernel!(
         panels_q8_avx512_vnni,
         tokens_q8_avx512_vnni,
         "avx2,fma,f16c,avx512vnni,avx512vl",
-        add_dpbusd_evex
+        add_dpbusd_evex,
+        super::ONE_STREAM
     );
 
     /// One int8 panel (`w`: four rows of `n` columns, chunk by chunk) against one to four

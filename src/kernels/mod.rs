@@ -1244,7 +1244,8 @@ mod tests {
 
     /// A thread's first piece of a one-token product long enough for two streams
     /// ([`dot::TWO_STREAMS_FROM`]) and its later, shorter ones in one give the sums the reference
-    /// gives, and the same bits as the many-token kernels, on every path and weight type. One
+    /// gives, and the same bits as the many-token kernels, on every path and weight type (the
+    /// int8 path of AVX512-VNNI reads every piece in one, [`dot::ONE_STREAM`]). One
     /// thread takes the whole matrix in halves of what it has left: 1200 rows of 2048 columns
     /// make a first piece of 150 panels, 1.2 MiB of int8 and twice or four times that of the
     /// 16- and 32-bit types, then pieces below 1 MiB.
