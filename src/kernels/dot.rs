@@ -1308,8 +1308,9 @@ pub const TWO_STREAMS_FROM: usize = 1 << 20;
 /// by step in one run), one stream for every piece against two from [`TWO_STREAMS_FROM`] on:
 /// the llama-3.2-1b shape's int8 decode 2–5% faster in 9 of 10 runs (the other 2% slower),
 /// either placement of the cores; the qwen2-0.5b shape 0–6% faster (three runs); SmolLM2 within
-/// 2% either way (three), where the same way both times gave 0.98–1.02. Two streams for every
-/// piece decoded SmolLM2 8–11% slower (three runs, apart and between).
+/// 2% either way (three), where the same way both times gave 0.98–1.02 in nine runs of ten (1.08
+/// in one). Two streams for every piece decoded SmolLM2 8–11% slower (three runs, apart and
+/// between, every rep 3–14%).
 pub const ONE_STREAM: usize = usize::MAX;
 
 #[cfg(target_arch = "x86_64")]
