@@ -1290,16 +1290,16 @@ impl<T> Avx512Load for T {}
 
 /// Bytes of a thread's piece of a one-token product from which the AVX2 float kernels and the int8
 /// ones of `maddubs` and AVX-VNNI read it in two streams, its first half beside its second; a
-/// shorter piece goes in one (and every piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two streams from memory pay on long pieces and
-/// cost on short ones, whose streams each start anew. On the 2-core Zen 4 machine whose virtual
-/// CPUs show no AVX-512 (`gridlm bench`, the two ways step by step in one run): with two streams
-/// from 1 MiB on rather than for every piece, SmolLM2 bf16 decoded 2.8–5.1% faster while the cores
-/// sat together and 5.4–8.5% apart (six runs), int8 4.9–7.4% (three); the llama-3.2-1b shape in
-/// bf16 and int8 (pieces of megabytes, the same streams but for the tails) and the qwen2-0.5b shape
-/// within 1% either way. One stream for every piece decoded SmolLM2 as fast as from 1 MiB on, but
-/// the llama-3.2-1b shape 0.7–7.2% slower (four runs, slowest apart); from 4 MiB on, SmolLM2 as
-/// from 1 MiB and the shape up to 2% slower; from 256 KiB on, SmolLM2 1.3–2.2% faster than two
-/// streams for every piece (together). Not measured on Zen 3.
+/// shorter piece goes in one (and every piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two
+/// streams from memory pay on long pieces and cost on short ones, whose streams each start anew. On
+/// the 2-core Zen 4 machine whose virtual CPUs show no AVX-512 (`gridlm bench`, the two ways step
+/// by step in one run): with two streams from 1 MiB on rather than for every piece, SmolLM2 bf16
+/// decoded 2.8–5.1% faster while the cores sat together and 5.4–8.5% apart (six runs), int8
+/// 4.9–7.4% (three); the llama-3.2-1b shape in bf16 and int8 (pieces of megabytes, the same streams
+/// but for the tails) and the qwen2-0.5b shape within 1% either way. One stream for every piece
+/// decoded SmolLM2 as fast as from 1 MiB on, but the llama-3.2-1b shape 0.7–7.2% slower (four runs,
+/// slowest apart); from 4 MiB on, SmolLM2 as from 1 MiB and the shape up to 2% slower; from 256 KiB
+/// on, SmolLM2 1.3–2.2% faster than two streams for every piece (together). Not measured on Zen 3.
 pub const TWO_STREAMS_FROM: usize = 1 << 20;
 
 /// The threshold for kernels that read every piece in one stream: the int8 one-token kernel of
