@@ -1,5 +1,6 @@
 //! A reader for GGUF files (llama.cpp's format): metadata, tensor directory, and dequantization
-//! of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K tensors to f32.
+//! of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL
+//! tensors to f32.
 
 use crate::error::{Error, Result};
 use half::{bf16, f16};
@@ -60,12 +61,23 @@ pub enum GgmlType {
     BF16,
     Q4_0,
     Q4_1,
+    /// The 5-bit blocks of 32 (a fifth bit per element beside the nibbles). llama.cpp's
+    /// quantizer writes them where a row is not a whole number of k-quant blocks (256): in a
+    /// Q4_K_M file of a model 576, 896 or 1536 wide (SmolLM2, Qwen2-0.5B...) Q4_K falls back to
+    /// Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and Q2_K and Q3_K to IQ4_NL.
+    Q5_0,
+    Q5_1,
     Q8_0,
     /// llama.cpp's "k-quants" (blocks of 256 in sub-blocks with scales of their own), as most
-    /// GGUF files on the Hub hold them (Q4_K_M: Q4_K and Q6_K; Q5_K_M: Q5_K and Q6_K).
+    /// GGUF files on the Hub hold them (Q4_K_M: Q4_K and Q6_K; Q5_K_M: Q5_K and Q6_K; Q3_K_M
+    /// and Q2_K: Q3_K, Q2_K and the larger types for some tensors).
+    Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
+    /// 4-bit indices into a fixed non-uniform table of 16 levels, blocks of 32 with one scale.
+    Iq4Nl,
 }
 
 impl GgmlType {
@@ -75,10 +87,15 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
+            10 => GgmlType::Q2K,
+            11 => GgmlType::Q3K,
             12 => GgmlType::Q4K,
             13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
+            20 => GgmlType::Iq4Nl,
             30 => GgmlType::BF16,
             _ => return None,
         })
@@ -90,10 +107,15 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => (1, 2),
             GgmlType::Q4_0 => (32, 18),
             GgmlType::Q4_1 => (32, 20),
+            GgmlType::Q5_0 => (32, 22),
+            GgmlType::Q5_1 => (32, 24),
             GgmlType::Q8_0 => (32, 34),
+            GgmlType::Q2K => (256, 84),
+            GgmlType::Q3K => (256, 110),
             GgmlType::Q4K => (256, 144),
             GgmlType::Q5K => (256, 176),
             GgmlType::Q6K => (256, 210),
+            GgmlType::Iq4Nl => (32, 18),
         }
     }
 }
@@ -252,7 +274,7 @@ impl Gguf {
                     path,
                     &name,
                     format!(
-                        "unsupported GGML type {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"
+                        "unsupported GGML type {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL)"
                     ),
                 )
             })?;
@@ -341,6 +363,87 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
                 // Low nibbles are elements 0..16, high nibbles 16..32.
                 out.extend(qs.iter().map(|&q| (q & 0x0F) as f32 * d + m));
                 out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
+            }
+        }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            // d, [Q5_1: m,] 32 fifth bits (element j's in bit j), 16 bytes of nibbles (low:
+            // elements 0..16, high: 16..32); Q5_0 centred on 16 (`(q - 16) d`), Q5_1 offset by
+            // m (`q d + m`), as llama.cpp computes them.
+            let q5_1 = ty == GgmlType::Q5_1;
+            for b in raw.chunks_exact(block_bytes) {
+                let d = f16_at(b, 0);
+                let (m, at) = if q5_1 { (f16_at(b, 2), 4) } else { (0.0, 2) };
+                let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+                let qs = &b[at + 4..at + 20];
+                let value = |q: u8, j: usize| {
+                    let v = (q | (((qh >> j) & 1) << 4) as u8) as i32;
+                    if q5_1 {
+                        v as f32 * d + m
+                    } else {
+                        (v - 16) as f32 * d
+                    }
+                };
+                out.extend(qs.iter().enumerate().map(|(j, &q)| value(q & 0x0F, j)));
+                out.extend(qs.iter().enumerate().map(|(j, &q)| value(q >> 4, j + 16)));
+            }
+        }
+        GgmlType::Q2K => {
+            // Sixteen bytes of 4-bit (scale, min) pairs, 64 bytes of 2-bit values, d, dmin: two
+            // halves of 128 elements, each four shifts of 32 bytes' bit pairs, each shift two
+            // sub-blocks of 16 with a pair of their own.
+            for b in raw.chunks_exact(block_bytes) {
+                let (scales, qs) = (&b[0..16], &b[16..80]);
+                let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+                for half in 0..2 {
+                    let q = &qs[32 * half..32 * (half + 1)];
+                    for shift in 0..4 {
+                        for sub in 0..2 {
+                            let sc = scales[8 * half + 2 * shift + sub];
+                            let (dl, ml) = (d * (sc & 0x0F) as f32, dmin * (sc >> 4) as f32);
+                            let q = &q[16 * sub..16 * (sub + 1)];
+                            out.extend(q.iter().map(|&v| dl * ((v >> (2 * shift)) & 3) as f32 - ml));
+                        }
+                    }
+                }
+            }
+        }
+        GgmlType::Q3K => {
+            // 32 bytes of high bits (element l + 32 i's in bit i of byte l), 64 bytes of 2-bit
+            // values, twelve bytes of sixteen 6-bit scales (offset by 32), d: laid out as Q2_K's
+            // values, a value 4 lower where its high bit is clear.
+            for b in raw.chunks_exact(block_bytes) {
+                let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
+                let d = f16_at(b, 108);
+                let scale = |j: usize| {
+                    let low = if j < 8 { sc[j] & 0x0F } else { sc[j - 8] >> 4 };
+                    let high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+                    (low | high << 4) as i32 - 32
+                };
+                for half in 0..2 {
+                    let q = &qs[32 * half..32 * (half + 1)];
+                    for shift in 0..4 {
+                        let bit = 1u8 << (4 * half + shift);
+                        for sub in 0..2 {
+                            let dl = d * scale(8 * half + 2 * shift + sub) as f32;
+                            let range = 16 * sub..16 * (sub + 1);
+                            out.extend(q[range.clone()].iter().zip(&hmask[range]).map(|(&v, &h)| {
+                                let low = ((v >> (2 * shift)) & 3) as i32;
+                                dl * (low - if h & bit != 0 { 0 } else { 4 }) as f32
+                            }));
+                        }
+                    }
+                }
+            }
+        }
+        GgmlType::Iq4Nl => {
+            // d, 16 bytes of indices into the table (low nibbles: elements 0..16, high: 16..32).
+            const LEVELS: [i8; 16] =
+                [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+            for b in raw.chunks_exact(block_bytes) {
+                let d = f16_at(b, 0);
+                let qs = &b[2..18];
+                out.extend(qs.iter().map(|&q| d * LEVELS[(q & 0x0F) as usize] as f32));
+                out.extend(qs.iter().map(|&q| d * LEVELS[(q >> 4) as usize] as f32));
             }
         }
         GgmlType::Q4K | GgmlType::Q5K => {
@@ -459,6 +562,18 @@ mod tests {
         assert_eq!(v[3], 0.5);
         assert_eq!(v[16], 15.0 * 0.5 - 1.0);
         assert_eq!(v[31], -1.0);
+    }
+
+    /// IQ4_NL indexes llama.cpp's table of 16 levels (`kvalues_iq4nl`), low nibbles first.
+    #[test]
+    fn iq4_nl_block_layout() {
+        let mut b = Vec::new();
+        b.extend(f16_bytes(0.5));
+        b.extend((0..16u8).map(|i| (15 - i) << 4 | i));
+        let v = dequantize(GgmlType::Iq4Nl, &b);
+        assert_eq!(v.len(), 32);
+        assert_eq!((v[0], v[7], v[8], v[15]), (-63.5, -5.0, 0.5, 56.5));
+        assert_eq!((v[16], v[31]), (56.5, -63.5));
     }
 
     #[test]
