@@ -1,6 +1,6 @@
 //! A reader for GGUF files (llama.cpp's format): metadata, tensor directory, and dequantization
-//! of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL
-//! tensors to f32.
+//! of F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and
+//! IQ4_XS tensors to f32.
 
 use crate::error::{Error, Result};
 use half::{bf16, f16};
@@ -76,9 +76,15 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
-    /// 4-bit indices into a fixed non-uniform table of 16 levels, blocks of 32 with one scale.
+    /// 4-bit indices into a fixed non-uniform table of 16 levels ([`IQ4_LEVELS`]), blocks of
+    /// 32 with one scale.
     Iq4Nl,
+    /// IQ4_NL's indices in blocks of 256: eight sub-blocks of 32 with 6-bit scales of their own.
+    Iq4Xs,
 }
+
+/// llama.cpp's 16 levels of IQ4_NL and IQ4_XS (`kvalues_iq4nl`).
+const IQ4_LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 impl GgmlType {
     fn from_id(id: u32) -> Option<Self> {
@@ -96,6 +102,7 @@ impl GgmlType {
             13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
             20 => GgmlType::Iq4Nl,
+            23 => GgmlType::Iq4Xs,
             30 => GgmlType::BF16,
             _ => return None,
         })
@@ -116,6 +123,7 @@ impl GgmlType {
             GgmlType::Q5K => (256, 176),
             GgmlType::Q6K => (256, 210),
             GgmlType::Iq4Nl => (32, 18),
+            GgmlType::Iq4Xs => (256, 136),
         }
     }
 }
@@ -274,7 +282,7 @@ impl Gguf {
                     path,
                     &name,
                     format!(
-                        "unsupported GGML type {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL)"
+                        "unsupported GGML type {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)"
                     ),
                 )
             })?;
@@ -437,13 +445,22 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
         }
         GgmlType::Iq4Nl => {
             // d, 16 bytes of indices into the table (low nibbles: elements 0..16, high: 16..32).
-            const LEVELS: [i8; 16] =
-                [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+            for b in raw.chunks_exact(block_bytes) {
+                iq4_sub_block(&b[2..18], f16_at(b, 0), &mut out);
+            }
+        }
+        GgmlType::Iq4Xs => {
+            // d, the scales' top two bits (sub-block j's in bits 2j, 2j + 1 of a u16), their low
+            // nibbles (two sub-blocks a byte, the even one low), 8 × 16 bytes of indices laid
+            // out as IQ4_NL's; each scale offset by 32.
             for b in raw.chunks_exact(block_bytes) {
                 let d = f16_at(b, 0);
-                let qs = &b[2..18];
-                out.extend(qs.iter().map(|&q| d * LEVELS[(q & 0x0F) as usize] as f32));
-                out.extend(qs.iter().map(|&q| d * LEVELS[(q >> 4) as usize] as f32));
+                let high = u16::from_le_bytes([b[2], b[3]]);
+                for (j, qs) in b[8..136].chunks_exact(16).enumerate() {
+                    let low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F;
+                    let scale = (low | (((high >> (2 * j)) & 3) as u8) << 4) as i32 - 32;
+                    iq4_sub_block(qs, d * scale as f32, &mut out);
+                }
             }
         }
         GgmlType::Q4K | GgmlType::Q5K => {
@@ -492,6 +509,13 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> Vec<f32> {
         }
     }
     out
+}
+
+/// 32 elements of IQ4_NL or IQ4_XS, `d` times the levels the 16 bytes `qs` index (low nibbles
+/// first, then the high ones).
+fn iq4_sub_block(qs: &[u8], d: f32, out: &mut Vec<f32>) {
+    out.extend(qs.iter().map(|&q| d * IQ4_LEVELS[(q & 0x0F) as usize] as f32));
+    out.extend(qs.iter().map(|&q| d * IQ4_LEVELS[(q >> 4) as usize] as f32));
 }
 
 /// Sub-block `j`'s 6-bit (scale, min) of a Q4_K or Q5_K block's 12 scale bytes: the first four
@@ -574,6 +598,26 @@ mod tests {
         assert_eq!(v.len(), 32);
         assert_eq!((v[0], v[7], v[8], v[15]), (-63.5, -5.0, 0.5, 56.5));
         assert_eq!((v[16], v[31]), (56.5, -63.5));
+    }
+
+    /// IQ4_XS: eight sub-blocks of 32, sub-block j's 6-bit scale (offset by 32) in nibble j of
+    /// the four low-scale bytes and bits 2j, 2j + 1 of the u16 before them.
+    #[test]
+    fn iq4_xs_block_layout() {
+        let ls: Vec<u8> = (0..8).map(|j| 33 + j).collect();
+        let mut b = Vec::new();
+        b.extend(f16_bytes(0.5));
+        let high = ls.iter().enumerate().fold(0u16, |h, (j, &l)| h | ((l >> 4) as u16) << (2 * j));
+        b.extend(high.to_le_bytes());
+        b.extend(ls.chunks(2).map(|p| (p[0] & 0x0F) | (p[1] & 0x0F) << 4));
+        b.extend([0x80u8; 128]);
+        let v = dequantize(GgmlType::Iq4Xs, &b);
+        assert_eq!(v.len(), 256);
+        for j in 0..8 {
+            let d = 0.5 * (1 + j) as f32;
+            assert_eq!((v[32 * j], v[32 * j + 15]), (d * -127.0, d * -127.0), "sub-block {j}");
+            assert_eq!((v[32 * j + 16], v[32 * j + 31]), (d, d), "sub-block {j}");
+        }
     }
 
     #[test]
