@@ -540,6 +540,11 @@ mod tests {
     /// A GGUF file of one F32 tensor `t` with `dims` at data offset `offset`, padded to
     /// `size` bytes (the header's lengths are checked against the file's size).
     fn one_tensor(dims: &[u64], offset: u64, size: usize) -> Vec<u8> {
+        one_tensor_of(0, dims, offset, size)
+    }
+
+    /// [`one_tensor`] of GGML type `ty`.
+    fn one_tensor_of(ty: u32, dims: &[u64], offset: u64, size: usize) -> Vec<u8> {
         let mut b = b"GGUF".to_vec();
         b.extend(3u32.to_le_bytes());
         b.extend(1u64.to_le_bytes());
@@ -548,7 +553,7 @@ mod tests {
         b.push(b't');
         b.extend((dims.len() as u32).to_le_bytes());
         dims.iter().for_each(|d| b.extend(d.to_le_bytes()));
-        b.extend(0u32.to_le_bytes());
+        b.extend(ty.to_le_bytes());
         b.extend(offset.to_le_bytes());
         b.resize(size, 0);
         b
@@ -572,6 +577,17 @@ mod tests {
         }
         std::fs::write(&path, one_tensor(&[4], 0, 70_000)).unwrap();
         assert_eq!(Gguf::open(&path).unwrap().tensors[0].n_bytes, 16);
+    }
+
+    /// A type gridlm cannot dequantize (IQ2_XXS, whose grids it does not hold) is one error
+    /// naming the tensor and the type.
+    #[test]
+    fn an_unsupported_type_is_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("x.gguf");
+        std::fs::write(&path, one_tensor_of(16, &[256], 0, 70_000)).unwrap();
+        let e = Gguf::open(&path).err().expect("an error").to_string();
+        assert!(e.contains("`t`") && e.contains("unsupported GGML type 16") && e.contains("IQ4_XS"), "{e}");
     }
 
     #[test]
