@@ -1006,7 +1006,7 @@ fn a_quantized_gguf_converts_to_candle_dequantization() {
         (GgmlDType::Q5_1, 7),
         (GgmlDType::Q8_0, 8),
     ];
-    let mut counts = [0; 10];
+    let mut counts = vec![0; kinds.len()];
     let raw: Vec<(String, Vec<usize>, u32, Vec<u8>)> = m
         .tensors()
         .into_iter()
