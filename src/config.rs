@@ -124,13 +124,19 @@ pub enum RopeScaling {
     Linear { factor: f64 },
     /// Llama 3.1 frequency-dependent scaling.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    /// Phi-3's LongRoPE: rotated pair `i`'s frequency divided by `short[i]`, or by `long[i]`
+    /// where a sequence runs past `original` positions ([`ModelConfig::long_rope`]), every
+    /// cos and sin times `attention_factor`.
+    LongRope { short: Vec<f64>, long: Vec<f64>, original: usize, attention_factor: f64 },
 }
 
 impl RopeScaling {
-    /// The inverse frequency `f` of a rotated pair, scaled (as HF's `rope_init_fn`s do).
-    pub fn scale(&self, f: f64) -> f64 {
+    /// The inverse frequency `f` of rotated pair `i`, scaled (as HF's `rope_init_fn`s do;
+    /// LongRoPE's short factors).
+    pub fn scale(&self, i: usize, f: f64) -> f64 {
         match *self {
             RopeScaling::Linear { factor } => f / factor,
+            RopeScaling::LongRope { ref short, .. } => f / short[i],
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -160,6 +166,9 @@ pub struct ModelConfig {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Dimensions of each query and key head that RoPE rotates, from its first (HF's
+    /// `int(head_dim · partial_rotary_factor)`: Phi-4-mini's three quarters); the rest pass.
+    pub rotary_dim: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
@@ -224,6 +233,7 @@ struct HfConfig {
     rope_theta: Option<f64>,
     rope_scaling: Option<serde_json::Value>,
     max_position_embeddings: Option<usize>,
+    original_max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
@@ -402,20 +412,42 @@ impl ModelConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(bad(format!("head_dim {head_dim} must be even and positive (RoPE rotates pairs)")));
         }
-        if let Some(f) = raw.partial_rotary_factor.filter(|&f| f != 1.0) {
-            return Err(bad(format!(
-                "partial_rotary_factor {f} is not supported (RoPE rotates whole heads here: expected 1 or none)"
-            )));
-        }
+        // Part of a head rotated, as HF's Phi-3 does (HF's other families here rotate whole heads).
+        let rotary_dim = match raw.partial_rotary_factor {
+            None => head_dim,
+            Some(f) if f != 1.0 && arch != Arch::Phi3 => {
+                return Err(bad(format!(
+                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's)"
+                )));
+            }
+            Some(f) => {
+                let d = (head_dim as f64 * f) as usize;
+                if !(f > 0.0 && f <= 1.0) || d == 0 || !d.is_multiple_of(2) {
+                    return Err(bad(format!(
+                        "partial_rotary_factor {f} rotates {d} of a head's {head_dim} dimensions (expected a factor in (0, 1] giving an even number above 0)"
+                    )));
+                }
+                d
+            }
+        };
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
         let eps = raw.rms_norm_eps.unwrap_or(1e-6);
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(bad(format!("rms_norm_eps {eps} must be a finite number, not negative")));
         }
         let rope_theta = finite_positive("rope_theta", raw.rope_theta.unwrap_or(10000.0)).map_err(bad)?;
+        let max_position_embeddings = raw.max_position_embeddings.unwrap_or(4096);
         let rope_scaling = match &raw.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
-            Some(v) => Some(parse_rope_scaling(v).map_err(bad)?),
+            Some(v) => Some(
+                parse_rope_scaling(
+                    v,
+                    rotary_dim / 2,
+                    max_position_embeddings,
+                    raw.original_max_position_embeddings,
+                )
+                .map_err(bad)?,
+            ),
         };
         let sliding_window = match (arch, raw.use_sliding_window) {
             (Arch::Qwen2 | Arch::Qwen2Moe | Arch::Qwen3 | Arch::Qwen3Moe | Arch::SmolLM3, Some(true)) => {
@@ -428,7 +460,11 @@ impl ModelConfig {
                     "sliding_window is 0 (expected a positive number of positions, or null)".into()
                 ));
             }
-            (Arch::Mistral | Arch::Mixtral | Arch::Phi3, _) => raw.sliding_window,
+            // A window at least as long as the context leaves out no key: none, so no rings
+            // and the prefix cache kept.
+            (Arch::Mistral | Arch::Mixtral | Arch::Phi3, _) => {
+                raw.sliding_window.filter(|&w| w < max_position_embeddings)
+            }
             // Gemma's local layers always have a window: HF's default where none is given.
             (Arch::Gemma2 | Arch::Gemma3, _) => Some(raw.sliding_window.unwrap_or(4096)),
             _ => None,
@@ -465,11 +501,12 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
+            rotary_dim,
             vocab_size: raw.vocab_size,
             rms_norm_eps: eps as f32,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            max_position_embeddings,
             // HF's default where the folder says nothing: tied for Gemma and SmolLM3 (the first
             // Gemma's folders leave it out), untied for the others.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
@@ -532,12 +569,49 @@ impl ModelConfig {
         self.rope_local_theta.map(|theta| self.inv_freq(theta, None))
     }
 
+    /// LongRoPE's frequencies for sequences past the original context (divided by its long
+    /// factors), and that context: positions from it on take them, and so does every position
+    /// of a sequence whose prompt is longer ([`Self::long_rope`]).
+    pub fn rope_inv_freq_long(&self) -> Option<(Vec<f64>, usize)> {
+        match &self.rope_scaling {
+            Some(RopeScaling::LongRope { long, original, .. }) => {
+                let unscaled = self.inv_freq(self.rope_theta, None);
+                Some((unscaled.iter().zip(long).map(|(f, l)| f / l).collect(), *original))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a sequence whose prompt has `prompt_len` tokens rotates every position by
+    /// LongRoPE's long factors: as HF's Phi-3 does, which picks them for a whole forward pass
+    /// (a prompt, or one new token) reaching past the original context. So a prompt longer
+    /// than that takes them throughout, and a shorter one only for the positions past it.
+    pub fn long_rope(&self, prompt_len: usize) -> bool {
+        self.long_rope_original().is_some_and(|o| prompt_len > o)
+    }
+
+    /// LongRoPE's original context, if the model rotates by LongRoPE.
+    pub fn long_rope_original(&self) -> Option<usize> {
+        match self.rope_scaling {
+            Some(RopeScaling::LongRope { original, .. }) => Some(original),
+            _ => None,
+        }
+    }
+
+    /// The factor of every cos and sin of the (global) RoPE: LongRoPE's attention factor, else 1.
+    pub fn rope_attention_factor(&self) -> f64 {
+        match self.rope_scaling {
+            Some(RopeScaling::LongRope { attention_factor, .. }) => attention_factor,
+            _ => 1.0,
+        }
+    }
+
     fn inv_freq(&self, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f64> {
-        let d = self.head_dim as f64;
-        (0..self.head_dim / 2)
+        let d = self.rotary_dim as f64;
+        (0..self.rotary_dim / 2)
             .map(|i| {
                 let f = 1.0 / theta.powf(2.0 * i as f64 / d);
-                scaling.map_or(f, |s| s.scale(f))
+                scaling.map_or(f, |s| s.scale(i, f))
             })
             .collect()
     }
@@ -727,7 +801,15 @@ fn finite_positive(name: &str, x: f64) -> std::result::Result<f64, String> {
     }
 }
 
-fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling, String> {
+/// HF's `rope_scaling` `v` of a model whose RoPE rotates `pairs` pairs a head, of
+/// `max_pos` positions, `original` (`original_max_position_embeddings`) where its config
+/// gives it beside `rope_scaling`.
+fn parse_rope_scaling(
+    v: &serde_json::Value,
+    pairs: usize,
+    max_pos: usize,
+    original: Option<usize>,
+) -> std::result::Result<RopeScaling, String> {
     let kind = v
         .get("rope_type")
         .or_else(|| v.get("type"))
@@ -758,7 +840,48 @@ fn parse_rope_scaling(v: &serde_json::Value) -> std::result::Result<RopeScaling,
                 original_max_position_embeddings: num("original_max_position_embeddings")?,
             })
         }
-        other => Err(format!("unsupported rope_scaling type `{other}` (expected linear or llama3)")),
+        "longrope" => {
+            let factors = |k: &str| {
+                let bad = || {
+                    format!("rope_scaling's `{k}` must be a list of {pairs} finite positive numbers, one per rotated pair")
+                };
+                let list = v.get(k).and_then(|x| x.as_array()).ok_or_else(bad)?;
+                let list: Vec<f64> =
+                    list.iter().filter_map(|x| x.as_f64()).filter(|x| x.is_finite() && *x > 0.0).collect();
+                if list.len() == pairs && v[k].as_array().is_some_and(|a| a.len() == pairs) {
+                    Ok(list)
+                } else {
+                    Err(bad())
+                }
+            };
+            let (short, long) = (factors("short_factor")?, factors("long_factor")?);
+            // As HF's `_compute_longrope_parameters`: the original context beside
+            // `rope_scaling` (Phi-3's place for it) or in it, the factor its ratio to the
+            // whole context; without one, `factor` over the whole context.
+            let inner =
+                v.get("original_max_position_embeddings").and_then(|x| x.as_u64()).map(|x| x as usize);
+            let (original, factor) = match original.or(inner) {
+                Some(0) => {
+                    return Err("original_max_position_embeddings is 0 (expected a positive number)".into())
+                }
+                Some(o) => (o, max_pos as f64 / o as f64),
+                None => (max_pos, num("factor")?),
+            };
+            let attention_factor = match v.get("attention_factor").filter(|x| !x.is_null()) {
+                Some(_) => num("attention_factor")?,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+            };
+            if !attention_factor.is_finite() {
+                return Err(format!(
+                    "rope_scaling's attention factor comes to {attention_factor} from an original context of {original}"
+                ));
+            }
+            Ok(RopeScaling::LongRope { short, long, original, attention_factor })
+        }
+        other => {
+            Err(format!("unsupported rope_scaling type `{other}` (expected linear, llama3 or longrope)"))
+        }
     }
 }
 
@@ -884,7 +1007,8 @@ mod tests {
         assert_eq!(c.ffn_params(0), ((3 * 1408 * 60 + 60 + 3 * 5632 + 1) * 64) as f64);
         assert_eq!(c.ffn_params_per_token(0), ((3 * 1408 * 4 + 60 + 3 * 5632 + 1) * 64) as f64);
         // Mixtral: experts as wide as intermediate_size, always renormalized, Mistral's window.
-        let c = parse(&config("mixtral", r#""sliding_window":4096"#)).unwrap();
+        let c =
+            parse(&config("mixtral", r#""sliding_window":4096,"max_position_embeddings":32768"#)).unwrap();
         let moe = c.moe.unwrap();
         assert_eq!((c.arch, c.sliding_window, c.qk_norm), (Arch::Mixtral, Some(4096), false));
         assert_eq!((moe.experts, moe.per_token, moe.expert_ffn, moe.norm_topk), (8, 2, 128, true));
@@ -925,14 +1049,73 @@ mod tests {
     }
 
     #[test]
-    fn phi3_keeps_its_window_and_refuses_a_partial_rotation() {
+    fn phi3_keeps_its_window_and_rotates_part_of_a_head() {
         let c = parse(&config("phi3", r#""sliding_window":2047"#)).unwrap();
         assert_eq!((c.arch, c.sliding_window, c.qkv_bias, c.qk_norm), (Arch::Phi3, Some(2047), false, false));
-        let e = parse(&config("phi3", r#""partial_rotary_factor":0.75"#)).unwrap_err().to_string();
-        assert!(e.contains("partial_rotary_factor 0.75 is not supported"), "{e}");
-        assert!(parse(&config("phi3", r#""partial_rotary_factor":1.0"#)).is_ok());
+        assert_eq!(c.rotary_dim, 16);
+        // Phi-4-mini's three quarters of a head: 12 of 16 dimensions, 6 frequencies.
+        let c = parse(&config("phi3", r#""partial_rotary_factor":0.75"#)).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim, c.rope_inv_freq().len()), (16, 12, 6));
+        assert_eq!(c.rope_inv_freq()[1], 1.0 / 10000f64.powf(2.0 / 12.0));
+        assert_eq!(parse(&config("phi3", r#""partial_rotary_factor":1.0"#)).unwrap().rotary_dim, 16);
+        let e = parse(&config("llama", r#""partial_rotary_factor":0.5"#)).unwrap_err().to_string();
+        assert!(e.contains("partial_rotary_factor 0.5 is not supported for llama"), "{e}");
+        assert_eq!(parse(&config("llama", r#""partial_rotary_factor":1.0"#)).unwrap().rotary_dim, 16);
+        for f in ["0.1", "0", "1.5", "-0.5"] {
+            let e =
+                parse(&config("phi3", &format!(r#""partial_rotary_factor":{f}"#))).unwrap_err().to_string();
+            assert!(e.contains(&format!("partial_rotary_factor {f} rotates")), "{e}");
+        }
+        let c =
+            parse(&config("phi3", r#""sliding_window":262144,"max_position_embeddings":131072"#)).unwrap();
+        assert_eq!(c.sliding_window, None);
+        let c = parse(&config("mistral", r#""sliding_window":4096,"max_position_embeddings":4096"#)).unwrap();
+        assert_eq!(c.sliding_window, None);
         let e = parse(&config("phi3", r#""sliding_window":0"#)).unwrap_err().to_string();
         assert!(e.contains("sliding_window is 0"), "{e}");
+    }
+
+    #[test]
+    fn longrope_factors_context_and_attention_factor() {
+        // Phi-3-mini-128k's form: the original context beside `rope_scaling`.
+        let short: Vec<f64> = (0..8).map(|i| 1.0 + i as f64 / 8.0).collect();
+        let long: Vec<f64> = (0..8).map(|i| 2.0 + i as f64).collect();
+        let scaling = serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long});
+        let extra = format!(
+            r#""max_position_embeddings":131072,"original_max_position_embeddings":4096,"rope_scaling":{scaling}"#
+        );
+        let c = parse(&config("phi3", &extra)).unwrap();
+        let unscaled: Vec<f64> = (0..8).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / 16.0)).collect();
+        let f = c.rope_inv_freq();
+        let (fl, original) = c.rope_inv_freq_long().unwrap();
+        for i in 0..8 {
+            assert_eq!((f[i], fl[i]), (unscaled[i] / short[i], unscaled[i] / long[i]));
+        }
+        assert_eq!(original, 4096);
+        // HF's: sqrt(1 + ln(131072 / 4096) / ln 4096).
+        assert!((c.rope_attention_factor() - (1.0 + 32f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12);
+        assert!(!c.long_rope(4096) && c.long_rope(4097));
+        // The original context inside `rope_scaling`, an attention factor given.
+        let inner = serde_json::json!({"rope_type": "longrope", "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": 1024, "attention_factor": 1.25});
+        let c = parse(&config("phi3", &format!(r#""max_position_embeddings":8192,"rope_scaling":{inner}"#)))
+            .unwrap();
+        assert_eq!((c.long_rope_original(), c.rope_attention_factor()), (Some(1024), 1.25));
+        // Neither: `factor` over the whole context; 1 gives no attention factor.
+        let none = serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long, "factor": 1.0});
+        let c = parse(&config("phi3", &format!(r#""rope_scaling":{none}"#))).unwrap();
+        assert_eq!((c.long_rope_original(), c.rope_attention_factor()), (Some(4096), 1.0));
+        assert!(parse(BASE).unwrap().rope_inv_freq_long().is_none());
+        // Factors one short, or not numbers; no factor and no original context.
+        let bad = serde_json::json!({"type": "longrope", "short_factor": &short[..7], "long_factor": long, "factor": 2.0});
+        let e = parse(&config("phi3", &format!(r#""rope_scaling":{bad}"#))).unwrap_err().to_string();
+        assert!(e.contains("`short_factor` must be a list of 8 finite positive numbers"), "{e}");
+        let bad = serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": vec!["x"; 8], "factor": 2.0});
+        let e = parse(&config("phi3", &format!(r#""rope_scaling":{bad}"#))).unwrap_err().to_string();
+        assert!(e.contains("`long_factor` must be a list of 8"), "{e}");
+        let bad = serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long});
+        let e = parse(&config("phi3", &format!(r#""rope_scaling":{bad}"#))).unwrap_err().to_string();
+        assert!(e.contains("lacks the number `factor`"), "{e}");
     }
 
     #[test]

@@ -367,6 +367,9 @@ pub struct Engine {
     tables: Vec<Vec<u32>>,
     /// Each slot's pages in the KV rings (see [`KvCache`]).
     ring_tables: Vec<Vec<u32>>,
+    /// Each slot's sequence rotates every position by LongRoPE's long factors (its prompt is
+    /// longer than the original context: [`crate::config::ModelConfig::long_rope`]).
+    long_rope: Vec<bool>,
     /// The most positions of one sequence a step may hold (since the last `Begin`).
     chunk: usize,
     slots: Vec<SlotState>,
@@ -636,6 +639,7 @@ impl Engine {
             kv,
             tables: Vec::new(),
             ring_tables: Vec::new(),
+            long_rope: Vec::new(),
             chunk: 0,
             slots: Vec::new(),
             hidden: Vec::new(),
@@ -942,6 +946,7 @@ impl Engine {
                 }
                 self.tables = vec![Vec::new(); *slots];
                 self.ring_tables = vec![Vec::new(); *slots];
+                self.long_rope = vec![false; *slots];
                 self.chunk = *chunk;
                 self.slots.clear();
                 self.slots.resize_with(*slots, SlotState::default);
@@ -990,6 +995,7 @@ impl Engine {
             }
             self.tables[a.slot].clone_from(&a.pages);
             self.kv.ring_table(a.slot, a.pages.len(), &mut self.ring_tables[a.slot]);
+            self.long_rope[a.slot] = self.shard.cfg.long_rope(a.prompt_len);
             let st = &mut self.slots[a.slot];
             st.params = a.params.clone();
             st.logprobs = a.logprobs.map(|k| k.min(MAX_LOGPROBS));
@@ -1017,14 +1023,15 @@ impl Engine {
             return Err(Error::Comm("a step's spans do not match its tokens, slots or KV pages".into()));
         }
         crate::grow(&mut self.hidden, n * h);
-        let Engine { shard, scratch, hidden, last, logits, team, kv, tables, ring_tables, .. } = self;
+        let Engine { shard, scratch, hidden, last, logits, team, kv, tables, ring_tables, long_rope, .. } =
+            self;
         let x = &mut hidden[..n * h];
         if g.is_first_stage() {
             shard.embed(tokens, x, comm);
         } else {
             link.recv_f32(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Hidden, x);
         }
-        shard.forward(x, spans, kv, tables, ring_tables, scratch, comm, team);
+        shard.forward(x, spans, kv, tables, ring_tables, long_rope, scratch, comm, team);
         if !g.is_last_stage() {
             link.send_f32(g.rank_of(g.stage() + 1, g.tp_rank()), Tag::Hidden, x);
             return Ok(None);

@@ -306,6 +306,11 @@ impl Engine {
         let room = self.kv_room();
         let auto = room.map_or((1 << 30) / crate::comm::mpi::local_ranks() / page_bytes, |r| r.pages() / 4);
         let caching = opts.prefix_cache && opts.sides.is_none() && !self.windowed();
+        // A prompt longer than LongRoPE's original context rotates every position by the long
+        // factors, so its pages are neither read from the cache nor put there: shorter prompts
+        // rotate the same tokens otherwise.
+        let original = self.shard.cfg.long_rope_original();
+        let long_rope = |prompt: &[u32]| original.is_some_and(|o| prompt.len() > o);
         // KV memory asked for is the pool's, with the prefix cache, up to the larger of what
         // the requests need at once and the unasked default: what the running sequences leave
         // of it keeps prefixes for later prompts.
@@ -475,7 +480,7 @@ impl Engine {
                     // The cached whole pages its prompt begins with, its last token left to run
                     // (none for a prompt to score: all of it runs).
                     hit.clear();
-                    if caching && l.req.prompt_logprobs.is_none() {
+                    if caching && l.req.prompt_logprobs.is_none() && !long_rope(&l.req.prompt) {
                         cache.lookup(&l.req.prompt, (l.req.prompt.len() - 1) / PAGE, &mut hit);
                         // A prompt whose pages a running sequence is writing waits for them
                         // (and the queue behind it, first come first served).
@@ -650,7 +655,10 @@ impl Engine {
             if caching {
                 // Every token the group's sequences were sent is in their pages now.
                 for &at in &members[f.group] {
-                    cache_written(&mut cache, live[at].as_mut().expect("members are held"));
+                    let l = live[at].as_mut().expect("members are held");
+                    if !long_rope(&l.req.prompt) {
+                        cache_written(&mut cache, l);
+                    }
                 }
             }
             for (at, fin) in ended.drain(..) {

@@ -66,12 +66,14 @@ fn sum_of_squares(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + rest.iter().map(|v| v * v).sum::<f32>()
 }
 
-/// Rotates each head of `x` (`n_heads × head_dim`) in place by the HF "rotate half" rule:
-/// pairs are `(i, i + head_dim/2)`, with `cos`/`sin` of length `head_dim/2` for this position.
+/// Rotates each head of `x` (`n_heads × head_dim`) in place by the HF "rotate half" rule over
+/// its first `2 · cos.len()` dimensions (all of them, or a partial rotary part): pairs are
+/// `(i, i + cos.len())`, with `cos`/`sin` of this position; the other dimensions pass.
 pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
-    let half = head_dim / 2;
+    let half = cos.len();
+    debug_assert!(2 * half <= head_dim && sin.len() == half);
     for h in x.chunks_exact_mut(head_dim) {
-        let (a, b) = h.split_at_mut(half);
+        let (a, b) = h[..2 * half].split_at_mut(half);
         for i in 0..half {
             let (x0, x1) = (a[i], b[i]);
             a[i] = x0 * cos[i] - x1 * sin[i];
@@ -1587,18 +1589,24 @@ mod tests {
     #[test]
     fn rope_rotates_half_pairs() {
         let hd = 6;
-        let mut x = rand_vec(2 * hd, 11);
-        let orig = x.clone();
+        let orig = rand_vec(2 * hd, 11);
         let angles = [0.3f64, 1.1, -2.0];
         let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
         let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
-        rope(&mut x, hd, &cos, &sin);
-        for h in 0..2 {
-            for i in 0..3 {
-                let (a, b) = (orig[h * hd + i] as f64, orig[h * hd + i + 3] as f64);
-                let (c, s) = (angles[i].cos(), angles[i].sin());
-                assert!((x[h * hd + i] as f64 - (a * c - b * s)).abs() < 1e-6);
-                assert!((x[h * hd + i + 3] as f64 - (b * c + a * s)).abs() < 1e-6);
+        // Whole heads (three pairs), and a partial rotary part: the first four dimensions
+        // rotate as two pairs, the rest pass.
+        for pairs in [3, 2] {
+            let mut x = orig.clone();
+            rope(&mut x, hd, &cos[..pairs], &sin[..pairs]);
+            for h in 0..2 {
+                for i in 0..pairs {
+                    let (a, b) = (orig[h * hd + i] as f64, orig[h * hd + i + pairs] as f64);
+                    let (c, s) = (angles[i].cos(), angles[i].sin());
+                    assert!((x[h * hd + i] as f64 - (a * c - b * s)).abs() < 1e-6);
+                    assert!((x[h * hd + i + pairs] as f64 - (b * c + a * s)).abs() < 1e-6);
+                }
+                let rest = h * hd + 2 * pairs..(h + 1) * hd;
+                assert_eq!(x[rest.clone()], orig[rest]);
             }
         }
     }

@@ -557,6 +557,8 @@ pub struct Shard {
     inv_freq: Vec<f64>,
     /// The local layers' RoPE frequencies (Gemma 3's).
     inv_freq_local: Option<Vec<f64>>,
+    /// LongRoPE's frequencies past the original context, and that context.
+    inv_freq_long: Option<(Vec<f64>, usize)>,
     /// Decode steps run and experts multiplied by in them, by the step's tokens.
     tally: ExpertTally,
 }
@@ -727,6 +729,7 @@ impl Shard {
             1.0
         };
         let (inv_freq, inv_freq_local) = (cfg.rope_inv_freq(), cfg.rope_local_inv_freq());
+        let inv_freq_long = cfg.rope_inv_freq_long();
         kernels::arena::close_chunk();
         Ok(Shard {
             cfg,
@@ -739,6 +742,7 @@ impl Shard {
             lm_head,
             inv_freq,
             inv_freq_local,
+            inv_freq_long,
             tally: ExpertTally::default(),
         })
     }
@@ -962,7 +966,8 @@ impl Shard {
     /// sequence, whose keys and values go to (and whose attention reads) the pages
     /// `tables[span.seq]` of `kv`'s pool (`ring_tables[span.seq]` of its ring, for windowed
     /// layers kept there): one span is a prompt (or a chunk of one) or a decode step, several
-    /// are a batch of sequences.
+    /// are a batch of sequences. `long_rope[span.seq]`: the sequence rotates every position by
+    /// LongRoPE's long factors, not only those past the original context.
     #[allow(clippy::too_many_arguments)] // the step's data, its cache, its buffers and its two kinds of parallelism
     pub fn forward(
         &self,
@@ -971,6 +976,7 @@ impl Shard {
         kv: &mut KvCache,
         tables: &[Vec<u32>],
         ring_tables: &[Vec<u32>],
+        long_rope: &[bool],
         s: &mut Scratch,
         comm: &dyn Comm,
         team: &Team,
@@ -1002,7 +1008,7 @@ impl Shard {
             s.blocks.extend((0..sp.len).step_by(QUERY_BLOCK).map(|b| (t0 + b, QUERY_BLOCK.min(sp.len - b))));
         }
         let x = &mut x[..n * h];
-        self.rope_tables(s);
+        self.rope_tables(spans, long_rope, s);
         let group = cfg.n_heads / cfg.n_kv_heads;
         let q0 = self.plan.q_heads.start;
         let kv0 = self.plan.kv_heads.start;
@@ -1123,7 +1129,8 @@ impl Shard {
         // Token `t`'s vector `j` of a QKV row (q heads, then k heads, then v heads) as it
         // comes from the product, finished: its bias added and, but for v, normed (Qwen3, Gemma
         // 3) and rotated (but in SmolLM3's NoPE layers).
-        let half = hd / 2;
+        // The rotated pairs of a head (its tables' stride), from its first dimension.
+        let half = cfg.rotary_dim / 2;
         let qk_inv = SharedSlice::new(&mut qk_inv[..2 * n]);
         let finish = |l: &Layer, t: usize, j: usize, out: &mut [f32]| {
             if let Some(b) = &l.qkv_bias {
@@ -1461,23 +1468,35 @@ impl Shard {
         });
     }
 
-    /// cos/sin of every token's position (`s.tokens`), for the local layers too if they have
-    /// frequencies of their own.
-    fn rope_tables(&self, s: &mut Scratch) {
+    /// cos/sin of every token's position, the spans' tokens in turn (as `s.tokens` lists them),
+    /// for the local layers too if they have frequencies of their own. Under LongRoPE a token takes the long factors at
+    /// positions past the original context, or at every position of a sequence marked in
+    /// `long_rope`; the global tables are times its attention factor.
+    fn rope_tables(&self, spans: &[Span], long_rope: &[bool], s: &mut Scratch) {
         let half = self.inv_freq.len();
-        let tables = |inv_freq: &[f64], cos: &mut [f32], sin: &mut [f32]| {
-            for (t, &(_, pos)) in s.tokens.iter().enumerate() {
-                let p = pos as f64;
-                for (i, f) in inv_freq.iter().enumerate() {
-                    let a = p * f;
-                    cos[t * half + i] = a.cos() as f32;
-                    sin[t * half + i] = a.sin() as f32;
+        type Long = Option<(Vec<f64>, usize)>;
+        let tables = |inv_freq: &[f64], long: &Long, factor: f64, cos: &mut [f32], sin: &mut [f32]| {
+            let mut t = 0;
+            for sp in spans {
+                let long_all = long_rope[sp.seq];
+                for pos in sp.pos0..sp.pos0 + sp.len {
+                    let inv_freq = match long {
+                        Some((long, original)) if long_all || pos >= *original => long,
+                        _ => inv_freq,
+                    };
+                    let p = pos as f64;
+                    for (i, f) in inv_freq.iter().enumerate() {
+                        let a = p * f;
+                        cos[t * half + i] = (a.cos() * factor) as f32;
+                        sin[t * half + i] = (a.sin() * factor) as f32;
+                    }
+                    t += 1;
                 }
             }
         };
-        tables(&self.inv_freq, &mut s.cos, &mut s.sin);
+        tables(&self.inv_freq, &self.inv_freq_long, self.cfg.rope_attention_factor(), &mut s.cos, &mut s.sin);
         if let Some(local) = &self.inv_freq_local {
-            tables(local, &mut s.cos_local, &mut s.sin_local);
+            tables(local, &None, 1.0, &mut s.cos_local, &mut s.sin_local);
         }
     }
 
@@ -1699,7 +1718,7 @@ mod tests {
     #[test]
     fn a_decode_token_is_the_same_alone_in_a_batch_and_on_any_threads() {
         let mut cfg = synthetic::shape("qwen2-0.5b").unwrap();
-        (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (64, 16, 4, 1);
+        (cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, cfg.n_heads, cfg.n_kv_heads) = (64, 16, 16, 4, 1);
         (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (4100, 2, 300);
         let h = cfg.hidden_size;
         // Seq 0's prompt of 290 tokens (its next token sees 19 pages: tiles of pages 0–1, 2–3,
@@ -1777,7 +1796,18 @@ mod tests {
                     let mut step = |spans: &[Span], tokens: &[u32]| {
                         let mut x = vec![0.0f32; tokens.len() * h];
                         shard.embed(tokens, &mut x, &Single);
-                        shard.forward(&mut x, spans, &mut kv, &tables, &ring_tables, &mut s, &Single, &team);
+                        let long = vec![false; tables.len()];
+                        shard.forward(
+                            &mut x,
+                            spans,
+                            &mut kv,
+                            &tables,
+                            &ring_tables,
+                            &long,
+                            &mut s,
+                            &Single,
+                            &team,
+                        );
                         x
                     };
                     let p0 = prompt(290, 11);
@@ -1867,7 +1897,7 @@ mod tests {
         for ((shape, arch), tied) in shapes.into_iter().flat_map(|s| [(s, true), (s, false)]) {
             let mut cfg = synthetic::shape(shape).unwrap();
             cfg.arch = arch.unwrap_or(cfg.arch);
-            (cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 9, 3);
+            (cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 8, 9, 3);
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
             if let Some(moe) = &mut cfg.moe {
                 // 5 experts of 40 columns (split 32 and 8 over two ranks), the middle layer

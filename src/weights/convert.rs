@@ -156,26 +156,38 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if let Some(e) = eos {
         config["eos_token_id"] = e.into();
     }
+    // RoPE over part of a head: Phi-4-mini's `partial_rotary_factor`, HF's reading of which
+    // (`int(head_dim · factor)`) must give the GGUF's dimensions back.
     if let Some(d) = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()) {
-        if d as usize != head_dim {
+        let d = d as usize;
+        let factor = d as f64 / head_dim as f64;
+        let partial = arch == "phi3" && d > 0 && d < head_dim && d.is_multiple_of(2);
+        if partial && (head_dim as f64 * factor) as usize == d {
+            config["partial_rotary_factor"] = factor.into();
+        } else if d != head_dim {
             let msg = format!(
-                "`{}` is {d}: RoPE over part of a head's {head_dim} dimensions is not supported",
-                key("rope.dimension_count")
+                "`{}` is {d}: RoPE over part of a head's {head_dim} dimensions is not supported{}",
+                key("rope.dimension_count"),
+                if arch == "phi3" { " (but an even number of them)" } else { " (but for Phi-3's)" }
             );
             return Err(Error::file(gguf_path, msg));
         }
     }
     if arch == "phi3" {
-        // Phi-3's long-context variants keep LongRoPE's factors as tensors.
-        if let Some(t) = g.tensors.iter().find(|t| t.name.starts_with("rope_factors_")) {
-            return Err(Error::tensor(gguf_path, &t.name, "Phi-3's LongRoPE scaling is not supported"));
-        }
         config["sliding_window"] = g
             .get(&key("attention.sliding_window"))
             .and_then(|v| v.as_u64())
             .map_or(serde_json::Value::Null, |w| w.into());
         if let Some(n) = g.get(&key("rope.scaling.original_context_length")).and_then(|v| v.as_u64()) {
             config["original_max_position_embeddings"] = n.into();
+        }
+        // Phi-3's long-context variants keep LongRoPE's factors as tensors.
+        if let Some(longrope) = phi3_longrope(&g, &config)? {
+            if !config["rope_scaling"].is_null() {
+                let msg = "LongRoPE's factors beside another RoPE scaling have no HF equivalent";
+                return Err(Error::tensor(gguf_path, "rope_factors_long.weight", msg));
+            }
+            config["rope_scaling"] = longrope;
         }
     }
 
@@ -366,6 +378,56 @@ impl safetensors::View for Lazy<'_> {
     }
 }
 
+/// HF's `rope_scaling` of Phi-3's LongRoPE from a GGUF whose `rope_factors_short.weight` and
+/// `rope_factors_long.weight` hold its factors (one per rotated pair of `config`'s heads), as
+/// llama.cpp writes them; `None` if it holds neither. The attention factor llama.cpp stores
+/// (`rope.scaling.attn_factor`) goes into `attention_factor` only where it is not the one HF
+/// works out from the two contexts itself.
+fn phi3_longrope(g: &Gguf, config: &serde_json::Value) -> Result<Option<serde_json::Value>> {
+    let names = ["rope_factors_short.weight", "rope_factors_long.weight"];
+    let (short, long) = match names.map(|n| g.tensor(n)) {
+        [None, None] => return Ok(None),
+        [Some(s), Some(l)] => (s, l),
+        [s, _] => {
+            let (have, lacks) = if s.is_some() { (names[0], names[1]) } else { (names[1], names[0]) };
+            return Err(Error::tensor(&g.path, have, format!("LongRoPE's factors without `{lacks}`")));
+        }
+    };
+    let head_dim = config["head_dim"].as_u64().unwrap_or(0) as usize;
+    let rotated =
+        config["partial_rotary_factor"].as_f64().map_or(head_dim, |f| (head_dim as f64 * f) as usize);
+    let mut factors = Vec::new();
+    for t in [short, long] {
+        let f = g.dequantize(t);
+        if f.len() != rotated / 2 || !f.iter().all(|f| f.is_finite() && *f > 0.0) {
+            let msg = format!(
+                "holds {} factors (expected {} finite positive numbers, one per rotated pair)",
+                f.len(),
+                rotated / 2
+            );
+            return Err(Error::tensor(&g.path, &t.name, msg));
+        }
+        // The shortest decimal of each f32, as the HF config it came from wrote it.
+        factors.push(f.iter().map(|f| f.to_string().parse::<f64>().unwrap_or(*f as f64)).collect::<Vec<_>>());
+    }
+    let arch = config["model_type"].as_str().unwrap_or("phi3");
+    let Some(original) = config["original_max_position_embeddings"].as_u64() else {
+        let msg = format!("LongRoPE's factors without `{arch}.rope.scaling.original_context_length`");
+        return Err(Error::tensor(&g.path, names[1], msg));
+    };
+    let mut scaling =
+        serde_json::json!({"type": "longrope", "short_factor": factors[0], "long_factor": factors[1]});
+    let whole = config["max_position_embeddings"].as_u64().unwrap_or(original) as f64;
+    let factor = whole / original as f64;
+    let hf = if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (original as f64).ln()).sqrt() };
+    if let Some(a) = g.get(&format!("{arch}.rope.scaling.attn_factor")).and_then(|v| v.as_f64()) {
+        if (a - hf).abs() > 1e-6 * hf {
+            scaling["attention_factor"] = a.into();
+        }
+    }
+    Ok(Some(scaling))
+}
+
 /// HF's `rope_scaling` for what the GGUF says of RoPE scaling: linear scaling as metadata
 /// (`rope.scaling.type` and `rope.scaling.factor`, or the older `rope.scale_linear`), and Llama
 /// 3.1–3.3's scaling by frequency as the tensor `rope_freqs.weight` (what each rotated pair's
@@ -472,7 +534,7 @@ fn llama3_scaling(factors: &[f32], theta: f64, original: Option<f64>) -> Option<
             high_freq_factor,
             original_max_position_embeddings: old,
         };
-        high_freq_factor > low_freq_factor && (0..r.len()).all(|i| near(freq(i) / s.scale(freq(i)), r[i]))
+        high_freq_factor > low_freq_factor && (0..r.len()).all(|i| near(freq(i) / s.scale(i, freq(i)), r[i]))
     };
     let mut tries = vec![[factor, 1.0, 4.0, original.unwrap_or(8192.0)]];
     // (1/λ, s) on the ramp.

@@ -78,6 +78,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: hd,
+        rotary_dim: hd,
         vocab_size: vocab,
         rms_norm_eps: 1e-5,
         rope_theta: theta,

@@ -97,13 +97,35 @@ fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
     // Divisors that fall again at a longer wavelength.
     let says = ["rope_freqs.weight", "no Llama 3 scaling"];
     refused(dir, "off", &llama_meta(2, vec![]), freqs(vec![1.0, 1.5, 3.0, 2.0]), &says);
-    // RoPE over part of each head; Phi-3's LongRoPE (its 128k-context models).
+    // RoPE over part of each head but Phi-3's, or over an odd number of its dimensions.
     let partial = ("llama.rope.dimension_count", GgufValue::U32(4));
-    let says = ["`llama.rope.dimension_count` is 4: RoPE over part of a head's 8 dimensions"];
+    let says =
+        ["`llama.rope.dimension_count` is 4: RoPE over part of a head's 8 dimensions", "but for Phi-3's"];
     refused(dir, "partial", &llama_meta(2, vec![partial]), vec![], &says);
-    let long = vec![("rope_factors_long.weight".to_string(), vec![4], vec![1.0; 4])];
-    let says = ["rope_factors_long.weight", "Phi-3's LongRoPE scaling is not supported"];
-    refused(dir, "longrope", &arch_meta("phi3", 2, vec![]), long, &says);
+    let odd = ("phi3.rope.dimension_count", GgufValue::U32(5));
+    let says = ["`phi3.rope.dimension_count` is 5", "but an even number of them"];
+    refused(dir, "odd", &arch_meta("phi3", 2, vec![odd]), vec![], &says);
+    // Phi-3's LongRoPE (its 128k-context models) with a factor tensor missing, too few factors,
+    // no original context; as Phi-4-mini (6 of 8 dimensions rotated) it converts.
+    let factors = |n: usize| {
+        ["short", "long"].map(|k| (format!("rope_factors_{k}.weight"), vec![n], vec![1.5; n])).to_vec()
+    };
+    let original = || ("phi3.rope.scaling.original_context_length", GgufValue::U32(64));
+    let says = ["rope_factors_long.weight", "LongRoPE's factors without `rope_factors_short.weight`"];
+    refused(dir, "longrope-half", &arch_meta("phi3", 2, vec![original()]), factors(4)[1..].to_vec(), &says);
+    let says = ["rope_factors_short.weight", "holds 3 factors (expected 4"];
+    refused(dir, "longrope-few", &arch_meta("phi3", 2, vec![original()]), factors(3), &says);
+    let says = ["LongRoPE's factors without `phi3.rope.scaling.original_context_length`"];
+    refused(dir, "longrope-ctx", &arch_meta("phi3", 2, vec![]), factors(4), &says);
+    let dims = ("phi3.rope.dimension_count", GgufValue::U32(6));
+    let (out, folder) =
+        convert(dir, "longrope", 2, &arch_meta("phi3", 2, vec![original(), dims]), factors(3));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(folder.join("config.json")).unwrap()).unwrap();
+    let want = serde_json::json!({"type": "longrope", "short_factor": [1.5, 1.5, 1.5], "long_factor": [1.5, 1.5, 1.5]});
+    assert_eq!((&cfg["rope_scaling"], &cfg["partial_rotary_factor"]), (&want, &serde_json::json!(0.75)));
+    assert_eq!(cfg["original_max_position_embeddings"], 64);
     let old_linear = ("llama.rope.scale_linear", GgufValue::F32(2.0));
     let says = ["beside linear scaling (`llama.rope.scale_linear`)"];
     refused(dir, "both", &llama_meta(2, vec![old_linear]), freqs(vec![1.0; 4]), &says);

@@ -436,6 +436,91 @@ fn random_phi3_matches_candle_on_one_and_two_ranks() {
     same_on_two_ranks("random phi3", tmp.path(), &single, &[&["--tp", "2"]]);
 }
 
+/// Phi-4-mini's RoPE for `TinyModel::phi3()`: its config's fields for LongRoPE over an
+/// original context of 16 positions (of 256: an attention factor of √(1 + ln 16 / ln 16) =
+/// √2, as HF works it out) on the first three quarters of each head (12 of 16 dimensions),
+/// and the short and long factors.
+fn longrope_phi3() -> (serde_json::Value, Vec<f64>, Vec<f64>) {
+    let short: Vec<f64> = (0..6).map(|i| 1.0 + 0.25 * i as f64).collect();
+    let long: Vec<f64> = (0..6).map(|i| 1.5 + 2.0 * i as f64).collect();
+    let fields = serde_json::json!({
+        "partial_rotary_factor": 0.75, "original_max_position_embeddings": 16,
+        "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": long},
+    });
+    (fields, short, long)
+}
+
+/// Candle's `phi3` on the [`longrope_phi3`] model of config `cfg` in `dir`, as `(ids, pos) →
+/// last logits`. Candle's LongRoPE differs from HF's (and llama.cpp's) twice, so its side
+/// undoes both: it multiplies each frequency by its factor, so its config holds their
+/// reciprocals, and it leaves the attention factor out, so its copy of the weights (in
+/// `scratch`) carries it in the rotated rows of q and k.
+fn candle_longrope_phi3(
+    m: &gridlm_reference::TinyModel,
+    dir: &Path,
+    cfg: &serde_json::Value,
+    scratch: &Path,
+) -> impl FnMut(&[u32], usize) -> Vec<f32> {
+    let (hd, rot, factor) = (m.hidden / m.heads, 12, 2f32.sqrt());
+    let dev = Device::Cpu;
+    let mut tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &dev).unwrap();
+    for (name, t) in tensors.iter_mut() {
+        if name.ends_with("qkv_proj.weight") {
+            let rows = (m.heads + 2 * m.kv_heads) * hd;
+            let scale: Vec<f32> = (0..rows)
+                .map(|r| if r < (m.heads + m.kv_heads) * hd && r % hd < rot { factor } else { 1.0 })
+                .collect();
+            *t = t.broadcast_mul(&Tensor::new(scale, &dev).unwrap().unsqueeze(1).unwrap()).unwrap();
+        }
+    }
+    std::fs::create_dir_all(scratch).unwrap();
+    candle_core::safetensors::save(&tensors, scratch.join("model.safetensors")).unwrap();
+    let mut cfg = cfg.clone();
+    for k in ["short_factor", "long_factor"] {
+        let f: Vec<f64> =
+            cfg["rope_scaling"][k].as_array().unwrap().iter().map(|f| 1.0 / f.as_f64().unwrap()).collect();
+        cfg["rope_scaling"][k] = f.into();
+    }
+    let cfg: phi3::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = phi3::Model::new(&cfg, candle_weights(scratch)).unwrap();
+    move |ids: &[u32], pos: usize| -> Vec<f32> {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+}
+
+/// Phi-4-mini's RoPE on a random Phi-3-style model ([`longrope_phi3`]): LongRoPE (each rotated
+/// pair's frequency divided by its short factor, by its long one past the original context;
+/// cos and sin times the attention factor) over part of each head (`partial_rotary_factor`),
+/// against candle's `phi3` ([`candle_longrope_phi3`]), whose RoPE takes the factors by
+/// position, as HF's does for a prompt within the original context and the tokens after it.
+/// A prompt longer than the original context takes the long factors at every position (as
+/// HF, which picks them for the whole pass): against candle with the long factors for short
+/// ones. The same tokens and logits on tp = 2 and pp = 2. (The check fails with every prompt
+/// position taking the factors by position, and with the long factors never taken.)
+#[test]
+fn a_partial_longrope_phi3_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = tmp.path().join("ours");
+    let m = gridlm_reference::TinyModel::phi3();
+    std::fs::create_dir_all(&ours).unwrap();
+    m.write(&ours);
+    let (fields, _, long) = longrope_phi3();
+    let mut cfg = folder_config(&ours);
+    cfg.as_object_mut().unwrap().extend(fields.as_object().unwrap().clone());
+    std::fs::write(ours.join("config.json"), cfg.to_string()).unwrap();
+    // 7 prompt tokens and 32 new: positions 16 on take the long factors.
+    let candle = candle_longrope_phi3(&m, &ours, &cfg, &tmp.path().join("candle"));
+    let single = tiny_matches_candle("partial longrope phi3", &ours, candle);
+    same_on_two_ranks("partial longrope phi3", &ours, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    // 20 prompt tokens: every position takes them.
+    let prompt: Vec<String> = (0..20).map(|i| format!("t{}", 7 * i + 3)).collect();
+    let prompt = prompt.join(" ");
+    let args = ["--prompt", &prompt, "--max-tokens", "8", "--kv-dtype", "f32"];
+    cfg["rope_scaling"]["short_factor"] = long.into();
+    let candle = candle_longrope_phi3(&m, &ours, &cfg, &tmp.path().join("candle-long"));
+    tiny_matches_candle_with("partial longrope phi3, a long prompt", &ours, &args, 8, candle);
+}
+
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
 /// split over two ranks by heads (the norms' weights on both) and by layers, the same tokens
 /// and logits within 1e-4 of the single rank.
@@ -767,6 +852,19 @@ fn qwen3_gguf_meta(
 /// `ffn_gate_inp`, a shared expert as `ffn_*_shexp` with its gate a vector — converted (f32)
 /// into `dir`, which must then hold exactly `m`'s tensors.
 fn gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &str, dir: &Path) {
+    gguf_with_converts_to_the_model_it_holds(m, arch, dir, Vec::new(), Vec::new());
+}
+
+/// [`gguf_converts_to_the_model_it_holds`] of a GGUF that also holds the metadata `more_meta`
+/// (in place of the same keys) and the tensors `more` (not weights: the converted folder must
+/// not hold them).
+fn gguf_with_converts_to_the_model_it_holds(
+    m: &gridlm_reference::TinyModel,
+    arch: &str,
+    dir: &Path,
+    more_meta: Vec<(String, GgufValue)>,
+    more: Vec<(String, Vec<usize>, Vec<f32>)>,
+) {
     let experts = m.experts.map_or(0, |(experts, _, _)| experts);
     let tensors = m.tensors();
     let (tokens, merges) = byte_level_vocabulary(m.vocab);
@@ -783,7 +881,9 @@ fn gguf_converts_to_the_model_it_holds(m: &gridlm_reference::TinyModel, arch: &s
     if let Some((_, shape, _)) = tensors.iter().find(|t| t.0.ends_with("shared_expert.gate_proj.weight")) {
         meta.push((format!("{arch}.expert_shared_feed_forward_length"), GgufValue::U32(shape[0] as u32)));
     }
-    let mut gguf_tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    meta.retain(|(k, _)| more_meta.iter().all(|(m, _)| m != k));
+    meta.extend(more_meta);
+    let mut gguf_tensors: Vec<(String, Vec<usize>, Vec<f32>)> = more;
     for (n, shape, v) in &tensors {
         let Some((layer, rest)) = n.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) else {
             gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
@@ -950,6 +1050,90 @@ fn a_phi3_gguf_converts_to_the_model_it_holds() {
     tiny_matches_candle("converted phi3", &out, |ids, pos| {
         model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     });
+}
+
+/// The prefix cache under LongRoPE ([`longrope_phi3`] with an original context of 40): three
+/// prompts one after another, the first of 36 tokens, the second its first 32 and 12 more (44:
+/// past the original context, so every position of it takes the long factors) and the third
+/// its first 32 and 4 more (36). The third reads the first's two whole pages from the cache;
+/// the second reads none (the first rotated them by the short factors), and each brings the
+/// tokens it brings alone. (Without the second's exclusion it reads 32 and brings others.)
+#[test]
+fn a_prompt_past_longropes_original_context_reads_no_cached_pages() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    gridlm_reference::TinyModel::phi3().write(&dir);
+    let mut cfg = folder_config(&dir);
+    cfg.as_object_mut().unwrap().extend(longrope_phi3().0.as_object().unwrap().clone());
+    cfg["original_max_position_embeddings"] = 40.into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let words =
+        |range: std::ops::Range<usize>| range.map(|i| format!("t{}", 11 * i % 300)).collect::<Vec<_>>();
+    let first = words(0..36);
+    let prompts =
+        [first.clone(), [&first[..32], &words(40..52)].concat(), [&first[..32], &words(60..64)].concat()];
+    let prompts: Vec<String> = prompts.iter().map(|p| p.join(" ")).collect();
+    let file = tmp.path().join("prompts.jsonl");
+    let lines: Vec<String> = prompts.iter().map(|p| serde_json::json!({"prompt": p}).to_string()).collect();
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let mut cmd = std::process::Command::new(gridlm_bin());
+    cmd.args(["generate", "--model"]).arg(&dir).arg("--prompts-file").arg(&file);
+    cmd.args([
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--max-batch",
+        "1",
+        "--kv-mem-mib",
+        "4",
+        "--kv-dtype",
+        "f32",
+        "--json",
+    ]);
+    let o = run_with_timeout(cmd, 120);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let results = v["results"].as_array().unwrap();
+    let cached: Vec<u64> = results.iter().map(|r| r["cached_tokens"].as_u64().unwrap()).collect();
+    for (r, p) in results.iter().zip(&prompts) {
+        let alone = generate(&dir, &["--prompt", p, "--max-tokens", "8", "--kv-dtype", "f32"]);
+        let ids: Vec<u64> = r["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+        let want: Vec<u64> = alone.token_ids.iter().map(|&t| t as u64).collect();
+        assert_eq!(ids, want, "{p}: differs from its run alone");
+    }
+    assert_eq!(cached, [0, 0, 32]);
+}
+
+/// A Phi-4-mini-style GGUF ([`longrope_phi3`] as llama.cpp writes it: RoPE over
+/// `rope.dimension_count` of a head's dimensions, LongRoPE's factors as the tensors
+/// `rope_factors_short.weight` and `rope_factors_long.weight`, the original context and the
+/// attention factor as metadata) converts into the model it holds, its config HF's
+/// `partial_rotary_factor` and `longrope` `rope_scaling`, on which gridlm agrees with candle.
+#[test]
+fn a_longrope_phi3_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::phi3();
+    let out = tmp.path().join("folder");
+    let (fields, short, long) = longrope_phi3();
+    let meta = vec![
+        ("phi3.rope.dimension_count".to_string(), GgufValue::U32(12)),
+        ("phi3.rope.scaling.original_context_length".into(), GgufValue::U32(16)),
+        ("phi3.rope.scaling.attn_factor".into(), GgufValue::F32(2f32.sqrt())),
+    ];
+    let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let factors = vec![
+        ("rope_factors_short.weight".to_string(), vec![6], f32s(&short)),
+        ("rope_factors_long.weight".to_string(), vec![6], f32s(&long)),
+    ];
+    gguf_with_converts_to_the_model_it_holds(&m, "phi3", &out, meta, factors);
+    let cfg = converted_config(&out, fields, m.layers);
+    assert!(cfg["rope_scaling"].get("attention_factor").is_none(), "HF's own: {}", cfg["rope_scaling"]);
+    let candle = candle_longrope_phi3(&m, &out, &cfg, &tmp.path().join("candle"));
+    // A prompt of 8 byte-level tokens, within the original context, and 32 new past it.
+    let args = ["--prompt", "t5 t17 t42", "--max-tokens", "32", "--kv-dtype", "f32"];
+    let run = tiny_matches_candle_with("converted longrope phi3", &out, &args, 32, candle);
+    assert_eq!(run.prompt_ids.len(), 8, "{:?}", run.prompt_ids);
 }
 
 /// A Qwen2-MoE GGUF (QKV biases, a shared expert beside the experts, its gate a vector)
