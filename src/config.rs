@@ -128,6 +128,11 @@ pub enum RopeScaling {
     /// where a sequence runs past `original` positions ([`ModelConfig::long_rope`]), every
     /// cos and sin times `attention_factor`.
     LongRope { short: Vec<f64>, long: Vec<f64>, original: usize, attention_factor: f64 },
+    /// YaRN: rotated pair `i`'s frequency divided by `factor` (interpolated) where it turns
+    /// fewer than `beta_slow` times over the original context, kept (extrapolated) where more
+    /// than `beta_fast`, a linear ramp over the pairs between (`keep[i]`: the kept share);
+    /// every cos and sin times `attention_factor`.
+    Yarn { factor: f64, keep: Vec<f64>, attention_factor: f64 },
 }
 
 impl RopeScaling {
@@ -137,6 +142,7 @@ impl RopeScaling {
         match *self {
             RopeScaling::Linear { factor } => f / factor,
             RopeScaling::LongRope { ref short, .. } => f / short[i],
+            RopeScaling::Yarn { factor, ref keep, .. } => f / factor * (1.0 - keep[i]) + f * keep[i],
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -442,7 +448,7 @@ impl ModelConfig {
             Some(v) => Some(
                 parse_rope_scaling(
                     v,
-                    rotary_dim / 2,
+                    (rotary_dim, rope_theta),
                     max_position_embeddings,
                     raw.original_max_position_embeddings,
                 )
@@ -598,10 +604,13 @@ impl ModelConfig {
         }
     }
 
-    /// The factor of every cos and sin of the (global) RoPE: LongRoPE's attention factor, else 1.
+    /// The factor of every cos and sin of the (global) RoPE: LongRoPE's or YaRN's attention
+    /// factor, else 1.
     pub fn rope_attention_factor(&self) -> f64 {
         match self.rope_scaling {
-            Some(RopeScaling::LongRope { attention_factor, .. }) => attention_factor,
+            Some(
+                RopeScaling::LongRope { attention_factor, .. } | RopeScaling::Yarn { attention_factor, .. },
+            ) => attention_factor,
             _ => 1.0,
         }
     }
@@ -801,15 +810,16 @@ fn finite_positive(name: &str, x: f64) -> std::result::Result<f64, String> {
     }
 }
 
-/// HF's `rope_scaling` `v` of a model whose RoPE rotates `pairs` pairs a head, of
-/// `max_pos` positions, `original` (`original_max_position_embeddings`) where its config
-/// gives it beside `rope_scaling`.
+/// HF's `rope_scaling` `v` of a model whose RoPE rotates `dim` dimensions of a head with base
+/// `theta`, of `max_pos` positions, `original` (`original_max_position_embeddings`) where its
+/// config gives it beside `rope_scaling`.
 fn parse_rope_scaling(
     v: &serde_json::Value,
-    pairs: usize,
+    (dim, theta): (usize, f64),
     max_pos: usize,
     original: Option<usize>,
 ) -> std::result::Result<RopeScaling, String> {
+    let pairs = dim / 2;
     let kind = v
         .get("rope_type")
         .or_else(|| v.get("type"))
@@ -879,9 +889,46 @@ fn parse_rope_scaling(
             }
             Ok(RopeScaling::LongRope { short, long, original, attention_factor })
         }
-        other => {
-            Err(format!("unsupported rope_scaling type `{other}` (expected linear, llama3 or longrope)"))
+        "yarn" => {
+            // As the YaRN paper, llama.cpp, vLLM and HF's `_compute_yarn_parameters` (before
+            // HF took the factor from the two contexts where both are given) compute it.
+            let factor = num("factor")?;
+            let given = |k: &str| v.get(k).filter(|x| !x.is_null());
+            let original = match given("original_max_position_embeddings") {
+                Some(_) => num("original_max_position_embeddings")?,
+                None => max_pos as f64,
+            };
+            let (beta_fast, beta_slow) = (
+                given("beta_fast").map_or(Ok(32.0), |_| num("beta_fast"))?,
+                given("beta_slow").map_or(Ok(1.0), |_| num("beta_slow"))?,
+            );
+            let mscale = |m: f64| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+            let nonzero = |k: &str| given(k).and_then(|x| x.as_f64()).is_some_and(|x| x != 0.0);
+            let attention_factor = if given("attention_factor").is_some() {
+                num("attention_factor")?
+            } else if nonzero("mscale") && nonzero("mscale_all_dim") {
+                mscale(num("mscale")?) / mscale(num("mscale_all_dim")?)
+            } else {
+                mscale(1.0)
+            };
+            let truncate = given("truncate").is_none_or(|t| t.as_bool() != Some(false));
+            // The dimension (of `dim`) at which a pair turns `turns` times over the original
+            // context; the ramp runs between those of `beta_fast` and `beta_slow` turns.
+            let at = |turns: f64| {
+                dim as f64 * (original / (turns * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+            };
+            let (low, high) = match truncate {
+                true => (at(beta_fast).floor(), at(beta_slow).ceil()),
+                false => (at(beta_fast), at(beta_slow)),
+            };
+            let (low, high) = (low.max(0.0), high.min(dim as f64 - 1.0));
+            let high = if low == high { high + 0.001 } else { high };
+            let keep = (0..pairs).map(|i| 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0)).collect();
+            Ok(RopeScaling::Yarn { factor, keep, attention_factor })
         }
+        other => Err(format!(
+            "unsupported rope_scaling type `{other}` (expected linear, llama3, longrope or yarn)"
+        )),
     }
 }
 
@@ -1116,6 +1163,49 @@ mod tests {
         let bad = serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long});
         let e = parse(&config("phi3", &format!(r#""rope_scaling":{bad}"#))).unwrap_err().to_string();
         assert!(e.contains("lacks the number `factor`"), "{e}");
+    }
+
+    #[test]
+    fn yarn_ramp_and_attention_factor() {
+        // Heads of 16, base 10000, 4 times an original context of 256: the pairs that turn 32
+        // times over it (dimension 0.21, down to 0) are kept, those turning once (3.22, up to
+        // 4) and fewer divided by 4, a ramp between.
+        let yarn = |more: &str| {
+            let scaling = format!(
+                r#"{{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":256{more}}}"#
+            );
+            parse(&config("qwen2", &format!(r#""max_position_embeddings":1024,"rope_scaling":{scaling}"#)))
+                .unwrap()
+        };
+        let c = yarn("");
+        let unscaled: Vec<f64> = (0..8).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / 16.0)).collect();
+        let keep = [1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0];
+        for (i, f) in c.rope_inv_freq().iter().enumerate() {
+            let want = unscaled[i] * keep[i] + unscaled[i] / 4.0 * (1.0 - keep[i]);
+            assert!((f - want).abs() < 1e-15, "pair {i}: {f} against {want}");
+        }
+        assert!((c.rope_attention_factor() - (1.0 + 0.1 * 4f64.ln())).abs() < 1e-15);
+        assert!(c.rope_inv_freq_long().is_none() && !c.long_rope(100_000));
+        // Without truncation the ramp runs from 0.21 to 3.22; DeepSeek's mscale pair; a given
+        // attention factor.
+        let c = yarn(r#","truncate":false"#);
+        let (low, high) = (
+            16.0 * (256.0 / (64.0 * std::f64::consts::PI)).ln(),
+            16.0 * (256.0 / (2.0 * std::f64::consts::PI)).ln(),
+        );
+        let (low, high) = (low / (2.0 * 10000f64.ln()), high / (2.0 * 10000f64.ln()));
+        let k1 = 1.0 - (1.0 - low) / (high - low);
+        assert!((c.rope_inv_freq()[1] - (unscaled[1] * k1 + unscaled[1] / 4.0 * (1.0 - k1))).abs() < 1e-15);
+        let c = yarn(r#","mscale":1.0,"mscale_all_dim":0.5"#);
+        let want = (1.0 + 0.1 * 4f64.ln()) / (1.0 + 0.05 * 4f64.ln());
+        assert!((c.rope_attention_factor() - want).abs() < 1e-15);
+        assert_eq!(yarn(r#","attention_factor":1.25"#).rope_attention_factor(), 1.25);
+        let e = parse(&config("qwen2", r#""rope_scaling":{"rope_type":"yarn"}"#)).unwrap_err().to_string();
+        assert!(e.contains("lacks the number `factor`"), "{e}");
+        let e = parse(&config("qwen2", r#""rope_scaling":{"rope_type":"yarn","factor":4,"beta_fast":-1}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`beta_fast` is -1"), "{e}");
     }
 
     #[test]

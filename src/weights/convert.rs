@@ -428,6 +428,57 @@ fn phi3_longrope(g: &Gguf, config: &serde_json::Value) -> Result<Option<serde_js
     Ok(Some(scaling))
 }
 
+/// HF's `yarn` `rope_scaling` of a GGUF whose `rope.scaling.type` is yarn, as llama.cpp's
+/// converter writes HF's: `rope.scaling.factor`, `original_context_length`, `yarn_beta_fast`
+/// and `yarn_beta_slow`, and HF's `attention_factor` as `yarn_attn_factor` (times
+/// `rope.scaling.attn_factor`, which llama.cpp multiplies every cos and sin by). What HF's
+/// YaRN has no number for (`yarn_ext_factor` other than 1, DeepSeek's `yarn_log_multiplier`)
+/// is refused.
+fn yarn_scaling(g: &Gguf, arch: &str) -> Result<serde_json::Value> {
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    let number = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+    let positive = |k: &str, x: f64| {
+        if x.is_finite() && x > 0.0 {
+            Ok(x)
+        } else {
+            Err(Error::file(&g.path, format!("`{}` is {x} (expected a finite positive number)", key(k))))
+        }
+    };
+    let Some(factor) = number("factor") else {
+        let msg = format!("yarn RoPE scaling without the metadata number `{}`", key("factor"));
+        return Err(Error::file(&g.path, msg));
+    };
+    if let Some(t) = g.tensor("rope_freqs.weight") {
+        let msg = format!("RoPE frequency factors beside YaRN (`{}`) have no HF equivalent", key("type"));
+        return Err(Error::tensor(&g.path, &t.name, msg));
+    }
+    let mut scaling = serde_json::json!({"rope_type": "yarn", "factor": positive("factor", factor)?});
+    for (k, hf) in [
+        ("original_context_length", "original_max_position_embeddings"),
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+    ] {
+        if let Some(x) = number(k) {
+            let x = positive(k, x)?;
+            scaling[hf] = if k == "original_context_length" { (x as u64).into() } else { x.into() };
+        }
+    }
+    for (k, none) in [("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)] {
+        if let Some(x) = number(k).filter(|&x| x != none) {
+            let msg = format!("`{}` is {x}: YaRN as HF computes it has no such number", key(k));
+            return Err(Error::file(&g.path, msg));
+        }
+    }
+    let given = number("yarn_attn_factor").map(|a| positive("yarn_attn_factor", a)).transpose()?;
+    let times = number("attn_factor").map(|a| positive("attn_factor", a)).transpose()?.unwrap_or(1.0);
+    if given.is_some() || times != 1.0 {
+        // HF's own where the GGUF names none: 1 + 0.1 ln factor.
+        let own = if factor <= 1.0 { 1.0 } else { 1.0 + 0.1 * factor.ln() };
+        scaling["attention_factor"] = (given.unwrap_or(own) * times).into();
+    }
+    Ok(scaling)
+}
+
 /// HF's `rope_scaling` for what the GGUF says of RoPE scaling: linear scaling as metadata
 /// (`rope.scaling.type` and `rope.scaling.factor`, or the older `rope.scale_linear`), and Llama
 /// 3.1–3.3's scaling by frequency as the tensor `rope_freqs.weight` (what each rotated pair's
@@ -436,6 +487,9 @@ fn phi3_longrope(g: &Gguf, config: &serde_json::Value) -> Result<Option<serde_js
 fn rope_scaling(g: &Gguf, arch: &str, theta: f64, head_dim: usize) -> Result<serde_json::Value> {
     let key = |k: &str| format!("{arch}.rope.{k}");
     let number = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+    if g.get(&key("scaling.type")).and_then(|v| v.as_str()) == Some("yarn") {
+        return yarn_scaling(g, arch);
+    }
     let linear = match g.get(&key("scaling.type")).and_then(|v| v.as_str()) {
         None | Some("none") => number("scale_linear").filter(|&f| f != 1.0).map(|f| ("scale_linear", f)),
         Some("linear") => match number("scaling.factor") {
@@ -449,7 +503,7 @@ fn rope_scaling(g: &Gguf, arch: &str, theta: f64, head_dim: usize) -> Result<ser
             return Err(Error::file(
                 &g.path,
                 format!(
-                    "unsupported RoPE scaling `{other}` (`{}`; supported: none, linear, and Llama 3's frequency factors)",
+                    "unsupported RoPE scaling `{other}` (`{}`; supported: none, linear, yarn, and Llama 3's frequency factors)",
                     key("scaling.type")
                 ),
             ))

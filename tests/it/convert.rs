@@ -66,8 +66,8 @@ fn refused(
     assert!(!folder.exists(), "{name}");
 }
 
-/// A GGUF's RoPE scaling: linear (as metadata, new and old keys) is HF's linear; what HF's
-/// config cannot say is one error line naming it, and no folder.
+/// A GGUF's RoPE scaling: linear (as metadata, new and old keys) is HF's linear, YaRN HF's yarn;
+/// what HF's config cannot say is one error line naming it, and no folder.
 #[test]
 fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
     let tmp = tempfile::tempdir().unwrap();
@@ -85,9 +85,43 @@ fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
         assert_eq!(cfg["rope_scaling"], serde_json::json!({"rope_type": "linear", "factor": 4.0}), "{name}");
     }
     let freqs = |v: Vec<f32>| vec![("rope_freqs.weight".to_string(), vec![v.len()], v)];
-    let yarn = ("llama.rope.scaling.type", GgufValue::Str("yarn".into()));
-    let says = ["unsupported RoPE scaling `yarn`", "llama.rope.scaling.type"];
-    refused(dir, "yarn", &llama_meta(2, vec![yarn]), vec![], &says);
+    // YaRN as llama.cpp writes HF's (a Qwen3 "-128K" GGUF's form), with HF's attention factor
+    // where the GGUF gives one; what HF's YaRN has no number for is refused.
+    let yarn = || ("llama.rope.scaling.type", GgufValue::Str("yarn".into()));
+    let factor = || ("llama.rope.scaling.factor", GgufValue::F32(4.0));
+    let ctx = || ("llama.rope.scaling.original_context_length", GgufValue::U32(32768));
+    let yarns = [
+        ("yarn", vec![yarn(), factor(), ctx()], serde_json::json!({})),
+        (
+            "yarn-attn",
+            vec![yarn(), factor(), ctx(), ("llama.rope.scaling.yarn_attn_factor", GgufValue::F32(1.5))],
+            serde_json::json!({"attention_factor": 1.5}),
+        ),
+        (
+            "yarn-beta",
+            vec![yarn(), factor(), ctx(), ("llama.rope.scaling.yarn_beta_fast", GgufValue::F32(16.0))],
+            serde_json::json!({"beta_fast": 16.0}),
+        ),
+    ];
+    for (name, extra, more) in yarns {
+        let (out, folder) = convert(dir, name, 2, &llama_meta(2, extra), vec![]);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(folder.join("config.json")).unwrap()).unwrap();
+        let mut want = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768});
+        want.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
+        assert_eq!(cfg["rope_scaling"], want, "{name}");
+    }
+    let says = ["`llama.rope.scaling.yarn_ext_factor` is 0.5", "has no such number"];
+    let ext = ("llama.rope.scaling.yarn_ext_factor", GgufValue::F32(0.5));
+    refused(dir, "yarn-ext", &llama_meta(2, vec![yarn(), factor(), ext]), vec![], &says);
+    let says = ["yarn RoPE scaling without the metadata number `llama.rope.scaling.factor`"];
+    refused(dir, "yarn-bare", &llama_meta(2, vec![yarn()]), vec![], &says);
+    let says = ["rope_freqs.weight", "beside YaRN"];
+    refused(dir, "yarn-freqs", &llama_meta(2, vec![yarn(), factor()]), freqs(vec![1.0; 4]), &says);
+    let says = ["unsupported RoPE scaling `longrope`", "llama.rope.scaling.type"];
+    let other = ("llama.rope.scaling.type", GgufValue::Str("longrope".into()));
+    refused(dir, "other", &llama_meta(2, vec![other]), vec![], &says);
     let says = ["without the metadata number `llama.rope.scaling.factor`"];
     refused(dir, "no-factor", &llama_meta(2, vec![type_linear()]), vec![], &says);
     let says = ["rope_freqs.weight", "holds 2 RoPE frequency factors", "rotates 4"];

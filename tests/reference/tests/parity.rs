@@ -454,14 +454,33 @@ fn longrope_phi3() -> (serde_json::Value, Vec<f64>, Vec<f64>) {
 /// last logits`. Candle's LongRoPE differs from HF's (and llama.cpp's) twice, so its side
 /// undoes both: it multiplies each frequency by its factor, so its config holds their
 /// reciprocals, and it leaves the attention factor out, so its copy of the weights (in
-/// `scratch`) carries it in the rotated rows of q and k.
+/// `scratch`) carries it ([`candle_phi3_scaled`]).
 fn candle_longrope_phi3(
     m: &gridlm_reference::TinyModel,
     dir: &Path,
     cfg: &serde_json::Value,
     scratch: &Path,
 ) -> impl FnMut(&[u32], usize) -> Vec<f32> {
-    let (hd, rot, factor) = (m.hidden / m.heads, 12, 2f32.sqrt());
+    let mut cfg = cfg.clone();
+    for k in ["short_factor", "long_factor"] {
+        let f: Vec<f64> =
+            cfg["rope_scaling"][k].as_array().unwrap().iter().map(|f| 1.0 / f.as_f64().unwrap()).collect();
+        cfg["rope_scaling"][k] = f.into();
+    }
+    candle_phi3_scaled(m, dir, cfg, scratch, (12, 2f32.sqrt()))
+}
+
+/// Candle's `phi3` of config `cfg` on the weights of the Phi-3-style model `m` in `dir`, their
+/// rows of q and k heads' first `rot` dimensions times `factor` (what the cos and sin of HF's
+/// scaled RoPE carry, which candle's leave out; RoPE is linear), written into `scratch`.
+fn candle_phi3_scaled(
+    m: &gridlm_reference::TinyModel,
+    dir: &Path,
+    cfg: serde_json::Value,
+    scratch: &Path,
+    (rot, factor): (usize, f32),
+) -> impl FnMut(&[u32], usize) -> Vec<f32> {
+    let hd = m.hidden / m.heads;
     let dev = Device::Cpu;
     let mut tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &dev).unwrap();
     for (name, t) in tensors.iter_mut() {
@@ -475,17 +494,69 @@ fn candle_longrope_phi3(
     }
     std::fs::create_dir_all(scratch).unwrap();
     candle_core::safetensors::save(&tensors, scratch.join("model.safetensors")).unwrap();
-    let mut cfg = cfg.clone();
-    for k in ["short_factor", "long_factor"] {
-        let f: Vec<f64> =
-            cfg["rope_scaling"][k].as_array().unwrap().iter().map(|f| 1.0 / f.as_f64().unwrap()).collect();
-        cfg["rope_scaling"][k] = f.into();
-    }
     let cfg: phi3::Config = serde_json::from_value(cfg).unwrap();
     let mut model = phi3::Model::new(&cfg, candle_weights(scratch)).unwrap();
     move |ids: &[u32], pos: usize| -> Vec<f32> {
         model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     }
+}
+
+/// YaRN on a random Phi-3-style model (heads of 16, base 10000; a factor of 4 over an original
+/// context of 256 of 1024 positions, so the ramp between the pairs that turn 32 times and once
+/// over 256 positions spans four of the eight, and the cos/sin factor is 1 + 0.1 ln 4), against
+/// candle's YaRN, its DeepSeek-V2 RoPE: rotating `[1, 0, 1, 0, …]` at positions 0 and 1 gives
+/// the factor and each pair's frequency, which candle's `phi3` then runs at every position as
+/// the frequencies of its LongRoPE without an original context ([`candle_phi3_scaled`]). (The
+/// check fails with the ramp the other way round or without the attention factor.)
+#[test]
+fn a_yarn_model_matches_candle() {
+    use candle_transformers::models::deepseek2::{
+        DeepSeekV2RopeConfig, DeepSeekV2RopeScaling, DeepSeekV2RotaryEmbedding, ScaledRopeType,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ours");
+    let m = gridlm_reference::TinyModel::phi3();
+    std::fs::create_dir_all(&dir).unwrap();
+    m.write(&dir);
+    let mut cfg = folder_config(&dir);
+    cfg["max_position_embeddings"] = 1024.into();
+    cfg["rope_scaling"] =
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let (hd, dev) = (m.hidden / m.heads, Device::Cpu);
+    let yarn = DeepSeekV2RopeScaling::Yarn {
+        original_max_position_embeddings: 256,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        // HF's factor where the config names no mscale: 1 + 0.1 ln 4 over 1.
+        mscale: 1.0,
+        mscale_all_dim: 0.0,
+        factor: 4.0,
+        scaling_type: ScaledRopeType::Yarn,
+    };
+    let rope_cfg = DeepSeekV2RopeConfig {
+        rope_scaling: Some(yarn),
+        max_position_embeddings: 1024,
+        rope_theta: 10000.0,
+        qk_rope_head_dim: hd,
+    };
+    let rope = DeepSeekV2RotaryEmbedding::new(&rope_cfg, DType::F32, &dev).unwrap();
+    let pairs: Vec<f32> = (0..2 * hd).map(|j| if j % 2 == 0 { 1.0 } else { 0.0 }).collect();
+    let x = Tensor::new(pairs, &dev).unwrap().reshape((1, 1, 2, hd)).unwrap();
+    let (r, _) = rope.forward(&x, &x, 0).unwrap();
+    let r: Vec<f32> = r.flatten_all().unwrap().to_vec1().unwrap();
+    let factor = r[0];
+    assert!((factor as f64 - (1.0 + 0.1 * 4f64.ln())).abs() < 1e-6, "{factor}");
+    let freqs: Vec<f64> =
+        (0..hd / 2).map(|i| (r[hd + 2 * i + 1] as f64).atan2(r[hd + 2 * i] as f64)).collect();
+    // Pair 0 kept, pairs 4 on divided by 4.
+    let unscaled = |i: usize| 10000f64.powf(-2.0 * i as f64 / hd as f64);
+    assert!((freqs[0] - 1.0).abs() < 1e-6 && (freqs[7] / unscaled(7) - 0.25).abs() < 1e-4, "{freqs:?}");
+    let mut theirs = cfg.clone();
+    let candle_factors: Vec<f64> = (0..hd / 2).map(|i| freqs[i] / unscaled(i)).collect();
+    theirs["rope_scaling"] = serde_json::json!({"type": "longrope", "short_factor": candle_factors, "long_factor": candle_factors});
+    let candle = candle_phi3_scaled(&m, &dir, theirs, &tmp.path().join("candle"), (hd, factor));
+    tiny_matches_candle("yarn phi3", &dir, candle);
 }
 
 /// Phi-4-mini's RoPE on a random Phi-3-style model ([`longrope_phi3`]): LongRoPE (each rotated
