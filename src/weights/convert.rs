@@ -46,13 +46,16 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("qwen2moe", "Qwen2MoeForCausalLM", Arch::Qwen2Moe),
         ("qwen3moe", "Qwen3MoeForCausalLM", Arch::Qwen3Moe),
         ("phi3", "Phi3ForCausalLM", Arch::Phi3),
+        ("gemma", "GemmaForCausalLM", Arch::Gemma),
+        ("gemma2", "Gemma2ForCausalLM", Arch::Gemma2),
+        ("gemma3", "Gemma3ForCausalLM", Arch::Gemma3),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe or phi3)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2 or gemma3)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -156,6 +159,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if let Some(e) = eos {
         config["eos_token_id"] = e.into();
     }
+    let gemma = matches!(family, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3);
+    if gemma {
+        gemma_config(&g, &arch, &mut config);
+    }
     // RoPE over part of a head: Phi-4-mini's `partial_rotary_factor`, HF's reading of which
     // (`int(head_dim · factor)`) must give the GGUF's dimensions back.
     if let Some(d) = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()) {
@@ -248,9 +255,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         // Norms and biases stay f32: tiny, and precision matters there.
         let dt = if shape.len() == 1 { DType::F32 } else { dtype };
         let cols = shape.get(1).copied().unwrap_or(1);
+        // llama.cpp stores Gemma's norms as they multiply (`1 + w`); HF stores `w`.
+        let less_one = gemma && hf.ends_with("norm.weight");
         let g = &g;
         let make = move || {
-            let v = g.dequantize(t);
+            let mut v = g.dequantize(t);
+            if less_one {
+                v.iter_mut().for_each(|x| *x -= 1.0);
+            }
             let v = match heads {
                 Some(heads) => unpermute_rows(&v, heads, cols),
                 None => v,
@@ -375,6 +387,66 @@ impl safetensors::View for Lazy<'_> {
     }
     fn data_len(&self) -> usize {
         self.len
+    }
+}
+
+/// The Gemma family's config fields from a GGUF of `arch` gemma, gemma2 or gemma3, as
+/// llama.cpp reads them: GELU's tanh form; for Gemma 2 and 3 the query scale (llama.cpp's:
+/// `1/sqrt(hidden / heads)` for the 27B models, known by their layers, 46 and 62, else
+/// `1/sqrt(head_dim)`, as Google's own configs have it), the window and which layers are local
+/// (`attention.sliding_window_pattern`, a number or a flag per layer; else every other layer for
+/// Gemma 2, five of six for Gemma 3, whose local layers rotate by `rope.freq_base_swa`, 10000
+/// where it is not given; none local where Gemma 3 has no window), and the soft caps (Gemma 2's
+/// default to 50 and 30, as llama.cpp's).
+fn gemma_config(g: &Gguf, arch: &str, config: &mut serde_json::Value) {
+    let key = |k: &str| format!("{arch}.{k}");
+    let number = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+    config["hidden_activation"] = "gelu_pytorch_tanh".into();
+    if let Some(c) = config.as_object_mut() {
+        c.remove("hidden_act");
+    }
+    if arch == "gemma" {
+        return;
+    }
+    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0);
+    let (hidden, heads) =
+        (config["hidden_size"].as_u64().unwrap_or(0), config["num_attention_heads"].as_u64());
+    let big = (arch == "gemma2" && layers == 46) || (arch == "gemma3" && layers == 62);
+    config["query_pre_attn_scalar"] = match heads {
+        Some(h) if big && h > 0 => (hidden / h).into(),
+        _ => config["head_dim"].clone(),
+    };
+    let window = g.get(&key("attention.sliding_window")).and_then(|v| v.as_u64());
+    match g.get(&key("attention.sliding_window_pattern")) {
+        Some(Value::Array(flags)) => {
+            let kinds: Vec<&str> = flags
+                .iter()
+                .map(|f| if matches!(f, Value::Bool(true)) { "sliding_attention" } else { "full_attention" })
+                .collect();
+            config["layer_types"] = kinds.into();
+        }
+        Some(v) => config["sliding_window_pattern"] = v.as_u64().into(),
+        None => config["sliding_window_pattern"] = (if arch == "gemma2" { 2 } else { 6 }).into(),
+    }
+    if arch == "gemma2" {
+        config["sliding_window"] = window.unwrap_or(4096).into();
+        config["attn_logit_softcapping"] = number("attn_logit_softcapping").unwrap_or(50.0).into();
+        config["final_logit_softcapping"] = number("final_logit_softcapping").unwrap_or(30.0).into();
+        return;
+    }
+    config["rope_local_base_freq"] = number("rope.freq_base_swa").unwrap_or(10000.0).into();
+    config["attn_logit_softcapping"] = serde_json::Value::Null;
+    config["final_logit_softcapping"] = number("final_logit_softcapping").filter(|&c| c != 0.0).into();
+    match window.filter(|&w| w > 0) {
+        Some(w) => config["sliding_window"] = w.into(),
+        None => {
+            // Every layer global.
+            config["sliding_window"] = 4096.into();
+            config["sliding_window_pattern"] = 1.into();
+            if let Some(c) = config.as_object_mut() {
+                c.remove("layer_types");
+            }
+        }
     }
 }
 
@@ -685,6 +757,12 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     let layer: usize = layer.parse().ok()?;
     let hf = match name {
         "attn_norm.weight" => "input_layernorm.weight",
+        // Gemma 2 and 3's sandwich norms: the FFN's input norm is HF's `pre_feedforward_*`.
+        "ffn_norm.weight" if arch == "gemma2" || arch == "gemma3" => "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight" if arch == "gemma2" || arch == "gemma3" => {
+            "post_attention_layernorm.weight"
+        }
+        "post_ffw_norm.weight" if arch == "gemma2" || arch == "gemma3" => "post_feedforward_layernorm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
         "attn_q.weight" => "self_attn.q_proj.weight",
         "attn_k.weight" => "self_attn.k_proj.weight",

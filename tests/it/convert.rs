@@ -165,6 +165,52 @@ fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
     refused(dir, "both", &llama_meta(2, vec![old_linear]), freqs(vec![1.0; 4]), &says);
 }
 
+/// What a Gemma GGUF's metadata says, as llama.cpp reads it, in HF's config: Gemma 2's soft
+/// caps, window and local layers where it gives none (50, 30, 4096, every other layer); the
+/// 27B models' query scale (by their layers: 62 for Gemma 3) from `hidden / heads`, not the
+/// head's width; a Gemma 3 without a window global throughout; local layers listed per layer
+/// as HF's `layer_types`. An architecture convert does not know is one error line.
+#[test]
+fn convert_reads_gemma_metadata_as_llama_cpp_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let config = |name: &str, arch: &str, extra: Vec<(&str, GgufValue)>| {
+        let (out, folder) = convert(dir, name, 2, &arch_meta(arch, 2, extra), vec![]);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&std::fs::read(folder.join("config.json")).unwrap())
+            .unwrap()
+    };
+    let pick = |c: &serde_json::Value, keys: &[&str]| -> serde_json::Value {
+        keys.iter().map(|k| (k.to_string(), c[*k].clone())).collect::<serde_json::Map<_, _>>().into()
+    };
+    let heads_of_16 = || GgufValue::U32(16);
+    let c = config("gemma2", "gemma2", vec![("gemma2.attention.key_length", heads_of_16())]);
+    let keys = ["model_type", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"];
+    let keys =
+        [&keys[..], &["sliding_window_pattern", "query_pre_attn_scalar", "hidden_activation", "hidden_act"]]
+            .concat();
+    let want = serde_json::json!({
+        "model_type": "gemma2", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "sliding_window": 4096, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": null,
+    });
+    assert_eq!(pick(&c, &keys), want);
+    let c = config(
+        "gemma3-27b",
+        "gemma3",
+        vec![("gemma3.block_count", GgufValue::U32(62)), ("gemma3.attention.key_length", heads_of_16())],
+    );
+    assert_eq!((&c["model_type"], &c["query_pre_attn_scalar"]), (&"gemma3_text".into(), &8.into()));
+    assert_eq!((&c["sliding_window_pattern"], &c["rope_local_base_freq"]), (&1.into(), &10000.0.into()));
+    let flags = ("gemma3.attention.sliding_window_pattern", GgufValue::Bools(vec![true, false]));
+    let window = ("gemma3.attention.sliding_window", GgufValue::U32(512));
+    let c = config("gemma3-flags", "gemma3", vec![("gemma3.block_count", GgufValue::U32(2)), flags, window]);
+    assert_eq!(c["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]));
+    assert_eq!((&c["sliding_window"], &c["query_pre_attn_scalar"]), (&512.into(), &8.into()));
+    let says = ["unsupported architecture `falcon`", "gemma3"];
+    refused(dir, "falcon", &arch_meta("falcon", 2, vec![]), vec![], &says);
+}
+
 /// A vocabulary convert cannot make a tokenizer of is one error line naming what is wrong, and
 /// no folder: an unknown tokenizer model, SentencePiece pieces without their scores or with
 /// fewer scores than pieces, a BOS token asked for beyond the vocabulary.

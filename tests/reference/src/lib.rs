@@ -669,6 +669,7 @@ pub enum GgufValue {
     Strs(Vec<String>),
     I32s(Vec<i32>),
     F32s(Vec<f32>),
+    Bools(Vec<bool>),
 }
 
 /// Writes a GGUF file (version 3, 32-byte alignment) of f32 tensors, each `(name, shape as
@@ -737,6 +738,12 @@ pub fn write_gguf_raw<K: AsRef<str>>(
                 out.extend(6u32.to_le_bytes());
                 out.extend((v.len() as u64).to_le_bytes());
                 v.iter().for_each(|x| out.extend(x.to_le_bytes()));
+            }
+            GgufValue::Bools(v) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(7u32.to_le_bytes());
+                out.extend((v.len() as u64).to_le_bytes());
+                out.extend(v.iter().map(|&b| u8::from(b)));
             }
         }
     }

@@ -1207,6 +1207,126 @@ fn a_longrope_phi3_gguf_converts_to_the_model_it_holds() {
     assert_eq!(run.prompt_ids.len(), 8, "{:?}", run.prompt_ids);
 }
 
+/// A Gemma-family GGUF as llama.cpp writes one — norms stored as they multiply (`1 + w`),
+/// Gemma 2 and 3's sandwich norms as `post_attention_norm`, `ffn_norm` (the FFN's input) and
+/// `post_ffw_norm`, q and k rows as HF has them, the window, local layers, local RoPE base and
+/// soft caps as metadata — of the random model `m` (`arch` gemma, gemma2 or gemma3), converted
+/// (f32) into `dir`: every tensor of `m` (norms within an f32 rounding of adding one and taking
+/// it away) and the config fields of `want`; gridlm on the folder agrees with candle's
+/// `forward` of the folder's config and weights.
+fn a_gemma_gguf_converts<M>(
+    m: &gridlm_reference::TinyModel,
+    arch: &str,
+    dir: &Path,
+    more_meta: Vec<(String, GgufValue)>,
+    want: serde_json::Value,
+    candle: impl FnOnce(serde_json::Value, VarBuilder<'static>) -> M,
+) where
+    M: FnMut(&[u32], usize) -> Vec<f32>,
+{
+    let tensors = m.tensors();
+    let (tokens, merges) = byte_level_vocabulary(m.vocab);
+    let mut meta = qwen3_gguf_meta(m, arch, tokens, merges);
+    meta.retain(|(k, _)| more_meta.iter().all(|(m, _)| m != k));
+    meta.extend(more_meta);
+    let sandwich = arch != "gemma";
+    let gguf_tensors: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
+        .iter()
+        .map(|(n, shape, v)| {
+            let renamed = match n.rsplit_once("layers.").map(|(_, r)| r.split_once('.').unwrap()) {
+                Some((layer, rest)) if sandwich => {
+                    let gguf = match rest {
+                        "post_attention_layernorm.weight" => Some("post_attention_norm.weight"),
+                        "pre_feedforward_layernorm.weight" => Some("ffn_norm.weight"),
+                        "post_feedforward_layernorm.weight" => Some("post_ffw_norm.weight"),
+                        _ => None,
+                    };
+                    gguf.map(|g| format!("blk.{layer}.{g}"))
+                }
+                _ => None,
+            };
+            let name = renamed.unwrap_or_else(|| rename_tensor(n, false).unwrap_or_else(|| panic!("{n}")));
+            let v = if n.ends_with("norm.weight") { v.iter().map(|x| x + 1.0).collect() } else { v.clone() };
+            (name, shape.clone(), v)
+        })
+        .collect();
+    let gguf = dir.with_extension("gguf");
+    write_gguf(&gguf, &meta, &gguf_tensors);
+    let converted = convert_f32(&gguf, dir);
+    assert_eq!(converted.len(), tensors.len());
+    for (n, shape, v) in &tensors {
+        let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
+        let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(t.dims(), &shape[..], "{n}");
+        let tol = if n.ends_with("norm.weight") { 2.5e-7 } else { 0.0 };
+        assert!(max_abs_diff(&got, v) <= tol, "{n}: {}", max_abs_diff(&got, v));
+    }
+    let cfg = folder_config(dir);
+    for (key, want) in want.as_object().unwrap() {
+        assert_eq!(&cfg[key], want, "config.json's {key}");
+    }
+    let mut forward = candle(cfg, candle_weights(dir));
+    tiny_matches_candle(&format!("converted {arch}"), dir, |ids, pos| {
+        // One token at a time, as candle's Gemma models take a prompt here.
+        let mut logits = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            logits = forward(&[id], pos + i);
+        }
+        logits
+    });
+}
+
+/// Candle's Gemma-family model `$arch` of a config and weights, as `(ids, pos) → last logits`
+/// (each family its own types, hence a macro).
+macro_rules! candle_gemma {
+    ($arch:ident) => {
+        |cfg: serde_json::Value, vb: VarBuilder<'static>| {
+            let cfg: $arch::Config = serde_json::from_value(cfg).unwrap();
+            let mut model = $arch::Model::new(false, &cfg, vb).unwrap();
+            move |ids: &[u32], pos: usize| -> Vec<f32> {
+                model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+            }
+        }
+    };
+}
+
+/// Gemma 3, 2 and the first Gemma as GGUFs ([`a_gemma_gguf_converts`]): Gemma 3 with its window
+/// of 4, every third layer global (`sliding_window_pattern` 3), a global RoPE base of 10^6 and
+/// a local one of 10^4, against candle's `gemma3`; Gemma 2 with soft caps of 1 and 2 and a
+/// window of 64, against its `gemma2`; Gemma against its `gemma`.
+#[test]
+fn gemma_ggufs_convert_to_the_models_they_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (u, f) = (|v: u32| GgufValue::U32(v), |v: f32| GgufValue::F32(v));
+    let m = gridlm_reference::TinyModel::gemma3();
+    let meta = vec![
+        ("gemma3.attention.sliding_window".to_string(), u(4)),
+        ("gemma3.attention.sliding_window_pattern".into(), u(3)),
+        ("gemma3.rope.freq_base".into(), f(1e6)),
+        ("gemma3.rope.freq_base_swa".into(), f(1e4)),
+    ];
+    let want = serde_json::json!({
+        "model_type": "gemma3_text", "sliding_window": 4, "sliding_window_pattern": 3,
+        "rope_local_base_freq": 10000.0, "rope_theta": 1e6, "query_pre_attn_scalar": 32,
+        "final_logit_softcapping": null, "hidden_activation": "gelu_pytorch_tanh",
+    });
+    a_gemma_gguf_converts(&m, "gemma3", &tmp.path().join("gemma3"), meta, want, candle_gemma!(gemma3));
+    let m = gridlm_reference::TinyModel::gemma2();
+    let meta = vec![
+        ("gemma2.attention.sliding_window".to_string(), u(64)),
+        ("gemma2.attn_logit_softcapping".into(), f(1.0)),
+        ("gemma2.final_logit_softcapping".into(), f(2.0)),
+    ];
+    let want = serde_json::json!({
+        "model_type": "gemma2", "sliding_window": 64, "sliding_window_pattern": 2,
+        "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0, "query_pre_attn_scalar": 32,
+    });
+    a_gemma_gguf_converts(&m, "gemma2", &tmp.path().join("gemma2"), meta, want, candle_gemma!(gemma2));
+    let m = gridlm_reference::TinyModel::gemma();
+    let want = serde_json::json!({"model_type": "gemma", "tie_word_embeddings": true, "head_dim": 32});
+    a_gemma_gguf_converts(&m, "gemma", &tmp.path().join("gemma"), vec![], want, candle_gemma!(gemma));
+}
+
 /// A Qwen2-MoE GGUF (QKV biases, a shared expert beside the experts, its gate a vector)
 /// converts into the model it holds, on which gridlm agrees with candle's `qwen2_moe`.
 #[test]
