@@ -791,6 +791,12 @@ mod tests {
         let addr = server.local_addr().unwrap();
         server.stop();
         run.join().unwrap();
+        // The answer's bytes may come before its thread lets the handler go: the last answer
+        // is done once `request` returns.
+        let t = Instant::now();
+        while Arc::strong_count(&echo) > 1 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         assert_eq!(Arc::strong_count(&echo), 1, "only the test holds the handler");
         assert!(TcpStream::connect(addr).is_err(), "a connection after the stop is refused");
         // The open connection's next request is not answered by the handler.
