@@ -136,6 +136,26 @@ pub enum RopeScaling {
 }
 
 impl RopeScaling {
+    /// LongRoPE's attention factor where a config gives none, for a context `factor` times
+    /// the `original` one (HF's `_compute_longrope_parameters`): √(1 + ln factor / ln original).
+    pub fn longrope_attention_factor(factor: f64, original: usize) -> f64 {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+        }
+    }
+
+    /// YaRN's `get_mscale(factor, m)`: 1 + 0.1 · m · ln factor (1 where factor ≤ 1); its
+    /// attention factor where a config names no other is that of m = 1.
+    pub fn yarn_mscale(factor: f64, m: f64) -> f64 {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * factor.ln() + 1.0
+        }
+    }
+
     /// The inverse frequency `f` of rotated pair `i`, scaled (as HF's `rope_init_fn`s do;
     /// LongRoPE's short factors).
     pub fn scale(&self, i: usize, f: f64) -> f64 {
@@ -855,10 +875,10 @@ fn parse_rope_scaling(
                 let bad = || {
                     format!("rope_scaling's `{k}` must be a list of {pairs} finite positive numbers, one per rotated pair")
                 };
-                let list = v.get(k).and_then(|x| x.as_array()).ok_or_else(bad)?;
+                let given = v.get(k).and_then(|x| x.as_array()).ok_or_else(bad)?;
                 let list: Vec<f64> =
-                    list.iter().filter_map(|x| x.as_f64()).filter(|x| x.is_finite() && *x > 0.0).collect();
-                if list.len() == pairs && v[k].as_array().is_some_and(|a| a.len() == pairs) {
+                    given.iter().filter_map(|x| x.as_f64()).filter(|x| x.is_finite() && *x > 0.0).collect();
+                if list.len() == pairs && given.len() == pairs {
                     Ok(list)
                 } else {
                     Err(bad())
@@ -879,8 +899,7 @@ fn parse_rope_scaling(
             };
             let attention_factor = match v.get("attention_factor").filter(|x| !x.is_null()) {
                 Some(_) => num("attention_factor")?,
-                None if factor <= 1.0 => 1.0,
-                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+                None => RopeScaling::longrope_attention_factor(factor, original),
             };
             if !attention_factor.is_finite() {
                 return Err(format!(
@@ -902,7 +921,7 @@ fn parse_rope_scaling(
                 given("beta_fast").map_or(Ok(32.0), |_| num("beta_fast"))?,
                 given("beta_slow").map_or(Ok(1.0), |_| num("beta_slow"))?,
             );
-            let mscale = |m: f64| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+            let mscale = |m: f64| RopeScaling::yarn_mscale(factor, m);
             let nonzero = |k: &str| given(k).and_then(|x| x.as_f64()).is_some_and(|x| x != 0.0);
             let attention_factor = if given("attention_factor").is_some() {
                 num("attention_factor")?

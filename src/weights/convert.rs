@@ -161,7 +161,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     }
     let gemma = matches!(family, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3);
     if gemma {
-        gemma_config(&g, &arch, &mut config);
+        gemma_config(&g, &arch, (n_layers, hidden, n_heads, head_dim), &mut config);
     }
     // RoPE over part of a head: Phi-4-mini's `partial_rotary_factor`, HF's reading of which
     // (`int(head_dim · factor)`) must give the GGUF's dimensions back.
@@ -398,7 +398,12 @@ impl safetensors::View for Lazy<'_> {
 /// Gemma 2, five of six for Gemma 3, whose local layers rotate by `rope.freq_base_swa`, 10000
 /// where it is not given; none local where Gemma 3 has no window), and the soft caps (Gemma 2's
 /// default to 50 and 30, as llama.cpp's).
-fn gemma_config(g: &Gguf, arch: &str, config: &mut serde_json::Value) {
+fn gemma_config(
+    g: &Gguf,
+    arch: &str,
+    (layers, hidden, heads, head_dim): (usize, usize, usize, usize),
+    config: &mut serde_json::Value,
+) {
     let key = |k: &str| format!("{arch}.{k}");
     let number = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
     config["hidden_activation"] = "gelu_pytorch_tanh".into();
@@ -408,14 +413,8 @@ fn gemma_config(g: &Gguf, arch: &str, config: &mut serde_json::Value) {
     if arch == "gemma" {
         return;
     }
-    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0);
-    let (hidden, heads) =
-        (config["hidden_size"].as_u64().unwrap_or(0), config["num_attention_heads"].as_u64());
     let big = (arch == "gemma2" && layers == 46) || (arch == "gemma3" && layers == 62);
-    config["query_pre_attn_scalar"] = match heads {
-        Some(h) if big && h > 0 => (hidden / h).into(),
-        _ => config["head_dim"].clone(),
-    };
+    config["query_pre_attn_scalar"] = (if big { hidden / heads } else { head_dim }).into();
     let window = g.get(&key("attention.sliding_window")).and_then(|v| v.as_u64());
     match g.get(&key("attention.sliding_window_pattern")) {
         Some(Value::Array(flags)) => {
@@ -491,7 +490,7 @@ fn phi3_longrope(g: &Gguf, config: &serde_json::Value) -> Result<Option<serde_js
         serde_json::json!({"type": "longrope", "short_factor": factors[0], "long_factor": factors[1]});
     let whole = config["max_position_embeddings"].as_u64().unwrap_or(original) as f64;
     let factor = whole / original as f64;
-    let hf = if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (original as f64).ln()).sqrt() };
+    let hf = RopeScaling::longrope_attention_factor(factor, original as usize);
     if let Some(a) = g.get(&format!("{arch}.rope.scaling.attn_factor")).and_then(|v| v.as_f64()) {
         if (a - hf).abs() > 1e-6 * hf {
             scaling["attention_factor"] = a.into();
@@ -545,7 +544,7 @@ fn yarn_scaling(g: &Gguf, arch: &str) -> Result<serde_json::Value> {
     let times = number("attn_factor").map(|a| positive("attn_factor", a)).transpose()?.unwrap_or(1.0);
     if given.is_some() || times != 1.0 {
         // HF's own where the GGUF names none: 1 + 0.1 ln factor.
-        let own = if factor <= 1.0 { 1.0 } else { 1.0 + 0.1 * factor.ln() };
+        let own = RopeScaling::yarn_mscale(factor, 1.0);
         scaling["attention_factor"] = (given.unwrap_or(own) * times).into();
     }
     Ok(scaling)
