@@ -68,6 +68,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
     let n_heads = meta_usize(&g, &key("attention.head_count"))?;
+    if n_heads == 0 {
+        let msg = format!("`{}` is 0 (expected a positive number of heads)", key("attention.head_count"));
+        return Err(Error::file(gguf_path, msg));
+    }
     let n_kv_heads = g
         .get(&key("attention.head_count_kv"))
         .and_then(|v| v.as_u64())

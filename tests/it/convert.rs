@@ -169,7 +169,7 @@ fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
 /// caps, window and local layers where it gives none (50, 30, 4096, every other layer); the
 /// 27B models' query scale (by their layers: 62 for Gemma 3) from `hidden / heads`, not the
 /// head's width; a Gemma 3 without a window global throughout; local layers listed per layer
-/// as HF's `layer_types`. An architecture convert does not know is one error line.
+/// as HF's `layer_types`. An architecture convert does not know, or no heads, is one error line.
 #[test]
 fn convert_reads_gemma_metadata_as_llama_cpp_does() {
     let tmp = tempfile::tempdir().unwrap();
@@ -209,6 +209,10 @@ fn convert_reads_gemma_metadata_as_llama_cpp_does() {
     assert_eq!((&c["sliding_window"], &c["query_pre_attn_scalar"]), (&512.into(), &8.into()));
     let says = ["unsupported architecture `falcon`", "gemma3"];
     refused(dir, "falcon", &arch_meta("falcon", 2, vec![]), vec![], &says);
+    // No heads (a division by zero before it was checked).
+    let says = ["`gemma3.attention.head_count` is 0"];
+    let none = ("gemma3.attention.head_count", GgufValue::U32(0));
+    refused(dir, "no-heads", &arch_meta("gemma3", 2, vec![none]), vec![], &says);
 }
 
 /// A vocabulary convert cannot make a tokenizer of is one error line naming what is wrong, and
