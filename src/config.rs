@@ -33,6 +33,13 @@ pub enum Arch {
     Qwen3Moe,
     /// Mistral with mixture-of-experts FFNs (`mixtral`).
     Mixtral,
+    /// IBM's Granite 3 (`granite`): Llama with multipliers of the embedding, the attention
+    /// scores, each sublayer's output and the logits.
+    Granite,
+    /// IBM's Granite 4 (`granitemoehybrid`) when every layer is attention and none has
+    /// experts (Granite 4.0 Micro): Granite with its FFN's gate and up rows stored in one
+    /// tensor (`shared_mlp.input_linear`), and RoPE only if `position_embedding_type` says so.
+    GraniteMoeHybrid,
 }
 
 impl Arch {
@@ -51,6 +58,8 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
+            Arch::Granite => "granite",
+            Arch::GraniteMoeHybrid => "granitemoehybrid",
         }
     }
 }
@@ -227,9 +236,15 @@ pub struct ModelConfig {
     pub scale_embedding: bool,
     /// Where the layers' norms sit.
     pub norm_place: NormPlace,
-    /// Factor of the attention scores: `1/sqrt(head_dim)`, or Gemma's
-    /// `1/sqrt(query_pre_attn_scalar)`.
+    /// Factor of the attention scores: `1/sqrt(head_dim)`, Gemma's
+    /// `1/sqrt(query_pre_attn_scalar)` or Granite's `attention_multiplier`.
     pub attn_scale: f32,
+    /// Granite's multipliers (1 elsewhere): of the embedding rows on the way in
+    /// (`embedding_multiplier`), of each sublayer's output before it joins the residual
+    /// stream (`residual_multiplier`), and the divisor of the logits (`logits_scaling`).
+    pub embedding_multiplier: f32,
+    pub residual_multiplier: f32,
+    pub logits_scaling: f32,
     /// Soft caps `c` of the attention scores and of the logits, each `c · tanh(x / c)`
     /// (Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`).
     pub attn_softcap: Option<f32>,
@@ -241,8 +256,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str =
-    "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -286,6 +300,13 @@ struct HfConfig {
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
     shared_expert_intermediate_size: Option<usize>,
+    embedding_multiplier: Option<f64>,
+    attention_multiplier: Option<f64>,
+    residual_multiplier: Option<f64>,
+    logits_scaling: Option<f64>,
+    shared_intermediate_size: Option<usize>,
+    position_embedding_type: Option<String>,
+    layers_block_type: Option<Vec<String>>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
 }
@@ -349,6 +370,8 @@ impl ModelConfig {
             "qwen2_moe" => Arch::Qwen2Moe,
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
+            "granite" => Arch::Granite,
+            "granitemoehybrid" => Arch::GraniteMoeHybrid,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -403,11 +426,21 @@ impl ModelConfig {
                 "use_bidirectional_attention = true is not supported (a causal decoder runs here)".into(),
             ));
         }
+        let granite = matches!(arch, Arch::Granite | Arch::GraniteMoeHybrid);
+        // Granite 4's dense FFN is its `shared_mlp`, of `shared_intermediate_size` columns.
+        let intermediate_size = if arch == Arch::GraniteMoeHybrid {
+            granite_hybrid_dense_ffn(&raw).map_err(bad)?
+        } else {
+            raw.intermediate_size
+        };
         let n_heads = raw.num_attention_heads;
         let n_kv_heads = raw.num_key_value_heads.unwrap_or(n_heads);
         let positive = [
             ("hidden_size", raw.hidden_size),
-            ("intermediate_size", raw.intermediate_size),
+            (
+                if arch == Arch::GraniteMoeHybrid { "shared_intermediate_size" } else { "intermediate_size" },
+                intermediate_size,
+            ),
             ("num_hidden_layers", raw.num_hidden_layers),
             ("num_attention_heads", n_heads),
             ("num_key_value_heads", n_kv_heads),
@@ -501,8 +534,20 @@ impl ModelConfig {
             Arch::Gemma3 => Some(gemma_local_layers(&raw, 6).map_err(bad)?),
             _ => None,
         };
-        let no_rope_layers =
-            if arch == Arch::SmolLM3 { Some(smollm3_no_rope_layers(&raw).map_err(bad)?) } else { None };
+        let no_rope_layers = match arch {
+            Arch::SmolLM3 => Some(smollm3_no_rope_layers(&raw).map_err(bad)?),
+            // Granite 4 rotates only when asked (its hybrid models' attention has no positions).
+            Arch::GraniteMoeHybrid => match raw.position_embedding_type.as_deref() {
+                Some("rope") => None,
+                None => Some(vec![true; raw.num_hidden_layers]),
+                Some(other) => {
+                    return Err(bad(format!(
+                        "position_embedding_type `{other}` is not supported (expected rope, or null: none)"
+                    )))
+                }
+            },
+            _ => None,
+        };
         let rope_local_theta = match arch {
             Arch::Gemma3 => Some(
                 finite_positive("rope_local_base_freq", raw.rope_local_base_freq.unwrap_or(10000.0))
@@ -510,7 +555,17 @@ impl ModelConfig {
             ),
             _ => None,
         };
-        let attn_scale = if gemma23 {
+        // Granite's multipliers, 1 where not given (as HF's defaults).
+        let multiplier = |name: &str, v: Option<f64>| match v.filter(|_| granite) {
+            Some(v) => finite_positive(name, v).map(|v| v as f32).map_err(bad),
+            None => Ok(1.0),
+        };
+        let embedding_multiplier = multiplier("embedding_multiplier", raw.embedding_multiplier)?;
+        let residual_multiplier = multiplier("residual_multiplier", raw.residual_multiplier)?;
+        let logits_scaling = multiplier("logits_scaling", raw.logits_scaling)?;
+        let attn_scale = if granite {
+            multiplier("attention_multiplier", raw.attention_multiplier)?
+        } else if gemma23 {
             let s = finite_positive("query_pre_attn_scalar", raw.query_pre_attn_scalar.unwrap_or(256.0))
                 .map_err(bad)?;
             (1.0 / s.sqrt()) as f32
@@ -522,7 +577,7 @@ impl ModelConfig {
         Ok(ModelConfig {
             arch,
             hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
+            intermediate_size,
             n_layers: raw.num_hidden_layers,
             n_heads,
             n_kv_heads,
@@ -552,6 +607,9 @@ impl ModelConfig {
                 _ => NormPlace::Pre,
             },
             attn_scale,
+            embedding_multiplier,
+            residual_multiplier,
+            logits_scaling,
             attn_softcap,
             final_softcap,
             moe,
@@ -707,6 +765,34 @@ fn layer_flags<T>(
         0 => Err(format!("{every_name} is 0 (expected a positive number of layers)")),
         k => Ok((0..n).map(|i| ((i + 1) % k == 0) == on_multiples).collect()),
     }
+}
+
+/// The columns of a Granite 4 (`granitemoehybrid`) folder's dense FFN (`shared_intermediate_size`,
+/// HF's default 1024), once its config shows a model gridlm runs: every layer attention (no
+/// Mamba layers), no experts (HF's default is 8 where `num_local_experts` is not given).
+fn granite_hybrid_dense_ffn(raw: &HfConfig) -> std::result::Result<usize, String> {
+    let experts = raw.num_local_experts.unwrap_or(8);
+    if experts > 0 {
+        return Err(format!(
+            "granitemoehybrid with {experts} experts a layer (num_local_experts) is not supported (only dense ones: num_local_experts 0)"
+        ));
+    }
+    let types = raw.layer_types.as_ref().or(raw.layers_block_type.as_ref());
+    let Some(types) = types else {
+        return Err(
+            "granitemoehybrid without layer_types: HF takes every layer as Mamba, which gridlm does not run"
+                .into(),
+        );
+    };
+    if types.len() != raw.num_hidden_layers {
+        return Err(format!("layer_types has {} entries for {} layers", types.len(), raw.num_hidden_layers));
+    }
+    if let Some((i, t)) = types.iter().enumerate().find(|(_, t)| *t != "attention") {
+        return Err(format!(
+            "layer {i} is of type `{t}`: only attention layers are supported (Granite 4's Mamba layers are not)"
+        ));
+    }
+    Ok(raw.shared_intermediate_size.unwrap_or(1024))
 }
 
 /// A Gemma 3 image-and-text folder's config (`model_type: gemma3`) as its text model's
@@ -1374,5 +1460,77 @@ mod tests {
         assert_eq!(f[0], 1.0);
         let unscaled = 1.0 / 10000f64.powf(2.0 * 7.0 / 16.0);
         assert!((f[7] - unscaled / 8.0).abs() < 1e-12);
+    }
+
+    /// Granite 3's multipliers as given (HF's 1 where not), the attention's replacing
+    /// 1/√head_dim; another family's are ignored, as HF ignores them.
+    #[test]
+    fn granite_reads_its_multipliers() {
+        let m = r#""embedding_multiplier":12.0,"attention_multiplier":0.015625,"residual_multiplier":0.22,
+                   "logits_scaling":8.0"#;
+        let c = parse(&config("granite", m)).unwrap();
+        assert_eq!(c.arch, Arch::Granite);
+        let got = (c.embedding_multiplier, c.attn_scale, c.residual_multiplier, c.logits_scaling);
+        assert_eq!(got, (12.0, 0.015625, 0.22, 8.0));
+        let c = parse(&config("granite", "").replace(",}", "}")).unwrap();
+        let got = (c.embedding_multiplier, c.attn_scale, c.residual_multiplier, c.logits_scaling);
+        assert_eq!(got, (1.0, 1.0, 1.0, 1.0));
+        let c = parse(&config("llama", m)).unwrap();
+        let got = (c.embedding_multiplier, c.attn_scale, c.residual_multiplier, c.logits_scaling);
+        assert_eq!(got, (1.0, 0.25, 1.0, 1.0));
+        for (extra, msg) in [
+            (r#""logits_scaling":0"#, "logits_scaling 0 must be a finite positive number"),
+            (r#""residual_multiplier":-0.5"#, "residual_multiplier -0.5 must be a finite positive number"),
+            (r#""mlp_bias":true"#, "mlp_bias = true"),
+            (r#""attention_bias":true"#, "attention_bias = true"),
+        ] {
+            let e = parse(&config("granite", extra)).unwrap_err().to_string();
+            assert!(e.contains(msg), "{extra}: {e}");
+        }
+    }
+
+    /// Granite 4 (`granitemoehybrid`) runs when every layer is attention and none has experts:
+    /// its FFN as wide as `shared_intermediate_size`, unrotated unless `position_embedding_type`
+    /// is `rope`. Mamba layers, experts (HF's default 8), a missing layer list are one error each.
+    #[test]
+    fn granite_hybrid_runs_only_its_dense_attention_models() {
+        let dense =
+            r#""num_local_experts":0,"layer_types":["attention","attention"],"shared_intermediate_size":96"#;
+        let c = parse(&config("granitemoehybrid", &format!(r#"{dense},"position_embedding_type":"rope""#)))
+            .unwrap();
+        assert_eq!(
+            (c.arch, c.intermediate_size, c.no_rope_layers.clone()),
+            (Arch::GraniteMoeHybrid, 96, None)
+        );
+        assert_eq!(c.layer_rope(1), LayerRope::Base);
+        let c = parse(&config("granitemoehybrid", dense)).unwrap();
+        assert_eq!(c.no_rope_layers, Some(vec![true, true]));
+        assert_eq!(c.layer_rope(0), LayerRope::None);
+        // The old name of the layer list; HF's default width.
+        let old = r#""num_local_experts":0,"layers_block_type":["attention","attention"]"#;
+        assert_eq!(parse(&config("granitemoehybrid", old)).unwrap().intermediate_size, 1024);
+        for (extra, msg) in [
+            (r#""layer_types":["attention","attention"]"#, "with 8 experts a layer (num_local_experts)"),
+            (
+                r#""num_local_experts":4,"layer_types":["attention","attention"]"#,
+                "with 4 experts a layer (num_local_experts) is not supported",
+            ),
+            (r#""num_local_experts":0"#, "granitemoehybrid without layer_types"),
+            (
+                r#""num_local_experts":0,"layer_types":["attention"]"#,
+                "layer_types has 1 entries for 2 layers",
+            ),
+            (
+                r#""num_local_experts":0,"layer_types":["attention","mamba"]"#,
+                "layer 1 is of type `mamba`: only attention layers are supported",
+            ),
+            (
+                &format!(r#"{dense},"position_embedding_type":"alibi""#),
+                "position_embedding_type `alibi` is not supported",
+            ),
+        ] {
+            let e = parse(&config("granitemoehybrid", extra)).unwrap_err().to_string();
+            assert!(e.contains(msg), "{extra}: {e}");
+        }
     }
 }

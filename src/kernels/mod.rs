@@ -34,13 +34,14 @@ pub fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// `x += rmsnorm(o)` with weights `w`, row by row (`w.len()` long): a sublayer's output
-/// normed as it joins the residual stream (Gemma 2, 3), each value as [`rmsnorm`] computes it.
-pub fn add_rmsnormed(x: &mut [f32], o: &[f32], w: &[f32], eps: f32) {
+/// `x += rmsnorm(o) · scale` with weights `w`, row by row (`w.len()` long): a sublayer's
+/// output normed as it joins the residual stream (Gemma 2, 3), each value as [`rmsnorm`]
+/// computes it (a `scale` of 1 changes no bit).
+pub fn add_rmsnormed(x: &mut [f32], o: &[f32], w: &[f32], eps: f32, scale: f32) {
     for (xr, or) in x.chunks_exact_mut(w.len()).zip(o.chunks_exact(w.len())) {
         let inv = inv_rms(or, eps);
         for ((x, &v), &g) in xr.iter_mut().zip(or).zip(w) {
-            *x += v * inv * g;
+            *x += v * inv * g * scale;
         }
     }
 }

@@ -1,4 +1,5 @@
-//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma)
+//! One rank's shard of a decoder-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma,
+//! OLMo 2, Granite, the mixtures of experts)
 //! and its forward pass.
 //! Owns: loading the shard's tensors by their HF names and the layer math. Sees communication
 //! only through the [`Comm`] trait: exactly two allreduces per layer, one for the embedding.
@@ -147,26 +148,38 @@ type StoredRows = (String, [usize; 2], usize);
 
 /// Where layer `i`'s q, k, v, gate and up rows are stored: each in a tensor of its own, or,
 /// in Phi-3 checkpoints, q, k and v one after the other in `qkv_proj` and gate and up in
-/// `gate_up_proj`.
+/// `gate_up_proj` (Granite 4: gate and up in `shared_mlp.input_linear`).
 fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     let (h, ff, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
     let p = |s: &str| format!("model.layers.{i}.{s}");
-    if cfg.arch == Arch::Phi3 {
-        let (qkv, gate_up) = (
-            (p("self_attn.qkv_proj.weight"), [qd + 2 * kvd, h]),
-            (p("mlp.gate_up_proj.weight"), [2 * ff, h]),
-        );
-        let at = |(name, shape): &(String, [usize; 2]), row: usize| (name.clone(), *shape, row);
-        [at(&qkv, 0), at(&qkv, qd), at(&qkv, qd + kvd), at(&gate_up, 0), at(&gate_up, ff)]
-    } else {
-        [
-            (p("self_attn.q_proj.weight"), [qd, h], 0),
-            (p("self_attn.k_proj.weight"), [kvd, h], 0),
-            (p("self_attn.v_proj.weight"), [kvd, h], 0),
+    let at = |(name, shape): &(String, [usize; 2]), row: usize| (name.clone(), *shape, row);
+    let separate = |s: &str, rows: usize| (p(&format!("self_attn.{s}_proj.weight")), [rows, h], 0);
+    match cfg.arch {
+        Arch::Phi3 => {
+            let (qkv, gate_up) = (
+                (p("self_attn.qkv_proj.weight"), [qd + 2 * kvd, h]),
+                (p("mlp.gate_up_proj.weight"), [2 * ff, h]),
+            );
+            [at(&qkv, 0), at(&qkv, qd), at(&qkv, qd + kvd), at(&gate_up, 0), at(&gate_up, ff)]
+        }
+        Arch::GraniteMoeHybrid => {
+            let gate_up = (p("shared_mlp.input_linear.weight"), [2 * ff, h]);
+            [separate("q", qd), separate("k", kvd), separate("v", kvd), at(&gate_up, 0), at(&gate_up, ff)]
+        }
+        _ => [
+            separate("q", qd),
+            separate("k", kvd),
+            separate("v", kvd),
             (p("mlp.gate_proj.weight"), [ff, h], 0),
             (p("mlp.up_proj.weight"), [ff, h], 0),
-        ]
+        ],
     }
+}
+
+/// Layer `i`'s dense FFN's down tensor (Granite 4's `shared_mlp.output_linear`).
+fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
+    let name = if cfg.arch == Arch::GraniteMoeHybrid { "shared_mlp.output_linear" } else { "mlp.down_proj" };
+    format!("model.layers.{i}.{name}.weight")
 }
 
 /// A layer's norms after `model.layers.N.`, where it has them: the attention's input norm, the
@@ -298,11 +311,18 @@ unsafe impl Sync for MainThread<'_> {}
 
 /// Sums a sublayer's output `o[..x.len()]` over the stage's tensor-parallel ranks and adds it
 /// to this thread's copy of the residual stream `x`, each token's row normed first by `norm`
-/// (weights, epsilon) if given (Gemma 2, 3): thread 0 calls MPI while the other threads wait at a
-/// barrier (none when the stage has one rank). `o` is complete on entry (the product that wrote
-/// it ended with a barrier), and nothing writes it again before every thread has passed another
-/// barrier.
-fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32], norm: Option<(&[f32], f32)>) {
+/// (weights, epsilon) if given (Gemma 2, 3), then times `scale` (Granite's residual multiplier;
+/// 1 changes no bit): thread 0 calls MPI while the other threads wait at a barrier (none when the
+/// stage has one rank). `o` is complete on entry (the product that wrote it ended with a
+/// barrier), and nothing writes it again before every thread has passed another barrier.
+fn add_reduced(
+    r: &Region,
+    comm: &MainThread,
+    o: &SharedSlice,
+    x: &mut [f32],
+    norm: Option<(&[f32], f32)>,
+    scale: f32,
+) {
     let len = x.len();
     if comm.0.size() > 1 {
         if r.tid() == 0 {
@@ -314,8 +334,8 @@ fn add_reduced(r: &Region, comm: &MainThread, o: &SharedSlice, x: &mut [f32], no
     // SAFETY: as above, `o` is only read until the next barrier.
     let o = unsafe { &*o.range(0, len) };
     match norm {
-        Some((w, eps)) => kernels::add_rmsnormed(x, o, w, eps),
-        None => x.iter_mut().zip(o).for_each(|(a, b)| *a += b),
+        Some((w, eps)) => kernels::add_rmsnormed(x, o, w, eps, scale),
+        None => x.iter_mut().zip(o).for_each(|(a, b)| *a += b * scale),
     }
 }
 
@@ -663,7 +683,7 @@ impl Shard {
                 }
                 None => Ffn::Dense {
                     gate_up: pack(&Mat::vstack(vec![part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?])),
-                    down: pack(&ckpt.cols(&p("mlp.down_proj.weight"), &[h, ff], plan.ffn.clone())?),
+                    down: pack(&ckpt.cols(&ffn_down_name(&cfg, i), &[h, ff], plan.ffn.clone())?),
                 },
             };
             let full_norms = if cfg.qk_norm_full {
@@ -726,7 +746,7 @@ impl Shard {
                 DType::F16 => half::f16::from_f32(s).to_f32(),
             }
         } else {
-            1.0
+            cfg.embedding_multiplier
         };
         let (inv_freq, inv_freq_local) = (cfg.rope_inv_freq(), cfg.rope_local_inv_freq());
         let inv_freq_long = cfg.rope_inv_freq_long();
@@ -796,7 +816,7 @@ impl Shard {
                 }
                 None => {
                     n += packed(2 * plan.ffn.len(), h, stacked(dtype(&gate)?, dtype(&up)?));
-                    n += packed(h, plan.ffn.len(), src.dtype(&p("mlp.down_proj.weight"), &[h, ff])?);
+                    n += packed(h, plan.ffn.len(), src.dtype(&ffn_down_name(cfg, i), &[h, ff])?);
                 }
             }
             for name in layer_norm_names(cfg).into_iter().flatten() {
@@ -1427,7 +1447,8 @@ impl Shard {
                     unsafe { &*att.range(0, n * nq * hd) }
                 };
                 kernels::matmul(r, &l.o_proj, att_in, n, unsafe { o.range(0, n * h) });
-                add_reduced(r, &comm, &o, xo, l.out_norms.as_ref().map(|(a, _)| (&a[..], cfg.rms_norm_eps)));
+                let norm = l.out_norms.as_ref().map(|(a, _)| (&a[..], cfg.rms_norm_eps));
+                add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier);
 
                 // FFN block.
                 norm_into(xo, &l.post_norm, cfg.rms_norm_eps, xn);
@@ -1437,7 +1458,7 @@ impl Shard {
                         let tally = tally.map(|t| &t.1);
                         experts(r, cfg, x, xn, n, &expert_bufs, &o, tally);
                         let norm = l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps));
-                        add_reduced(r, &comm, &o, xo, norm);
+                        add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier);
                         continue;
                     }
                 };
@@ -1459,7 +1480,8 @@ impl Shard {
                     unsafe { &*act.range(0, n * ffl) }
                 };
                 kernels::matmul(r, down, act_in, n, unsafe { o.range(0, n * h) });
-                add_reduced(r, &comm, &o, xo, l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps)));
+                let norm = l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps));
+                add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier);
                 // `o` is written next by the next layer's o_proj, two barriers or more from here.
             }
             if tid == 0 {
@@ -1509,6 +1531,9 @@ impl Shard {
         s.ensure(m, self);
         kernels::rmsnorm(&x[..m * h], norm, self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
         kernels::matmul(team, head, &s.xn[..m * h], m, &mut out[..m * head.rows]);
+        if self.cfg.logits_scaling != 1.0 {
+            out[..m * head.rows].iter_mut().for_each(|v| *v /= self.cfg.logits_scaling);
+        }
         if let Some(cap) = self.cfg.final_softcap {
             kernels::softcap(&mut out[..m * head.rows], 1.0, cap);
         }

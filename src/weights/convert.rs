@@ -49,13 +49,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("gemma", "GemmaForCausalLM", Arch::Gemma),
         ("gemma2", "Gemma2ForCausalLM", Arch::Gemma2),
         ("gemma3", "Gemma3ForCausalLM", Arch::Gemma3),
+        ("granite", "GraniteForCausalLM", Arch::Granite),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2 or gemma3)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3 or granite)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -167,6 +168,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if gemma {
         gemma_config(&g, &arch, (n_layers, hidden, n_heads, head_dim), &mut config);
     }
+    if family == Arch::Granite {
+        granite_config(&g, head_dim, &mut config)?;
+    }
     // RoPE over part of a head: Phi-4-mini's `partial_rotary_factor`, HF's reading of which
     // (`int(head_dim · factor)`) must give the GGUF's dimensions back.
     if let Some(d) = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()) {
@@ -244,6 +248,12 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             Some((layer, false, which)) => crate::model::expert_names(family, layer, 0)[which].clone(),
             None => match hf_name(&arch, &t.name) {
                 Some(hf) => hf,
+                // A bias the model would add (Granite's optional ones on o_proj and the FFN,
+                // say): left out, the folder would hold another model.
+                None if t.name.ends_with(".bias") => {
+                    let msg = "a bias gridlm does not load for this architecture (the folder would hold another model)";
+                    return Err(Error::tensor(gguf_path, &t.name, msg));
+                }
                 // Not weights: RoPE frequency factors (read into `rope_scaling`), tables some
                 // converters add.
                 None => continue,
@@ -252,8 +262,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         // Qwen2-MoE's shared expert's gate: one row (GGUF stores it as a vector).
         let shape = if t.name.ends_with("ffn_gate_inp_shexp.weight") { vec![1, hidden] } else { t.shape() };
         let heads = match arch.as_str() {
-            "llama" if t.name.ends_with("attn_q.weight") => Some(n_heads),
-            "llama" if t.name.ends_with("attn_k.weight") => Some(n_kv_heads),
+            "llama" | "granite" if t.name.ends_with("attn_q.weight") => Some(n_heads),
+            "llama" | "granite" if t.name.ends_with("attn_k.weight") => Some(n_kv_heads),
             _ => None,
         };
         // Norms and biases stay f32: tiny, and precision matters there.
@@ -695,6 +705,32 @@ fn llama3_scaling(factors: &[f32], theta: f64, original: Option<f64>) -> Option<
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(v).map_err(|e| Error::file(path, e.to_string()))?;
     std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+}
+
+/// Granite's multipliers into `config`, as llama.cpp reads them: the logits' divisor
+/// (`granite.logit_scale`, which it requires), the attention scores' factor
+/// (`attention.scale`; 1/√head_dim where absent or 0, HF's default being 1), the embedding's and
+/// each sublayer output's (`embedding_scale`, `residual_scale`; none where absent or 0).
+/// Granite runs unrotated where `rope.scaling.finetuned` is false, which HF's Granite cannot
+/// say: refused.
+fn granite_config(g: &Gguf, head_dim: usize, config: &mut serde_json::Value) -> Result<()> {
+    let number = |k: &str| g.get(&format!("granite.{k}")).and_then(|v| v.as_f64()).filter(|&v| v != 0.0);
+    let logits = number("logit_scale")
+        .ok_or_else(|| Error::file(&g.path, "missing metadata number `granite.logit_scale`"))?;
+    if g.get("granite.rope.scaling.finetuned").and_then(|v| v.as_bool()) == Some(false) {
+        let msg = "`granite.rope.scaling.finetuned` is false: a Granite without RoPE has no HF folder (granite rotates every layer)";
+        return Err(Error::file(&g.path, msg));
+    }
+    config["logits_scaling"] = logits.into();
+    config["attention_multiplier"] =
+        number("attention.scale").unwrap_or((1.0 / (head_dim as f32).sqrt()) as f64).into();
+    for (gguf, hf) in [("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier")]
+    {
+        if let Some(v) = number(gguf) {
+            config[hf] = v.into();
+        }
+    }
+    Ok(())
 }
 
 fn meta_str<'a>(g: &'a Gguf, key: &str) -> Result<&'a str> {

@@ -106,6 +106,9 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
             _ => NormPlace::Pre,
         },
         attn_scale: 1.0 / (hd as f32).sqrt(),
+        embedding_multiplier: 1.0,
+        residual_multiplier: 1.0,
+        logits_scaling: 1.0,
         attn_softcap: gemma2.then_some(50.0),
         final_softcap: gemma2.then_some(30.0),
         // (experts, a token, columns each, renormalized, shared expert's columns):

@@ -376,6 +376,24 @@ impl TinyModel {
         }
     }
 
+    /// Granite 3-style (`granite`): Llama's shape (uneven heads, tied embeddings) with
+    /// Granite's multipliers: embedding rows × 12, attention scores × 0.25 (not 1/√8), each
+    /// sublayer's output × 0.22, logits ÷ 3.
+    pub fn granite() -> Self {
+        TinyModel { model_type: "granite", ..Self::llama() }
+    }
+    /// Granite 4-style (`granitemoehybrid`, as Granite 4.0 Micro): Granite's shape and
+    /// multipliers with every layer attention, no experts, its dense FFN's gate and up rows in
+    /// one `shared_mlp.input_linear` (of `shared_intermediate_size` columns; its
+    /// `intermediate_size`, the experts' width, set apart), rotated by RoPE.
+    pub fn granite_hybrid() -> Self {
+        TinyModel { model_type: "granitemoehybrid", ..Self::llama() }
+    }
+
+    fn is_granite(&self) -> bool {
+        self.model_type.starts_with("granite")
+    }
+
     /// Whether layer `l`'s FFN is a mixture of experts.
     fn is_sparse(&self, l: usize) -> bool {
         self.experts.is_some() && (self.model_type == "mixtral" || l % 2 == 1)
@@ -412,6 +430,8 @@ impl TinyModel {
             "mixtral" => "MixtralForCausalLM",
             "olmo2" => "Olmo2ForCausalLM",
             "mistral" => "MistralForCausalLM",
+            "granite" => "GraniteForCausalLM",
+            "granitemoehybrid" => "GraniteMoeHybridForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -452,6 +472,21 @@ impl TinyModel {
             };
             cfg["num_experts_per_tok"] = per_token.into();
             cfg.as_object_mut().unwrap().extend(moe.as_object().unwrap().clone());
+        }
+        if self.is_granite() {
+            let multipliers = serde_json::json!({
+                "embedding_multiplier": 12.0, "attention_multiplier": 0.25, "residual_multiplier": 0.22,
+                "logits_scaling": 3.0, "attention_bias": false, "mlp_bias": false,
+            });
+            cfg.as_object_mut().unwrap().extend(multipliers.as_object().unwrap().clone());
+        }
+        if self.model_type == "granitemoehybrid" {
+            let hybrid = serde_json::json!({
+                "intermediate_size": 2 * self.inter, "shared_intermediate_size": self.inter,
+                "num_local_experts": 0, "num_experts_per_tok": 0, "position_embedding_type": "rope",
+                "layer_types": vec!["attention"; self.layers],
+            });
+            cfg.as_object_mut().unwrap().extend(hybrid.as_object().unwrap().clone());
         }
         if self.model_type == "smollm3" {
             let flags: Vec<u32> = (0..self.layers).map(|i| u32::from(i != 1)).collect();
@@ -569,6 +604,10 @@ impl TinyModel {
                 "self_attn.qkv_proj.weight",
             );
             out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
+        }
+        if self.model_type == "granitemoehybrid" {
+            out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "shared_mlp.input_linear.weight");
+            out = fuse(out, ["mlp.down_proj.weight"], "shared_mlp.output_linear.weight");
         }
         out
     }

@@ -1,12 +1,13 @@
 //! gridlm against an independent implementation (candle-transformers) on the real
-//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3-, SmolLM3- and
-//! Gemma-style (1, 2 and 3) models.
+//! SmolLM2-135M-Instruct weights and on random-weight Qwen2-, Qwen3-, Phi-3-, SmolLM3-,
+//! Gemma-style (1, 2 and 3), Granite-style (3 and 4) and other models.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+    gemma, gemma2, gemma3, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3,
+    qwen3_moe,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
@@ -789,6 +790,146 @@ fn random_mixtral_matches_candle_on_one_and_two_ranks() {
     same_on_two_ranks("random mixtral", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
+/// candle's Granite 4 (`granitemoehybrid`: attention layers only, each with its dense
+/// `shared_mlp`) on `config` (HF's config.json) with `tensors` by candle's names:
+/// `forward(ids, pos)` for [`tiny_matches_candle`].
+fn candle_granite_forward(
+    config: serde_json::Value,
+    tensors: std::collections::HashMap<String, Tensor>,
+) -> impl FnMut(&[u32], usize) -> Vec<f32> {
+    let cfg: granitemoehybrid::GraniteMoeHybridConfig = serde_json::from_value(config).unwrap();
+    let cfg = cfg.into_config(false);
+    let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+    let model = granitemoehybrid::GraniteMoeHybrid::load(vb, &cfg).unwrap();
+    let mut cache =
+        granitemoehybrid::GraniteMoeHybridCache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    move |ids, pos| {
+        let logits = model.forward(&batch_of_one(ids), pos, &mut cache).unwrap();
+        logits.flatten_all().unwrap().to_vec1().unwrap()
+    }
+}
+
+/// The f32 tensors of the folder `dir` by name.
+fn folder_tensors(dir: &Path) -> std::collections::HashMap<String, Tensor> {
+    candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap()
+}
+
+/// Granite 3's multipliers (of the embedding, the attention scores, each sublayer's output
+/// and the logits), against candle's Granite 4 (`granitemoehybrid`) with every layer
+/// attention, which is Granite 3 with its FFN's gate and up rows in one tensor (candle's
+/// `granite` has no multipliers); split over two ranks by heads and by layers, the same
+/// tokens and logits within 1e-4 of the single rank.
+#[test]
+fn random_granite_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let m = gridlm_reference::TinyModel::granite();
+    m.write(dir);
+    let forward = candle_granite_forward(m.config(), granite_as_hybrid(dir, m.layers));
+    let single = tiny_matches_candle("random granite", dir, forward);
+    same_on_two_ranks("random granite", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// The tensors of the Granite 3 folder `dir` (of `layers` layers) by Granite 4's names: each
+/// FFN's gate and up rows in one `shared_mlp.input_linear`, its down `shared_mlp.output_linear`.
+fn granite_as_hybrid(dir: &Path, layers: usize) -> std::collections::HashMap<String, Tensor> {
+    let mut tensors = folder_tensors(dir);
+    for l in 0..layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let gate = tensors.remove(&p("mlp.gate_proj.weight")).unwrap();
+        let up = tensors.remove(&p("mlp.up_proj.weight")).unwrap();
+        tensors.insert(p("shared_mlp.input_linear.weight"), Tensor::cat(&[gate, up], 0).unwrap());
+        let down = tensors.remove(&p("mlp.down_proj.weight")).unwrap();
+        tensors.insert(p("shared_mlp.output_linear.weight"), down);
+    }
+    tensors
+}
+
+/// A Granite 3 GGUF (q and k rows interleaved as a llama's, the multipliers as llama.cpp's
+/// `granite.*scale` keys) converts into the model it holds, its config's multipliers HF's, on
+/// which gridlm agrees with candle. Without `granite.attention.scale` the attention's
+/// multiplier is 1/√head_dim (llama.cpp's default; HF's is 1); without `granite.logit_scale`
+/// (which llama.cpp requires), with RoPE turned off, or with a bias gridlm does not load, the
+/// conversion is one error line and writes nothing.
+#[test]
+fn a_granite_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::granite();
+    let f = |v: f32| GgufValue::F32(v);
+    let scales = |attention: Option<f32>| {
+        let mut meta = vec![
+            ("granite.embedding_scale".to_string(), f(12.0)),
+            ("granite.residual_scale".to_string(), f(0.22)),
+            ("granite.logit_scale".to_string(), f(3.0)),
+        ];
+        meta.extend(attention.map(|a| ("granite.attention.scale".to_string(), f(a))));
+        meta
+    };
+    let out = tmp.path().join("folder");
+    gguf_with_converts_to_the_model_it_holds(&m, "granite", &out, scales(Some(0.25)), Vec::new());
+    let want = serde_json::json!({
+        "model_type": "granite", "architectures": ["GraniteForCausalLM"], "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.25, "residual_multiplier": 0.22f32 as f64, "logits_scaling": 3.0,
+    });
+    let cfg = converted_config(&out, want, m.layers);
+    tiny_matches_candle(
+        "converted granite",
+        &out,
+        candle_granite_forward(cfg, granite_as_hybrid(&out, m.layers)),
+    );
+
+    let out = tmp.path().join("default-scale");
+    gguf_with_converts_to_the_model_it_holds(&m, "granite", &out, scales(None), Vec::new());
+    let want = serde_json::json!({"attention_multiplier": (1.0 / 8f32.sqrt()) as f64});
+    converted_config(&out, want, m.layers);
+
+    let refused =
+        |name: &str, meta: Vec<(String, GgufValue)>, more: Vec<(String, Vec<usize>, Vec<f32>)>, msg: &str| {
+            let (tokens, merges) = byte_level_vocabulary(m.vocab);
+            let mut all = qwen3_gguf_meta(&m, "granite", tokens, merges);
+            all.extend(meta);
+            let mut tensors: Vec<_> = m
+                .tensors()
+                .into_iter()
+                .map(|(n, shape, v)| (rename_tensor(&n, false).unwrap(), shape, v))
+                .collect();
+            tensors.extend(more);
+            let gguf = tmp.path().join(format!("{name}.gguf"));
+            write_gguf(&gguf, &all, &tensors);
+            let out = tmp.path().join(name);
+            let mut cmd = std::process::Command::new(gridlm_bin());
+            cmd.args(["convert", "--gguf"]).arg(&gguf).arg("--out").arg(&out);
+            let o = run_with_timeout(cmd, 60);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(!o.status.success() && err.lines().count() == 1 && err.contains(msg), "{name}: {err}");
+            assert!(!out.exists(), "{name}: a folder was written");
+        };
+    let mut no_logits = scales(Some(0.25));
+    no_logits.retain(|(k, _)| k != "granite.logit_scale");
+    refused("no-logit-scale", no_logits, Vec::new(), "missing metadata number `granite.logit_scale`");
+    let mut no_rope = scales(Some(0.25));
+    no_rope.push(("granite.rope.scaling.finetuned".into(), GgufValue::Bool(false)));
+    refused("no-rope", no_rope, Vec::new(), "`granite.rope.scaling.finetuned` is false");
+    let bias = vec![("blk.0.attn_output.bias".to_string(), vec![m.hidden], vec![0.5; m.hidden])];
+    refused("bias", scales(Some(0.25)), bias, "blk.0.attn_output.bias");
+}
+
+/// A Granite 4 folder (`granitemoehybrid`) whose layers are all attention and have no experts
+/// (Granite 4.0 Micro's kind): its FFN of `shared_intermediate_size` columns, gate and up rows
+/// in one tensor, against candle's `granitemoehybrid`; split over two ranks by heads and FFN
+/// columns (100: 64 and 36 of each of gate and up) and by layers, the same tokens and logits
+/// within 1e-4 of the single rank.
+#[test]
+fn random_granite_hybrid_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let m = gridlm_reference::TinyModel::granite_hybrid();
+    m.write(dir);
+    let forward = candle_granite_forward(m.config(), folder_tensors(dir));
+    let single = tiny_matches_candle("random granitemoehybrid", dir, forward);
+    same_on_two_ranks("random granitemoehybrid", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
 /// candle's Llama on `config` (HF's config.json) with the weights in `dir`: `forward(ids, pos)`
 /// for [`tiny_matches_candle`].
 fn candle_llama_forward(config: serde_json::Value, dir: &Path) -> impl FnMut(&[u32], usize) -> Vec<f32> {
@@ -984,8 +1125,8 @@ fn gguf_with_converts_to_the_model_it_holds(
         } else if !rest.starts_with("mlp.experts.") {
             // llama.cpp interleaves the halves of each q and k head of a llama.
             let heads = match rest.as_str() {
-                "self_attn.q_proj.weight" if arch == "llama" => m.heads,
-                "self_attn.k_proj.weight" if arch == "llama" => m.kv_heads,
+                "self_attn.q_proj.weight" if arch == "llama" || arch == "granite" => m.heads,
+                "self_attn.k_proj.weight" if arch == "llama" || arch == "granite" => m.kv_heads,
                 _ => 0,
             };
             let v = if heads > 0 { permute_heads(v, heads, shape[1]) } else { v.clone() };
