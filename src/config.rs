@@ -40,6 +40,9 @@ pub enum Arch {
     /// experts (Granite 4.0 Micro): Granite with its FFN's gate and up rows stored in one
     /// tensor (`shared_mlp.input_linear`), and RoPE only if `position_embedding_type` says so.
     GraniteMoeHybrid,
+    /// IBM's GraniteMoE (`granitemoe`: Granite 3's 1B-A400M and 3B-A800M): Granite with
+    /// Mixtral's mixture of experts on every layer, each layer's experts stacked in one tensor.
+    GraniteMoe,
 }
 
 impl Arch {
@@ -60,6 +63,7 @@ impl Arch {
             Arch::Mixtral => "mixtral",
             Arch::Granite => "granite",
             Arch::GraniteMoeHybrid => "granitemoehybrid",
+            Arch::GraniteMoe => "granitemoe",
         }
     }
 }
@@ -256,7 +260,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -372,6 +376,7 @@ impl ModelConfig {
             "mixtral" => Arch::Mixtral,
             "granite" => Arch::Granite,
             "granitemoehybrid" => Arch::GraniteMoeHybrid,
+            "granitemoe" => Arch::GraniteMoe,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -426,7 +431,7 @@ impl ModelConfig {
                 "use_bidirectional_attention = true is not supported (a causal decoder runs here)".into(),
             ));
         }
-        let granite = matches!(arch, Arch::Granite | Arch::GraniteMoeHybrid);
+        let granite = matches!(arch, Arch::Granite | Arch::GraniteMoeHybrid | Arch::GraniteMoe);
         // Granite 4's dense FFN is its `shared_mlp`, of `shared_intermediate_size` columns.
         let intermediate_size = if arch == Arch::GraniteMoeHybrid {
             granite_hybrid_dense_ffn(&raw).map_err(bad)?
@@ -876,7 +881,9 @@ fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
                 sparse: (0..n).map(|i| !only.contains(&i) && (i + 1) % step == 0).collect(),
             }
         }
-        Arch::Mixtral => Moe {
+        // GraniteMoE's router takes the softmax of the chosen experts' scores alone, which is
+        // the softmax over all renormalized over the chosen.
+        Arch::Mixtral | Arch::GraniteMoe => Moe {
             experts: raw.num_local_experts.unwrap_or(8),
             per_token: raw.num_experts_per_tok.unwrap_or(2),
             expert_ffn: raw.intermediate_size,
@@ -1463,7 +1470,7 @@ mod tests {
     }
 
     /// Granite 3's multipliers as given (HF's 1 where not), the attention's replacing
-    /// 1/√head_dim; another family's are ignored, as HF ignores them.
+    /// 1/√head_dim; another family's are ignored, as HF ignores them. GraniteMoE's mixture.
     #[test]
     fn granite_reads_its_multipliers() {
         let m = r#""embedding_multiplier":12.0,"attention_multiplier":0.015625,"residual_multiplier":0.22,
@@ -1478,6 +1485,13 @@ mod tests {
         let c = parse(&config("llama", m)).unwrap();
         let got = (c.embedding_multiplier, c.attn_scale, c.residual_multiplier, c.logits_scaling);
         assert_eq!(got, (1.0, 0.25, 1.0, 1.0));
+        // GraniteMoE: Mixtral's mixture on every layer (HF's defaults: 8 experts, 2 a token),
+        // the shares of the chosen experts summing to one, the multipliers as Granite's.
+        let c = parse(&config("granitemoe", m)).unwrap();
+        let moe = c.moe.clone().unwrap();
+        assert_eq!((c.arch, c.attn_scale, c.logits_scaling), (Arch::GraniteMoe, 0.015625, 8.0));
+        assert_eq!((moe.experts, moe.per_token, moe.expert_ffn, moe.norm_topk), (8, 2, 128, true));
+        assert_eq!((moe.shared_ffn, moe.sparse), (0, vec![true, true]));
         for (extra, msg) in [
             (r#""logits_scaling":0"#, "logits_scaling 0 must be a finite positive number"),
             (r#""residual_multiplier":-0.5"#, "residual_multiplier -0.5 must be a finite positive number"),

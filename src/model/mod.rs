@@ -122,6 +122,45 @@ pub(crate) fn expert_names(arch: Arch, i: usize, e: usize) -> [String; 4] {
     }
 }
 
+/// Layer `i`'s router tensor: [`expert_names`]'s, GraniteMoE's `block_sparse_moe.router.layer`.
+fn router_name(arch: Arch, i: usize) -> String {
+    match arch {
+        Arch::GraniteMoe => format!("model.layers.{i}.block_sparse_moe.router.layer.weight"),
+        _ => expert_names(arch, i, 0)[0].clone(),
+    }
+}
+
+/// Where one of an expert's matrices sits: (tensor name, the tensor's shape, the matrix's first
+/// row among the tensor's rows, leading dimensions flattened as [`crate::weights::Source`]
+/// reads them).
+type Part = (String, Vec<usize>, usize);
+
+/// The gate, up and down matrices of an expert of `ffn` columns stored each in a tensor of its
+/// own, named `[gate, up, down]`.
+fn separate_parts([g, u, d]: [String; 3], ffn: usize, h: usize) -> [Part; 3] {
+    [(g, vec![ffn, h], 0), (u, vec![ffn, h], 0), (d, vec![h, ffn], 0)]
+}
+
+/// Where layer `i`'s expert `e`'s gate, up and down matrices sit: tensors of their own
+/// ([`expert_names`]), or GraniteMoE's slices of the layer's stacked `input_linear`
+/// (`[experts, 2 · ffn, hidden]`: each expert's gate rows, then its up rows) and
+/// `output_linear` (`[experts, hidden, ffn]`).
+fn expert_parts(cfg: &ModelConfig, moe: &crate::config::Moe, i: usize, e: usize) -> [Part; 3] {
+    let (h, ffn, n) = (cfg.hidden_size, moe.expert_ffn, moe.experts);
+    if cfg.arch == Arch::GraniteMoe {
+        let p = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
+        let input = vec![n, 2 * ffn, h];
+        [
+            (p("input_linear"), input.clone(), e * 2 * ffn),
+            (p("input_linear"), input, e * 2 * ffn + ffn),
+            (p("output_linear"), vec![n, h, ffn], e * h),
+        ]
+    } else {
+        let [_, g, u, d] = expert_names(cfg.arch, i, e);
+        separate_parts([g, u, d], ffn, h)
+    }
+}
+
 /// Layer `i`'s shared expert's gate, up and down tensors and its gate's (Qwen2-MoE).
 pub(crate) fn shared_expert_names(i: usize) -> [String; 4] {
     let p = |s: &str| format!("model.layers.{i}.mlp.shared_expert{s}.weight");
@@ -651,31 +690,31 @@ impl Shard {
             };
             let ffn = match cfg.moe.as_ref().filter(|m| m.sparse[i]) {
                 Some(moe) => {
-                    let (e, fe, cols) = (moe.experts, moe.expert_ffn, plan.expert_ffn.clone());
-                    let router = PackedMat::pack_as(
-                        &ckpt.rows(&expert_names(cfg.arch, i, 0)[0], &[e, h], 0..e)?,
-                        None,
-                    );
+                    let (e, cols) = (moe.experts, plan.expert_ffn.clone());
+                    let router =
+                        PackedMat::pack_as(&ckpt.rows(&router_name(cfg.arch, i), &[e, h], 0..e)?, None);
                     let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
                     // An expert's (or the shared expert's) gate/up rows of `cols` and down
-                    // columns, stored as `[gate, up, down]` of `ffn` columns.
-                    let expert = |[g, u, d, ..]: &[String; 4], ffn: usize, cols: &std::ops::Range<usize>| {
-                        let rows = |name: &str| ckpt.rows(name, &[ffn, h], cols.clone());
+                    // columns.
+                    let expert = |[g, u, d]: &[Part; 3], cols: &std::ops::Range<usize>| {
+                        let rows =
+                            |(name, shape, at): &Part| ckpt.rows(name, shape, at + cols.start..at + cols.end);
+                        let (name, shape, at) = d;
                         Ok::<_, crate::Error>((
                             pack(&Mat::vstack(vec![rows(g)?, rows(u)?])),
-                            pack(&ckpt.cols(d, &[h, ffn], cols.clone())?),
+                            pack(&ckpt.block(name, shape, *at..at + h, cols.clone())?),
                         ))
                     };
                     for x in 0..e {
-                        let [_, g, u, d] = expert_names(cfg.arch, i, x);
-                        let (gu, dn) = expert(&[g, u, d, String::new()], fe, &cols)?;
+                        let (gu, dn) = expert(&expert_parts(&cfg, moe, i, x), &cols)?;
                         gate_up.push(gu);
                         down.push(dn);
                     }
                     let shared = if moe.shared_ffn > 0 {
-                        let names = shared_expert_names(i);
-                        let (gu, dn) = expert(&names, moe.shared_ffn, &plan.shared_ffn)?;
-                        Some((gu, dn, ckpt.rows(&names[3], &[1, h], 0..1)?.data.to_f32_vec()))
+                        let [g, u, d, gate] = shared_expert_names(i);
+                        let parts = separate_parts([g, u, d], moe.shared_ffn, h);
+                        let (gu, dn) = expert(&parts, &plan.shared_ffn)?;
+                        Some((gu, dn, ckpt.rows(&gate, &[1, h], 0..1)?.data.to_f32_vec()))
                     } else {
                         None
                     };
@@ -792,25 +831,21 @@ impl Shard {
             n += packed(h, q_rows, src.dtype(&p("self_attn.o_proj.weight"), &[h, qd])?);
             match cfg.moe.as_ref().filter(|m| m.sparse[i]) {
                 Some(moe) => {
-                    let (e, fe, cols) = (moe.experts, moe.expert_ffn, plan.expert_ffn.len());
-                    let router = src.dtype(&expert_names(cfg.arch, i, 0)[0], &[e, h])?;
+                    let (e, cols) = (moe.experts, plan.expert_ffn.len());
+                    let router = src.dtype(&router_name(cfg.arch, i), &[e, h])?;
                     n += PackedMat::bytes_for(e, h, router, None);
-                    // An expert's (or the shared expert's) bytes, stored as `[gate, up, down]`
-                    // of `ffn` columns, `cols` of them here.
-                    let expert = |[g, u, d, ..]: &[String; 4], ffn: usize, cols: usize| {
-                        let (g, u) = (src.dtype(g, &[ffn, h])?, src.dtype(u, &[ffn, h])?);
-                        Ok::<_, crate::Error>(
-                            packed(2 * cols, h, stacked(g, u)) + packed(h, cols, src.dtype(d, &[h, ffn])?),
-                        )
+                    // An expert's (or the shared expert's) bytes, `cols` of its columns here.
+                    let expert = |parts: &[Part; 3], cols: usize| {
+                        let [g, u, d] = parts.each_ref().map(|(name, shape, _)| src.dtype(name, shape));
+                        Ok::<_, crate::Error>(packed(2 * cols, h, stacked(g?, u?)) + packed(h, cols, d?))
                     };
                     for x in 0..e {
-                        let [_, g, u, d] = expert_names(cfg.arch, i, x);
-                        n += expert(&[g, u, d, String::new()], fe, cols)?;
+                        n += expert(&expert_parts(cfg, moe, i, x), cols)?;
                     }
                     if moe.shared_ffn > 0 {
-                        let names = shared_expert_names(i);
-                        n += expert(&names, moe.shared_ffn, plan.shared_ffn.len())?;
-                        src.dtype(&names[3], &[1, h])?;
+                        let [g, u, d, gate] = shared_expert_names(i);
+                        n += expert(&separate_parts([g, u, d], moe.shared_ffn, h), plan.shared_ffn.len())?;
+                        src.dtype(&gate, &[1, h])?;
                         n += 4 * h;
                     }
                 }

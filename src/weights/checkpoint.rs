@@ -2,7 +2,7 @@
 //! `model.safetensors.index.json`). Files are memory-mapped and only the byte ranges of the
 //! requested rows or columns are copied out, so a rank's resident memory holds its shard only.
 
-use super::{DType, Data, Mat, Source};
+use super::{matrix_dims, DType, Data, Mat, Source};
 use crate::error::{Error, Result};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
@@ -186,10 +186,10 @@ impl Checkpoint {
 }
 
 impl Source for Checkpoint {
-    /// Rows `rows` of a 2-D tensor of shape `[n_rows, n_cols]`, or elements `rows` of a 1-D one.
+    /// Rows `rows` of a tensor of 2 or more dimensions, or elements `rows` of a 1-D one.
     fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
         let (file, bytes, dtype) = self.info(name, expected_shape)?;
-        let cols = if expected_shape.len() == 2 { expected_shape[1] } else { 1 };
+        let cols = matrix_dims(expected_shape).1;
         let row_bytes = cols * dtype.size_bytes();
         let start = bytes.start + rows.start * row_bytes;
         let end = bytes.start + rows.end * row_bytes;
@@ -197,17 +197,24 @@ impl Source for Checkpoint {
         Ok(Mat { rows: rows.len(), cols, data })
     }
 
-    /// Columns `cols` of every row of a 2-D tensor `[n_rows, n_cols]` (o_proj and down_proj shards).
-    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
+    /// Columns `cols` of rows `rows` of a tensor of 2 or more dimensions (o_proj and down_proj
+    /// shards, an expert's of a stacked down tensor).
+    fn block(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<Mat> {
         let (file, tensor_bytes, dtype) = self.info(name, expected_shape)?;
-        let (n_rows, n_cols) = (expected_shape[0], expected_shape[1]);
+        let n_cols = matrix_dims(expected_shape).1;
         let es = dtype.size_bytes();
-        let mut bytes = Vec::with_capacity(n_rows * cols.len() * es);
-        for r in 0..n_rows {
+        let mut bytes = Vec::with_capacity(rows.len() * cols.len() * es);
+        for r in rows.clone() {
             let row0 = tensor_bytes.start + r * n_cols * es;
             bytes.extend_from_slice(&file.map[row0 + cols.start * es..row0 + cols.end * es]);
         }
-        Ok(Mat { rows: n_rows, cols: cols.len(), data: Data::from_le_bytes(dtype, &bytes) })
+        Ok(Mat { rows: rows.len(), cols: cols.len(), data: Data::from_le_bytes(dtype, &bytes) })
     }
 
     fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {

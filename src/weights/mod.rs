@@ -13,11 +13,25 @@ use std::ops::Range;
 
 /// Where a shard's tensors come from: a checkpoint on disk or seeded synthetic weights. Names
 /// and shapes are HF's (`[out, in]` for a Linear weight); only the requested part is produced.
+///
+/// A tensor of more than two dimensions is read as the matrix of its rows, its leading
+/// dimensions flattened ([`matrix_dims`]): a layer's experts stacked as `[experts, rows, cols]`
+/// hold expert `e`'s row `r` at row `e · rows + r`.
 pub trait Source {
-    /// Rows `rows` of a 2-D tensor `[n_rows, n_cols]`, or elements `rows` of a 1-D one.
+    /// Rows `rows` of a tensor of 2 or more dimensions, or elements `rows` of a 1-D one.
     fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat>;
-    /// Columns `cols` of every row of a 2-D tensor `[n_rows, n_cols]`.
-    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat>;
+    /// Columns `cols` of rows `rows` of a tensor of 2 or more dimensions.
+    fn block(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<Mat>;
+    /// Columns `cols` of every row of a tensor of 2 or more dimensions.
+    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
+        self.block(name, expected_shape, 0..matrix_dims(expected_shape).0, cols)
+    }
     /// The dtype [`Source::rows`] and [`Source::cols`] will give the tensor, without reading it.
     fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType>;
 
@@ -28,6 +42,16 @@ pub trait Source {
     /// Elements `range` of a 1-D tensor as f32 (a shard of a bias).
     fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
         Ok(self.rows(name, &[len], range)?.data.to_f32_vec())
+    }
+}
+
+/// The (rows, columns) a tensor of `shape` is read as: its last dimension the columns, the
+/// product of the others the rows; a 1-D tensor is a column.
+pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
+    match shape {
+        [] => (1, 1),
+        [n] => (*n, 1),
+        [lead @ .., c] => (lead.iter().product(), *c),
     }
 }
 
@@ -66,8 +90,14 @@ impl<S: Source> Source for Cast<S> {
     fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
         self.cast(name, self.inner.rows(name, expected_shape, rows)?)
     }
-    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
-        self.cast(name, self.inner.cols(name, expected_shape, cols)?)
+    fn block(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<Mat> {
+        self.cast(name, self.inner.block(name, expected_shape, rows, cols)?)
     }
     fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {
         self.inner.dtype(name, expected_shape)?;
@@ -233,10 +263,11 @@ mod tests {
             let v = self.0[rows.start * cols..rows.end * cols].to_vec();
             Ok(Mat { rows: rows.len(), cols, data: Data::F32(v) })
         }
-        fn cols(&self, name: &str, shape: &[usize], cols: Range<usize>) -> Result<Mat> {
-            let all = self.rows(name, shape, 0..shape[0])?.data.to_f32_vec();
+        fn block(&self, name: &str, shape: &[usize], rows: Range<usize>, cols: Range<usize>) -> Result<Mat> {
+            let n = rows.len();
+            let all = self.rows(name, shape, rows)?.data.to_f32_vec();
             let v = all.chunks(shape[1]).flat_map(|r| r[cols.clone()].to_vec()).collect();
-            Ok(Mat { rows: shape[0], cols: cols.len(), data: Data::F32(v) })
+            Ok(Mat { rows: n, cols: cols.len(), data: Data::F32(v) })
         }
         fn dtype(&self, _: &str, _: &[usize]) -> Result<DType> {
             Ok(DType::F32)

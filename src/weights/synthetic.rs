@@ -3,7 +3,7 @@
 //! and every grid layout sees the same model. Values are scaled like a trained model's
 //! (Linear rows ~ 1/sqrt(in), norms ~ 1) so activations stay in range.
 
-use super::{DType, Data, Mat, Source};
+use super::{matrix_dims, DType, Data, Mat, Source};
 use crate::config::{Activation, Arch, ModelConfig, Moe, NormPlace, RopeScaling};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
@@ -186,8 +186,8 @@ impl Synthetic {
         }
     }
 
-    fn block(&self, name: &str, shape: &[usize], rows: Range<usize>, cols: Range<usize>) -> Mat {
-        let n_cols = if shape.len() == 2 { shape[1] } else { 1 };
+    fn values(&self, name: &str, shape: &[usize], rows: Range<usize>, cols: Range<usize>) -> Mat {
+        let n_cols = matrix_dims(shape).1;
         let key = splitmix(self.seed ^ crate::fnv1a(name));
         let (scale, offset) = Self::law(name, n_cols);
         let width = cols.len();
@@ -213,11 +213,10 @@ impl Synthetic {
 
 impl Source for Synthetic {
     fn rows(&self, name: &str, shape: &[usize], rows: Range<usize>) -> Result<Mat> {
-        let n_cols = if shape.len() == 2 { shape[1] } else { 1 };
-        Ok(self.block(name, shape, rows, 0..n_cols))
+        Ok(self.values(name, shape, rows, 0..matrix_dims(shape).1))
     }
-    fn cols(&self, name: &str, shape: &[usize], cols: Range<usize>) -> Result<Mat> {
-        Ok(self.block(name, shape, 0..shape[0], cols))
+    fn block(&self, name: &str, shape: &[usize], rows: Range<usize>, cols: Range<usize>) -> Result<Mat> {
+        Ok(self.values(name, shape, rows, cols))
     }
     fn dtype(&self, _name: &str, shape: &[usize]) -> Result<DType> {
         Ok(self.dtype_of(shape))

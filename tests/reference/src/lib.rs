@@ -390,13 +390,26 @@ impl TinyModel {
         TinyModel { model_type: "granitemoehybrid", ..Self::llama() }
     }
 
+    /// GraniteMoE-style (`granitemoe`): Mixtral's mixture (2 of 4 experts of 64 columns a
+    /// token, every layer) with Granite's multipliers and tied embeddings, each layer's experts
+    /// stacked as HF's checkpoints hold them: gate and up rows in `input_linear` (`[experts,
+    /// 2 · 64, hidden]`), down in `output_linear`, the router `router.layer`.
+    pub fn granite_moe() -> Self {
+        TinyModel { model_type: "granitemoe", tied: true, ..Self::mixtral() }
+    }
+
+    /// Mixtral's naming and every layer a mixture.
+    fn mixtral_like(&self) -> bool {
+        matches!(self.model_type, "mixtral" | "granitemoe")
+    }
+
     fn is_granite(&self) -> bool {
         self.model_type.starts_with("granite")
     }
 
     /// Whether layer `l`'s FFN is a mixture of experts.
     fn is_sparse(&self, l: usize) -> bool {
-        self.experts.is_some() && (self.model_type == "mixtral" || l % 2 == 1)
+        self.experts.is_some() && (self.mixtral_like() || l % 2 == 1)
     }
 
     fn is_gemma3(&self) -> bool {
@@ -432,6 +445,7 @@ impl TinyModel {
             "mistral" => "MistralForCausalLM",
             "granite" => "GraniteForCausalLM",
             "granitemoehybrid" => "GraniteMoeHybridForCausalLM",
+            "granitemoe" => "GraniteMoeForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -460,7 +474,7 @@ impl TinyModel {
             cfg["clip_qkv"] = serde_json::Value::Null;
         }
         if let Some((experts, per_token, width)) = self.experts {
-            let moe = if self.model_type == "mixtral" {
+            let moe = if self.mixtral_like() {
                 cfg["intermediate_size"] = width.into();
                 serde_json::json!({"num_local_experts": experts, "use_flash_attn": false})
             } else {
@@ -564,7 +578,7 @@ impl TinyModel {
             add(p("self_attn.o_proj.weight"), vec![h, self.heads * hd], w, 0.0);
             match self.experts.filter(|_| self.is_sparse(l)) {
                 Some((experts, _, width)) => {
-                    let mixtral = self.model_type == "mixtral";
+                    let mixtral = self.mixtral_like();
                     let moe = if mixtral { "block_sparse_moe" } else { "mlp" };
                     // The router's rows spread enough that tokens choose different experts.
                     add(p(&format!("{moe}.gate.weight")), vec![experts, h], 4.0 * w, 0.0);
@@ -605,6 +619,9 @@ impl TinyModel {
             );
             out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
         }
+        if self.model_type == "granitemoe" {
+            out = stack_experts(out, self.layers, self.experts.map_or(0, |(e, _, _)| e));
+        }
         if self.model_type == "granitemoehybrid" {
             out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "shared_mlp.input_linear.weight");
             out = fuse(out, ["mlp.down_proj.weight"], "shared_mlp.output_linear.weight");
@@ -625,6 +642,31 @@ impl TinyModel {
         });
         std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
     }
+}
+
+/// Each layer's experts (Mixtral's names) stacked as GraniteMoE's checkpoints hold them: expert
+/// `e`'s `w1` (gate) and `w3` (up) rows as `input_linear`'s `[e]`, its `w2` (down) as
+/// `output_linear`'s; the router `gate` renamed `router.layer`.
+fn stack_experts(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    layers: usize,
+    experts: usize,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut out: Vec<_> = tensors.iter().filter(|(n, _, _)| !n.contains(".experts.")).cloned().collect();
+    let find = |name: &str| tensors.iter().find(|(n, _, _)| n == name).expect("an expert's tensor");
+    for l in 0..layers {
+        let p = |s: &str| format!("model.layers.{l}.block_sparse_moe.{s}");
+        let router = out.iter_mut().find(|(n, _, _)| *n == p("gate.weight")).expect("a router");
+        router.0 = p("router.layer.weight");
+        let x = |e: usize, w: &str| find(&p(&format!("experts.{e}.{w}.weight")));
+        let (ffn, h) = (x(0, "w1").1[0], x(0, "w1").1[1]);
+        let input =
+            (0..experts).flat_map(|e| [x(e, "w1").2.clone(), x(e, "w3").2.clone()].concat()).collect();
+        out.push((p("input_linear.weight"), vec![experts, 2 * ffn, h], input));
+        let output = (0..experts).flat_map(|e| x(e, "w2").2.clone()).collect();
+        out.push((p("output_linear.weight"), vec![experts, h, ffn], output));
+    }
+    out
 }
 
 /// Each layer's matrices named `parts` (after `model.layers.N.`), stacked by rows in that order

@@ -930,6 +930,52 @@ fn random_granite_hybrid_matches_candle_on_one_and_two_ranks() {
     same_on_two_ranks("random granitemoehybrid", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
+/// GraniteMoE (Mixtral's mixture, its experts stacked in one tensor a layer, the router's
+/// softmax taken over the chosen experts' scores alone, with Granite's multipliers), against
+/// candle's `mixtral` with the multipliers folded into its weights — embedding rows × 12, q rows
+/// × 0.25·√8 (candle's 1/√8 then makes 0.25), o_proj's and each expert's down × 0.22, the head
+/// the embedding ÷ 3 — and the experts unstacked; split over two ranks by heads and experts'
+/// columns, and by layers, the same tokens and logits within 1e-4 of the single rank.
+#[test]
+fn random_granite_moe_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let m = gridlm_reference::TinyModel::granite_moe();
+    m.write(dir);
+    let (experts, _, ffn) = m.experts.unwrap();
+    let mut t = folder_tensors(dir);
+    let mut take = |name: &str| t.remove(name).unwrap();
+    let mut mixtral = std::collections::HashMap::new();
+    let embed = take("model.embed_tokens.weight");
+    mixtral.insert("lm_head.weight".to_string(), (&embed / 3.0).unwrap());
+    mixtral.insert("model.embed_tokens.weight".to_string(), (&embed * 12.0).unwrap());
+    for l in 0..m.layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let q_factor = 0.25 * ((m.hidden / m.heads) as f64).sqrt();
+        mixtral
+            .insert(p("self_attn.q_proj.weight"), (take(&p("self_attn.q_proj.weight")) * q_factor).unwrap());
+        mixtral.insert(p("self_attn.o_proj.weight"), (take(&p("self_attn.o_proj.weight")) * 0.22).unwrap());
+        mixtral.insert(p("block_sparse_moe.gate.weight"), take(&p("block_sparse_moe.router.layer.weight")));
+        let input = take(&p("block_sparse_moe.input_linear.weight"));
+        let output = take(&p("block_sparse_moe.output_linear.weight"));
+        for e in 0..experts {
+            let x = |w: &str| p(&format!("block_sparse_moe.experts.{e}.{w}.weight"));
+            let gate_up = input.get(e).unwrap();
+            mixtral.insert(x("w1"), gate_up.narrow(0, 0, ffn).unwrap().contiguous().unwrap());
+            mixtral.insert(x("w3"), gate_up.narrow(0, ffn, ffn).unwrap().contiguous().unwrap());
+            mixtral.insert(x("w2"), (output.get(e).unwrap() * 0.22).unwrap());
+        }
+    }
+    mixtral.extend(t);
+    let cfg: mixtral::Config = serde_json::from_value(m.config()).unwrap();
+    let vb = VarBuilder::from_tensors(mixtral, DType::F32, &Device::Cpu);
+    let mut model = mixtral::Model::new(&cfg, vb).unwrap();
+    let single = tiny_matches_candle("random granitemoe", dir, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    same_on_two_ranks("random granitemoe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
 /// candle's Llama on `config` (HF's config.json) with the weights in `dir`: `forward(ids, pos)`
 /// for [`tiny_matches_candle`].
 fn candle_llama_forward(config: serde_json::Value, dir: &Path) -> impl FnMut(&[u32], usize) -> Vec<f32> {
