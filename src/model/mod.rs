@@ -122,10 +122,18 @@ pub(crate) fn expert_names(arch: Arch, i: usize, e: usize) -> [String; 4] {
     }
 }
 
-/// Layer `i`'s router tensor: [`expert_names`]'s, GraniteMoE's `block_sparse_moe.router.layer`.
-fn router_name(arch: Arch, i: usize) -> String {
+/// GraniteMoE's layer `i` router and its stacked experts' tensors: `router.layer`,
+/// `input_linear` (`[experts, 2 · ffn, hidden]`: each expert's gate rows, then its up rows) and
+/// `output_linear` (`[experts, hidden, ffn]`).
+pub(crate) fn stacked_expert_names(i: usize) -> [String; 3] {
+    let p = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
+    [p("router.layer"), p("input_linear"), p("output_linear")]
+}
+
+/// Layer `i`'s router tensor: [`expert_names`]'s, GraniteMoE's [`stacked_expert_names`]'.
+pub(crate) fn router_name(arch: Arch, i: usize) -> String {
     match arch {
-        Arch::GraniteMoe => format!("model.layers.{i}.block_sparse_moe.router.layer.weight"),
+        Arch::GraniteMoe => stacked_expert_names(i)[0].clone(),
         _ => expert_names(arch, i, 0)[0].clone(),
     }
 }
@@ -142,18 +150,17 @@ fn separate_parts([g, u, d]: [String; 3], ffn: usize, h: usize) -> [Part; 3] {
 }
 
 /// Where layer `i`'s expert `e`'s gate, up and down matrices sit: tensors of their own
-/// ([`expert_names`]), or GraniteMoE's slices of the layer's stacked `input_linear`
-/// (`[experts, 2 · ffn, hidden]`: each expert's gate rows, then its up rows) and
-/// `output_linear` (`[experts, hidden, ffn]`).
+/// ([`expert_names`]), or GraniteMoE's slices of the layer's stacked tensors
+/// ([`stacked_expert_names`]).
 fn expert_parts(cfg: &ModelConfig, moe: &crate::config::Moe, i: usize, e: usize) -> [Part; 3] {
     let (h, ffn, n) = (cfg.hidden_size, moe.expert_ffn, moe.experts);
     if cfg.arch == Arch::GraniteMoe {
-        let p = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
-        let input = vec![n, 2 * ffn, h];
+        let [_, input, output] = stacked_expert_names(i);
+        let shape = vec![n, 2 * ffn, h];
         [
-            (p("input_linear"), input.clone(), e * 2 * ffn),
-            (p("input_linear"), input, e * 2 * ffn + ffn),
-            (p("output_linear"), vec![n, h, ffn], e * h),
+            (input.clone(), shape.clone(), e * 2 * ffn),
+            (input, shape, e * 2 * ffn + ffn),
+            (output, vec![n, h, ffn], e * h),
         ]
     } else {
         let [_, g, u, d] = expert_names(cfg.arch, i, e);

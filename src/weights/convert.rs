@@ -3,7 +3,7 @@
 //! The folder is written beside its destination and renamed into place at the end, so a failed
 //! conversion never leaves a half-written model behind.
 
-use super::gguf::{Gguf, Value};
+use super::gguf::{Gguf, TensorEntry, Value};
 use super::DType;
 use crate::config::{Arch, RopeScaling};
 use crate::error::{Error, Result};
@@ -50,13 +50,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("gemma2", "Gemma2ForCausalLM", Arch::Gemma2),
         ("gemma3", "Gemma3ForCausalLM", Arch::Gemma3),
         ("granite", "GraniteForCausalLM", Arch::Granite),
+        ("granitemoe", "GraniteMoeForCausalLM", Arch::GraniteMoe),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3 or granite)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite or granitemoe)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -137,7 +138,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     // (`norm_topk_prob`), and not for Qwen2-MoE, whose configs do not. Qwen2-MoE's shared
     // expert is as wide as `expert_shared_feed_forward_length` says.
     let experts = if moe { meta_usize(&g, &key("expert_count"))? } else { 0 };
-    if mixtral {
+    if mixtral || family == Arch::GraniteMoe {
         // Every layer sparse, experts as wide as `feed_forward_length`, shares renormalized.
         config["num_local_experts"] = experts.into();
         config["num_experts_per_tok"] = meta_usize(&g, &key("expert_used_count"))?.into();
@@ -168,8 +169,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if gemma {
         gemma_config(&g, &arch, (n_layers, hidden, n_heads, head_dim), &mut config);
     }
-    if family == Arch::Granite {
-        granite_config(&g, head_dim, &mut config)?;
+    if matches!(family, Arch::Granite | Arch::GraniteMoe) {
+        granite_config(&g, &arch, head_dim, &mut config)?;
     }
     // RoPE over part of a head: Phi-4-mini's `partial_rotary_factor`, HF's reading of which
     // (`int(head_dim · factor)`) must give the GGUF's dimensions back.
@@ -232,6 +233,11 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                     ));
                 }
                 let dt = dtype;
+                if family == Arch::GraniteMoe {
+                    // GraniteMoE's checkpoints keep each layer's stack.
+                    named.extend(granite_moe_stack(&g, t, layer, which, experts, dt)?);
+                    continue;
+                }
                 for e in 0..experts {
                     let g = &g;
                     let make = move || encode(&g.dequantize_part(t, e, experts).unwrap_or_default(), dt);
@@ -245,7 +251,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 continue;
             }
             Some((layer, true, which)) => crate::model::shared_expert_names(layer)[which].clone(),
-            Some((layer, false, which)) => crate::model::expert_names(family, layer, 0)[which].clone(),
+            Some((layer, false, _)) => crate::model::router_name(family, layer),
             None => match hf_name(&arch, &t.name) {
                 Some(hf) => hf,
                 // A bias the model would add (Granite's optional ones on o_proj and the FFN,
@@ -262,8 +268,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         // Qwen2-MoE's shared expert's gate: one row (GGUF stores it as a vector).
         let shape = if t.name.ends_with("ffn_gate_inp_shexp.weight") { vec![1, hidden] } else { t.shape() };
         let heads = match arch.as_str() {
-            "llama" | "granite" if t.name.ends_with("attn_q.weight") => Some(n_heads),
-            "llama" | "granite" if t.name.ends_with("attn_k.weight") => Some(n_kv_heads),
+            "llama" | "granite" | "granitemoe" if t.name.ends_with("attn_q.weight") => Some(n_heads),
+            "llama" | "granite" | "granitemoe" if t.name.ends_with("attn_k.weight") => Some(n_kv_heads),
             _ => None,
         };
         // Norms and biases stay f32: tiny, and precision matters there.
@@ -707,18 +713,30 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
     std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
 }
 
-/// Granite's multipliers into `config`, as llama.cpp reads them: the logits' divisor
-/// (`granite.logit_scale`, which it requires), the attention scores' factor
-/// (`attention.scale`; 1/√head_dim where absent or 0, HF's default being 1), the embedding's and
-/// each sublayer output's (`embedding_scale`, `residual_scale`; none where absent or 0).
-/// Granite runs unrotated where `rope.scaling.finetuned` is false, which HF's Granite cannot
-/// say: refused.
-fn granite_config(g: &Gguf, head_dim: usize, config: &mut serde_json::Value) -> Result<()> {
-    let number = |k: &str| g.get(&format!("granite.{k}")).and_then(|v| v.as_f64()).filter(|&v| v != 0.0);
+/// Granite's multipliers into `config`, as llama.cpp reads them (keys after the architecture
+/// `arch`, granite or granitemoe): the logits' divisor (`logit_scale`, which it requires), the
+/// attention scores' factor (`attention.scale`; 1/√head_dim where absent or 0, HF's default
+/// being 1), the embedding's and each sublayer output's (`embedding_scale`, `residual_scale`;
+/// none where absent or 0). Granite runs unrotated where `rope.scaling.finetuned` is false,
+/// which HF's Granite cannot say, and GraniteMoeShared's shared expert
+/// (`expert_shared_feed_forward_length`) is not supported: both refused.
+fn granite_config(g: &Gguf, arch: &str, head_dim: usize, config: &mut serde_json::Value) -> Result<()> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let number = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64()).filter(|&v| v != 0.0);
     let logits = number("logit_scale")
-        .ok_or_else(|| Error::file(&g.path, "missing metadata number `granite.logit_scale`"))?;
-    if g.get("granite.rope.scaling.finetuned").and_then(|v| v.as_bool()) == Some(false) {
-        let msg = "`granite.rope.scaling.finetuned` is false: a Granite without RoPE has no HF folder (granite rotates every layer)";
+        .ok_or_else(|| Error::file(&g.path, format!("missing metadata number `{}`", key("logit_scale"))))?;
+    if g.get(&key("rope.scaling.finetuned")).and_then(|v| v.as_bool()) == Some(false) {
+        let msg = format!(
+            "`{}` is false: a Granite without RoPE has no HF folder (granite rotates every layer)",
+            key("rope.scaling.finetuned")
+        );
+        return Err(Error::file(&g.path, msg));
+    }
+    if number("expert_shared_feed_forward_length").is_some() {
+        let msg = format!(
+            "`{}` is set: GraniteMoeShared's shared expert is not supported",
+            key("expert_shared_feed_forward_length")
+        );
         return Err(Error::file(&g.path, msg));
     }
     config["logits_scaling"] = logits.into();
@@ -759,6 +777,50 @@ fn sparse_pattern(sparse: &[bool]) -> (usize, Vec<usize>) {
     match (1..=sparse.len()).find(|&s| every(s)) {
         Some(step) => (step, Vec::new()),
         None => (1, (0..sparse.len()).filter(|&i| !sparse[i]).collect()),
+    }
+}
+
+/// GraniteMoE's stacked tensor of layer `layer` from its GGUF part `t` (`which`: 1 gate, 2 up,
+/// 3 down, as [`moe_tensor`] numbers them; each `[experts, rows, columns]`), as HF's
+/// checkpoints hold it: the gate's stack with the up's as `input_linear`, each expert's gate
+/// rows then its up rows; the down's as `output_linear`; nothing of the up's (taken with the
+/// gate's).
+fn granite_moe_stack<'a>(
+    g: &'a Gguf,
+    t: &'a TensorEntry,
+    layer: usize,
+    which: usize,
+    experts: usize,
+    dt: DType,
+) -> Result<Option<(String, Lazy<'a>)>> {
+    let [_, input, output] = crate::model::stacked_expert_names(layer);
+    let shape = t.shape();
+    let lazy = |shape: Vec<usize>, make: Box<dyn Fn() -> Vec<u8> + 'a>| {
+        let len = shape.iter().product::<usize>() * dt.size_bytes();
+        Lazy { dtype: dt, shape, len, make }
+    };
+    match which {
+        1 => {
+            let up_name = format!("blk.{layer}.ffn_up_exps.weight");
+            let up = g.tensor(&up_name).ok_or_else(|| {
+                Error::tensor(&g.path, &up_name, "missing beside ffn_gate_exps (GraniteMoE stacks the two)")
+            })?;
+            if up.shape() != shape || g.dequantize_part(up, 0, experts).is_none() {
+                let msg = format!("shape {:?} or blocks unlike ffn_gate_exps' ({shape:?})", up.shape());
+                return Err(Error::tensor(&g.path, &up_name, msg));
+            }
+            let make = move || {
+                let mut v = Vec::with_capacity(2 * t.n_elements());
+                for e in 0..experts {
+                    v.extend(g.dequantize_part(t, e, experts).unwrap_or_default());
+                    v.extend(g.dequantize_part(up, e, experts).unwrap_or_default());
+                }
+                encode(&v, dt)
+            };
+            Ok(Some((input, lazy(vec![experts, 2 * shape[1], shape[2]], Box::new(make)))))
+        }
+        2 => Ok(None),
+        _ => Ok(Some((output, lazy(shape, Box::new(move || encode(&g.dequantize(t), dt)))))),
     }
 }
 

@@ -845,6 +845,51 @@ fn granite_as_hybrid(dir: &Path, layers: usize) -> std::collections::HashMap<Str
     tensors
 }
 
+/// The test models' Granite multipliers as llama.cpp's keys of the GGUF architecture `arch`,
+/// the attention's if given.
+fn granite_scales(arch: &str, attention: Option<f32>) -> Vec<(String, GgufValue)> {
+    let f = |k: &str, v: f32| (format!("{arch}.{k}"), GgufValue::F32(v));
+    let mut meta = vec![f("embedding_scale", 12.0), f("residual_scale", 0.22), f("logit_scale", 3.0)];
+    meta.extend(attention.map(|a| f("attention.scale", a)));
+    meta
+}
+
+/// A GraniteMoE GGUF (a llama's interleaved q and k rows, each layer's experts as llama.cpp
+/// stores them: gate, up and down stacked apart, `ffn_*_exps`) converts into the model it holds
+/// (HF's stacks: each expert's gate and up rows in `input_linear`), on which gridlm agrees with
+/// candle; with a shared expert's width (GraniteMoeShared) it is one error line.
+#[test]
+fn a_granite_moe_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::granite_moe();
+    let out = tmp.path().join("folder");
+    let meta = granite_scales("granitemoe", Some(0.25));
+    gguf_with_converts_to_the_model_it_holds(&m, "granitemoe", &out, meta, Vec::new());
+    let want = serde_json::json!({
+        "model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"], "num_local_experts": 4,
+        "num_experts_per_tok": 2, "intermediate_size": 64, "logits_scaling": 3.0, "attention_multiplier": 0.25,
+    });
+    converted_config(&out, want, m.layers);
+    tiny_matches_candle("converted granitemoe", &out, candle_granite_moe(&m, &out));
+
+    let (tokens, merges) = byte_level_vocabulary(m.vocab);
+    let mut meta = qwen3_gguf_meta(&m, "granitemoe", tokens, merges);
+    meta.extend(granite_scales("granitemoe", None));
+    meta.push(("granitemoe.expert_shared_feed_forward_length".into(), GgufValue::U32(32)));
+    let gguf = tmp.path().join("shared.gguf");
+    write_gguf(
+        &gguf,
+        &meta,
+        &[("token_embd.weight".to_string(), vec![m.vocab, m.hidden], vec![0.0; m.vocab * m.hidden])],
+    );
+    let mut cmd = std::process::Command::new(gridlm_bin());
+    cmd.args(["convert", "--gguf"]).arg(&gguf).arg("--out").arg(tmp.path().join("shared"));
+    let o = run_with_timeout(cmd, 60);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.lines().count() == 1, "{err}");
+    assert!(err.contains("GraniteMoeShared's shared expert is not supported"), "{err}");
+}
+
 /// A Granite 3 GGUF (q and k rows interleaved as a llama's, the multipliers as llama.cpp's
 /// `granite.*scale` keys) converts into the model it holds, its config's multipliers HF's, on
 /// which gridlm agrees with candle. Without `granite.attention.scale` the attention's
@@ -855,16 +900,7 @@ fn granite_as_hybrid(dir: &Path, layers: usize) -> std::collections::HashMap<Str
 fn a_granite_gguf_converts_to_the_model_it_holds() {
     let tmp = tempfile::tempdir().unwrap();
     let m = gridlm_reference::TinyModel::granite();
-    let f = |v: f32| GgufValue::F32(v);
-    let scales = |attention: Option<f32>| {
-        let mut meta = vec![
-            ("granite.embedding_scale".to_string(), f(12.0)),
-            ("granite.residual_scale".to_string(), f(0.22)),
-            ("granite.logit_scale".to_string(), f(3.0)),
-        ];
-        meta.extend(attention.map(|a| ("granite.attention.scale".to_string(), f(a))));
-        meta
-    };
+    let scales = |attention| granite_scales("granite", attention);
     let out = tmp.path().join("folder");
     gguf_with_converts_to_the_model_it_holds(&m, "granite", &out, scales(Some(0.25)), Vec::new());
     let want = serde_json::json!({
@@ -942,6 +978,15 @@ fn random_granite_moe_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let m = gridlm_reference::TinyModel::granite_moe();
     m.write(dir);
+    let single = tiny_matches_candle("random granitemoe", dir, candle_granite_moe(&m, dir));
+    same_on_two_ranks("random granitemoe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// candle's `mixtral` on the GraniteMoE-style model `m` whose tensors are in `dir`, with
+/// Granite's multipliers folded into its weights and the experts unstacked
+/// ([`random_granite_moe_matches_candle_on_one_and_two_ranks`]): `forward(ids, pos)` for
+/// [`tiny_matches_candle`].
+fn candle_granite_moe(m: &gridlm_reference::TinyModel, dir: &Path) -> impl FnMut(&[u32], usize) -> Vec<f32> {
     let (experts, _, ffn) = m.experts.unwrap();
     let mut t = folder_tensors(dir);
     let mut take = |name: &str| t.remove(name).unwrap();
@@ -970,10 +1015,7 @@ fn random_granite_moe_matches_candle_on_one_and_two_ranks() {
     let cfg: mixtral::Config = serde_json::from_value(m.config()).unwrap();
     let vb = VarBuilder::from_tensors(mixtral, DType::F32, &Device::Cpu);
     let mut model = mixtral::Model::new(&cfg, vb).unwrap();
-    let single = tiny_matches_candle("random granitemoe", dir, |ids, pos| {
-        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    });
-    same_on_two_ranks("random granitemoe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    move |ids, pos| model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 /// candle's Llama on `config` (HF's config.json) with the weights in `dir`: `forward(ids, pos)`
@@ -1151,8 +1193,20 @@ fn gguf_with_converts_to_the_model_it_holds(
         // Mixtral's names, as Qwen-MoE's.
         let rest = rest.replace("block_sparse_moe.", "mlp.").replace("w1.", "gate_proj.");
         let rest = rest.replace("w3.", "up_proj.").replace("w2.", "down_proj.");
-        if rest == "mlp.gate.weight" {
+        if rest == "mlp.gate.weight" || rest == "mlp.router.layer.weight" {
             gguf_tensors.push((blk("ffn_gate_inp"), shape.clone(), v.clone()));
+        } else if rest == "mlp.input_linear.weight" {
+            // GraniteMoE's stack of each expert's gate and up rows, as llama.cpp splits it.
+            let (rows, cols) = (shape[1] / 2, shape[2]);
+            let half = |second: usize| -> Vec<f32> {
+                v.chunks(2 * rows * cols)
+                    .flat_map(|e| e[second * rows * cols..][..rows * cols].to_vec())
+                    .collect()
+            };
+            gguf_tensors.push((blk("ffn_gate_exps"), vec![shape[0], rows, cols], half(0)));
+            gguf_tensors.push((blk("ffn_up_exps"), vec![shape[0], rows, cols], half(1)));
+        } else if rest == "mlp.output_linear.weight" {
+            gguf_tensors.push((blk("ffn_down_exps"), shape.clone(), v.clone()));
         } else if rest == "mlp.shared_expert_gate.weight" {
             gguf_tensors.push((blk("ffn_gate_inp_shexp"), vec![shape[1]], v.clone()));
         } else if let Some(which) = rest.strip_prefix("mlp.shared_expert.") {
@@ -1171,8 +1225,8 @@ fn gguf_with_converts_to_the_model_it_holds(
         } else if !rest.starts_with("mlp.experts.") {
             // llama.cpp interleaves the halves of each q and k head of a llama.
             let heads = match rest.as_str() {
-                "self_attn.q_proj.weight" if arch == "llama" || arch == "granite" => m.heads,
-                "self_attn.k_proj.weight" if arch == "llama" || arch == "granite" => m.kv_heads,
+                "self_attn.q_proj.weight" if arch == "llama" || arch.starts_with("granite") => m.heads,
+                "self_attn.k_proj.weight" if arch == "llama" || arch.starts_with("granite") => m.kv_heads,
                 _ => 0,
             };
             let v = if heads > 0 { permute_heads(v, heads, shape[1]) } else { v.clone() };
