@@ -1949,11 +1949,15 @@ mod tests {
     /// and Mixtral's tensor names).
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
-        // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors.
+        // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors; Granite 4 from fused
+        // gate/up (`shared_mlp`) tensors; GraniteMoE: Mixtral's shape, each layer's experts
+        // read from stacked tensors.
         let shapes = [
             ("qwen2-0.5b", None),
             ("qwen3-0.6b", None),
             ("llama-3.2-1b", Some(Arch::Phi3)),
+            ("llama-3.2-1b", Some(Arch::GraniteMoeHybrid)),
+            ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
             ("olmo2-1b", None),
