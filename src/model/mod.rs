@@ -138,21 +138,16 @@ pub(crate) fn router_name(arch: Arch, i: usize) -> String {
     }
 }
 
-/// Where one of an expert's matrices sits: (tensor name, the tensor's shape, the matrix's first
-/// row among the tensor's rows, leading dimensions flattened as [`crate::weights::Source`]
-/// reads them).
-type Part = (String, Vec<usize>, usize);
-
 /// The gate, up and down matrices of an expert of `ffn` columns stored each in a tensor of its
 /// own, named `[gate, up, down]`.
-fn separate_parts([g, u, d]: [String; 3], ffn: usize, h: usize) -> [Part; 3] {
+fn separate_parts([g, u, d]: [String; 3], ffn: usize, h: usize) -> [StoredRows; 3] {
     [(g, vec![ffn, h], 0), (u, vec![ffn, h], 0), (d, vec![h, ffn], 0)]
 }
 
 /// Where layer `i`'s expert `e`'s gate, up and down matrices sit: tensors of their own
 /// ([`expert_names`]), or GraniteMoE's slices of the layer's stacked tensors
 /// ([`stacked_expert_names`]).
-fn expert_parts(cfg: &ModelConfig, moe: &crate::config::Moe, i: usize, e: usize) -> [Part; 3] {
+fn expert_parts(cfg: &ModelConfig, moe: &crate::config::Moe, i: usize, e: usize) -> [StoredRows; 3] {
     let (h, ffn, n) = (cfg.hidden_size, moe.expert_ffn, moe.experts);
     if cfg.arch == Arch::GraniteMoe {
         let [_, input, output] = stacked_expert_names(i);
@@ -189,8 +184,9 @@ impl Layer {
 }
 
 /// Where some of a layer's matrix rows are stored: (tensor name, the tensor's shape, the row
-/// they start at).
-type StoredRows = (String, [usize; 2], usize);
+/// they start at among the tensor's rows, leading dimensions flattened as
+/// [`crate::weights::Source`] reads them).
+type StoredRows = (String, Vec<usize>, usize);
 
 /// Where layer `i`'s q, k, v, gate and up rows are stored: each in a tensor of its own, or,
 /// in Phi-3 checkpoints, q, k and v one after the other in `qkv_proj` and gate and up in
@@ -198,26 +194,37 @@ type StoredRows = (String, [usize; 2], usize);
 fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     let (h, ff, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
     let p = |s: &str| format!("model.layers.{i}.{s}");
-    let at = |(name, shape): &(String, [usize; 2]), row: usize| (name.clone(), *shape, row);
-    let separate = |s: &str, rows: usize| (p(&format!("self_attn.{s}_proj.weight")), [rows, h], 0);
+    // Rows from `row` on of the tensor `name` of `rows` rows.
+    let at = |name: &str, rows: usize, row: usize| (p(name), vec![rows, h], row);
+    let separate = |s: &str, rows: usize| at(&format!("self_attn.{s}_proj.weight"), rows, 0);
     match cfg.arch {
         Arch::Phi3 => {
-            let (qkv, gate_up) = (
-                (p("self_attn.qkv_proj.weight"), [qd + 2 * kvd, h]),
-                (p("mlp.gate_up_proj.weight"), [2 * ff, h]),
-            );
-            [at(&qkv, 0), at(&qkv, qd), at(&qkv, qd + kvd), at(&gate_up, 0), at(&gate_up, ff)]
+            let (qkv, qkv_rows, gate_up) =
+                ("self_attn.qkv_proj.weight", qd + 2 * kvd, "mlp.gate_up_proj.weight");
+            [
+                at(qkv, qkv_rows, 0),
+                at(qkv, qkv_rows, qd),
+                at(qkv, qkv_rows, qd + kvd),
+                at(gate_up, 2 * ff, 0),
+                at(gate_up, 2 * ff, ff),
+            ]
         }
         Arch::GraniteMoeHybrid => {
-            let gate_up = (p("shared_mlp.input_linear.weight"), [2 * ff, h]);
-            [separate("q", qd), separate("k", kvd), separate("v", kvd), at(&gate_up, 0), at(&gate_up, ff)]
+            let gate_up = "shared_mlp.input_linear.weight";
+            [
+                separate("q", qd),
+                separate("k", kvd),
+                separate("v", kvd),
+                at(gate_up, 2 * ff, 0),
+                at(gate_up, 2 * ff, ff),
+            ]
         }
         _ => [
             separate("q", qd),
             separate("k", kvd),
             separate("v", kvd),
-            (p("mlp.gate_proj.weight"), [ff, h], 0),
-            (p("mlp.up_proj.weight"), [ff, h], 0),
+            at("mlp.gate_proj.weight", ff, 0),
+            at("mlp.up_proj.weight", ff, 0),
         ],
     }
 }
@@ -703,12 +710,10 @@ impl Shard {
                     let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
                     // An expert's (or the shared expert's) gate/up rows of `cols` and down
                     // columns.
-                    let expert = |[g, u, d]: &[Part; 3], cols: &std::ops::Range<usize>| {
-                        let rows =
-                            |(name, shape, at): &Part| ckpt.rows(name, shape, at + cols.start..at + cols.end);
+                    let expert = |[g, u, d]: &[StoredRows; 3], cols: &std::ops::Range<usize>| {
                         let (name, shape, at) = d;
                         Ok::<_, crate::Error>((
-                            pack(&Mat::vstack(vec![rows(g)?, rows(u)?])),
+                            pack(&Mat::vstack(vec![part(g, cols)?, part(u, cols)?])),
                             pack(&ckpt.block(name, shape, *at..at + h, cols.clone())?),
                         ))
                     };
@@ -831,8 +836,8 @@ impl Shard {
         let mut n = 0;
         for i in plan.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
-            let [q, k, v, gate, up] = stored_rows(cfg, i).map(|(name, shape, _)| (name, shape));
-            let dtype = |(name, shape): &(String, [usize; 2])| src.dtype(name, shape);
+            let [q, k, v, gate, up] = stored_rows(cfg, i);
+            let dtype = |(name, shape, _): &StoredRows| src.dtype(name, shape);
             let [q, k, v] = [dtype(&q)?, dtype(&k)?, dtype(&v)?];
             n += packed(q_rows + 2 * kv_rows, h, stacked(stacked(q, k), v));
             n += packed(h, q_rows, src.dtype(&p("self_attn.o_proj.weight"), &[h, qd])?);
@@ -842,8 +847,8 @@ impl Shard {
                     let router = src.dtype(&router_name(cfg.arch, i), &[e, h])?;
                     n += PackedMat::bytes_for(e, h, router, None);
                     // An expert's (or the shared expert's) bytes, `cols` of its columns here.
-                    let expert = |parts: &[Part; 3], cols: usize| {
-                        let [g, u, d] = parts.each_ref().map(|(name, shape, _)| src.dtype(name, shape));
+                    let expert = |parts: &[StoredRows; 3], cols: usize| {
+                        let [g, u, d] = parts.each_ref().map(dtype);
                         Ok::<_, crate::Error>(packed(2 * cols, h, stacked(g?, u?)) + packed(h, cols, d?))
                     };
                     for x in 0..e {

@@ -241,12 +241,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 for e in 0..experts {
                     let g = &g;
                     let make = move || encode(&g.dequantize_part(t, e, experts).unwrap_or_default(), dt);
-                    let len = shape[1] * shape[2] * dt.size_bytes();
                     let name = crate::model::expert_names(family, layer, e)[which].clone();
-                    named.push((
-                        name,
-                        Lazy { dtype: dt, shape: shape[1..].to_vec(), len, make: Box::new(make) },
-                    ));
+                    named.push((name, Lazy::new(dt, shape[1..].to_vec(), make)));
                 }
                 continue;
             }
@@ -289,8 +285,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             };
             encode(&v, dt)
         };
-        let len = shape.iter().product::<usize>() * dt.size_bytes();
-        named.push((hf, Lazy { dtype: dt, shape, len, make: Box::new(make) }));
+        named.push((hf, Lazy::new(dt, shape, make)));
     }
     let n_tensors = named.len();
     let bytes: usize = named.iter().map(|(_, t)| t.len).sum();
@@ -387,6 +382,14 @@ struct Lazy<'a> {
     shape: Vec<usize>,
     len: usize,
     make: Box<dyn Fn() -> Vec<u8> + 'a>,
+}
+
+impl<'a> Lazy<'a> {
+    /// A tensor of `dtype` and `shape` whose bytes `make` makes.
+    fn new(dtype: DType, shape: Vec<usize>, make: impl Fn() -> Vec<u8> + 'a) -> Self {
+        let len = shape.iter().product::<usize>() * dtype.size_bytes();
+        Lazy { dtype, shape, len, make: Box::new(make) }
+    }
 }
 
 impl safetensors::View for Lazy<'_> {
@@ -795,10 +798,6 @@ fn granite_moe_stack<'a>(
 ) -> Result<Option<(String, Lazy<'a>)>> {
     let [_, input, output] = crate::model::stacked_expert_names(layer);
     let shape = t.shape();
-    let lazy = |shape: Vec<usize>, make: Box<dyn Fn() -> Vec<u8> + 'a>| {
-        let len = shape.iter().product::<usize>() * dt.size_bytes();
-        Lazy { dtype: dt, shape, len, make }
-    };
     match which {
         1 => {
             let up_name = format!("blk.{layer}.ffn_up_exps.weight");
@@ -817,10 +816,10 @@ fn granite_moe_stack<'a>(
                 }
                 encode(&v, dt)
             };
-            Ok(Some((input, lazy(vec![experts, 2 * shape[1], shape[2]], Box::new(make)))))
+            Ok(Some((input, Lazy::new(dt, vec![experts, 2 * shape[1], shape[2]], make))))
         }
         2 => Ok(None),
-        _ => Ok(Some((output, lazy(shape, Box::new(move || encode(&g.dequantize(t), dt)))))),
+        _ => Ok(Some((output, Lazy::new(dt, shape, move || encode(&g.dequantize(t), dt))))),
     }
 }
 

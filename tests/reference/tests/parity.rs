@@ -882,12 +882,20 @@ fn a_granite_moe_gguf_converts_to_the_model_it_holds() {
         &meta,
         &[("token_embd.weight".to_string(), vec![m.vocab, m.hidden], vec![0.0; m.vocab * m.hidden])],
     );
+    let msg = "GraniteMoeShared's shared expert is not supported";
+    convert_refused(&gguf, &tmp.path().join("shared"), msg);
+}
+
+/// `gridlm convert` of `gguf` into `out` fails with one error line that holds `msg`, and
+/// writes no folder.
+fn convert_refused(gguf: &Path, out: &Path, msg: &str) {
     let mut cmd = std::process::Command::new(gridlm_bin());
-    cmd.args(["convert", "--gguf"]).arg(&gguf).arg("--out").arg(tmp.path().join("shared"));
+    cmd.args(["convert", "--gguf"]).arg(gguf).arg("--out").arg(out);
     let o = run_with_timeout(cmd, 60);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.lines().count() == 1, "{err}");
-    assert!(err.contains("GraniteMoeShared's shared expert is not supported"), "{err}");
+    let name = gguf.display();
+    assert!(!o.status.success() && err.lines().count() == 1 && err.contains(msg), "{name}: {err}");
+    assert!(!out.exists(), "{name}: a folder was written");
 }
 
 /// A Granite 3 GGUF (q and k rows interleaved as a llama's, the multipliers as llama.cpp's
@@ -932,13 +940,7 @@ fn a_granite_gguf_converts_to_the_model_it_holds() {
             tensors.extend(more);
             let gguf = tmp.path().join(format!("{name}.gguf"));
             write_gguf(&gguf, &all, &tensors);
-            let out = tmp.path().join(name);
-            let mut cmd = std::process::Command::new(gridlm_bin());
-            cmd.args(["convert", "--gguf"]).arg(&gguf).arg("--out").arg(&out);
-            let o = run_with_timeout(cmd, 60);
-            let err = String::from_utf8_lossy(&o.stderr);
-            assert!(!o.status.success() && err.lines().count() == 1 && err.contains(msg), "{name}: {err}");
-            assert!(!out.exists(), "{name}: a folder was written");
+            convert_refused(&gguf, &tmp.path().join(name), msg);
         };
     let mut no_logits = scales(Some(0.25));
     no_logits.retain(|(k, _)| k != "granite.logit_scale");
