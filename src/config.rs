@@ -355,6 +355,8 @@ impl ModelConfig {
         if let Some(text_model) = gemma3_text_config(text).map_err(bad)? {
             return Self::from_json(path, &text_model);
         }
+        let legacy = legacy_rope_keys(text).map_err(bad)?;
+        let text = legacy.as_deref().unwrap_or(text);
         let raw: HfConfig = serde_json::from_str(text).map_err(|e| bad(format!("invalid config: {e}")))?;
         let model_type = raw
             .model_type
@@ -503,6 +505,8 @@ impl ModelConfig {
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(4096);
         let rope_scaling = match &raw.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
+            // HF's unscaled RoPE, as transformers 5 names it.
+            Some(v) if [v.get("rope_type"), v.get("type")].iter().flatten().any(|t| *t == "default") => None,
             Some(v) => Some(
                 parse_rope_scaling(
                     v,
@@ -830,6 +834,77 @@ fn gemma3_text_config(text: &str) -> std::result::Result<Option<String>, String>
         merged.insert("eos_token_id".into(), eos.clone());
     }
     Ok(Some(serde_json::Value::Object(merged).to_string()))
+}
+
+/// A config in transformers 5's form, its RoPE settings in `rope_parameters` (`rope_theta`,
+/// `rope_type` and the scaling's numbers, `partial_rotary_factor`), rewritten into the keys
+/// transformers 4 wrote (`rope_theta`, `rope_scaling`, `partial_rotary_factor`) and the rest of
+/// this module reads; `None` where there is no `rope_parameters`. As HF 5 reads it, a value in
+/// `rope_parameters` wins over the same key beside it. Nested by layer type (Gemma 3's
+/// `full_attention` and `sliding_attention`), the full-attention layers' settings are the
+/// model's and the sliding layers' base is Gemma 3's `rope_local_base_freq`; other families
+/// rotate every layer alike, so theirs must be the same.
+fn legacy_rope_keys(text: &str) -> std::result::Result<Option<String>, String> {
+    let Ok(serde_json::Value::Object(mut v)) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Ok(None); // the full parse names what is wrong
+    };
+    let params = match v.remove("rope_parameters") {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::Object(p)) => p,
+        Some(other) => return Err(format!("rope_parameters is {other} (expected an object)")),
+    };
+    if v.get("rope_scaling").is_some_and(|s| !s.is_null()) {
+        return Err("both rope_scaling and rope_parameters are given (expected one: transformers 4 wrote the first, 5 writes the second)".into());
+    }
+    let layer_types = ["full_attention", "sliding_attention"];
+    let (full, sliding) = if layer_types.iter().any(|k| params.contains_key(*k)) {
+        let part = |k: &str| match params.get(k) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::Object(p)) => Ok(Some(p.clone())),
+            Some(other) => Err(format!("rope_parameters.{k} is {other} (expected an object)")),
+        };
+        if let Some(other) = params.keys().find(|k| !layer_types.contains(&k.as_str())) {
+            return Err(format!(
+                "rope_parameters has `{other}` beside its layer types (expected full_attention and sliding_attention only)"
+            ));
+        }
+        (part("full_attention")?, part("sliding_attention")?)
+    } else {
+        (Some(params), None)
+    };
+    let kind = |p: &serde_json::Map<String, serde_json::Value>| {
+        let t = p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str());
+        t.unwrap_or("default").to_string()
+    };
+    if let Some(sliding) = sliding {
+        let gemma3 = v.get("model_type").and_then(|t| t.as_str()) == Some("gemma3_text");
+        if gemma3 {
+            if kind(&sliding) != "default" {
+                return Err(format!(
+                    "rope_parameters.sliding_attention has rope_type `{}` (Gemma 3's local layers rotate unscaled: expected default)",
+                    kind(&sliding)
+                ));
+            }
+            if let Some(theta) = sliding.get("rope_theta") {
+                v.insert("rope_local_base_freq".into(), theta.clone());
+            }
+        } else if full.as_ref() != Some(&sliding) {
+            return Err(
+                "rope_parameters gives the sliding_attention layers RoPE settings of their own (read only for gemma3_text; expected the same as full_attention's)".into(),
+            );
+        }
+    }
+    if let Some(full) = full {
+        for key in ["rope_theta", "partial_rotary_factor"] {
+            if let Some(x) = full.get(key) {
+                v.insert(key.into(), x.clone());
+            }
+        }
+        if kind(&full) != "default" {
+            v.insert("rope_scaling".into(), serde_json::Value::Object(full));
+        }
+    }
+    Ok(Some(serde_json::Value::Object(v).to_string()))
 }
 
 /// SmolLM3's unrotated layers: from `no_rope_layers` (0 for a layer without RoPE, 1 for one
@@ -1318,6 +1393,81 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("`beta_fast` is -1"), "{e}");
+    }
+
+    /// transformers 5's `rope_parameters` read as the transformers 4 keys it replaces: flat,
+    /// nested by layer type (Gemma 3), its values winning over the same keys beside it.
+    #[test]
+    fn transformers5_rope_parameters() {
+        let rope = |c: &ModelConfig| (c.rope_theta, c.rope_scaling.clone(), c.rotary_dim, c.rope_local_theta);
+        let llama3 =
+            r#""factor":8,"low_freq_factor":1,"high_freq_factor":4,"original_max_position_embeddings":8192"#;
+        let v4 = parse(&config(
+            "llama",
+            &format!(r#""rope_theta":5e5,"rope_scaling":{{"rope_type":"llama3",{llama3}}}"#),
+        ));
+        let v5 = parse(&config(
+            "llama",
+            &format!(
+                r#""rope_theta":1e4,"rope_parameters":{{"rope_theta":5e5,"rope_type":"llama3",{llama3}}}"#
+            ),
+        ));
+        assert_eq!(rope(&v5.unwrap()), rope(&v4.unwrap()));
+        // Unscaled, by either version's name for it.
+        let c =
+            parse(&config("llama", r#""rope_parameters":{"rope_theta":5e5,"rope_type":"default"}"#)).unwrap();
+        assert_eq!(rope(&c), (5e5, None, 16, None));
+        let c = parse(&config("llama", r#""rope_scaling":{"type":"default"}"#)).unwrap();
+        assert_eq!(rope(&c), (1e4, None, 16, None));
+        // Part of a head (Phi-3's), and LongRoPE's original context beside the parameters.
+        let pairs = "[1,1,1,1,1,1]";
+        let phi = format!(
+            r#""original_max_position_embeddings":64,"max_position_embeddings":256,"rope_parameters":{{"rope_type":"longrope","rope_theta":1e4,"partial_rotary_factor":0.75,"short_factor":{pairs},"long_factor":{pairs}}}"#
+        );
+        let c = parse(&config("phi3", &phi)).unwrap();
+        assert_eq!((c.rotary_dim, c.long_rope_original()), (12, Some(64)));
+        // Gemma 3: the full-attention layers' settings, the sliding layers' base.
+        let nested = r#""rope_parameters":{"full_attention":{"rope_type":"linear","factor":8,"rope_theta":1e6},"sliding_attention":{"rope_type":"default","rope_theta":1e4}}"#;
+        let c = parse(&config("gemma3_text", nested)).unwrap();
+        assert_eq!(rope(&c), (1e6, Some(RopeScaling::Linear { factor: 8.0 }), 16, Some(1e4)));
+        let local = nested.replace("1e4", "5e4");
+        assert_eq!(parse(&config("gemma3_text", &local)).unwrap().rope_local_theta, Some(5e4));
+        // An image-and-text folder's text model.
+        let image_text = format!(r#"{{"model_type":"gemma3","text_config":{{"head_dim":16,{nested}}}}}"#);
+        let c = parse(&image_text).unwrap();
+        assert_eq!((c.rope_theta, c.rope_local_theta), (1e6, Some(1e4)));
+        let refused = [
+            ("llama", r#""rope_parameters":4"#, "rope_parameters is 4 (expected an object)"),
+            (
+                "llama",
+                r#""rope_scaling":{"rope_type":"linear","factor":2},"rope_parameters":{"rope_theta":1e4}"#,
+                "both rope_scaling and rope_parameters are given",
+            ),
+            (
+                "llama",
+                r#""rope_parameters":{"full_attention":{"rope_theta":1e4},"sliding_attention":{"rope_theta":1e6}}"#,
+                "sliding_attention layers RoPE settings of their own",
+            ),
+            (
+                "gemma3_text",
+                r#""rope_parameters":{"full_attention":{},"sliding_attention":{"rope_type":"linear","factor":2}}"#,
+                "sliding_attention has rope_type `linear`",
+            ),
+            (
+                "gemma3_text",
+                r#""rope_parameters":{"full_attention":{},"chunked":{}}"#,
+                "has `chunked` beside",
+            ),
+            (
+                "llama",
+                r#""rope_parameters":{"rope_type":"dynamic","factor":2}"#,
+                "unsupported rope_scaling type `dynamic`",
+            ),
+        ];
+        for (model, extra, msg) in refused {
+            let e = parse(&config(model, extra)).unwrap_err().to_string();
+            assert!(e.contains(msg) && e.starts_with("config.json: "), "{extra}: {e}");
+        }
     }
 
     #[test]

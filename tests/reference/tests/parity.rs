@@ -593,6 +593,86 @@ fn a_partial_longrope_phi3_matches_candle() {
     tiny_matches_candle_with("partial longrope phi3, a long prompt", &ours, &args, 8, candle);
 }
 
+/// `cfg` (a config as transformers 4 wrote it) as transformers 5 writes it: `rope_theta`,
+/// `rope_scaling` and `partial_rotary_factor` in `rope_parameters`, nested by layer type for
+/// Gemma 3 (its sliding layers' base from `rope_local_base_freq`).
+fn as_transformers5(cfg: &serde_json::Value) -> serde_json::Value {
+    let mut v = cfg.as_object().unwrap().clone();
+    let mut params = serde_json::Map::new();
+    params.insert("rope_type".into(), "default".into());
+    if let Some(serde_json::Value::Object(s)) = v.remove("rope_scaling") {
+        params.extend(s);
+        if let Some(t) = params.remove("type") {
+            params.insert("rope_type".into(), t);
+        }
+    }
+    for key in ["rope_theta", "partial_rotary_factor"] {
+        if let Some(x) = v.remove(key) {
+            params.insert(key.into(), x);
+        }
+    }
+    let params = match v.remove("rope_local_base_freq") {
+        Some(local) => serde_json::json!({
+            "full_attention": params,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }),
+        None => params.into(),
+    };
+    v.insert("rope_parameters".into(), params);
+    v.into()
+}
+
+/// Folders whose config.json is in transformers 5's form (the RoPE settings in
+/// `rope_parameters`), against candle on the same weights with the config in the form it
+/// reads: Llama 3's scaled RoPE (a base of 500000), Phi-4-mini's LongRoPE over three quarters
+/// of each head, and Gemma 3's settings nested by layer type (a global base of 10⁶, a local
+/// one of 20000; candle's Gemma 3 has no scaling to check a scaled one against). Read as before (an unknown key ignored: a base of
+/// 10000, no scaling, whole heads), each fails.
+#[test]
+fn transformers5_configs_match_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let v5 = |dir: &Path, cfg: &serde_json::Value| {
+        std::fs::write(dir.join("config.json"), as_transformers5(cfg).to_string()).unwrap();
+        assert!(folder_config(dir).get("rope_theta").is_none());
+    };
+    // Llama 3.
+    let dir = tmp.path().join("llama3");
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = gridlm_reference::TinyModel::llama3();
+    m.write(&dir);
+    let mut cfg = m.config();
+    cfg["rope_theta"] = 500000.0.into();
+    v5(&dir, &cfg);
+    tiny_matches_candle("transformers 5 llama3", &dir, candle_llama_forward(cfg, &dir));
+    // Phi-4-mini's RoPE.
+    let dir = tmp.path().join("phi3");
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = gridlm_reference::TinyModel::phi3();
+    m.write(&dir);
+    let mut cfg = folder_config(&dir);
+    cfg.as_object_mut().unwrap().extend(longrope_phi3().0.as_object().unwrap().clone());
+    v5(&dir, &cfg);
+    let candle = candle_longrope_phi3(&m, &dir, &cfg, &tmp.path().join("phi3-candle"));
+    tiny_matches_candle("transformers 5 phi3", &dir, candle);
+    // Gemma 3, its prompt one token at a time (as `random_gemma3_matches_candle_on_one_and_two_ranks`).
+    let dir = tmp.path().join("gemma3");
+    std::fs::create_dir_all(&dir).unwrap();
+    gridlm_reference::TinyModel::gemma3().write(&dir);
+    let mut cfg = folder_config(&dir);
+    cfg["rope_local_base_freq"] = 20000.0.into();
+    v5(&dir, &cfg);
+    let theirs: gemma3::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = gemma3::Model::new(false, &theirs, candle_weights(&dir)).unwrap();
+    tiny_matches_candle("transformers 5 gemma3", &dir, |ids, pos| {
+        let mut logits = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            let out = model.forward(&batch_of_one(&[id]), pos + i).unwrap();
+            logits = out.flatten_all().unwrap().to_vec1().unwrap();
+        }
+        logits
+    });
+}
+
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
 /// split over two ranks by heads (the norms' weights on both) and by layers, the same tokens
 /// and logits within 1e-4 of the single rank.
