@@ -43,6 +43,10 @@ pub enum Arch {
     /// IBM's GraniteMoE (`granitemoe`: Granite 3's 1B-A400M and 3B-A800M): Granite with
     /// Mixtral's mixture of experts on every layer, each layer's experts stacked in one tensor.
     GraniteMoe,
+    /// GLM-4-0414 (`glm4`): Llama with q/k/v biases, Phi-3's fused `gate_up_proj`, RoPE on
+    /// interleaved pairs over the first half of each head, and norms on the sublayers' outputs
+    /// too (`post_self_attn_layernorm`, `post_mlp_layernorm`).
+    Glm4,
 }
 
 impl Arch {
@@ -64,6 +68,7 @@ impl Arch {
             Arch::Granite => "granite",
             Arch::GraniteMoeHybrid => "granitemoehybrid",
             Arch::GraniteMoe => "granitemoe",
+            Arch::Glm4 => "glm4",
         }
     }
 }
@@ -123,7 +128,8 @@ pub enum NormPlace {
     Pre,
     /// On each sublayer's input and output (Gemma 2 and 3: `input_layernorm`,
     /// `pre_feedforward_layernorm`, and `post_attention_layernorm`, `post_feedforward_layernorm`
-    /// on the outputs before they join the residual stream).
+    /// on the outputs before they join the residual stream; GLM-4: `input_layernorm`,
+    /// `post_attention_layernorm`, and `post_self_attn_layernorm`, `post_mlp_layernorm`).
     Sandwich,
     /// On each sublayer's output only (OLMo 2: `post_attention_layernorm`,
     /// `post_feedforward_layernorm`); the inputs go in as they are.
@@ -223,6 +229,9 @@ pub struct ModelConfig {
     /// and `kv_dim`) between the projection and RoPE (OLMo 2): under tensor parallelism each
     /// rank's share of the squares is summed over the stage.
     pub qk_norm_full: bool,
+    /// RoPE rotates the pairs `(2i, 2i + 1)` of a head's rotated dimensions (GLM's
+    /// interleaved form) rather than `(i, i + rotary_dim/2)` (HF's "rotate half").
+    pub rope_interleaved: bool,
     /// Attend to at most this many previous positions (Mistral; Gemma 2 and 3's local layers);
     /// `None` = full causal.
     pub sliding_window: Option<usize>,
@@ -260,7 +269,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm4";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -379,6 +388,7 @@ impl ModelConfig {
             "granite" => Arch::Granite,
             "granitemoehybrid" => Arch::GraniteMoeHybrid,
             "granitemoe" => Arch::GraniteMoe,
+            "glm4" => Arch::Glm4,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -417,7 +427,8 @@ impl ModelConfig {
         let (attn_softcap, final_softcap) = (attn_softcap?, final_softcap?);
         // Biases these families would carry on o_proj and the FFN's matrices, which gridlm does
         // not load (Qwen2's q/k/v biases are its own, whatever `attention_bias` says).
-        if raw.attention_bias == Some(true) && !matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) {
+        // GLM-4's biases are on q, k and v alone (HF's GlmAttention has none on o_proj).
+        if raw.attention_bias == Some(true) && !matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::Glm4) {
             return Err(bad(format!(
                 "attention_bias = true (biases on q/k/v and o_proj) is not supported for {model_type}"
             )));
@@ -478,12 +489,17 @@ impl ModelConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(bad(format!("head_dim {head_dim} must be even and positive (RoPE rotates pairs)")));
         }
-        // Part of a head rotated, as HF's Phi-3 does (HF's other families here rotate whole heads).
-        let rotary_dim = match raw.partial_rotary_factor {
+        // Part of a head rotated, as HF's Phi-3 and GLM-4 do (half of it where GLM-4's config
+        // does not say; HF's other families here rotate whole heads).
+        let partial_rotary_factor = match arch {
+            Arch::Glm4 => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
+            _ => raw.partial_rotary_factor,
+        };
+        let rotary_dim = match partial_rotary_factor {
             None => head_dim,
-            Some(f) if f != 1.0 && arch != Arch::Phi3 => {
+            Some(f) if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::Glm4) => {
                 return Err(bad(format!(
-                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's)"
+                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's and glm4's)"
                 )));
             }
             Some(f) => {
@@ -497,7 +513,8 @@ impl ModelConfig {
             }
         };
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
-        let eps = raw.rms_norm_eps.unwrap_or(1e-6);
+        // HF's defaults where the config is silent (GLM-4's its own).
+        let eps = raw.rms_norm_eps.unwrap_or(if arch == Arch::Glm4 { 1.5625e-7 } else { 1e-6 });
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(bad(format!("rms_norm_eps {eps} must be a finite number, not negative")));
         }
@@ -582,7 +599,11 @@ impl ModelConfig {
             1.0 / (head_dim as f32).sqrt()
         };
         let moe = moe(arch, &raw).map_err(bad)?;
-        let eos_token_ids = token_ids(&raw.eos_token_id);
+        let mut eos_token_ids = token_ids(&raw.eos_token_id);
+        if arch == Arch::Glm4 && eos_token_ids.is_empty() {
+            // HF's Glm4Config: <|endoftext|>, <|user|>, <|observation|>.
+            eos_token_ids = vec![151329, 151336, 151338];
+        }
         Ok(ModelConfig {
             arch,
             hidden_size: raw.hidden_size,
@@ -600,9 +621,11 @@ impl ModelConfig {
             // HF's default where the folder says nothing: tied for Gemma and SmolLM3 (the first
             // Gemma's folders leave it out), untied for the others.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
-            qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
+            qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
+                || (arch == Arch::Glm4 && raw.attention_bias.unwrap_or(true)),
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
+            rope_interleaved: arch == Arch::Glm4,
             sliding_window,
             local_layers,
             rope_local_theta,
@@ -611,7 +634,7 @@ impl ModelConfig {
             norm_plus_one: gemma,
             scale_embedding: gemma,
             norm_place: match arch {
-                Arch::Gemma2 | Arch::Gemma3 => NormPlace::Sandwich,
+                Arch::Gemma2 | Arch::Gemma3 | Arch::Glm4 => NormPlace::Sandwich,
                 Arch::Olmo2 => NormPlace::Post,
                 _ => NormPlace::Pre,
             },
@@ -1307,6 +1330,26 @@ mod tests {
         assert_eq!(c.sliding_window, None);
         let e = parse(&config("phi3", r#""sliding_window":0"#)).unwrap_err().to_string();
         assert!(e.contains("sliding_window is 0"), "{e}");
+    }
+
+    /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,
+    /// q/k/v biases, its norm epsilon and end tokens), interleaved pairs, four norms.
+    #[test]
+    fn glm4_defaults_and_settings() {
+        let c = parse(&BASE.replace("llama", "glm4")).unwrap();
+        assert_eq!((c.arch, c.rotary_dim, c.qkv_bias, c.rope_interleaved), (Arch::Glm4, 8, true, true));
+        assert_eq!((c.rms_norm_eps, c.eos_token_ids.clone()), (1.5625e-7, vec![151329, 151336, 151338]));
+        assert_eq!(
+            (c.norm_place, c.norm_plus_one, c.tie_word_embeddings),
+            (NormPlace::Sandwich, false, false)
+        );
+        let c = parse(&config(
+            "glm4",
+            r#""partial_rotary_factor":1.0,"attention_bias":false,"rms_norm_eps":1e-5,"eos_token_id":[7]"#,
+        ))
+        .unwrap();
+        assert_eq!((c.rotary_dim, c.qkv_bias, c.rms_norm_eps, c.eos_token_ids), (16, false, 1e-5, vec![7]));
+        assert!(!parse(&BASE.replace("llama", "qwen2")).unwrap().rope_interleaved);
     }
 
     #[test]

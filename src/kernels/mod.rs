@@ -83,6 +83,20 @@ pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// [`rope`] on interleaved pairs, as GLM rotates: pairs are `(2i, 2i + 1)` of each head's
+/// first `2 · cos.len()` dimensions.
+pub fn rope_interleaved(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    debug_assert!(2 * half <= head_dim && sin.len() == half);
+    for h in x.chunks_exact_mut(head_dim) {
+        for (i, p) in h[..2 * half].chunks_exact_mut(2).enumerate() {
+            let (x0, x1) = (p[0], p[1]);
+            p[0] = x0 * cos[i] - x1 * sin[i];
+            p[1] = x1 * cos[i] + x0 * sin[i];
+        }
+    }
+}
+
 /// How attention scores are formed from the dot products of a query with its keys: times
 /// `scale`, then, with a cap `c`, `c · tanh(s / c)` (Gemma 2's soft-capping).
 #[derive(Debug, Clone, Copy, PartialEq)]

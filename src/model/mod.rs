@@ -190,7 +190,8 @@ type StoredRows = (String, Vec<usize>, usize);
 
 /// Where layer `i`'s q, k, v, gate and up rows are stored: each in a tensor of its own, or,
 /// in Phi-3 checkpoints, q, k and v one after the other in `qkv_proj` and gate and up in
-/// `gate_up_proj` (Granite 4: gate and up in `shared_mlp.input_linear`).
+/// `gate_up_proj` (GLM-4: gate and up in `gate_up_proj`; Granite 4: in
+/// `shared_mlp.input_linear`).
 fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     let (h, ff, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
     let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -209,8 +210,11 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
                 at(gate_up, 2 * ff, ff),
             ]
         }
-        Arch::GraniteMoeHybrid => {
-            let gate_up = "shared_mlp.input_linear.weight";
+        Arch::GraniteMoeHybrid | Arch::Glm4 => {
+            let gate_up = match cfg.arch {
+                Arch::Glm4 => "mlp.gate_up_proj.weight",
+                _ => "shared_mlp.input_linear.weight",
+            };
             [
                 separate("q", qd),
                 separate("k", kvd),
@@ -243,6 +247,12 @@ fn layer_norm_names(cfg: &ModelConfig) -> [Option<&'static str>; 4] {
         (Some("post_attention_layernorm.weight"), Some("post_feedforward_layernorm.weight"));
     match cfg.norm_place {
         NormPlace::Pre => [input, post_attention, None, None],
+        NormPlace::Sandwich if cfg.arch == Arch::Glm4 => [
+            input,
+            post_attention,
+            Some("post_self_attn_layernorm.weight"),
+            Some("post_mlp_layernorm.weight"),
+        ],
         NormPlace::Sandwich => [input, Some("pre_feedforward_layernorm.weight"), post_attention, post_ffn],
         NormPlace::Post => [None, None, post_attention, post_ffn],
     }
@@ -1219,7 +1229,12 @@ impl Shard {
                     LayerRope::Local => (cos_local, sin_local),
                     LayerRope::None => return,
                 };
-                kernels::rope(out, hd, &cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                let (cos, sin) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                if cfg.rope_interleaved {
+                    kernels::rope_interleaved(out, hd, cos, sin);
+                } else {
+                    kernels::rope(out, hd, cos, sin);
+                }
             }
         };
         let x_io = SharedSlice::new(x);
@@ -1955,13 +1970,14 @@ mod tests {
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors; Granite 4 from fused
-        // gate/up (`shared_mlp`) tensors; GraniteMoE: Mixtral's shape, each layer's experts
+        // gate/up (`shared_mlp`) tensors; GLM-4: Qwen2's with fused gate/up and four norms; GraniteMoE: Mixtral's shape, each layer's experts
         // read from stacked tensors.
         let shapes = [
             ("qwen2-0.5b", None),
             ("qwen3-0.6b", None),
             ("llama-3.2-1b", Some(Arch::Phi3)),
             ("llama-3.2-1b", Some(Arch::GraniteMoeHybrid)),
+            ("qwen2-0.5b", Some(Arch::Glm4)),
             ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
@@ -1973,6 +1989,10 @@ mod tests {
         for ((shape, arch), tied) in shapes.into_iter().flat_map(|s| [(s, true), (s, false)]) {
             let mut cfg = synthetic::shape(shape).unwrap();
             cfg.arch = arch.unwrap_or(cfg.arch);
+            if cfg.arch == Arch::Glm4 {
+                // Its four norms by their names, q/k/v biases beside fused gate/up rows.
+                cfg.norm_place = NormPlace::Sandwich;
+            }
             (cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 8, 9, 3);
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);
             if let Some(moe) = &mut cfg.moe {

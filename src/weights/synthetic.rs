@@ -88,6 +88,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
         qk_norm_full: arch == Arch::Olmo2,
+        rope_interleaved: false,
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
             "gemma3-4b" => 1024,

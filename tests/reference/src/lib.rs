@@ -263,6 +263,12 @@ impl TinyModel {
     pub fn phi3() -> Self {
         TinyModel { model_type: "phi3", vocab: 300, inter: 160, ..Self::qwen2() }
     }
+    /// GLM-4-style (`glm4`, GLM-4-0414): Qwen2's shape and q/k/v biases, gate and up rows in one
+    /// `gate_up_proj` (as Phi-3's), RoPE on interleaved pairs of the first half of each head,
+    /// and RMSNorms on the attention's and the FFN's outputs too.
+    pub fn glm4() -> Self {
+        TinyModel { model_type: "glm4", ..Self::qwen2() }
+    }
     /// Gemma 3-style (`gemma3_text`): norms stored less one, sandwich norms around attention
     /// and FFN, per-head q/k norms, GELU, a scaled embedding, heads wider than `hidden /
     /// heads`; layers 0, 1 and 3 local (a window of 4 positions, their own RoPE base), layer 2
@@ -446,6 +452,7 @@ impl TinyModel {
             "granite" => "GraniteForCausalLM",
             "granitemoehybrid" => "GraniteMoeHybridForCausalLM",
             "granitemoe" => "GraniteMoeForCausalLM",
+            "glm4" => "Glm4ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -472,6 +479,12 @@ impl TinyModel {
         }
         if self.model_type == "olmo2" {
             cfg["clip_qkv"] = serde_json::Value::Null;
+        }
+        if self.model_type == "glm4" {
+            let glm = serde_json::json!({
+                "partial_rotary_factor": 0.5, "attention_bias": true, "head_dim": self.hd(),
+            });
+            cfg.as_object_mut().unwrap().extend(glm.as_object().unwrap().clone());
         }
         if let Some((experts, per_token, width)) = self.experts {
             let moe = if self.mixtral_like() {
@@ -563,10 +576,14 @@ impl TinyModel {
                 add(p("pre_feedforward_layernorm.weight"), vec![h], 0.2, norm);
                 add(p("post_feedforward_layernorm.weight"), vec![h], 0.2, norm);
             }
+            if self.model_type == "glm4" {
+                add(p("post_self_attn_layernorm.weight"), vec![h], 0.2, norm);
+                add(p("post_mlp_layernorm.weight"), vec![h], 0.2, norm);
+            }
             add(p("self_attn.q_proj.weight"), vec![self.heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.k_proj.weight"), vec![self.kv_heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
-            if self.model_type.starts_with("qwen2") {
+            if self.model_type.starts_with("qwen2") || self.model_type == "glm4" {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
@@ -617,6 +634,9 @@ impl TinyModel {
                 ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
                 "self_attn.qkv_proj.weight",
             );
+            out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
+        }
+        if self.model_type == "glm4" {
             out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
         }
         if self.model_type == "granitemoe" {

@@ -6,8 +6,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3,
-    qwen3_moe,
+    gemma, gemma2, gemma3, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2,
+    qwen2_moe, qwen3, qwen3_moe,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
@@ -671,6 +671,23 @@ fn transformers5_configs_match_candle() {
         }
         logits
     });
+}
+
+/// GLM-4-0414 against candle's `glm4_new`: q/k/v biases, the fused `gate_up_proj`, RoPE on
+/// interleaved pairs over half of each head, norms on both sublayers' outputs. Split over two
+/// ranks by heads (one KV head each) and by layers, the same tokens and logits within 1e-4 of
+/// the single rank.
+#[test]
+fn random_glm4_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    gridlm_reference::TinyModel::glm4().write(dir);
+    let cfg: glm4_new::Config = serde_json::from_value(folder_config(dir)).unwrap();
+    let mut model = glm4_new::ModelForCausalLM::new(&cfg, candle_weights(dir)).unwrap();
+    let single = tiny_matches_candle("random glm4", dir, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    same_on_two_ranks("random glm4", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
