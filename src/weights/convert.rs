@@ -51,13 +51,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("gemma3", "Gemma3ForCausalLM", Arch::Gemma3),
         ("granite", "GraniteForCausalLM", Arch::Granite),
         ("granitemoe", "GraniteMoeForCausalLM", Arch::GraniteMoe),
+        ("glm4", "Glm4ForCausalLM", Arch::Glm4),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite or granitemoe)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe or glm4)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -125,7 +126,8 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         "max_position_embeddings": g.get(&key("context_length")).and_then(|v| v.as_u64()).unwrap_or(2048),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
-        "attention_bias": arch.starts_with("qwen2"),
+        // GLM-4's q/k/v biases, where its GGUF holds them.
+        "attention_bias": arch.starts_with("qwen2") || (arch == "glm4" && g.tensor("blk.0.attn_q.bias").is_some()),
         "torch_dtype": match dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
         "rope_scaling": rope_scaling(&g, &arch, theta, head_dim)?,
     });
@@ -172,19 +174,21 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if matches!(family, Arch::Granite | Arch::GraniteMoe) {
         granite_config(&g, &arch, head_dim, &mut config)?;
     }
-    // RoPE over part of a head: Phi-4-mini's `partial_rotary_factor`, HF's reading of which
-    // (`int(head_dim · factor)`) must give the GGUF's dimensions back.
-    if let Some(d) = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()) {
-        let d = d as usize;
+    // RoPE over part of a head: Phi-4-mini's and GLM-4's `partial_rotary_factor`, HF's reading
+    // of which (`int(head_dim · factor)`) must give the GGUF's dimensions back. GLM-4's is
+    // always written, as HF's default there is one half, llama.cpp's the whole head.
+    let partial_arch = arch == "phi3" || arch == "glm4";
+    let rotated = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()).map(|d| d as usize);
+    if let Some(d) = rotated.or((arch == "glm4").then_some(head_dim)) {
         let factor = d as f64 / head_dim as f64;
-        let partial = arch == "phi3" && d > 0 && d < head_dim && d.is_multiple_of(2);
-        if partial && (head_dim as f64 * factor) as usize == d {
+        let partial = partial_arch && d > 0 && d < head_dim && d.is_multiple_of(2);
+        if partial && (head_dim as f64 * factor) as usize == d || (arch == "glm4" && d == head_dim) {
             config["partial_rotary_factor"] = factor.into();
         } else if d != head_dim {
             let msg = format!(
                 "`{}` is {d}: RoPE over part of a head's {head_dim} dimensions is not supported{}",
                 key("rope.dimension_count"),
-                if arch == "phi3" { " (but an even number of them)" } else { " (but for Phi-3's)" }
+                if partial_arch { " (but an even number of them)" } else { " (but for Phi-3's and GLM-4's)" }
             );
             return Err(Error::file(gguf_path, msg));
         }
@@ -863,6 +867,9 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
             "post_attention_layernorm.weight"
         }
         "post_ffw_norm.weight" if arch == "gemma2" || arch == "gemma3" => "post_feedforward_layernorm.weight",
+        // GLM-4's norms of the attention's and the FFN's outputs.
+        "post_attention_norm.weight" if arch == "glm4" => "post_self_attn_layernorm.weight",
+        "post_ffw_norm.weight" if arch == "glm4" => "post_mlp_layernorm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
         "attn_q.weight" => "self_attn.q_proj.weight",
         "attn_k.weight" => "self_attn.k_proj.weight",
@@ -874,9 +881,10 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
         "attn_k_norm.weight" => "self_attn.k_norm.weight",
         "attn_output.weight" => "self_attn.o_proj.weight",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
-        // Phi-3's fused q, k and v rows, and gate and up rows (twice the FFN's width).
+        // Phi-3's fused q, k and v rows, and gate and up rows (twice the FFN's width; GLM-4's
+        // too).
         "attn_qkv.weight" if arch == "phi3" => "self_attn.qkv_proj.weight",
-        "ffn_up.weight" if arch == "phi3" => "mlp.gate_up_proj.weight",
+        "ffn_up.weight" if arch == "phi3" || arch == "glm4" => "mlp.gate_up_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
         _ => return None,
@@ -913,17 +921,20 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
 
 /// The tokenizer's post-processor: byte-level (of a byte-level BPE), then the BOS and EOS tokens
 /// around a text where the GGUF asks for them (`tokenizer.ggml.add_bos_token`, BOS where it says
-/// nothing if `bos_unless_said`; `add_eos_token`), as HF's own tokenizer.json files add them.
+/// nothing if `bos_unless_said`; never if `no_bos`, as llama.cpp reads GLM's vocabularies;
+/// `add_eos_token`), as HF's own tokenizer.json files add them.
 fn post_processor(
     g: &Gguf,
     tokens: &[&str],
     byte_level: bool,
     bos_unless_said: bool,
+    no_bos: bool,
 ) -> Result<Option<PostProcessorWrapper>> {
     let byte_level = byte_level.then(|| ByteLevel::new(true, false, true).into());
     let mut special = Vec::new();
     for (which, unless_said) in [("bos", bos_unless_said), ("eos", false)] {
         let add = g.get(&format!("tokenizer.ggml.add_{which}_token")).and_then(|v| v.as_bool());
+        let add = add.filter(|_| !(no_bos && which == "bos"));
         let key = format!("tokenizer.ggml.{which}_token_id");
         // A token asked for must be there; one only assumed may be missing.
         if !add.unwrap_or(unless_said) || (add.is_none() && g.get(&key).is_none()) {
@@ -970,6 +981,11 @@ fn post_processor(
 /// tokens taken whole (`ignore_merges`) and BOS first by default.
 const LLAMA3_PRES: [&str; 4] = ["llama-bpe", "llama3", "llama-v3", "falcon3"];
 
+/// GLM-4's vocabularies (`chatglm-bpe` GLM-4-9B-chat's, `glm4` GLM-4-0414's): Llama 3's
+/// regex; llama.cpp never puts a BOS token before their text (their chat templates begin with
+/// `[gMASK]<sop>` themselves), and takes a word that is a token whole in `glm4`'s.
+const GLM_PRES: [&str; 2] = ["chatglm-bpe", "glm4"];
+
 /// Pre-tokenizers for llama.cpp's `tokenizer.ggml.pre` names, with the regexes of the HF
 /// tokenizer.json files they stand for (split in turn, each piece kept), then byte-level.
 fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
@@ -988,7 +1004,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
         "gpt-2" | "gpt2" | "default" => Ok(ByteLevel::new(false, true, true).into()),
-        p if LLAMA3_PRES.contains(&p) => split(&[
+        p if LLAMA3_PRES.contains(&p) || GLM_PRES.contains(&p) => split(&[
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ]),
         "qwen2" | "deepseek-r1-qwen" => split(&[
@@ -1018,8 +1034,9 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         other => Err(Error::file(
             path,
             format!(
-                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
-                LLAMA3_PRES.join(", ")
+                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
+                LLAMA3_PRES.join(", "),
+                GLM_PRES.join(", ")
             ),
         )),
     }
@@ -1071,7 +1088,8 @@ fn tokenizer_of(g: &Gguf) -> Result<Vocabulary> {
     // the merges would make of it (HF's `ignore_merges`), and puts BOS first unless the GGUF
     // says otherwise, as llama.cpp reads it; so does SentencePiece's.
     let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
-    let llama3 = byte_level && (LLAMA3_PRES.contains(&pre) || pre == "tekken");
+    let llama3 = byte_level && (LLAMA3_PRES.contains(&pre) || pre == "tekken" || pre == "glm4");
+    let no_bos = byte_level && GLM_PRES.contains(&pre);
     let mut tok = if byte_level {
         let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
             .iter()
@@ -1098,7 +1116,13 @@ fn tokenizer_of(g: &Gguf) -> Result<Vocabulary> {
             name_of("tokenizer.ggml.unknown_token_id").or(tokens.iter().copied().find(|t| *t == "<unk>"));
         sentencepiece(g, &tokens, vocab, unk)?
     };
-    tok.with_post_processor(post_processor(g, &tokens, byte_level, llama3 || !byte_level)?);
+    tok.with_post_processor(post_processor(
+        g,
+        &tokens,
+        byte_level,
+        (llama3 && !no_bos) || !byte_level,
+        no_bos,
+    )?);
     // Control (3) and user-defined (4) tokens are matched whole before BPE runs.
     let added: Vec<AddedToken> = tokens
         .iter()
@@ -1115,7 +1139,7 @@ fn tokenizer_of(g: &Gguf) -> Result<Vocabulary> {
         "eos_token": name("tokenizer.ggml.eos_token_id"),
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
         "pad_token": name("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(llama3 || !byte_level),
+        "add_bos_token": !no_bos && g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(llama3 || !byte_level),
         "model_max_length": g.get(&format!("{}.context_length", meta_str(g, "general.architecture")?)).and_then(|v| v.as_u64()).unwrap_or(2048),
     });
     if let Some(t) = g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {

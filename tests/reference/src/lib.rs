@@ -729,7 +729,7 @@ pub const GGUF_NAMES: [(&str, &str); 3] = [
     ("output_norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
 ];
-pub const GGUF_LAYER_NAMES: [(&str, &str); 16] = [
+pub const GGUF_LAYER_NAMES: [(&str, &str); 18] = [
     ("attn_norm.weight", "input_layernorm.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("attn_q.weight", "self_attn.q_proj.weight"),
@@ -747,6 +747,9 @@ pub const GGUF_LAYER_NAMES: [(&str, &str); 16] = [
     // Phi-3's fused rows (after the llama names, which GGUF names map to first).
     ("attn_qkv.weight", "self_attn.qkv_proj.weight"),
     ("ffn_up.weight", "mlp.gate_up_proj.weight"),
+    // GLM-4's norms of the sublayers' outputs.
+    ("post_attention_norm.weight", "post_self_attn_layernorm.weight"),
+    ("post_ffw_norm.weight", "post_mlp_layernorm.weight"),
 ];
 
 /// A tensor's name in one naming (`from_gguf`: llama.cpp's to HuggingFace's, else back).

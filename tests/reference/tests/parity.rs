@@ -1444,6 +1444,41 @@ fn a_llama3_gguf_converts_to_the_model_it_holds() {
     assert_eq!(run.prompt_ids.iter().filter(|&&t| t == LLAMA3_BOS).count(), 1, "{:?}", run.prompt_ids);
 }
 
+/// A GLM-4 GGUF as llama.cpp writes one (gate and up rows as `ffn_up`, the output norms as
+/// `post_attention_norm` and `post_ffw_norm`, q and k rows as HF has them, the rotated part of a
+/// head as `rope.dimension_count`, the `glm4` vocabulary with a BOS token it asks for, which
+/// llama.cpp never puts first) converts into the model it holds, its config saying half of each
+/// head rotated and the q/k/v biases; gridlm on it agrees with candle's `glm4_new`, and no BOS
+/// token comes first. Without `rope.dimension_count` the whole head is rotated, as llama.cpp
+/// reads it, which the folder must say (HF's default is half).
+#[test]
+fn a_glm4_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::glm4();
+    let out = tmp.path().join("folder");
+    let meta = |rotated: Option<u32>| {
+        let mut meta = vec![
+            ("tokenizer.ggml.pre".to_string(), GgufValue::Str("glm4".into())),
+            ("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(LLAMA3_BOS)),
+            ("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)),
+        ];
+        meta.extend(rotated.map(|d| ("glm4.rope.dimension_count".to_string(), GgufValue::U32(d))));
+        meta
+    };
+    gguf_with_converts_to_the_model_it_holds(&m, "glm4", &out, meta(Some(8)), Vec::new());
+    let want =
+        serde_json::json!({"model_type": "glm4", "partial_rotary_factor": 0.5, "attention_bias": true});
+    let cfg: glm4_new::Config = serde_json::from_value(converted_config(&out, want, m.layers)).unwrap();
+    let mut model = glm4_new::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
+    let run = tiny_matches_candle("converted glm4", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    assert!(!run.prompt_ids.contains(&LLAMA3_BOS), "{:?}", run.prompt_ids);
+    let whole = tmp.path().join("whole");
+    gguf_with_converts_to_the_model_it_holds(&m, "glm4", &whole, meta(None), Vec::new());
+    converted_config(&whole, serde_json::json!({"partial_rotary_factor": 1.0}), m.layers);
+}
+
 /// A Phi-3 GGUF (q, k and v rows fused as `attn_qkv`, gate and up as `ffn_up`, a sliding window
 /// in the metadata) converts into the model it holds, on which gridlm agrees with candle's
 /// `phi3`.
