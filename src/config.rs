@@ -269,7 +269,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm4";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm4, and the image-and-text gemma3 and mistral3 (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -361,7 +361,7 @@ impl ModelConfig {
     /// Parses and validates config text; `path` is only used in error messages.
     pub fn from_json(path: &Path, text: &str) -> Result<Self> {
         let bad = |msg: String| Error::file(path, msg);
-        if let Some(text_model) = gemma3_text_config(text).map_err(bad)? {
+        if let Some(text_model) = image_text_config(text).map_err(bad)? {
             return Self::from_json(path, &text_model);
         }
         let legacy = legacy_rope_keys(text).map_err(bad)?;
@@ -827,32 +827,56 @@ fn granite_hybrid_dense_ffn(raw: &HfConfig) -> std::result::Result<usize, String
     Ok(raw.shared_intermediate_size.unwrap_or(1024))
 }
 
-/// A Gemma 3 image-and-text folder's config (`model_type: gemma3`) as its text model's
-/// (`gemma3_text`): its `text_config` over HF's defaults, with the folder's own end-of-sequence
-/// ids. `None` for any other config. The text model's weights are found under the folder's
-/// `language_model` prefix (`weights::checkpoint`); the image tower's are never read.
-fn gemma3_text_config(text: &str) -> std::result::Result<Option<String>, String> {
+/// An image-and-text folder's config as its text model's: Gemma 3's (`model_type: gemma3`, its
+/// text model `gemma3_text`) or Mistral Small 3.x's (`mistral3`, its text model `mistral`), the
+/// `text_config` over HF's defaults for that text model, with the folder's own end-of-sequence
+/// ids where it gives them. `None` for any other config. The text model's weights are found
+/// under the folder's `language_model` prefix (`weights::checkpoint`); the image tower's are
+/// never read.
+fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else {
         return Ok(None); // the full parse names what is wrong
     };
-    if v.get("model_type").and_then(|t| t.as_str()) != Some("gemma3") {
-        return Ok(None);
-    }
-    let Some(serde_json::Value::Object(given)) = v.get("text_config") else {
-        return Err("model_type `gemma3` without an object `text_config` (its text model's settings)".into());
+    let outer = v.get("model_type").and_then(|t| t.as_str()).unwrap_or_default();
+    // HF's defaults for the fields such a folder's `text_config` leaves out (Gemma3TextConfig's,
+    // MistralConfig's), and the text model's type.
+    let (inner, defaults) = match outer {
+        "gemma3" => (
+            "gemma3_text",
+            serde_json::json!({
+                "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": true,
+                "rope_theta": 1000000.0, "attention_bias": false, "query_pre_attn_scalar": 256,
+                "sliding_window": 4096, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+            }),
+        ),
+        "mistral3" => (
+            "mistral",
+            serde_json::json!({
+                "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": false, "rope_theta": 10000.0,
+                "sliding_window": 4096,
+            }),
+        ),
+        _ => return Ok(None),
     };
-    // HF's defaults for the fields such a folder's `text_config` leaves out (Gemma3TextConfig's).
-    let defaults = serde_json::json!({
-        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": true,
-        "rope_theta": 1000000.0, "attention_bias": false, "query_pre_attn_scalar": 256,
-        "sliding_window": 4096, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
-    });
+    let Some(serde_json::Value::Object(given)) = v.get("text_config") else {
+        return Err(format!(
+            "model_type `{outer}` without an object `text_config` (its text model's settings)"
+        ));
+    };
+    if let Some(t) = given.get("model_type").and_then(|t| t.as_str()).filter(|t| *t != inner) {
+        return Err(format!(
+            "model_type `{outer}` whose text_config has model_type `{t}` (expected {inner})"
+        ));
+    }
     let mut merged = defaults.as_object().cloned().unwrap_or_default();
     merged.extend(given.clone());
-    merged.insert("model_type".into(), "gemma3_text".into());
+    merged.insert("model_type".into(), inner.into());
     if let Some(eos) = v.get("eos_token_id") {
         merged.insert("eos_token_id".into(), eos.clone());
     }
@@ -1332,6 +1356,40 @@ mod tests {
         assert!(e.contains("sliding_window is 0"), "{e}");
     }
 
+    /// Mistral Small 3.x's image-and-text folder (`mistral3`): its text model, a Mistral, with
+    /// MistralConfig's defaults where `text_config` is silent.
+    #[test]
+    fn mistral3_reads_its_text_model() {
+        let folder = r#"{"model_type":"mistral3","vision_config":{"hidden_size":1024},"image_token_index":10,
+            "text_config":{"head_dim":128,"hidden_size":5120,"intermediate_size":32768,"num_hidden_layers":40,
+            "max_position_embeddings":131072,"model_type":"mistral","rms_norm_eps":1e-05,
+            "rope_theta":1000000000.0,"sliding_window":null,"vocab_size":131072}}"#;
+        let c = parse(folder).unwrap();
+        assert_eq!(
+            (c.arch, c.hidden_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size),
+            (Arch::Mistral, 5120, 40, 32, 8, 128, 131072)
+        );
+        assert_eq!(
+            (c.rope_theta, c.sliding_window, c.rms_norm_eps, c.tie_word_embeddings),
+            (1e9, None, 1e-5, false)
+        );
+        assert_eq!(c.eos_token_ids, vec![2]);
+        // MistralConfig's window where the text model says nothing.
+        let c = parse(r#"{"model_type":"mistral3","text_config":{"max_position_embeddings":8192}}"#).unwrap();
+        assert_eq!((c.hidden_size, c.sliding_window), (4096, Some(4096)));
+        let refused = [
+            (r#"{"model_type":"mistral3"}"#, "model_type `mistral3` without an object `text_config`"),
+            (
+                r#"{"model_type":"mistral3","text_config":{"model_type":"ministral3"}}"#,
+                "text_config has model_type `ministral3` (expected mistral)",
+            ),
+        ];
+        for (text, msg) in refused {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.contains(msg), "{text}: {e}");
+        }
+    }
+
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,
     /// q/k/v biases, its norm epsilon and end tokens), interleaved pairs, four norms.
     #[test]
@@ -1579,6 +1637,8 @@ mod tests {
         assert!(c.tie_word_embeddings && c.qk_norm && c.norm_place == NormPlace::Sandwich);
         let e = parse(r#"{"model_type":"gemma3"}"#).unwrap_err().to_string();
         assert!(e.contains("model_type `gemma3` without an object `text_config`"), "{e}");
+        let e = parse(r#"{"model_type":"gemma3","text_config":{"model_type":"gemma2"}}"#).unwrap_err();
+        assert!(e.to_string().contains("text_config has model_type `gemma2` (expected gemma3_text)"), "{e}");
         // Logit soft-capping is Gemma's; other families ignore the fields, as HF does.
         let caps = r#""attn_logit_softcapping":50.0,"final_logit_softcapping":30.0"#;
         let c = parse(&config("llama", caps)).unwrap();

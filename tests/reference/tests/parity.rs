@@ -418,7 +418,16 @@ macro_rules! tiny_against_candle {
 #[test]
 fn random_mistral_matches_candle() {
     let tmp = tempfile::tempdir().unwrap();
-    tiny_against_candle!(mistral, Model, tmp.path());
+    let single = tiny_against_candle!(mistral, Model, tmp.path());
+    // As Mistral Small 3.x's image-and-text folders (`mistral3`) hold it.
+    let defaults = ["rms_norm_eps", "hidden_act", "tie_word_embeddings"];
+    same_as_image_and_text(
+        tmp.path(),
+        &single,
+        gridlm_reference::TinyModel::mistral(),
+        "mistral3",
+        &defaults,
+    );
 }
 
 #[test]
@@ -763,14 +772,32 @@ fn random_gemma3_with_ringed_local_layers_matches_candle() {
 /// leaving out the fields whose values are HF's defaults): the same tokens and logits, bit for
 /// bit, as the text-only folder gave (`single`).
 fn same_as_an_image_and_text_folder(dir: &Path, single: &Run) {
+    let defaults = [
+        "rope_local_base_freq",
+        "rms_norm_eps",
+        "hidden_activation",
+        "attention_bias",
+        "tie_word_embeddings",
+    ];
+    same_as_image_and_text(dir, single, gridlm_reference::TinyModel::gemma3(), "gemma3", &defaults);
+}
+
+/// [`same_as_an_image_and_text_folder`] of the random model `m` in `dir`, as a folder of
+/// `model_type` `outer` whose `text_config` leaves out the fields `defaults`.
+fn same_as_image_and_text(
+    dir: &Path,
+    single: &Run,
+    m: gridlm_reference::TinyModel,
+    outer: &str,
+    defaults: &[&str],
+) {
     let mut text_config = folder_config(dir).as_object().unwrap().clone();
-    for default in
-        ["rope_local_base_freq", "rms_norm_eps", "hidden_activation", "attention_bias", "tie_word_embeddings"]
-    {
-        assert!(text_config.remove(default).is_some(), "{default}");
+    for default in defaults {
+        assert!(text_config.remove(*default).is_some(), "{default}");
     }
     let config = serde_json::json!({
-        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "architectures": [format!("{}ForConditionalGeneration", if outer == "gemma3" { "Gemma3" } else { "Mistral3" })],
+        "model_type": outer,
         "text_config": text_config, "vision_config": {"hidden_size": 8}, "eos_token_id": 0,
     });
     for (model, head) in
@@ -780,7 +807,7 @@ fn same_as_an_image_and_text_folder(dir: &Path, single: &Run) {
         let folder = tmp.path();
         std::fs::copy(dir.join("tokenizer.json"), folder.join("tokenizer.json")).unwrap();
         std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
-        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = gridlm_reference::TinyModel::gemma3()
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = m
             .tensors()
             .into_iter()
             .map(|(name, shape, v)| {
