@@ -47,6 +47,9 @@ pub enum Arch {
     /// interleaved pairs over the first half of each head, and norms on the sublayers' outputs
     /// too (`post_self_attn_layernorm`, `post_mlp_layernorm`).
     Glm4,
+    /// The first GLM-4 in HF's form (`glm`: glm-4-9b-chat-hf): GLM-4-0414 without the norms of
+    /// the sublayers' outputs.
+    Glm,
 }
 
 impl Arch {
@@ -69,6 +72,7 @@ impl Arch {
             Arch::GraniteMoeHybrid => "granitemoehybrid",
             Arch::GraniteMoe => "granitemoe",
             Arch::Glm4 => "glm4",
+            Arch::Glm => "glm",
         }
     }
 }
@@ -269,7 +273,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm4, and the image-and-text gemma3 and mistral3 (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, and the image-and-text gemma3 and mistral3 (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -389,6 +393,7 @@ impl ModelConfig {
             "granitemoehybrid" => Arch::GraniteMoeHybrid,
             "granitemoe" => Arch::GraniteMoe,
             "glm4" => Arch::Glm4,
+            "glm" => Arch::Glm,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -427,8 +432,9 @@ impl ModelConfig {
         let (attn_softcap, final_softcap) = (attn_softcap?, final_softcap?);
         // Biases these families would carry on o_proj and the FFN's matrices, which gridlm does
         // not load (Qwen2's q/k/v biases are its own, whatever `attention_bias` says).
-        // GLM-4's biases are on q, k and v alone (HF's GlmAttention has none on o_proj).
-        if raw.attention_bias == Some(true) && !matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::Glm4) {
+        // GLM's biases are on q, k and v alone (HF's GlmAttention has none on o_proj).
+        let glm = matches!(arch, Arch::Glm | Arch::Glm4);
+        if raw.attention_bias == Some(true) && !matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) && !glm {
             return Err(bad(format!(
                 "attention_bias = true (biases on q/k/v and o_proj) is not supported for {model_type}"
             )));
@@ -492,14 +498,14 @@ impl ModelConfig {
         // Part of a head rotated, as HF's Phi-3 and GLM-4 do (half of it where GLM-4's config
         // does not say; HF's other families here rotate whole heads).
         let partial_rotary_factor = match arch {
-            Arch::Glm4 => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
+            _ if glm => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
             _ => raw.partial_rotary_factor,
         };
         let rotary_dim = match partial_rotary_factor {
             None => head_dim,
-            Some(f) if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::Glm4) => {
+            Some(f) if f != 1.0 && arch != Arch::Phi3 && !glm => {
                 return Err(bad(format!(
-                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's and glm4's)"
+                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's, glm's and glm4's)"
                 )));
             }
             Some(f) => {
@@ -514,7 +520,7 @@ impl ModelConfig {
         };
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
         // HF's defaults where the config is silent (GLM-4's its own).
-        let eps = raw.rms_norm_eps.unwrap_or(if arch == Arch::Glm4 { 1.5625e-7 } else { 1e-6 });
+        let eps = raw.rms_norm_eps.unwrap_or(if glm { 1.5625e-7 } else { 1e-6 });
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(bad(format!("rms_norm_eps {eps} must be a finite number, not negative")));
         }
@@ -600,8 +606,8 @@ impl ModelConfig {
         };
         let moe = moe(arch, &raw).map_err(bad)?;
         let mut eos_token_ids = token_ids(&raw.eos_token_id);
-        if arch == Arch::Glm4 && eos_token_ids.is_empty() {
-            // HF's Glm4Config: <|endoftext|>, <|user|>, <|observation|>.
+        if glm && eos_token_ids.is_empty() {
+            // HF's GlmConfig and Glm4Config: <|endoftext|>, <|user|>, <|observation|>.
             eos_token_ids = vec![151329, 151336, 151338];
         }
         Ok(ModelConfig {
@@ -622,10 +628,10 @@ impl ModelConfig {
             // Gemma's folders leave it out), untied for the others.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
-                || (arch == Arch::Glm4 && raw.attention_bias.unwrap_or(true)),
+                || (glm && raw.attention_bias.unwrap_or(true)),
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
-            rope_interleaved: arch == Arch::Glm4,
+            rope_interleaved: glm,
             sliding_window,
             local_layers,
             rope_local_theta,
@@ -1391,9 +1397,13 @@ mod tests {
     }
 
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,
-    /// q/k/v biases, its norm epsilon and end tokens), interleaved pairs, four norms.
+    /// q/k/v biases, its norm epsilon and end tokens), interleaved pairs, four norms; the first
+    /// GLM-4 (`glm`) the same with two.
     #[test]
     fn glm4_defaults_and_settings() {
+        let c = parse(&BASE.replace("llama", "glm")).unwrap();
+        assert_eq!((c.arch, c.rotary_dim, c.qkv_bias, c.rope_interleaved), (Arch::Glm, 8, true, true));
+        assert_eq!((c.rms_norm_eps, c.eos_token_ids.len(), c.norm_place), (1.5625e-7, 3, NormPlace::Pre));
         let c = parse(&BASE.replace("llama", "glm4")).unwrap();
         assert_eq!((c.arch, c.rotary_dim, c.qkv_bias, c.rope_interleaved), (Arch::Glm4, 8, true, true));
         assert_eq!((c.rms_norm_eps, c.eos_token_ids.clone()), (1.5625e-7, vec![151329, 151336, 151338]));

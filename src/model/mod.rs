@@ -190,7 +190,7 @@ type StoredRows = (String, Vec<usize>, usize);
 
 /// Where layer `i`'s q, k, v, gate and up rows are stored: each in a tensor of its own, or,
 /// in Phi-3 checkpoints, q, k and v one after the other in `qkv_proj` and gate and up in
-/// `gate_up_proj` (GLM-4: gate and up in `gate_up_proj`; Granite 4: in
+/// `gate_up_proj` (GLM: gate and up in `gate_up_proj`; Granite 4: in
 /// `shared_mlp.input_linear`).
 fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     let (h, ff, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
@@ -210,9 +210,9 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
                 at(gate_up, 2 * ff, ff),
             ]
         }
-        Arch::GraniteMoeHybrid | Arch::Glm4 => {
+        Arch::GraniteMoeHybrid | Arch::Glm | Arch::Glm4 => {
             let gate_up = match cfg.arch {
-                Arch::Glm4 => "mlp.gate_up_proj.weight",
+                Arch::Glm | Arch::Glm4 => "mlp.gate_up_proj.weight",
                 _ => "shared_mlp.input_linear.weight",
             };
             [

@@ -269,6 +269,10 @@ impl TinyModel {
     pub fn glm4() -> Self {
         TinyModel { model_type: "glm4", ..Self::qwen2() }
     }
+    /// The first GLM-4's style (`glm`): [`Self::glm4`] without the norms of the outputs.
+    pub fn glm() -> Self {
+        TinyModel { model_type: "glm", ..Self::qwen2() }
+    }
     /// Gemma 3-style (`gemma3_text`): norms stored less one, sandwich norms around attention
     /// and FFN, per-head q/k norms, GELU, a scaled embedding, heads wider than `hidden /
     /// heads`; layers 0, 1 and 3 local (a window of 4 positions, their own RoPE base), layer 2
@@ -418,6 +422,10 @@ impl TinyModel {
         self.experts.is_some() && (self.mixtral_like() || l % 2 == 1)
     }
 
+    fn is_glm(&self) -> bool {
+        self.model_type.starts_with("glm")
+    }
+
     fn is_gemma3(&self) -> bool {
         self.model_type == "gemma3_text"
     }
@@ -453,6 +461,7 @@ impl TinyModel {
             "granitemoehybrid" => "GraniteMoeHybridForCausalLM",
             "granitemoe" => "GraniteMoeForCausalLM",
             "glm4" => "Glm4ForCausalLM",
+            "glm" => "GlmForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -480,7 +489,7 @@ impl TinyModel {
         if self.model_type == "olmo2" {
             cfg["clip_qkv"] = serde_json::Value::Null;
         }
-        if self.model_type == "glm4" {
+        if self.is_glm() {
             let glm = serde_json::json!({
                 "partial_rotary_factor": 0.5, "attention_bias": true, "head_dim": self.hd(),
             });
@@ -583,7 +592,7 @@ impl TinyModel {
             add(p("self_attn.q_proj.weight"), vec![self.heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.k_proj.weight"), vec![self.kv_heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
-            if self.model_type.starts_with("qwen2") || self.model_type == "glm4" {
+            if self.model_type.starts_with("qwen2") || self.is_glm() {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
@@ -636,7 +645,7 @@ impl TinyModel {
             );
             out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
         }
-        if self.model_type == "glm4" {
+        if self.is_glm() {
             out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
         }
         if self.model_type == "granitemoe" {

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2,
+    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2,
     qwen2_moe, qwen3, qwen3_moe,
 };
 use gridlm_reference::{
@@ -697,6 +697,69 @@ fn random_glm4_matches_candle_on_one_and_two_ranks() {
         model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     });
     same_on_two_ranks("random glm4", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// The first GLM-4 in HF's form (`glm`: glm-4-9b-chat-hf) against candle's `glm4`, which runs
+/// it as THUDM first published it (ChatGLM's names and config: q, k and v rows and biases in one
+/// `query_key_value`, gate and up rows in `dense_h_to_4h`, the base as 10000 × `rope_ratio`):
+/// q/k/v biases, RoPE on interleaved pairs over half of each head (a base of 500000), no
+/// output norms. Split over two ranks by heads and by layers, the same tokens and logits
+/// within 1e-4 of the single rank.
+#[test]
+fn random_glm_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, theirs) = (tmp.path().join("hf"), tmp.path().join("chatglm"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&theirs).unwrap();
+    let m = gridlm_reference::TinyModel::glm();
+    m.write(&dir);
+    let mut cfg = folder_config(&dir);
+    cfg["rope_theta"] = 500000.0.into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    // The same weights by ChatGLM's names.
+    let hf = folder_tensors(&dir);
+    let t = |n: &str| hf[n].clone();
+    let mut chatglm = std::collections::HashMap::new();
+    let p = "transformer.";
+    chatglm.insert(format!("{p}embedding.word_embeddings.weight"), t("model.embed_tokens.weight"));
+    chatglm.insert(format!("{p}encoder.final_layernorm.weight"), t("model.norm.weight"));
+    chatglm.insert(format!("{p}output_layer.weight"), t("lm_head.weight"));
+    for l in 0..m.layers {
+        let (ours, at) = (format!("model.layers.{l}."), format!("{p}encoder.layers.{l}."));
+        let fused = |kind: &str| {
+            let parts: Vec<Tensor> =
+                ["q", "k", "v"].iter().map(|x| t(&format!("{ours}self_attn.{x}_proj.{kind}"))).collect();
+            Tensor::cat(&parts, 0).unwrap()
+        };
+        chatglm.insert(format!("{at}self_attention.query_key_value.weight"), fused("weight"));
+        chatglm.insert(format!("{at}self_attention.query_key_value.bias"), fused("bias"));
+        for (from, to) in [
+            ("self_attn.o_proj", "self_attention.dense"),
+            ("input_layernorm", "input_layernorm"),
+            ("post_attention_layernorm", "post_attention_layernorm"),
+            ("mlp.gate_up_proj", "mlp.dense_h_to_4h"),
+            ("mlp.down_proj", "mlp.dense_4h_to_h"),
+        ] {
+            chatglm.insert(format!("{at}{to}.weight"), t(&format!("{ours}{from}.weight")));
+        }
+    }
+    candle_core::safetensors::save(&chatglm, theirs.join("model.safetensors")).unwrap();
+    let chatglm_cfg: glm4::Config = serde_json::from_value(serde_json::json!({
+        "num_layers": m.layers, "padded_vocab_size": m.vocab, "hidden_size": m.hidden,
+        "ffn_hidden_size": m.inter, "kv_channels": m.hidden / m.heads, "num_attention_heads": m.heads,
+        "seq_length": m.max_pos, "layernorm_epsilon": 1e-6, "rmsnorm": true,
+        "apply_residual_connection_post_layernorm": false, "post_layer_norm": true,
+        "add_bias_linear": false, "add_qkv_bias": true, "bias_dropout_fusion": true,
+        "multi_query_attention": true, "multi_query_group_num": m.kv_heads,
+        "apply_query_key_layer_scaling": false, "attention_softmax_in_fp32": true,
+        "fp32_residual_connection": false, "rope_ratio": 50, "eos_token_id": 0,
+    }))
+    .unwrap();
+    let mut model = glm4::Model::new(&chatglm_cfg, candle_weights(&theirs)).unwrap();
+    let single = tiny_matches_candle("random glm", &dir, |ids, _| {
+        model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    same_on_two_ranks("random glm", &dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
