@@ -52,13 +52,15 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("granite", "GraniteForCausalLM", Arch::Granite),
         ("granitemoe", "GraniteMoeForCausalLM", Arch::GraniteMoe),
         ("glm4", "Glm4ForCausalLM", Arch::Glm4),
+        // The first GLM-4 (glm-4-9b-chat), as HF's `glm` has it.
+        ("chatglm", "GlmForCausalLM", Arch::Glm),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe or glm4)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4 or chatglm)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -67,6 +69,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let (architecture, family) =
         if mixtral { ("MixtralForCausalLM", Arch::Mixtral) } else { (architecture, family) };
     let key = |k: &str| format!("{arch}.{k}");
+    let glm = arch == "glm4" || arch == "chatglm";
     let moe = arch.ends_with("moe") || mixtral;
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
@@ -126,8 +129,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         "max_position_embeddings": g.get(&key("context_length")).and_then(|v| v.as_u64()).unwrap_or(2048),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
-        // GLM-4's q/k/v biases, where its GGUF holds them.
-        "attention_bias": arch.starts_with("qwen2") || (arch == "glm4" && g.tensor("blk.0.attn_q.bias").is_some()),
+        // GLM-4's q/k/v biases, where its GGUF holds them (fused in the first GLM-4's).
+        "attention_bias": arch.starts_with("qwen2")
+            || (glm && ["attn_q", "attn_qkv"].iter().any(|t| g.tensor(&format!("blk.0.{t}.bias")).is_some())),
         "torch_dtype": match dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
         "rope_scaling": rope_scaling(&g, &arch, theta, head_dim)?,
     });
@@ -174,15 +178,15 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if matches!(family, Arch::Granite | Arch::GraniteMoe) {
         granite_config(&g, &arch, head_dim, &mut config)?;
     }
-    // RoPE over part of a head: Phi-4-mini's and GLM-4's `partial_rotary_factor`, HF's reading
-    // of which (`int(head_dim · factor)`) must give the GGUF's dimensions back. GLM-4's is
-    // always written, as HF's default there is one half, llama.cpp's the whole head.
-    let partial_arch = arch == "phi3" || arch == "glm4";
+    // RoPE over part of a head: Phi-4-mini's and GLM's `partial_rotary_factor`, HF's reading
+    // of which (`int(head_dim · factor)`) must give the GGUF's dimensions back. GLM's is always
+    // written, as HF's default there is one half, llama.cpp's the whole head.
+    let partial_arch = arch == "phi3" || glm;
     let rotated = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()).map(|d| d as usize);
-    if let Some(d) = rotated.or((arch == "glm4").then_some(head_dim)) {
+    if let Some(d) = rotated.or(glm.then_some(head_dim)) {
         let factor = d as f64 / head_dim as f64;
         let partial = partial_arch && d > 0 && d < head_dim && d.is_multiple_of(2);
-        if partial && (head_dim as f64 * factor) as usize == d || (arch == "glm4" && d == head_dim) {
+        if partial && (head_dim as f64 * factor) as usize == d || (glm && d == head_dim) {
             config["partial_rotary_factor"] = factor.into();
         } else if d != head_dim {
             let msg = format!(
@@ -252,6 +256,12 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             }
             Some((layer, true, which)) => crate::model::shared_expert_names(layer)[which].clone(),
             Some((layer, false, _)) => crate::model::router_name(family, layer),
+            // The first GLM-4's q, k and v rows (and biases) in one tensor: HF's `glm` keeps
+            // them apart.
+            None if arch == "chatglm" && t.name.contains(".attn_qkv.") => {
+                named.extend(split_qkv(&g, t, (n_heads, n_kv_heads, head_dim), dtype)?);
+                continue;
+            }
             None => match hf_name(&arch, &t.name) {
                 Some(hf) => hf,
                 // A bias the model would add (Granite's optional ones on o_proj and the FFN,
@@ -848,6 +858,38 @@ fn moe_tensor(gguf: &str) -> Option<(usize, bool, usize)> {
     Some((layer.parse().ok()?, shared, which))
 }
 
+/// The q, k and v parts of a fused `blk.N.attn_qkv` weight or bias (`heads`: q heads, KV heads,
+/// head dimensions), as HF's separate `q_proj`, `k_proj` and `v_proj` tensors of `dtype` (a bias
+/// stays f32).
+fn split_qkv<'a>(
+    g: &'a Gguf,
+    t: &'a crate::weights::gguf::TensorEntry,
+    (n_heads, n_kv, hd): (usize, usize, usize),
+    dtype: DType,
+) -> Result<Vec<(String, Lazy<'a>)>> {
+    let shape = t.shape();
+    let rows = (n_heads + 2 * n_kv) * hd;
+    let cols = if shape.len() == 2 { shape[1] } else { 1 };
+    let bad =
+        || Error::tensor(&g.path, &t.name, format!("shape {shape:?} is not [{rows}, columns] or [{rows}]"));
+    if shape.first() != Some(&rows) || shape.len() > 2 {
+        return Err(bad());
+    }
+    let (layer, kind) =
+        t.name.strip_prefix("blk.").and_then(|r| r.split_once(".attn_qkv.")).ok_or_else(bad)?;
+    let dt = if shape.len() == 1 { DType::F32 } else { dtype };
+    let parts =
+        [("q", 0, n_heads * hd), ("k", n_heads * hd, n_kv * hd), ("v", (n_heads + n_kv) * hd, n_kv * hd)];
+    Ok(parts
+        .into_iter()
+        .map(|(which, first, n)| {
+            let make = move || encode(&g.dequantize(t)[first * cols..(first + n) * cols], dt);
+            let shape = if cols == 1 && shape.len() == 1 { vec![n] } else { vec![n, cols] };
+            (format!("model.layers.{layer}.self_attn.{which}_proj.{kind}"), Lazy::new(dt, shape, make))
+        })
+        .collect())
+}
+
 /// GGUF tensor name → HF name, for a tensor of the GGUF architecture `arch`.
 pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     match gguf {
@@ -884,7 +926,7 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
         // Phi-3's fused q, k and v rows, and gate and up rows (twice the FFN's width; GLM-4's
         // too).
         "attn_qkv.weight" if arch == "phi3" => "self_attn.qkv_proj.weight",
-        "ffn_up.weight" if arch == "phi3" || arch == "glm4" => "mlp.gate_up_proj.weight",
+        "ffn_up.weight" if arch == "phi3" || arch == "glm4" || arch == "chatglm" => "mlp.gate_up_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
         _ => return None,

@@ -708,16 +708,30 @@ fn random_glm4_matches_candle_on_one_and_two_ranks() {
 #[test]
 fn random_glm_matches_candle_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
-    let (dir, theirs) = (tmp.path().join("hf"), tmp.path().join("chatglm"));
+    let dir = tmp.path().join("hf");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::create_dir_all(&theirs).unwrap();
     let m = gridlm_reference::TinyModel::glm();
     m.write(&dir);
     let mut cfg = folder_config(&dir);
     cfg["rope_theta"] = 500000.0.into();
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    // The same weights by ChatGLM's names.
-    let hf = folder_tensors(&dir);
+    let single =
+        tiny_matches_candle("random glm", &dir, candle_chatglm(&m, &dir, &tmp.path().join("chatglm"), 50));
+    same_on_two_ranks("random glm", &dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// candle's `glm4` (the first GLM-4 as THUDM published it: ChatGLM's names and config, q/k/v
+/// rows and biases fused in `query_key_value`, gate and up rows in `dense_h_to_4h`, a RoPE base
+/// of 10000 × `rope_ratio`) on the weights of the `glm`-style model `m` in `dir`, written by
+/// those names into `scratch`, as `(ids, pos) → last logits`.
+fn candle_chatglm(
+    m: &gridlm_reference::TinyModel,
+    dir: &Path,
+    scratch: &Path,
+    rope_ratio: usize,
+) -> impl FnMut(&[u32], usize) -> Vec<f32> {
+    std::fs::create_dir_all(scratch).unwrap();
+    let hf = folder_tensors(dir);
     let t = |n: &str| hf[n].clone();
     let mut chatglm = std::collections::HashMap::new();
     let p = "transformer.";
@@ -743,8 +757,8 @@ fn random_glm_matches_candle_on_one_and_two_ranks() {
             chatglm.insert(format!("{at}{to}.weight"), t(&format!("{ours}{from}.weight")));
         }
     }
-    candle_core::safetensors::save(&chatglm, theirs.join("model.safetensors")).unwrap();
-    let chatglm_cfg: glm4::Config = serde_json::from_value(serde_json::json!({
+    candle_core::safetensors::save(&chatglm, scratch.join("model.safetensors")).unwrap();
+    let cfg: glm4::Config = serde_json::from_value(serde_json::json!({
         "num_layers": m.layers, "padded_vocab_size": m.vocab, "hidden_size": m.hidden,
         "ffn_hidden_size": m.inter, "kv_channels": m.hidden / m.heads, "num_attention_heads": m.heads,
         "seq_length": m.max_pos, "layernorm_epsilon": 1e-6, "rmsnorm": true,
@@ -752,14 +766,69 @@ fn random_glm_matches_candle_on_one_and_two_ranks() {
         "add_bias_linear": false, "add_qkv_bias": true, "bias_dropout_fusion": true,
         "multi_query_attention": true, "multi_query_group_num": m.kv_heads,
         "apply_query_key_layer_scaling": false, "attention_softmax_in_fp32": true,
-        "fp32_residual_connection": false, "rope_ratio": 50, "eos_token_id": 0,
+        "fp32_residual_connection": false, "rope_ratio": rope_ratio, "eos_token_id": 0,
     }))
     .unwrap();
-    let mut model = glm4::Model::new(&chatglm_cfg, candle_weights(&theirs)).unwrap();
-    let single = tiny_matches_candle("random glm", &dir, |ids, _| {
-        model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    let mut model = glm4::Model::new(&cfg, candle_weights(scratch)).unwrap();
+    // candle's model keeps its own positions: a prompt from 0, then one token at a time.
+    move |ids, _| model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// A `chatglm` GGUF as llama.cpp writes the first GLM-4 (glm-4-9b-chat): q, k and v rows and
+/// biases fused in `attn_qkv`, gate and up rows in `ffn_up`, half of each head rotated, a base
+/// of 500000, the `chatglm-bpe` vocabulary) converts into exactly the `glm` model it was
+/// written from, q, k and v apart as HF's `glm` keeps them; gridlm on it agrees with candle's
+/// `glm4`.
+#[test]
+fn a_chatglm_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::glm();
+    let tensors = m.tensors();
+    let (tokens, merges) = byte_level_vocabulary(m.vocab);
+    let mut meta = qwen3_gguf_meta(&m, "chatglm", tokens, merges);
+    meta.retain(|(k, _)| k != "tokenizer.ggml.pre" && k != "chatglm.rope.freq_base");
+    meta.extend([
+        ("tokenizer.ggml.pre".to_string(), GgufValue::Str("chatglm-bpe".into())),
+        ("chatglm.rope.freq_base".into(), GgufValue::F32(500000.0)),
+        ("chatglm.rope.dimension_count".into(), GgufValue::U32((m.hidden / m.heads / 2) as u32)),
+    ]);
+    let mut gguf_tensors = Vec::new();
+    for (n, shape, v) in &tensors {
+        let Some(prefix) =
+            n.strip_suffix("self_attn.q_proj.weight").or(n.strip_suffix("self_attn.q_proj.bias"))
+        else {
+            if !n.contains("self_attn.k_proj.") && !n.contains("self_attn.v_proj.") {
+                gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
+            }
+            continue;
+        };
+        let kind = if n.ends_with("weight") { "weight" } else { "bias" };
+        let part =
+            |x: &str| tensors.iter().find(|t| t.0 == format!("{prefix}self_attn.{x}_proj.{kind}")).unwrap();
+        let (q, k, w) = (part("q"), part("k"), part("v"));
+        let mut fused_shape = q.1.clone();
+        fused_shape[0] += k.1[0] + w.1[0];
+        let layer = prefix.trim_start_matches("model.layers.").trim_end_matches('.');
+        gguf_tensors.push((
+            format!("blk.{layer}.attn_qkv.{kind}"),
+            fused_shape,
+            [q.2.clone(), k.2.clone(), w.2.clone()].concat(),
+        ));
+    }
+    let gguf = tmp.path().join("chatglm.gguf");
+    write_gguf(&gguf, &meta, &gguf_tensors);
+    let out = tmp.path().join("folder");
+    let converted = convert_f32(&gguf, &out);
+    assert_eq!(converted.len(), tensors.len());
+    for (n, shape, v) in &tensors {
+        let t = converted.get(n).unwrap_or_else(|| panic!("{n} missing"));
+        assert_eq!((t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()), (&shape[..], v), "{n}");
+    }
+    let want = serde_json::json!({
+        "model_type": "glm", "partial_rotary_factor": 0.5, "attention_bias": true, "rope_theta": 500000.0,
     });
-    same_on_two_ranks("random glm", &dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    converted_config(&out, want, m.layers);
+    tiny_matches_candle("converted chatglm", &out, candle_chatglm(&m, &out, &tmp.path().join("candle"), 50));
 }
 
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
