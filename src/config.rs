@@ -50,6 +50,9 @@ pub enum Arch {
     /// The first GLM-4 in HF's form (`glm`: glm-4-9b-chat-hf): GLM-4-0414 without the norms of
     /// the sublayers' outputs.
     Glm,
+    /// StarCoder 2 (`starcoder2`): LayerNorms (with biases), biases on every projection
+    /// (`use_bias`), and a plain FFN, `c_proj(act(c_fc(x)))`, without a gate.
+    Starcoder2,
 }
 
 impl Arch {
@@ -73,6 +76,7 @@ impl Arch {
             Arch::GraniteMoe => "granitemoe",
             Arch::Glm4 => "glm4",
             Arch::Glm => "glm",
+            Arch::Starcoder2 => "starcoder2",
         }
     }
 }
@@ -233,6 +237,15 @@ pub struct ModelConfig {
     /// and `kv_dim`) between the projection and RoPE (OLMo 2): under tensor parallelism each
     /// rank's share of the squares is summed over the stage.
     pub qk_norm_full: bool,
+    /// Biases on o_proj and on the FFN's matrices too (StarCoder 2's `use_bias`), beside
+    /// `qkv_bias`'s.
+    pub linear_bias: bool,
+    /// The norms are LayerNorms (the mean taken away, weights and biases) rather than RMSNorms
+    /// (StarCoder 2).
+    pub layer_norm: bool,
+    /// The FFN is `down(act(gate(x)) · up(x))`; else `down(act(up(x)))` (StarCoder 2's `c_fc`
+    /// and `c_proj`).
+    pub gated_ffn: bool,
     /// RoPE rotates the pairs `(2i, 2i + 1)` of a head's rotated dimensions (GLM's
     /// interleaved form) rather than `(i, i + rotary_dim/2)` (HF's "rotate half").
     pub rope_interleaved: bool,
@@ -273,7 +286,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, and the image-and-text gemma3 and mistral3 (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, and the image-and-text gemma3 and mistral3 (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -297,6 +310,8 @@ struct HfConfig {
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
     partial_rotary_factor: Option<f64>,
+    norm_epsilon: Option<f64>,
+    use_bias: Option<bool>,
     hidden_act: Option<String>,
     hidden_activation: Option<String>,
     query_pre_attn_scalar: Option<f64>,
@@ -394,6 +409,7 @@ impl ModelConfig {
             "granitemoe" => Arch::GraniteMoe,
             "glm4" => Arch::Glm4,
             "glm" => Arch::Glm,
+            "starcoder2" => Arch::Starcoder2,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -520,9 +536,14 @@ impl ModelConfig {
         };
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
         // HF's defaults where the config is silent (GLM-4's its own).
-        let eps = raw.rms_norm_eps.unwrap_or(if glm { 1.5625e-7 } else { 1e-6 });
+        let starcoder2 = arch == Arch::Starcoder2;
+        let eps = match arch {
+            Arch::Starcoder2 => raw.norm_epsilon.unwrap_or(1e-5),
+            _ => raw.rms_norm_eps.unwrap_or(if glm { 1.5625e-7 } else { 1e-6 }),
+        };
         if !(eps.is_finite() && eps >= 0.0) {
-            return Err(bad(format!("rms_norm_eps {eps} must be a finite number, not negative")));
+            let key = if starcoder2 { "norm_epsilon" } else { "rms_norm_eps" };
+            return Err(bad(format!("{key} {eps} must be a finite number, not negative")));
         }
         let rope_theta = finite_positive("rope_theta", raw.rope_theta.unwrap_or(10000.0)).map_err(bad)?;
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(4096);
@@ -544,16 +565,17 @@ impl ModelConfig {
             (Arch::Qwen2 | Arch::Qwen2Moe | Arch::Qwen3 | Arch::Qwen3Moe | Arch::SmolLM3, Some(true)) => {
                 return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
-            (Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3, _)
-                if raw.sliding_window == Some(0) =>
-            {
+            (
+                Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Starcoder2 | Arch::Gemma2 | Arch::Gemma3,
+                _,
+            ) if raw.sliding_window == Some(0) => {
                 return Err(bad(
                     "sliding_window is 0 (expected a positive number of positions, or null)".into()
                 ));
             }
             // A window at least as long as the context leaves out no key: none, so no rings
             // and the prefix cache kept.
-            (Arch::Mistral | Arch::Mixtral | Arch::Phi3, _) => {
+            (Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Starcoder2, _) => {
                 raw.sliding_window.filter(|&w| w < max_position_embeddings)
             }
             // Gemma's local layers always have a window: HF's default where none is given.
@@ -624,11 +646,17 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            // HF's default where the folder says nothing: tied for Gemma and SmolLM3 (the first
-            // Gemma's folders leave it out), untied for the others.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma || arch == Arch::SmolLM3),
+            // HF's default where the folder says nothing: tied for Gemma, SmolLM3 and StarCoder 2
+            // (the first Gemma's folders leave it out), untied for the others.
+            tie_word_embeddings: raw
+                .tie_word_embeddings
+                .unwrap_or(gemma || matches!(arch, Arch::SmolLM3 | Arch::Starcoder2)),
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
-                || (glm && raw.attention_bias.unwrap_or(true)),
+                || (glm && raw.attention_bias.unwrap_or(true))
+                || (starcoder2 && raw.use_bias.unwrap_or(true)),
+            linear_bias: starcoder2 && raw.use_bias.unwrap_or(true),
+            layer_norm: starcoder2,
+            gated_ffn: !starcoder2,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
             rope_interleaved: glm,
@@ -748,12 +776,13 @@ impl ModelConfig {
     }
 
     /// Weights of layer `i`'s FFN: gate, up and down of every expert (and the router), or
-    /// of its dense FFN.
+    /// of its dense FFN (two matrices where it has no gate).
     pub fn ffn_params(&self, i: usize) -> f64 {
         let h = self.hidden_size as f64;
+        let matrices = if self.gated_ffn { 3.0 } else { 2.0 };
         match self.moe.as_ref().filter(|m| m.sparse[i]) {
             Some(m) => (3 * m.expert_ffn * m.experts + m.experts + m.shared_params()) as f64 * h,
-            None => 3.0 * h * self.intermediate_size as f64,
+            None => matrices * h * self.intermediate_size as f64,
         }
     }
 
@@ -1394,6 +1423,26 @@ mod tests {
             let e = parse(text).unwrap_err().to_string();
             assert!(e.contains(msg), "{text}: {e}");
         }
+    }
+
+    /// StarCoder 2: `norm_epsilon`, LayerNorms, biases on every projection unless `use_bias`
+    /// is false, no gate, tied embeddings and its window where the folder is silent.
+    #[test]
+    fn starcoder2_settings() {
+        let c = parse(&config("starcoder2", r#""norm_epsilon":1e-4,"sliding_window":64"#)).unwrap();
+        assert_eq!(
+            (c.arch, c.rms_norm_eps, c.layer_norm, c.gated_ffn),
+            (Arch::Starcoder2, 1e-4, true, false)
+        );
+        assert!(c.qkv_bias && c.linear_bias && c.tie_word_embeddings);
+        assert_eq!(c.sliding_window, Some(64));
+        assert_eq!(c.ffn_params(0), (2 * 64 * 128) as f64);
+        let c = parse(&config("starcoder2", r#""use_bias":false,"tie_word_embeddings":false"#)).unwrap();
+        assert!(!c.qkv_bias && !c.linear_bias && !c.tie_word_embeddings && c.rms_norm_eps == 1e-5);
+        let e = parse(&config("starcoder2", r#""norm_epsilon":-1"#)).unwrap_err().to_string();
+        assert!(e.contains("norm_epsilon -1 must be a finite number"), "{e}");
+        let llama = parse(BASE).unwrap();
+        assert!(!llama.layer_norm && !llama.linear_bias && llama.gated_ffn);
     }
 
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,

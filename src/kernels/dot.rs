@@ -1002,16 +1002,18 @@ pub fn softcap(s: &mut [f32], scale: f32, cap: f32, isa: Isa) {
 const GELU_A: f32 = 1.595_769;
 const GELU_B: f32 = GELU_A * 0.044715;
 
-/// `gate[i] = act(gate[i]) · up[i]`, each activation as `g / (1 + exp(−a))`: `a = g` for
-/// SiLU, `a = GELU_A·g + GELU_B·g³` for GELU's tanh form.
-pub fn act_mul(gate: &mut [f32], up: &[f32], act: Activation, isa: Isa) {
-    assert_eq!(gate.len(), up.len(), "act_mul: lengths");
+/// `gate[i] = act(gate[i]) · up[i]` (`up` 1 where there is none: an FFN without a gate), each
+/// activation as `g / (1 + exp(−a))`: `a = g` for SiLU, `a = GELU_A·g + GELU_B·g³` for GELU's
+/// tanh form.
+pub fn act_mul(gate: &mut [f32], up: Option<&[f32]>, act: Activation, isa: Isa) {
+    assert!(up.is_none_or(|u| u.len() == gate.len()), "act_mul: lengths");
     let gelu = act == Activation::GeluTanh;
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::act_mul(gate, up, gelu) },
-        _ => gate.iter_mut().zip(up).for_each(|(g, &u)| {
+        _ => gate.iter_mut().enumerate().for_each(|(i, g)| {
+            let u = up.map_or(1.0, |u| u[i]);
             let a = if gelu { *g * (GELU_A + GELU_B * *g * *g) } else { *g };
             *g = *g * u / (1.0 + (-a).exp())
         }),
@@ -1893,9 +1895,14 @@ mod avx2 {
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `gate.len() == up.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn act_mul(gate: &mut [f32], up: &[f32], gelu: bool) {
-        let (n, g, u) = (gate.len(), gate.as_mut_ptr(), up.as_ptr());
+    pub unsafe fn act_mul(gate: &mut [f32], up: Option<&[f32]>, gelu: bool) {
+        let (n, g) = (gate.len(), gate.as_mut_ptr());
         let one = _mm256_set1_ps(1.0);
+        // `up`'s eight values from `c` on (ones where there is no `up`).
+        let up_at = |c: usize| match up {
+            Some(u) => _mm256_loadu_ps(u.as_ptr().add(c)),
+            None => one,
+        };
         let (ga, gb) = (_mm256_set1_ps(super::GELU_A), _mm256_set1_ps(super::GELU_B));
         let f = |gv: __m256, uv: __m256| {
             // The same operations, in the same order, as the portable path.
@@ -1909,14 +1916,16 @@ mod avx2 {
         };
         let mut c = 0;
         while c + 8 <= n {
-            _mm256_storeu_ps(g.add(c), f(_mm256_loadu_ps(g.add(c)), _mm256_loadu_ps(u.add(c))));
+            _mm256_storeu_ps(g.add(c), f(_mm256_loadu_ps(g.add(c)), up_at(c)));
             c += 8;
         }
         if c < n {
             // The tail through one padded vector, so every value goes through the same exp.
-            let (mut tg, mut tu) = ([0.0f32; 8], [0.0f32; 8]);
+            let (mut tg, mut tu) = ([0.0f32; 8], [1.0f32; 8]);
             tg[..n - c].copy_from_slice(&gate[c..]);
-            tu[..n - c].copy_from_slice(&up[c..]);
+            if let Some(up) = up {
+                tu[..n - c].copy_from_slice(&up[c..]);
+            }
             _mm256_storeu_ps(tg.as_mut_ptr(), f(_mm256_loadu_ps(tg.as_ptr()), _mm256_loadu_ps(tu.as_ptr())));
             gate[c..].copy_from_slice(&tg[..n - c]);
         }

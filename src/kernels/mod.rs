@@ -46,6 +46,20 @@ pub fn add_rmsnormed(x: &mut [f32], o: &[f32], w: &[f32], eps: f32, scale: f32) 
     }
 }
 
+/// LayerNorm of each `w.len()`-long row of `x` into `out`: `(v − mean) / sqrt(var + eps) · w +
+/// b`, the variance the mean of the squared deviations (StarCoder 2's norms).
+pub fn layernorm(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let mean = xr.iter().sum::<f32>() / d as f32;
+        or.iter_mut().zip(xr).for_each(|(o, v)| *o = v - mean);
+        let inv = inv_rms(or, eps);
+        for ((o, &g), &b) in or.iter_mut().zip(w).zip(b) {
+            *o = *o * inv * g + b;
+        }
+    }
+}
+
 /// `1 / sqrt(mean(x²) + eps)`.
 fn inv_rms(x: &[f32], eps: f32) -> f32 {
     1.0 / (sum_of_squares(x) / x.len() as f32 + eps).sqrt()
@@ -121,7 +135,13 @@ pub enum Activation {
 
 /// `gate[i] = act(gate[i]) · up[i]` (SiLU, or GELU's tanh form).
 pub fn act_mul(gate: &mut [f32], up: &[f32], act: Activation) {
-    dot::act_mul(gate, up, act, dot::detect());
+    dot::act_mul(gate, Some(up), act, dot::detect());
+}
+
+/// `x[i] = act(x[i])` (an FFN without a gate: StarCoder 2's), each value as [`act_mul`] with an
+/// `up` of 1 computes it.
+pub fn act(x: &mut [f32], act: Activation) {
+    dot::act_mul(x, None, act, dot::detect());
 }
 
 /// Takes a row's state over one tile: `(row, tile, max, sum, weighted values)`
@@ -1533,7 +1553,12 @@ mod tests {
                 let u = rand_vec(n, 7);
                 for act in [Activation::Silu, Activation::GeluTanh] {
                     let mut g = g0.clone();
-                    dot::act_mul(&mut g, &u, act, isa);
+                    dot::act_mul(&mut g, Some(&u), act, isa);
+                    // Without an up: the same as with an up of ones, bit for bit.
+                    let (mut alone, mut ones) = (g0.clone(), g0.clone());
+                    dot::act_mul(&mut alone, None, act, isa);
+                    dot::act_mul(&mut ones, Some(&vec![1.0; n]), act, isa);
+                    assert_eq!(alone, ones, "{isa:?} {act:?} n={n}: without an up");
                     for i in 0..n {
                         let xv = g0[i] as f64;
                         let want = u[i] as f64
@@ -1598,6 +1623,47 @@ mod tests {
                     assert!((out[t * d + i] as f64 - e).abs() < 1e-5 * (1.0 + e.abs()));
                 }
             }
+        }
+    }
+
+    #[test]
+    fn layernorm_matches_reference() {
+        for d in [1, 7, 64, 577] {
+            // Values far from zero on average, so the mean matters.
+            let x: Vec<f32> = rand_vec(2 * d, d as u64).iter().map(|v| v + 3.0).collect();
+            let (w, b) = (rand_vec(d, 9), rand_vec(d, 10));
+            let mut out = vec![0.0; 2 * d];
+            layernorm(&x, &w, &b, 1e-5, &mut out);
+            for t in 0..2 {
+                let xr: Vec<f64> = x[t * d..(t + 1) * d].iter().map(|&v| v as f64).collect();
+                let mean = xr.iter().sum::<f64>() / d as f64;
+                let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+                for i in 0..d {
+                    let e = (xr[i] - mean) / (var + 1e-5).sqrt() * w[i] as f64 + b[i] as f64;
+                    assert!((out[t * d + i] as f64 - e).abs() < 1e-4 * (1.0 + e.abs()), "d={d} {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rope_interleaved_rotates_neighbouring_pairs() {
+        let hd = 6;
+        let orig = rand_vec(2 * hd, 11);
+        let angles = [0.3f64, 1.1];
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
+        let mut x = orig.clone();
+        rope_interleaved(&mut x, hd, &cos, &sin);
+        for h in 0..2 {
+            let (o, r) = (&orig[h * hd..(h + 1) * hd], &x[h * hd..(h + 1) * hd]);
+            for (i, a) in angles.iter().enumerate() {
+                let (x0, x1) = (o[2 * i] as f64, o[2 * i + 1] as f64);
+                assert!((r[2 * i] as f64 - (x0 * a.cos() - x1 * a.sin())).abs() < 1e-6);
+                assert!((r[2 * i + 1] as f64 - (x1 * a.cos() + x0 * a.sin())).abs() < 1e-6);
+            }
+            // The dimensions past the rotated part pass.
+            assert_eq!(r[4..], o[4..]);
         }
     }
 

@@ -29,10 +29,10 @@ use std::sync::Arc;
 
 struct Layer {
     /// The attention's input norm (none in OLMo 2).
-    input_norm: Option<Vec<f32>>,
+    input_norm: Option<Norm>,
     /// The FFN's input norm (`post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`;
     /// none in OLMo 2).
-    post_norm: Option<Vec<f32>>,
+    post_norm: Option<Norm>,
     /// Gemma 2 and 3's norms of the attention and FFN outputs, before they join the residual
     /// stream.
     out_norms: Option<(Vec<f32>, Vec<f32>)>,
@@ -50,7 +50,33 @@ struct Layer {
     full_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Input columns of this rank's q heads.
     o_proj: PackedMat,
+    /// o_proj's bias (StarCoder 2's), whole on every rank: added once, to the stage's sum.
+    o_bias: Option<Vec<f32>>,
     ffn: Ffn,
+    /// A dense FFN's biases (StarCoder 2's): of this rank's columns of its first matrix, and
+    /// the whole of its down matrix's (added once, to the stage's sum).
+    ffn_bias: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// A norm's weights (as it multiplies by them), and its biases if it is a LayerNorm.
+struct Norm {
+    w: Vec<f32>,
+    b: Option<Vec<f32>>,
+}
+
+impl Norm {
+    /// Each `w.len()`-long row of `x` normed into `out`.
+    fn apply(&self, x: &[f32], eps: f32, out: &mut [f32]) {
+        match &self.b {
+            Some(b) => kernels::layernorm(x, &self.w, b, eps, out),
+            None => kernels::rmsnorm(x, &self.w, eps, out),
+        }
+    }
+
+    /// Its f32 values.
+    fn len(&self) -> usize {
+        self.w.len() + self.b.as_ref().map_or(0, Vec::len)
+    }
 }
 
 /// A layer's FFN.
@@ -174,9 +200,12 @@ impl Layer {
     fn vector_bytes(&self) -> usize {
         let pair = |p: &Option<(Vec<f32>, Vec<f32>)>| p.as_ref().map_or(0, |(a, b)| a.len() + b.len());
         let one = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
-        4 * (one(&self.input_norm)
-            + one(&self.post_norm)
-            + self.qkv_bias.as_ref().map_or(0, |b| b.len())
+        let norm = |n: &Option<Norm>| n.as_ref().map_or(0, Norm::len);
+        4 * (norm(&self.input_norm)
+            + norm(&self.post_norm)
+            + one(&self.qkv_bias)
+            + one(&self.o_bias)
+            + pair(&self.ffn_bias)
             + pair(&self.head_norms)
             + pair(&self.full_norms)
             + pair(&self.out_norms))
@@ -223,6 +252,15 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
                 at(gate_up, 2 * ff, ff),
             ]
         }
+        // StarCoder 2's FFN has one matrix before its activation (`c_fc`), no gate: read as
+        // the gate's rows, the up rows unread.
+        Arch::Starcoder2 => [
+            separate("q", qd),
+            separate("k", kvd),
+            separate("v", kvd),
+            at("mlp.c_fc.weight", ff, 0),
+            at("mlp.c_fc.weight", ff, 0),
+        ],
         _ => [
             separate("q", qd),
             separate("k", kvd),
@@ -233,10 +271,30 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     }
 }
 
-/// Layer `i`'s dense FFN's down tensor (Granite 4's `shared_mlp.output_linear`).
+/// Layer `i`'s dense FFN's down tensor (Granite 4's `shared_mlp.output_linear`, StarCoder 2's
+/// `mlp.c_proj`).
 fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
-    let name = if cfg.arch == Arch::GraniteMoeHybrid { "shared_mlp.output_linear" } else { "mlp.down_proj" };
+    let name = match cfg.arch {
+        Arch::GraniteMoeHybrid => "shared_mlp.output_linear",
+        Arch::Starcoder2 => "mlp.c_proj",
+        _ => "mlp.down_proj",
+    };
     format!("model.layers.{i}.{name}.weight")
+}
+
+/// The bias beside the weight tensor `name` (`….weight` → `….bias`).
+fn bias_name(name: &str) -> String {
+    format!("{}.bias", name.strip_suffix(".weight").unwrap_or(name))
+}
+
+/// Rows of a dense FFN's first product a token takes: gate and up, or (without a gate) one
+/// set.
+fn ffn_rows(cfg: &ModelConfig, cols: usize) -> usize {
+    if cfg.gated_ffn {
+        2 * cols
+    } else {
+        cols
+    }
 }
 
 /// A layer's norms after `model.layers.N.`, where it has them: the attention's input norm, the
@@ -276,10 +334,10 @@ fn full_norm_factors(
     }
 }
 
-/// `x` normed by `w` into `out`, or copied where there is no norm.
-fn norm_into(x: &[f32], w: &Option<Vec<f32>>, eps: f32, out: &mut [f32]) {
-    match w {
-        Some(w) => kernels::rmsnorm(x, w, eps, out),
+/// `x` normed by `norm` into `out`, or copied where there is no norm.
+fn norm_into(x: &[f32], norm: &Option<Norm>, eps: f32, out: &mut [f32]) {
+    match norm {
+        Some(n) => n.apply(x, eps, out),
         None => out.copy_from_slice(x),
     }
 }
@@ -374,8 +432,9 @@ unsafe impl Sync for MainThread<'_> {}
 
 /// Sums a sublayer's output `o[..x.len()]` over the stage's tensor-parallel ranks and adds it
 /// to this thread's copy of the residual stream `x`, each token's row normed first by `norm`
-/// (weights, epsilon) if given (Gemma 2, 3), then times `scale` (Granite's residual multiplier;
-/// 1 changes no bit): thread 0 calls MPI while the other threads wait at a barrier (none when the
+/// (weights, epsilon) if given (Gemma 2, 3), or else with `bias` added (StarCoder 2's o_proj and
+/// down biases: once, to the sum; no family has both), then times `scale` (Granite's residual
+/// multiplier; 1 changes no bit): thread 0 calls MPI while the other threads wait at a barrier (none when the
 /// stage has one rank). `o` is complete on entry (the product that wrote it ended with a
 /// barrier), and nothing writes it again before every thread has passed another barrier.
 fn add_reduced(
@@ -385,6 +444,7 @@ fn add_reduced(
     x: &mut [f32],
     norm: Option<(&[f32], f32)>,
     scale: f32,
+    bias: Option<&[f32]>,
 ) {
     let len = x.len();
     if comm.0.size() > 1 {
@@ -396,9 +456,14 @@ fn add_reduced(
     }
     // SAFETY: as above, `o` is only read until the next barrier.
     let o = unsafe { &*o.range(0, len) };
-    match norm {
-        Some((w, eps)) => kernels::add_rmsnormed(x, o, w, eps, scale),
-        None => x.iter_mut().zip(o).for_each(|(a, b)| *a += b * scale),
+    match (norm, bias) {
+        (Some((w, eps)), _) => kernels::add_rmsnormed(x, o, w, eps, scale),
+        (None, Some(bias)) => {
+            for (xr, or) in x.chunks_exact_mut(bias.len()).zip(o.chunks_exact(bias.len())) {
+                xr.iter_mut().zip(or).zip(bias).for_each(|((a, v), b)| *a += (v + b) * scale);
+            }
+        }
+        (None, None) => x.iter_mut().zip(o).for_each(|(a, b)| *a += b * scale),
     }
 }
 
@@ -634,7 +699,7 @@ pub struct Shard {
     embed: Option<Arc<PackedMat>>,
     /// Factor of the embedding's rows (Gemma: `sqrt(hidden_size)`; else 1).
     embed_scale: f32,
-    final_norm: Option<Vec<f32>>,
+    final_norm: Option<Norm>,
     /// Vocabulary rows of the output head (last stage); shares `embed` when tied on one stage.
     lm_head: Option<Arc<PackedMat>>,
     inv_freq: Vec<f64>,
@@ -690,6 +755,11 @@ impl Shard {
             }
             Ok(w)
         };
+        // A norm of the residual stream, a LayerNorm with its biases where the model has them.
+        let stream_norm = |name: &str| -> Result<Norm> {
+            let b = if cfg.layer_norm { Some(ckpt.vector_f32(&bias_name(name), h)?) } else { None };
+            Ok(Norm { w: norm(name, h)?, b })
+        };
         let mut layers = Vec::with_capacity(plan.layers.len());
         let mut windows: Vec<Option<usize>> = Vec::new();
         for i in plan.layers.clone() {
@@ -743,9 +813,20 @@ impl Shard {
                     Ffn::Experts(Experts { router, gate_up, down, shared })
                 }
                 None => Ffn::Dense {
-                    gate_up: pack(&Mat::vstack(vec![part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?])),
+                    gate_up: pack(&if cfg.gated_ffn {
+                        Mat::vstack(vec![part(&gate, &plan.ffn)?, part(&up, &plan.ffn)?])
+                    } else {
+                        part(&gate, &plan.ffn)?
+                    }),
                     down: pack(&ckpt.cols(&ffn_down_name(&cfg, i), &[h, ff], plan.ffn.clone())?),
                 },
+            };
+            let (o_bias, ffn_bias) = if cfg.linear_bias {
+                let first = ckpt.vector_range_f32(&bias_name(&gate.0), ff, plan.ffn.clone())?;
+                let down = ckpt.vector_f32(&bias_name(&ffn_down_name(&cfg, i)), h)?;
+                (Some(ckpt.vector_f32(&p("self_attn.o_proj.bias"), h)?), Some((first, down)))
+            } else {
+                (None, None)
             };
             let full_norms = if cfg.qk_norm_full {
                 let q = ckpt.vector_range_f32(&p("self_attn.q_norm.weight"), qd, qr.clone())?;
@@ -753,8 +834,10 @@ impl Shard {
             } else {
                 None
             };
-            let [input_norm, post_norm, attn_out, ffn_out] =
-                layer_norm_names(&cfg).map(|name| name.map(|name| norm(&p(name), h)).transpose());
+            let [input_norm, post_norm, attn_out, ffn_out] = layer_norm_names(&cfg).map(|name| name.map(&p));
+            let [input_norm, post_norm] =
+                [input_norm, post_norm].map(|n| n.map(|n| stream_norm(&n)).transpose());
+            let [attn_out, ffn_out] = [attn_out, ffn_out].map(|n| n.map(|n| norm(&n, h)).transpose());
             let out_norms = match (attn_out?, ffn_out?) {
                 (Some(a), Some(f)) => Some((a, f)),
                 _ => None,
@@ -773,7 +856,9 @@ impl Shard {
                 head_norms,
                 full_norms,
                 o_proj: pack(&ckpt.cols(&p("self_attn.o_proj.weight"), &[h, qd], qr.clone())?),
+                o_bias,
                 ffn,
+                ffn_bias,
             });
         }
         let vocab_shape = [cfg.vocab_size, h];
@@ -794,7 +879,7 @@ impl Shard {
             } else {
                 Arc::new(pack(&ckpt.rows("lm_head.weight", &vocab_shape, plan.vocab.clone())?))
             };
-            (Some(norm("model.norm.weight", h)?), Some(head))
+            (Some(stream_norm("model.norm.weight")?), Some(head))
         } else {
             (None, None)
         };
@@ -872,13 +957,20 @@ impl Shard {
                     }
                 }
                 None => {
-                    n += packed(2 * plan.ffn.len(), h, stacked(dtype(&gate)?, dtype(&up)?));
+                    n += packed(ffn_rows(cfg, plan.ffn.len()), h, stacked(dtype(&gate)?, dtype(&up)?));
                     n += packed(h, plan.ffn.len(), src.dtype(&ffn_down_name(cfg, i), &[h, ff])?);
                 }
             }
             for name in layer_norm_names(cfg).into_iter().flatten() {
                 src.dtype(&p(name), &[h])?;
                 n += 4 * h;
+            }
+            if cfg.layer_norm {
+                n += 4 * h * layer_norm_names(cfg).into_iter().flatten().count();
+            }
+            if cfg.linear_bias {
+                // o_proj's and the down matrix's biases, this rank's columns of the first's.
+                n += 4 * (2 * h + plan.ffn.len());
             }
             n += 4 * if cfg.qkv_bias { q_rows + 2 * kv_rows } else { 0 };
             if cfg.qk_norm {
@@ -899,7 +991,7 @@ impl Shard {
             n += vocab_rows("model.embed_tokens.weight")?;
         }
         if plan.last_stage {
-            n += 4 * h;
+            n += 4 * h * if cfg.layer_norm { 2 } else { 1 };
             if !cfg.tie_word_embeddings {
                 n += vocab_rows("lm_head.weight")?;
             } else if !plan.first_stage {
@@ -1510,7 +1602,7 @@ impl Shard {
                 };
                 kernels::matmul(r, &l.o_proj, att_in, n, unsafe { o.range(0, n * h) });
                 let norm = l.out_norms.as_ref().map(|(a, _)| (&a[..], cfg.rms_norm_eps));
-                add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier);
+                add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier, l.o_bias.as_deref());
 
                 // FFN block.
                 norm_into(xo, &l.post_norm, cfg.rms_norm_eps, xn);
@@ -1520,17 +1612,26 @@ impl Shard {
                         let tally = tally.map(|t| &t.1);
                         experts(r, cfg, x, xn, n, &expert_bufs, &o, tally);
                         let norm = l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps));
-                        add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier);
+                        add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier, None);
                         continue;
                     }
                 };
-                kernels::matmul(r, gate_up, xn, n, unsafe { gu.range(0, n * 2 * ffl) });
-                let gu_r = unsafe { &*gu.range(0, n * 2 * ffl) };
-                // Token `t`'s activations, act(gate) · up, into `a`.
+                let gu_w = ffn_rows(cfg, ffl);
+                kernels::matmul(r, gate_up, xn, n, unsafe { gu.range(0, n * gu_w) });
+                let gu_r = unsafe { &*gu.range(0, n * gu_w) };
+                // Token `t`'s activations, act(gate) · up (or, without a gate, act(x · w + b)),
+                // into `a`.
                 let activate = |t: usize, a: &mut [f32]| {
-                    let (g, u) = gu_r[t * 2 * ffl..(t + 1) * 2 * ffl].split_at(ffl);
-                    a.copy_from_slice(g);
-                    kernels::act_mul(a, u, cfg.activation);
+                    let row = &gu_r[t * gu_w..(t + 1) * gu_w];
+                    a.copy_from_slice(&row[..ffl]);
+                    if let Some((b, _)) = &l.ffn_bias {
+                        a.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                    }
+                    if cfg.gated_ffn {
+                        kernels::act_mul(a, &row[ffl..], cfg.activation);
+                    } else {
+                        kernels::act(a, cfg.activation);
+                    }
                 };
                 let act_in: &[f32] = if replicate {
                     // Few tokens: every thread its own copy, without a barrier.
@@ -1543,7 +1644,8 @@ impl Shard {
                 };
                 kernels::matmul(r, down, act_in, n, unsafe { o.range(0, n * h) });
                 let norm = l.out_norms.as_ref().map(|(_, f)| (&f[..], cfg.rms_norm_eps));
-                add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier);
+                let bias = l.ffn_bias.as_ref().map(|(_, d)| &d[..]);
+                add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier, bias);
                 // `o` is written next by the next layer's o_proj, two barriers or more from here.
             }
             if tid == 0 {
@@ -1591,7 +1693,7 @@ impl Shard {
         let norm = self.final_norm.as_ref().expect("logits called outside the last stage");
         let head = self.lm_head.as_ref().expect("logits called outside the last stage");
         s.ensure(m, self);
-        kernels::rmsnorm(&x[..m * h], norm, self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
+        norm.apply(&x[..m * h], self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
         kernels::matmul(team, head, &s.xn[..m * h], m, &mut out[..m * head.rows]);
         if self.cfg.logits_scaling != 1.0 {
             out[..m * head.rows].iter_mut().for_each(|v| *v /= self.cfg.logits_scaling);
@@ -1970,7 +2072,8 @@ mod tests {
     #[test]
     fn planned_bytes_are_the_loaded_bytes() {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors; Granite 4 from fused
-        // gate/up (`shared_mlp`) tensors; GLM-4: Qwen2's with fused gate/up and four norms; GraniteMoE: Mixtral's shape, each layer's experts
+        // gate/up (`shared_mlp`) tensors; GLM-4: Qwen2's with fused gate/up and four norms;
+        // StarCoder 2: Qwen2's with LayerNorms, every bias and no gate; GraniteMoE: Mixtral's shape, each layer's experts
         // read from stacked tensors.
         let shapes = [
             ("qwen2-0.5b", None),
@@ -1978,6 +2081,7 @@ mod tests {
             ("llama-3.2-1b", Some(Arch::Phi3)),
             ("llama-3.2-1b", Some(Arch::GraniteMoeHybrid)),
             ("qwen2-0.5b", Some(Arch::Glm4)),
+            ("qwen2-0.5b", Some(Arch::Starcoder2)),
             ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
@@ -1992,6 +2096,10 @@ mod tests {
             if cfg.arch == Arch::Glm4 {
                 // Its four norms by their names, q/k/v biases beside fused gate/up rows.
                 cfg.norm_place = NormPlace::Sandwich;
+            }
+            if cfg.arch == Arch::Starcoder2 {
+                // LayerNorms, biases on every projection, an FFN without a gate.
+                (cfg.layer_norm, cfg.linear_bias, cfg.gated_ffn) = (true, true, false);
             }
             (cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 8, 9, 3);
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);

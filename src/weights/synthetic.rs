@@ -89,6 +89,9 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
         qk_norm_full: arch == Arch::Olmo2,
         rope_interleaved: false,
+        linear_bias: false,
+        layer_norm: false,
+        gated_ffn: true,
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
             "gemma3-4b" => 1024,

@@ -269,6 +269,12 @@ impl TinyModel {
     pub fn glm4() -> Self {
         TinyModel { model_type: "glm4", ..Self::qwen2() }
     }
+    /// StarCoder 2-style (`starcoder2`): LayerNorms with biases, biases on q, k, v, o and both
+    /// FFN matrices, an FFN without a gate (`c_fc`, GELU, `c_proj`), tied embeddings, a RoPE
+    /// base of 100000; Qwen2's shape otherwise.
+    pub fn starcoder2() -> Self {
+        TinyModel { model_type: "starcoder2", tied: true, ..Self::qwen2() }
+    }
     /// The first GLM-4's style (`glm`): [`Self::glm4`] without the norms of the outputs.
     pub fn glm() -> Self {
         TinyModel { model_type: "glm", ..Self::qwen2() }
@@ -462,6 +468,7 @@ impl TinyModel {
             "granitemoe" => "GraniteMoeForCausalLM",
             "glm4" => "Glm4ForCausalLM",
             "glm" => "GlmForCausalLM",
+            "starcoder2" => "Starcoder2ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -488,6 +495,14 @@ impl TinyModel {
         }
         if self.model_type == "olmo2" {
             cfg["clip_qkv"] = serde_json::Value::Null;
+        }
+        if self.model_type == "starcoder2" {
+            let starcoder2 = serde_json::json!({
+                "norm_epsilon": 1e-5, "use_bias": true, "hidden_act": "gelu_pytorch_tanh",
+                "rope_theta": 100000.0,
+            });
+            cfg.as_object_mut().unwrap().remove("rms_norm_eps");
+            cfg.as_object_mut().unwrap().extend(starcoder2.as_object().unwrap().clone());
         }
         if self.is_glm() {
             let glm = serde_json::json!({
@@ -592,7 +607,7 @@ impl TinyModel {
             add(p("self_attn.q_proj.weight"), vec![self.heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.k_proj.weight"), vec![self.kv_heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
-            if self.model_type.starts_with("qwen2") || self.is_glm() {
+            if self.model_type.starts_with("qwen2") || self.is_glm() || self.model_type == "starcoder2" {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
@@ -648,6 +663,9 @@ impl TinyModel {
         if self.is_glm() {
             out = fuse(out, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.gate_up_proj.weight");
         }
+        if self.model_type == "starcoder2" {
+            out = starcoder2_tensors(out, self.hidden);
+        }
         if self.model_type == "granitemoe" {
             out = stack_experts(out, self.layers, self.experts.map_or(0, |(e, _, _)| e));
         }
@@ -671,6 +689,31 @@ impl TinyModel {
         });
         std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
     }
+}
+
+/// A Llama-style model's tensors as StarCoder 2's: no up matrix, the gate's rows as `c_fc` and
+/// the down matrix as `c_proj`, and a random bias beside every norm and projection weight.
+fn starcoder2_tensors(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    hidden: usize,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut out = Vec::new();
+    for (seed, (name, shape, v)) in tensors.into_iter().enumerate() {
+        if name.ends_with("mlp.up_proj.weight") {
+            continue;
+        }
+        let name = name.replace("mlp.gate_proj.", "mlp.c_fc.").replace("mlp.down_proj.", "mlp.c_proj.");
+        let stem = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+        let biased = name.contains("norm.weight") || name.contains("_proj.weight") || name.contains("mlp.c_");
+        let rows = if name.contains("norm.weight") { hidden } else { shape[0] };
+        let has_bias = stem.ends_with("q_proj") || stem.ends_with("k_proj") || stem.ends_with("v_proj");
+        out.push((name, shape, v));
+        // Qwen2's shape already carries q, k and v biases.
+        if biased && !has_bias && !stem.contains("embed") {
+            out.push((format!("{stem}.bias"), vec![rows], rand_vec(rows, 1000 + seed as u64, 0.3)));
+        }
+    }
+    out
 }
 
 /// Each layer's experts (Mixtral's names) stacked as GraniteMoE's checkpoints hold them: expert

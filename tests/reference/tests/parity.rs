@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
     gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2,
-    qwen2_moe, qwen3, qwen3_moe,
+    qwen2_moe, qwen3, qwen3_moe, starcoder2,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
@@ -829,6 +829,19 @@ fn a_chatglm_gguf_converts_to_the_model_it_holds() {
     });
     converted_config(&out, want, m.layers);
     tiny_matches_candle("converted chatglm", &out, candle_chatglm(&m, &out, &tmp.path().join("candle"), 50));
+}
+
+/// StarCoder 2 against candle's `starcoder2`: LayerNorms with biases (the residual stream's and
+/// the final one), biases on q, k, v and o and on both FFN matrices (o's and the down matrix's
+/// added once to the stage's sum), an FFN without a gate, tied embeddings. Split over two ranks
+/// by heads and FFN columns and by layers, the same tokens and logits within 1e-4 of the single
+/// rank.
+#[test]
+fn random_starcoder2_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(starcoder2, Model, dir);
+    same_on_two_ranks("random starcoder2", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
