@@ -54,13 +54,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("glm4", "Glm4ForCausalLM", Arch::Glm4),
         // The first GLM-4 (glm-4-9b-chat), as HF's `glm` has it.
         ("chatglm", "GlmForCausalLM", Arch::Glm),
+        ("starcoder2", "Starcoder2ForCausalLM", Arch::Starcoder2),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4 or chatglm)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm or starcoder2)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -177,6 +178,18 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     }
     if matches!(family, Arch::Granite | Arch::GraniteMoe) {
         granite_config(&g, &arch, head_dim, &mut config)?;
+    }
+    if family == Arch::Starcoder2 {
+        // LayerNorms' epsilon, GELU, biases where the GGUF holds them (llama.cpp requires
+        // them), and the whole context attended: llama.cpp keeps no window for StarCoder 2.
+        let eps = meta_f64(&g, &key("attention.layer_norm_epsilon"))?;
+        if let Some(c) = config.as_object_mut() {
+            c.remove("rms_norm_eps");
+        }
+        config["norm_epsilon"] = (eps as f32 as f64).into();
+        config["hidden_act"] = "gelu_pytorch_tanh".into();
+        config["use_bias"] = g.tensor("blk.0.attn_output.bias").is_some().into();
+        config["sliding_window"] = serde_json::Value::Null;
     }
     // RoPE over part of a head: Phi-4-mini's and GLM's `partial_rotary_factor`, HF's reading
     // of which (`int(head_dim · factor)`) must give the GGUF's dimensions back. GLM's is always
@@ -774,6 +787,12 @@ fn meta_str<'a>(g: &'a Gguf, key: &str) -> Result<&'a str> {
         .ok_or_else(|| Error::file(&g.path, format!("missing metadata string `{key}`")))
 }
 
+fn meta_f64(g: &Gguf, key: &str) -> Result<f64> {
+    g.get(key)
+        .and_then(|v| v.as_f64())
+        .ok_or_else(|| Error::file(&g.path, format!("missing metadata number `{key}`")))
+}
+
 fn meta_usize(g: &Gguf, key: &str) -> Result<usize> {
     g.get(key)
         .and_then(|v| v.as_u64())
@@ -895,6 +914,7 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     match gguf {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output_norm.bias" if arch == "starcoder2" => return Some("model.norm.bias".into()),
         "output.weight" => return Some("lm_head.weight".into()),
         _ => {}
     }
@@ -903,6 +923,14 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     let layer: usize = layer.parse().ok()?;
     let hf = match name {
         "attn_norm.weight" => "input_layernorm.weight",
+        // StarCoder 2's LayerNorms' and projections' biases, and its FFN without a gate.
+        "attn_norm.bias" if arch == "starcoder2" => "input_layernorm.bias",
+        "ffn_norm.bias" if arch == "starcoder2" => "post_attention_layernorm.bias",
+        "attn_output.bias" if arch == "starcoder2" => "self_attn.o_proj.bias",
+        "ffn_up.weight" if arch == "starcoder2" => "mlp.c_fc.weight",
+        "ffn_up.bias" if arch == "starcoder2" => "mlp.c_fc.bias",
+        "ffn_down.weight" if arch == "starcoder2" => "mlp.c_proj.weight",
+        "ffn_down.bias" if arch == "starcoder2" => "mlp.c_proj.bias",
         // Gemma 2 and 3's sandwich norms: the FFN's input norm is HF's `pre_feedforward_*`.
         "ffn_norm.weight" if arch == "gemma2" || arch == "gemma3" => "pre_feedforward_layernorm.weight",
         "post_attention_norm.weight" if arch == "gemma2" || arch == "gemma3" => {

@@ -776,12 +776,13 @@ fn fuse<const N: usize>(
 /// llama.cpp's tensor names beside HuggingFace's: whole-model tensors, then a layer's (after
 /// `blk.N.` and `model.layers.N.`). Written here, not taken from gridlm's converter, so the
 /// tests check it.
-pub const GGUF_NAMES: [(&str, &str); 3] = [
+pub const GGUF_NAMES: [(&str, &str); 4] = [
     ("token_embd.weight", "model.embed_tokens.weight"),
     ("output_norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
+    ("output_norm.bias", "model.norm.bias"),
 ];
-pub const GGUF_LAYER_NAMES: [(&str, &str); 18] = [
+pub const GGUF_LAYER_NAMES: [(&str, &str); 25] = [
     ("attn_norm.weight", "input_layernorm.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("attn_q.weight", "self_attn.q_proj.weight"),
@@ -802,6 +803,14 @@ pub const GGUF_LAYER_NAMES: [(&str, &str); 18] = [
     // GLM-4's norms of the sublayers' outputs.
     ("post_attention_norm.weight", "post_self_attn_layernorm.weight"),
     ("post_ffw_norm.weight", "post_mlp_layernorm.weight"),
+    // StarCoder 2's biases and its FFN without a gate.
+    ("attn_norm.bias", "input_layernorm.bias"),
+    ("ffn_norm.bias", "post_attention_layernorm.bias"),
+    ("attn_output.bias", "self_attn.o_proj.bias"),
+    ("ffn_up.weight", "mlp.c_fc.weight"),
+    ("ffn_up.bias", "mlp.c_fc.bias"),
+    ("ffn_down.weight", "mlp.c_proj.weight"),
+    ("ffn_down.bias", "mlp.c_proj.bias"),
 ];
 
 /// A tensor's name in one naming (`from_gguf`: llama.cpp's to HuggingFace's, else back).

@@ -844,6 +844,33 @@ fn random_starcoder2_matches_candle_on_one_and_two_ranks() {
     same_on_two_ranks("random starcoder2", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
+/// A StarCoder 2 GGUF as llama.cpp writes one (the LayerNorms' and projections' biases, `ffn_up`
+/// and `ffn_down` without a gate, `attention.layer_norm_epsilon`, no output matrix: tied)
+/// converts into exactly the model it was written from, on which gridlm agrees with candle's
+/// `starcoder2`.
+#[test]
+fn a_starcoder2_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::starcoder2();
+    let out = tmp.path().join("folder");
+    let meta = vec![
+        ("starcoder2.attention.layer_norm_epsilon".to_string(), GgufValue::F32(1e-5)),
+        ("starcoder2.rope.freq_base".into(), GgufValue::F32(100000.0)),
+    ];
+    gguf_with_converts_to_the_model_it_holds(&m, "starcoder2", &out, meta, Vec::new());
+    let want = serde_json::json!({
+        "model_type": "starcoder2", "use_bias": true, "tie_word_embeddings": true,
+        "hidden_act": "gelu_pytorch_tanh", "rope_theta": 100000.0,
+    });
+    let cfg = converted_config(&out, want, m.layers);
+    assert!((cfg["norm_epsilon"].as_f64().unwrap() - 1e-5).abs() < 1e-12, "{cfg}");
+    let cfg: starcoder2::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = starcoder2::Model::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted starcoder2", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+}
+
 /// Qwen3's per-head q/k norms and heads wider than hidden / heads, against candle's Qwen3; and
 /// split over two ranks by heads (the norms' weights on both) and by layers, the same tokens
 /// and logits within 1e-4 of the single rank.
