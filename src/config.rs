@@ -53,6 +53,9 @@ pub enum Arch {
     /// StarCoder 2 (`starcoder2`): LayerNorms (with biases), biases on every projection
     /// (`use_bias`), and a plain FFN, `c_proj(act(c_fc(x)))`, without a gate.
     Starcoder2,
+    /// StableLM 2 and StableLM-3B-4E1T (`stablelm`): Llama with LayerNorms (with biases), RoPE
+    /// over a quarter of each head, and q/k/v biases where `use_qkv_bias` says.
+    StableLm,
 }
 
 impl Arch {
@@ -77,6 +80,7 @@ impl Arch {
             Arch::Glm4 => "glm4",
             Arch::Glm => "glm",
             Arch::Starcoder2 => "starcoder2",
+            Arch::StableLm => "stablelm",
         }
     }
 }
@@ -286,7 +290,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, and the image-and-text gemma3 and mistral3 (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, and the image-and-text gemma3 and mistral3 (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -312,6 +316,10 @@ struct HfConfig {
     partial_rotary_factor: Option<f64>,
     norm_epsilon: Option<f64>,
     use_bias: Option<bool>,
+    layer_norm_eps: Option<f64>,
+    use_qkv_bias: Option<bool>,
+    qk_layernorm: Option<bool>,
+    use_parallel_residual: Option<bool>,
     hidden_act: Option<String>,
     hidden_activation: Option<String>,
     query_pre_attn_scalar: Option<f64>,
@@ -410,6 +418,7 @@ impl ModelConfig {
             "glm4" => Arch::Glm4,
             "glm" => Arch::Glm,
             "starcoder2" => Arch::Starcoder2,
+            "stablelm" => Arch::StableLm,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -457,6 +466,16 @@ impl ModelConfig {
         }
         if raw.mlp_bias == Some(true) {
             return Err(bad("mlp_bias = true (biases on the FFN's matrices) is not supported".into()));
+        }
+        // StableLM 2 12B's per-head LayerNorms of q and k and its parallel residual.
+        if arch == Arch::StableLm {
+            for (key, on) in
+                [("qk_layernorm", raw.qk_layernorm), ("use_parallel_residual", raw.use_parallel_residual)]
+            {
+                if on == Some(true) {
+                    return Err(bad(format!("{key} = true is not supported (StableLM 2 12B's)")));
+                }
+            }
         }
         if let Some(c) = raw.clip_qkv {
             return Err(bad(format!("clip_qkv {c} is not supported (q, k and v clamped: OLMo 1's)")));
@@ -515,13 +534,14 @@ impl ModelConfig {
         // does not say; HF's other families here rotate whole heads).
         let partial_rotary_factor = match arch {
             _ if glm => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
+            Arch::StableLm => Some(raw.partial_rotary_factor.unwrap_or(0.25)),
             _ => raw.partial_rotary_factor,
         };
         let rotary_dim = match partial_rotary_factor {
             None => head_dim,
-            Some(f) if f != 1.0 && arch != Arch::Phi3 && !glm => {
+            Some(f) if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::StableLm) && !glm => {
                 return Err(bad(format!(
-                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's, glm's and glm4's)"
+                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's, stablelm's, glm's and glm4's)"
                 )));
             }
             Some(f) => {
@@ -539,10 +559,15 @@ impl ModelConfig {
         let starcoder2 = arch == Arch::Starcoder2;
         let eps = match arch {
             Arch::Starcoder2 => raw.norm_epsilon.unwrap_or(1e-5),
+            Arch::StableLm => raw.layer_norm_eps.unwrap_or(1e-5),
             _ => raw.rms_norm_eps.unwrap_or(if glm { 1.5625e-7 } else { 1e-6 }),
         };
         if !(eps.is_finite() && eps >= 0.0) {
-            let key = if starcoder2 { "norm_epsilon" } else { "rms_norm_eps" };
+            let key = match arch {
+                Arch::Starcoder2 => "norm_epsilon",
+                Arch::StableLm => "layer_norm_eps",
+                _ => "rms_norm_eps",
+            };
             return Err(bad(format!("{key} {eps} must be a finite number, not negative")));
         }
         let rope_theta = finite_positive("rope_theta", raw.rope_theta.unwrap_or(10000.0)).map_err(bad)?;
@@ -653,9 +678,10 @@ impl ModelConfig {
                 .unwrap_or(gemma || matches!(arch, Arch::SmolLM3 | Arch::Starcoder2)),
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
                 || (glm && raw.attention_bias.unwrap_or(true))
-                || (starcoder2 && raw.use_bias.unwrap_or(true)),
+                || (starcoder2 && raw.use_bias.unwrap_or(true))
+                || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false)),
             linear_bias: starcoder2 && raw.use_bias.unwrap_or(true),
-            layer_norm: starcoder2,
+            layer_norm: starcoder2 || arch == Arch::StableLm,
             gated_ffn: !starcoder2,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
@@ -1443,6 +1469,22 @@ mod tests {
         assert!(e.contains("norm_epsilon -1 must be a finite number"), "{e}");
         let llama = parse(BASE).unwrap();
         assert!(!llama.layer_norm && !llama.linear_bias && llama.gated_ffn);
+    }
+
+    /// StableLM: LayerNorms of `layer_norm_eps`, a quarter of each head rotated and no q/k/v
+    /// biases where the folder is silent; StableLM 2 12B's q/k LayerNorms and parallel
+    /// residual refused.
+    #[test]
+    fn stablelm_settings() {
+        let c = parse(&config("stablelm", r#""layer_norm_eps":1e-4"#)).unwrap();
+        assert_eq!((c.arch, c.rms_norm_eps, c.layer_norm, c.rotary_dim), (Arch::StableLm, 1e-4, true, 4));
+        assert!(!c.qkv_bias && !c.linear_bias && c.gated_ffn && !c.tie_word_embeddings);
+        let c = parse(&config("stablelm", r#""use_qkv_bias":true,"partial_rotary_factor":0.5"#)).unwrap();
+        assert_eq!((c.qkv_bias, c.rotary_dim, c.rms_norm_eps), (true, 8, 1e-5));
+        for key in ["qk_layernorm", "use_parallel_residual"] {
+            let e = parse(&config("stablelm", &format!(r#""{key}":true"#))).unwrap_err().to_string();
+            assert!(e.contains(&format!("{key} = true is not supported")), "{e}");
+        }
     }
 
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,

@@ -55,13 +55,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         // The first GLM-4 (glm-4-9b-chat), as HF's `glm` has it.
         ("chatglm", "GlmForCausalLM", Arch::Glm),
         ("starcoder2", "Starcoder2ForCausalLM", Arch::Starcoder2),
+        ("stablelm", "StableLmForCausalLM", Arch::StableLm),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm or starcoder2)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2 or stablelm)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -71,6 +72,11 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         if mixtral { ("MixtralForCausalLM", Arch::Mixtral) } else { (architecture, family) };
     let key = |k: &str| format!("{arch}.{k}");
     let glm = arch == "glm4" || arch == "chatglm";
+    // Families whose HF default rotates part of a head (a half, a quarter): the part is always
+    // written, llama.cpp's default being the whole head.
+    let partial_default = glm || arch == "stablelm";
+    // LayerNorms, each with a bias.
+    let layer_norms = arch == "starcoder2" || arch == "stablelm";
     let moe = arch.ends_with("moe") || mixtral;
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
@@ -179,14 +185,21 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if matches!(family, Arch::Granite | Arch::GraniteMoe) {
         granite_config(&g, &arch, head_dim, &mut config)?;
     }
-    if family == Arch::Starcoder2 {
-        // LayerNorms' epsilon, GELU, biases where the GGUF holds them (llama.cpp requires
-        // them), and the whole context attended: llama.cpp keeps no window for StarCoder 2.
+    if layer_norms {
+        // The LayerNorms' epsilon, by each family's name for it.
         let eps = meta_f64(&g, &key("attention.layer_norm_epsilon"))?;
         if let Some(c) = config.as_object_mut() {
             c.remove("rms_norm_eps");
         }
-        config["norm_epsilon"] = (eps as f32 as f64).into();
+        let name = if family == Arch::Starcoder2 { "norm_epsilon" } else { "layer_norm_eps" };
+        config[name] = (eps as f32 as f64).into();
+    }
+    if family == Arch::StableLm {
+        config["use_qkv_bias"] = g.tensor("blk.0.attn_q.bias").is_some().into();
+    }
+    if family == Arch::Starcoder2 {
+        // GELU, biases where the GGUF holds them (llama.cpp requires them), and the whole
+        // context attended: llama.cpp keeps no window for StarCoder 2.
         config["hidden_act"] = "gelu_pytorch_tanh".into();
         config["use_bias"] = g.tensor("blk.0.attn_output.bias").is_some().into();
         config["sliding_window"] = serde_json::Value::Null;
@@ -194,18 +207,22 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     // RoPE over part of a head: Phi-4-mini's and GLM's `partial_rotary_factor`, HF's reading
     // of which (`int(head_dim · factor)`) must give the GGUF's dimensions back. GLM's is always
     // written, as HF's default there is one half, llama.cpp's the whole head.
-    let partial_arch = arch == "phi3" || glm;
+    let partial_arch = arch == "phi3" || partial_default;
     let rotated = g.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()).map(|d| d as usize);
-    if let Some(d) = rotated.or(glm.then_some(head_dim)) {
+    if let Some(d) = rotated.or(partial_default.then_some(head_dim)) {
         let factor = d as f64 / head_dim as f64;
         let partial = partial_arch && d > 0 && d < head_dim && d.is_multiple_of(2);
-        if partial && (head_dim as f64 * factor) as usize == d || (glm && d == head_dim) {
+        if partial && (head_dim as f64 * factor) as usize == d || (partial_default && d == head_dim) {
             config["partial_rotary_factor"] = factor.into();
         } else if d != head_dim {
             let msg = format!(
                 "`{}` is {d}: RoPE over part of a head's {head_dim} dimensions is not supported{}",
                 key("rope.dimension_count"),
-                if partial_arch { " (but an even number of them)" } else { " (but for Phi-3's and GLM-4's)" }
+                if partial_arch {
+                    " (but an even number of them)"
+                } else {
+                    " (but for Phi-3's, StableLM's and GLM-4's)"
+                }
             );
             return Err(Error::file(gguf_path, msg));
         }
@@ -914,7 +931,9 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     match gguf {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
-        "output_norm.bias" if arch == "starcoder2" => return Some("model.norm.bias".into()),
+        "output_norm.bias" if arch == "starcoder2" || arch == "stablelm" => {
+            return Some("model.norm.bias".into())
+        }
         "output.weight" => return Some("lm_head.weight".into()),
         _ => {}
     }
@@ -924,8 +943,8 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     let hf = match name {
         "attn_norm.weight" => "input_layernorm.weight",
         // StarCoder 2's LayerNorms' and projections' biases, and its FFN without a gate.
-        "attn_norm.bias" if arch == "starcoder2" => "input_layernorm.bias",
-        "ffn_norm.bias" if arch == "starcoder2" => "post_attention_layernorm.bias",
+        "attn_norm.bias" if arch == "starcoder2" || arch == "stablelm" => "input_layernorm.bias",
+        "ffn_norm.bias" if arch == "starcoder2" || arch == "stablelm" => "post_attention_layernorm.bias",
         "attn_output.bias" if arch == "starcoder2" => "self_attn.o_proj.bias",
         "ffn_up.weight" if arch == "starcoder2" => "mlp.c_fc.weight",
         "ffn_up.bias" if arch == "starcoder2" => "mlp.c_fc.bias",

@@ -275,6 +275,11 @@ impl TinyModel {
     pub fn starcoder2() -> Self {
         TinyModel { model_type: "starcoder2", tied: true, ..Self::qwen2() }
     }
+    /// StableLM 2-style (`stablelm`): LayerNorms with biases, RoPE over a quarter of each head
+    /// (4 of 16 dimensions), q/k/v biases; Qwen2's shape otherwise.
+    pub fn stablelm() -> Self {
+        TinyModel { model_type: "stablelm", ..Self::qwen2() }
+    }
     /// The first GLM-4's style (`glm`): [`Self::glm4`] without the norms of the outputs.
     pub fn glm() -> Self {
         TinyModel { model_type: "glm", ..Self::qwen2() }
@@ -469,6 +474,7 @@ impl TinyModel {
             "glm4" => "Glm4ForCausalLM",
             "glm" => "GlmForCausalLM",
             "starcoder2" => "Starcoder2ForCausalLM",
+            "stablelm" => "StableLmForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -503,6 +509,14 @@ impl TinyModel {
             });
             cfg.as_object_mut().unwrap().remove("rms_norm_eps");
             cfg.as_object_mut().unwrap().extend(starcoder2.as_object().unwrap().clone());
+        }
+        if self.model_type == "stablelm" {
+            let stablelm = serde_json::json!({
+                "layer_norm_eps": 1e-5, "use_qkv_bias": true, "partial_rotary_factor": 0.25,
+                "qk_layernorm": false, "use_parallel_residual": false, "use_cache": true,
+            });
+            cfg.as_object_mut().unwrap().remove("rms_norm_eps");
+            cfg.as_object_mut().unwrap().extend(stablelm.as_object().unwrap().clone());
         }
         if self.is_glm() {
             let glm = serde_json::json!({
@@ -607,7 +621,10 @@ impl TinyModel {
             add(p("self_attn.q_proj.weight"), vec![self.heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.k_proj.weight"), vec![self.kv_heads * hd, h], 2.0 * w, 0.0);
             add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
-            if self.model_type.starts_with("qwen2") || self.is_glm() || self.model_type == "starcoder2" {
+            if self.model_type.starts_with("qwen2")
+                || self.is_glm()
+                || matches!(self.model_type, "starcoder2" | "stablelm")
+            {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
@@ -666,6 +683,9 @@ impl TinyModel {
         if self.model_type == "starcoder2" {
             out = starcoder2_tensors(out, self.hidden);
         }
+        if self.model_type == "stablelm" {
+            out = with_biases(out, self.hidden, |name| name.ends_with("norm.weight"));
+        }
         if self.model_type == "granitemoe" {
             out = stack_experts(out, self.layers, self.experts.map_or(0, |(e, _, _)| e));
         }
@@ -692,26 +712,41 @@ impl TinyModel {
 }
 
 /// A Llama-style model's tensors as StarCoder 2's: no up matrix, the gate's rows as `c_fc` and
-/// the down matrix as `c_proj`, and a random bias beside every norm and projection weight.
+/// the down matrix as `c_proj`, and a random bias beside every norm and projection weight (Qwen2's
+/// shape already carries q, k and v biases).
 fn starcoder2_tensors(
     tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
     hidden: usize,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let renamed = tensors
+        .into_iter()
+        .filter(|(name, _, _)| !name.ends_with("mlp.up_proj.weight"))
+        .map(|(name, shape, v)| {
+            (name.replace("mlp.gate_proj.", "mlp.c_fc.").replace("mlp.down_proj.", "mlp.c_proj."), shape, v)
+        })
+        .collect();
+    with_biases(renamed, hidden, |name| {
+        let qkv = ["q_proj", "k_proj", "v_proj"].iter().any(|p| name.contains(p));
+        name.ends_with("norm.weight") || (!qkv && (name.contains("_proj.weight") || name.contains("mlp.c_")))
+    })
+}
+
+/// `tensors` with a random bias after each weight `biased` names (a norm's as wide as `hidden`,
+/// a matrix's as its rows).
+fn with_biases(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    hidden: usize,
+    biased: impl Fn(&str) -> bool,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut out = Vec::new();
     for (seed, (name, shape, v)) in tensors.into_iter().enumerate() {
-        if name.ends_with("mlp.up_proj.weight") {
-            continue;
-        }
-        let name = name.replace("mlp.gate_proj.", "mlp.c_fc.").replace("mlp.down_proj.", "mlp.c_proj.");
-        let stem = name.strip_suffix(".weight").unwrap_or(&name).to_string();
-        let biased = name.contains("norm.weight") || name.contains("_proj.weight") || name.contains("mlp.c_");
-        let rows = if name.contains("norm.weight") { hidden } else { shape[0] };
-        let has_bias = stem.ends_with("q_proj") || stem.ends_with("k_proj") || stem.ends_with("v_proj");
+        let bias = biased(&name).then(|| {
+            let rows = if name.ends_with("norm.weight") { hidden } else { shape[0] };
+            let stem = name.strip_suffix(".weight").unwrap_or(&name);
+            (format!("{stem}.bias"), vec![rows], rand_vec(rows, 1000 + seed as u64, 0.3))
+        });
         out.push((name, shape, v));
-        // Qwen2's shape already carries q, k and v biases.
-        if biased && !has_bias && !stem.contains("embed") {
-            out.push((format!("{stem}.bias"), vec![rows], rand_vec(rows, 1000 + seed as u64, 0.3)));
-        }
+        out.extend(bias);
     }
     out
 }

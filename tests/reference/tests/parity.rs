@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
     gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2,
-    qwen2_moe, qwen3, qwen3_moe, starcoder2,
+    qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
@@ -867,6 +867,46 @@ fn a_starcoder2_gguf_converts_to_the_model_it_holds() {
     let cfg: starcoder2::Config = serde_json::from_value(cfg).unwrap();
     let mut model = starcoder2::Model::new(&cfg, candle_weights(&out)).unwrap();
     tiny_matches_candle("converted starcoder2", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+}
+
+/// StableLM 2 against candle's `stable_lm`: LayerNorms with biases, RoPE over a quarter of each
+/// head, q/k/v biases. Split over two ranks by heads and by layers, the same tokens and logits
+/// within 1e-4 of the single rank.
+#[test]
+fn random_stablelm_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    gridlm_reference::TinyModel::stablelm().write(dir);
+    let cfg: stable_lm::Config = serde_json::from_value(folder_config(dir)).unwrap();
+    let mut model = stable_lm::Model::new(&cfg, candle_weights(dir)).unwrap();
+    let single = tiny_matches_candle("random stablelm", dir, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    same_on_two_ranks("random stablelm", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// A StableLM 2 GGUF as llama.cpp writes one (the LayerNorms' biases, q/k/v biases, q and k
+/// rows as HF has them, a quarter of each head as `rope.dimension_count`) converts into exactly
+/// the model it was written from, on which gridlm agrees with candle's `stable_lm`.
+#[test]
+fn a_stablelm_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::stablelm();
+    let out = tmp.path().join("folder");
+    let meta = vec![
+        ("stablelm.attention.layer_norm_epsilon".to_string(), GgufValue::F32(1e-5)),
+        ("stablelm.rope.dimension_count".into(), GgufValue::U32((m.hidden / m.heads / 4) as u32)),
+    ];
+    gguf_with_converts_to_the_model_it_holds(&m, "stablelm", &out, meta, Vec::new());
+    let want =
+        serde_json::json!({"model_type": "stablelm", "use_qkv_bias": true, "partial_rotary_factor": 0.25});
+    let mut cfg = converted_config(&out, want, m.layers);
+    cfg["use_cache"] = true.into();
+    let cfg: stable_lm::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = stable_lm::Model::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted stablelm", &out, |ids, pos| {
         model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     });
 }
