@@ -383,23 +383,26 @@ fn batch_of_one(ids: &[u32]) -> Tensor {
     Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
 }
 
-/// [`tiny_matches_candle`] on `TinyModel::$arch()` written into the folder `$dir`, against
-/// candle's `$arch::$model` (each family its own types, hence a macro), made by
-/// `$model::new($($first,)* &cfg, weights)`, which takes the prompt whole or, after `one at a
-/// time;`, token by token.
+/// [`tiny_matches_candle`] on `TinyModel::$arch()` (or `TinyModel::$tiny()`, given as `$tiny
+/// =>`) written into the folder `$dir`, against candle's `$arch::$model` (each family its own
+/// types, hence a macro), made by `$model::new($($first,)* &cfg, weights)`, which takes the
+/// prompt whole or, after `one at a time;`, token by token.
 macro_rules! tiny_against_candle {
+    ($tiny:ident => $arch:ident, $model:ident, $dir:expr) => {
+        tiny_against_candle!(usize::MAX; $tiny => $arch, $model, $dir)
+    };
     ($arch:ident, $model:ident, $dir:expr $(, $first:expr)*) => {
-        tiny_against_candle!(usize::MAX; $arch, $model, $dir $(, $first)*)
+        tiny_against_candle!(usize::MAX; $arch => $arch, $model, $dir $(, $first)*)
     };
     (one at a time; $arch:ident, $model:ident, $dir:expr $(, $first:expr)*) => {
-        tiny_against_candle!(1; $arch, $model, $dir $(, $first)*)
+        tiny_against_candle!(1; $arch => $arch, $model, $dir $(, $first)*)
     };
-    ($chunk:expr; $arch:ident, $model:ident, $dir:expr $(, $first:expr)*) => {{
-        gridlm_reference::TinyModel::$arch().write($dir);
+    ($chunk:expr; $tiny:ident => $arch:ident, $model:ident, $dir:expr $(, $first:expr)*) => {{
+        gridlm_reference::TinyModel::$tiny().write($dir);
         let text = std::fs::read($dir.join("config.json")).unwrap();
         let cfg: $arch::Config = serde_json::from_slice(&text).unwrap();
         let mut model = $arch::$model::new($($first,)* &cfg, candle_weights($dir)).unwrap();
-        let run = tiny_matches_candle(concat!("random ", stringify!($arch)), $dir, |ids, pos| {
+        let run = tiny_matches_candle(concat!("random ", stringify!($tiny)), $dir, |ids, pos| {
             let mut logits = Vec::new();
             for (i, chunk) in ids.chunks($chunk).enumerate() {
                 let out = model.forward(&batch_of_one(chunk), pos + i * chunk.len()).unwrap();
@@ -690,12 +693,7 @@ fn transformers5_configs_match_candle() {
 fn random_glm4_matches_candle_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    gridlm_reference::TinyModel::glm4().write(dir);
-    let cfg: glm4_new::Config = serde_json::from_value(folder_config(dir)).unwrap();
-    let mut model = glm4_new::ModelForCausalLM::new(&cfg, candle_weights(dir)).unwrap();
-    let single = tiny_matches_candle("random glm4", dir, |ids, pos| {
-        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    });
+    let single = tiny_against_candle!(glm4 => glm4_new, ModelForCausalLM, dir);
     same_on_two_ranks("random glm4", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
@@ -878,12 +876,7 @@ fn a_starcoder2_gguf_converts_to_the_model_it_holds() {
 fn random_stablelm_matches_candle_on_one_and_two_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    gridlm_reference::TinyModel::stablelm().write(dir);
-    let cfg: stable_lm::Config = serde_json::from_value(folder_config(dir)).unwrap();
-    let mut model = stable_lm::Model::new(&cfg, candle_weights(dir)).unwrap();
-    let single = tiny_matches_candle("random stablelm", dir, |ids, pos| {
-        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    });
+    let single = tiny_against_candle!(stablelm => stable_lm, Model, dir);
     same_on_two_ranks("random stablelm", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
