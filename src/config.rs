@@ -56,6 +56,11 @@ pub enum Arch {
     /// StableLM 2 and StableLM-3B-4E1T (`stablelm`): Llama with LayerNorms (with biases), RoPE
     /// over a quarter of each head, and q/k/v biases where `use_qkv_bias` says.
     StableLm,
+    /// Phi-1.5 and Phi-2 (`phi`): LayerNorms with biases, biases on every projection and on the
+    /// output head, an FFN without a gate (`fc1`, GELU, `fc2`), RoPE over part of each head, and
+    /// the attention and the FFN both reading the one norm of the layer's input, their outputs
+    /// added to it together (a parallel residual).
+    Phi,
 }
 
 impl Arch {
@@ -81,6 +86,7 @@ impl Arch {
             Arch::Glm => "glm",
             Arch::Starcoder2 => "starcoder2",
             Arch::StableLm => "stablelm",
+            Arch::Phi => "phi",
         }
     }
 }
@@ -248,8 +254,13 @@ pub struct ModelConfig {
     /// (StarCoder 2).
     pub layer_norm: bool,
     /// The FFN is `down(act(gate(x)) · up(x))`; else `down(act(up(x)))` (StarCoder 2's `c_fc`
-    /// and `c_proj`).
+    /// and `c_proj`, Phi's `fc1` and `fc2`).
     pub gated_ffn: bool,
+    /// The FFN reads the same norm of the layer's input as the attention, and both outputs
+    /// join the residual stream (Phi's `x + attn(ln(x)) + ffn(ln(x))`).
+    pub parallel_residual: bool,
+    /// The output head has a bias (Phi's `lm_head.bias`).
+    pub head_bias: bool,
     /// RoPE rotates the pairs `(2i, 2i + 1)` of a head's rotated dimensions (GLM's
     /// interleaved form) rather than `(i, i + rotary_dim/2)` (HF's "rotate half").
     pub rope_interleaved: bool,
@@ -290,7 +301,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, and the image-and-text gemma3 and mistral3 (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, and the image-and-text gemma3 and mistral3 (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -419,6 +430,7 @@ impl ModelConfig {
             "glm" => Arch::Glm,
             "starcoder2" => Arch::Starcoder2,
             "stablelm" => Arch::StableLm,
+            "phi" => Arch::Phi,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -467,15 +479,17 @@ impl ModelConfig {
         if raw.mlp_bias == Some(true) {
             return Err(bad("mlp_bias = true (biases on the FFN's matrices) is not supported".into()));
         }
-        // StableLM 2 12B's per-head LayerNorms of q and k and its parallel residual.
-        if arch == Arch::StableLm {
-            for (key, on) in
-                [("qk_layernorm", raw.qk_layernorm), ("use_parallel_residual", raw.use_parallel_residual)]
-            {
-                if on == Some(true) {
-                    return Err(bad(format!("{key} = true is not supported (StableLM 2 12B's)")));
-                }
+        // Per-head LayerNorms of q and k (StableLM 2 12B's, Phi's option) and StableLM 2 12B's
+        // parallel residual (Phi's is always there).
+        let refused = match arch {
+            Arch::StableLm => {
+                vec![("qk_layernorm", raw.qk_layernorm), ("use_parallel_residual", raw.use_parallel_residual)]
             }
+            Arch::Phi => vec![("qk_layernorm", raw.qk_layernorm)],
+            _ => Vec::new(),
+        };
+        if let Some((key, _)) = refused.iter().find(|(_, on)| *on == Some(true)) {
+            return Err(bad(format!("{key} = true is not supported for {model_type}")));
         }
         if let Some(c) = raw.clip_qkv {
             return Err(bad(format!("clip_qkv {c} is not supported (q, k and v clamped: OLMo 1's)")));
@@ -535,13 +549,14 @@ impl ModelConfig {
         let partial_rotary_factor = match arch {
             _ if glm => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
             Arch::StableLm => Some(raw.partial_rotary_factor.unwrap_or(0.25)),
+            Arch::Phi => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
             _ => raw.partial_rotary_factor,
         };
         let rotary_dim = match partial_rotary_factor {
             None => head_dim,
-            Some(f) if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::StableLm) && !glm => {
+            Some(f) if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::StableLm | Arch::Phi) && !glm => {
                 return Err(bad(format!(
-                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi3's, stablelm's, glm's and glm4's)"
+                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi's, phi3's, stablelm's, glm's and glm4's)"
                 )));
             }
             Some(f) => {
@@ -556,16 +571,16 @@ impl ModelConfig {
         };
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
         // HF's defaults where the config is silent (GLM-4's its own).
-        let starcoder2 = arch == Arch::Starcoder2;
+        let (starcoder2, phi) = (arch == Arch::Starcoder2, arch == Arch::Phi);
         let eps = match arch {
             Arch::Starcoder2 => raw.norm_epsilon.unwrap_or(1e-5),
-            Arch::StableLm => raw.layer_norm_eps.unwrap_or(1e-5),
+            Arch::StableLm | Arch::Phi => raw.layer_norm_eps.unwrap_or(1e-5),
             _ => raw.rms_norm_eps.unwrap_or(if glm { 1.5625e-7 } else { 1e-6 }),
         };
         if !(eps.is_finite() && eps >= 0.0) {
             let key = match arch {
                 Arch::Starcoder2 => "norm_epsilon",
-                Arch::StableLm => "layer_norm_eps",
+                Arch::StableLm | Arch::Phi => "layer_norm_eps",
                 _ => "rms_norm_eps",
             };
             return Err(bad(format!("{key} {eps} must be a finite number, not negative")));
@@ -679,10 +694,13 @@ impl ModelConfig {
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
                 || (glm && raw.attention_bias.unwrap_or(true))
                 || (starcoder2 && raw.use_bias.unwrap_or(true))
-                || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false)),
-            linear_bias: starcoder2 && raw.use_bias.unwrap_or(true),
-            layer_norm: starcoder2 || arch == Arch::StableLm,
-            gated_ffn: !starcoder2,
+                || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false))
+                || phi,
+            linear_bias: (starcoder2 && raw.use_bias.unwrap_or(true)) || phi,
+            layer_norm: starcoder2 || phi || arch == Arch::StableLm,
+            gated_ffn: !starcoder2 && !phi,
+            parallel_residual: phi,
+            head_bias: phi,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
             rope_interleaved: glm,
@@ -1485,6 +1503,21 @@ mod tests {
             let e = parse(&config("stablelm", &format!(r#""{key}":true"#))).unwrap_err().to_string();
             assert!(e.contains(&format!("{key} = true is not supported")), "{e}");
         }
+    }
+
+    /// Phi-2: LayerNorms, every bias (the head's too), no gate, a parallel residual, half of
+    /// each head rotated where the folder is silent; its per-head q/k LayerNorms refused.
+    #[test]
+    fn phi_settings() {
+        let c = parse(&config("phi", r#""partial_rotary_factor":0.4,"hidden_act":"gelu_new""#)).unwrap();
+        assert_eq!((c.arch, c.rotary_dim, c.activation), (Arch::Phi, 6, Activation::GeluTanh));
+        assert!(c.layer_norm && c.qkv_bias && c.linear_bias && c.head_bias && c.parallel_residual);
+        assert!(!c.gated_ffn && !c.tie_word_embeddings);
+        assert_eq!(parse(&BASE.replace("llama", "phi")).unwrap().rotary_dim, 8);
+        let e = parse(&config("phi", r#""qk_layernorm":true"#)).unwrap_err().to_string();
+        assert!(e.contains("qk_layernorm = true is not supported for phi"), "{e}");
+        let llama = parse(BASE).unwrap();
+        assert!(!llama.parallel_residual && !llama.head_bias);
     }
 
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,

@@ -252,15 +252,12 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
                 at(gate_up, 2 * ff, ff),
             ]
         }
-        // StarCoder 2's FFN has one matrix before its activation (`c_fc`), no gate: read as
-        // the gate's rows, the up rows unread.
-        Arch::Starcoder2 => [
-            separate("q", qd),
-            separate("k", kvd),
-            separate("v", kvd),
-            at("mlp.c_fc.weight", ff, 0),
-            at("mlp.c_fc.weight", ff, 0),
-        ],
+        // StarCoder 2's and Phi's FFN has one matrix before its activation (`c_fc`, `fc1`), no
+        // gate: read as the gate's rows, the up rows unread.
+        Arch::Starcoder2 | Arch::Phi => {
+            let first = if cfg.arch == Arch::Phi { "mlp.fc1.weight" } else { "mlp.c_fc.weight" };
+            [separate("q", qd), separate("k", kvd), separate("v", kvd), at(first, ff, 0), at(first, ff, 0)]
+        }
         _ => [
             separate("q", qd),
             separate("k", kvd),
@@ -272,14 +269,30 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
 }
 
 /// Layer `i`'s dense FFN's down tensor (Granite 4's `shared_mlp.output_linear`, StarCoder 2's
-/// `mlp.c_proj`).
+/// `mlp.c_proj`, Phi's `mlp.fc2`).
 fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
     let name = match cfg.arch {
         Arch::GraniteMoeHybrid => "shared_mlp.output_linear",
         Arch::Starcoder2 => "mlp.c_proj",
+        Arch::Phi => "mlp.fc2",
         _ => "mlp.down_proj",
     };
     format!("model.layers.{i}.{name}.weight")
+}
+
+/// Layer `i`'s attention output matrix (Phi's `self_attn.dense`).
+fn o_proj_name(cfg: &ModelConfig, i: usize) -> String {
+    let name = if cfg.arch == Arch::Phi { "dense" } else { "o_proj" };
+    format!("model.layers.{i}.self_attn.{name}.weight")
+}
+
+/// The final norm (Phi's `model.final_layernorm`).
+fn final_norm_name(cfg: &ModelConfig) -> &'static str {
+    if cfg.arch == Arch::Phi {
+        "model.final_layernorm.weight"
+    } else {
+        "model.norm.weight"
+    }
 }
 
 /// The bias beside the weight tensor `name` (`….weight` → `….bias`).
@@ -304,6 +317,8 @@ fn layer_norm_names(cfg: &ModelConfig) -> [Option<&'static str>; 4] {
     let (post_attention, post_ffn) =
         (Some("post_attention_layernorm.weight"), Some("post_feedforward_layernorm.weight"));
     match cfg.norm_place {
+        // Phi's one norm, read by the attention and the FFN alike.
+        NormPlace::Pre if cfg.parallel_residual => [input, None, None, None],
         NormPlace::Pre => [input, post_attention, None, None],
         NormPlace::Sandwich if cfg.arch == Arch::Glm4 => [
             input,
@@ -702,6 +717,8 @@ pub struct Shard {
     final_norm: Option<Norm>,
     /// Vocabulary rows of the output head (last stage); shares `embed` when tied on one stage.
     lm_head: Option<Arc<PackedMat>>,
+    /// The output head's bias, of this rank's vocabulary rows (Phi's).
+    head_bias: Option<Vec<f32>>,
     inv_freq: Vec<f64>,
     /// The local layers' RoPE frequencies (Gemma 3's).
     inv_freq_local: Option<Vec<f64>>,
@@ -824,7 +841,7 @@ impl Shard {
             let (o_bias, ffn_bias) = if cfg.linear_bias {
                 let first = ckpt.vector_range_f32(&bias_name(&gate.0), ff, plan.ffn.clone())?;
                 let down = ckpt.vector_f32(&bias_name(&ffn_down_name(&cfg, i)), h)?;
-                (Some(ckpt.vector_f32(&p("self_attn.o_proj.bias"), h)?), Some((first, down)))
+                (Some(ckpt.vector_f32(&bias_name(&o_proj_name(&cfg, i)), h)?), Some((first, down)))
             } else {
                 (None, None)
             };
@@ -855,7 +872,7 @@ impl Shard {
                 qkv_bias,
                 head_norms,
                 full_norms,
-                o_proj: pack(&ckpt.cols(&p("self_attn.o_proj.weight"), &[h, qd], qr.clone())?),
+                o_proj: pack(&ckpt.cols(&o_proj_name(&cfg, i), &[h, qd], qr.clone())?),
                 o_bias,
                 ffn,
                 ffn_bias,
@@ -879,9 +896,14 @@ impl Shard {
             } else {
                 Arc::new(pack(&ckpt.rows("lm_head.weight", &vocab_shape, plan.vocab.clone())?))
             };
-            (Some(stream_norm("model.norm.weight")?), Some(head))
+            (Some(stream_norm(final_norm_name(&cfg))?), Some(head))
         } else {
             (None, None)
+        };
+        let head_bias = if plan.last_stage && cfg.head_bias {
+            Some(ckpt.vector_range_f32("lm_head.bias", cfg.vocab_size, plan.vocab.clone())?)
+        } else {
+            None
         };
         let embed_scale = if cfg.scale_embedding {
             // As HF does: the factor in the embedding's stored dtype.
@@ -906,6 +928,7 @@ impl Shard {
             embed_scale,
             final_norm,
             lm_head,
+            head_bias,
             inv_freq,
             inv_freq_local,
             inv_freq_long,
@@ -935,7 +958,7 @@ impl Shard {
             let dtype = |(name, shape, _): &StoredRows| src.dtype(name, shape);
             let [q, k, v] = [dtype(&q)?, dtype(&k)?, dtype(&v)?];
             n += packed(q_rows + 2 * kv_rows, h, stacked(stacked(q, k), v));
-            n += packed(h, q_rows, src.dtype(&p("self_attn.o_proj.weight"), &[h, qd])?);
+            n += packed(h, q_rows, src.dtype(&o_proj_name(cfg, i), &[h, qd])?);
             match cfg.moe.as_ref().filter(|m| m.sparse[i]) {
                 Some(moe) => {
                     let (e, cols) = (moe.experts, plan.expert_ffn.len());
@@ -992,6 +1015,7 @@ impl Shard {
         }
         if plan.last_stage {
             n += 4 * h * if cfg.layer_norm { 2 } else { 1 };
+            n += if cfg.head_bias { 4 * plan.vocab.len() } else { 0 };
             if !cfg.tie_word_embeddings {
                 n += vocab_rows("lm_head.weight")?;
             } else if !plan.first_stage {
@@ -1010,6 +1034,7 @@ impl Shard {
         }
         n += self.embed.as_ref().map_or(0, |e| e.bytes());
         n += self.final_norm.as_ref().map_or(0, |v| 4 * v.len());
+        n += self.head_bias.as_ref().map_or(0, |b| 4 * b.len());
         if let (Some(head), embed) = (&self.lm_head, &self.embed) {
             if !embed.as_ref().is_some_and(|e| Arc::ptr_eq(e, head)) {
                 n += head.bytes();
@@ -1054,6 +1079,7 @@ impl Shard {
             .sum();
         n += self.embed.as_ref().map_or(0, |e| e.bytes() / e.rows.max(1));
         n += self.final_norm.as_ref().map_or(0, |v| 4 * v.len());
+        n += self.head_bias.as_ref().map_or(0, |b| 4 * b.len());
         n += self.lm_head.as_ref().map_or(0, |m| m.bytes());
         n
     }
@@ -1604,8 +1630,11 @@ impl Shard {
                 let norm = l.out_norms.as_ref().map(|(a, _)| (&a[..], cfg.rms_norm_eps));
                 add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier, l.o_bias.as_deref());
 
-                // FFN block.
-                norm_into(xo, &l.post_norm, cfg.rms_norm_eps, xn);
+                // FFN block: its input normed, or (a parallel residual) the attention's normed
+                // input, in `xn` untouched since.
+                if !cfg.parallel_residual {
+                    norm_into(xo, &l.post_norm, cfg.rms_norm_eps, xn);
+                }
                 let (gate_up, down) = match &l.ffn {
                     Ffn::Dense { gate_up, down } => (gate_up, down),
                     Ffn::Experts(x) => {
@@ -1695,6 +1724,11 @@ impl Shard {
         s.ensure(m, self);
         norm.apply(&x[..m * h], self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
         kernels::matmul(team, head, &s.xn[..m * h], m, &mut out[..m * head.rows]);
+        if let Some(b) = &self.head_bias {
+            for row in out[..m * head.rows].chunks_exact_mut(head.rows) {
+                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            }
+        }
         if self.cfg.logits_scaling != 1.0 {
             out[..m * head.rows].iter_mut().for_each(|v| *v /= self.cfg.logits_scaling);
         }
@@ -2073,7 +2107,8 @@ mod tests {
     fn planned_bytes_are_the_loaded_bytes() {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors; Granite 4 from fused
         // gate/up (`shared_mlp`) tensors; GLM-4: Qwen2's with fused gate/up and four norms;
-        // StarCoder 2: Qwen2's with LayerNorms, every bias and no gate; GraniteMoE: Mixtral's shape, each layer's experts
+        // StarCoder 2: Qwen2's with LayerNorms, every bias and no gate; Phi: those, one norm a
+        // layer and the head's bias; GraniteMoE: Mixtral's shape, each layer's experts
         // read from stacked tensors.
         let shapes = [
             ("qwen2-0.5b", None),
@@ -2082,6 +2117,7 @@ mod tests {
             ("llama-3.2-1b", Some(Arch::GraniteMoeHybrid)),
             ("qwen2-0.5b", Some(Arch::Glm4)),
             ("qwen2-0.5b", Some(Arch::Starcoder2)),
+            ("qwen2-0.5b", Some(Arch::Phi)),
             ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
@@ -2097,9 +2133,11 @@ mod tests {
                 // Its four norms by their names, q/k/v biases beside fused gate/up rows.
                 cfg.norm_place = NormPlace::Sandwich;
             }
-            if cfg.arch == Arch::Starcoder2 {
-                // LayerNorms, biases on every projection, an FFN without a gate.
+            if matches!(cfg.arch, Arch::Starcoder2 | Arch::Phi) {
+                // LayerNorms, biases on every projection, an FFN without a gate; Phi's one norm
+                // a layer and its head's bias.
                 (cfg.layer_norm, cfg.linear_bias, cfg.gated_ffn) = (true, true, false);
+                (cfg.parallel_residual, cfg.head_bias) = (cfg.arch == Arch::Phi, cfg.arch == Arch::Phi);
             }
             (cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 8, 9, 3);
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);

@@ -56,13 +56,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("chatglm", "GlmForCausalLM", Arch::Glm),
         ("starcoder2", "Starcoder2ForCausalLM", Arch::Starcoder2),
         ("stablelm", "StableLmForCausalLM", Arch::StableLm),
+        ("phi2", "PhiForCausalLM", Arch::Phi),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2 or stablelm)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm or phi2)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -74,9 +75,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let glm = arch == "glm4" || arch == "chatglm";
     // Families whose HF default rotates part of a head (a half, a quarter): the part is always
     // written, llama.cpp's default being the whole head.
-    let partial_default = glm || arch == "stablelm";
+    let partial_default = glm || arch == "stablelm" || arch == "phi2";
     // LayerNorms, each with a bias.
-    let layer_norms = arch == "starcoder2" || arch == "stablelm";
+    let layer_norms = matches!(arch.as_str(), "starcoder2" | "stablelm" | "phi2");
     let moe = arch.ends_with("moe") || mixtral;
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
@@ -197,6 +198,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if family == Arch::StableLm {
         config["use_qkv_bias"] = g.tensor("blk.0.attn_q.bias").is_some().into();
     }
+    if family == Arch::Phi {
+        config["hidden_act"] = "gelu_new".into();
+        config["qk_layernorm"] = false.into();
+    }
     if family == Arch::Starcoder2 {
         // GELU, biases where the GGUF holds them (llama.cpp requires them), and the whole
         // context attended: llama.cpp keeps no window for StarCoder 2.
@@ -221,7 +226,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 if partial_arch {
                     " (but an even number of them)"
                 } else {
-                    " (but for Phi-3's, StableLM's and GLM-4's)"
+                    " (but for Phi's, Phi-3's, StableLM's and GLM-4's)"
                 }
             );
             return Err(Error::file(gguf_path, msg));
@@ -286,9 +291,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             }
             Some((layer, true, which)) => crate::model::shared_expert_names(layer)[which].clone(),
             Some((layer, false, _)) => crate::model::router_name(family, layer),
-            // The first GLM-4's q, k and v rows (and biases) in one tensor: HF's `glm` keeps
-            // them apart.
-            None if arch == "chatglm" && t.name.contains(".attn_qkv.") => {
+            // The first GLM-4's (and some Phi-2 GGUFs') q, k and v rows and biases in one
+            // tensor: HF's `glm` and `phi` keep them apart.
+            None if (arch == "chatglm" || arch == "phi2") && t.name.contains(".attn_qkv.") => {
                 named.extend(split_qkv(&g, t, (n_heads, n_kv_heads, head_dim), dtype)?);
                 continue;
             }
@@ -930,6 +935,10 @@ fn split_qkv<'a>(
 pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     match gguf {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        // Phi's final norm and its output head's bias.
+        "output_norm.weight" if arch == "phi2" => return Some("model.final_layernorm.weight".into()),
+        "output_norm.bias" if arch == "phi2" => return Some("model.final_layernorm.bias".into()),
+        "output.bias" if arch == "phi2" => return Some("lm_head.bias".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
         "output_norm.bias" if arch == "starcoder2" || arch == "stablelm" => {
             return Some("model.norm.bias".into())
@@ -943,7 +952,14 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     let hf = match name {
         "attn_norm.weight" => "input_layernorm.weight",
         // StarCoder 2's LayerNorms' and projections' biases, and its FFN without a gate.
-        "attn_norm.bias" if arch == "starcoder2" || arch == "stablelm" => "input_layernorm.bias",
+        "attn_norm.bias" if matches!(arch, "starcoder2" | "stablelm" | "phi2") => "input_layernorm.bias",
+        // Phi's projections by its names.
+        "attn_output.weight" if arch == "phi2" => "self_attn.dense.weight",
+        "attn_output.bias" if arch == "phi2" => "self_attn.dense.bias",
+        "ffn_up.weight" if arch == "phi2" => "mlp.fc1.weight",
+        "ffn_up.bias" if arch == "phi2" => "mlp.fc1.bias",
+        "ffn_down.weight" if arch == "phi2" => "mlp.fc2.weight",
+        "ffn_down.bias" if arch == "phi2" => "mlp.fc2.bias",
         "ffn_norm.bias" if arch == "starcoder2" || arch == "stablelm" => "post_attention_layernorm.bias",
         "attn_output.bias" if arch == "starcoder2" => "self_attn.o_proj.bias",
         "ffn_up.weight" if arch == "starcoder2" => "mlp.c_fc.weight",
@@ -1092,7 +1108,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         "smollm" | "starcoder" | "refact" => {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
-        "gpt-2" | "gpt2" | "default" => Ok(ByteLevel::new(false, true, true).into()),
+        "gpt-2" | "gpt2" | "phi-2" | "default" => Ok(ByteLevel::new(false, true, true).into()),
         p if LLAMA3_PRES.contains(&p) || GLM_PRES.contains(&p) => split(&[
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ]),
@@ -1123,7 +1139,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         other => Err(Error::file(
             path,
             format!(
-                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
+                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, phi-2, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
                 LLAMA3_PRES.join(", "),
                 GLM_PRES.join(", ")
             ),

@@ -92,6 +92,8 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         linear_bias: false,
         layer_norm: false,
         gated_ffn: true,
+        parallel_residual: false,
+        head_bias: false,
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
             "gemma3-4b" => 1024,

@@ -280,6 +280,12 @@ impl TinyModel {
     pub fn stablelm() -> Self {
         TinyModel { model_type: "stablelm", ..Self::qwen2() }
     }
+    /// Phi-2-style (`phi`): one LayerNorm a layer read by the attention and the FFN alike (a
+    /// parallel residual), biases on every projection and on the output head, an FFN without a
+    /// gate (`fc1`, GELU, `fc2`), RoPE over half of each head; Qwen2's shape otherwise.
+    pub fn phi() -> Self {
+        TinyModel { model_type: "phi", ..Self::qwen2() }
+    }
     /// The first GLM-4's style (`glm`): [`Self::glm4`] without the norms of the outputs.
     pub fn glm() -> Self {
         TinyModel { model_type: "glm", ..Self::qwen2() }
@@ -475,6 +481,7 @@ impl TinyModel {
             "glm" => "GlmForCausalLM",
             "starcoder2" => "Starcoder2ForCausalLM",
             "stablelm" => "StableLmForCausalLM",
+            "phi" => "PhiForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let mut cfg = serde_json::json!({
@@ -517,6 +524,14 @@ impl TinyModel {
             });
             cfg.as_object_mut().unwrap().remove("rms_norm_eps");
             cfg.as_object_mut().unwrap().extend(stablelm.as_object().unwrap().clone());
+        }
+        if self.model_type == "phi" {
+            let phi = serde_json::json!({
+                "layer_norm_eps": 1e-5, "partial_rotary_factor": 0.5, "hidden_act": "gelu_new",
+                "qk_layernorm": false,
+            });
+            cfg.as_object_mut().unwrap().remove("rms_norm_eps");
+            cfg.as_object_mut().unwrap().extend(phi.as_object().unwrap().clone());
         }
         if self.is_glm() {
             let glm = serde_json::json!({
@@ -623,7 +638,7 @@ impl TinyModel {
             add(p("self_attn.v_proj.weight"), vec![self.kv_heads * hd, h], w, 0.0);
             if self.model_type.starts_with("qwen2")
                 || self.is_glm()
-                || matches!(self.model_type, "starcoder2" | "stablelm")
+                || matches!(self.model_type, "starcoder2" | "stablelm" | "phi")
             {
                 add(p("self_attn.q_proj.bias"), vec![self.heads * hd], 0.5, 0.0);
                 add(p("self_attn.k_proj.bias"), vec![self.kv_heads * hd], 0.5, 0.0);
@@ -686,6 +701,9 @@ impl TinyModel {
         if self.model_type == "stablelm" {
             out = with_biases(out, self.hidden, |name| name.ends_with("norm.weight"));
         }
+        if self.model_type == "phi" {
+            out = phi_tensors(out, self.hidden);
+        }
         if self.model_type == "granitemoe" {
             out = stack_experts(out, self.layers, self.experts.map_or(0, |(e, _, _)| e));
         }
@@ -728,6 +746,34 @@ fn starcoder2_tensors(
     with_biases(renamed, hidden, |name| {
         let qkv = ["q_proj", "k_proj", "v_proj"].iter().any(|p| name.contains(p));
         name.ends_with("norm.weight") || (!qkv && (name.contains("_proj.weight") || name.contains("mlp.c_")))
+    })
+}
+
+/// A Llama-style model's tensors as Phi's: one norm a layer (the attention's input norm, no
+/// `post_attention_layernorm`), o_proj as `dense`, the gate's rows as `fc1` and the down matrix
+/// as `fc2` (no up matrix), the final norm as `final_layernorm`, and a random bias beside every
+/// norm and projection weight and the output head (q, k and v have theirs).
+fn phi_tensors(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    hidden: usize,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let kept = tensors
+        .into_iter()
+        .filter(|(name, _, _)| {
+            !name.ends_with("mlp.up_proj.weight") && !name.ends_with("post_attention_layernorm.weight")
+        })
+        .map(|(name, shape, v)| {
+            let name = name
+                .replace("self_attn.o_proj.", "self_attn.dense.")
+                .replace("mlp.gate_proj.", "mlp.fc1.")
+                .replace("mlp.down_proj.", "mlp.fc2.")
+                .replace("model.norm.", "model.final_layernorm.");
+            (name, shape, v)
+        })
+        .collect();
+    with_biases(kept, hidden, |name| {
+        let qkv = ["q_proj", "k_proj", "v_proj"].iter().any(|p| name.contains(p));
+        !qkv && !name.contains("embed")
     })
 }
 
@@ -811,13 +857,17 @@ fn fuse<const N: usize>(
 /// llama.cpp's tensor names beside HuggingFace's: whole-model tensors, then a layer's (after
 /// `blk.N.` and `model.layers.N.`). Written here, not taken from gridlm's converter, so the
 /// tests check it.
-pub const GGUF_NAMES: [(&str, &str); 4] = [
+pub const GGUF_NAMES: [(&str, &str); 7] = [
     ("token_embd.weight", "model.embed_tokens.weight"),
     ("output_norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
     ("output_norm.bias", "model.norm.bias"),
+    // Phi's final norm and output head's bias.
+    ("output_norm.weight", "model.final_layernorm.weight"),
+    ("output_norm.bias", "model.final_layernorm.bias"),
+    ("output.bias", "lm_head.bias"),
 ];
-pub const GGUF_LAYER_NAMES: [(&str, &str); 25] = [
+pub const GGUF_LAYER_NAMES: [(&str, &str); 31] = [
     ("attn_norm.weight", "input_layernorm.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("attn_q.weight", "self_attn.q_proj.weight"),
@@ -846,6 +896,13 @@ pub const GGUF_LAYER_NAMES: [(&str, &str); 25] = [
     ("ffn_up.bias", "mlp.c_fc.bias"),
     ("ffn_down.weight", "mlp.c_proj.weight"),
     ("ffn_down.bias", "mlp.c_proj.bias"),
+    // Phi's projections.
+    ("attn_output.weight", "self_attn.dense.weight"),
+    ("attn_output.bias", "self_attn.dense.bias"),
+    ("ffn_up.weight", "mlp.fc1.weight"),
+    ("ffn_up.bias", "mlp.fc1.bias"),
+    ("ffn_down.weight", "mlp.fc2.weight"),
+    ("ffn_down.bias", "mlp.fc2.bias"),
 ];
 
 /// A tensor's name in one naming (`from_gguf`: llama.cpp's to HuggingFace's, else back).

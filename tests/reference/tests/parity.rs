@@ -6,8 +6,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi3, qwen2,
-    qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
+    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi, phi3,
+    qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
@@ -901,6 +901,49 @@ fn a_stablelm_gguf_converts_to_the_model_it_holds() {
     let mut model = stable_lm::Model::new(&cfg, candle_weights(&out)).unwrap();
     tiny_matches_candle("converted stablelm", &out, |ids, pos| {
         model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+}
+
+/// Phi-2 against candle's `phi`: the attention and the FFN reading the one LayerNorm of the
+/// layer's input (a parallel residual), biases on every projection and the output head, an FFN
+/// without a gate, RoPE over half of each head. Split over two ranks by heads and by layers, the
+/// same tokens and logits within 1e-4 of the single rank.
+#[test]
+fn random_phi_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    gridlm_reference::TinyModel::phi().write(dir);
+    let cfg: phi::Config = serde_json::from_value(folder_config(dir)).unwrap();
+    let mut model = phi::Model::new(&cfg, candle_weights(dir)).unwrap();
+    // candle's model keeps its own positions: a prompt from 0, then one token at a time.
+    let single = tiny_matches_candle("random phi", dir, |ids, _| {
+        model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    same_on_two_ranks("random phi", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// A Phi-2 GGUF as llama.cpp writes one (`phi2`: the final norm as `output_norm` and the head's
+/// bias as `output.bias`, `dense`, `fc1` and `fc2` as `attn_output`, `ffn_up` and `ffn_down`
+/// with their biases, half of each head as `rope.dimension_count`, the `phi-2` vocabulary)
+/// converts into exactly the model it was written from, on which gridlm agrees with candle's
+/// `phi`.
+#[test]
+fn a_phi2_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::phi();
+    let out = tmp.path().join("folder");
+    let meta = vec![
+        ("phi2.attention.layer_norm_epsilon".to_string(), GgufValue::F32(1e-5)),
+        ("phi2.rope.dimension_count".into(), GgufValue::U32((m.hidden / m.heads / 2) as u32)),
+        ("tokenizer.ggml.pre".into(), GgufValue::Str("phi-2".into())),
+    ];
+    gguf_with_converts_to_the_model_it_holds(&m, "phi2", &out, meta, Vec::new());
+    let want =
+        serde_json::json!({"model_type": "phi", "partial_rotary_factor": 0.5, "hidden_act": "gelu_new"});
+    let cfg: phi::Config = serde_json::from_value(converted_config(&out, want, m.layers)).unwrap();
+    let mut model = phi::Model::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted phi2", &out, |ids, _| {
+        model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     });
 }
 
