@@ -776,7 +776,7 @@ fn candle_chatglm(
 /// biases fused in `attn_qkv`, gate and up rows in `ffn_up`, half of each head rotated, a base
 /// of 500000, the `chatglm-bpe` vocabulary) converts into exactly the `glm` model it was
 /// written from, q, k and v apart as HF's `glm` keeps them; gridlm on it agrees with candle's
-/// `glm4`.
+/// `glm4`. A fused tensor one row short is one error line naming it, and no folder.
 #[test]
 fn a_chatglm_gguf_converts_to_the_model_it_holds() {
     let tmp = tempfile::tempdir().unwrap();
@@ -813,6 +813,14 @@ fn a_chatglm_gguf_converts_to_the_model_it_holds() {
             [q.2.clone(), k.2.clone(), w.2.clone()].concat(),
         ));
     }
+    // A fused tensor of another row count than q, k and v make: one error line, no folder.
+    let mut short = gguf_tensors.clone();
+    let fused = short.iter_mut().find(|t| t.0 == "blk.0.attn_qkv.weight").unwrap();
+    fused.1[0] -= 1;
+    fused.2.truncate(fused.1[0] * fused.1[1]);
+    let bad = tmp.path().join("short.gguf");
+    write_gguf(&bad, &meta, &short);
+    convert_refused(&bad, &tmp.path().join("short"), "blk.0.attn_qkv.weight");
     let gguf = tmp.path().join("chatglm.gguf");
     write_gguf(&gguf, &meta, &gguf_tensors);
     let out = tmp.path().join("folder");
