@@ -133,8 +133,10 @@ fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
     refused(dir, "off", &llama_meta(2, vec![]), freqs(vec![1.0, 1.5, 3.0, 2.0]), &says);
     // RoPE over part of each head but Phi-3's, or over an odd number of its dimensions.
     let partial = ("llama.rope.dimension_count", GgufValue::U32(4));
-    let says =
-        ["`llama.rope.dimension_count` is 4: RoPE over part of a head's 8 dimensions", "but for Phi-3's"];
+    let says = [
+        "`llama.rope.dimension_count` is 4: RoPE over part of a head's 8 dimensions",
+        "but for Phi's, Phi-3's, StableLM's and GLM-4's",
+    ];
     refused(dir, "partial", &llama_meta(2, vec![partial]), vec![], &says);
     let odd = ("phi3.rope.dimension_count", GgufValue::U32(5));
     let says = ["`phi3.rope.dimension_count` is 5", "but an even number of them"];
