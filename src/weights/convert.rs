@@ -949,23 +949,25 @@ pub fn hf_name(arch: &str, gguf: &str) -> Option<String> {
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, name) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    // StarCoder 2's and Phi's projections, each with a bias, and their FFNs without a gate:
+    // (GGUF name, HF name) before `.weight` or `.bias`.
+    let biased: &[(&str, &str)] = match arch {
+        "starcoder2" => {
+            &[("attn_output", "self_attn.o_proj"), ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")]
+        }
+        "phi2" => &[("attn_output", "self_attn.dense"), ("ffn_up", "mlp.fc1"), ("ffn_down", "mlp.fc2")],
+        _ => &[],
+    };
+    if let Some((stem, kind @ ("weight" | "bias"))) = name.rsplit_once('.') {
+        if let Some((_, hf)) = biased.iter().find(|(g, _)| *g == stem) {
+            return Some(format!("model.layers.{layer}.{hf}.{kind}"));
+        }
+    }
     let hf = match name {
         "attn_norm.weight" => "input_layernorm.weight",
-        // StarCoder 2's LayerNorms' and projections' biases, and its FFN without a gate.
+        // The LayerNorms' biases.
         "attn_norm.bias" if matches!(arch, "starcoder2" | "stablelm" | "phi2") => "input_layernorm.bias",
-        // Phi's projections by its names.
-        "attn_output.weight" if arch == "phi2" => "self_attn.dense.weight",
-        "attn_output.bias" if arch == "phi2" => "self_attn.dense.bias",
-        "ffn_up.weight" if arch == "phi2" => "mlp.fc1.weight",
-        "ffn_up.bias" if arch == "phi2" => "mlp.fc1.bias",
-        "ffn_down.weight" if arch == "phi2" => "mlp.fc2.weight",
-        "ffn_down.bias" if arch == "phi2" => "mlp.fc2.bias",
         "ffn_norm.bias" if arch == "starcoder2" || arch == "stablelm" => "post_attention_layernorm.bias",
-        "attn_output.bias" if arch == "starcoder2" => "self_attn.o_proj.bias",
-        "ffn_up.weight" if arch == "starcoder2" => "mlp.c_fc.weight",
-        "ffn_up.bias" if arch == "starcoder2" => "mlp.c_fc.bias",
-        "ffn_down.weight" if arch == "starcoder2" => "mlp.c_proj.weight",
-        "ffn_down.bias" if arch == "starcoder2" => "mlp.c_proj.bias",
         // Gemma 2 and 3's sandwich norms: the FFN's input norm is HF's `pre_feedforward_*`.
         "ffn_norm.weight" if arch == "gemma2" || arch == "gemma3" => "pre_feedforward_layernorm.weight",
         "post_attention_norm.weight" if arch == "gemma2" || arch == "gemma3" => {
@@ -1026,20 +1028,19 @@ fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
 
 /// The tokenizer's post-processor: byte-level (of a byte-level BPE), then the BOS and EOS tokens
 /// around a text where the GGUF asks for them (`tokenizer.ggml.add_bos_token`, BOS where it says
-/// nothing if `bos_unless_said`; never if `no_bos`, as llama.cpp reads GLM's vocabularies;
-/// `add_eos_token`), as HF's own tokenizer.json files add them.
+/// nothing if `bos` is `Some(true)`; never if it is `None`, as llama.cpp reads GLM's
+/// vocabularies; `add_eos_token`), as HF's own tokenizer.json files add them.
 fn post_processor(
     g: &Gguf,
     tokens: &[&str],
     byte_level: bool,
-    bos_unless_said: bool,
-    no_bos: bool,
+    bos: Option<bool>,
 ) -> Result<Option<PostProcessorWrapper>> {
     let byte_level = byte_level.then(|| ByteLevel::new(true, false, true).into());
     let mut special = Vec::new();
-    for (which, unless_said) in [("bos", bos_unless_said), ("eos", false)] {
+    for (which, unless_said) in [("bos", bos), ("eos", Some(false))] {
+        let Some(unless_said) = unless_said else { continue };
         let add = g.get(&format!("tokenizer.ggml.add_{which}_token")).and_then(|v| v.as_bool());
-        let add = add.filter(|_| !(no_bos && which == "bos"));
         let key = format!("tokenizer.ggml.{which}_token_id");
         // A token asked for must be there; one only assumed may be missing.
         if !add.unwrap_or(unless_said) || (add.is_none() && g.get(&key).is_none()) {
@@ -1194,7 +1195,8 @@ fn tokenizer_of(g: &Gguf) -> Result<Vocabulary> {
     // says otherwise, as llama.cpp reads it; so does SentencePiece's.
     let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
     let llama3 = byte_level && (LLAMA3_PRES.contains(&pre) || pre == "tekken" || pre == "glm4");
-    let no_bos = byte_level && GLM_PRES.contains(&pre);
+    // Whether BOS goes first where the GGUF does not say; `None`: never.
+    let bos = (!(byte_level && GLM_PRES.contains(&pre))).then_some(llama3 || !byte_level);
     let mut tok = if byte_level {
         let merges: Vec<(String, String)> = meta_array(g, "tokenizer.ggml.merges")?
             .iter()
@@ -1221,13 +1223,7 @@ fn tokenizer_of(g: &Gguf) -> Result<Vocabulary> {
             name_of("tokenizer.ggml.unknown_token_id").or(tokens.iter().copied().find(|t| *t == "<unk>"));
         sentencepiece(g, &tokens, vocab, unk)?
     };
-    tok.with_post_processor(post_processor(
-        g,
-        &tokens,
-        byte_level,
-        (llama3 && !no_bos) || !byte_level,
-        no_bos,
-    )?);
+    tok.with_post_processor(post_processor(g, &tokens, byte_level, bos)?);
     // Control (3) and user-defined (4) tokens are matched whole before BPE runs.
     let added: Vec<AddedToken> = tokens
         .iter()
@@ -1244,7 +1240,7 @@ fn tokenizer_of(g: &Gguf) -> Result<Vocabulary> {
         "eos_token": name("tokenizer.ggml.eos_token_id"),
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
         "pad_token": name("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": !no_bos && g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(llama3 || !byte_level),
+        "add_bos_token": bos.is_some_and(|unless_said| g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(unless_said)),
         "model_max_length": g.get(&format!("{}.context_length", meta_str(g, "general.architecture")?)).and_then(|v| v.as_u64()).unwrap_or(2048),
     });
     if let Some(t) = g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
