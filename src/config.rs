@@ -544,17 +544,17 @@ impl ModelConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(bad(format!("head_dim {head_dim} must be even and positive (RoPE rotates pairs)")));
         }
-        // Part of a head rotated, as HF's Phi-3 and GLM-4 do (half of it where GLM-4's config
-        // does not say; HF's other families here rotate whole heads).
-        let partial_rotary_factor = match arch {
-            _ if glm => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
-            Arch::StableLm => Some(raw.partial_rotary_factor.unwrap_or(0.25)),
-            Arch::Phi => Some(raw.partial_rotary_factor.unwrap_or(0.5)),
-            _ => raw.partial_rotary_factor,
+        // The families whose heads HF may rotate in part, each with HF's default part where the
+        // config does not say (`None`: the whole head); the others rotate whole heads.
+        let partial_default = match arch {
+            Arch::Phi3 => Some(None),
+            Arch::StableLm => Some(Some(0.25)),
+            Arch::Phi | Arch::Glm | Arch::Glm4 => Some(Some(0.5)),
+            _ => None,
         };
-        let rotary_dim = match partial_rotary_factor {
+        let rotary_dim = match raw.partial_rotary_factor.or(partial_default.flatten()) {
             None => head_dim,
-            Some(f) if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::StableLm | Arch::Phi) && !glm => {
+            Some(f) if f != 1.0 && partial_default.is_none() => {
                 return Err(bad(format!(
                     "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi's, phi3's, stablelm's, glm's and glm4's)"
                 )));
@@ -572,17 +572,14 @@ impl ModelConfig {
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
         // HF's defaults where the config is silent (GLM-4's its own).
         let (starcoder2, phi) = (arch == Arch::Starcoder2, arch == Arch::Phi);
-        let eps = match arch {
-            Arch::Starcoder2 => raw.norm_epsilon.unwrap_or(1e-5),
-            Arch::StableLm | Arch::Phi => raw.layer_norm_eps.unwrap_or(1e-5),
-            _ => raw.rms_norm_eps.unwrap_or(if glm { 1.5625e-7 } else { 1e-6 }),
+        // The norms' epsilon: its key in the family's config, the value given, HF's default.
+        let (key, given, default) = match arch {
+            Arch::Starcoder2 => ("norm_epsilon", raw.norm_epsilon, 1e-5),
+            Arch::StableLm | Arch::Phi => ("layer_norm_eps", raw.layer_norm_eps, 1e-5),
+            _ => ("rms_norm_eps", raw.rms_norm_eps, if glm { 1.5625e-7 } else { 1e-6 }),
         };
+        let eps = given.unwrap_or(default);
         if !(eps.is_finite() && eps >= 0.0) {
-            let key = match arch {
-                Arch::Starcoder2 => "norm_epsilon",
-                Arch::StableLm | Arch::Phi => "layer_norm_eps",
-                _ => "rms_norm_eps",
-            };
             return Err(bad(format!("{key} {eps} must be a finite number, not negative")));
         }
         let rope_theta = finite_positive("rope_theta", raw.rope_theta.unwrap_or(10000.0)).map_err(bad)?;
@@ -667,6 +664,8 @@ impl ModelConfig {
             1.0 / (head_dim as f32).sqrt()
         };
         let moe = moe(arch, &raw).map_err(bad)?;
+        // Biases on every projection: StarCoder 2's `use_bias`, Phi's always.
+        let linear_bias = (starcoder2 && raw.use_bias.unwrap_or(true)) || phi;
         let mut eos_token_ids = token_ids(&raw.eos_token_id);
         if glm && eos_token_ids.is_empty() {
             // HF's GlmConfig and Glm4Config: <|endoftext|>, <|user|>, <|observation|>.
@@ -693,10 +692,9 @@ impl ModelConfig {
                 .unwrap_or(gemma || matches!(arch, Arch::SmolLM3 | Arch::Starcoder2)),
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
                 || (glm && raw.attention_bias.unwrap_or(true))
-                || (starcoder2 && raw.use_bias.unwrap_or(true))
-                || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false))
-                || phi,
-            linear_bias: (starcoder2 && raw.use_bias.unwrap_or(true)) || phi,
+                || linear_bias
+                || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false)),
+            linear_bias,
             layer_norm: starcoder2 || phi || arch == Arch::StableLm,
             gated_ffn: !starcoder2 && !phi,
             parallel_residual: phi,
