@@ -295,6 +295,13 @@ fn final_norm_name(cfg: &ModelConfig) -> &'static str {
     }
 }
 
+/// `b` added to each `b.len()`-long row of `x` (a projection's bias).
+fn add_bias(x: &mut [f32], b: &[f32]) {
+    for row in x.chunks_exact_mut(b.len()) {
+        row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+    }
+}
+
 /// The bias beside the weight tensor `name` (`….weight` → `….bias`).
 fn bias_name(name: &str) -> String {
     format!("{}.bias", name.strip_suffix(".weight").unwrap_or(name))
@@ -1329,7 +1336,7 @@ impl Shard {
         let qk_inv = SharedSlice::new(&mut qk_inv[..2 * n]);
         let finish = |l: &Layer, t: usize, j: usize, out: &mut [f32]| {
             if let Some(b) = &l.qkv_bias {
-                out.iter_mut().zip(&b[j * hd..(j + 1) * hd]).for_each(|(v, b)| *v += b);
+                add_bias(out, &b[j * hd..(j + 1) * hd]);
             }
             if let Some((qn, kn)) = l.head_norms.as_ref().filter(|_| j < nq + nkv) {
                 kernels::rmsnorm_in_place(out, if j < nq { qn } else { kn }, cfg.rms_norm_eps);
@@ -1654,7 +1661,7 @@ impl Shard {
                     let row = &gu_r[t * gu_w..(t + 1) * gu_w];
                     a.copy_from_slice(&row[..ffl]);
                     if let Some((b, _)) = &l.ffn_bias {
-                        a.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                        add_bias(a, b);
                     }
                     if cfg.gated_ffn {
                         kernels::act_mul(a, &row[ffl..], cfg.activation);
@@ -1725,9 +1732,7 @@ impl Shard {
         norm.apply(&x[..m * h], self.cfg.rms_norm_eps, &mut s.xn[..m * h]);
         kernels::matmul(team, head, &s.xn[..m * h], m, &mut out[..m * head.rows]);
         if let Some(b) = &self.head_bias {
-            for row in out[..m * head.rows].chunks_exact_mut(head.rows) {
-                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-            }
+            add_bias(&mut out[..m * head.rows], b);
         }
         if self.cfg.logits_scaling != 1.0 {
             out[..m * head.rows].iter_mut().for_each(|v| *v /= self.cfg.logits_scaling);
