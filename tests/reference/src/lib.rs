@@ -736,13 +736,8 @@ fn starcoder2_tensors(
     tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
     hidden: usize,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let renamed = tensors
-        .into_iter()
-        .filter(|(name, _, _)| !name.ends_with("mlp.up_proj.weight"))
-        .map(|(name, shape, v)| {
-            (name.replace("mlp.gate_proj.", "mlp.c_fc.").replace("mlp.down_proj.", "mlp.c_proj."), shape, v)
-        })
-        .collect();
+    let renames = [("mlp.gate_proj.", "mlp.c_fc."), ("mlp.down_proj.", "mlp.c_proj.")];
+    let renamed = renamed(tensors, &["mlp.up_proj.weight"], &renames);
     with_biases(renamed, hidden, |name| {
         let qkv = ["q_proj", "k_proj", "v_proj"].iter().any(|p| name.contains(p));
         name.ends_with("norm.weight") || (!qkv && (name.contains("_proj.weight") || name.contains("mlp.c_")))
@@ -757,24 +752,31 @@ fn phi_tensors(
     tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
     hidden: usize,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let kept = tensors
-        .into_iter()
-        .filter(|(name, _, _)| {
-            !name.ends_with("mlp.up_proj.weight") && !name.ends_with("post_attention_layernorm.weight")
-        })
-        .map(|(name, shape, v)| {
-            let name = name
-                .replace("self_attn.o_proj.", "self_attn.dense.")
-                .replace("mlp.gate_proj.", "mlp.fc1.")
-                .replace("mlp.down_proj.", "mlp.fc2.")
-                .replace("model.norm.", "model.final_layernorm.");
-            (name, shape, v)
-        })
-        .collect();
+    let renames = [
+        ("self_attn.o_proj.", "self_attn.dense."),
+        ("mlp.gate_proj.", "mlp.fc1."),
+        ("mlp.down_proj.", "mlp.fc2."),
+        ("model.norm.", "model.final_layernorm."),
+    ];
+    let kept = renamed(tensors, &["mlp.up_proj.weight", "post_attention_layernorm.weight"], &renames);
     with_biases(kept, hidden, |name| {
         let qkv = ["q_proj", "k_proj", "v_proj"].iter().any(|p| name.contains(p));
         !qkv && !name.contains("embed")
     })
+}
+
+/// `tensors` without those whose names end in one of `dropped`, each name's parts renamed by
+/// `renames` (`(from, to)`, in turn).
+fn renamed(
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    dropped: &[&str],
+    renames: &[(&str, &str)],
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    tensors
+        .into_iter()
+        .filter(|(name, _, _)| !dropped.iter().any(|d| name.ends_with(d)))
+        .map(|(name, shape, v)| (renames.iter().fold(name, |n, (from, to)| n.replace(from, to)), shape, v))
+        .collect()
 }
 
 /// `tensors` with a random bias after each weight `biased` names (a norm's as wide as `hidden`,
