@@ -25,6 +25,9 @@ pub enum Arch {
     Gemma2,
     /// Gemma 3's text model (`gemma3_text`).
     Gemma3,
+    /// The first OLMo (`olmo`: OLMo-1B/7B-hf, OLMo-1.7): Llama with LayerNorms that have no
+    /// weights or biases, and q, k and v clamped where `clip_qkv` says.
+    Olmo,
     /// OLMo 2: norms on the sublayers' outputs only, q and k normed over their whole width.
     Olmo2,
     /// Qwen2 with mixture-of-experts FFNs and a shared expert (`qwen2_moe`).
@@ -75,6 +78,7 @@ impl Arch {
             Arch::Gemma => "gemma",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Olmo => "olmo",
             Arch::Olmo2 => "olmo2",
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Qwen3Moe => "qwen3_moe",
@@ -253,6 +257,12 @@ pub struct ModelConfig {
     /// The norms are LayerNorms (the mean taken away, weights and biases) rather than RMSNorms
     /// (StarCoder 2).
     pub layer_norm: bool,
+    /// The norms have no weights or biases to load (OLMo's LayerNorms: weights of one, biases
+    /// of zero).
+    pub weightless_norms: bool,
+    /// Each q, k and v value (after its bias) clamped into `[-c, c]` before RoPE (OLMo's
+    /// `clip_qkv`).
+    pub clip_qkv: Option<f32>,
     /// The FFN is `down(act(gate(x)) · up(x))`; else `down(act(up(x)))` (StarCoder 2's `c_fc`
     /// and `c_proj`, Phi's `fc1` and `fc2`).
     pub gated_ffn: bool,
@@ -301,7 +311,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, and the image-and-text gemma3 and mistral3 (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, and the image-and-text gemma3 and mistral3 (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -419,6 +429,7 @@ impl ModelConfig {
             "gemma" => Arch::Gemma,
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
+            "olmo" => Arch::Olmo,
             "olmo2" => Arch::Olmo2,
             "qwen2_moe" => Arch::Qwen2Moe,
             "qwen3_moe" => Arch::Qwen3Moe,
@@ -491,9 +502,14 @@ impl ModelConfig {
         if let Some((key, _)) = refused.iter().find(|(_, on)| *on == Some(true)) {
             return Err(bad(format!("{key} = true is not supported for {model_type}")));
         }
-        if let Some(c) = raw.clip_qkv {
-            return Err(bad(format!("clip_qkv {c} is not supported (q, k and v clamped: OLMo 1's)")));
-        }
+        // OLMo's bound on every q, k and v value.
+        let clip_qkv = match raw.clip_qkv {
+            Some(c) if arch == Arch::Olmo => Some(finite_positive("clip_qkv", c).map_err(bad)? as f32),
+            Some(c) => {
+                return Err(bad(format!("clip_qkv {c} is not supported for {model_type} (but for olmo)")));
+            }
+            None => None,
+        };
         if raw.use_bidirectional_attention == Some(true) {
             return Err(bad(
                 "use_bidirectional_attention = true is not supported (a causal decoder runs here)".into(),
@@ -576,6 +592,8 @@ impl ModelConfig {
         let (key, given, default) = match arch {
             Arch::Starcoder2 => ("norm_epsilon", raw.norm_epsilon, 1e-5),
             Arch::StableLm | Arch::Phi => ("layer_norm_eps", raw.layer_norm_eps, 1e-5),
+            // HF's OlmoLayerNorm: always 1e-5, whatever the config says.
+            Arch::Olmo => ("", None, 1e-5),
             _ => ("rms_norm_eps", raw.rms_norm_eps, if glm { 1.5625e-7 } else { 1e-6 }),
         };
         let eps = given.unwrap_or(default);
@@ -695,7 +713,9 @@ impl ModelConfig {
                 || linear_bias
                 || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false)),
             linear_bias,
-            layer_norm: starcoder2 || phi || arch == Arch::StableLm,
+            layer_norm: starcoder2 || phi || matches!(arch, Arch::StableLm | Arch::Olmo),
+            weightless_norms: arch == Arch::Olmo,
+            clip_qkv,
             gated_ffn: !starcoder2 && !phi,
             parallel_residual: phi,
             head_bias: phi,
@@ -1485,6 +1505,31 @@ mod tests {
         assert!(e.contains("norm_epsilon -1 must be a finite number"), "{e}");
         let llama = parse(BASE).unwrap();
         assert!(!llama.layer_norm && !llama.linear_bias && llama.gated_ffn);
+    }
+
+    /// The first OLMo: LayerNorms without weights, of 1e-5 whatever the folder says, `clip_qkv`
+    /// read (a bound above 0), its o_proj bias refused; other families' `clip_qkv` refused.
+    #[test]
+    fn olmo_settings() {
+        let c =
+            parse(&config("olmo", r#""clip_qkv":8.0,"rms_norm_eps":1e-3,"attention_bias":false"#)).unwrap();
+        assert_eq!((c.arch, c.rms_norm_eps, c.clip_qkv), (Arch::Olmo, 1e-5, Some(8.0)));
+        assert!(c.layer_norm && c.weightless_norms && c.gated_ffn && !c.qkv_bias && !c.tie_word_embeddings);
+        assert_eq!((c.norm_place, c.rotary_dim), (NormPlace::Pre, c.head_dim));
+        let c = parse(&config("olmo", r#""clip_qkv":null"#)).unwrap();
+        assert_eq!(c.clip_qkv, None);
+        let llama = parse(BASE).unwrap();
+        assert!(!llama.weightless_norms && llama.clip_qkv.is_none());
+        let cases = [
+            ("olmo", r#""clip_qkv":0"#, "clip_qkv 0 must be"),
+            ("olmo", r#""clip_qkv":-8"#, "clip_qkv -8 must be"),
+            ("olmo", r#""attention_bias":true"#, "attention_bias = true (biases on q/k/v and o_proj)"),
+            ("llama", r#""clip_qkv":8"#, "clip_qkv 8 is not supported for llama (but for olmo)"),
+        ];
+        for (model_type, extra, msg) in cases {
+            let e = parse(&config(model_type, extra)).unwrap_err().to_string();
+            assert!(e.contains(msg), "{model_type} {extra}: {e}");
+        }
     }
 
     /// StableLM: LayerNorms of `layer_norm_eps`, a quarter of each head rotated and no q/k/v

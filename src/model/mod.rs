@@ -779,8 +779,12 @@ impl Shard {
             }
             Ok(w)
         };
-        // A norm of the residual stream, a LayerNorm with its biases where the model has them.
+        // A norm of the residual stream, a LayerNorm with its biases where the model has them
+        // (OLMo's without weights: weights of one, biases of zero).
         let stream_norm = |name: &str| -> Result<Norm> {
+            if cfg.weightless_norms {
+                return Ok(Norm { w: vec![1.0; h], b: Some(vec![0.0; h]) });
+            }
             let b = if cfg.layer_norm { Some(ckpt.vector_f32(&bias_name(name), h)?) } else { None };
             Ok(Norm { w: norm(name, h)?, b })
         };
@@ -992,7 +996,9 @@ impl Shard {
                 }
             }
             for name in layer_norm_names(cfg).into_iter().flatten() {
-                src.dtype(&p(name), &[h])?;
+                if !cfg.weightless_norms {
+                    src.dtype(&p(name), &[h])?;
+                }
                 n += 4 * h;
             }
             if cfg.layer_norm {
@@ -1329,14 +1335,17 @@ impl Shard {
         let fold = spans.iter().all(|sp| sp.len == 1)
             && spans.iter().enumerate().all(|(i, a)| spans[..i].iter().all(|b| b.seq != a.seq));
         // Token `t`'s vector `j` of a QKV row (q heads, then k heads, then v heads) as it
-        // comes from the product, finished: its bias added and, but for v, normed (Qwen3, Gemma
-        // 3) and rotated (but in SmolLM3's NoPE layers).
+        // comes from the product, finished: its bias added, clamped (OLMo) and, but for v,
+        // normed (Qwen3, Gemma 3) and rotated (but in SmolLM3's NoPE layers).
         // The rotated pairs of a head (its tables' stride), from its first dimension.
         let half = cfg.rotary_dim / 2;
         let qk_inv = SharedSlice::new(&mut qk_inv[..2 * n]);
         let finish = |l: &Layer, t: usize, j: usize, out: &mut [f32]| {
             if let Some(b) = &l.qkv_bias {
                 add_bias(out, &b[j * hd..(j + 1) * hd]);
+            }
+            if let Some(c) = cfg.clip_qkv {
+                out.iter_mut().for_each(|v| *v = v.clamp(-c, c));
             }
             if let Some((qn, kn)) = l.head_norms.as_ref().filter(|_| j < nq + nkv) {
                 kernels::rmsnorm_in_place(out, if j < nq { qn } else { kn }, cfg.rms_norm_eps);
@@ -2113,8 +2122,9 @@ mod tests {
         // Phi-3: a Llama shape read from fused q/k/v and gate/up tensors; Granite 4 from fused
         // gate/up (`shared_mlp`) tensors; GLM-4: Qwen2's with fused gate/up and four norms;
         // StarCoder 2: Qwen2's with LayerNorms, every bias and no gate; Phi: those, one norm a
-        // layer and the head's bias; GraniteMoE: Mixtral's shape, each layer's experts
-        // read from stacked tensors.
+        // layer and the head's bias; OLMo: LayerNorms without weights (nothing read, weights
+        // and biases made); GraniteMoE: Mixtral's shape, each layer's experts read from
+        // stacked tensors.
         let shapes = [
             ("qwen2-0.5b", None),
             ("qwen3-0.6b", None),
@@ -2123,6 +2133,7 @@ mod tests {
             ("qwen2-0.5b", Some(Arch::Glm4)),
             ("qwen2-0.5b", Some(Arch::Starcoder2)),
             ("qwen2-0.5b", Some(Arch::Phi)),
+            ("llama-3.2-1b", Some(Arch::Olmo)),
             ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
             ("gemma3-1b", None),
@@ -2151,6 +2162,9 @@ mod tests {
                 // dense; Qwen2-MoE's shared expert of 56 (32 and 24).
                 (moe.experts, moe.expert_ffn, moe.sparse) = (5, 40, vec![true, false, true]);
                 moe.shared_ffn = moe.shared_ffn.min(56);
+            }
+            if cfg.arch == Arch::Olmo {
+                (cfg.layer_norm, cfg.weightless_norms) = (true, true);
             }
             cfg.tie_word_embeddings = tied;
             for dtype in [DType::F32, DType::BF16, DType::F16] {

@@ -57,13 +57,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("starcoder2", "Starcoder2ForCausalLM", Arch::Starcoder2),
         ("stablelm", "StableLmForCausalLM", Arch::StableLm),
         ("phi2", "PhiForCausalLM", Arch::Phi),
+        ("olmo", "OlmoForCausalLM", Arch::Olmo),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm or phi2)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2 or olmo)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -198,6 +199,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if family == Arch::StableLm {
         config["use_qkv_bias"] = g.tensor("blk.0.attn_q.bias").is_some().into();
     }
+    if family == Arch::Olmo {
+        olmo_config(&g, &mut config)?;
+    }
     if family == Arch::Phi {
         config["hidden_act"] = "gelu_new".into();
         config["qk_layernorm"] = false.into();
@@ -313,8 +317,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         // Qwen2-MoE's shared expert's gate: one row (GGUF stores it as a vector).
         let shape = if t.name.ends_with("ffn_gate_inp_shexp.weight") { vec![1, hidden] } else { t.shape() };
         let heads = match arch.as_str() {
-            "llama" | "granite" | "granitemoe" if t.name.ends_with("attn_q.weight") => Some(n_heads),
-            "llama" | "granite" | "granitemoe" if t.name.ends_with("attn_k.weight") => Some(n_kv_heads),
+            "llama" | "granite" | "granitemoe" | "olmo" if t.name.ends_with("attn_q.weight") => Some(n_heads),
+            "llama" | "granite" | "granitemoe" | "olmo" if t.name.ends_with("attn_k.weight") => {
+                Some(n_kv_heads)
+            }
             _ => None,
         };
         // Norms and biases stay f32: tiny, and precision matters there.
@@ -809,6 +815,25 @@ fn meta_str<'a>(g: &'a Gguf, key: &str) -> Result<&'a str> {
         .ok_or_else(|| Error::file(&g.path, format!("missing metadata string `{key}`")))
 }
 
+/// The first OLMo's settings: q, k and v clamped where `olmo.attention.clamp_kqv` says (HF's
+/// `clip_qkv`), and LayerNorms without weights whose epsilon HF fixes at 1e-5 — another
+/// `attention.layer_norm_epsilon` (llama.cpp's converter always writes 1e-5) has no HF
+/// equivalent, so it is refused. The folder keeps no `rms_norm_eps`.
+fn olmo_config(g: &Gguf, config: &mut serde_json::Value) -> Result<()> {
+    let key = "olmo.attention.layer_norm_epsilon";
+    if let Some(eps) = g.get(key).and_then(|v| v.as_f64()).map(|e| e as f32).filter(|&e| e != 1e-5) {
+        let msg = format!("`{key}` is {eps}: HF's OLMo normalizes with 1e-5 alone");
+        return Err(Error::file(&g.path, msg));
+    }
+    if let Some(c) = config.as_object_mut() {
+        c.remove("rms_norm_eps");
+    }
+    if let Some(clip) = g.get("olmo.attention.clamp_kqv").and_then(|v| v.as_f64()) {
+        config["clip_qkv"] = (clip as f32 as f64).into();
+    }
+    Ok(())
+}
+
 fn meta_f64(g: &Gguf, key: &str) -> Result<f64> {
     g.get(key)
         .and_then(|v| v.as_f64())
@@ -1109,7 +1134,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         "smollm" | "starcoder" | "refact" => {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
-        "gpt-2" | "gpt2" | "phi-2" | "default" => Ok(ByteLevel::new(false, true, true).into()),
+"gpt-2" | "gpt2" | "phi-2" | "olmo" | "default" => Ok(ByteLevel::new(false, true, true).into()),
         p if LLAMA3_PRES.contains(&p) || GLM_PRES.contains(&p) => split(&[
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ]),
@@ -1140,7 +1165,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         other => Err(Error::file(
             path,
             format!(
-                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, phi-2, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
+                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, phi-2, olmo, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
                 LLAMA3_PRES.join(", "),
                 GLM_PRES.join(", ")
             ),

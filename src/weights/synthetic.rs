@@ -91,6 +91,8 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         rope_interleaved: false,
         linear_bias: false,
         layer_norm: false,
+        weightless_norms: false,
+        clip_qkv: None,
         gated_ffn: true,
         parallel_residual: false,
         head_bias: false,

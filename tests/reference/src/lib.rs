@@ -385,6 +385,13 @@ impl TinyModel {
     pub fn mistral() -> Self {
         TinyModel { model_type: "mistral", tied: false, ..Self::llama() }
     }
+    /// OLMo-style (`olmo`, the first OLMo): Llama's shape (uneven heads, tied embeddings) with
+    /// LayerNorms that have no weights or biases (no norm tensors at all), and q, k and v
+    /// clamped into [-0.6, 0.6] (`clip_qkv`, well inside the projections' spread, so that many
+    /// values are cut).
+    pub fn olmo() -> Self {
+        TinyModel { model_type: "olmo", ..Self::llama() }
+    }
     /// OLMo 2-style: Llama's shape (uneven heads: under tp = 2 a KV head on both ranks) with
     /// norms on the attention's and the FFN's outputs only, q and k normed over their whole
     /// width, an untied head.
@@ -472,6 +479,7 @@ impl TinyModel {
             "qwen2_moe" => "Qwen2MoeForCausalLM",
             "qwen3_moe" => "Qwen3MoeForCausalLM",
             "mixtral" => "MixtralForCausalLM",
+            "olmo" => "OlmoForCausalLM",
             "olmo2" => "Olmo2ForCausalLM",
             "mistral" => "MistralForCausalLM",
             "granite" => "GraniteForCausalLM",
@@ -503,8 +511,12 @@ impl TinyModel {
                 "original_max_position_embeddings": old as u64,
             });
         }
-        if self.model_type.starts_with("qwen3") || self.model_type == "olmo2" {
+        if self.model_type.starts_with("qwen3") || self.model_type.starts_with("olmo") {
             cfg["attention_bias"] = false.into();
+        }
+        if self.model_type == "olmo" {
+            cfg["clip_qkv"] = 0.6.into();
+            cfg.as_object_mut().unwrap().remove("rms_norm_eps");
         }
         if self.model_type == "olmo2" {
             cfg["clip_qkv"] = serde_json::Value::Null;
@@ -612,14 +624,20 @@ impl TinyModel {
         }
         // Gemma stores norms less one.
         let norm = if self.is_gemma() { 0.0 } else { 1.0 };
-        add("model.norm.weight".into(), vec![h], 0.2, norm);
+        // OLMo's norms have no weights.
+        let weighted = self.model_type != "olmo";
+        if weighted {
+            add("model.norm.weight".into(), vec![h], 0.2, norm);
+        }
         let w = 1.0 / (h as f32).sqrt();
         for l in 0..self.layers {
             let p = |s: &str| format!("model.layers.{l}.{s}");
-            if self.model_type != "olmo2" {
+            if weighted && self.model_type != "olmo2" {
                 add(p("input_layernorm.weight"), vec![h], 0.2, norm);
             }
-            add(p("post_attention_layernorm.weight"), vec![h], 0.2, norm);
+            if weighted {
+                add(p("post_attention_layernorm.weight"), vec![h], 0.2, norm);
+            }
             if self.model_type == "olmo2" {
                 add(p("post_feedforward_layernorm.weight"), vec![h], 0.2, norm);
                 add(p("self_attn.q_norm.weight"), vec![self.heads * hd], 0.2, norm);

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo2, phi, phi3,
+    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo, olmo2, phi, phi3,
     qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
 };
 use gridlm_reference::{
@@ -1132,6 +1132,52 @@ fn random_qwen3_moe_matches_candle_on_one_and_two_ranks() {
     same_on_ranks("random qwen3_moe", dir, &single, "4", &[&["--pp", "2", "--tp", "2"]]);
 }
 
+/// The first OLMo against candle's `olmo`: LayerNorms without weights or biases (the folder
+/// holds no norm tensors), q, k and v clamped by `clip_qkv`. Split over two ranks by heads (a
+/// KV head on both ranks) and by layers, the same tokens and logits within 1e-4 of the single
+/// rank.
+#[test]
+fn random_olmo_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(olmo, Model, dir);
+    same_on_two_ranks("random olmo", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
+/// An OLMo GGUF as llama.cpp writes one (no norm tensors, q and k rows interleaved as a
+/// llama's, `clamp_kqv`, the LayerNorms' epsilon) converts into exactly the model it was
+/// written from, on which gridlm agrees with candle's `olmo`; an epsilon HF's OLMo cannot hold
+/// is refused in one line.
+#[test]
+fn an_olmo_gguf_converts_to_the_model_it_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::TinyModel::olmo();
+    let out = tmp.path().join("folder");
+    let meta = |eps: f32| {
+        vec![
+            ("olmo.attention.layer_norm_epsilon".to_string(), GgufValue::F32(eps)),
+            ("olmo.attention.clamp_kqv".into(), GgufValue::F32(0.6)),
+        ]
+    };
+    gguf_with_converts_to_the_model_it_holds(&m, "olmo", &out, meta(1e-5), Vec::new());
+    let want = serde_json::json!({"model_type": "olmo", "clip_qkv": 0.6f32 as f64, "attention_bias": false});
+    let cfg = converted_config(&out, want, m.layers);
+    assert!(cfg.get("rms_norm_eps").is_none(), "{cfg}");
+    let cfg: olmo::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = olmo::Model::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted olmo", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    let (tokens, merges) = byte_level_vocabulary(m.vocab);
+    let mut bad_meta = qwen3_gguf_meta(&m, "olmo", tokens, merges);
+    bad_meta.extend(meta(1e-6));
+    let gguf = tmp.path().join("eps.gguf");
+    let embd = vec![0.0; m.vocab * m.hidden];
+    write_gguf(&gguf, &bad_meta, &[("token_embd.weight".to_string(), vec![m.vocab, m.hidden], embd)]);
+    let msg = "`olmo.attention.layer_norm_epsilon` is 0.000001: HF's OLMo normalizes with 1e-5 alone";
+    convert_refused(&gguf, &tmp.path().join("eps"), msg);
+}
+
 /// OLMo 2's norms on the sublayers' outputs only and its q and k normed over their whole
 /// width, against candle's `olmo2`; split over two ranks by heads (each rank's squares summed
 /// over the stage, the KV head both ranks hold counted once) and by layers, the same tokens and
@@ -1566,6 +1612,7 @@ fn gguf_with_converts_to_the_model_it_holds(
     meta.retain(|(k, _)| more_meta.iter().all(|(m, _)| m != k));
     meta.extend(more_meta);
     let mut gguf_tensors: Vec<(String, Vec<usize>, Vec<f32>)> = more;
+    let permuted = arch == "llama" || arch == "olmo" || arch.starts_with("granite");
     for (n, shape, v) in &tensors {
         let Some((layer, rest)) = n.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) else {
             gguf_tensors.push((rename_tensor(n, false).unwrap(), shape.clone(), v.clone()));
@@ -1607,8 +1654,8 @@ fn gguf_with_converts_to_the_model_it_holds(
         } else if !rest.starts_with("mlp.experts.") {
             // llama.cpp interleaves the halves of each q and k head of a llama.
             let heads = match rest.as_str() {
-                "self_attn.q_proj.weight" if arch == "llama" || arch.starts_with("granite") => m.heads,
-                "self_attn.k_proj.weight" if arch == "llama" || arch.starts_with("granite") => m.kv_heads,
+                "self_attn.q_proj.weight" if permuted => m.heads,
+                "self_attn.k_proj.weight" if permuted => m.kv_heads,
                 _ => 0,
             };
             let v = if heads > 0 { permute_heads(v, heads, shape[1]) } else { v.clone() };
