@@ -95,6 +95,44 @@ impl Arch {
     }
 }
 
+/// HF's defaults (its config classes', transformers 4.5x–5) for the settings a family's
+/// config.json may leave out.
+struct HfDefaults {
+    max_position_embeddings: usize,
+    /// Of the family's norms, by whatever key it names their epsilon.
+    eps: f64,
+    rope_theta: f64,
+    /// Its `hidden_act` (Gemma's `hidden_activation`).
+    act: &'static str,
+    /// Its `sliding_window` where the key is absent (a null says none).
+    window: Option<usize>,
+}
+
+impl Arch {
+    fn hf_defaults(self) -> HfDefaults {
+        use Arch::*;
+        let (max_position_embeddings, eps, rope_theta) = match self {
+            Llama | Granite | GraniteMoeHybrid | GraniteMoe => (2048, 1e-6, 1e4),
+            Olmo | Olmo2 | Phi => (2048, 1e-5, 1e4),
+            Phi3 | Starcoder2 | StableLm => (4096, 1e-5, 1e4),
+            Gemma | Gemma2 => (8192, 1e-6, 1e4),
+            Qwen2 | Qwen2Moe | Qwen3 | Qwen3Moe => (32768, 1e-6, 1e4),
+            SmolLM3 => (32768, 1e-6, 2e6),
+            Mistral => (131072, 1e-6, 1e4),
+            Mixtral => (131072, 1e-5, 1e6),
+            Gemma3 => (131072, 1e-6, 1e6),
+            Glm | Glm4 => (131072, 1.5625e-7, 1e4),
+        };
+        let act = match self {
+            Gemma | Gemma2 | Gemma3 | Starcoder2 => "gelu_pytorch_tanh",
+            Phi => "gelu_new",
+            _ => "silu",
+        };
+        let window = matches!(self, Mistral | Gemma2 | Gemma3).then_some(4096);
+        HfDefaults { max_position_embeddings, eps, rope_theta, act, window }
+    }
+}
+
 /// How a layer rotates its queries and keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerRope {
@@ -332,7 +370,9 @@ struct HfConfig {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
-    sliding_window: Option<usize>,
+    /// Absent (`None`: the family's default) or given, perhaps as null.
+    #[serde(default, deserialize_with = "present")]
+    sliding_window: Option<Option<usize>>,
     use_sliding_window: Option<bool>,
     partial_rotary_factor: Option<f64>,
     norm_epsilon: Option<f64>,
@@ -370,6 +410,14 @@ struct HfConfig {
     layers_block_type: Option<Vec<String>>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
+}
+
+/// A key that is there, perhaps null (`Some(None)`); with `#[serde(default)]`, `None` where
+/// the key is absent.
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> std::result::Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
 }
 
 /// Token ids appear as a number, a list of numbers, or null.
@@ -450,17 +498,14 @@ impl ModelConfig {
         // norms, activation and scaled embedding.
         let gemma23 = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
         let gemma = gemma23 || arch == Arch::Gemma;
+        let defaults = arch.hf_defaults();
         // Gemma's activation is `hidden_activation`, GELU's tanh form when it is not set (as
         // HF runs Gemma folders whose `hidden_act` says `gelu`).
-        let act = if gemma {
-            Some(raw.hidden_activation.as_deref().unwrap_or("gelu_pytorch_tanh"))
-        } else {
-            raw.hidden_act.as_deref()
-        };
-        let activation = match act {
-            None | Some("silu") => Activation::Silu,
-            Some("gelu_pytorch_tanh" | "gelu_new") => Activation::GeluTanh,
-            Some(act) => {
+        let act = if gemma { &raw.hidden_activation } else { &raw.hidden_act };
+        let activation = match act.as_deref().unwrap_or(defaults.act) {
+            "silu" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_new" => Activation::GeluTanh,
+            act => {
                 return Err(bad(format!(
                     "unsupported hidden activation `{act}` (expected silu or gelu_pytorch_tanh)"
                 )))
@@ -586,22 +631,24 @@ impl ModelConfig {
             }
         };
         // Numbers that would turn every hidden state or rotation into NaN or infinity.
-        // HF's defaults where the config is silent (GLM-4's its own).
+        // HF's defaults where the config is silent.
         let (starcoder2, phi) = (arch == Arch::Starcoder2, arch == Arch::Phi);
-        // The norms' epsilon: its key in the family's config, the value given, HF's default.
-        let (key, given, default) = match arch {
-            Arch::Starcoder2 => ("norm_epsilon", raw.norm_epsilon, 1e-5),
-            Arch::StableLm | Arch::Phi => ("layer_norm_eps", raw.layer_norm_eps, 1e-5),
+        // The norms' epsilon: its key in the family's config and the value given.
+        let (key, given) = match arch {
+            Arch::Starcoder2 => ("norm_epsilon", raw.norm_epsilon),
+            Arch::StableLm | Arch::Phi => ("layer_norm_eps", raw.layer_norm_eps),
             // HF's OlmoLayerNorm: always 1e-5, whatever the config says.
-            Arch::Olmo => ("", None, 1e-5),
-            _ => ("rms_norm_eps", raw.rms_norm_eps, if glm { 1.5625e-7 } else { 1e-6 }),
+            Arch::Olmo => ("", None),
+            _ => ("rms_norm_eps", raw.rms_norm_eps),
         };
-        let eps = given.unwrap_or(default);
+        let eps = given.unwrap_or(defaults.eps);
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(bad(format!("{key} {eps} must be a finite number, not negative")));
         }
-        let rope_theta = finite_positive("rope_theta", raw.rope_theta.unwrap_or(10000.0)).map_err(bad)?;
-        let max_position_embeddings = raw.max_position_embeddings.unwrap_or(4096);
+        let rope_theta =
+            finite_positive("rope_theta", raw.rope_theta.unwrap_or(defaults.rope_theta)).map_err(bad)?;
+        let max_position_embeddings = raw.max_position_embeddings.unwrap_or(defaults.max_position_embeddings);
+        let window = raw.sliding_window.unwrap_or(defaults.window);
         let rope_scaling = match &raw.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
             // HF's unscaled RoPE, as transformers 5 names it.
@@ -623,7 +670,7 @@ impl ModelConfig {
             (
                 Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Starcoder2 | Arch::Gemma2 | Arch::Gemma3,
                 _,
-            ) if raw.sliding_window == Some(0) => {
+            ) if window == Some(0) => {
                 return Err(bad(
                     "sliding_window is 0 (expected a positive number of positions, or null)".into()
                 ));
@@ -631,10 +678,10 @@ impl ModelConfig {
             // A window at least as long as the context leaves out no key: none, so no rings
             // and the prefix cache kept.
             (Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Starcoder2, _) => {
-                raw.sliding_window.filter(|&w| w < max_position_embeddings)
+                window.filter(|&w| w < max_position_embeddings)
             }
-            // Gemma's local layers always have a window: HF's default where none is given.
-            (Arch::Gemma2 | Arch::Gemma3, _) => Some(raw.sliding_window.unwrap_or(4096)),
+            // Gemma's local layers always have a window: HF's default where it is null.
+            (Arch::Gemma2 | Arch::Gemma3, _) => Some(window.unwrap_or(4096)),
             _ => None,
         };
         let local_layers = match arch {
@@ -1507,6 +1554,38 @@ mod tests {
         assert!(!llama.layer_norm && !llama.linear_bias && llama.gated_ffn);
     }
 
+    /// HF's defaults where a family's config.json is silent (its config classes'): the context,
+    /// the norms' epsilon, the RoPE base, the activation and the window; a null window says
+    /// none where HF's default is one.
+    #[test]
+    fn hf_defaults_where_the_config_is_silent() {
+        let bare = r#"{"model_type":"llama","hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#;
+        let cases = [
+            ("llama", 2048, 1e-6, 1e4, Activation::Silu, None),
+            ("mistral", 131072, 1e-6, 1e4, Activation::Silu, Some(4096)),
+            ("mixtral", 131072, 1e-5, 1e6, Activation::Silu, None),
+            ("phi3", 4096, 1e-5, 1e4, Activation::Silu, None),
+            ("smollm3", 32768, 1e-6, 2e6, Activation::Silu, None),
+            ("olmo2", 2048, 1e-5, 1e4, Activation::Silu, None),
+            ("starcoder2", 4096, 1e-5, 1e4, Activation::GeluTanh, None),
+            ("phi", 2048, 1e-5, 1e4, Activation::GeluTanh, None),
+        ];
+        for (model_type, ctx, eps, theta, act, window) in cases {
+            let c = parse(&bare.replace("llama", model_type)).unwrap();
+            let got =
+                (c.max_position_embeddings, c.rms_norm_eps, c.rope_theta, c.activation, c.sliding_window);
+            assert_eq!(got, (ctx, eps, theta, act, window), "{model_type}");
+        }
+        let c = parse(&bare.replace("llama", "gemma3_text")).unwrap();
+        assert_eq!((c.max_position_embeddings, c.rope_theta, c.rope_local_theta), (131072, 1e6, Some(1e4)));
+        // Given, as null or shorter than the context, the folder's window holds.
+        let mistral = |extra: &str| parse(&bare.replace("llama", "mistral").replace("}", extra)).unwrap();
+        assert_eq!(mistral(r#","sliding_window":null}"#).sliding_window, None);
+        assert_eq!(mistral(r#","sliding_window":1024}"#).sliding_window, Some(1024));
+        assert_eq!(mistral(r#","max_position_embeddings":4096}"#).sliding_window, None);
+    }
+
     /// The first OLMo: LayerNorms without weights, of 1e-5 whatever the folder says, `clip_qkv`
     /// read (a bound above 0), its o_proj bias refused; other families' `clip_qkv` refused.
     #[test]
@@ -1776,7 +1855,8 @@ mod tests {
         let c = parse(&config("gemma3_text", types)).unwrap();
         assert_eq!((c.layer_window(0), c.layer_window(1), c.is_local(0)), (None, Some(8), false));
         // Local RoPE frequencies ignore the global scaling.
-        let c = parse(&config("gemma3_text", r#""rope_scaling":{"rope_type":"linear","factor":8}"#)).unwrap();
+        let scaled = r#""rope_theta":10000,"rope_scaling":{"rope_type":"linear","factor":8}"#;
+        let c = parse(&config("gemma3_text", scaled)).unwrap();
         let (global, local) = (c.rope_inv_freq(), c.rope_local_inv_freq().unwrap());
         assert_eq!((global[0], local[0], local[1] / global[1]), (0.125, 1.0, 8.0));
         let refused = [
