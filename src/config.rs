@@ -64,6 +64,9 @@ pub enum Arch {
     /// the attention and the FFN both reading the one norm of the layer's input, their outputs
     /// added to it together (a parallel residual).
     Phi,
+    /// Kyutai's Helium (`helium`: helium-1-2b): Llama with RoPE on interleaved pairs (GLM's
+    /// form, over the whole head).
+    Helium,
 }
 
 impl Arch {
@@ -79,6 +82,7 @@ impl Arch {
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3_text",
             Arch::Olmo => "olmo",
+            Arch::Helium => "helium",
             Arch::Olmo2 => "olmo2",
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Qwen3Moe => "qwen3_moe",
@@ -115,6 +119,7 @@ impl Arch {
             Llama | Granite | GraniteMoeHybrid | GraniteMoe => (2048, 1e-6, 1e4),
             Olmo | Olmo2 | Phi => (2048, 1e-5, 1e4),
             Phi3 | Starcoder2 | StableLm => (4096, 1e-5, 1e4),
+            Helium => (4096, 1e-8, 1e5),
             Gemma | Gemma2 => (8192, 1e-6, 1e4),
             Qwen2 | Qwen2Moe | Qwen3 | Qwen3Moe => (32768, 1e-6, 1e4),
             SmolLM3 => (32768, 1e-6, 2e6),
@@ -349,7 +354,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, and the image-and-text gemma3 and mistral3 (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, and the image-and-text gemma3 and mistral3 (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -478,6 +483,7 @@ impl ModelConfig {
             "gemma2" => Arch::Gemma2,
             "gemma3_text" => Arch::Gemma3,
             "olmo" => Arch::Olmo,
+            "helium" => Arch::Helium,
             "olmo2" => Arch::Olmo2,
             "qwen2_moe" => Arch::Qwen2Moe,
             "qwen3_moe" => Arch::Qwen3Moe,
@@ -768,7 +774,7 @@ impl ModelConfig {
             head_bias: phi,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
-            rope_interleaved: glm,
+            rope_interleaved: glm || arch == Arch::Helium,
             sliding_window,
             local_layers,
             rope_local_theta,
@@ -1570,6 +1576,7 @@ mod tests {
             ("olmo2", 2048, 1e-5, 1e4, Activation::Silu, None),
             ("starcoder2", 4096, 1e-5, 1e4, Activation::GeluTanh, None),
             ("phi", 2048, 1e-5, 1e4, Activation::GeluTanh, None),
+            ("helium", 4096, 1e-8, 1e5, Activation::Silu, None),
         ];
         for (model_type, ctx, eps, theta, act, window) in cases {
             let c = parse(&bare.replace("llama", model_type)).unwrap();
@@ -1577,6 +1584,8 @@ mod tests {
                 (c.max_position_embeddings, c.rms_norm_eps, c.rope_theta, c.activation, c.sliding_window);
             assert_eq!(got, (ctx, eps, theta, act, window), "{model_type}");
         }
+        let c = parse(&bare.replace("llama", "helium")).unwrap();
+        assert!(c.rope_interleaved && c.rotary_dim == c.head_dim && !c.tie_word_embeddings && !c.qkv_bias);
         let c = parse(&bare.replace("llama", "gemma3_text")).unwrap();
         assert_eq!((c.max_position_embeddings, c.rope_theta, c.rope_local_theta), (131072, 1e6, Some(1e4)));
         // Given, as null or shorter than the context, the folder's window holds.

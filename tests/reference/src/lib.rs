@@ -392,6 +392,11 @@ impl TinyModel {
     pub fn olmo() -> Self {
         TinyModel { model_type: "olmo", ..Self::llama() }
     }
+    /// Helium-style (`helium`): Llama's shape (uneven heads) with RoPE on interleaved pairs of
+    /// each whole head, an untied head, a RoPE base of 100000 and HF's epsilon of 1e-8.
+    pub fn helium() -> Self {
+        TinyModel { model_type: "helium", tied: false, ..Self::llama() }
+    }
     /// OLMo 2-style: Llama's shape (uneven heads: under tp = 2 a KV head on both ranks) with
     /// norms on the attention's and the FFN's outputs only, q and k normed over their whole
     /// width, an untied head.
@@ -480,6 +485,7 @@ impl TinyModel {
             "qwen3_moe" => "Qwen3MoeForCausalLM",
             "mixtral" => "MixtralForCausalLM",
             "olmo" => "OlmoForCausalLM",
+            "helium" => "HeliumForCausalLM",
             "olmo2" => "Olmo2ForCausalLM",
             "mistral" => "MistralForCausalLM",
             "granite" => "GraniteForCausalLM",
@@ -513,6 +519,13 @@ impl TinyModel {
         }
         if self.model_type.starts_with("qwen3") || self.model_type.starts_with("olmo") {
             cfg["attention_bias"] = false.into();
+        }
+        if self.model_type == "helium" {
+            let helium = serde_json::json!({
+                "rope_theta": 100000.0, "rms_norm_eps": 1e-8, "attention_bias": false, "mlp_bias": false,
+                "head_dim": self.hd(), "bos_token_id": 1,
+            });
+            cfg.as_object_mut().unwrap().extend(helium.as_object().unwrap().clone());
         }
         if self.model_type == "olmo" {
             cfg["clip_qkv"] = 0.6.into();

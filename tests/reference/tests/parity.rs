@@ -6,8 +6,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, llama, mistral, mixtral, olmo, olmo2, phi, phi3,
-    qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
+    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, helium, llama, mistral, mixtral, olmo, olmo2,
+    phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
 };
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
@@ -1130,6 +1130,17 @@ fn random_qwen3_moe_matches_candle_on_one_and_two_ranks() {
     let single = tiny_against_candle!(qwen3_moe, ModelForCausalLM, dir);
     same_on_two_ranks("random qwen3_moe", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
     same_on_ranks("random qwen3_moe", dir, &single, "4", &[&["--pp", "2", "--tp", "2"]]);
+}
+
+/// Helium against candle's `helium`: Llama with RoPE on interleaved pairs of each whole head.
+/// Split over two ranks by heads and by layers, the same tokens and logits within 1e-4 of the
+/// single rank.
+#[test]
+fn random_helium_matches_candle_on_one_and_two_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = tiny_against_candle!(helium, Model, dir);
+    same_on_two_ranks("random helium", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
 /// The first OLMo against candle's `olmo`: LayerNorms without weights or biases (the folder
