@@ -354,7 +354,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, and the image-and-text gemma3 and mistral3 (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl and qwen3_vl (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -978,20 +978,34 @@ fn granite_hybrid_dense_ffn(raw: &HfConfig) -> std::result::Result<usize, String
 }
 
 /// An image-and-text folder's config as its text model's: Gemma 3's (`model_type: gemma3`, its
-/// text model `gemma3_text`) or Mistral Small 3.x's (`mistral3`, its text model `mistral`), the
-/// `text_config` over HF's defaults for that text model, with the folder's own end-of-sequence
-/// ids where it gives them. `None` for any other config. The text model's weights are found
-/// under the folder's `language_model` prefix (`weights::checkpoint`); the image tower's are
-/// never read.
+/// text model `gemma3_text`), Mistral Small 3.x's (`mistral3`, its text model `mistral`),
+/// Qwen2-VL's and Qwen2.5-VL's (`qwen2_vl`, `qwen2_5_vl`: a `qwen2`) or Qwen3-VL's (`qwen3_vl`:
+/// a `qwen3`), the `text_config` over HF's defaults for that text model, with the folder's own
+/// end-of-sequence ids where it gives them. `None` for any other config. The text model's
+/// weights are found under the folder's `language_model` prefix (`weights::checkpoint`); the
+/// image tower's are never read.
+///
+/// Qwen's M-RoPE rotates by three position rows (time, height, width), which HF makes one
+/// `arange` for text alone — all gridlm is given — so it is plain RoPE there, as HF's configs
+/// name it (`rope_type: default`). Qwen2-VL's and Qwen2.5-VL's first configs keep the text
+/// model's settings at the top, with no `text_config`.
 fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else {
+    let Ok(serde_json::Value::Object(v)) = serde_json::from_str::<serde_json::Value>(text) else {
         return Ok(None); // the full parse names what is wrong
     };
     let outer = v.get("model_type").and_then(|t| t.as_str()).unwrap_or_default();
-    // HF's defaults for the fields such a folder's `text_config` leaves out (Gemma3TextConfig's,
-    // MistralConfig's), and the text model's type.
-    let (inner, defaults) = match outer {
+    // The text model's `model_type` as the folder stores it, gridlm's family for it, and HF's
+    // defaults for the fields its `text_config` leaves out (Gemma3TextConfig's, MistralConfig's,
+    // Qwen2_5_VLTextConfig's — Qwen2VLTextConfig's are the same —, Qwen3VLTextConfig's).
+    let qwen2_vl = serde_json::json!({
+        "vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    });
+    let (stored, inner, defaults) = match outer {
         "gemma3" => (
+            "gemma3_text",
             "gemma3_text",
             serde_json::json!({
                 "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -1004,6 +1018,7 @@ fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> 
         ),
         "mistral3" => (
             "mistral",
+            "mistral",
             serde_json::json!({
                 "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -1012,16 +1027,39 @@ fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> 
                 "sliding_window": 4096,
             }),
         ),
+        "qwen2_vl" => ("qwen2_vl_text", "qwen2", qwen2_vl),
+        "qwen2_5_vl" => ("qwen2_5_vl_text", "qwen2", qwen2_vl),
+        "qwen3_vl" => (
+            "qwen3_vl_text",
+            "qwen3",
+            serde_json::json!({
+                "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 128000,
+                "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "attention_bias": false,
+            }),
+        ),
         _ => return Ok(None),
     };
-    let Some(serde_json::Value::Object(given)) = v.get("text_config") else {
-        return Err(format!(
-            "model_type `{outer}` without an object `text_config` (its text model's settings)"
-        ));
+    let qwen = outer.starts_with("qwen");
+    let given = match v.get("text_config") {
+        Some(serde_json::Value::Object(t)) => t.clone(),
+        None if qwen && outer != "qwen3_vl" => {
+            let mut t = v.clone();
+            t.remove("vision_config");
+            t.remove("model_type");
+            t
+        }
+        _ => {
+            return Err(format!(
+                "model_type `{outer}` without an object `text_config` (its text model's settings)"
+            ))
+        }
     };
-    if let Some(t) = given.get("model_type").and_then(|t| t.as_str()).filter(|t| *t != inner) {
+    if let Some(t) = given.get("model_type").and_then(|t| t.as_str()).filter(|t| ![stored, inner].contains(t))
+    {
         return Err(format!(
-            "model_type `{outer}` whose text_config has model_type `{t}` (expected {inner})"
+            "model_type `{outer}` whose text_config has model_type `{t}` (expected {stored})"
         ));
     }
     let mut merged = defaults.as_object().cloned().unwrap_or_default();
@@ -1029,6 +1067,30 @@ fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> 
     merged.insert("model_type".into(), inner.into());
     if let Some(eos) = v.get("eos_token_id") {
         merged.insert("eos_token_id".into(), eos.clone());
+    }
+    if qwen {
+        // HF ties the head by the outer config's `tie_word_embeddings` (false where absent);
+        // Qwen2-VL's and Qwen2.5-VL's also by the text model's, as their first saves put it
+        // there (Qwen3-VL's: the text model's only where the outer config is silent).
+        let tie = |c: &serde_json::Map<String, serde_json::Value>| c.get("tie_word_embeddings")?.as_bool();
+        let tied = match outer {
+            "qwen3_vl" => tie(&v).or(tie(&given)).unwrap_or(false),
+            _ => tie(&v).unwrap_or(false) || tie(&given).unwrap_or(false),
+        };
+        merged.insert("tie_word_embeddings".into(), tied.into());
+        for key in ["rope_scaling", "rope_parameters"] {
+            if let Some(serde_json::Value::Object(r)) = merged.get_mut(key) {
+                if [r.get("type"), r.get("rope_type")].iter().flatten().any(|t| *t == "mrope") {
+                    r.remove("type");
+                    r.remove("rope_type");
+                }
+                r.remove("mrope_section");
+                r.remove("mrope_interleaved");
+                if !r.contains_key("type") {
+                    r.entry("rope_type").or_insert("default".into());
+                }
+            }
+        }
     }
     Ok(Some(serde_json::Value::Object(merged).to_string()))
 }
@@ -1532,6 +1594,64 @@ mod tests {
             (
                 r#"{"model_type":"mistral3","text_config":{"model_type":"ministral3"}}"#,
                 "text_config has model_type `ministral3` (expected mistral)",
+            ),
+        ];
+        for (text, msg) in refused {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.contains(msg), "{text}: {e}");
+        }
+    }
+
+    /// Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image-and-text folders: their text models (a Qwen2,
+    /// a Qwen3) with HF's defaults where silent, M-RoPE read as plain RoPE (text alone) and any
+    /// other scaling kept, the head tied by HF's rule for each.
+    #[test]
+    fn qwen_vl_reads_its_text_model() {
+        // Qwen2.5-VL-3B-Instruct's first form: the text model's settings at the top.
+        let flat = r#"{"model_type":"qwen2_5_vl","hidden_size":2048,"intermediate_size":11008,
+            "num_hidden_layers":36,"num_attention_heads":16,"num_key_value_heads":2,
+            "max_position_embeddings":128000,"rope_theta":1000000.0,"tie_word_embeddings":true,
+            "vocab_size":151936,"use_sliding_window":false,"sliding_window":32768,"eos_token_id":151645,
+            "rope_scaling":{"type":"mrope","mrope_section":[16,24,24]},"vision_config":{"depth":32}}"#;
+        let c = parse(flat).unwrap();
+        assert_eq!(
+            (c.arch, c.hidden_size, c.n_layers, c.n_kv_heads, c.head_dim, c.vocab_size),
+            (Arch::Qwen2, 2048, 36, 2, 128, 151936)
+        );
+        assert!(
+            c.qkv_bias && c.tie_word_embeddings && c.rope_scaling.is_none() && c.sliding_window.is_none()
+        );
+        assert_eq!((c.rms_norm_eps, c.rope_theta, c.eos_token_ids.clone()), (1e-5, 1e6, vec![151645]));
+        // Nested, the text model's tie forwarded (Qwen2-VL, Qwen2.5-VL), a YaRN kept.
+        let nested = r#"{"model_type":"qwen2_vl","text_config":{"model_type":"qwen2_vl_text",
+            "tie_word_embeddings":true,"rope_scaling":{"rope_type":"yarn","factor":4.0,
+            "original_max_position_embeddings":32768,"mrope_section":[16,24,24]}}}"#;
+        let c = parse(nested).unwrap();
+        assert!(c.tie_word_embeddings && c.rope_scaling.is_some());
+        assert_eq!((c.hidden_size, c.max_position_embeddings, c.rope_theta), (8192, 32768, 1e6));
+        // Qwen3-VL: the outer config's tie (false where it is silent and the text model too).
+        let qwen3 = |outer: &str, inner: &str| {
+            let text = format!(
+                r#"{{"model_type":"qwen3_vl"{outer},"text_config":{{"model_type":"qwen3_vl_text"{inner},
+                "rope_scaling":{{"rope_type":"default","mrope_section":[24,20,20],"mrope_interleaved":true}}}}}}"#
+            );
+            parse(&text).unwrap()
+        };
+        let c = qwen3("", "");
+        assert_eq!((c.arch, c.head_dim, c.rope_theta, c.tie_word_embeddings), (Arch::Qwen3, 128, 5e5, false));
+        assert!(c.qk_norm && c.rope_scaling.is_none());
+        assert!(
+            qwen3(r#","tie_word_embeddings":true"#, r#","tie_word_embeddings":false"#).tie_word_embeddings
+        );
+        assert!(
+            !qwen3(r#","tie_word_embeddings":false"#, r#","tie_word_embeddings":true"#).tie_word_embeddings
+        );
+        assert!(qwen3("", r#","tie_word_embeddings":true"#).tie_word_embeddings);
+        let refused = [
+            (r#"{"model_type":"qwen3_vl"}"#, "model_type `qwen3_vl` without an object `text_config`"),
+            (
+                r#"{"model_type":"qwen2_5_vl","text_config":{"model_type":"qwen3_vl_text"}}"#,
+                "text_config has model_type `qwen3_vl_text` (expected qwen2_5_vl_text)",
             ),
         ];
         for (text, msg) in refused {

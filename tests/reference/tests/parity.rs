@@ -433,10 +433,33 @@ fn random_mistral_matches_candle() {
     );
 }
 
+/// Qwen2 against candle's `qwen2`; stored as Qwen2-VL's and Qwen2.5-VL's image-and-text
+/// folders, the same bits: Qwen2-VL's first form (the text model's settings at the top, its
+/// tensors by plain names, `visual.*` beside them), Qwen2.5-VL's later one (a `text_config`,
+/// the tensors under `model.language_model.`), each with M-RoPE (`type: mrope`) in its
+/// `rope_scaling` — plain RoPE for text alone — and the head tied or not by the outer config.
 #[test]
 fn random_qwen2_matches_candle() {
     let tmp = tempfile::tempdir().unwrap();
-    tiny_against_candle!(qwen2, ModelForCausalLM, tmp.path());
+    let dir = tmp.path();
+    let single = tiny_against_candle!(qwen2, ModelForCausalLM, dir);
+    let m = gridlm_reference::TinyModel::qwen2();
+    let mrope = serde_json::json!({"type": "mrope", "mrope_section": [4, 2, 2]});
+    let mut flat = folder_config(dir);
+    flat["model_type"] = "qwen2_vl".into();
+    flat["rope_scaling"] = mrope.clone();
+    flat["vision_config"] = serde_json::json!({"depth": 1, "embed_dim": 8});
+    same_as_stored(dir, &single, &m, &flat, &[("model.", "lm_head.")], "visual.blocks.0.attn.qkv.weight");
+    let mut text_config = folder_config(dir);
+    text_config["model_type"] = "qwen2_5_vl_text".into();
+    text_config["rope_scaling"] = mrope;
+    text_config.as_object_mut().unwrap().remove("tie_word_embeddings");
+    let nested = serde_json::json!({
+        "model_type": "qwen2_5_vl", "text_config": text_config, "vision_config": {"depth": 1},
+        "tie_word_embeddings": false, "eos_token_id": 0,
+    });
+    let prefixes = [("model.language_model.", "lm_head.")];
+    same_as_stored(dir, &single, &m, &nested, &prefixes, "model.visual.blocks.0.attn.qkv.weight");
 }
 
 /// Phi-3's fused `qkv_proj` and `gate_up_proj`, against candle's Phi-3; and split over two
@@ -964,6 +987,19 @@ fn random_qwen3_matches_candle_on_one_and_two_ranks() {
     let dir = tmp.path();
     let single = tiny_against_candle!(qwen3, ModelForCausalLM, dir);
     same_on_two_ranks("random qwen3", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    // As Qwen3-VL's image-and-text folder holds it: a `text_config` with interleaved M-RoPE's
+    // sections (plain RoPE for text alone), the head tied by the outer config alone.
+    let mut text_config = folder_config(dir);
+    text_config["model_type"] = "qwen3_vl_text".into();
+    text_config["rope_scaling"] =
+        serde_json::json!({"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": true});
+    text_config.as_object_mut().unwrap().remove("tie_word_embeddings");
+    let config = serde_json::json!({
+        "model_type": "qwen3_vl", "text_config": text_config, "vision_config": {"depth": 1},
+        "tie_word_embeddings": true,
+    });
+    let (m, tower) = (gridlm_reference::TinyModel::qwen3(), "model.visual.blocks.0.attn.qkv.weight");
+    same_as_stored(dir, &single, &m, &config, &[("model.language_model.", "lm_head.")], tower);
 }
 
 /// Gemma 3's text model against candle's `gemma3`: norms stored less one, sandwich norms, per-head
@@ -1056,9 +1092,24 @@ fn same_as_image_and_text(
         "model_type": outer,
         "text_config": text_config, "vision_config": {"hidden_size": 8}, "eos_token_id": 0,
     });
-    for (model, head) in
-        [("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head.")]
-    {
+    let prefixes =
+        [("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head.")];
+    let tower = "vision_tower.vision_model.embeddings.patch_embedding.weight";
+    same_as_stored(dir, single, &m, &config, &prefixes, tower);
+}
+
+/// The random model `m` (run from `dir` as `single`) stored as an image-and-text folder of
+/// `config`, its text model's tensors under each of `prefixes` (of `model.*`, of `lm_head.*`)
+/// beside an image tower's tensor `tower`: the same tokens and logits, bit for bit.
+fn same_as_stored(
+    dir: &Path,
+    single: &Run,
+    m: &gridlm_reference::TinyModel,
+    config: &serde_json::Value,
+    prefixes: &[(&str, &str)],
+    tower: &str,
+) {
+    for &(model, head) in prefixes {
         let tmp = tempfile::tempdir().unwrap();
         let folder = tmp.path();
         std::fs::copy(dir.join("tokenizer.json"), folder.join("tokenizer.json")).unwrap();
@@ -1075,11 +1126,7 @@ fn same_as_image_and_text(
                 (name, shape, v)
             })
             .collect();
-        tensors.push((
-            "vision_tower.vision_model.embeddings.patch_embedding.weight".into(),
-            vec![8, 4],
-            vec![0.5; 32],
-        ));
+        tensors.push((tower.into(), vec![8, 4], vec![0.5; 32]));
         gridlm_reference::write_safetensors(&folder.join("model.safetensors"), &tensors);
         let run = generate(folder, &TINY_PROMPT);
         assert_eq!(run.token_ids, single.token_ids, "image-and-text folder, {model}: greedy tokens differ");
