@@ -45,6 +45,12 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("qwen3", "Qwen3ForCausalLM", Arch::Qwen3),
         ("qwen2moe", "Qwen2MoeForCausalLM", Arch::Qwen2Moe),
         ("qwen3moe", "Qwen3MoeForCausalLM", Arch::Qwen3Moe),
+        // The text models of Qwen2-VL and Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: M-RoPE's
+        // sections (`rope.dimension_sections`) turn by one position for text alone, which is
+        // all gridlm takes: plain RoPE, the model a Qwen2, a Qwen3, a Qwen3-MoE.
+        ("qwen2vl", "Qwen2ForCausalLM", Arch::Qwen2),
+        ("qwen3vl", "Qwen3ForCausalLM", Arch::Qwen3),
+        ("qwen3vlmoe", "Qwen3MoeForCausalLM", Arch::Qwen3Moe),
         ("phi3", "Phi3ForCausalLM", Arch::Phi3),
         ("gemma", "GemmaForCausalLM", Arch::Gemma),
         ("gemma2", "Gemma2ForCausalLM", Arch::Gemma2),
@@ -64,7 +70,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2 or olmo)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl, qwen3vl, qwen3vlmoe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2 or olmo)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -165,7 +171,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             "num_experts": experts,
             "num_experts_per_tok": meta_usize(&g, &key("expert_used_count"))?,
             "moe_intermediate_size": meta_usize(&g, &key("expert_feed_forward_length"))?,
-            "norm_topk_prob": arch == "qwen3moe",
+            "norm_topk_prob": family == Arch::Qwen3Moe,
             "decoder_sparse_step": step,
             "mlp_only_layers": only,
         });

@@ -1765,6 +1765,49 @@ fn converted_config(dir: &Path, want: serde_json::Value, layers: usize) -> serde
     cfg
 }
 
+/// The text models of Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE as llama.cpp writes them
+/// (`qwen2vl`, `qwen3vl`, `qwen3vlmoe`, with M-RoPE's `rope.dimension_sections`) convert into
+/// the Qwen2, Qwen3 and Qwen3-MoE they hold (the last with its shares renormalized, as HF's
+/// Qwen3-VL-MoE and llama.cpp do), on which gridlm agrees with candle's.
+#[test]
+fn qwen_vl_ggufs_convert_to_their_text_models() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sections =
+        |arch: &str| vec![(format!("{arch}.rope.dimension_sections"), GgufValue::I32s(vec![4, 2, 2, 0]))];
+    let out = tmp.path().join("qwen2vl");
+    let m = gridlm_reference::TinyModel::qwen2();
+    gguf_with_converts_to_the_model_it_holds(&m, "qwen2vl", &out, sections("qwen2vl"), Vec::new());
+    let want = serde_json::json!({"model_type": "qwen2", "attention_bias": true});
+    let mut cfg = converted_config(&out, want, m.layers);
+    cfg["sliding_window"] = m.max_pos.into();
+    let cfg: qwen2::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = qwen2::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted qwen2vl", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    let out = tmp.path().join("qwen3vl");
+    let m = gridlm_reference::TinyModel::qwen3();
+    gguf_with_converts_to_the_model_it_holds(&m, "qwen3vl", &out, sections("qwen3vl"), Vec::new());
+    let mut cfg = converted_config(&out, serde_json::json!({"model_type": "qwen3"}), m.layers);
+    cfg["sliding_window"] = serde_json::Value::Null;
+    let cfg: qwen3::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = qwen3::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted qwen3vl", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    let out = tmp.path().join("qwen3vlmoe");
+    let m = gridlm_reference::TinyModel::qwen3_moe();
+    gguf_with_converts_to_the_model_it_holds(&m, "qwen3vlmoe", &out, sections("qwen3vlmoe"), Vec::new());
+    let want = serde_json::json!({"model_type": "qwen3_moe", "norm_topk_prob": true});
+    let mut cfg = converted_config(&out, want, m.layers);
+    cfg["sliding_window"] = serde_json::Value::Null;
+    let cfg: qwen3_moe::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = qwen3_moe::ModelForCausalLM::new(&cfg, candle_weights(&out)).unwrap();
+    tiny_matches_candle("converted qwen3vlmoe", &out, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+}
+
 /// A Qwen3-MoE GGUF (every second layer dense) converts into the model it holds (the dense
 /// layers found as every `decoder_sparse_step`-th), on which gridlm agrees with candle's
 /// `qwen3_moe`.
