@@ -962,6 +962,17 @@ impl Shard {
         let packed = |rows, cols, dtype| PackedMat::bytes_for(rows, cols, dtype, quant);
         // Mat::vstack keeps a shared dtype and falls back to f32 for mixed ones.
         let stacked = |a: DType, b: DType| if a == b { a } else { DType::F32 };
+        // A norm of the residual stream: its weights, and its biases if it is a LayerNorm
+        // (OLMo's made, not read).
+        let stream_norm_bytes = |name: &str| -> Result<usize> {
+            if !cfg.weightless_norms {
+                src.dtype(name, &[h])?;
+                if cfg.layer_norm {
+                    src.dtype(&bias_name(name), &[h])?;
+                }
+            }
+            Ok(4 * h * if cfg.layer_norm { 2 } else { 1 })
+        };
         let mut n = 0;
         for i in plan.layers.clone() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -996,19 +1007,22 @@ impl Shard {
                 }
             }
             for name in layer_norm_names(cfg).into_iter().flatten() {
-                if !cfg.weightless_norms {
-                    src.dtype(&p(name), &[h])?;
-                }
-                n += 4 * h;
-            }
-            if cfg.layer_norm {
-                n += 4 * h * layer_norm_names(cfg).into_iter().flatten().count();
+                n += stream_norm_bytes(&p(name))?;
             }
             if cfg.linear_bias {
                 // o_proj's and the down matrix's biases, this rank's columns of the first's.
+                src.dtype(&bias_name(&gate.0), &[ff])?;
+                src.dtype(&bias_name(&ffn_down_name(cfg, i)), &[h])?;
+                src.dtype(&bias_name(&o_proj_name(cfg, i)), &[h])?;
                 n += 4 * (2 * h + plan.ffn.len());
             }
-            n += 4 * if cfg.qkv_bias { q_rows + 2 * kv_rows } else { 0 };
+            if cfg.qkv_bias {
+                let kvd = cfg.kv_dim();
+                for (name, len) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+                    src.dtype(&p(&format!("self_attn.{name}.bias")), &[len])?;
+                }
+                n += 4 * (q_rows + 2 * kv_rows);
+            }
             if cfg.qk_norm {
                 src.dtype(&p("self_attn.q_norm.weight"), &[hd])?;
                 src.dtype(&p("self_attn.k_norm.weight"), &[hd])?;
@@ -1027,8 +1041,11 @@ impl Shard {
             n += vocab_rows("model.embed_tokens.weight")?;
         }
         if plan.last_stage {
-            n += 4 * h * if cfg.layer_norm { 2 } else { 1 };
-            n += if cfg.head_bias { 4 * plan.vocab.len() } else { 0 };
+            n += stream_norm_bytes(final_norm_name(cfg))?;
+            if cfg.head_bias {
+                src.dtype("lm_head.bias", &[cfg.vocab_size])?;
+                n += 4 * plan.vocab.len();
+            }
             if !cfg.tie_word_embeddings {
                 n += vocab_rows("lm_head.weight")?;
             } else if !plan.first_stage {

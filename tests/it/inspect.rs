@@ -33,6 +33,40 @@ fn inspect_splits_a_folder_without_loading_it() {
     assert_one_line_error(&out, &[&format!("tensor `{gone}`"), "missing"]);
 }
 
+/// `inspect` finds the biases and LayerNorm biases a rank would read (a Phi-2-style folder:
+/// each one taken away in turn is refused with one line naming it), and reads no norm of an
+/// OLMo-style folder, which holds none.
+#[test]
+fn inspect_finds_every_bias_and_no_weightless_norm() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    let m = gridlm_reference::TinyModel::phi();
+    m.write(dir);
+    let out = gridlm(&["inspect", "--model", path_str(dir), "--pp", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for gone in [
+        "model.layers.1.self_attn.k_proj.bias",
+        "model.layers.2.self_attn.dense.bias",
+        "model.layers.0.mlp.fc1.bias",
+        "model.layers.2.mlp.fc2.bias",
+        "model.layers.1.input_layernorm.bias",
+        "model.final_layernorm.bias",
+        "lm_head.bias",
+    ] {
+        let tensors: Vec<_> = m.tensors().into_iter().filter(|(n, _, _)| n != gone).collect();
+        assert!(tensors.len() < m.tensors().len(), "{gone} is not among the tensors");
+        gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &tensors);
+        let out = gridlm(&["inspect", "--model", path_str(dir), "--pp", "2"]);
+        assert_one_line_error(&out, &[&format!("tensor `{gone}`"), "missing"]);
+    }
+    let olmo = tempfile::tempdir().unwrap();
+    gridlm_reference::TinyModel::olmo().write(olmo.path());
+    let out = gridlm(&["inspect", "--model", path_str(olmo.path()), "--tp", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["model_type"], "olmo");
+}
+
 /// A Gemma 3-style folder (layers 0, 1 and 3 local through a window of 4) on two stages (layers
 /// 0–1 and 2–3): the windowed layers counted, and each rank's share of its KV bytes a position.
 #[test]
