@@ -1568,6 +1568,14 @@ mod tests {
         assert!(e.contains("sliding_window is 0"), "{e}");
     }
 
+    /// Each config text refused with an error holding its message.
+    fn refused_with(cases: &[(&str, &str)]) {
+        for (text, msg) in cases {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.contains(msg), "{text}: {e}");
+        }
+    }
+
     /// Mistral Small 3.x's image-and-text folder (`mistral3`): its text model, a Mistral, with
     /// MistralConfig's defaults where `text_config` is silent.
     #[test]
@@ -1596,10 +1604,7 @@ mod tests {
                 "text_config has model_type `ministral3` (expected mistral)",
             ),
         ];
-        for (text, msg) in refused {
-            let e = parse(text).unwrap_err().to_string();
-            assert!(e.contains(msg), "{text}: {e}");
-        }
+        refused_with(&refused);
     }
 
     /// Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image-and-text folders: their text models (a Qwen2,
@@ -1654,10 +1659,7 @@ mod tests {
                 "text_config has model_type `qwen3_vl_text` (expected qwen2_5_vl_text)",
             ),
         ];
-        for (text, msg) in refused {
-            let e = parse(text).unwrap_err().to_string();
-            assert!(e.contains(msg), "{text}: {e}");
-        }
+        refused_with(&refused);
     }
 
     /// StarCoder 2: `norm_epsilon`, LayerNorms, biases on every projection unless `use_bias`
