@@ -322,13 +322,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         };
         // Qwen2-MoE's shared expert's gate: one row (GGUF stores it as a vector).
         let shape = if t.name.ends_with("ffn_gate_inp_shexp.weight") { vec![1, hidden] } else { t.shape() };
-        let heads = match arch.as_str() {
-            "llama" | "granite" | "granitemoe" | "olmo" if t.name.ends_with("attn_q.weight") => Some(n_heads),
-            "llama" | "granite" | "granitemoe" | "olmo" if t.name.ends_with("attn_k.weight") => {
-                Some(n_kv_heads)
-            }
-            _ => None,
-        };
+        let permuted = matches!(arch.as_str(), "llama" | "granite" | "granitemoe" | "olmo");
+        let heads = [("attn_q.weight", n_heads), ("attn_k.weight", n_kv_heads)]
+            .into_iter()
+            .find_map(|(name, heads)| (permuted && t.name.ends_with(name)).then_some(heads));
         // Norms and biases stay f32: tiny, and precision matters there.
         let dt = if shape.len() == 1 { DType::F32 } else { dtype };
         let cols = shape.get(1).copied().unwrap_or(1);
@@ -1140,7 +1137,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         "smollm" | "starcoder" | "refact" => {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
-"gpt-2" | "gpt2" | "phi-2" | "olmo" | "default" => Ok(ByteLevel::new(false, true, true).into()),
+        "gpt-2" | "gpt2" | "phi-2" | "olmo" | "default" => Ok(ByteLevel::new(false, true, true).into()),
         p if LLAMA3_PRES.contains(&p) || GLM_PRES.contains(&p) => split(&[
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ]),
