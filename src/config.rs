@@ -34,6 +34,11 @@ pub enum Arch {
     Qwen2Moe,
     /// Qwen3 with mixture-of-experts FFNs (`qwen3_moe`).
     Qwen3Moe,
+    /// Qwen3-VL-MoE's text model (`qwen3_vl_moe_text`): Qwen3-MoE whose experts' shares are
+    /// always renormalized and whose experts are stored per layer in two transposed stacks
+    /// (`mlp.experts.gate_up_proj` `[experts, hidden, 2 · ffn]`, `mlp.experts.down_proj`
+    /// `[experts, ffn, hidden]`).
+    Qwen3VlMoe,
     /// Mistral with mixture-of-experts FFNs (`mixtral`).
     Mixtral,
     /// IBM's Granite 3 (`granite`): Llama with multipliers of the embedding, the attention
@@ -86,6 +91,7 @@ impl Arch {
             Arch::Olmo2 => "olmo2",
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Qwen3VlMoe => "qwen3_vl_moe_text",
             Arch::Mixtral => "mixtral",
             Arch::Granite => "granite",
             Arch::GraniteMoeHybrid => "granitemoehybrid",
@@ -122,6 +128,7 @@ impl Arch {
             Helium => (4096, 1e-8, 1e5),
             Gemma | Gemma2 => (8192, 1e-6, 1e4),
             Qwen2 | Qwen2Moe | Qwen3 | Qwen3Moe => (32768, 1e-6, 1e4),
+            Qwen3VlMoe => (128000, 1e-6, 5e5),
             SmolLM3 => (32768, 1e-6, 2e6),
             Mistral => (131072, 1e-6, 1e4),
             Mixtral => (131072, 1e-5, 1e6),
@@ -354,7 +361,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl and qwen3_vl (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -487,6 +494,7 @@ impl ModelConfig {
             "olmo2" => Arch::Olmo2,
             "qwen2_moe" => Arch::Qwen2Moe,
             "qwen3_moe" => Arch::Qwen3Moe,
+            "qwen3_vl_moe_text" => Arch::Qwen3VlMoe,
             "mixtral" => Arch::Mixtral,
             "granite" => Arch::Granite,
             "granitemoehybrid" => Arch::GraniteMoeHybrid,
@@ -670,7 +678,15 @@ impl ModelConfig {
             ),
         };
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Qwen2 | Arch::Qwen2Moe | Arch::Qwen3 | Arch::Qwen3Moe | Arch::SmolLM3, Some(true)) => {
+            (
+                Arch::Qwen2
+                | Arch::Qwen2Moe
+                | Arch::Qwen3
+                | Arch::Qwen3Moe
+                | Arch::Qwen3VlMoe
+                | Arch::SmolLM3,
+                Some(true),
+            ) => {
                 return Err(bad(format!("use_sliding_window = true is not supported for {model_type}")));
             }
             (
@@ -772,7 +788,7 @@ impl ModelConfig {
             gated_ffn: !starcoder2 && !phi,
             parallel_residual: phi,
             head_bias: phi,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3VlMoe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
             rope_interleaved: glm || arch == Arch::Helium,
             sliding_window,
@@ -979,8 +995,8 @@ fn granite_hybrid_dense_ffn(raw: &HfConfig) -> std::result::Result<usize, String
 
 /// An image-and-text folder's config as its text model's: Gemma 3's (`model_type: gemma3`, its
 /// text model `gemma3_text`), Mistral Small 3.x's (`mistral3`, its text model `mistral`),
-/// Qwen2-VL's and Qwen2.5-VL's (`qwen2_vl`, `qwen2_5_vl`: a `qwen2`) or Qwen3-VL's (`qwen3_vl`:
-/// a `qwen3`), the `text_config` over HF's defaults for that text model, with the folder's own
+/// Qwen2-VL's and Qwen2.5-VL's (`qwen2_vl`, `qwen2_5_vl`: a `qwen2`), Qwen3-VL's (`qwen3_vl`:
+/// a `qwen3`) or Qwen3-VL-MoE's (`qwen3_vl_moe`: its `qwen3_vl_moe_text`), the `text_config` over HF's defaults for that text model, with the folder's own
 /// end-of-sequence ids where it gives them. `None` for any other config. The text model's
 /// weights are found under the folder's `language_model` prefix (`weights::checkpoint`); the
 /// image tower's are never read.
@@ -1029,6 +1045,16 @@ fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> 
         ),
         "qwen2_vl" => ("qwen2_vl_text", "qwen2", qwen2_vl),
         "qwen2_5_vl" => ("qwen2_5_vl_text", "qwen2", qwen2_vl),
+        "qwen3_vl_moe" => (
+            "qwen3_vl_moe_text",
+            "qwen3_vl_moe_text",
+            serde_json::json!({
+                "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                "hidden_act": "silu", "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                "rope_theta": 500000.0, "attention_bias": false,
+            }),
+        ),
         "qwen3_vl" => (
             "qwen3_vl_text",
             "qwen3",
@@ -1044,7 +1070,7 @@ fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> 
     let qwen = outer.starts_with("qwen");
     let given = match v.get("text_config") {
         Some(serde_json::Value::Object(t)) => t.clone(),
-        None if qwen && outer != "qwen3_vl" => {
+        None if qwen && !outer.starts_with("qwen3") => {
             let mut t = v.clone();
             t.remove("vision_config");
             t.remove("model_type");
@@ -1074,7 +1100,7 @@ fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> 
         // there (Qwen3-VL's: the text model's only where the outer config is silent).
         let tie = |c: &serde_json::Map<String, serde_json::Value>| c.get("tie_word_embeddings")?.as_bool();
         let tied = match outer {
-            "qwen3_vl" => tie(&v).or(tie(&given)).unwrap_or(false),
+            "qwen3_vl" | "qwen3_vl_moe" => tie(&v).or(tie(&given)).unwrap_or(false),
             _ => tie(&v).unwrap_or(false) || tie(&given).unwrap_or(false),
         };
         merged.insert("tie_word_embeddings".into(), tied.into());
@@ -1190,14 +1216,14 @@ fn gemma_local_layers(raw: &HfConfig, pattern: usize) -> std::result::Result<Vec
     layer_flags(raw.num_hidden_layers, ("layer_types", &raw.layer_types), flag, every, false)
 }
 
-/// The experts of a `qwen2_moe`, `qwen3_moe` or `mixtral` config, with HF's defaults
-/// (Qwen2MoeConfig's, Qwen3MoeConfig's, MixtralConfig's) for the fields it leaves out; `None`
-/// for the other families.
+/// The experts of a `qwen2_moe`, `qwen3_moe`, `qwen3_vl_moe_text` or `mixtral` config, with
+/// HF's defaults (Qwen2MoeConfig's, Qwen3MoeConfig's, Qwen3VLMoeTextConfig's, MixtralConfig's)
+/// for the fields it leaves out; `None` for the other families.
 fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
     let n = raw.num_hidden_layers;
     let qwen2 = arch == Arch::Qwen2Moe;
     let moe = match arch {
-        Arch::Qwen2Moe | Arch::Qwen3Moe => {
+        Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Qwen3VlMoe => {
             let only = raw.mlp_only_layers.clone().unwrap_or_default();
             if let Some(&l) = only.iter().find(|&&l| l >= n) {
                 return Err(format!("mlp_only_layers names layer {l} of {n}"));
@@ -1206,11 +1232,15 @@ fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
             if step == 0 {
                 return Err("decoder_sparse_step is 0 (expected a positive number of layers)".into());
             }
+            // Qwen3-VL-MoE's router always renormalizes (it has no `norm_topk_prob`).
+            let vl = arch == Arch::Qwen3VlMoe;
+            let (experts, per_token, expert_ffn) =
+                if arch == Arch::Qwen3Moe { (128, 8, 768) } else { (60, 4, 1408) };
             Moe {
-                experts: raw.num_experts.unwrap_or(if qwen2 { 60 } else { 128 }),
-                per_token: raw.num_experts_per_tok.unwrap_or(if qwen2 { 4 } else { 8 }),
-                expert_ffn: raw.moe_intermediate_size.unwrap_or(if qwen2 { 1408 } else { 768 }),
-                norm_topk: raw.norm_topk_prob.unwrap_or(false),
+                experts: raw.num_experts.unwrap_or(experts),
+                per_token: raw.num_experts_per_tok.unwrap_or(per_token),
+                expert_ffn: raw.moe_intermediate_size.unwrap_or(expert_ffn),
+                norm_topk: vl || raw.norm_topk_prob.unwrap_or(false),
                 shared_ffn: if qwen2 { raw.shared_expert_intermediate_size.unwrap_or(5632) } else { 0 },
                 sparse: (0..n).map(|i| !only.contains(&i) && (i + 1) % step == 0).collect(),
             }
@@ -1652,6 +1682,17 @@ mod tests {
             !qwen3(r#","tie_word_embeddings":false"#, r#","tie_word_embeddings":true"#).tie_word_embeddings
         );
         assert!(qwen3("", r#","tie_word_embeddings":true"#).tie_word_embeddings);
+        // Qwen3-VL-MoE: Qwen3VLMoeTextConfig's experts where silent, shares always renormalized.
+        let moe = r#"{"model_type":"qwen3_vl_moe","text_config":{"model_type":"qwen3_vl_moe_text",
+            "norm_topk_prob":false,"decoder_sparse_step":2}}"#;
+        let c = parse(moe).unwrap();
+        let m = c.moe.clone().unwrap();
+        assert_eq!(
+            (c.arch, c.hidden_size, c.rope_theta, c.tie_word_embeddings),
+            (Arch::Qwen3VlMoe, 2048, 5e5, false)
+        );
+        assert_eq!((m.experts, m.per_token, m.expert_ffn, m.norm_topk), (60, 4, 1408, true));
+        assert!(c.qk_norm && m.sparse[1] && !m.sparse[0]);
         let refused = [
             (r#"{"model_type":"qwen3_vl"}"#, "model_type `qwen3_vl` without an object `text_config`"),
             (

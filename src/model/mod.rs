@@ -156,6 +156,14 @@ pub(crate) fn stacked_expert_names(i: usize) -> [String; 3] {
     [p("router.layer"), p("input_linear"), p("output_linear")]
 }
 
+/// Qwen3-VL-MoE's layer `i` experts' transposed stacks: `gate_up_proj` (`[experts, hidden,
+/// 2 · ffn]`: each expert's gate columns, then its up columns) and `down_proj` (`[experts, ffn,
+/// hidden]`).
+fn transposed_expert_names(i: usize) -> [String; 2] {
+    let p = |s: &str| format!("model.layers.{i}.mlp.experts.{s}");
+    [p("gate_up_proj"), p("down_proj")]
+}
+
 /// Layer `i`'s router tensor: [`expert_names`]'s, GraniteMoE's [`stacked_expert_names`]'.
 pub(crate) fn router_name(arch: Arch, i: usize) -> String {
     match arch {
@@ -826,7 +834,21 @@ impl Shard {
                         ))
                     };
                     for x in 0..e {
-                        let (gu, dn) = expert(&expert_parts(&cfg, moe, i, x), &cols)?;
+                        let (gu, dn) = if cfg.arch == Arch::Qwen3VlMoe {
+                            // Rows of the transposed stacks, turned into the expert's matrices.
+                            let ([gu, dn], ffn) = (transposed_expert_names(i), moe.expert_ffn);
+                            let stack = [e, h, 2 * ffn];
+                            let part = |c: usize| {
+                                ckpt.block(&gu, &stack, x * h..(x + 1) * h, c + cols.start..c + cols.end)
+                            };
+                            let rows = x * ffn + cols.start..x * ffn + cols.end;
+                            (
+                                pack(&Mat::vstack(vec![part(0)?.transpose(), part(ffn)?.transpose()])),
+                                pack(&ckpt.rows(&dn, &[e, ffn, h], rows)?.transpose()),
+                            )
+                        } else {
+                            expert(&expert_parts(&cfg, moe, i, x), &cols)?
+                        };
                         gate_up.push(gu);
                         down.push(dn);
                     }
@@ -991,8 +1013,14 @@ impl Shard {
                         let [g, u, d] = parts.each_ref().map(dtype);
                         Ok::<_, crate::Error>(packed(2 * cols, h, stacked(g?, u?)) + packed(h, cols, d?))
                     };
-                    for x in 0..e {
-                        n += expert(&expert_parts(cfg, moe, i, x), cols)?;
+                    if cfg.arch == Arch::Qwen3VlMoe {
+                        let ([gu, dn], ffn) = (transposed_expert_names(i), moe.expert_ffn);
+                        let (gu, dn) = (src.dtype(&gu, &[e, h, 2 * ffn])?, src.dtype(&dn, &[e, ffn, h])?);
+                        n += e * (packed(2 * cols, h, gu) + packed(h, cols, dn));
+                    } else {
+                        for x in 0..e {
+                            n += expert(&expert_parts(cfg, moe, i, x), cols)?;
+                        }
                     }
                     if moe.shared_ffn > 0 {
                         let [g, u, d, gate] = shared_expert_names(i);
@@ -2157,6 +2185,7 @@ mod tests {
             ("olmo2-1b", None),
             ("qwen1.5-moe-a2.7b", None),
             ("qwen3-30b-a3b", None),
+            ("qwen3-30b-a3b", Some(Arch::Qwen3VlMoe)),
             ("mixtral-8x7b", None),
         ];
         for ((shape, arch), tied) in shapes.into_iter().flat_map(|s| [(s, true), (s, false)]) {

@@ -236,6 +236,18 @@ impl Mat {
     pub fn bytes(&self) -> usize {
         self.data.len() * self.data.dtype().size_bytes()
     }
+    /// The matrix turned on its side: `[cols, rows]`, row `c` holding column `c`.
+    pub fn transpose(&self) -> Mat {
+        fn turn<T: Copy>(v: &[T], rows: usize, cols: usize) -> Vec<T> {
+            (0..cols).flat_map(|c| (0..rows).map(move |r| v[r * cols + c])).collect()
+        }
+        let data = match &self.data {
+            Data::F32(v) => Data::F32(turn(v, self.rows, self.cols)),
+            Data::BF16(v) => Data::BF16(turn(v, self.rows, self.cols)),
+            Data::F16(v) => Data::F16(turn(v, self.rows, self.cols)),
+        };
+        Mat { rows: self.cols, cols: self.rows, data }
+    }
     /// Stacks matrices with equal column counts vertically (fused QKV, fused gate/up). Mixed
     /// dtypes fall back to f32.
     pub fn vstack(parts: Vec<Mat>) -> Mat {
@@ -253,6 +265,16 @@ impl Mat {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A transpose moves each value `[r][c]` to `[c][r]`, in the stored dtype.
+    #[test]
+    fn transpose_turns_rows_into_columns() {
+        let v: Vec<f32> = (0..6).map(|x| x as f32).collect();
+        let m = Mat { rows: 2, cols: 3, data: Data::F32(v.clone()) }.transpose();
+        assert_eq!((m.rows, m.cols, m.data.to_f32_vec()), (3, 2, vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]));
+        let b = Mat { rows: 2, cols: 3, data: Data::F32(v).cast(DType::BF16) }.transpose();
+        assert_eq!((b.data.dtype(), b.data.to_f32_vec()), (DType::BF16, m.data.to_f32_vec()));
+    }
 
     /// One 2x2 matrix `w` holding `values` in f32.
     struct Fixed(Vec<f32>);

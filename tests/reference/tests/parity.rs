@@ -1765,6 +1765,83 @@ fn converted_config(dir: &Path, want: serde_json::Value, layers: usize) -> serde
     cfg
 }
 
+/// Qwen3-MoE with its shares renormalized against candle's `qwen3_moe`; stored as Qwen3-VL-MoE's
+/// image-and-text folder — each layer's experts in two transposed stacks
+/// (`mlp.experts.gate_up_proj` `[experts, hidden, 2 · ffn]`, `mlp.experts.down_proj`
+/// `[experts, ffn, hidden]`), the tensors under `model.language_model.`, the shares renormalized
+/// without `norm_topk_prob` — the same bits, and split over two ranks by heads and the experts'
+/// columns (each rank reading its columns of the stacks) and by layers, the same tokens and
+/// logits within 1e-4.
+#[test]
+fn random_qwen3_moe_as_qwen3_vl_moe_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let m = gridlm_reference::TinyModel::qwen3_moe();
+    let (experts, _, ffn) = m.experts.unwrap();
+    m.write(dir);
+    let mut cfg = folder_config(dir);
+    cfg["norm_topk_prob"] = true.into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let candle_cfg: qwen3_moe::Config = serde_json::from_value(cfg.clone()).unwrap();
+    let mut model = qwen3_moe::ModelForCausalLM::new(&candle_cfg, candle_weights(dir)).unwrap();
+    let single = tiny_matches_candle("random qwen3_moe, shares renormalized", dir, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    let vl = tmp.path().join("vl");
+    std::fs::create_dir(&vl).unwrap();
+    std::fs::copy(dir.join("tokenizer.json"), vl.join("tokenizer.json")).unwrap();
+    let mut text_config = cfg.clone();
+    text_config["model_type"] = "qwen3_vl_moe_text".into();
+    text_config.as_object_mut().unwrap().remove("norm_topk_prob");
+    let config = serde_json::json!({
+        "model_type": "qwen3_vl_moe", "text_config": text_config, "vision_config": {"depth": 1},
+        "tie_word_embeddings": m.tied,
+    });
+    std::fs::write(vl.join("config.json"), config.to_string()).unwrap();
+    let tensors = m.tensors();
+    let find = |name: String| tensors.iter().find(|t| t.0 == name).unwrap().2.clone();
+    // Rows of `v` ([rows, cols]) as columns.
+    let turn = |v: &[f32], rows: usize| -> Vec<f32> {
+        let cols = v.len() / rows;
+        (0..cols).flat_map(|c| (0..rows).map(move |r| v[r * cols + c])).collect()
+    };
+    let h = m.hidden;
+    let mut stored = Vec::new();
+    for (name, shape, v) in &tensors {
+        if name.contains(".mlp.experts.") {
+            if let Some(layer) = name.strip_suffix(".mlp.experts.0.gate_proj.weight") {
+                let x = |e: usize, w: &str| find(format!("{layer}.mlp.experts.{e}.{w}_proj.weight"));
+                let mut gate_up = Vec::new();
+                let mut down = Vec::new();
+                for e in 0..experts {
+                    let (g, u) = (turn(&x(e, "gate"), ffn), turn(&x(e, "up"), ffn));
+                    gate_up.extend(
+                        (0..h)
+                            .flat_map(|r| [&g[r * ffn..(r + 1) * ffn], &u[r * ffn..(r + 1) * ffn]].concat()),
+                    );
+                    down.extend(turn(&x(e, "down"), h));
+                }
+                let layer = layer.replacen("model.", "model.language_model.", 1);
+                stored.push((
+                    format!("{layer}.mlp.experts.gate_up_proj"),
+                    vec![experts, h, 2 * ffn],
+                    gate_up,
+                ));
+                stored.push((format!("{layer}.mlp.experts.down_proj"), vec![experts, ffn, h], down));
+            }
+            continue;
+        }
+        let name = name.replacen("model.", "model.language_model.", 1);
+        stored.push((name, shape.clone(), v.clone()));
+    }
+    stored.push(("model.visual.blocks.0.attn.qkv.weight".into(), vec![8, 4], vec![0.5; 32]));
+    gridlm_reference::write_safetensors(&vl.join("model.safetensors"), &stored);
+    let run = generate(&vl, &TINY_PROMPT);
+    assert_eq!(run.token_ids, single.token_ids, "qwen3_vl_moe folder: greedy tokens differ");
+    assert_eq!(run.logits, single.logits, "qwen3_vl_moe folder: logits differ");
+    same_on_two_ranks("random qwen3_vl_moe", &vl, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+}
+
 /// The text models of Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE as llama.cpp writes them
 /// (`qwen2vl`, `qwen3vl`, `qwen3vlmoe`, with M-RoPE's `rope.dimension_sections`) convert into
 /// the Qwen2, Qwen3 and Qwen3-MoE they hold (the last with its shares renormalized, as HF's
