@@ -1002,20 +1002,54 @@ pub fn softcap(s: &mut [f32], scale: f32, cap: f32, isa: Isa) {
 const GELU_A: f32 = 1.595_769;
 const GELU_B: f32 = GELU_A * 0.044715;
 
-/// `gate[i] = act(gate[i]) · up[i]` (`up` 1 where there is none: an FFN without a gate), each
-/// activation as `g / (1 + exp(−a))`: `a = g` for SiLU, `a = GELU_A·g + GELU_B·g³` for GELU's
-/// tanh form.
+/// Numerical Recipes' `erfcc`: `erfc(z) = t · exp(−z² + P(t))` for `z ≥ 0`, `t = 1/(1 + z/2)`,
+/// `P` of degree 9 with these coefficients (the highest power's first), within 1.2e-7 of erfc
+/// relative to it everywhere. As published, some digits past f32's.
+#[allow(clippy::excessive_precision)]
+const ERFC_P: [f32; 10] = [
+    0.170_872_77,
+    -0.822_152_23,
+    1.488_515_87,
+    -1.135_203_98,
+    0.278_868_07,
+    -0.186_288_06,
+    0.096_784_18,
+    0.374_091_96,
+    1.000_023_68,
+    -1.265_512_23,
+];
+
+/// GELU's factor `(1 + erf(g/√2))/2` of `g`, as `1 − erfc(z)/2` for `g ≥ 0` and `erfc(z)/2`
+/// below, `z = |g|/√2` ([`ERFC_P`]): the small factors of negative `g` keep their relative
+/// precision.
+fn gelu_factor(g: f32) -> f32 {
+    let z = g.abs() * std::f32::consts::FRAC_1_SQRT_2;
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let p = ERFC_P[1..].iter().fold(ERFC_P[0], |p, c| p * t + c);
+    let half = 0.5 * t * (p - z * z).exp();
+    if g >= 0.0 {
+        1.0 - half
+    } else {
+        half
+    }
+}
+
+/// `gate[i] = act(gate[i]) · up[i]` (`up` 1 where there is none: an FFN without a gate): SiLU
+/// and GELU's tanh form as `g / (1 + exp(−a))`, `a = g` for SiLU, `a = GELU_A·g + GELU_B·g³`
+/// for the tanh form; GELU as `g · gelu_factor(g)`.
 pub fn act_mul(gate: &mut [f32], up: Option<&[f32]>, act: Activation, isa: Isa) {
     assert!(up.is_none_or(|u| u.len() == gate.len()), "act_mul: lengths");
-    let gelu = act == Activation::GeluTanh;
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::act_mul(gate, up, gelu) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { avx2::act_mul(gate, up, act) },
         _ => gate.iter_mut().enumerate().for_each(|(i, g)| {
             let u = up.map_or(1.0, |u| u[i]);
-            let a = if gelu { *g * (GELU_A + GELU_B * *g * *g) } else { *g };
-            *g = *g * u / (1.0 + (-a).exp())
+            *g = match act {
+                Activation::Gelu => *g * gelu_factor(*g) * u,
+                Activation::Silu => *g * u / (1.0 + (-*g).exp()),
+                Activation::GeluTanh => *g * u / (1.0 + (-(*g * (GELU_A + GELU_B * *g * *g))).exp()),
+            }
         }),
     }
 }
@@ -1324,7 +1358,7 @@ pub use avx2::{
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Ahead, Elem, Fetch, Int8Path, BLOCK, SCORE_SETS};
+    use super::{Activation, Ahead, Elem, Fetch, Int8Path, BLOCK, SCORE_SETS};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -1890,12 +1924,12 @@ mod avx2 {
         }
     }
 
-    /// [`super::act_mul`]: SiLU, or GELU's tanh form if `gelu`.
+    /// [`super::act_mul`]: SiLU, GELU's tanh form or GELU.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `gate.len() == up.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn act_mul(gate: &mut [f32], up: Option<&[f32]>, gelu: bool) {
+    pub unsafe fn act_mul(gate: &mut [f32], up: Option<&[f32]>, act: Activation) {
         let (n, g) = (gate.len(), gate.as_mut_ptr());
         let one = _mm256_set1_ps(1.0);
         // `up`'s eight values from `c` on (ones where there is no `up`).
@@ -1904,15 +1938,36 @@ mod avx2 {
             None => one,
         };
         let (ga, gb) = (_mm256_set1_ps(super::GELU_A), _mm256_set1_ps(super::GELU_B));
-        let f = |gv: __m256, uv: __m256| {
-            // The same operations, in the same order, as the portable path.
-            let a = if gelu {
-                _mm256_mul_ps(gv, _mm256_add_ps(ga, _mm256_mul_ps(_mm256_mul_ps(gb, gv), gv)))
-            } else {
-                gv
-            };
-            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
-            _mm256_div_ps(_mm256_mul_ps(gv, uv), _mm256_add_ps(one, e))
+        let half = _mm256_set1_ps(0.5);
+        // The same operations, in the same order, as the portable path (its `gelu_factor`).
+        let f = |gv: __m256, uv: __m256| match act {
+            Activation::Gelu => {
+                let sign = _mm256_set1_ps(-0.0);
+                let z = _mm256_mul_ps(
+                    _mm256_andnot_ps(sign, gv),
+                    _mm256_set1_ps(std::f32::consts::FRAC_1_SQRT_2),
+                );
+                let t = _mm256_div_ps(one, _mm256_add_ps(one, _mm256_mul_ps(half, z)));
+                let mut p = _mm256_set1_ps(super::ERFC_P[0]);
+                for c in &super::ERFC_P[1..] {
+                    p = _mm256_add_ps(_mm256_mul_ps(p, t), _mm256_set1_ps(*c));
+                }
+                let e = exp8(_mm256_sub_ps(p, _mm256_mul_ps(z, z)));
+                let tail = _mm256_mul_ps(_mm256_mul_ps(half, t), e);
+                // 1 − tail where g ≥ 0, tail below.
+                let below = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+                let factor = _mm256_blendv_ps(_mm256_sub_ps(one, tail), tail, below);
+                _mm256_mul_ps(_mm256_mul_ps(gv, factor), uv)
+            }
+            Activation::Silu | Activation::GeluTanh => {
+                let a = if act == Activation::GeluTanh {
+                    _mm256_mul_ps(gv, _mm256_add_ps(ga, _mm256_mul_ps(_mm256_mul_ps(gb, gv), gv)))
+                } else {
+                    gv
+                };
+                let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+                _mm256_div_ps(_mm256_mul_ps(gv, uv), _mm256_add_ps(one, e))
+            }
         };
         let mut c = 0;
         while c + 8 <= n {

@@ -129,11 +129,13 @@ pub fn softcap(x: &mut [f32], scale: f32, cap: f32) {
 pub enum Activation {
     /// `g · sigmoid(g)`.
     Silu,
-    /// GELU in its tanh form (HF's `gelu_pytorch_tanh`, Gemma's).
+    /// GELU in its tanh form (HF's `gelu_pytorch_tanh` and `gelu_new`, Gemma's).
     GeluTanh,
+    /// GELU itself, `g/2 · (1 + erf(g/√2))` (HF's `gelu`, Falcon's).
+    Gelu,
 }
 
-/// `gate[i] = act(gate[i]) · up[i]` (SiLU, or GELU's tanh form).
+/// `gate[i] = act(gate[i]) · up[i]` (SiLU, GELU's tanh form or GELU).
 pub fn act_mul(gate: &mut [f32], up: &[f32], act: Activation) {
     dot::act_mul(gate, Some(up), act, dot::detect());
 }
@@ -1551,7 +1553,7 @@ mod tests {
                 }
                 let g0: Vec<f32> = x.iter().map(|v| v / 3.0).collect();
                 let u = rand_vec(n, 7);
-                for act in [Activation::Silu, Activation::GeluTanh] {
+                for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu] {
                     let mut g = g0.clone();
                     dot::act_mul(&mut g, Some(&u), act, isa);
                     // Without an up: the same as with an up of ones, bit for bit.
@@ -1568,6 +1570,7 @@ mod tests {
                                     let c = (2.0 / std::f64::consts::PI).sqrt();
                                     0.5 * xv * (1.0 + (c * (xv + 0.044715 * xv.powi(3))).tanh())
                                 }
+                                Activation::Gelu => 0.5 * xv * libm::erfc(-xv / 2f64.sqrt()),
                             };
                         assert!(
                             (g[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
@@ -1581,6 +1584,26 @@ mod tests {
             let mut s = vec![-200.0f32, 0.0];
             let sum = dot::exp_sub_sum(&mut s, 0.0, isa);
             assert!(s[0] >= 0.0 && s[0] < 1e-37 && (sum - 1.0).abs() < 1e-6, "{isa:?} underflow");
+        }
+    }
+
+    /// GELU (HF's `gelu`, through erfc) against f64's erfc from −14 to 14 on every path,
+    /// relative to each value: within 1e-6, and the rounding of exp's argument `−x²/2` in f32
+    /// (~x²/2 · 2⁻²³); the tiny values of the negative side too, until they leave f32's normal
+    /// numbers.
+    #[test]
+    fn gelu_matches_erf_over_its_range() {
+        let x: Vec<f32> = (-2800..=2800).map(|i| i as f32 / 200.0).collect();
+        for isa in isas() {
+            let mut g = x.clone();
+            dot::act_mul(&mut g, None, Activation::Gelu, isa);
+            for (got, v) in g.iter().zip(&x) {
+                let v = *v as f64;
+                let want = 0.5 * v * libm::erfc(-v / 2f64.sqrt());
+                let tol = 1e-6 + 1.2e-7 * v * v;
+                let ok = (*got as f64 - want).abs() <= tol * want.abs() || want.abs() < 1e-36;
+                assert!(ok, "{isa:?} gelu({v}): {got} vs {want}");
+            }
         }
     }
 

@@ -953,6 +953,30 @@ fn random_phi_matches_candle_on_one_and_two_ranks() {
     same_on_two_ranks("random phi", dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
 }
 
+/// Phi-2 with HF's `gelu` (GELU through erf, not its tanh form) against candle's `phi`, whose
+/// `gelu` is erf's too: 32 greedy tokens and the logits within the tolerance.
+#[test]
+fn random_phi_with_erf_gelu_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    gridlm_reference::TinyModel::phi().write(dir);
+    let mut cfg = folder_config(dir);
+    cfg["hidden_act"] = "gelu".into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let cfg: phi::Config = serde_json::from_value(cfg).unwrap();
+    let mut model = phi::Model::new(&cfg, candle_weights(dir)).unwrap();
+    let mut first = None;
+    let ours = tiny_matches_candle("random phi, erf gelu", dir, |ids, _| {
+        let logits: Vec<f32> =
+            model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        first.get_or_insert_with(|| logits.clone());
+        logits
+    });
+    // Closer than the shared tolerance, which GELU's tanh form meets here too (6.7e-4 off).
+    let d = max_abs_diff(&ours.logits, &first.unwrap());
+    assert!(d <= 2e-5, "random phi, erf gelu: logits differ from candle by {d}");
+}
+
 /// A Phi-2 GGUF as llama.cpp writes one (`phi2`: the final norm as `output_norm` and the head's
 /// bias as `output.bias`, `dense`, `fc1` and `fc2` as `attn_output`, `ffn_up` and `ffn_down`
 /// with their biases, half of each head as `rope.dimension_count`, the `phi-2` vocabulary)
