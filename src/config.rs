@@ -72,6 +72,13 @@ pub enum Arch {
     /// Kyutai's Helium (`helium`: helium-1-2b): Llama with RoPE on interleaved pairs (GLM's
     /// form, over the whole head).
     Helium,
+    /// TII's Falcon (`falcon`: Falcon-7B/40B/180B, Falcon2-11B): LayerNorms (with biases), q,
+    /// k and v fused in one tensor grouped by KV head (each group's queries, then its key, then
+    /// its value), an FFN without a gate (`dense_h_to_4h`, GELU, `dense_4h_to_h`), a parallel
+    /// residual (Falcon-7B: one norm read by both; Falcon-40B: `ln_attn` and `ln_mlp` of the
+    /// same input) or, where `parallel_attn` is false, a sequential one; names under
+    /// `transformer.`.
+    Falcon,
 }
 
 impl Arch {
@@ -101,6 +108,7 @@ impl Arch {
             Arch::Starcoder2 => "starcoder2",
             Arch::StableLm => "stablelm",
             Arch::Phi => "phi",
+            Arch::Falcon => "falcon",
         }
     }
 }
@@ -123,7 +131,7 @@ impl Arch {
         use Arch::*;
         let (max_position_embeddings, eps, rope_theta) = match self {
             Llama | Granite | GraniteMoeHybrid | GraniteMoe => (2048, 1e-6, 1e4),
-            Olmo | Olmo2 | Phi => (2048, 1e-5, 1e4),
+            Olmo | Olmo2 | Phi | Falcon => (2048, 1e-5, 1e4),
             Phi3 | Starcoder2 | StableLm => (4096, 1e-5, 1e4),
             Helium => (4096, 1e-8, 1e5),
             Gemma | Gemma2 => (8192, 1e-6, 1e4),
@@ -138,6 +146,7 @@ impl Arch {
         let act = match self {
             Gemma | Gemma2 | Gemma3 | Starcoder2 => "gelu_pytorch_tanh",
             Phi => "gelu_new",
+            Falcon => "gelu",
             _ => "silu",
         };
         let window = matches!(self, Mistral | Gemma2 | Gemma3).then_some(4096);
@@ -319,6 +328,9 @@ pub struct ModelConfig {
     /// The FFN reads the same norm of the layer's input as the attention, and both outputs
     /// join the residual stream (Phi's `x + attn(ln(x)) + ffn(ln(x))`).
     pub parallel_residual: bool,
+    /// With `parallel_residual`, the FFN reads a norm of the layer's input of its own (Falcon-40B's
+    /// `x + attn(ln_attn(x)) + ffn(ln_mlp(x))`).
+    pub parallel_ffn_norm: bool,
     /// The output head has a bias (Phi's `lm_head.bias`).
     pub head_bias: bool,
     /// RoPE rotates the pairs `(2i, 2i + 1)` of a head's rotated dimensions (GLM's
@@ -361,14 +373,15 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, falcon, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
 struct HfConfig {
     model_type: Option<String>,
     hidden_size: usize,
-    intermediate_size: usize,
+    /// Every family's but Falcon's (its `ffn_hidden_size`, four times `hidden_size` where absent).
+    intermediate_size: Option<usize>,
     num_hidden_layers: usize,
     num_attention_heads: usize,
     num_key_value_heads: Option<usize>,
@@ -422,6 +435,17 @@ struct HfConfig {
     layers_block_type: Option<Vec<String>>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
+    // Falcon's.
+    ffn_hidden_size: Option<usize>,
+    layer_norm_epsilon: Option<f64>,
+    activation: Option<String>,
+    num_kv_heads: Option<usize>,
+    multi_query: Option<bool>,
+    new_decoder_architecture: Option<bool>,
+    parallel_attn: Option<bool>,
+    num_ln_in_parallel_attn: Option<usize>,
+    bias: Option<bool>,
+    alibi: Option<bool>,
 }
 
 /// A key that is there, perhaps null (`Some(None)`); with `#[serde(default)]`, `None` where
@@ -504,6 +528,7 @@ impl ModelConfig {
             "starcoder2" => Arch::Starcoder2,
             "stablelm" => Arch::StableLm,
             "phi" => Arch::Phi,
+            "falcon" => Arch::Falcon,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -515,14 +540,20 @@ impl ModelConfig {
         let defaults = arch.hf_defaults();
         // Gemma's activation is `hidden_activation`, GELU's tanh form when it is not set (as
         // HF runs Gemma folders whose `hidden_act` says `gelu`).
-        let act = if gemma { &raw.hidden_activation } else { &raw.hidden_act };
+        let act = match arch {
+            _ if gemma => &raw.hidden_activation,
+            Arch::Falcon => &raw.activation,
+            _ => &raw.hidden_act,
+        };
         let activation = match act.as_deref().unwrap_or(defaults.act) {
             "silu" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu_new" => Activation::GeluTanh,
             "gelu" => Activation::Gelu,
-            act => return Err(bad(format!(
+            act => {
+                return Err(bad(format!(
                 "unsupported hidden activation `{act}` (expected silu, gelu, gelu_new or gelu_pytorch_tanh)"
-            ))),
+            )))
+            }
         };
         // Soft caps, which HF's Gemma models apply when they are set.
         let [attn_softcap, final_softcap] = [
@@ -575,17 +606,30 @@ impl ModelConfig {
         }
         let granite = matches!(arch, Arch::Granite | Arch::GraniteMoeHybrid | Arch::GraniteMoe);
         // Granite 4's dense FFN is its `shared_mlp`, of `shared_intermediate_size` columns.
-        let intermediate_size = if arch == Arch::GraniteMoeHybrid {
-            granite_hybrid_dense_ffn(&raw).map_err(bad)?
-        } else {
-            raw.intermediate_size
+        let intermediate_size = match arch {
+            Arch::GraniteMoeHybrid => granite_hybrid_dense_ffn(&raw).map_err(bad)?,
+            Arch::Falcon => raw.ffn_hidden_size.unwrap_or(4 * raw.hidden_size),
+            _ => raw
+                .intermediate_size
+                .ok_or_else(|| bad("invalid config: missing field `intermediate_size`".into()))?,
         };
         let n_heads = raw.num_attention_heads;
-        let n_kv_heads = raw.num_key_value_heads.unwrap_or(n_heads);
+        let falcon = match arch {
+            Arch::Falcon => Some(falcon_layout(&raw).map_err(bad)?),
+            _ => None,
+        };
+        let n_kv_heads = match &falcon {
+            Some(f) => f.kv_heads,
+            None => raw.num_key_value_heads.unwrap_or(n_heads),
+        };
         let positive = [
             ("hidden_size", raw.hidden_size),
             (
-                if arch == Arch::GraniteMoeHybrid { "shared_intermediate_size" } else { "intermediate_size" },
+                match arch {
+                    Arch::GraniteMoeHybrid => "shared_intermediate_size",
+                    Arch::Falcon => "ffn_hidden_size",
+                    _ => "intermediate_size",
+                },
                 intermediate_size,
             ),
             ("num_hidden_layers", raw.num_hidden_layers),
@@ -603,7 +647,8 @@ impl ModelConfig {
                 "num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv_heads})"
             )));
         }
-        let head_dim = match raw.head_dim {
+        // Falcon's heads are always `hidden_size / num_attention_heads` wide.
+        let head_dim = match raw.head_dim.filter(|_| arch != Arch::Falcon) {
             Some(d) => d,
             None => {
                 if !raw.hidden_size.is_multiple_of(n_heads) {
@@ -650,6 +695,7 @@ impl ModelConfig {
         let (key, given) = match arch {
             Arch::Starcoder2 => ("norm_epsilon", raw.norm_epsilon),
             Arch::StableLm | Arch::Phi => ("layer_norm_eps", raw.layer_norm_eps),
+            Arch::Falcon => ("layer_norm_epsilon", raw.layer_norm_epsilon),
             // HF's OlmoLayerNorm: always 1e-5, whatever the config says.
             Arch::Olmo => ("", None),
             _ => ("rms_norm_eps", raw.rms_norm_eps),
@@ -771,21 +817,22 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            // HF's default where the folder says nothing: tied for Gemma, SmolLM3 and StarCoder 2
-            // (the first Gemma's folders leave it out), untied for the others.
+            // HF's default where the folder says nothing: tied for Gemma, SmolLM3, StarCoder 2 and
+            // Falcon (the first Gemma's folders leave it out), untied for the others.
             tie_word_embeddings: raw
                 .tie_word_embeddings
-                .unwrap_or(gemma || matches!(arch, Arch::SmolLM3 | Arch::Starcoder2)),
+                .unwrap_or(gemma || matches!(arch, Arch::SmolLM3 | Arch::Starcoder2 | Arch::Falcon)),
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
                 || (glm && raw.attention_bias.unwrap_or(true))
                 || linear_bias
                 || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false)),
             linear_bias,
-            layer_norm: starcoder2 || phi || matches!(arch, Arch::StableLm | Arch::Olmo),
+            layer_norm: starcoder2 || phi || matches!(arch, Arch::StableLm | Arch::Olmo | Arch::Falcon),
             weightless_norms: arch == Arch::Olmo,
             clip_qkv,
-            gated_ffn: !starcoder2 && !phi,
-            parallel_residual: phi,
+            gated_ffn: !starcoder2 && !phi && falcon.is_none(),
+            parallel_residual: phi || falcon.as_ref().is_some_and(|f| f.parallel),
+            parallel_ffn_norm: falcon.as_ref().is_some_and(|f| f.two_norms),
             head_bias: phi,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3VlMoe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
@@ -1128,6 +1175,66 @@ fn image_text_config(text: &str) -> std::result::Result<Option<String>, String> 
 /// `full_attention` and `sliding_attention`), the full-attention layers' settings are the
 /// model's and the sliding layers' base is Gemma 3's `rope_local_base_freq`; other families
 /// rotate every layer alike, so theirs must be the same.
+/// How a Falcon config lays out its layers.
+struct FalconLayout {
+    /// KV heads: one with `multi_query` (Falcon-7B), `num_kv_heads` with
+    /// `new_decoder_architecture` (Falcon-40B's groups), else one per query head.
+    kv_heads: usize,
+    /// The attention and the FFN both read the layer's input (`parallel_attn`, always with
+    /// `new_decoder_architecture`).
+    parallel: bool,
+    /// Each reads a norm of its own (`ln_attn`, `ln_mlp`: `new_decoder_architecture` with
+    /// `num_ln_in_parallel_attn` 2, its default there).
+    two_norms: bool,
+}
+
+/// Falcon's layout as HF's FalconConfig and FalconDecoderLayer read it; the settings HF does
+/// not run (ALiBi positions aside, which gridlm does not run either) refused.
+fn falcon_layout(raw: &HfConfig) -> std::result::Result<FalconLayout, String> {
+    if raw.alibi == Some(true) {
+        return Err(
+            "alibi = true (ALiBi positions, Falcon-RW's) is not supported for falcon (RoPE only)".into()
+        );
+    }
+    if raw.bias == Some(true) {
+        return Err(
+            "bias = true (biases on every projection, Falcon-RW's) is not supported for falcon".into()
+        );
+    }
+    let n_heads = raw.num_attention_heads;
+    let new = raw.new_decoder_architecture.unwrap_or(false);
+    let given_kv = raw.num_kv_heads.unwrap_or(n_heads);
+    if new {
+        if raw.parallel_attn == Some(false) {
+            return Err(
+                "parallel_attn = false with new_decoder_architecture = true (HF's Falcon does not run it)"
+                    .into(),
+            );
+        }
+        let two_norms = match raw.num_ln_in_parallel_attn.unwrap_or(2) {
+            1 => false,
+            2 => true,
+            n => return Err(format!("num_ln_in_parallel_attn {n} (expected 1 or 2)")),
+        };
+        return Ok(FalconLayout { kv_heads: given_kv, parallel: true, two_norms });
+    }
+    let parallel = raw.parallel_attn.unwrap_or(true);
+    if let Some(n) = raw.num_ln_in_parallel_attn.filter(|&n| n != 1 && parallel) {
+        return Err(format!(
+            "num_ln_in_parallel_attn {n} without new_decoder_architecture (HF's Falcon reads one norm there)"
+        ));
+    }
+    if raw.multi_query.unwrap_or(true) {
+        return Ok(FalconLayout { kv_heads: 1, parallel, two_norms: false });
+    }
+    if given_kv != n_heads {
+        return Err(format!(
+            "num_kv_heads ({given_kv}) differs from num_attention_heads ({n_heads}) without multi_query or new_decoder_architecture (q, k and v are stored head by head there)"
+        ));
+    }
+    Ok(FalconLayout { kv_heads: n_heads, parallel, two_norms: false })
+}
+
 fn legacy_rope_keys(text: &str) -> std::result::Result<Option<String>, String> {
     let Ok(serde_json::Value::Object(mut v)) = serde_json::from_str::<serde_json::Value>(text) else {
         return Ok(None); // the full parse names what is wrong
@@ -1249,7 +1356,8 @@ fn moe(arch: Arch, raw: &HfConfig) -> std::result::Result<Option<Moe>, String> {
         Arch::Mixtral | Arch::GraniteMoe => Moe {
             experts: raw.num_local_experts.unwrap_or(8),
             per_token: raw.num_experts_per_tok.unwrap_or(2),
-            expert_ffn: raw.intermediate_size,
+            // Given (its absence is refused before).
+            expert_ffn: raw.intermediate_size.unwrap_or(0),
             norm_topk: true,
             shared_ffn: 0,
             sparse: vec![true; n],
@@ -1435,7 +1543,7 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         let e = parse(r#"{"model_type":"llama","hidden_size":1}"#).unwrap_err().to_string();
-        assert!(e.contains("missing field `intermediate_size`"), "{e}");
+        assert!(e.contains("missing field `num_hidden_layers`"), "{e}");
         let e = parse(&BASE.replace("llama", "bert")).unwrap_err().to_string();
         assert!(e.contains("unsupported model_type `bert`"), "{e}");
         let e = parse(&BASE.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3")).unwrap_err();
@@ -1811,6 +1919,79 @@ mod tests {
         assert!(e.contains("qk_layernorm = true is not supported for phi"), "{e}");
         let llama = parse(BASE).unwrap();
         assert!(!llama.parallel_residual && !llama.head_bias);
+    }
+
+    /// Falcon-7B's config.json as published (no `activation`, `ffn_hidden_size`, `rope_theta`,
+    /// `max_position_embeddings` or `tie_word_embeddings`): HF's defaults (GELU itself, four
+    /// times the hidden size, tied); one KV head with `multi_query`, `num_kv_heads` with
+    /// `new_decoder_architecture` (its two norms by default, one where
+    /// `num_ln_in_parallel_attn` says), one per head otherwise; what HF does not run refused.
+    #[test]
+    fn falcon_layouts_and_defaults() {
+        let seven_b = r#"{"alibi":false,"architectures":["FalconForCausalLM"],"bias":false,
+            "bos_token_id":11,"eos_token_id":11,"hidden_size":4544,"layer_norm_epsilon":1e-05,
+            "model_type":"falcon","multi_query":true,"new_decoder_architecture":false,
+            "num_attention_heads":71,"num_hidden_layers":32,"parallel_attn":true,"vocab_size":65024}"#;
+        let c = parse(seven_b).unwrap();
+        assert_eq!(
+            (c.arch, c.n_heads, c.n_kv_heads, c.head_dim, c.rotary_dim),
+            (Arch::Falcon, 71, 1, 64, 64)
+        );
+        assert_eq!((c.intermediate_size, c.activation, c.rms_norm_eps), (4 * 4544, Activation::Gelu, 1e-5));
+        assert_eq!((c.max_position_embeddings, c.rope_theta, c.eos_token_ids.clone()), (2048, 1e4, vec![11]));
+        assert!(c.tie_word_embeddings && c.layer_norm && c.parallel_residual && !c.parallel_ffn_norm);
+        assert!(!c.gated_ffn && !c.qkv_bias && !c.linear_bias && !c.head_bias && !c.rope_interleaved);
+        let falcon = |extra: &str| {
+            let text = format!(
+                r#"{{"model_type":"falcon","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+                "vocab_size":100,{extra}}}"#
+            );
+            parse(&text)
+        };
+        let forty_b =
+            falcon(r#""new_decoder_architecture":true,"num_kv_heads":2,"ffn_hidden_size":96"#).unwrap();
+        assert_eq!((forty_b.n_kv_heads, forty_b.intermediate_size), (2, 96));
+        assert!(forty_b.parallel_residual && forty_b.parallel_ffn_norm);
+        // Falcon2-11B: groups, one norm.
+        let eleven_b =
+            falcon(r#""new_decoder_architecture":true,"num_kv_heads":2,"num_ln_in_parallel_attn":1"#);
+        let eleven_b = eleven_b.unwrap();
+        assert!(eleven_b.parallel_residual && !eleven_b.parallel_ffn_norm);
+        let c = falcon(r#""multi_query":false,"parallel_attn":false,"activation":"gelu_new""#).unwrap();
+        assert_eq!((c.n_kv_heads, c.parallel_residual, c.activation), (4, false, Activation::GeluTanh));
+        // A `head_dim` key (which HF's Falcon never reads) changes nothing.
+        assert_eq!(falcon(r#""head_dim":8"#).unwrap().head_dim, 16);
+        let refused = [
+            (r#""alibi":true"#, "alibi = true (ALiBi positions, Falcon-RW's) is not supported"),
+            (r#""bias":true"#, "bias = true (biases on every projection, Falcon-RW's)"),
+            (
+                r#""new_decoder_architecture":true,"parallel_attn":false"#,
+                "parallel_attn = false with new_decoder",
+            ),
+            (r#""new_decoder_architecture":true,"num_ln_in_parallel_attn":3"#, "num_ln_in_parallel_attn 3"),
+            (r#""num_ln_in_parallel_attn":2"#, "num_ln_in_parallel_attn 2 without new_decoder_architecture"),
+            (
+                r#""multi_query":false,"num_kv_heads":2"#,
+                "num_kv_heads (2) differs from num_attention_heads (4)",
+            ),
+            (
+                r#""new_decoder_architecture":true,"num_kv_heads":3"#,
+                "not a multiple of num_key_value_heads (3)",
+            ),
+            (r#""ffn_hidden_size":0"#, "`ffn_hidden_size` is 0"),
+            (r#""hidden_size":66"#, "hidden_size (66) is not a multiple of num_attention_heads (4)"),
+        ];
+        for (extra, msg) in refused {
+            let text = format!(
+                r#"{{"model_type":"falcon","num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100,{extra}{}}}"#,
+                if extra.starts_with(r#""hidden_size""#) { "" } else { r#","hidden_size":64"# }
+            );
+            let e = parse(&text).unwrap_err().to_string();
+            assert!(e.contains(msg), "{extra}: {e}");
+        }
+        // Other families still need their FFN's width.
+        let e = parse(&BASE.replace(r#""intermediate_size":128,"#, "")).unwrap_err().to_string();
+        assert!(e.contains("missing field `intermediate_size`"), "{e}");
     }
 
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,

@@ -117,7 +117,7 @@ pub fn inspect(
         }
         None => format!("dense, {} columns", cfg.intermediate_size),
     };
-    let stored = src.dtype("model.embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
+    let stored = src.dtype(crate::model::embed_name(cfg), &[cfg.vocab_size, cfg.hidden_size])?;
     Ok(Inspection {
         model_type: cfg.arch.name(),
         layers: cfg.n_layers,

@@ -23,6 +23,7 @@ use crate::weights::checkpoint::Checkpoint;
 use crate::weights::{DType, Mat, Source};
 pub use kv_cache::{KvCache, KvPool, PAGE};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -231,7 +232,7 @@ type StoredRows = (String, Vec<usize>, usize);
 /// `shared_mlp.input_linear`).
 fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     let (h, ff, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
-    let p = |s: &str| format!("model.layers.{i}.{s}");
+    let p = |s: &str| format!("{}{s}", layer_prefix(cfg, i));
     // Rows from `row` on of the tensor `name` of `rows` rows.
     let at = |name: &str, rows: usize, row: usize| (p(name), vec![rows, h], row);
     let separate = |s: &str, rows: usize| at(&format!("self_attn.{s}_proj.weight"), rows, 0);
@@ -260,6 +261,13 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
                 at(gate_up, 2 * ff, ff),
             ]
         }
+        // Falcon's q, k and v in one tensor, grouped by KV head ([`falcon_qkv_rows`]); its
+        // FFN's first matrix read as the gate's rows.
+        Arch::Falcon => {
+            let qkv = at("self_attention.query_key_value.weight", qd + 2 * kvd, 0);
+            let first = at("mlp.dense_h_to_4h.weight", ff, 0);
+            [qkv.clone(), qkv.clone(), qkv, first.clone(), first]
+        }
         // StarCoder 2's and Phi's FFN has one matrix before its activation (`c_fc`, `fc1`), no
         // gate: read as the gate's rows, the up rows unread.
         Arch::Starcoder2 | Arch::Phi => {
@@ -276,31 +284,74 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     }
 }
 
+/// Where layer `i`'s tensors are named: `model.layers.i.` (Falcon's `transformer.h.i.`).
+fn layer_prefix(cfg: &ModelConfig, i: usize) -> String {
+    if cfg.arch == Arch::Falcon {
+        format!("transformer.h.{i}.")
+    } else {
+        format!("model.layers.{i}.")
+    }
+}
+
 /// Layer `i`'s dense FFN's down tensor (Granite 4's `shared_mlp.output_linear`, StarCoder 2's
-/// `mlp.c_proj`, Phi's `mlp.fc2`).
+/// `mlp.c_proj`, Phi's `mlp.fc2`, Falcon's `mlp.dense_4h_to_h`).
 fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
     let name = match cfg.arch {
         Arch::GraniteMoeHybrid => "shared_mlp.output_linear",
         Arch::Starcoder2 => "mlp.c_proj",
         Arch::Phi => "mlp.fc2",
+        Arch::Falcon => "mlp.dense_4h_to_h",
         _ => "mlp.down_proj",
     };
-    format!("model.layers.{i}.{name}.weight")
+    format!("{}{name}.weight", layer_prefix(cfg, i))
 }
 
-/// Layer `i`'s attention output matrix (Phi's `self_attn.dense`).
+/// Layer `i`'s attention output matrix (Phi's `self_attn.dense`, Falcon's
+/// `self_attention.dense`).
 fn o_proj_name(cfg: &ModelConfig, i: usize) -> String {
-    let name = if cfg.arch == Arch::Phi { "dense" } else { "o_proj" };
-    format!("model.layers.{i}.self_attn.{name}.weight")
+    let name = match cfg.arch {
+        Arch::Phi => "self_attn.dense",
+        Arch::Falcon => "self_attention.dense",
+        _ => "self_attn.o_proj",
+    };
+    format!("{}{name}.weight", layer_prefix(cfg, i))
 }
 
-/// The final norm (Phi's `model.final_layernorm`).
+/// The final norm (Phi's `model.final_layernorm`, Falcon's `transformer.ln_f`).
 fn final_norm_name(cfg: &ModelConfig) -> &'static str {
-    if cfg.arch == Arch::Phi {
-        "model.final_layernorm.weight"
-    } else {
-        "model.norm.weight"
+    match cfg.arch {
+        Arch::Phi => "model.final_layernorm.weight",
+        Arch::Falcon => "transformer.ln_f.weight",
+        _ => "model.norm.weight",
     }
+}
+
+/// The token embedding (Falcon's `transformer.word_embeddings`).
+pub(crate) fn embed_name(cfg: &ModelConfig) -> &'static str {
+    if cfg.arch == Arch::Falcon {
+        "transformer.word_embeddings.weight"
+    } else {
+        "model.embed_tokens.weight"
+    }
+}
+
+/// The rows of Falcon's fused `query_key_value` tensor that hold heads `heads` of q (`part`
+/// 0), k (1) or v (2), head by head. Per KV head the tensor holds its group's query heads,
+/// then its key, then its value: Falcon-7B's one group of all queries (`multi_query`),
+/// Falcon-40B's groups (`new_decoder_architecture`), or a group per head.
+fn falcon_qkv_rows(
+    cfg: &ModelConfig,
+    part: usize,
+    heads: Range<usize>,
+) -> impl Iterator<Item = Range<usize>> {
+    let (hd, group) = (cfg.head_dim, cfg.n_heads / cfg.n_kv_heads);
+    heads.map(move |j| {
+        let slot = match part {
+            0 => j / group * (group + 2) + j % group,
+            _ => j * (group + 2) + group + part - 1,
+        };
+        slot * hd..(slot + 1) * hd
+    })
 }
 
 /// `b` added to each `b.len()`-long row of `x` (a projection's bias).
@@ -332,6 +383,10 @@ fn layer_norm_names(cfg: &ModelConfig) -> [Option<&'static str>; 4] {
     let (post_attention, post_ffn) =
         (Some("post_attention_layernorm.weight"), Some("post_feedforward_layernorm.weight"));
     match cfg.norm_place {
+        // Falcon-40B's two norms of the layer's input.
+        NormPlace::Pre if cfg.parallel_ffn_norm => {
+            [Some("ln_attn.weight"), Some("ln_mlp.weight"), None, None]
+        }
         // Phi's one norm, read by the attention and the FFN alike.
         NormPlace::Pre if cfg.parallel_residual => [input, None, None, None],
         NormPlace::Pre => [input, post_attention, None, None],
@@ -799,12 +854,22 @@ impl Shard {
         let mut layers = Vec::with_capacity(plan.layers.len());
         let mut windows: Vec<Option<usize>> = Vec::new();
         for i in plan.layers.clone() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
+            let p = |s: &str| format!("{}{s}", layer_prefix(&cfg, i));
             let [q, k, v, gate, up] = stored_rows(&cfg, i);
             let part = |(name, shape, at): &StoredRows, rows: &std::ops::Range<usize>| {
                 ckpt.rows(name, shape, at + rows.start..at + rows.end)
             };
-            let (q, k, v) = (part(&q, &qr)?, part(&k, &kr)?, part(&v, &kr)?);
+            let (q, k, v) = if cfg.arch == Arch::Falcon {
+                // Head by head from the fused tensor.
+                let (name, shape, _) = &q;
+                let heads = |part: usize, heads: &Range<usize>| -> Result<Mat> {
+                    let rows = falcon_qkv_rows(&cfg, part, heads.clone());
+                    Ok(Mat::vstack(rows.map(|r| ckpt.rows(name, shape, r)).collect::<Result<_>>()?))
+                };
+                (heads(0, &plan.q_heads)?, heads(1, &plan.kv_heads)?, heads(2, &plan.kv_heads)?)
+            } else {
+                (part(&q, &qr)?, part(&k, &kr)?, part(&v, &kr)?)
+            };
             let qkv_bias = if cfg.qkv_bias {
                 let mut b = ckpt.vector_range_f32(&p("self_attn.q_proj.bias"), qd, qr.clone())?;
                 b.extend(ckpt.vector_range_f32(&p("self_attn.k_proj.bias"), kvd, kr.clone())?);
@@ -913,7 +978,7 @@ impl Shard {
         }
         let vocab_shape = [cfg.vocab_size, h];
         let embed = if plan.first_stage {
-            Some(Arc::new(pack(&ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?)))
+            Some(Arc::new(pack(&ckpt.rows(embed_name(&cfg), &vocab_shape, plan.vocab.clone())?)))
         } else {
             None
         };
@@ -922,7 +987,7 @@ impl Shard {
                 match &embed {
                     Some(e) => e.clone(),
                     None => {
-                        let m = ckpt.rows("model.embed_tokens.weight", &vocab_shape, plan.vocab.clone())?;
+                        let m = ckpt.rows(embed_name(&cfg), &vocab_shape, plan.vocab.clone())?;
                         Arc::new(pack(&m))
                     }
                 }
@@ -941,7 +1006,7 @@ impl Shard {
         let embed_scale = if cfg.scale_embedding {
             // As HF does: the factor in the embedding's stored dtype.
             let s = (h as f32).sqrt();
-            match ckpt.dtype("model.embed_tokens.weight", &vocab_shape)? {
+            match ckpt.dtype(embed_name(&cfg), &vocab_shape)? {
                 DType::F32 => s,
                 DType::BF16 => half::bf16::from_f32(s).to_f32(),
                 DType::F16 => half::f16::from_f32(s).to_f32(),
@@ -997,7 +1062,7 @@ impl Shard {
         };
         let mut n = 0;
         for i in plan.layers.clone() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
+            let p = |s: &str| format!("{}{s}", layer_prefix(cfg, i));
             let [q, k, v, gate, up] = stored_rows(cfg, i);
             let dtype = |(name, shape, _): &StoredRows| src.dtype(name, shape);
             let [q, k, v] = [dtype(&q)?, dtype(&k)?, dtype(&v)?];
@@ -1066,7 +1131,7 @@ impl Shard {
         let vocab_rows =
             |name| Ok::<_, crate::Error>(packed(plan.vocab.len(), h, src.dtype(name, &vocab_shape)?));
         if plan.first_stage {
-            n += vocab_rows("model.embed_tokens.weight")?;
+            n += vocab_rows(embed_name(cfg))?;
         }
         if plan.last_stage {
             n += stream_norm_bytes(final_norm_name(cfg))?;
@@ -1077,7 +1142,7 @@ impl Shard {
             if !cfg.tie_word_embeddings {
                 n += vocab_rows("lm_head.weight")?;
             } else if !plan.first_stage {
-                n += vocab_rows("model.embed_tokens.weight")?;
+                n += vocab_rows(embed_name(cfg))?;
             }
         }
         Ok(n)
@@ -1688,11 +1753,16 @@ impl Shard {
                     unsafe { &*att.range(0, n * nq * hd) }
                 };
                 kernels::matmul(r, &l.o_proj, att_in, n, unsafe { o.range(0, n * h) });
+                if cfg.parallel_ffn_norm {
+                    // The FFN's own norm of the layer's input, while `xo` still holds it
+                    // (this thread's `xn` was last read by the QKV product, barriers ago).
+                    norm_into(xo, &l.post_norm, cfg.rms_norm_eps, xn);
+                }
                 let norm = l.out_norms.as_ref().map(|(a, _)| (&a[..], cfg.rms_norm_eps));
                 add_reduced(r, &comm, &o, xo, norm, cfg.residual_multiplier, l.o_bias.as_deref());
 
                 // FFN block: its input normed, or (a parallel residual) the attention's normed
-                // input, in `xn` untouched since.
+                // input (or the FFN's own norm of it), in `xn` untouched since.
                 if !cfg.parallel_residual {
                     norm_into(xo, &l.post_norm, cfg.rms_norm_eps, xn);
                 }
@@ -2169,7 +2239,7 @@ mod tests {
         // StarCoder 2: Qwen2's with LayerNorms, every bias and no gate; Phi: those, one norm a
         // layer and the head's bias; OLMo: LayerNorms without weights (nothing read, weights
         // and biases made); GraniteMoE: Mixtral's shape, each layer's experts read from
-        // stacked tensors.
+        // stacked tensors; Falcon: its names, q, k and v read head by head from one tensor.
         let shapes = [
             ("qwen2-0.5b", None),
             ("qwen3-0.6b", None),
@@ -2178,6 +2248,7 @@ mod tests {
             ("qwen2-0.5b", Some(Arch::Glm4)),
             ("qwen2-0.5b", Some(Arch::Starcoder2)),
             ("qwen2-0.5b", Some(Arch::Phi)),
+            ("llama-3.2-1b", Some(Arch::Falcon)),
             ("llama-3.2-1b", Some(Arch::Olmo)),
             ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
@@ -2200,6 +2271,12 @@ mod tests {
                 // a layer and its head's bias.
                 (cfg.layer_norm, cfg.linear_bias, cfg.gated_ffn) = (true, true, false);
                 (cfg.parallel_residual, cfg.head_bias) = (cfg.arch == Arch::Phi, cfg.arch == Arch::Phi);
+            }
+            if cfg.arch == Arch::Falcon {
+                // Falcon-40B's: q, k and v fused by KV group, LayerNorms without biases
+                // elsewhere, no gate, two norms of each layer's input.
+                (cfg.layer_norm, cfg.gated_ffn, cfg.parallel_residual, cfg.parallel_ffn_norm) =
+                    (true, false, true, true);
             }
             (cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, cfg.n_heads, cfg.n_kv_heads) = (72, 8, 8, 9, 3);
             (cfg.intermediate_size, cfg.n_layers, cfg.vocab_size) = (100, 3, 1001);

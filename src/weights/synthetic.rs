@@ -95,6 +95,7 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         clip_qkv: None,
         gated_ffn: true,
         parallel_residual: false,
+        parallel_ffn_norm: false,
         head_bias: false,
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,

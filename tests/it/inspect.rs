@@ -33,6 +33,18 @@ fn inspect_splits_a_folder_without_loading_it() {
     assert_one_line_error(&out, &[&format!("tensor `{gone}`"), "missing"]);
 }
 
+/// The folder `dir` with each of `gone` taken away from `tensors` in turn: `inspect` on two
+/// stages refuses it with one line naming that tensor.
+fn each_missing_is_named(dir: &std::path::Path, tensors: &[(String, Vec<usize>, Vec<f32>)], gone: &[&str]) {
+    for gone in gone {
+        let kept: Vec<_> = tensors.iter().filter(|(n, _, _)| n != gone).cloned().collect();
+        assert!(kept.len() < tensors.len(), "{gone} is not among the tensors");
+        gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &kept);
+        let out = gridlm(&["inspect", "--model", path_str(dir), "--pp", "2"]);
+        assert_one_line_error(&out, &[&format!("tensor `{gone}`"), "missing"]);
+    }
+}
+
 /// `inspect` finds the biases and LayerNorm biases a rank would read (a Phi-2-style folder:
 /// each one taken away in turn is refused with one line naming it), and reads no norm of an
 /// OLMo-style folder, which holds none.
@@ -44,7 +56,7 @@ fn inspect_finds_every_bias_and_no_weightless_norm() {
     m.write(dir);
     let out = gridlm(&["inspect", "--model", path_str(dir), "--pp", "2"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    for gone in [
+    let gone = [
         "model.layers.1.self_attn.k_proj.bias",
         "model.layers.2.self_attn.dense.bias",
         "model.layers.0.mlp.fc1.bias",
@@ -52,19 +64,42 @@ fn inspect_finds_every_bias_and_no_weightless_norm() {
         "model.layers.1.input_layernorm.bias",
         "model.final_layernorm.bias",
         "lm_head.bias",
-    ] {
-        let tensors: Vec<_> = m.tensors().into_iter().filter(|(n, _, _)| n != gone).collect();
-        assert!(tensors.len() < m.tensors().len(), "{gone} is not among the tensors");
-        gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &tensors);
-        let out = gridlm(&["inspect", "--model", path_str(dir), "--pp", "2"]);
-        assert_one_line_error(&out, &[&format!("tensor `{gone}`"), "missing"]);
-    }
+    ];
+    each_missing_is_named(dir, &m.tensors(), &gone);
     let olmo = tempfile::tempdir().unwrap();
     gridlm_reference::TinyModel::olmo().write(olmo.path());
     let out = gridlm(&["inspect", "--model", path_str(olmo.path()), "--tp", "2", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["model_type"], "olmo");
+}
+
+/// A Falcon-40B-style folder (its names under `transformer.`, q, k and v in one tensor, two
+/// norms of each layer's input): split without loading, and each tensor a rank reads, taken
+/// away in turn, refused with one line naming it.
+#[test]
+fn inspect_reads_falcon_names() {
+    use gridlm_reference::falcon::{FalconKind, TinyFalcon};
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    let m = TinyFalcon::new(FalconKind::Grouped);
+    m.write(dir);
+    let out = gridlm(&["inspect", "--model", path_str(dir), "--tp", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["model_type"], "falcon");
+    let gone = [
+        "transformer.word_embeddings.weight",
+        "transformer.h.1.self_attention.query_key_value.weight",
+        "transformer.h.2.self_attention.dense.weight",
+        "transformer.h.0.mlp.dense_h_to_4h.weight",
+        "transformer.h.3.mlp.dense_4h_to_h.weight",
+        "transformer.h.1.ln_attn.bias",
+        "transformer.h.2.ln_mlp.weight",
+        "transformer.ln_f.bias",
+        "lm_head.weight",
+    ];
+    each_missing_is_named(dir, &m.tensors(), &gone);
 }
 
 /// A Gemma 3-style folder (layers 0, 1 and 3 local through a window of 4) on two stages (layers

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub mod falcon;
 pub mod sentencepiece;
 
 /// Root of the gridlm repository.
@@ -749,14 +750,7 @@ impl TinyModel {
     pub fn write(&self, dir: &Path) {
         std::fs::write(dir.join("config.json"), self.config().to_string()).expect("write config.json");
         write_safetensors(&dir.join("model.safetensors"), &self.tensors());
-        let vocab_map: serde_json::Map<String, serde_json::Value> =
-            (0..self.vocab).map(|i| (format!("t{i}"), serde_json::Value::from(i))).collect();
-        let tok = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t1"},
-        });
-        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
+        write_word_level_tokenizer(dir, self.vocab);
     }
 }
 
@@ -1093,6 +1087,19 @@ pub fn byte_chars() -> Vec<char> {
             }
         })
         .collect()
+}
+
+/// `DIR/tokenizer.json`: a word-level vocabulary of `vocab` words `t0`, `t1`, ..., split at
+/// whitespace.
+pub fn write_word_level_tokenizer(dir: &Path, vocab: usize) {
+    let vocab_map: serde_json::Map<String, serde_json::Value> =
+        (0..vocab).map(|i| (format!("t{i}"), serde_json::Value::from(i))).collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab_map, "unk_token": "t1"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write tokenizer.json");
 }
 
 /// Writes f32 tensors to a safetensors file.

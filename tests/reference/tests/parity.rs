@@ -6,9 +6,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, helium, llama, mistral, mixtral, olmo, olmo2,
-    phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
+    falcon, gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, helium, llama, mistral, mixtral, olmo,
+    olmo2, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
 };
+use gridlm_reference::falcon::{FalconKind, TinyFalcon};
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
     max_abs_diff, rename_tensor, run_with_timeout, smollm2, write_gguf, GgufValue, Run,
@@ -975,6 +976,75 @@ fn random_phi_with_erf_gelu_matches_candle() {
     // Closer than the shared tolerance, which GELU's tanh form meets here too (6.7e-4 off).
     let d = max_abs_diff(&ours.logits, &first.unwrap());
     assert!(d <= 2e-5, "random phi, erf gelu: logits differ from candle by {d}");
+}
+
+/// A random Falcon of `kind` against candle's `falcon` on the same model
+/// ([`gridlm_reference::falcon`]: a grouped one as the model computing the same function that
+/// candle's layout takes), 32 greedy tokens and the logits within the tolerance; then the same
+/// tokens and logits within 1e-4 split by heads (KV heads replicated where there is one, or
+/// split with their groups) and by layers.
+fn falcon_matches_candle(kind: FalconKind, grids: &[(&str, &[&str])]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, theirs) = (tmp.path().join("falcon"), tmp.path().join("candle"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&theirs).unwrap();
+    let m = TinyFalcon::new(kind);
+    m.write(&dir);
+    let biased = m.write_for_candle(&theirs);
+    let cfg = falcon::Config {
+        vocab_size: m.vocab,
+        hidden_size: m.hidden(),
+        num_hidden_layers: m.layers,
+        num_attention_heads: m.heads,
+        layer_norm_epsilon: 1e-5,
+        initializer_range: 0.02,
+        use_cache: true,
+        bos_token_id: 11,
+        eos_token_id: 0,
+        hidden_dropout: 0.0,
+        attention_dropout: 0.0,
+        // Candle reads a KV head per query head only where it is told so.
+        n_head_kv: (kind != FalconKind::MultiQuery).then_some(m.heads),
+        alibi: false,
+        new_decoder_architecture: false,
+        multi_query: kind == FalconKind::MultiQuery,
+        parallel_attn: kind != FalconKind::Sequential,
+        bias: biased,
+    };
+    let mut model = falcon::Falcon::load(candle_weights(&theirs), cfg).unwrap();
+    let name = format!("random falcon, {kind:?}");
+    // candle's model keeps its own positions: a prompt from 0, then one token at a time.
+    let single = tiny_matches_candle(&name, &dir, |ids, _| {
+        model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    });
+    for (ranks, grid) in grids {
+        same_on_ranks(&name, &dir, &single, ranks, &[grid]);
+    }
+}
+
+/// Falcon-7B's layout: one KV head, which both ranks of a tensor-parallel split hold, five
+/// query heads split three and two; the attention and the FFN reading one norm.
+#[test]
+fn random_falcon_7b_style_matches_candle_on_one_and_two_ranks() {
+    falcon_matches_candle(FalconKind::MultiQuery, &[("2", &["--tp", "2"]), ("2", &["--pp", "2"])]);
+}
+
+/// Falcon without `multi_query` and `parallel_attn`: q, k and v stored head by head, the FFN
+/// after the attention.
+#[test]
+fn random_sequential_falcon_matches_candle_on_one_and_two_ranks() {
+    falcon_matches_candle(FalconKind::Sequential, &[("2", &["--tp", "2"]), ("2", &["--pp", "2"])]);
+}
+
+/// Falcon-40B's layout (`new_decoder_architecture`): two groups of three query heads, split
+/// over two ranks (a group each) and over three (the middle rank holding a head of each
+/// group), and `ln_mlp` beside `ln_attn`.
+#[test]
+fn random_falcon_40b_style_matches_candle_on_one_two_and_three_ranks() {
+    falcon_matches_candle(
+        FalconKind::Grouped,
+        &[("2", &["--tp", "2"]), ("3", &["--tp", "3"]), ("2", &["--pp", "2"])],
+    );
 }
 
 /// A Phi-2 GGUF as llama.cpp writes one (`phi2`: the final norm as `output_norm` and the head's
