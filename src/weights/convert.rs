@@ -64,13 +64,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("stablelm", "StableLmForCausalLM", Arch::StableLm),
         ("phi2", "PhiForCausalLM", Arch::Phi),
         ("olmo", "OlmoForCausalLM", Arch::Olmo),
+        ("falcon", "FalconForCausalLM", Arch::Falcon),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl, qwen3vl, qwen3vlmoe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2 or olmo)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl, qwen3vl, qwen3vlmoe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2, olmo or falcon)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -208,6 +209,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if family == Arch::Olmo {
         olmo_config(&g, &mut config)?;
     }
+    if family == Arch::Falcon {
+        falcon_config(&g, n_kv_heads, &mut config)?;
+    }
     if family == Arch::Phi {
         config["hidden_act"] = "gelu_new".into();
         config["qk_layernorm"] = false.into();
@@ -307,6 +311,15 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 named.extend(split_qkv(&g, t, (n_heads, n_kv_heads, head_dim), dtype)?);
                 continue;
             }
+            None if family == Arch::Falcon => {
+                match falcon_name(&t.name, config["num_ln_in_parallel_attn"] == 2) {
+                    Some(hf) => hf,
+                    None => {
+                        let msg = "not a tensor of llama.cpp's Falcon (the folder would hold another model)";
+                        return Err(Error::tensor(gguf_path, &t.name, msg));
+                    }
+                }
+            }
             None => match hf_name(&arch, &t.name) {
                 Some(hf) => hf,
                 // A bias the model would add (Granite's optional ones on o_proj and the FFN,
@@ -326,6 +339,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         let heads = [("attn_q.weight", n_heads), ("attn_k.weight", n_kv_heads)]
             .into_iter()
             .find_map(|(name, heads)| (permuted && t.name.ends_with(name)).then_some(heads));
+        // Falcon's q, k and v rows, which llama.cpp's converter puts one after the other, in
+        // HF's groups again.
+        let regroup = (family == Arch::Falcon && t.name.ends_with(".attn_qkv.weight"))
+            .then_some((n_heads, n_kv_heads, head_dim));
         // Norms and biases stay f32: tiny, and precision matters there.
         let dt = if shape.len() == 1 { DType::F32 } else { dtype };
         let cols = shape.get(1).copied().unwrap_or(1);
@@ -339,6 +356,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
             }
             let v = match heads {
                 Some(heads) => unpermute_rows(&v, heads, cols),
+                None => v,
+            };
+            let v = match regroup {
+                Some(shape) => falcon_grouped_rows(&v, shape, cols),
                 None => v,
             };
             encode(&v, dt)
@@ -837,6 +858,94 @@ fn olmo_config(g: &Gguf, config: &mut serde_json::Value) -> Result<()> {
     Ok(())
 }
 
+/// Falcon's settings as llama.cpp runs its GGUFs: always a parallel residual, `attn_norm` read
+/// by the FFN and, where a layer has an `attn_norm_2`, that read by the attention (Falcon-40B's
+/// `ln_mlp` and `ln_attn`); one KV head (Falcon-7B's `multi_query`) or groups
+/// (`new_decoder_architecture`, with two norms or, as Falcon2-11B, one). GELU itself, as HF's
+/// default (llama.cpp runs its tanh form); the keys of other families' folders left out, as
+/// HF's FalconConfig has none of them.
+fn falcon_config(g: &Gguf, n_kv_heads: usize, config: &mut serde_json::Value) -> Result<()> {
+    let eps = meta_f64(g, "falcon.attention.layer_norm_epsilon")?;
+    if let Some(t) = g.tensors.iter().find(|t| t.name.ends_with(".ffn_norm.weight")) {
+        let msg = "a norm llama.cpp's Falcon does not read (its FFN reads attn_norm)";
+        return Err(Error::tensor(&g.path, &t.name, msg));
+    }
+    let two_norms = g.tensor("blk.0.attn_norm_2.weight").is_some();
+    let Some(c) = config.as_object_mut() else { return Ok(()) };
+    let ffn = c.remove("intermediate_size").unwrap_or_default();
+    for key in ["num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "attention_bias"] {
+        c.remove(key);
+    }
+    let falcon = serde_json::json!({
+        "ffn_hidden_size": ffn,
+        "layer_norm_epsilon": eps as f32 as f64,
+        "parallel_attn": true,
+        "bias": false,
+        "alibi": false,
+    });
+    c.extend(falcon.as_object().cloned().unwrap_or_default());
+    if n_kv_heads == 1 && !two_norms {
+        c.insert("multi_query".into(), true.into());
+        c.insert("new_decoder_architecture".into(), false.into());
+    } else {
+        c.insert("new_decoder_architecture".into(), true.into());
+        c.insert("num_kv_heads".into(), n_kv_heads.into());
+        c.insert("num_ln_in_parallel_attn".into(), if two_norms { 2 } else { 1 }.into());
+    }
+    Ok(())
+}
+
+/// A Falcon GGUF tensor's HF name; `two_norms`: a layer's `attn_norm` is `ln_mlp` (its
+/// `attn_norm_2`, `ln_attn`), else `input_layernorm`.
+fn falcon_name(gguf: &str, two_norms: bool) -> Option<String> {
+    let top = match gguf {
+        "token_embd.weight" => Some("transformer.word_embeddings.weight"),
+        "output_norm.weight" => Some("transformer.ln_f.weight"),
+        "output_norm.bias" => Some("transformer.ln_f.bias"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(top) = top {
+        return Some(top.into());
+    }
+    let (layer, name) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (stem, kind) = name.rsplit_once('.')?;
+    let hf = match (stem, kind) {
+        ("attn_norm", _) if two_norms => "ln_mlp",
+        ("attn_norm", _) => "input_layernorm",
+        ("attn_norm_2", _) if two_norms => "ln_attn",
+        ("attn_qkv", "weight") => "self_attention.query_key_value",
+        ("attn_output", "weight") => "self_attention.dense",
+        ("ffn_up", "weight") => "mlp.dense_h_to_4h",
+        ("ffn_down", "weight") => "mlp.dense_4h_to_h",
+        _ => return None,
+    };
+    matches!(kind, "weight" | "bias").then(|| format!("transformer.h.{layer}.{hf}.{kind}"))
+}
+
+/// Falcon's fused q/k/v rows (`cols` wide) from llama.cpp's order — all query heads, then the
+/// KV heads' keys, then their values — into HF's: per KV head, its group's query heads, its
+/// key, its value.
+pub fn falcon_grouped_rows(
+    v: &[f32],
+    (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+    cols: usize,
+) -> Vec<f32> {
+    let group = n_heads / n_kv_heads;
+    let head = head_dim * cols;
+    let mut out = Vec::with_capacity(v.len());
+    for g in 0..n_kv_heads {
+        for j in g * group..(g + 1) * group {
+            out.extend_from_slice(&v[j * head..(j + 1) * head]);
+        }
+        for start in [n_heads + g, n_heads + n_kv_heads + g] {
+            out.extend_from_slice(&v[start * head..(start + 1) * head]);
+        }
+    }
+    out
+}
+
 fn meta_f64(g: &Gguf, key: &str) -> Result<f64> {
     g.get(key)
         .and_then(|v| v.as_f64())
@@ -1138,6 +1247,12 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
         "gpt-2" | "gpt2" | "phi-2" | "olmo" | "default" => Ok(ByteLevel::new(false, true, true).into()),
+        // Falcon's punctuation, GPT-2's words, and digits in threes, as llama.cpp splits them.
+        "falcon" => split(&[
+            r"[\p{P}\$\+<=>\^~\|`]+",
+            r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+            "[0-9][0-9][0-9]",
+        ]),
         p if LLAMA3_PRES.contains(&p) || GLM_PRES.contains(&p) => split(&[
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ]),
@@ -1168,7 +1283,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         other => Err(Error::file(
             path,
             format!(
-                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, phi-2, olmo, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
+                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, phi-2, olmo, falcon, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
                 LLAMA3_PRES.join(", "),
                 GLM_PRES.join(", ")
             ),
@@ -1349,6 +1464,36 @@ mod tests {
         assert_eq!(sparse_pattern(&[false, true, false, true]), (2, vec![]));
         assert_eq!(sparse_pattern(&[false, true, true, true]), (1, vec![0]));
         assert_eq!(sparse_pattern(&[true, false, true]), (1, vec![1]));
+    }
+
+    /// Falcon's pre-tokenizer splits as llama.cpp's three regexes do in turn, each piece kept:
+    /// punctuation runs (`'` and `$` and `+` among them), GPT-2's words, then digits in threes.
+    #[test]
+    fn falcon_pre_tokenizer_splits_as_llama_cpp() {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let text = "Hello, world! 12345 it's $5+3";
+        let pre = pre_tokenizer("falcon", Path::new("x.gguf")).unwrap();
+        let mut s = PreTokenizedString::from(text);
+        pre.pre_tokenize(&mut s).unwrap();
+        let pieces: Vec<&str> = s
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(_, (a, b), _)| &text[a..b])
+            .collect();
+        let want = ["Hello", ",", " world", "!", " ", "123", "45", " it", "'", "s", " ", "$", "5", "+", "3"];
+        assert_eq!(pieces, want);
+    }
+
+    /// Llama.cpp's Falcon q/k/v rows (queries, keys, values) back in HF's groups: two groups of
+    /// three query heads, heads one row wide.
+    #[test]
+    fn falcon_rows_regrouped() {
+        // Rows q0..q5, k0, k1, v0, v1 as 0..10.
+        let v: Vec<f32> = (0..10).map(|x| x as f32).collect();
+        let grouped = falcon_grouped_rows(&v, (6, 2, 1), 1);
+        assert_eq!(grouped, [0.0, 1.0, 2.0, 6.0, 8.0, 3.0, 4.0, 5.0, 7.0, 9.0]);
+        // One KV head (Falcon-7B): the same order.
+        assert_eq!(falcon_grouped_rows(&v[..8], (6, 1, 1), 1), v[..8]);
     }
 
     #[test]

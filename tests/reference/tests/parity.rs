@@ -985,12 +985,22 @@ fn random_phi_with_erf_gelu_matches_candle() {
 /// split with their groups) and by layers.
 fn falcon_matches_candle(kind: FalconKind, grids: &[(&str, &[&str])]) {
     let tmp = tempfile::tempdir().unwrap();
-    let (dir, theirs) = (tmp.path().join("falcon"), tmp.path().join("candle"));
+    let dir = tmp.path().join("falcon");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::create_dir_all(&theirs).unwrap();
     let m = TinyFalcon::new(kind);
     m.write(&dir);
-    let biased = m.write_for_candle(&theirs);
+    let single = falcon_against_candle(&m, &dir, &tmp.path().join("candle"));
+    for (ranks, grid) in grids {
+        same_on_ranks(&format!("random falcon, {kind:?}"), &dir, &single, ranks, &[grid]);
+    }
+}
+
+/// gridlm on the Falcon folder `dir` (holding the model `m`) against candle's `falcon` on the
+/// same model, written for it into `theirs` ([`TinyFalcon::write_for_candle`]); gridlm's run.
+fn falcon_against_candle(m: &TinyFalcon, dir: &Path, theirs: &Path) -> Run {
+    let kind = m.kind;
+    std::fs::create_dir_all(theirs).unwrap();
+    let biased = m.write_for_candle(theirs);
     let cfg = falcon::Config {
         vocab_size: m.vocab,
         hidden_size: m.hidden(),
@@ -1011,14 +1021,122 @@ fn falcon_matches_candle(kind: FalconKind, grids: &[(&str, &[&str])]) {
         parallel_attn: kind != FalconKind::Sequential,
         bias: biased,
     };
-    let mut model = falcon::Falcon::load(candle_weights(&theirs), cfg).unwrap();
-    let name = format!("random falcon, {kind:?}");
+    let mut model = falcon::Falcon::load(candle_weights(theirs), cfg).unwrap();
     // candle's model keeps its own positions: a prompt from 0, then one token at a time.
-    let single = tiny_matches_candle(&name, &dir, |ids, _| {
+    tiny_matches_candle(&format!("falcon, {kind:?}, in {}", dir.display()), dir, |ids, _| {
         model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-    });
-    for (ranks, grid) in grids {
-        same_on_ranks(&name, &dir, &single, ranks, &[grid]);
+    })
+}
+
+/// Falcon-7B's and Falcon-40B's layouts as GGUFs the way llama.cpp's converter writes them —
+/// q, k and v rows one after the other (all query heads, then the keys, then the values), a
+/// 40B layer's `ln_mlp` as `attn_norm` (the norm its FFN reads) and `ln_attn` as `attn_norm_2`,
+/// the `falcon` pre-tokenizer — convert into exactly the tensors they were written from, a
+/// config HF's FalconConfig reads (none of other families' keys), on which gridlm agrees with
+/// candle. A GGUF with a norm llama.cpp's Falcon never reads is refused in one line.
+#[test]
+fn falcon_ggufs_convert_to_the_models_they_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in [FalconKind::MultiQuery, FalconKind::Grouped] {
+        let m = TinyFalcon::new(kind);
+        let (h, hd) = (m.hidden(), m.hidden() / m.heads);
+        let group = m.heads / m.kv_heads;
+        let tensors = m.tensors();
+        let mut gguf_tensors = Vec::new();
+        for (n, shape, v) in &tensors {
+            let top = match n.as_str() {
+                "transformer.word_embeddings.weight" => Some("token_embd.weight"),
+                "transformer.ln_f.weight" => Some("output_norm.weight"),
+                "transformer.ln_f.bias" => Some("output_norm.bias"),
+                "lm_head.weight" => Some("output.weight"),
+                _ => None,
+            };
+            if let Some(top) = top {
+                gguf_tensors.push((top.to_string(), shape.clone(), v.clone()));
+                continue;
+            }
+            let (layer, rest) = n.strip_prefix("transformer.h.").unwrap().split_once('.').unwrap();
+            let (stem, kind) = rest.rsplit_once('.').unwrap();
+            let gguf = match stem {
+                "input_layernorm" | "ln_mlp" => "attn_norm",
+                "ln_attn" => "attn_norm_2",
+                "self_attention.query_key_value" => "attn_qkv",
+                "self_attention.dense" => "attn_output",
+                "mlp.dense_h_to_4h" => "ffn_up",
+                "mlp.dense_4h_to_h" => "ffn_down",
+                other => panic!("{other}"),
+            };
+            let v = if gguf == "attn_qkv" {
+                // Each group's rows [its queries, its key, its value] → [queries; keys; values].
+                let row = |slot: usize| &v[slot * hd * h..(slot + 1) * hd * h];
+                let slots = (0..m.heads)
+                    .map(|j| j / group * (group + 2) + j % group)
+                    .chain((0..m.kv_heads).map(|g| g * (group + 2) + group))
+                    .chain((0..m.kv_heads).map(|g| g * (group + 2) + group + 1));
+                slots.flat_map(row).copied().collect()
+            } else {
+                v.clone()
+            };
+            gguf_tensors.push((format!("blk.{layer}.{gguf}.{kind}"), shape.clone(), v));
+        }
+        let (tokens, merges) = byte_level_vocabulary(m.vocab);
+        let u = |v: usize| GgufValue::U32(v as u32);
+        let mut meta = vec![
+            ("general.architecture".to_string(), GgufValue::Str("falcon".into())),
+            ("falcon.block_count".into(), u(m.layers)),
+            ("falcon.context_length".into(), u(2048)),
+            ("falcon.embedding_length".into(), u(h)),
+            ("falcon.feed_forward_length".into(), u(4 * h)),
+            ("falcon.attention.head_count".into(), u(m.heads)),
+            ("falcon.attention.head_count_kv".into(), u(m.kv_heads)),
+            ("falcon.attention.layer_norm_epsilon".into(), GgufValue::F32(1e-5)),
+        ];
+        meta.extend(byte_level_meta("falcon", tokens, merges));
+        let gguf = tmp.path().join(format!("{kind:?}.gguf"));
+        write_gguf(&gguf, &meta, &gguf_tensors);
+        let out = tmp.path().join(format!("{kind:?}"));
+        let converted = convert_f32(&gguf, &out);
+        assert_eq!(converted.len(), tensors.len(), "{kind:?}");
+        for (n, shape, v) in &tensors {
+            let t = converted.get(n).unwrap_or_else(|| panic!("{kind:?}: {n} missing"));
+            assert_eq!(
+                (t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
+                (&shape[..], v),
+                "{n}"
+            );
+        }
+        let cfg = folder_config(&out);
+        for key in ["intermediate_size", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act"] {
+            assert!(cfg.get(key).is_none(), "{kind:?}: {key} in {cfg}");
+        }
+        let want = match kind {
+            FalconKind::MultiQuery => {
+                serde_json::json!({"multi_query": true, "new_decoder_architecture": false})
+            }
+            _ => {
+                serde_json::json!({"new_decoder_architecture": true, "num_kv_heads": 2, "num_ln_in_parallel_attn": 2})
+            }
+        };
+        for (key, want) in want.as_object().unwrap() {
+            assert_eq!(&cfg[key], want, "{kind:?}: config.json's {key}");
+        }
+        assert_eq!(
+            (cfg["ffn_hidden_size"].as_u64(), cfg["tie_word_embeddings"].as_bool()),
+            (Some(4 * h as u64), Some(m.tied))
+        );
+        // Candle's Falcon runs GELU's tanh form, llama.cpp too; HF's default is GELU itself.
+        assert!(cfg.get("activation").is_none(), "{cfg}");
+        let mut tanh = cfg.clone();
+        tanh["activation"] = "gelu_pytorch_tanh".into();
+        std::fs::write(out.join("config.json"), tanh.to_string()).unwrap();
+        falcon_against_candle(&m, &out, &tmp.path().join(format!("{kind:?}-candle")));
+        if kind == FalconKind::MultiQuery {
+            let mut bad = gguf_tensors.clone();
+            bad.push(("blk.1.ffn_norm.weight".into(), vec![h], vec![1.0; h]));
+            let gguf = tmp.path().join("ffn-norm.gguf");
+            write_gguf(&gguf, &meta, &bad);
+            convert_refused(&gguf, &tmp.path().join("ffn-norm"), "tensor `blk.1.ffn_norm.weight`");
+        }
     }
 }
 
@@ -1687,6 +1805,20 @@ fn byte_level_vocabulary(size: usize) -> (Vec<String>, Vec<String>) {
     (tokens, pairs.iter().map(|(a, b)| format!("{a} {b}")).collect())
 }
 
+/// The GGUF metadata of a byte-level vocabulary (`tokens`, `merges`) whose pre-tokenizer is
+/// `pre`, token 0 its end.
+fn byte_level_meta(pre: &str, tokens: Vec<String>, merges: Vec<String>) -> Vec<(String, GgufValue)> {
+    let n = tokens.len();
+    vec![
+        ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), GgufValue::Str(pre.into())),
+        ("tokenizer.ggml.tokens".into(), GgufValue::Strs(tokens)),
+        ("tokenizer.ggml.token_type".into(), GgufValue::I32s(vec![1; n])),
+        ("tokenizer.ggml.merges".into(), GgufValue::Strs(merges)),
+        ("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(0)),
+    ]
+}
+
 /// The GGUF metadata llama.cpp writes for the Qwen model `m` (`arch` qwen3, or qwen2moe or
 /// qwen3moe with its experts) with this vocabulary.
 fn qwen3_gguf_meta(
@@ -1711,13 +1843,8 @@ fn qwen3_gguf_meta(
         (format!("{arch}.attention.key_length"), u(m.head_dim.unwrap_or(m.hidden / m.heads))),
         (format!("{arch}.attention.layer_norm_rms_epsilon"), GgufValue::F32(1e-6)),
         (format!("{arch}.rope.freq_base"), GgufValue::F32(10000.0)),
-        ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), GgufValue::Str("qwen2".into())),
-        ("tokenizer.ggml.tokens".into(), GgufValue::Strs(tokens)),
-        ("tokenizer.ggml.token_type".into(), GgufValue::I32s(vec![1; m.vocab])),
-        ("tokenizer.ggml.merges".into(), GgufValue::Strs(merges)),
-        ("tokenizer.ggml.eos_token_id".into(), u(0)),
     ];
+    meta.extend(byte_level_meta("qwen2", tokens, merges));
     if let Some((experts, per_token, width)) = m.experts {
         meta.push((format!("{arch}.expert_count"), u(experts)));
         meta.push((format!("{arch}.expert_used_count"), u(per_token)));
