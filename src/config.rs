@@ -79,6 +79,13 @@ pub enum Arch {
     /// same input) or, where `parallel_attn` is false, a sequential one; names under
     /// `transformer.`.
     Falcon,
+    /// EleutherAI's GPT-NeoX (`gpt_neox`: Pythia, GPT-NeoX-20B): Falcon's q, k and v stored head
+    /// by head in one tensor, with biases on it, on `dense` and on both FFN matrices,
+    /// LayerNorms, RoPE over part of each head (`rotary_pct`), an FFN without a gate, and a
+    /// parallel residual whose FFN reads a norm of the layer's input of its own
+    /// (`post_attention_layernorm`) or, where `use_parallel_residual` is false, a sequential
+    /// one; names under `gpt_neox.`.
+    GptNeoX,
 }
 
 impl Arch {
@@ -109,6 +116,7 @@ impl Arch {
             Arch::StableLm => "stablelm",
             Arch::Phi => "phi",
             Arch::Falcon => "falcon",
+            Arch::GptNeoX => "gpt_neox",
         }
     }
 }
@@ -131,7 +139,7 @@ impl Arch {
         use Arch::*;
         let (max_position_embeddings, eps, rope_theta) = match self {
             Llama | Granite | GraniteMoeHybrid | GraniteMoe => (2048, 1e-6, 1e4),
-            Olmo | Olmo2 | Phi | Falcon => (2048, 1e-5, 1e4),
+            Olmo | Olmo2 | Phi | Falcon | GptNeoX => (2048, 1e-5, 1e4),
             Phi3 | Starcoder2 | StableLm => (4096, 1e-5, 1e4),
             Helium => (4096, 1e-8, 1e5),
             Gemma | Gemma2 => (8192, 1e-6, 1e4),
@@ -146,7 +154,7 @@ impl Arch {
         let act = match self {
             Gemma | Gemma2 | Gemma3 | Starcoder2 => "gelu_pytorch_tanh",
             Phi => "gelu_new",
-            Falcon => "gelu",
+            Falcon | GptNeoX => "gelu",
             _ => "silu",
         };
         let window = matches!(self, Mistral | Gemma2 | Gemma3).then_some(4096);
@@ -373,7 +381,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, falcon, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, falcon, gpt_neox, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -446,6 +454,9 @@ struct HfConfig {
     num_ln_in_parallel_attn: Option<usize>,
     bias: Option<bool>,
     alibi: Option<bool>,
+    // GPT-NeoX's names for the RoPE base and the rotated part of a head (transformers 4's).
+    rotary_emb_base: Option<f64>,
+    rotary_pct: Option<f64>,
 }
 
 /// A key that is there, perhaps null (`Some(None)`); with `#[serde(default)]`, `None` where
@@ -529,6 +540,7 @@ impl ModelConfig {
             "stablelm" => Arch::StableLm,
             "phi" => Arch::Phi,
             "falcon" => Arch::Falcon,
+            "gpt_neox" => Arch::GptNeoX,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -571,7 +583,14 @@ impl ModelConfig {
         // not load (Qwen2's q/k/v biases are its own, whatever `attention_bias` says).
         // GLM's biases are on q, k and v alone (HF's GlmAttention has none on o_proj).
         let glm = matches!(arch, Arch::Glm | Arch::Glm4);
-        if raw.attention_bias == Some(true) && !matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) && !glm {
+        let neox = arch == Arch::GptNeoX;
+        if neox && raw.attention_bias == Some(false) {
+            return Err(bad(
+                "attention_bias = false (q/k/v and dense without biases, the FFN's kept) is not supported for gpt_neox".into(),
+            ));
+        }
+        if raw.attention_bias == Some(true) && !matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) && !glm && !neox
+        {
             return Err(bad(format!(
                 "attention_bias = true (biases on q/k/v and o_proj) is not supported for {model_type}"
             )));
@@ -620,6 +639,8 @@ impl ModelConfig {
         };
         let n_kv_heads = match &falcon {
             Some(f) => f.kv_heads,
+            // GPT-NeoX's q, k and v stored head by head: a KV head per query head.
+            None if neox => n_heads,
             None => raw.num_key_value_heads.unwrap_or(n_heads),
         };
         let positive = [
@@ -648,7 +669,7 @@ impl ModelConfig {
             )));
         }
         // Falcon's heads are always `hidden_size / num_attention_heads` wide.
-        let head_dim = match raw.head_dim.filter(|_| arch != Arch::Falcon) {
+        let head_dim = match raw.head_dim.filter(|_| !matches!(arch, Arch::Falcon | Arch::GptNeoX)) {
             Some(d) => d,
             None => {
                 if !raw.hidden_size.is_multiple_of(n_heads) {
@@ -669,13 +690,15 @@ impl ModelConfig {
             Arch::Phi3 => Some(None),
             Arch::StableLm => Some(Some(0.25)),
             Arch::Phi | Arch::Glm | Arch::Glm4 => Some(Some(0.5)),
+            Arch::GptNeoX => Some(Some(0.25)),
             _ => None,
         };
-        let rotary_dim = match raw.partial_rotary_factor.or(partial_default.flatten()) {
+        let given_part = raw.partial_rotary_factor.or(raw.rotary_pct.filter(|_| neox));
+        let rotary_dim = match given_part.or(partial_default.flatten()) {
             None => head_dim,
             Some(f) if f != 1.0 && partial_default.is_none() => {
                 return Err(bad(format!(
-                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi's, phi3's, stablelm's, glm's and glm4's)"
+                    "partial_rotary_factor {f} is not supported for {model_type} (RoPE over part of a head: phi's, phi3's, stablelm's, glm's, glm4's and gpt_neox's)"
                 )));
             }
             Some(f) => {
@@ -694,7 +717,7 @@ impl ModelConfig {
         // The norms' epsilon: its key in the family's config and the value given.
         let (key, given) = match arch {
             Arch::Starcoder2 => ("norm_epsilon", raw.norm_epsilon),
-            Arch::StableLm | Arch::Phi => ("layer_norm_eps", raw.layer_norm_eps),
+            Arch::StableLm | Arch::Phi | Arch::GptNeoX => ("layer_norm_eps", raw.layer_norm_eps),
             Arch::Falcon => ("layer_norm_epsilon", raw.layer_norm_epsilon),
             // HF's OlmoLayerNorm: always 1e-5, whatever the config says.
             Arch::Olmo => ("", None),
@@ -704,8 +727,8 @@ impl ModelConfig {
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(bad(format!("{key} {eps} must be a finite number, not negative")));
         }
-        let rope_theta =
-            finite_positive("rope_theta", raw.rope_theta.unwrap_or(defaults.rope_theta)).map_err(bad)?;
+        let theta = raw.rope_theta.or(raw.rotary_emb_base.filter(|_| neox));
+        let rope_theta = finite_positive("rope_theta", theta.unwrap_or(defaults.rope_theta)).map_err(bad)?;
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(defaults.max_position_embeddings);
         let window = raw.sliding_window.unwrap_or(defaults.window);
         let rope_scaling = match &raw.rope_scaling {
@@ -797,7 +820,8 @@ impl ModelConfig {
         };
         let moe = moe(arch, &raw).map_err(bad)?;
         // Biases on every projection: StarCoder 2's `use_bias`, Phi's always.
-        let linear_bias = (starcoder2 && raw.use_bias.unwrap_or(true)) || phi;
+        let linear_bias = (starcoder2 && raw.use_bias.unwrap_or(true)) || phi || neox;
+        let neox_parallel = neox && raw.use_parallel_residual.unwrap_or(true);
         let mut eos_token_ids = token_ids(&raw.eos_token_id);
         if glm && eos_token_ids.is_empty() {
             // HF's GlmConfig and Glm4Config: <|endoftext|>, <|user|>, <|observation|>.
@@ -827,12 +851,15 @@ impl ModelConfig {
                 || linear_bias
                 || (arch == Arch::StableLm && raw.use_qkv_bias.unwrap_or(false)),
             linear_bias,
-            layer_norm: starcoder2 || phi || matches!(arch, Arch::StableLm | Arch::Olmo | Arch::Falcon),
+            layer_norm: starcoder2
+                || phi
+                || neox
+                || matches!(arch, Arch::StableLm | Arch::Olmo | Arch::Falcon),
             weightless_norms: arch == Arch::Olmo,
             clip_qkv,
-            gated_ffn: !starcoder2 && !phi && falcon.is_none(),
-            parallel_residual: phi || falcon.as_ref().is_some_and(|f| f.parallel),
-            parallel_ffn_norm: falcon.as_ref().is_some_and(|f| f.two_norms),
+            gated_ffn: !starcoder2 && !phi && !neox && falcon.is_none(),
+            parallel_residual: phi || neox_parallel || falcon.as_ref().is_some_and(|f| f.parallel),
+            parallel_ffn_norm: neox_parallel || falcon.as_ref().is_some_and(|f| f.two_norms),
             head_bias: phi,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3VlMoe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
@@ -1992,6 +2019,41 @@ mod tests {
         // Other families still need their FFN's width.
         let e = parse(&BASE.replace(r#""intermediate_size":128,"#, "")).unwrap_err().to_string();
         assert!(e.contains("missing field `intermediate_size`"), "{e}");
+    }
+
+    /// Pythia-70M's config.json as published (transformers 4's `rotary_pct`,
+    /// `rotary_emb_base`): a quarter of each head rotated, GELU itself, every bias, two
+    /// LayerNorms of each layer's input; transformers 5's `rope_parameters` read alike; the
+    /// sequential form where `use_parallel_residual` is false; q/k/v without biases refused.
+    #[test]
+    fn gpt_neox_settings() {
+        let pythia = r#"{"architectures":["GPTNeoXForCausalLM"],"bos_token_id":0,"eos_token_id":0,
+            "hidden_act":"gelu","hidden_size":512,"initializer_range":0.02,"intermediate_size":2048,
+            "layer_norm_eps":1e-05,"max_position_embeddings":2048,"model_type":"gpt_neox",
+            "num_attention_heads":8,"num_hidden_layers":6,"rotary_emb_base":10000,"rotary_pct":0.25,
+            "tie_word_embeddings":false,"use_cache":true,"use_parallel_residual":true,"vocab_size":50304}"#;
+        let c = parse(pythia).unwrap();
+        assert_eq!(
+            (c.arch, c.n_heads, c.n_kv_heads, c.head_dim, c.rotary_dim),
+            (Arch::GptNeoX, 8, 8, 64, 16)
+        );
+        assert_eq!(
+            (c.activation, c.rms_norm_eps, c.rope_theta, c.intermediate_size),
+            (Activation::Gelu, 1e-5, 1e4, 2048)
+        );
+        assert!(c.layer_norm && c.qkv_bias && c.linear_bias && c.parallel_residual && c.parallel_ffn_norm);
+        assert!(!c.gated_ffn && !c.head_bias && !c.tie_word_embeddings && !c.rope_interleaved);
+        let v5 = pythia.replace(
+            r#""rotary_emb_base":10000,"rotary_pct":0.25,"#,
+            r#""rope_parameters":{"rope_type":"default","rope_theta":50000.0,"partial_rotary_factor":0.5},"#,
+        );
+        let c = parse(&v5).unwrap();
+        assert_eq!((c.rotary_dim, c.rope_theta), (32, 5e4));
+        let c = parse(&pythia.replace(r#""use_parallel_residual":true"#, r#""use_parallel_residual":false"#))
+            .unwrap();
+        assert!(!c.parallel_residual && !c.parallel_ffn_norm);
+        let e = parse(&pythia.replace(r#""use_cache":true"#, r#""attention_bias":false"#)).unwrap_err();
+        assert!(e.to_string().contains("attention_bias = false"), "{e}");
     }
 
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,

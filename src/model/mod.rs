@@ -261,10 +261,11 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
                 at(gate_up, 2 * ff, ff),
             ]
         }
-        // Falcon's q, k and v in one tensor, grouped by KV head ([`falcon_qkv_rows`]); its
-        // FFN's first matrix read as the gate's rows.
-        Arch::Falcon => {
-            let qkv = at("self_attention.query_key_value.weight", qd + 2 * kvd, 0);
+        // Falcon's and GPT-NeoX's q, k and v in one tensor, grouped by KV head
+        // ([`fused_qkv_rows`]); their FFN's first matrix read as the gate's rows.
+        Arch::Falcon | Arch::GptNeoX => {
+            let attention = if cfg.arch == Arch::Falcon { "self_attention" } else { "attention" };
+            let qkv = at(&format!("{attention}.query_key_value.weight"), qd + 2 * kvd, 0);
             let first = at("mlp.dense_h_to_4h.weight", ff, 0);
             [qkv.clone(), qkv.clone(), qkv, first.clone(), first]
         }
@@ -284,12 +285,13 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     }
 }
 
-/// Where layer `i`'s tensors are named: `model.layers.i.` (Falcon's `transformer.h.i.`).
+/// Where layer `i`'s tensors are named: `model.layers.i.` (Falcon's `transformer.h.i.`,
+/// GPT-NeoX's `gpt_neox.layers.i.`).
 fn layer_prefix(cfg: &ModelConfig, i: usize) -> String {
-    if cfg.arch == Arch::Falcon {
-        format!("transformer.h.{i}.")
-    } else {
-        format!("model.layers.{i}.")
+    match cfg.arch {
+        Arch::Falcon => format!("transformer.h.{i}."),
+        Arch::GptNeoX => format!("gpt_neox.layers.{i}."),
+        _ => format!("model.layers.{i}."),
     }
 }
 
@@ -300,7 +302,7 @@ fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
         Arch::GraniteMoeHybrid => "shared_mlp.output_linear",
         Arch::Starcoder2 => "mlp.c_proj",
         Arch::Phi => "mlp.fc2",
-        Arch::Falcon => "mlp.dense_4h_to_h",
+        Arch::Falcon | Arch::GptNeoX => "mlp.dense_4h_to_h",
         _ => "mlp.down_proj",
     };
     format!("{}{name}.weight", layer_prefix(cfg, i))
@@ -312,6 +314,7 @@ fn o_proj_name(cfg: &ModelConfig, i: usize) -> String {
     let name = match cfg.arch {
         Arch::Phi => "self_attn.dense",
         Arch::Falcon => "self_attention.dense",
+        Arch::GptNeoX => "attention.dense",
         _ => "self_attn.o_proj",
     };
     format!("{}{name}.weight", layer_prefix(cfg, i))
@@ -322,28 +325,47 @@ fn final_norm_name(cfg: &ModelConfig) -> &'static str {
     match cfg.arch {
         Arch::Phi => "model.final_layernorm.weight",
         Arch::Falcon => "transformer.ln_f.weight",
+        Arch::GptNeoX => "gpt_neox.final_layer_norm.weight",
         _ => "model.norm.weight",
     }
 }
 
-/// The token embedding (Falcon's `transformer.word_embeddings`).
+/// The token embedding (Falcon's `transformer.word_embeddings`, GPT-NeoX's
+/// `gpt_neox.embed_in`).
 pub(crate) fn embed_name(cfg: &ModelConfig) -> &'static str {
-    if cfg.arch == Arch::Falcon {
-        "transformer.word_embeddings.weight"
-    } else {
-        "model.embed_tokens.weight"
+    match cfg.arch {
+        Arch::Falcon => "transformer.word_embeddings.weight",
+        Arch::GptNeoX => "gpt_neox.embed_in.weight",
+        _ => "model.embed_tokens.weight",
     }
 }
 
-/// The rows of Falcon's fused `query_key_value` tensor that hold heads `heads` of q (`part`
-/// 0), k (1) or v (2), head by head. Per KV head the tensor holds its group's query heads,
-/// then its key, then its value: Falcon-7B's one group of all queries (`multi_query`),
-/// Falcon-40B's groups (`new_decoder_architecture`), or a group per head.
-fn falcon_qkv_rows(
-    cfg: &ModelConfig,
-    part: usize,
-    heads: Range<usize>,
-) -> impl Iterator<Item = Range<usize>> {
+/// The output head: `lm_head`, or GPT-NeoX's `embed_out` where a folder written before
+/// transformers 5 names it so.
+fn head_name(cfg: &ModelConfig, src: &dyn Source) -> &'static str {
+    let shape = [cfg.vocab_size, cfg.hidden_size];
+    let legacy = "embed_out.weight";
+    if cfg.arch == Arch::GptNeoX
+        && src.dtype("lm_head.weight", &shape).is_err()
+        && src.dtype(legacy, &shape).is_ok()
+    {
+        legacy
+    } else {
+        "lm_head.weight"
+    }
+}
+
+/// Whether q, k and v are stored in one tensor by KV group ([`fused_qkv_rows`]).
+fn fused_by_group(cfg: &ModelConfig) -> bool {
+    matches!(cfg.arch, Arch::Falcon | Arch::GptNeoX)
+}
+
+/// The rows of Falcon's and GPT-NeoX's fused `query_key_value` tensor (or elements of its
+/// bias) that hold heads `heads` of q (`part` 0), k (1) or v (2), head by head. Per KV head
+/// the tensor holds its group's query heads, then its key, then its value: Falcon-7B's one
+/// group of all queries (`multi_query`), Falcon-40B's groups (`new_decoder_architecture`), or
+/// a group per head (GPT-NeoX's).
+fn fused_qkv_rows(cfg: &ModelConfig, part: usize, heads: Range<usize>) -> impl Iterator<Item = Range<usize>> {
     let (hd, group) = (cfg.head_dim, cfg.n_heads / cfg.n_kv_heads);
     heads.map(move |j| {
         let slot = match part {
@@ -383,7 +405,10 @@ fn layer_norm_names(cfg: &ModelConfig) -> [Option<&'static str>; 4] {
     let (post_attention, post_ffn) =
         (Some("post_attention_layernorm.weight"), Some("post_feedforward_layernorm.weight"));
     match cfg.norm_place {
-        // Falcon-40B's two norms of the layer's input.
+        // Two norms of the layer's input: GPT-NeoX's, by Llama's names; Falcon-40B's.
+        NormPlace::Pre if cfg.parallel_ffn_norm && cfg.arch == Arch::GptNeoX => {
+            [input, post_attention, None, None]
+        }
         NormPlace::Pre if cfg.parallel_ffn_norm => {
             [Some("ln_attn.weight"), Some("ln_mlp.weight"), None, None]
         }
@@ -856,21 +881,32 @@ impl Shard {
         for i in plan.layers.clone() {
             let p = |s: &str| format!("{}{s}", layer_prefix(&cfg, i));
             let [q, k, v, gate, up] = stored_rows(&cfg, i);
+            let q_stored = q.clone();
             let part = |(name, shape, at): &StoredRows, rows: &std::ops::Range<usize>| {
                 ckpt.rows(name, shape, at + rows.start..at + rows.end)
             };
-            let (q, k, v) = if cfg.arch == Arch::Falcon {
+            let (q, k, v) = if fused_by_group(&cfg) {
                 // Head by head from the fused tensor.
                 let (name, shape, _) = &q;
                 let heads = |part: usize, heads: &Range<usize>| -> Result<Mat> {
-                    let rows = falcon_qkv_rows(&cfg, part, heads.clone());
+                    let rows = fused_qkv_rows(&cfg, part, heads.clone());
                     Ok(Mat::vstack(rows.map(|r| ckpt.rows(name, shape, r)).collect::<Result<_>>()?))
                 };
                 (heads(0, &plan.q_heads)?, heads(1, &plan.kv_heads)?, heads(2, &plan.kv_heads)?)
             } else {
                 (part(&q, &qr)?, part(&k, &kr)?, part(&v, &kr)?)
             };
-            let qkv_bias = if cfg.qkv_bias {
+            let qkv_bias = if cfg.qkv_bias && fused_by_group(&cfg) {
+                // Head by head from the fused tensor's bias, as its rows.
+                let (name, rows) = (bias_name(&q_stored.0), qd + 2 * kvd);
+                let mut b = Vec::with_capacity(qr.len() + 2 * kr.len());
+                for (part, heads) in [(0, &plan.q_heads), (1, &plan.kv_heads), (2, &plan.kv_heads)] {
+                    for r in fused_qkv_rows(&cfg, part, heads.clone()) {
+                        b.extend(ckpt.vector_range_f32(&name, rows, r)?);
+                    }
+                }
+                Some(b)
+            } else if cfg.qkv_bias {
                 let mut b = ckpt.vector_range_f32(&p("self_attn.q_proj.bias"), qd, qr.clone())?;
                 b.extend(ckpt.vector_range_f32(&p("self_attn.k_proj.bias"), kvd, kr.clone())?);
                 b.extend(ckpt.vector_range_f32(&p("self_attn.v_proj.bias"), kvd, kr.clone())?);
@@ -992,7 +1028,7 @@ impl Shard {
                     }
                 }
             } else {
-                Arc::new(pack(&ckpt.rows("lm_head.weight", &vocab_shape, plan.vocab.clone())?))
+                Arc::new(pack(&ckpt.rows(head_name(&cfg, ckpt), &vocab_shape, plan.vocab.clone())?))
             };
             (Some(stream_norm(final_norm_name(&cfg))?), Some(head))
         } else {
@@ -1111,8 +1147,13 @@ impl Shard {
             }
             if cfg.qkv_bias {
                 let kvd = cfg.kv_dim();
-                for (name, len) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
-                    src.dtype(&p(&format!("self_attn.{name}.bias")), &[len])?;
+                if fused_by_group(cfg) {
+                    let [(qkv, _, _), ..] = stored_rows(cfg, i);
+                    src.dtype(&bias_name(&qkv), &[qd + 2 * kvd])?;
+                } else {
+                    for (name, len) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+                        src.dtype(&p(&format!("self_attn.{name}.bias")), &[len])?;
+                    }
                 }
                 n += 4 * (q_rows + 2 * kv_rows);
             }
@@ -1140,7 +1181,7 @@ impl Shard {
                 n += 4 * plan.vocab.len();
             }
             if !cfg.tie_word_embeddings {
-                n += vocab_rows("lm_head.weight")?;
+                n += vocab_rows(head_name(cfg, src))?;
             } else if !plan.first_stage {
                 n += vocab_rows(embed_name(cfg))?;
             }
@@ -2239,7 +2280,8 @@ mod tests {
         // StarCoder 2: Qwen2's with LayerNorms, every bias and no gate; Phi: those, one norm a
         // layer and the head's bias; OLMo: LayerNorms without weights (nothing read, weights
         // and biases made); GraniteMoE: Mixtral's shape, each layer's experts read from
-        // stacked tensors; Falcon: its names, q, k and v read head by head from one tensor.
+        // stacked tensors; Falcon: its names, q, k and v read head by head from one tensor;
+        // GPT-NeoX: those with their bias, and every bias.
         let shapes = [
             ("qwen2-0.5b", None),
             ("qwen3-0.6b", None),
@@ -2249,6 +2291,7 @@ mod tests {
             ("qwen2-0.5b", Some(Arch::Starcoder2)),
             ("qwen2-0.5b", Some(Arch::Phi)),
             ("llama-3.2-1b", Some(Arch::Falcon)),
+            ("llama-3.2-1b", Some(Arch::GptNeoX)),
             ("llama-3.2-1b", Some(Arch::Olmo)),
             ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
@@ -2271,6 +2314,12 @@ mod tests {
                 // a layer and its head's bias.
                 (cfg.layer_norm, cfg.linear_bias, cfg.gated_ffn) = (true, true, false);
                 (cfg.parallel_residual, cfg.head_bias) = (cfg.arch == Arch::Phi, cfg.arch == Arch::Phi);
+            }
+            if cfg.arch == Arch::GptNeoX {
+                // A KV head per query head, q, k and v fused with their bias, every bias, no
+                // gate, two norms of each layer's input.
+                (cfg.layer_norm, cfg.gated_ffn, cfg.qkv_bias, cfg.linear_bias) = (true, false, true, true);
+                (cfg.parallel_residual, cfg.parallel_ffn_norm) = (true, true);
             }
             if cfg.arch == Arch::Falcon {
                 // Falcon-40B's: q, k and v fused by KV group, LayerNorms without biases

@@ -75,10 +75,10 @@ fn inspect_finds_every_bias_and_no_weightless_norm() {
 }
 
 /// A Falcon-40B-style folder (its names under `transformer.`, q, k and v in one tensor, two
-/// norms of each layer's input): split without loading, and each tensor a rank reads, taken
-/// away in turn, refused with one line naming it.
+/// norms of each layer's input) and a GPT-NeoX-style one: split without loading, and each
+/// tensor a rank reads, taken away in turn, refused with one line naming it.
 #[test]
-fn inspect_reads_falcon_names() {
+fn inspect_reads_falcon_and_gpt_neox_names() {
     use gridlm_reference::falcon::{FalconKind, TinyFalcon};
     let t = tempfile::tempdir().unwrap();
     let dir = t.path();
@@ -100,6 +100,18 @@ fn inspect_reads_falcon_names() {
         "lm_head.weight",
     ];
     each_missing_is_named(dir, &m.tensors(), &gone);
+    // GPT-NeoX's: q, k and v with their bias in one tensor, the head as transformers 4 named it.
+    let neox = tempfile::tempdir().unwrap();
+    let m = gridlm_reference::neox::TinyNeoX::new(true);
+    m.write(neox.path());
+    let gone =
+        ["gpt_neox.layers.1.attention.query_key_value.bias", "gpt_neox.layers.2.mlp.dense_h_to_4h.bias"];
+    each_missing_is_named(neox.path(), &m.tensors(), &gone);
+    // Without `embed_out` the head is missing by the name transformers 5 gives it.
+    let tensors: Vec<_> = m.tensors().into_iter().filter(|(n, _, _)| n != "embed_out.weight").collect();
+    gridlm_reference::write_safetensors(&neox.path().join("model.safetensors"), &tensors);
+    let out = gridlm(&["inspect", "--model", path_str(neox.path()), "--pp", "2"]);
+    assert_one_line_error(&out, &["tensor `lm_head.weight`", "missing"]);
 }
 
 /// A Gemma 3-style folder (layers 0, 1 and 3 local through a window of 4) on two stages (layers

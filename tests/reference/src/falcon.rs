@@ -7,7 +7,7 @@
 //! bias beside it (`W · (n·w₂ + b₂) = W·diag(w₂/w₁) · (n·w₁ + b₁) + W · (b₂ − b₁·w₂/w₁)`, `n`
 //! the input standardized), every other bias zero.
 
-use crate::{rand_vec, write_safetensors};
+use crate::{write_safetensors, RandomTensors};
 use std::path::Path;
 
 /// How the layers are laid out.
@@ -95,13 +95,9 @@ impl TinyFalcon {
     /// The tensors by Falcon's names, q, k and v fused by KV group.
     pub fn tensors(&self) -> Tensors {
         let (h, ff) = (self.hidden(), self.ffn_width());
-        let mut out = Vec::new();
-        let mut seed = 500;
-        let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
-            seed += 1;
-            let v = rand_vec(shape.iter().product(), seed, scale).into_iter().map(|x| x + offset).collect();
-            out.push((name, shape, v));
-        };
+        let mut t = RandomTensors::new(500);
+        let mut add =
+            |name: String, shape: Vec<usize>, scale: f32, offset: f32| t.add(name, shape, scale, offset);
         add("transformer.word_embeddings.weight".into(), vec![self.vocab, h], 1.0, 0.0);
         if !self.tied {
             add("lm_head.weight".into(), vec![self.vocab, h], 0.5, 0.0);
@@ -126,7 +122,7 @@ impl TinyFalcon {
             add(p("mlp.dense_h_to_4h.weight"), vec![ff, h], 2.0 * w, 0.0);
             add(p("mlp.dense_4h_to_h.weight"), vec![h, ff], 1.0 / (ff as f32).sqrt(), 0.0);
         }
-        out
+        t.out
     }
 
     /// Writes the folder into `dir`, with the word-level vocabulary of the other random models.

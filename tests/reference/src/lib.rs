@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub mod falcon;
+pub mod neox;
 pub mod sentencepiece;
 
 /// Root of the gridlm repository.
@@ -1087,6 +1088,25 @@ pub fn byte_chars() -> Vec<char> {
             }
         })
         .collect()
+}
+
+/// Random tensors made one after another, each from the next seed.
+pub struct RandomTensors {
+    pub out: Vec<(String, Vec<usize>, Vec<f32>)>,
+    seed: u64,
+}
+
+impl RandomTensors {
+    pub fn new(seed: u64) -> Self {
+        RandomTensors { out: Vec::new(), seed }
+    }
+
+    /// A tensor of `shape`, its values `rand · scale + offset` ([`rand_vec`]).
+    pub fn add(&mut self, name: impl Into<String>, shape: Vec<usize>, scale: f32, offset: f32) {
+        self.seed += 1;
+        let v = rand_vec(shape.iter().product(), self.seed, scale).into_iter().map(|x| x + offset).collect();
+        self.out.push((name.into(), shape, v));
+    }
 }
 
 /// `DIR/tokenizer.json`: a word-level vocabulary of `vocab` words `t0`, `t1`, ..., split at

@@ -10,6 +10,7 @@ use candle_transformers::models::{
     olmo2, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
 };
 use gridlm_reference::falcon::{FalconKind, TinyFalcon};
+use gridlm_reference::neox::TinyNeoX;
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
     max_abs_diff, rename_tensor, run_with_timeout, smollm2, write_gguf, GgufValue, Run,
@@ -1163,6 +1164,66 @@ fn random_falcon_40b_style_matches_candle_on_one_two_and_three_ranks() {
         FalconKind::Grouped,
         &[("2", &["--tp", "2"]), ("3", &["--tp", "3"]), ("2", &["--pp", "2"])],
     );
+}
+
+/// A random GPT-NeoX against candle on the same model ([`gridlm_reference::neox`]): the
+/// parallel form (half of each head rotated, GELU through erf, the FFN's own norm, the head
+/// named `embed_out` as transformers 4 saved Pythia's) as candle's `phi` takes it, the
+/// sequential one (whole heads rotated, a head named `lm_head`) as its `falcon` with biases;
+/// 32 greedy tokens and the logits within the tolerance, then split by heads (q, k, v and their
+/// biases read head by head) and by layers, the same tokens and logits within 1e-4.
+#[test]
+fn random_gpt_neox_matches_candle_on_one_and_two_ranks() {
+    for parallel in [true, false] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, theirs) = (tmp.path().join("neox"), tmp.path().join("candle"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&theirs).unwrap();
+        let m = TinyNeoX::new(parallel);
+        m.write(&dir);
+        m.write_for_candle(&theirs);
+        let name = format!("random gpt_neox, parallel {parallel}");
+        let h = m.hidden();
+        let single = if parallel {
+            let cfg = serde_json::json!({
+                "vocab_size": m.vocab, "hidden_size": h, "intermediate_size": 4 * h,
+                "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+                "num_key_value_heads": m.heads, "hidden_act": "gelu", "max_position_embeddings": 2048,
+                "layer_norm_eps": 1e-5, "tie_word_embeddings": false, "rope_theta": 10000.0,
+                "partial_rotary_factor": m.rotary_pct(), "qk_layernorm": false,
+            });
+            let cfg: phi::Config = serde_json::from_value(cfg).unwrap();
+            let mut model = phi::Model::new(&cfg, candle_weights(&theirs)).unwrap();
+            tiny_matches_candle(&name, &dir, |ids, _| {
+                model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+            })
+        } else {
+            let cfg = falcon::Config {
+                vocab_size: m.vocab,
+                hidden_size: h,
+                num_hidden_layers: m.layers,
+                num_attention_heads: m.heads,
+                layer_norm_epsilon: 1e-5,
+                initializer_range: 0.02,
+                use_cache: true,
+                bos_token_id: 0,
+                eos_token_id: 0,
+                hidden_dropout: 0.0,
+                attention_dropout: 0.0,
+                n_head_kv: Some(m.heads),
+                alibi: false,
+                new_decoder_architecture: false,
+                multi_query: false,
+                parallel_attn: false,
+                bias: true,
+            };
+            let mut model = falcon::Falcon::load(candle_weights(&theirs), cfg).unwrap();
+            tiny_matches_candle(&name, &dir, |ids, _| {
+                model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+            })
+        };
+        same_on_two_ranks(&name, &dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+    }
 }
 
 /// A Phi-2 GGUF as llama.cpp writes one (`phi2`: the final norm as `output_norm` and the head's
