@@ -65,13 +65,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("phi2", "PhiForCausalLM", Arch::Phi),
         ("olmo", "OlmoForCausalLM", Arch::Olmo),
         ("falcon", "FalconForCausalLM", Arch::Falcon),
+        ("gptneox", "GPTNeoXForCausalLM", Arch::GptNeoX),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl, qwen3vl, qwen3vlmoe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2, olmo or falcon)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl, qwen3vl, qwen3vlmoe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2, olmo, falcon or gptneox)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -83,9 +84,9 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     let glm = arch == "glm4" || arch == "chatglm";
     // Families whose HF default rotates part of a head (a half, a quarter): the part is always
     // written, llama.cpp's default being the whole head.
-    let partial_default = glm || arch == "stablelm" || arch == "phi2";
+    let partial_default = glm || matches!(arch.as_str(), "stablelm" | "phi2" | "gptneox");
     // LayerNorms, each with a bias.
-    let layer_norms = matches!(arch.as_str(), "starcoder2" | "stablelm" | "phi2");
+    let layer_norms = matches!(arch.as_str(), "starcoder2" | "stablelm" | "phi2" | "gptneox");
     let moe = arch.ends_with("moe") || mixtral;
     let n_layers = meta_usize(&g, &key("block_count"))?;
     let hidden = meta_usize(&g, &key("embedding_length"))?;
@@ -240,11 +241,14 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 if partial_arch {
                     " (but an even number of them)"
                 } else {
-                    " (but for Phi's, Phi-3's, StableLM's and GLM-4's)"
+                    " (but for Phi's, Phi-3's, StableLM's, GLM-4's and GPT-NeoX's)"
                 }
             );
             return Err(Error::file(gguf_path, msg));
         }
+    }
+    if family == Arch::GptNeoX {
+        gpt_neox_config(&g, &mut config)?;
     }
     if arch == "phi3" {
         config["sliding_window"] = g
@@ -311,6 +315,13 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 named.extend(split_qkv(&g, t, (n_heads, n_kv_heads, head_dim), dtype)?);
                 continue;
             }
+            None if family == Arch::GptNeoX => match gpt_neox_name(&t.name) {
+                Some(hf) => hf,
+                None => {
+                    let msg = "not a tensor of llama.cpp's GPT-NeoX (the folder would hold another model)";
+                    return Err(Error::tensor(gguf_path, &t.name, msg));
+                }
+            },
             None if family == Arch::Falcon => {
                 match falcon_name(&t.name, config["num_ln_in_parallel_attn"] == 2) {
                     Some(hf) => hf,
@@ -339,10 +350,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         let heads = [("attn_q.weight", n_heads), ("attn_k.weight", n_kv_heads)]
             .into_iter()
             .find_map(|(name, heads)| (permuted && t.name.ends_with(name)).then_some(heads));
-        // Falcon's q, k and v rows, which llama.cpp's converter puts one after the other, in
-        // HF's groups again.
-        let regroup = (family == Arch::Falcon && t.name.ends_with(".attn_qkv.weight"))
-            .then_some((n_heads, n_kv_heads, head_dim));
+        // Falcon's and GPT-NeoX's q, k and v rows (and GPT-NeoX's biases), which llama.cpp's
+        // converters put one after the other, in HF's groups again (GPT-NeoX's a head each).
+        let fused = matches!(family, Arch::Falcon | Arch::GptNeoX) && t.name.contains(".attn_qkv.");
+        let regroup = fused.then_some((n_heads, n_kv_heads, head_dim));
         // Norms and biases stay f32: tiny, and precision matters there.
         let dt = if shape.len() == 1 { DType::F32 } else { dtype };
         let cols = shape.get(1).copied().unwrap_or(1);
@@ -898,30 +909,45 @@ fn falcon_config(g: &Gguf, n_kv_heads: usize, config: &mut serde_json::Value) ->
 /// A Falcon GGUF tensor's HF name; `two_norms`: a layer's `attn_norm` is `ln_mlp` (its
 /// `attn_norm_2`, `ln_attn`), else `input_layernorm`.
 fn falcon_name(gguf: &str, two_norms: bool) -> Option<String> {
-    let top = match gguf {
-        "token_embd.weight" => Some("transformer.word_embeddings.weight"),
-        "output_norm.weight" => Some("transformer.ln_f.weight"),
-        "output_norm.bias" => Some("transformer.ln_f.bias"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(top) = top {
-        return Some(top.into());
+    let top = [
+        ("token_embd.weight", "transformer.word_embeddings.weight"),
+        ("output_norm.weight", "transformer.ln_f.weight"),
+        ("output_norm.bias", "transformer.ln_f.bias"),
+        ("output.weight", "lm_head.weight"),
+    ];
+    name_by_tables(gguf, &top, "transformer.h.", |stem, kind| {
+        Some(match (stem, kind) {
+            ("attn_norm", _) if two_norms => "ln_mlp",
+            ("attn_norm", _) => "input_layernorm",
+            ("attn_norm_2", _) if two_norms => "ln_attn",
+            ("attn_qkv", "weight") => "self_attention.query_key_value",
+            ("attn_output", "weight") => "self_attention.dense",
+            ("ffn_up", "weight") => "mlp.dense_h_to_4h",
+            ("ffn_down", "weight") => "mlp.dense_4h_to_h",
+            _ => return None,
+        })
+    })
+}
+
+/// A GGUF tensor's HF name by a family's tables: `top`, the tensors outside the layers (GGUF
+/// name, HF name); `layer`, a layer's tensor by its GGUF stem and kind (`weight`, `bias`) →
+/// its HF stem, under `prefix` and the layer's index.
+fn name_by_tables(
+    gguf: &str,
+    top: &[(&str, &str)],
+    prefix: &str,
+    layer: impl Fn(&str, &str) -> Option<&'static str>,
+) -> Option<String> {
+    if let Some((_, hf)) = top.iter().find(|(g, _)| *g == gguf) {
+        return Some(hf.to_string());
     }
-    let (layer, name) = gguf.strip_prefix("blk.")?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
+    let (i, name) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let i: usize = i.parse().ok()?;
     let (stem, kind) = name.rsplit_once('.')?;
-    let hf = match (stem, kind) {
-        ("attn_norm", _) if two_norms => "ln_mlp",
-        ("attn_norm", _) => "input_layernorm",
-        ("attn_norm_2", _) if two_norms => "ln_attn",
-        ("attn_qkv", "weight") => "self_attention.query_key_value",
-        ("attn_output", "weight") => "self_attention.dense",
-        ("ffn_up", "weight") => "mlp.dense_h_to_4h",
-        ("ffn_down", "weight") => "mlp.dense_4h_to_h",
-        _ => return None,
-    };
-    matches!(kind, "weight" | "bias").then(|| format!("transformer.h.{layer}.{hf}.{kind}"))
+    if !matches!(kind, "weight" | "bias") {
+        return None;
+    }
+    Some(format!("{prefix}{i}.{}.{kind}", layer(stem, kind)?))
 }
 
 /// Falcon's fused q/k/v rows (`cols` wide) from llama.cpp's order — all query heads, then the
@@ -944,6 +970,50 @@ pub fn falcon_grouped_rows(
         }
     }
     out
+}
+
+/// GPT-NeoX's settings by the names HF's GPTNeoXConfig reads in transformers 4 and 5:
+/// `use_parallel_residual`, the rotated part of a head as `rotary_pct` and the base as
+/// `rotary_emb_base`, biases on q/k/v and `dense` (llama.cpp requires them), GELU itself (HF's
+/// default; llama.cpp runs its tanh form); other families' keys left out.
+fn gpt_neox_config(g: &Gguf, config: &mut serde_json::Value) -> Result<()> {
+    let parallel = g.get("gptneox.use_parallel_residual").and_then(|v| v.as_bool()).unwrap_or(true);
+    let Some(c) = config.as_object_mut() else { return Ok(()) };
+    for key in ["num_key_value_heads", "head_dim", "rms_norm_eps"] {
+        c.remove(key);
+    }
+    if let Some(pct) = c.remove("partial_rotary_factor") {
+        c.insert("rotary_pct".into(), pct);
+    }
+    if let Some(base) = c.remove("rope_theta") {
+        c.insert("rotary_emb_base".into(), base);
+    }
+    c.insert("use_parallel_residual".into(), parallel.into());
+    c.insert("attention_bias".into(), true.into());
+    c.insert("hidden_act".into(), "gelu".into());
+    Ok(())
+}
+
+/// A GPT-NeoX GGUF tensor's HF name; the head as `embed_out`, which transformers 4 reads and 5
+/// renames on load.
+fn gpt_neox_name(gguf: &str) -> Option<String> {
+    let top = [
+        ("token_embd.weight", "gpt_neox.embed_in.weight"),
+        ("output_norm.weight", "gpt_neox.final_layer_norm.weight"),
+        ("output_norm.bias", "gpt_neox.final_layer_norm.bias"),
+        ("output.weight", "embed_out.weight"),
+    ];
+    name_by_tables(gguf, &top, "gpt_neox.layers.", |stem, _| {
+        Some(match stem {
+            "attn_norm" => "input_layernorm",
+            "ffn_norm" => "post_attention_layernorm",
+            "attn_qkv" => "attention.query_key_value",
+            "attn_output" => "attention.dense",
+            "ffn_up" => "mlp.dense_h_to_4h",
+            "ffn_down" => "mlp.dense_4h_to_h",
+            _ => return None,
+        })
+    })
 }
 
 fn meta_f64(g: &Gguf, key: &str) -> Result<f64> {
@@ -1246,7 +1316,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         "smollm" | "starcoder" | "refact" => {
             Ok(Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into())
         }
-        "gpt-2" | "gpt2" | "phi-2" | "olmo" | "default" => Ok(ByteLevel::new(false, true, true).into()),
+        "gpt-2" | "gpt2" | "phi-2" | "olmo" | "mpt" | "default" => Ok(ByteLevel::new(false, true, true).into()),
         // Falcon's punctuation, GPT-2's words, and digits in threes, as llama.cpp splits them.
         "falcon" => split(&[
             r"[\p{P}\$\+<=>\^~\|`]+",
@@ -1283,7 +1353,7 @@ fn pre_tokenizer(pre: &str, path: &Path) -> Result<PreTokenizerWrapper> {
         other => Err(Error::file(
             path,
             format!(
-                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, phi-2, olmo, falcon, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
+                "unsupported tokenizer pre-tokenizer `{other}` (supported: smollm, starcoder, refact, gpt-2, phi-2, olmo, mpt, falcon, {}, {}, qwen2, deepseek-r1-qwen, qwen35, deepseek-llm, deepseek-coder, tekken)",
                 LLAMA3_PRES.join(", "),
                 GLM_PRES.join(", ")
             ),

@@ -135,7 +135,7 @@ fn convert_reads_rope_scaling_and_refuses_what_hf_cannot_say() {
     let partial = ("llama.rope.dimension_count", GgufValue::U32(4));
     let says = [
         "`llama.rope.dimension_count` is 4: RoPE over part of a head's 8 dimensions",
-        "but for Phi's, Phi-3's, StableLM's and GLM-4's",
+        "but for Phi's, Phi-3's, StableLM's, GLM-4's and GPT-NeoX's",
     ];
     refused(dir, "partial", &llama_meta(2, vec![partial]), vec![], &says);
     let odd = ("phi3.rope.dimension_count", GgufValue::U32(5));
@@ -209,8 +209,8 @@ fn convert_reads_gemma_metadata_as_llama_cpp_does() {
     let c = config("gemma3-flags", "gemma3", vec![("gemma3.block_count", GgufValue::U32(2)), flags, window]);
     assert_eq!(c["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]));
     assert_eq!((&c["sliding_window"], &c["query_pre_attn_scalar"]), (&512.into(), &8.into()));
-    let says = ["unsupported architecture `gptneox`", "gemma3"];
-    refused(dir, "gptneox", &arch_meta("gptneox", 2, vec![]), vec![], &says);
+    let says = ["unsupported architecture `bloom`", "gemma3"];
+    refused(dir, "bloom", &arch_meta("bloom", 2, vec![]), vec![], &says);
     // No heads (a division by zero before it was checked).
     let says = ["`gemma3.attention.head_count` is 0"];
     let none = ("gemma3.attention.head_count", GgufValue::U32(0));

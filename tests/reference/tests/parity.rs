@@ -1043,69 +1043,36 @@ fn falcon_ggufs_convert_to_the_models_they_hold() {
         let (h, hd) = (m.hidden(), m.hidden() / m.heads);
         let group = m.heads / m.kv_heads;
         let tensors = m.tensors();
-        let mut gguf_tensors = Vec::new();
-        for (n, shape, v) in &tensors {
-            let top = match n.as_str() {
-                "transformer.word_embeddings.weight" => Some("token_embd.weight"),
-                "transformer.ln_f.weight" => Some("output_norm.weight"),
-                "transformer.ln_f.bias" => Some("output_norm.bias"),
-                "lm_head.weight" => Some("output.weight"),
-                _ => None,
-            };
-            if let Some(top) = top {
-                gguf_tensors.push((top.to_string(), shape.clone(), v.clone()));
-                continue;
-            }
-            let (layer, rest) = n.strip_prefix("transformer.h.").unwrap().split_once('.').unwrap();
-            let (stem, kind) = rest.rsplit_once('.').unwrap();
-            let gguf = match stem {
-                "input_layernorm" | "ln_mlp" => "attn_norm",
-                "ln_attn" => "attn_norm_2",
-                "self_attention.query_key_value" => "attn_qkv",
-                "self_attention.dense" => "attn_output",
-                "mlp.dense_h_to_4h" => "ffn_up",
-                "mlp.dense_4h_to_h" => "ffn_down",
-                other => panic!("{other}"),
-            };
-            let v = if gguf == "attn_qkv" {
-                // Each group's rows [its queries, its key, its value] → [queries; keys; values].
-                let row = |slot: usize| &v[slot * hd * h..(slot + 1) * hd * h];
-                let slots = (0..m.heads)
-                    .map(|j| j / group * (group + 2) + j % group)
-                    .chain((0..m.kv_heads).map(|g| g * (group + 2) + group))
-                    .chain((0..m.kv_heads).map(|g| g * (group + 2) + group + 1));
-                slots.flat_map(row).copied().collect()
-            } else {
-                v.clone()
-            };
-            gguf_tensors.push((format!("blk.{layer}.{gguf}.{kind}"), shape.clone(), v));
-        }
-        let (tokens, merges) = byte_level_vocabulary(m.vocab);
-        let u = |v: usize| GgufValue::U32(v as u32);
-        let mut meta = vec![
-            ("general.architecture".to_string(), GgufValue::Str("falcon".into())),
-            ("falcon.block_count".into(), u(m.layers)),
-            ("falcon.context_length".into(), u(2048)),
-            ("falcon.embedding_length".into(), u(h)),
-            ("falcon.feed_forward_length".into(), u(4 * h)),
-            ("falcon.attention.head_count".into(), u(m.heads)),
-            ("falcon.attention.head_count_kv".into(), u(m.kv_heads)),
-            ("falcon.attention.layer_norm_epsilon".into(), GgufValue::F32(1e-5)),
+        let top = [
+            ("transformer.word_embeddings.weight", "token_embd.weight"),
+            ("transformer.ln_f.weight", "output_norm.weight"),
+            ("transformer.ln_f.bias", "output_norm.bias"),
+            ("lm_head.weight", "output.weight"),
         ];
-        meta.extend(byte_level_meta("falcon", tokens, merges));
-        let gguf = tmp.path().join(format!("{kind:?}.gguf"));
-        write_gguf(&gguf, &meta, &gguf_tensors);
+        // Each group's rows [its queries, its key, its value] → [queries; keys; values].
+        let slots: Vec<usize> = (0..m.heads)
+            .map(|j| j / group * (group + 2) + j % group)
+            .chain((0..m.kv_heads).map(|g| g * (group + 2) + group))
+            .chain((0..m.kv_heads).map(|g| g * (group + 2) + group + 1))
+            .collect();
+        let gguf_tensors = as_gguf_tensors(&tensors, &top, "transformer.h.", hd, &slots, |stem| match stem {
+            "input_layernorm" | "ln_mlp" => "attn_norm",
+            "ln_attn" => "attn_norm_2",
+            "self_attention.query_key_value" => "attn_qkv",
+            "self_attention.dense" => "attn_output",
+            "mlp.dense_h_to_4h" => "ffn_up",
+            "mlp.dense_4h_to_h" => "ffn_down",
+            other => panic!("{other}"),
+        });
+        let u = |v: usize| GgufValue::U32(v as u32);
+        let arch_meta = vec![
+            ("attention.head_count_kv", u(m.kv_heads)),
+            ("attention.layer_norm_epsilon", GgufValue::F32(1e-5)),
+        ];
         let out = tmp.path().join(format!("{kind:?}"));
-        let converted = convert_f32(&gguf, &out);
-        assert_eq!(converted.len(), tensors.len(), "{kind:?}");
-        for (n, shape, v) in &tensors {
-            let t = converted.get(n).unwrap_or_else(|| panic!("{kind:?}: {n} missing"));
-            assert_eq!(
-                (t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
-                (&shape[..], v),
-                "{n}"
-            );
-        }
+        let gguf = (&gguf_tensors[..], "falcon", arch_meta, "falcon");
+        let meta =
+            gguf_converts_back(&out, gguf, (m.layers, h, m.heads), m.vocab, &tensors, |n| n.to_string());
         let cfg = folder_config(&out);
         for key in ["intermediate_size", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act"] {
             assert!(cfg.get(key).is_none(), "{kind:?}: {key} in {cfg}");
@@ -1176,54 +1143,202 @@ fn random_falcon_40b_style_matches_candle_on_one_two_and_three_ranks() {
 fn random_gpt_neox_matches_candle_on_one_and_two_ranks() {
     for parallel in [true, false] {
         let tmp = tempfile::tempdir().unwrap();
-        let (dir, theirs) = (tmp.path().join("neox"), tmp.path().join("candle"));
+        let dir = tmp.path().join("neox");
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::create_dir_all(&theirs).unwrap();
         let m = TinyNeoX::new(parallel);
         m.write(&dir);
-        m.write_for_candle(&theirs);
+        let single = gpt_neox_against_candle(&m, &dir, &tmp.path().join("candle"));
         let name = format!("random gpt_neox, parallel {parallel}");
-        let h = m.hidden();
-        let single = if parallel {
-            let cfg = serde_json::json!({
-                "vocab_size": m.vocab, "hidden_size": h, "intermediate_size": 4 * h,
-                "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
-                "num_key_value_heads": m.heads, "hidden_act": "gelu", "max_position_embeddings": 2048,
-                "layer_norm_eps": 1e-5, "tie_word_embeddings": false, "rope_theta": 10000.0,
-                "partial_rotary_factor": m.rotary_pct(), "qk_layernorm": false,
-            });
-            let cfg: phi::Config = serde_json::from_value(cfg).unwrap();
-            let mut model = phi::Model::new(&cfg, candle_weights(&theirs)).unwrap();
-            tiny_matches_candle(&name, &dir, |ids, _| {
-                model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-            })
-        } else {
-            let cfg = falcon::Config {
-                vocab_size: m.vocab,
-                hidden_size: h,
-                num_hidden_layers: m.layers,
-                num_attention_heads: m.heads,
-                layer_norm_epsilon: 1e-5,
-                initializer_range: 0.02,
-                use_cache: true,
-                bos_token_id: 0,
-                eos_token_id: 0,
-                hidden_dropout: 0.0,
-                attention_dropout: 0.0,
-                n_head_kv: Some(m.heads),
-                alibi: false,
-                new_decoder_architecture: false,
-                multi_query: false,
-                parallel_attn: false,
-                bias: true,
-            };
-            let mut model = falcon::Falcon::load(candle_weights(&theirs), cfg).unwrap();
-            tiny_matches_candle(&name, &dir, |ids, _| {
-                model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-            })
-        };
         same_on_two_ranks(&name, &dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
     }
+}
+
+/// gridlm on the GPT-NeoX folder `dir` (holding the model `m`) against candle on the same
+/// model, written for it into `theirs` ([`TinyNeoX::write_for_candle`]); gridlm's run.
+fn gpt_neox_against_candle(m: &TinyNeoX, dir: &Path, theirs: &Path) -> Run {
+    std::fs::create_dir_all(theirs).unwrap();
+    m.write_for_candle(theirs);
+    let name = format!("gpt_neox, parallel {}, in {}", m.parallel, dir.display());
+    let h = m.hidden();
+    if m.parallel {
+        let cfg = serde_json::json!({
+            "vocab_size": m.vocab, "hidden_size": h, "intermediate_size": 4 * h,
+            "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+            "num_key_value_heads": m.heads, "hidden_act": "gelu", "max_position_embeddings": 2048,
+            "layer_norm_eps": 1e-5, "tie_word_embeddings": false, "rope_theta": 10000.0,
+            "partial_rotary_factor": m.rotary_pct(), "qk_layernorm": false,
+        });
+        let cfg: phi::Config = serde_json::from_value(cfg).unwrap();
+        let mut model = phi::Model::new(&cfg, candle_weights(theirs)).unwrap();
+        tiny_matches_candle(&name, dir, |ids, _| {
+            model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        })
+    } else {
+        let cfg = falcon::Config {
+            vocab_size: m.vocab,
+            hidden_size: h,
+            num_hidden_layers: m.layers,
+            num_attention_heads: m.heads,
+            layer_norm_epsilon: 1e-5,
+            initializer_range: 0.02,
+            use_cache: true,
+            bos_token_id: 0,
+            eos_token_id: 0,
+            hidden_dropout: 0.0,
+            attention_dropout: 0.0,
+            n_head_kv: Some(m.heads),
+            alibi: false,
+            new_decoder_architecture: false,
+            multi_query: false,
+            parallel_attn: false,
+            bias: true,
+        };
+        let mut model = falcon::Falcon::load(candle_weights(theirs), cfg).unwrap();
+        tiny_matches_candle(&name, dir, |ids, _| {
+            model.forward(&batch_of_one(ids)).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        })
+    }
+}
+
+/// GPT-NeoX GGUFs as llama.cpp's converter writes them — q, k and v rows and their biases one
+/// after the other (all queries, then all keys, then all values), the FFN's norm as
+/// `ffn_norm`, `use_parallel_residual` and the rotated dimensions in the metadata, the `mpt`
+/// pre-tokenizer its hash table gives the GPT-NeoX vocabulary — convert into exactly the
+/// tensors they were written from (the head as `embed_out`), a config by GPTNeoXConfig's own
+/// keys, on which gridlm agrees with candle.
+#[test]
+fn gpt_neox_ggufs_convert_to_the_models_they_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    for parallel in [true, false] {
+        let m = TinyNeoX::new(parallel);
+        let (h, hd) = (m.hidden(), m.hidden() / m.heads);
+        let tensors = m.tensors();
+        let top = [
+            ("gpt_neox.embed_in.weight", "token_embd.weight"),
+            ("gpt_neox.final_layer_norm.weight", "output_norm.weight"),
+            ("gpt_neox.final_layer_norm.bias", "output_norm.bias"),
+            ("lm_head.weight", "output.weight"),
+            ("embed_out.weight", "output.weight"),
+        ];
+        // Head j's [q, k, v] rows (and biases) → [all q; all k; all v].
+        let slots: Vec<usize> = (0..3).flat_map(|part| (0..m.heads).map(move |j| 3 * j + part)).collect();
+        let gguf_tensors =
+            as_gguf_tensors(&tensors, &top, "gpt_neox.layers.", hd, &slots, |stem| match stem {
+                "input_layernorm" => "attn_norm",
+                "post_attention_layernorm" => "ffn_norm",
+                "attention.query_key_value" => "attn_qkv",
+                "attention.dense" => "attn_output",
+                "mlp.dense_h_to_4h" => "ffn_up",
+                "mlp.dense_4h_to_h" => "ffn_down",
+                other => panic!("{other}"),
+            });
+        let u = |v: usize| GgufValue::U32(v as u32);
+        let arch_meta = vec![
+            ("rope.dimension_count", u((hd as f64 * m.rotary_pct()) as usize)),
+            ("use_parallel_residual", GgufValue::Bool(parallel)),
+            ("attention.layer_norm_epsilon", GgufValue::F32(1e-5)),
+        ];
+        let out = tmp.path().join(format!("neox-{parallel}"));
+        // The head as transformers 4 named it.
+        let stored = |n: &str| if n == "lm_head.weight" { "embed_out.weight".into() } else { n.to_string() };
+        let gguf = (&gguf_tensors[..], "gptneox", arch_meta, "mpt");
+        gguf_converts_back(&out, gguf, (m.layers, h, m.heads), m.vocab, &tensors, stored);
+        let cfg = folder_config(&out);
+        for key in ["num_key_value_heads", "head_dim", "rms_norm_eps", "partial_rotary_factor", "rope_theta"]
+        {
+            assert!(cfg.get(key).is_none(), "{key} in {cfg}");
+        }
+        assert_eq!(cfg["use_parallel_residual"], parallel, "{cfg}");
+        assert_eq!(
+            (cfg["rotary_pct"].as_f64(), cfg["hidden_act"].as_str()),
+            (Some(m.rotary_pct()), Some("gelu"))
+        );
+        if !parallel {
+            // Candle's Falcon runs GELU's tanh form (the folder it was written from says so).
+            let mut tanh = cfg.clone();
+            tanh["hidden_act"] = "gelu_new".into();
+            std::fs::write(out.join("config.json"), tanh.to_string()).unwrap();
+        }
+        gpt_neox_against_candle(&m, &out, &tmp.path().join(format!("neox-{parallel}-candle")));
+    }
+}
+
+/// What [`gguf_converts_back`] writes.
+type GgufSpec<'a> = (&'a [(String, Vec<usize>, Vec<f32>)], &'a str, Vec<(&'a str, GgufValue)>, &'a str);
+
+/// A GGUF of `(tensors, architecture, its metadata by key under the architecture beside the
+/// layers, the width and the heads of `shape` (a context of 2048, an FFN of four times the
+/// width), the pre-tokenizer of a byte-level vocabulary of `vocab` words)`, written beside `out` and
+/// converted (f32) into `out`, which must hold exactly `tensors` (each named as `stored` says);
+/// returns the GGUF's metadata.
+fn gguf_converts_back(
+    out: &Path,
+    (gguf_tensors, arch, arch_meta, pre): GgufSpec,
+    shape: (usize, usize, usize),
+    vocab: usize,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    stored: impl Fn(&str) -> String,
+) -> Vec<(String, GgufValue)> {
+    let u = |v: usize| GgufValue::U32(v as u32);
+    let (layers, hidden, heads) = shape;
+    let mut meta = vec![("general.architecture".to_string(), GgufValue::Str(arch.into()))];
+    let common = [
+        ("block_count", u(layers)),
+        ("context_length", u(2048)),
+        ("embedding_length", u(hidden)),
+        ("feed_forward_length", u(4 * hidden)),
+        ("attention.head_count", u(heads)),
+    ];
+    meta.extend(common.into_iter().chain(arch_meta).map(|(k, v)| (format!("{arch}.{k}"), v)));
+    let (tokens, merges) = byte_level_vocabulary(vocab);
+    meta.extend(byte_level_meta(pre, tokens, merges));
+    let gguf = out.with_extension("gguf");
+    write_gguf(&gguf, &meta, gguf_tensors);
+    let converted = convert_f32(&gguf, out);
+    assert_eq!(converted.len(), tensors.len(), "{}", out.display());
+    for (n, shape, v) in tensors {
+        let name = stored(n);
+        let t = converted.get(&name).unwrap_or_else(|| panic!("{}: {name} missing", out.display()));
+        assert_eq!(
+            (t.dims(), &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
+            (&shape[..], v),
+            "{name}"
+        );
+    }
+    meta
+}
+
+/// `tensors` as llama.cpp's converter names and stores them: `top` renames those outside the
+/// layers; a layer's `{prefix}{i}.{stem}.{kind}` becomes `blk.{i}.{layer(stem)}.{kind}`, the
+/// fused q/k/v (`attn_qkv`, weight or bias) its `head_dim`-row blocks taken in the order of
+/// `qkv_slots`.
+fn as_gguf_tensors(
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    top: &[(&str, &str)],
+    prefix: &str,
+    head_dim: usize,
+    qkv_slots: &[usize],
+    layer: impl Fn(&str) -> &'static str,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut out = Vec::new();
+    for (n, shape, v) in tensors {
+        if let Some((_, gguf)) = top.iter().find(|(hf, _)| hf == n) {
+            out.push((gguf.to_string(), shape.clone(), v.clone()));
+            continue;
+        }
+        let (i, rest) = n.strip_prefix(prefix).unwrap().split_once('.').unwrap();
+        let (stem, kind) = rest.rsplit_once('.').unwrap();
+        let gguf = layer(stem);
+        let v = if gguf == "attn_qkv" {
+            let block = v.len() / qkv_slots.len();
+            assert_eq!(block % head_dim, 0, "{n}");
+            qkv_slots.iter().flat_map(|s| &v[s * block..(s + 1) * block]).copied().collect()
+        } else {
+            v.clone()
+        };
+        out.push((format!("blk.{i}.{gguf}.{kind}"), shape.clone(), v));
+    }
+    out
 }
 
 /// A Phi-2 GGUF as llama.cpp writes one (`phi2`: the final norm as `output_norm` and the head's
