@@ -28,11 +28,11 @@ fn malformed_config() {
 fn unknown_model_type() {
     let (_t, dir) = tiny_llama();
     let mut cfg = gridlm_reference::TinyModel::llama().config();
-    cfg["model_type"] = "gpt_neox".into();
+    cfg["model_type"] = "bloom".into();
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     assert_one_line_error(
         &generate_on(&dir, "t1"),
-        &["config.json", "unsupported model_type `gpt_neox`", "llama, mistral, qwen2"],
+        &["config.json", "unsupported model_type `bloom`", "llama, mistral, qwen2"],
     );
 }
 
