@@ -296,7 +296,7 @@ fn layer_prefix(cfg: &ModelConfig, i: usize) -> String {
 }
 
 /// Layer `i`'s dense FFN's down tensor (Granite 4's `shared_mlp.output_linear`, StarCoder 2's
-/// `mlp.c_proj`, Phi's `mlp.fc2`, Falcon's `mlp.dense_4h_to_h`).
+/// `mlp.c_proj`, Phi's `mlp.fc2`, Falcon's and GPT-NeoX's `mlp.dense_4h_to_h`).
 fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
     let name = match cfg.arch {
         Arch::GraniteMoeHybrid => "shared_mlp.output_linear",
@@ -309,7 +309,7 @@ fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
 }
 
 /// Layer `i`'s attention output matrix (Phi's `self_attn.dense`, Falcon's
-/// `self_attention.dense`).
+/// `self_attention.dense`, GPT-NeoX's `attention.dense`).
 fn o_proj_name(cfg: &ModelConfig, i: usize) -> String {
     let name = match cfg.arch {
         Arch::Phi => "self_attn.dense",
@@ -320,7 +320,8 @@ fn o_proj_name(cfg: &ModelConfig, i: usize) -> String {
     format!("{}{name}.weight", layer_prefix(cfg, i))
 }
 
-/// The final norm (Phi's `model.final_layernorm`, Falcon's `transformer.ln_f`).
+/// The final norm (Phi's `model.final_layernorm`, Falcon's `transformer.ln_f`, GPT-NeoX's
+/// `gpt_neox.final_layer_norm`).
 fn final_norm_name(cfg: &ModelConfig) -> &'static str {
     match cfg.arch {
         Arch::Phi => "model.final_layernorm.weight",
