@@ -27,6 +27,8 @@ pub const SHAPES: &[&str] = &[
     "qwen1.5-moe-a2.7b",
     "qwen3-30b-a3b",
     "mixtral-8x7b",
+    "falcon-7b",
+    "pythia-1.4b",
 ];
 
 /// The configuration of a named shape (hyper-parameters of the public models of that name).
@@ -49,6 +51,9 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         "qwen1.5-moe-a2.7b" => (Arch::Qwen2Moe, 2048, 5632, 24, 16, 16, 128, 151936, false, 1000000.0, 8192),
         "qwen3-30b-a3b" => (Arch::Qwen3Moe, 2048, 6144, 48, 32, 4, 128, 151936, false, 1000000.0, 40960),
         "mixtral-8x7b" => (Arch::Mixtral, 4096, 14336, 32, 32, 8, 128, 32000, false, 1000000.0, 32768),
+        // 71 query heads and one KV head, which every tp rank holds.
+        "falcon-7b" => (Arch::Falcon, 4544, 18176, 32, 71, 1, 64, 65024, true, 10000.0, 2048),
+        "pythia-1.4b" => (Arch::GptNeoX, 2048, 8192, 24, 16, 16, 128, 50304, false, 10000.0, 2048),
         other => {
             return Err(Error::Input(format!("unknown --shape `{other}` (known: {})", SHAPES.join(", "))));
         }
@@ -70,6 +75,9 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     // (logits). Gemma 3 1B (4B): five of every six layers local, 512 (1024) positions, their own
     // RoPE base.
     let pattern = if gemma2 { 2 } else { 6 };
+    // Falcon-7B: LayerNorms, no gate, GELU, the attention and the FFN reading one norm.
+    // Pythia: those with every bias, a quarter of each head rotated, the FFN's own norm.
+    let (falcon, neox) = (arch == Arch::Falcon, arch == Arch::GptNeoX);
     Ok(ModelConfig {
         arch,
         hidden_size: h,
@@ -78,24 +86,24 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: hd,
-        rotary_dim: hd,
+        rotary_dim: if neox { hd / 4 } else { hd },
         vocab_size: vocab,
         rms_norm_eps: 1e-5,
         rope_theta: theta,
         rope_scaling,
         max_position_embeddings: max_pos,
         tie_word_embeddings: tied,
-        qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
+        qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) || neox,
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
         qk_norm_full: arch == Arch::Olmo2,
         rope_interleaved: false,
-        linear_bias: false,
-        layer_norm: false,
+        linear_bias: neox,
+        layer_norm: falcon || neox,
         weightless_norms: false,
         clip_qkv: None,
-        gated_ffn: true,
-        parallel_residual: false,
-        parallel_ffn_norm: false,
+        gated_ffn: !falcon && !neox,
+        parallel_residual: falcon || neox,
+        parallel_ffn_norm: neox,
         head_bias: false,
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
@@ -106,7 +114,11 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         rope_local_theta: gemma3.then_some(10000.0),
         // SmolLM3 3B: every fourth layer unrotated.
         no_rope_layers: (arch == Arch::SmolLM3).then(|| (0..l).map(|i| (i + 1) % 4 == 0).collect()),
-        activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+        activation: match arch {
+            _ if gemma => Activation::GeluTanh,
+            Arch::Falcon | Arch::GptNeoX => Activation::Gelu,
+            _ => Activation::Silu,
+        },
         norm_plus_one: gemma,
         scale_embedding: gemma,
         norm_place: match arch {
@@ -175,11 +187,17 @@ fn splitmix(mut z: u64) -> u64 {
 impl Synthetic {
     /// (scale, offset) of a tensor's values, by its role.
     fn law(name: &str, n_cols: usize) -> (f32, f32) {
-        if name.ends_with("norm.weight") {
+        if name.ends_with("norm.weight") || name.ends_with("ln_f.weight") {
             (0.1, 1.0)
         } else if name.ends_with(".bias") {
             (0.1, 0.0)
-        } else if name == "model.embed_tokens.weight" {
+        } else if [
+            "model.embed_tokens.weight",
+            "transformer.word_embeddings.weight",
+            "gpt_neox.embed_in.weight",
+        ]
+        .contains(&name)
+        {
             (1.0, 0.0)
         } else {
             ((3.0 / n_cols as f32).sqrt(), 0.0)
