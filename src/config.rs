@@ -86,6 +86,17 @@ pub enum Arch {
     /// (`post_attention_layernorm`) or, where `use_parallel_residual` is false, a sequential
     /// one; names under `gpt_neox.`.
     GptNeoX,
+    /// OpenAI's GPT-2 (`gpt2`: GPT-2, DistilGPT2, DialoGPT, Cerebras-GPT): learned absolute
+    /// positions (`wpe`) added to the token embedding, no RoPE, LayerNorms, biases on every
+    /// projection, q, k and v one after another in `attn.c_attn`, an FFN without a gate
+    /// (`c_fc`, GELU, `c_proj`), and every matrix stored transposed (`Conv1D`, `[in, out]`);
+    /// names under `transformer.` (or none, in folders saved from the bare model).
+    Gpt2,
+    /// BigCode's GPT-BigCode (`gpt_bigcode`: StarCoder, StarCoderBase, SantaCoder,
+    /// WizardCoder): GPT-2 with `nn.Linear` matrices (`[out, in]`) and one KV head
+    /// (`multi_query`, q, k, v one after another in `c_attn`) or, without it, q, k and v
+    /// stored head by head (GPT-NeoX's layout).
+    GptBigCode,
 }
 
 impl Arch {
@@ -117,6 +128,8 @@ impl Arch {
             Arch::Phi => "phi",
             Arch::Falcon => "falcon",
             Arch::GptNeoX => "gpt_neox",
+            Arch::Gpt2 => "gpt2",
+            Arch::GptBigCode => "gpt_bigcode",
         }
     }
 }
@@ -140,6 +153,7 @@ impl Arch {
         let (max_position_embeddings, eps, rope_theta) = match self {
             Llama | Granite | GraniteMoeHybrid | GraniteMoe => (2048, 1e-6, 1e4),
             Olmo | Olmo2 | Phi | Falcon | GptNeoX => (2048, 1e-5, 1e4),
+            Gpt2 | GptBigCode => (1024, 1e-5, 1e4),
             Phi3 | Starcoder2 | StableLm => (4096, 1e-5, 1e4),
             Helium => (4096, 1e-8, 1e5),
             Gemma | Gemma2 => (8192, 1e-6, 1e4),
@@ -152,8 +166,8 @@ impl Arch {
             Glm | Glm4 => (131072, 1.5625e-7, 1e4),
         };
         let act = match self {
-            Gemma | Gemma2 | Gemma3 | Starcoder2 => "gelu_pytorch_tanh",
-            Phi => "gelu_new",
+            Gemma | Gemma2 | Gemma3 | Starcoder2 | GptBigCode => "gelu_pytorch_tanh",
+            Phi | Gpt2 => "gelu_new",
             Falcon | GptNeoX => "gelu",
             _ => "silu",
         };
@@ -341,6 +355,9 @@ pub struct ModelConfig {
     pub parallel_ffn_norm: bool,
     /// The output head has a bias (Phi's `lm_head.bias`).
     pub head_bias: bool,
+    /// Positions are learned vectors added to the token embedding (GPT-2's `wpe`, one row per
+    /// position up to `max_position_embeddings`); no layer rotates.
+    pub learned_positions: bool,
     /// RoPE rotates the pairs `(2i, 2i + 1)` of a head's rotated dimensions (GLM's
     /// interleaved form) rather than `(i, i + rotary_dim/2)` (HF's "rotate half").
     pub rope_interleaved: bool,
@@ -381,7 +398,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s gridlm runs, as errors list them.
-const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, falcon, gpt_neox, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe (their text models)";
+const MODEL_TYPES: &str = "llama, mistral, qwen2, qwen3, phi3, smollm3, gemma, gemma2, gemma3_text, olmo, olmo2, qwen2_moe, qwen3_moe, mixtral, granite, granitemoehybrid, granitemoe, glm, glm4, starcoder2, stablelm, phi, helium, falcon, gpt_neox, gpt2, gpt_bigcode, and the image-and-text gemma3, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe (their text models)";
 
 /// Raw `config.json` as HuggingFace writes it; only the fields gridlm reads.
 #[derive(Deserialize)]
@@ -457,6 +474,10 @@ struct HfConfig {
     // GPT-NeoX's names for the RoPE base and the rotated part of a head (transformers 4's).
     rotary_emb_base: Option<f64>,
     rotary_pct: Option<f64>,
+    // GPT-2's and GPT-BigCode's (their other keys renamed by `gpt2_keys`).
+    scale_attn_weights: Option<bool>,
+    scale_attn_by_inverse_layer_idx: Option<bool>,
+    add_cross_attention: Option<bool>,
 }
 
 /// A key that is there, perhaps null (`Some(None)`); with `#[serde(default)]`, `None` where
@@ -509,6 +530,8 @@ impl ModelConfig {
         }
         let legacy = legacy_rope_keys(text).map_err(bad)?;
         let text = legacy.as_deref().unwrap_or(text);
+        let renamed = gpt2_keys(text).map_err(bad)?;
+        let text = renamed.as_deref().unwrap_or(text);
         let raw: HfConfig = serde_json::from_str(text).map_err(|e| bad(format!("invalid config: {e}")))?;
         let model_type = raw
             .model_type
@@ -541,6 +564,8 @@ impl ModelConfig {
             "phi" => Arch::Phi,
             "falcon" => Arch::Falcon,
             "gpt_neox" => Arch::GptNeoX,
+            "gpt2" => Arch::Gpt2,
+            "gpt_bigcode" => Arch::GptBigCode,
             other => {
                 return Err(bad(format!("unsupported model_type `{other}` (expected one of {MODEL_TYPES})")))
             }
@@ -584,6 +609,15 @@ impl ModelConfig {
         // GLM's biases are on q, k and v alone (HF's GlmAttention has none on o_proj).
         let glm = matches!(arch, Arch::Glm | Arch::Glm4);
         let neox = arch == Arch::GptNeoX;
+        let gpt2 = matches!(arch, Arch::Gpt2 | Arch::GptBigCode);
+        for (key, on) in [
+            ("add_cross_attention", raw.add_cross_attention),
+            ("scale_attn_by_inverse_layer_idx", raw.scale_attn_by_inverse_layer_idx),
+        ] {
+            if on == Some(true) {
+                return Err(bad(format!("{key} = true is not supported for {model_type}")));
+            }
+        }
         if neox && raw.attention_bias == Some(false) {
             return Err(bad(
                 "attention_bias = false (q/k/v and dense without biases, the FFN's kept) is not supported for gpt_neox".into(),
@@ -640,7 +674,14 @@ impl ModelConfig {
         let n_kv_heads = match &falcon {
             Some(f) => f.kv_heads,
             // GPT-NeoX's q, k and v stored head by head: a KV head per query head.
-            None if neox => n_heads,
+            None if neox || arch == Arch::Gpt2 => n_heads,
+            None if arch == Arch::GptBigCode => {
+                if raw.multi_query.unwrap_or(true) {
+                    1
+                } else {
+                    n_heads
+                }
+            }
             None => raw.num_key_value_heads.unwrap_or(n_heads),
         };
         let positive = [
@@ -669,7 +710,7 @@ impl ModelConfig {
             )));
         }
         // Falcon's heads are always `hidden_size / num_attention_heads` wide.
-        let head_dim = match raw.head_dim.filter(|_| !matches!(arch, Arch::Falcon | Arch::GptNeoX)) {
+        let head_dim = match raw.head_dim.filter(|_| !matches!(arch, Arch::Falcon | Arch::GptNeoX) && !gpt2) {
             Some(d) => d,
             None => {
                 if !raw.hidden_size.is_multiple_of(n_heads) {
@@ -718,7 +759,7 @@ impl ModelConfig {
         let (key, given) = match arch {
             Arch::Starcoder2 => ("norm_epsilon", raw.norm_epsilon),
             Arch::StableLm | Arch::Phi | Arch::GptNeoX => ("layer_norm_eps", raw.layer_norm_eps),
-            Arch::Falcon => ("layer_norm_epsilon", raw.layer_norm_epsilon),
+            Arch::Falcon | Arch::Gpt2 | Arch::GptBigCode => ("layer_norm_epsilon", raw.layer_norm_epsilon),
             // HF's OlmoLayerNorm: always 1e-5, whatever the config says.
             Arch::Olmo => ("", None),
             _ => ("rms_norm_eps", raw.rms_norm_eps),
@@ -783,6 +824,8 @@ impl ModelConfig {
         let no_rope_layers = match arch {
             Arch::SmolLM3 => Some(smollm3_no_rope_layers(&raw).map_err(bad)?),
             // Granite 4 rotates only when asked (its hybrid models' attention has no positions).
+            // GPT-2's positions are in its embedding.
+            Arch::Gpt2 | Arch::GptBigCode => Some(vec![true; raw.num_hidden_layers]),
             Arch::GraniteMoeHybrid => match raw.position_embedding_type.as_deref() {
                 Some("rope") => None,
                 None => Some(vec![true; raw.num_hidden_layers]),
@@ -815,12 +858,14 @@ impl ModelConfig {
             let s = finite_positive("query_pre_attn_scalar", raw.query_pre_attn_scalar.unwrap_or(256.0))
                 .map_err(bad)?;
             (1.0 / s.sqrt()) as f32
+        } else if gpt2 && raw.scale_attn_weights == Some(false) {
+            1.0
         } else {
             1.0 / (head_dim as f32).sqrt()
         };
         let moe = moe(arch, &raw).map_err(bad)?;
         // Biases on every projection: StarCoder 2's `use_bias`, Phi's always.
-        let linear_bias = (starcoder2 && raw.use_bias.unwrap_or(true)) || phi || neox;
+        let linear_bias = (starcoder2 && raw.use_bias.unwrap_or(true)) || phi || neox || gpt2;
         let neox_parallel = neox && raw.use_parallel_residual.unwrap_or(true);
         let mut eos_token_ids = token_ids(&raw.eos_token_id);
         if glm && eos_token_ids.is_empty() {
@@ -841,11 +886,12 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            // HF's default where the folder says nothing: tied for Gemma, SmolLM3, StarCoder 2 and
-            // Falcon (the first Gemma's folders leave it out), untied for the others.
+            // HF's default where the folder says nothing: tied for Gemma, SmolLM3, StarCoder 2,
+            // Falcon, GPT-2 and GPT-BigCode (the first Gemma's folders leave it out), untied for
+            // the others.
             tie_word_embeddings: raw
                 .tie_word_embeddings
-                .unwrap_or(gemma || matches!(arch, Arch::SmolLM3 | Arch::Starcoder2 | Arch::Falcon)),
+                .unwrap_or(gemma || gpt2 || matches!(arch, Arch::SmolLM3 | Arch::Starcoder2 | Arch::Falcon)),
             qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe)
                 || (glm && raw.attention_bias.unwrap_or(true))
                 || linear_bias
@@ -854,13 +900,15 @@ impl ModelConfig {
             layer_norm: starcoder2
                 || phi
                 || neox
+                || gpt2
                 || matches!(arch, Arch::StableLm | Arch::Olmo | Arch::Falcon),
             weightless_norms: arch == Arch::Olmo,
             clip_qkv,
-            gated_ffn: !starcoder2 && !phi && !neox && falcon.is_none(),
+            gated_ffn: !starcoder2 && !phi && !neox && !gpt2 && falcon.is_none(),
             parallel_residual: phi || neox_parallel || falcon.as_ref().is_some_and(|f| f.parallel),
             parallel_ffn_norm: neox_parallel || falcon.as_ref().is_some_and(|f| f.two_norms),
             head_bias: phi,
+            learned_positions: gpt2,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3VlMoe | Arch::Gemma3),
             qk_norm_full: arch == Arch::Olmo2,
             rope_interleaved: glm || arch == Arch::Helium,
@@ -1260,6 +1308,52 @@ fn falcon_layout(raw: &HfConfig) -> std::result::Result<FalconLayout, String> {
         ));
     }
     Ok(FalconLayout { kv_heads: n_heads, parallel, two_norms: false })
+}
+
+/// GPT-2's and GPT-BigCode's config.json in the keys the other families use: `n_embd`,
+/// `n_layer`, `n_head`, `n_positions`, `n_inner` (null or absent: four times `n_embd`) and
+/// `activation_function` renamed as HF's `attribute_map` reads them, with HF's defaults
+/// (GPT2Config's, GPTBigCodeConfig's) for those left out. `None` for other families.
+fn gpt2_keys(text: &str) -> std::result::Result<Option<String>, String> {
+    let Ok(serde_json::Value::Object(mut v)) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Ok(None); // the full parse names what is wrong
+    };
+    let model_type = v.get("model_type").and_then(|t| t.as_str()).unwrap_or_default().to_string();
+    if !matches!(model_type.as_str(), "gpt2" | "gpt_bigcode") {
+        return Ok(None);
+    }
+    let renames = [
+        ("n_embd", "hidden_size", 768),
+        ("n_layer", "num_hidden_layers", 12),
+        ("n_head", "num_attention_heads", 12),
+        ("n_positions", "max_position_embeddings", 1024),
+        ("vocab_size", "vocab_size", 50257),
+    ];
+    for (from, to, default) in renames {
+        if from != to && v.contains_key(to) {
+            return Err(format!(
+                "both `{from}` and `{to}` are given (expected {model_type}'s `{from}` alone)"
+            ));
+        }
+        let value = v.remove(from).unwrap_or(default.into());
+        v.insert(to.into(), value);
+    }
+    if v.contains_key("intermediate_size") {
+        return Err(format!(
+            "both `n_inner` and `intermediate_size` are given (expected {model_type}'s `n_inner`)"
+        ));
+    }
+    let inner = match v.remove("n_inner") {
+        None | Some(serde_json::Value::Null) => v["hidden_size"].as_u64().map(|h| (4 * h).into()),
+        Some(n) => Some(n),
+    };
+    if let Some(n) = inner {
+        v.insert("intermediate_size".into(), n);
+    }
+    if let Some(act) = v.remove("activation_function") {
+        v.insert("hidden_act".into(), act);
+    }
+    serde_json::to_string(&v).map(Some).map_err(|e| e.to_string())
 }
 
 fn legacy_rope_keys(text: &str) -> std::result::Result<Option<String>, String> {
@@ -2054,6 +2148,69 @@ mod tests {
         assert!(!c.parallel_residual && !c.parallel_ffn_norm);
         let e = parse(&pythia.replace(r#""use_cache":true"#, r#""attention_bias":false"#)).unwrap_err();
         assert!(e.to_string().contains("attention_bias = false"), "{e}");
+    }
+
+    /// GPT-2 and GPT-BigCode: their own key names (OpenAI's gpt2 and starcoderbase-1b's
+    /// published config.json), HF's defaults for the keys left out, learned positions and no
+    /// RoPE, one KV head where `multi_query` (its default); unscaled attention where
+    /// `scale_attn_weights` is false; what HF would run otherwise refused.
+    #[test]
+    fn gpt2_and_gpt_bigcode_settings() {
+        let gpt2 = r#"{"activation_function":"gelu_new","architectures":["GPT2LMHeadModel"],"attn_pdrop":0.1,
+            "bos_token_id":50256,"embd_pdrop":0.1,"eos_token_id":50256,"initializer_range":0.02,
+            "layer_norm_epsilon":1e-05,"model_type":"gpt2","n_ctx":1024,"n_embd":768,"n_head":12,
+            "n_layer":12,"n_positions":1024,"resid_pdrop":0.1,"summary_activation":null,
+            "summary_first_dropout":0.1,"summary_proj_to_labels":true,"summary_type":"cls_index",
+            "summary_use_proj":true,"vocab_size":50257}"#;
+        let c = parse(gpt2).unwrap();
+        assert_eq!(
+            (c.arch, c.hidden_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim),
+            (Arch::Gpt2, 768, 12, 12, 12, 64)
+        );
+        assert_eq!(
+            (c.intermediate_size, c.max_position_embeddings, c.vocab_size, c.activation, c.rms_norm_eps),
+            (3072, 1024, 50257, Activation::GeluTanh, 1e-5)
+        );
+        assert_eq!(
+            (c.attn_scale, c.eos_token_ids.clone(), c.bos_token_id),
+            (0.125, vec![50256], Some(50256))
+        );
+        assert!(c.learned_positions && c.tie_word_embeddings && c.layer_norm && c.qkv_bias && c.linear_bias);
+        assert!(!c.gated_ffn && !c.parallel_residual && !c.head_bias);
+        assert!((0..12).all(|i| c.layer_rope(i) == LayerRope::None));
+        // GPT2Config's defaults: the smallest GPT-2.
+        let c = parse(r#"{"model_type":"gpt2"}"#).unwrap();
+        assert_eq!((c.hidden_size, c.n_layers, c.n_heads, c.intermediate_size), (768, 12, 12, 3072));
+        let c = parse(&gpt2.replace(r#""n_ctx":1024"#, r#""scale_attn_weights":false"#)).unwrap();
+        assert_eq!(c.attn_scale, 1.0);
+        let starcoder = r#"{"activation_function":"gelu_pytorch_tanh","architectures":["GPTBigCodeForCausalLM"],
+            "attention_softmax_in_fp32":true,"multi_query":true,"attn_pdrop":0.1,"bos_token_id":0,
+            "embd_pdrop":0.1,"eos_token_id":0,"inference_runner":0,"initializer_range":0.02,
+            "layer_norm_epsilon":1e-05,"max_batch_size":null,"max_sequence_length":null,
+            "model_type":"gpt_bigcode","n_embd":2048,"n_head":16,"n_inner":8192,"n_layer":24,
+            "n_positions":8192,"pad_key_length":true,"pre_allocate_kv_cache":false,"resid_pdrop":0.1,
+            "scale_attention_softmax_in_fp32":true,"scale_attn_weights":true,"use_cache":true,
+            "vocab_size":49152}"#;
+        let c = parse(starcoder).unwrap();
+        assert_eq!(
+            (c.arch, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size, c.max_position_embeddings),
+            (Arch::GptBigCode, 16, 1, 128, 8192, 8192)
+        );
+        assert!(c.learned_positions && c.tie_word_embeddings && !c.gated_ffn);
+        let c = parse(&starcoder.replace(r#""multi_query":true"#, r#""multi_query":false"#)).unwrap();
+        assert_eq!(c.n_kv_heads, 16);
+        let c = parse(&starcoder.replace(r#""multi_query":true,"#, "")).unwrap();
+        assert_eq!(c.n_kv_heads, 1);
+        refused_with(&[
+            (&gpt2.replace(r#""n_ctx":1024"#, r#""add_cross_attention":true"#), "add_cross_attention = true"),
+            (
+                &gpt2.replace(r#""n_ctx":1024"#, r#""scale_attn_by_inverse_layer_idx":true"#),
+                "scale_attn_by_inverse_layer_idx = true",
+            ),
+            (&gpt2.replace(r#""n_ctx":1024"#, r#""hidden_size":768"#), "both `n_embd` and `hidden_size`"),
+            (&gpt2.replace(r#""n_ctx":1024"#, r#""n_inner":"wide""#), "invalid config"),
+            (&gpt2.replace("gelu_new", "swish"), "unsupported hidden activation `swish`"),
+        ]);
     }
 
     /// GLM-4: HF's Glm4Config defaults where the folder is silent (half of each head rotated,

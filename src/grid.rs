@@ -118,6 +118,10 @@ pub struct ShardPlan {
     pub expert_ffn: Range<usize>,
     pub shared_ffn: Range<usize>,
     pub vocab: Range<usize>,
+    /// Rows of the learned position embedding (GPT-2's `wpe`; empty for models without one),
+    /// split over the tp ranks as the vocabulary is: each adds its own rows before the
+    /// embedding's allreduce.
+    pub positions: Range<usize>,
     pub first_stage: bool,
     pub last_stage: bool,
 }
@@ -185,6 +189,11 @@ impl ShardPlan {
             expert_ffn: split_aligned(expert_ffn, grid.tp, t, FFN_ALIGN),
             shared_ffn: split_aligned(shared_ffn, grid.tp, t, FFN_ALIGN),
             vocab: vocab_range(cfg.vocab_size, grid.tp, t),
+            positions: if cfg.learned_positions {
+                split_even(cfg.max_position_embeddings, grid.tp, t)
+            } else {
+                0..0
+            },
             first_stage: grid.is_first_stage(),
             last_stage: grid.is_last_stage(),
         })

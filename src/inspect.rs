@@ -96,8 +96,10 @@ pub fn inspect(
     let h = cfg.hidden_size as f64;
     let attention = cfg.attention_params();
     let vocab = cfg.vocab_size as f64 * h;
-    // The embedding and the output head (one matrix where tied).
-    let embeddings = if cfg.tie_word_embeddings { vocab } else { 2.0 * vocab };
+    // The embedding and the output head (one matrix where tied), and learned positions.
+    let positions =
+        if cfg.learned_positions { (cfg.max_position_embeddings * cfg.hidden_size) as f64 } else { 0.0 };
+    let embeddings = if cfg.tie_word_embeddings { vocab } else { 2.0 * vocab } + positions;
     let layers_params =
         |ffn: &dyn Fn(usize) -> f64| (0..cfg.n_layers).map(|i| attention + ffn(i)).sum::<f64>();
     let ffn = match &cfg.moe {

@@ -482,8 +482,9 @@ struct BenchArgs {
     model: Option<PathBuf>,
     /// A named model shape with seeded random weights, generated per shard (no files):
     /// smollm2-135m, qwen2-0.5b, qwen3-0.6b, gemma2-2b, gemma3-1b, gemma3-4b, llama-3.2-1b,
-    /// smollm3-3b, olmo2-1b, llama-2-7b, llama-3-8b, llama-2-70b, falcon-7b, pythia-1.4b, and the
-    /// mixtures of experts qwen1.5-moe-a2.7b, qwen3-30b-a3b and mixtral-8x7b.
+    /// smollm3-3b, olmo2-1b, llama-2-7b, llama-3-8b, llama-2-70b, falcon-7b, pythia-1.4b,
+    /// gpt2-xl, starcoderbase-1b, and the mixtures of experts qwen1.5-moe-a2.7b, qwen3-30b-a3b
+    /// and mixtral-8x7b.
     #[arg(long)]
     shape: Option<String>,
     /// Only the first N layers of the --shape model: a slice of a model too large for the

@@ -1027,7 +1027,7 @@ impl Engine {
             self;
         let x = &mut hidden[..n * h];
         if g.is_first_stage() {
-            shard.embed(tokens, x, comm);
+            shard.embed(tokens, spans, x, comm);
         } else {
             link.recv_f32(g.rank_of(g.stage() - 1, g.tp_rank()), Tag::Hidden, x);
         }

@@ -136,19 +136,32 @@ impl PackedMat {
 
     /// Row `r` as f32 (an embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        self.row_into(r, out, false);
+    }
+
+    /// Row `r` added to `out` (a learned position's embedding to its token's).
+    pub fn add_row_f32(&self, r: usize, out: &mut [f32]) {
+        self.row_into(r, out, true);
+    }
+
+    fn row_into(&self, r: usize, out: &mut [f32], add: bool) {
         assert!(r < self.rows && out.len() == self.cols, "row_f32: row {r} of {}", self.rows);
-        fn copy<T: dot::Elem>(v: &[T], at: usize, scale: f32, o: &mut [f32]) {
-            let n = o.len();
-            o.iter_mut().zip(&v[at..at + n]).for_each(|(o, w)| *o = w.to_f32() * scale);
+        fn copy<T: dot::Elem>(v: &[T], at: usize, scale: f32, o: &mut [f32], add: bool) {
+            let w = v[at..at + o.len()].iter().map(|w| w.to_f32() * scale);
+            if add {
+                o.iter_mut().zip(w).for_each(|(o, w)| *o += w);
+            } else {
+                o.iter_mut().zip(w).for_each(|(o, w)| *o = w);
+            }
         }
         let (p, lane) = (r / PANEL, r % PANEL);
         for (k, o) in out.chunks_mut(CHUNK).enumerate() {
             let at = p * PANEL * self.cols_p + (k * PANEL + lane) * CHUNK;
             match &self.store {
-                Store::F32(v) => copy(v, at, 1.0, o),
-                Store::BF16(v) => copy(v, at, 1.0, o),
-                Store::F16(v) => copy(v, at, 1.0, o),
-                Store::I8(v, s) => copy(v, at, s[r], o),
+                Store::F32(v) => copy(v, at, 1.0, o, add),
+                Store::BF16(v) => copy(v, at, 1.0, o, add),
+                Store::F16(v) => copy(v, at, 1.0, o, add),
+                Store::I8(v, s) => copy(v, at, s[r], o, add),
             }
         }
     }

@@ -20,7 +20,7 @@ use crate::grid::ShardPlan;
 use crate::kernels::{self, AttendOut, Region, SharedSlice, Team};
 use crate::kernels::{PackedMat, Quant};
 use crate::weights::checkpoint::Checkpoint;
-use crate::weights::{DType, Mat, Source};
+use crate::weights::{DType, Mat, Source, Transposed};
 pub use kv_cache::{KvCache, KvPool, PAGE};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -269,6 +269,13 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
             let first = at("mlp.dense_h_to_4h.weight", ff, 0);
             [qkv.clone(), qkv.clone(), qkv, first.clone(), first]
         }
+        // GPT-2's and GPT-BigCode's `c_attn` (GPT-2's: q, k and v one after another;
+        // GPT-BigCode's grouped, [`fused_qkv_rows`]), and their FFN's `c_fc` read as the gate.
+        Arch::Gpt2 | Arch::GptBigCode => {
+            let qkv = |row: usize| at("attn.c_attn.weight", qd + 2 * kvd, row);
+            let first = at("mlp.c_fc.weight", ff, 0);
+            [qkv(0), qkv(qd), qkv(qd + kvd), first.clone(), first]
+        }
         // StarCoder 2's and Phi's FFN has one matrix before its activation (`c_fc`, `fc1`), no
         // gate: read as the gate's rows, the up rows unread.
         Arch::Starcoder2 | Arch::Phi => {
@@ -285,22 +292,22 @@ fn stored_rows(cfg: &ModelConfig, i: usize) -> [StoredRows; 5] {
     }
 }
 
-/// Where layer `i`'s tensors are named: `model.layers.i.` (Falcon's `transformer.h.i.`,
-/// GPT-NeoX's `gpt_neox.layers.i.`).
+/// Where layer `i`'s tensors are named: `model.layers.i.` (Falcon's, GPT-2's and
+/// GPT-BigCode's `transformer.h.i.`, GPT-NeoX's `gpt_neox.layers.i.`).
 fn layer_prefix(cfg: &ModelConfig, i: usize) -> String {
     match cfg.arch {
-        Arch::Falcon => format!("transformer.h.{i}."),
+        Arch::Falcon | Arch::Gpt2 | Arch::GptBigCode => format!("transformer.h.{i}."),
         Arch::GptNeoX => format!("gpt_neox.layers.{i}."),
         _ => format!("model.layers.{i}."),
     }
 }
 
 /// Layer `i`'s dense FFN's down tensor (Granite 4's `shared_mlp.output_linear`, StarCoder 2's
-/// `mlp.c_proj`, Phi's `mlp.fc2`, Falcon's and GPT-NeoX's `mlp.dense_4h_to_h`).
+/// and GPT-2's `mlp.c_proj`, Phi's `mlp.fc2`, Falcon's and GPT-NeoX's `mlp.dense_4h_to_h`).
 fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
     let name = match cfg.arch {
         Arch::GraniteMoeHybrid => "shared_mlp.output_linear",
-        Arch::Starcoder2 => "mlp.c_proj",
+        Arch::Starcoder2 | Arch::Gpt2 | Arch::GptBigCode => "mlp.c_proj",
         Arch::Phi => "mlp.fc2",
         Arch::Falcon | Arch::GptNeoX => "mlp.dense_4h_to_h",
         _ => "mlp.down_proj",
@@ -309,36 +316,48 @@ fn ffn_down_name(cfg: &ModelConfig, i: usize) -> String {
 }
 
 /// Layer `i`'s attention output matrix (Phi's `self_attn.dense`, Falcon's
-/// `self_attention.dense`, GPT-NeoX's `attention.dense`).
+/// `self_attention.dense`, GPT-NeoX's `attention.dense`, GPT-2's `attn.c_proj`).
 fn o_proj_name(cfg: &ModelConfig, i: usize) -> String {
     let name = match cfg.arch {
         Arch::Phi => "self_attn.dense",
         Arch::Falcon => "self_attention.dense",
         Arch::GptNeoX => "attention.dense",
+        Arch::Gpt2 | Arch::GptBigCode => "attn.c_proj",
         _ => "self_attn.o_proj",
     };
     format!("{}{name}.weight", layer_prefix(cfg, i))
 }
 
-/// The final norm (Phi's `model.final_layernorm`, Falcon's `transformer.ln_f`, GPT-NeoX's
-/// `gpt_neox.final_layer_norm`).
+/// The final norm (Phi's `model.final_layernorm`, Falcon's and GPT-2's `transformer.ln_f`,
+/// GPT-NeoX's `gpt_neox.final_layer_norm`).
 fn final_norm_name(cfg: &ModelConfig) -> &'static str {
     match cfg.arch {
         Arch::Phi => "model.final_layernorm.weight",
-        Arch::Falcon => "transformer.ln_f.weight",
+        Arch::Falcon | Arch::Gpt2 | Arch::GptBigCode => "transformer.ln_f.weight",
         Arch::GptNeoX => "gpt_neox.final_layer_norm.weight",
         _ => "model.norm.weight",
     }
 }
 
 /// The token embedding (Falcon's `transformer.word_embeddings`, GPT-NeoX's
-/// `gpt_neox.embed_in`).
+/// `gpt_neox.embed_in`, GPT-2's `transformer.wte`).
 pub(crate) fn embed_name(cfg: &ModelConfig) -> &'static str {
     match cfg.arch {
         Arch::Falcon => "transformer.word_embeddings.weight",
+        Arch::Gpt2 | Arch::GptBigCode => "transformer.wte.weight",
         Arch::GptNeoX => "gpt_neox.embed_in.weight",
         _ => "model.embed_tokens.weight",
     }
+}
+
+/// The learned position embedding ([`ModelConfig::learned_positions`]: GPT-2's).
+pub(crate) const POSITIONS_NAME: &str = "transformer.wpe.weight";
+
+/// Whether tensor `name` is one of GPT-2's `Conv1D` matrices, stored `[in, out]`.
+pub(crate) fn conv1d(name: &str) -> bool {
+    ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"]
+        .iter()
+        .any(|s| name.ends_with(s))
 }
 
 /// The output head: `lm_head`, or GPT-NeoX's `embed_out` where a folder written before
@@ -358,14 +377,15 @@ fn head_name(cfg: &ModelConfig, src: &dyn Source) -> &'static str {
 
 /// Whether q, k and v are stored in one tensor by KV group ([`fused_qkv_rows`]).
 fn fused_by_group(cfg: &ModelConfig) -> bool {
-    matches!(cfg.arch, Arch::Falcon | Arch::GptNeoX)
+    matches!(cfg.arch, Arch::Falcon | Arch::GptNeoX | Arch::GptBigCode)
 }
 
-/// The rows of Falcon's and GPT-NeoX's fused `query_key_value` tensor (or elements of its
-/// bias) that hold heads `heads` of q (`part` 0), k (1) or v (2), head by head. Per KV head
-/// the tensor holds its group's query heads, then its key, then its value: Falcon-7B's one
-/// group of all queries (`multi_query`), Falcon-40B's groups (`new_decoder_architecture`), or
-/// a group per head (GPT-NeoX's).
+/// The rows of Falcon's and GPT-NeoX's fused `query_key_value` tensor, GPT-BigCode's
+/// `c_attn` (or elements of its bias) that hold heads `heads` of q (`part` 0), k (1) or v (2),
+/// head by head. Per KV head the tensor holds its group's query heads, then its key, then its
+/// value: Falcon-7B's and GPT-BigCode's one group of all queries (`multi_query`), Falcon-40B's
+/// groups (`new_decoder_architecture`), or a group per head (GPT-NeoX's, GPT-BigCode's
+/// without `multi_query`).
 fn fused_qkv_rows(cfg: &ModelConfig, part: usize, heads: Range<usize>) -> impl Iterator<Item = Range<usize>> {
     let (hd, group) = (cfg.head_dim, cfg.n_heads / cfg.n_kv_heads);
     heads.map(move |j| {
@@ -406,6 +426,9 @@ fn layer_norm_names(cfg: &ModelConfig) -> [Option<&'static str>; 4] {
     let (post_attention, post_ffn) =
         (Some("post_attention_layernorm.weight"), Some("post_feedforward_layernorm.weight"));
     match cfg.norm_place {
+        NormPlace::Pre if matches!(cfg.arch, Arch::Gpt2 | Arch::GptBigCode) => {
+            [Some("ln_1.weight"), Some("ln_2.weight"), None, None]
+        }
         // Two norms of the layer's input: GPT-NeoX's, by Llama's names; Falcon-40B's.
         NormPlace::Pre if cfg.parallel_ffn_norm && cfg.arch == Arch::GptNeoX => {
             [input, post_attention, None, None]
@@ -810,6 +833,8 @@ pub struct Shard {
     embed: Option<Arc<PackedMat>>,
     /// Factor of the embedding's rows (Gemma: `sqrt(hidden_size)`; else 1).
     embed_scale: f32,
+    /// Rows `plan.positions` of the learned position embedding (first stage, GPT-2's).
+    positions: Option<PackedMat>,
     final_norm: Option<Norm>,
     /// Vocabulary rows of the output head (last stage); shares `embed` when tied on one stage.
     lm_head: Option<Arc<PackedMat>>,
@@ -853,6 +878,8 @@ impl Shard {
         plan: ShardPlan,
         quant: Option<Quant>,
     ) -> Result<Self> {
+        let turned = Transposed { inner: ckpt, turned: conv1d };
+        let ckpt = if cfg.arch == Arch::Gpt2 { &turned } else { ckpt };
         // The shard's weights in chunks of their own, which it returns whole when dropped.
         kernels::arena::close_chunk();
         let pack = |m: &Mat| PackedMat::pack_as(m, quant);
@@ -882,7 +909,7 @@ impl Shard {
         for i in plan.layers.clone() {
             let p = |s: &str| format!("{}{s}", layer_prefix(&cfg, i));
             let [q, k, v, gate, up] = stored_rows(&cfg, i);
-            let q_stored = q.clone();
+            let stored = [q.clone(), k.clone(), v.clone()];
             let part = |(name, shape, at): &StoredRows, rows: &std::ops::Range<usize>| {
                 ckpt.rows(name, shape, at + rows.start..at + rows.end)
             };
@@ -899,12 +926,20 @@ impl Shard {
             };
             let qkv_bias = if cfg.qkv_bias && fused_by_group(&cfg) {
                 // Head by head from the fused tensor's bias, as its rows.
-                let (name, rows) = (bias_name(&q_stored.0), qd + 2 * kvd);
+                let (name, rows) = (bias_name(&stored[0].0), qd + 2 * kvd);
                 let mut b = Vec::with_capacity(qr.len() + 2 * kr.len());
                 for (part, heads) in [(0, &plan.q_heads), (1, &plan.kv_heads), (2, &plan.kv_heads)] {
                     for r in fused_qkv_rows(&cfg, part, heads.clone()) {
                         b.extend(ckpt.vector_range_f32(&name, rows, r)?);
                     }
+                }
+                Some(b)
+            } else if cfg.qkv_bias && stored[0].0 == stored[1].0 {
+                // From the bias of the tensor holding q, k and v one after another (GPT-2's).
+                let (name, len) = (bias_name(&stored[0].0), stored[0].1[0]);
+                let mut b = Vec::with_capacity(qr.len() + 2 * kr.len());
+                for ((_, _, at), r) in stored.iter().zip([&qr, &kr, &kr]) {
+                    b.extend(ckpt.vector_range_f32(&name, len, at + r.start..at + r.end)?);
                 }
                 Some(b)
             } else if cfg.qkv_bias {
@@ -1019,6 +1054,12 @@ impl Shard {
         } else {
             None
         };
+        let positions = if plan.first_stage && cfg.learned_positions {
+            let shape = [cfg.max_position_embeddings, h];
+            Some(PackedMat::pack_as(&ckpt.rows(POSITIONS_NAME, &shape, plan.positions.clone())?, None))
+        } else {
+            None
+        };
         let (final_norm, lm_head) = if plan.last_stage {
             let head = if cfg.tie_word_embeddings {
                 match &embed {
@@ -1061,6 +1102,7 @@ impl Shard {
             windows,
             embed,
             embed_scale,
+            positions,
             final_norm,
             lm_head,
             head_bias,
@@ -1080,6 +1122,8 @@ impl Shard {
         plan: &ShardPlan,
         quant: Option<Quant>,
     ) -> Result<usize> {
+        let turned = Transposed { inner: src, turned: conv1d };
+        let src = if cfg.arch == Arch::Gpt2 { &turned } else { src };
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let qd = cfg.q_dim();
         let (q_rows, kv_rows) = (plan.q_heads.len() * hd, plan.kv_heads.len() * hd);
@@ -1148,8 +1192,8 @@ impl Shard {
             }
             if cfg.qkv_bias {
                 let kvd = cfg.kv_dim();
-                if fused_by_group(cfg) {
-                    let [(qkv, _, _), ..] = stored_rows(cfg, i);
+                let [(qkv, _, _), (k, _, _), ..] = stored_rows(cfg, i);
+                if fused_by_group(cfg) || qkv == k {
                     src.dtype(&bias_name(&qkv), &[qd + 2 * kvd])?;
                 } else {
                     for (name, len) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
@@ -1174,6 +1218,10 @@ impl Shard {
             |name| Ok::<_, crate::Error>(packed(plan.vocab.len(), h, src.dtype(name, &vocab_shape)?));
         if plan.first_stage {
             n += vocab_rows(embed_name(cfg))?;
+            if cfg.learned_positions {
+                let dtype = src.dtype(POSITIONS_NAME, &[cfg.max_position_embeddings, h])?;
+                n += PackedMat::bytes_for(plan.positions.len(), h, dtype, None);
+            }
         }
         if plan.last_stage {
             n += stream_norm_bytes(final_norm_name(cfg))?;
@@ -1198,6 +1246,7 @@ impl Shard {
             n += l.vector_bytes();
         }
         n += self.embed.as_ref().map_or(0, |e| e.bytes());
+        n += self.positions.as_ref().map_or(0, |p| p.bytes());
         n += self.final_norm.as_ref().map_or(0, |v| 4 * v.len());
         n += self.head_bias.as_ref().map_or(0, |b| 4 * b.len());
         if let (Some(head), embed) = (&self.lm_head, &self.embed) {
@@ -1298,9 +1347,10 @@ impl Shard {
     }
 
     /// Embedding lookup for `tokens` into `x` (`[n, hidden]`): rows in this rank's vocabulary
-    /// range are copied (scaled, for Gemma), others are zero, and the stage allreduce fills in
-    /// the rest.
-    pub fn embed(&self, tokens: &[u32], x: &mut [f32], comm: &dyn Comm) {
+    /// range are copied (scaled, for Gemma), others are zero, the rows of the positions in this
+    /// rank's range of a learned position embedding are added (the tokens' positions: those of
+    /// `spans`, in order), and the stage allreduce fills in the rest.
+    pub fn embed(&self, tokens: &[u32], spans: &[Span], x: &mut [f32], comm: &dyn Comm) {
         let h = self.cfg.hidden_size;
         let e = self.embed.as_ref().expect("embed called on a rank outside the first stage");
         let v0 = self.plan.vocab.start;
@@ -1314,6 +1364,15 @@ impl Shard {
                 }
             } else {
                 out.fill(0.0);
+            }
+        }
+        if let Some(pe) = &self.positions {
+            let p0 = self.plan.positions.start;
+            let positions = spans.iter().flat_map(|s| s.pos0..s.pos0 + s.len);
+            for (out, p) in x.chunks_exact_mut(h).zip(positions).take(tokens.len()) {
+                if self.plan.positions.contains(&p) {
+                    pe.add_row_f32(p - p0, out);
+                }
             }
         }
         if comm.size() > 1 {
@@ -2189,7 +2248,7 @@ mod tests {
                     let mut s = Scratch::default();
                     let mut step = |spans: &[Span], tokens: &[u32]| {
                         let mut x = vec![0.0f32; tokens.len() * h];
-                        shard.embed(tokens, &mut x, &Single);
+                        shard.embed(tokens, spans, &mut x, &Single);
                         let long = vec![false; tables.len()];
                         shard.forward(
                             &mut x,
@@ -2282,7 +2341,9 @@ mod tests {
         // layer and the head's bias; OLMo: LayerNorms without weights (nothing read, weights
         // and biases made); GraniteMoE: Mixtral's shape, each layer's experts read from
         // stacked tensors; Falcon: its names, q, k and v read head by head from one tensor;
-        // GPT-NeoX: those with their bias, and every bias.
+        // GPT-NeoX: those with their bias, and every bias; GPT-2: learned positions (split by
+        // rows), every matrix stored transposed, q, k and v one after another with their bias;
+        // GPT-BigCode: those by KV group, as `nn.Linear`s.
         let shapes = [
             ("qwen2-0.5b", None),
             ("qwen3-0.6b", None),
@@ -2293,6 +2354,8 @@ mod tests {
             ("qwen2-0.5b", Some(Arch::Phi)),
             ("llama-3.2-1b", Some(Arch::Falcon)),
             ("llama-3.2-1b", Some(Arch::GptNeoX)),
+            ("gpt2-xl", None),
+            ("starcoderbase-1b", None),
             ("llama-3.2-1b", Some(Arch::Olmo)),
             ("mixtral-8x7b", Some(Arch::GraniteMoe)),
             ("gemma2-2b", None),
@@ -2338,6 +2401,9 @@ mod tests {
             }
             if cfg.arch == Arch::Olmo {
                 (cfg.layer_norm, cfg.weightless_norms) = (true, true);
+            }
+            if cfg.learned_positions {
+                cfg.max_position_embeddings = 100;
             }
             cfg.tie_word_embeddings = tied;
             for dtype in [DType::F32, DType::BF16, DType::F16] {

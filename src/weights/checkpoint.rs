@@ -73,6 +73,9 @@ pub struct Checkpoint {
     /// `model.*` under this prefix instead (`language_model.model.` as first published,
     /// `model.language_model.` as later versions of HF save it), `lm_head.*` under `lm_head`.
     text_model: Option<(&'static str, &'static str)>,
+    /// The tensors of `transformer.*` are stored without that prefix: a GPT-2 folder saved
+    /// from the bare model (`GPT2Model`, as OpenAI's `gpt2` is).
+    bare: bool,
 }
 
 /// Stored names of the text model of an image-and-text folder, by how its embedding is stored:
@@ -116,6 +119,7 @@ impl Checkpoint {
             origin,
             files: RefCell::new(HashMap::new()),
             text_model: None,
+            bare: false,
         };
         // Plain `model.*` names, or those of an image-and-text folder's text model.
         let holds = |ckpt: &Checkpoint, name: &str| -> Result<bool> {
@@ -124,6 +128,13 @@ impl Checkpoint {
                 None => ckpt.file("model.safetensors")?.tensors.contains_key(name),
             })
         };
+        // GPT-2's tensors without `transformer.`: none named under it, some of its own there.
+        let names: Vec<String> = match &ckpt.index {
+            Some(index) => index.keys().cloned().collect(),
+            None => ckpt.file("model.safetensors")?.tensors.keys().cloned().collect(),
+        };
+        let gpt2_own = |n: &String| n.starts_with("h.0.") || n == "wte.weight" || n == "wpe.weight";
+        ckpt.bare = !names.iter().any(|n| n.starts_with("transformer.")) && names.iter().any(gpt2_own);
         if !holds(&ckpt, "model.embed_tokens.weight")? {
             for prefixes in TEXT_MODEL_PREFIXES {
                 if holds(&ckpt, &format!("{}embed_tokens.weight", prefixes.0))? {
@@ -136,6 +147,9 @@ impl Checkpoint {
 
     /// The name tensor `name` is stored under.
     fn stored<'a>(&self, name: &'a str) -> std::borrow::Cow<'a, str> {
+        if self.bare {
+            return name.strip_prefix("transformer.").unwrap_or(name).into();
+        }
         let Some((model, head)) = self.text_model else { return name.into() };
         match (name.strip_prefix("model."), name.strip_prefix("lm_head.")) {
             (Some(rest), _) => format!("{model}{rest}").into(),

@@ -111,6 +111,57 @@ impl<S: Source> Source for Cast<S> {
     }
 }
 
+/// A source whose 2-D tensors named as `turned` says are stored transposed (GPT-2's
+/// `Conv1D` matrices, `[in, out]`): each is read by its `[out, in]` shape, as a `nn.Linear`'s
+/// would be. Other tensors pass through.
+pub struct Transposed<'a> {
+    pub inner: &'a dyn Source,
+    pub turned: fn(&str) -> bool,
+}
+
+impl Transposed<'_> {
+    /// The stored shape of a tensor read as `shape`, if it is stored transposed.
+    fn stored(&self, name: &str, shape: &[usize]) -> Option<[usize; 2]> {
+        match shape {
+            [r, c] if (self.turned)(name) => Some([*c, *r]),
+            _ => None,
+        }
+    }
+}
+
+impl Source for Transposed<'_> {
+    fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
+        match self.stored(name, expected_shape) {
+            Some(s) => Ok(self.inner.block(name, &s, 0..s[0], rows)?.transpose()),
+            None => self.inner.rows(name, expected_shape, rows),
+        }
+    }
+    fn block(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<Mat> {
+        match self.stored(name, expected_shape) {
+            Some(s) => Ok(self.inner.block(name, &s, cols, rows)?.transpose()),
+            None => self.inner.block(name, expected_shape, rows, cols),
+        }
+    }
+    fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {
+        match self.stored(name, expected_shape) {
+            Some(s) => self.inner.dtype(name, &s),
+            None => self.inner.dtype(name, expected_shape),
+        }
+    }
+    fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        self.inner.vector_f32(name, len)
+    }
+    fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        self.inner.vector_range_f32(name, len, range)
+    }
+}
+
 /// Element type of stored weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DType {

@@ -29,6 +29,8 @@ pub const SHAPES: &[&str] = &[
     "mixtral-8x7b",
     "falcon-7b",
     "pythia-1.4b",
+    "gpt2-xl",
+    "starcoderbase-1b",
 ];
 
 /// The configuration of a named shape (hyper-parameters of the public models of that name).
@@ -54,6 +56,9 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         // 71 query heads and one KV head, which every tp rank holds.
         "falcon-7b" => (Arch::Falcon, 4544, 18176, 32, 71, 1, 64, 65024, true, 10000.0, 2048),
         "pythia-1.4b" => (Arch::GptNeoX, 2048, 8192, 24, 16, 16, 128, 50304, false, 10000.0, 2048),
+        "gpt2-xl" => (Arch::Gpt2, 1600, 6400, 48, 25, 25, 64, 50257, true, 10000.0, 1024),
+        // StarCoder's one KV head, which every tp rank holds.
+        "starcoderbase-1b" => (Arch::GptBigCode, 2048, 8192, 24, 16, 1, 128, 49152, true, 10000.0, 8192),
         other => {
             return Err(Error::Input(format!("unknown --shape `{other}` (known: {})", SHAPES.join(", "))));
         }
@@ -77,7 +82,10 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     let pattern = if gemma2 { 2 } else { 6 };
     // Falcon-7B: LayerNorms, no gate, GELU, the attention and the FFN reading one norm.
     // Pythia: those with every bias, a quarter of each head rotated, the FFN's own norm.
+    // GPT-2 and GPT-BigCode: LayerNorms, every bias, no gate, GELU's tanh form, learned
+    // positions and no RoPE.
     let (falcon, neox) = (arch == Arch::Falcon, arch == Arch::GptNeoX);
+    let gpt2 = matches!(arch, Arch::Gpt2 | Arch::GptBigCode);
     Ok(ModelConfig {
         arch,
         hidden_size: h,
@@ -93,18 +101,19 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         rope_scaling,
         max_position_embeddings: max_pos,
         tie_word_embeddings: tied,
-        qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) || neox,
+        qkv_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe) || neox || gpt2,
         qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
         qk_norm_full: arch == Arch::Olmo2,
         rope_interleaved: false,
-        linear_bias: neox,
-        layer_norm: falcon || neox,
+        linear_bias: neox || gpt2,
+        layer_norm: falcon || neox || gpt2,
         weightless_norms: false,
         clip_qkv: None,
-        gated_ffn: !falcon && !neox,
+        gated_ffn: !falcon && !neox && !gpt2,
         parallel_residual: falcon || neox,
         parallel_ffn_norm: neox,
         head_bias: false,
+        learned_positions: gpt2,
         sliding_window: gemma.then_some(match name {
             "gemma2-2b" => 4096,
             "gemma3-4b" => 1024,
@@ -113,9 +122,13 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
         local_layers: gemma.then(|| (0..l).map(|i| (i + 1) % pattern != 0).collect()),
         rope_local_theta: gemma3.then_some(10000.0),
         // SmolLM3 3B: every fourth layer unrotated.
-        no_rope_layers: (arch == Arch::SmolLM3).then(|| (0..l).map(|i| (i + 1) % 4 == 0).collect()),
+        no_rope_layers: match arch {
+            Arch::SmolLM3 => Some((0..l).map(|i| (i + 1) % 4 == 0).collect()),
+            _ if gpt2 => Some(vec![true; l]),
+            _ => None,
+        },
         activation: match arch {
-            _ if gemma => Activation::GeluTanh,
+            _ if gemma || gpt2 => Activation::GeluTanh,
             Arch::Falcon | Arch::GptNeoX => Activation::Gelu,
             _ => Activation::Silu,
         },

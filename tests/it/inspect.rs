@@ -114,6 +114,59 @@ fn inspect_reads_falcon_and_gpt_neox_names() {
     assert_one_line_error(&out, &["tensor `lm_head.weight`", "missing"]);
 }
 
+/// A GPT-2 folder saved from the bare model (names without `transformer.`, `Conv1D` matrices
+/// stored `[in, out]`) and a StarCoder-style GPT-BigCode one (one KV head, on both tp ranks):
+/// split without loading, the learned positions counted, and each tensor a rank reads, taken
+/// away in turn, refused with one line naming it; a matrix stored the other way round refused
+/// with its shape.
+#[test]
+fn inspect_reads_gpt2_and_gpt_bigcode_names() {
+    use gridlm_reference::gpt2::{Gpt2Kind, TinyGpt2};
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    let m = TinyGpt2::new(Gpt2Kind::Gpt2);
+    m.write(dir);
+    let out = gridlm(&["inspect", "--model", path_str(dir), "--tp", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((j["model_type"].as_str(), j["context"].as_u64()), (Some("gpt2"), Some(64)));
+    // Per layer 12·h² (h = 64) and the biases and norms not counted; the embedding, tied, and
+    // the 64 positions.
+    let h = m.hidden() as f64;
+    let expected = m.layers as f64 * 12.0 * h * h + (m.vocab + m.positions) as f64 * h;
+    assert_eq!(j["params"].as_f64(), Some(expected), "{j}");
+    let gone = [
+        "wte.weight",
+        "wpe.weight",
+        "h.1.attn.c_attn.bias",
+        "h.2.attn.c_proj.weight",
+        "h.0.mlp.c_fc.bias",
+        "h.1.ln_2.weight",
+        "ln_f.bias",
+    ];
+    each_missing_is_named(dir, &m.tensors(), &gone);
+    // `c_fc` as `nn.Linear` would store it.
+    let turned: Vec<_> = m
+        .tensors()
+        .into_iter()
+        .map(|(n, s, v)| if n == "h.0.mlp.c_fc.weight" { (n, vec![s[1], s[0]], v) } else { (n, s, v) })
+        .collect();
+    gridlm_reference::write_safetensors(&dir.join("model.safetensors"), &turned);
+    let out = gridlm(&["inspect", "--model", path_str(dir)]);
+    assert_one_line_error(&out, &["tensor `h.0.mlp.c_fc.weight`", "[64, 256]"]);
+    let bigcode = tempfile::tempdir().unwrap();
+    let m = TinyGpt2::new(Gpt2Kind::MultiQuery);
+    m.write(bigcode.path());
+    let out = gridlm(&["inspect", "--model", path_str(bigcode.path()), "--tp", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((j["model_type"].as_str(), j["kv_heads"].as_u64()), (Some("gpt_bigcode"), Some(1)));
+    let ranks = j["ranks"].as_array().unwrap();
+    assert!(ranks.iter().all(|r| r["kv_heads"] == serde_json::json!({"start": 0, "end": 1})), "{j}");
+    let gone = ["transformer.wpe.weight", "transformer.h.2.attn.c_attn.bias", "transformer.h.0.ln_1.bias"];
+    each_missing_is_named(bigcode.path(), &m.tensors(), &gone);
+}
+
 /// A Gemma 3-style folder (layers 0, 1 and 3 local through a window of 4) on two stages (layers
 /// 0–1 and 2–3): the windowed layers counted, and each rank's share of its KV bytes a position.
 #[test]

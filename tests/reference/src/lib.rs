@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub mod falcon;
+pub mod gpt2;
 pub mod neox;
 pub mod sentencepiece;
 

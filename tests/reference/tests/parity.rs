@@ -6,10 +6,11 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::smol::smollm3;
 use candle_transformers::models::{
-    falcon, gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, helium, llama, mistral, mixtral, olmo,
-    olmo2, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
+    bigcode, falcon, gemma, gemma2, gemma3, glm4, glm4_new, granitemoehybrid, helium, llama, mistral,
+    mixtral, olmo, olmo2, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2,
 };
 use gridlm_reference::falcon::{FalconKind, TinyFalcon};
+use gridlm_reference::gpt2::{Gpt2Kind, TinyGpt2};
 use gridlm_reference::neox::TinyNeoX;
 use gridlm_reference::{
     argmax, byte_chars, generate, generate_on, gridlm_bin, launch_command, llama_cpp_rope_factors,
@@ -1151,6 +1152,53 @@ fn random_gpt_neox_matches_candle_on_one_and_two_ranks() {
         let name = format!("random gpt_neox, parallel {parallel}");
         same_on_two_ranks(&name, &dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
     }
+}
+
+/// Random GPT-BigCode and GPT-2 folders against candle's `bigcode` ([`gridlm_reference::gpt2`]):
+/// learned positions added to the embedding (64 of them, so tp 2 and tp 3 split the table
+/// inside the 39 positions run), no RoPE, LayerNorms, biases everywhere, GELU's tanh form,
+/// tied head. StarCoder's one KV head as candle takes the folder; GPT-BigCode head by head and
+/// GPT-2 (`Conv1D` matrices, tensors named without `transformer.`) with every head's key and
+/// value the same, as that one KV head. 32 greedy tokens and the logits within the tolerance,
+/// then split by heads (positions by rows) and by layers: the same tokens, logits within 1e-4.
+#[test]
+fn random_gpt2_and_gpt_bigcode_match_candle() {
+    for kind in [Gpt2Kind::MultiQuery, Gpt2Kind::HeadByHead, Gpt2Kind::Gpt2] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, theirs) = (tmp.path().join("gpt2"), tmp.path().join("candle"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let m = TinyGpt2::new(kind);
+        m.write(&dir);
+        let single = gpt2_against_candle(&m, &dir, &theirs);
+        let name = format!("random {kind:?}");
+        same_on_two_ranks(&name, &dir, &single, &[&["--tp", "2"], &["--pp", "2"]]);
+        if kind == Gpt2Kind::Gpt2 {
+            same_on_ranks(&name, &dir, &single, "3", &[&["--tp", "3"]]);
+        }
+    }
+}
+
+/// gridlm on the GPT-2 or GPT-BigCode folder `dir` (holding the model `m`) against candle's
+/// `bigcode` on the same model, written for it into `theirs`; gridlm's run.
+fn gpt2_against_candle(m: &TinyGpt2, dir: &Path, theirs: &Path) -> Run {
+    std::fs::create_dir_all(theirs).unwrap();
+    m.write_for_candle(theirs);
+    let cfg = bigcode::Config {
+        vocab_size: m.vocab,
+        max_position_embeddings: m.positions,
+        num_hidden_layers: m.layers,
+        hidden_size: m.hidden(),
+        layer_norm_epsilon: 1e-5,
+        n_inner: None,
+        num_attention_heads: m.heads,
+        multi_query: true,
+        use_cache: true,
+    };
+    let mut model = bigcode::GPTBigCode::load(candle_weights(theirs), cfg).unwrap();
+    let name = format!("{:?} in {}", m.kind, dir.display());
+    tiny_matches_candle(&name, dir, |ids, pos| {
+        model.forward(&batch_of_one(ids), pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    })
 }
 
 /// gridlm on the GPT-NeoX folder `dir` (holding the model `m`) against candle on the same
