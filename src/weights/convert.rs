@@ -66,13 +66,16 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         ("olmo", "OlmoForCausalLM", Arch::Olmo),
         ("falcon", "FalconForCausalLM", Arch::Falcon),
         ("gptneox", "GPTNeoXForCausalLM", Arch::GptNeoX),
+        ("gpt2", "GPT2LMHeadModel", Arch::Gpt2),
+        // GPT-BigCode (StarCoder, SantaCoder).
+        ("starcoder", "GPTBigCodeForCausalLM", Arch::GptBigCode),
     ];
     let Some((architecture, family)) =
         known.into_iter().find_map(|(a, hf, f)| (a == arch).then_some((hf, f)))
     else {
         return Err(Error::file(
             gguf_path,
-            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl, qwen3vl, qwen3vlmoe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2, olmo, falcon or gptneox)"),
+            format!("unsupported architecture `{arch}` (expected llama (Mixtral too), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl, qwen3vl, qwen3vlmoe, phi3, gemma, gemma2, gemma3, granite, granitemoe, glm4, chatglm, starcoder2, stablelm, phi2, olmo, falcon, gptneox, gpt2 or starcoder)"),
         ));
     };
     // Mixtral is stored as a llama with experts.
@@ -250,6 +253,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
     if family == Arch::GptNeoX {
         gpt_neox_config(&g, &mut config)?;
     }
+    let gpt2 = matches!(family, Arch::Gpt2 | Arch::GptBigCode);
+    if gpt2 {
+        gpt2_config(&g, family, (n_heads, n_kv_heads), &mut config)?;
+    }
     if arch == "phi3" {
         config["sliding_window"] = g
             .get(&key("attention.sliding_window"))
@@ -315,6 +322,13 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 named.extend(split_qkv(&g, t, (n_heads, n_kv_heads, head_dim), dtype)?);
                 continue;
             }
+            None if gpt2 => match gpt2_name(&t.name) {
+                Some(hf) => hf,
+                None => {
+                    let msg = "not a tensor of llama.cpp's GPT-2 or StarCoder (the folder would hold another model)";
+                    return Err(Error::tensor(gguf_path, &t.name, msg));
+                }
+            },
             None if family == Arch::GptNeoX => match gpt_neox_name(&t.name) {
                 Some(hf) => hf,
                 None => {
@@ -350,13 +364,18 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         let heads = [("attn_q.weight", n_heads), ("attn_k.weight", n_kv_heads)]
             .into_iter()
             .find_map(|(name, heads)| (permuted && t.name.ends_with(name)).then_some(heads));
-        // Falcon's and GPT-NeoX's q, k and v rows (and GPT-NeoX's biases), which llama.cpp's
-        // converters put one after the other, in HF's groups again (GPT-NeoX's a head each).
-        let fused = matches!(family, Arch::Falcon | Arch::GptNeoX) && t.name.contains(".attn_qkv.");
+        // Falcon's, GPT-NeoX's and GPT-BigCode's q, k and v rows (and their biases), which
+        // llama.cpp's converters put one after the other, in HF's groups again (GPT-NeoX's a
+        // head each; GPT-BigCode's one group with `multi_query`, else a head each).
+        let fused = matches!(family, Arch::Falcon | Arch::GptNeoX | Arch::GptBigCode)
+            && t.name.contains(".attn_qkv.");
         let regroup = fused.then_some((n_heads, n_kv_heads, head_dim));
+        // GPT-2's `Conv1D` matrices, which llama.cpp stores as `nn.Linear`'s: `[in, out]` again.
+        let turn = family == Arch::Gpt2 && shape.len() == 2 && crate::model::conv1d(&hf);
         // Norms and biases stay f32: tiny, and precision matters there.
         let dt = if shape.len() == 1 { DType::F32 } else { dtype };
         let cols = shape.get(1).copied().unwrap_or(1);
+        let shape = if turn { vec![shape[1], shape[0]] } else { shape };
         // llama.cpp stores Gemma's norms as they multiply (`1 + w`); HF stores `w`.
         let less_one = gemma && hf.ends_with("norm.weight");
         let g = &g;
@@ -373,6 +392,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 Some(shape) => falcon_grouped_rows(&v, shape, cols),
                 None => v,
             };
+            let v = if turn { transposed(&v, cols) } else { v };
             encode(&v, dt)
         };
         named.push((hf, Lazy::new(dt, shape, make)));
@@ -992,6 +1012,81 @@ fn gpt_neox_config(g: &Gguf, config: &mut serde_json::Value) -> Result<()> {
     c.insert("attention_bias".into(), true.into());
     c.insert("hidden_act".into(), "gelu".into());
     Ok(())
+}
+
+/// GPT-2's and GPT-BigCode's settings by the names GPT2Config and GPTBigCodeConfig read
+/// (`n_embd`, `n_layer`, `n_head`, `n_positions`, `n_inner`), their LayerNorms' epsilon and
+/// GELU's tanh form (llama.cpp's); `multi_query` where StarCoder's GGUF says one KV head. HF
+/// has no GPT-2 with KV groups, nor a GPT-BigCode with other than one KV head or one a head.
+fn gpt2_config(
+    g: &Gguf,
+    family: Arch,
+    (heads, kv_heads): (usize, usize),
+    config: &mut serde_json::Value,
+) -> Result<()> {
+    let arch = if family == Arch::Gpt2 { "gpt2" } else { "starcoder" };
+    if kv_heads != heads && (family == Arch::Gpt2 || kv_heads != 1) {
+        let msg = format!(
+            "`{arch}.attention.head_count_kv` is {kv_heads} of {heads} heads (HF's {} has {})",
+            family.name(),
+            if family == Arch::Gpt2 { "one KV head a head" } else { "one KV head, or one a head" }
+        );
+        return Err(Error::file(&g.path, msg));
+    }
+    let eps = meta_f64(g, &format!("{arch}.attention.layer_norm_epsilon"))?;
+    let Some(c) = config.as_object_mut() else { return Ok(()) };
+    for key in
+        ["num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias"]
+    {
+        c.remove(key);
+    }
+    for (from, to) in [
+        ("hidden_size", "n_embd"),
+        ("num_hidden_layers", "n_layer"),
+        ("num_attention_heads", "n_head"),
+        ("max_position_embeddings", "n_positions"),
+        ("intermediate_size", "n_inner"),
+        ("hidden_act", "activation_function"),
+    ] {
+        if let Some(v) = c.remove(from) {
+            c.insert(to.into(), v);
+        }
+    }
+    c.insert("layer_norm_epsilon".into(), (eps as f32 as f64).into());
+    let act = if family == Arch::Gpt2 { "gelu_new" } else { "gelu_pytorch_tanh" };
+    c.insert("activation_function".into(), act.into());
+    if family == Arch::GptBigCode {
+        c.insert("multi_query".into(), (kv_heads == 1).into());
+    }
+    Ok(())
+}
+
+/// A GPT-2 or StarCoder GGUF tensor's HF name (under `transformer.`).
+fn gpt2_name(gguf: &str) -> Option<String> {
+    let top = [
+        ("token_embd.weight", "transformer.wte.weight"),
+        ("position_embd.weight", "transformer.wpe.weight"),
+        ("output_norm.weight", "transformer.ln_f.weight"),
+        ("output_norm.bias", "transformer.ln_f.bias"),
+        ("output.weight", "lm_head.weight"),
+    ];
+    name_by_tables(gguf, &top, "transformer.h.", |stem, _| {
+        Some(match stem {
+            "attn_norm" => "ln_1",
+            "ffn_norm" => "ln_2",
+            "attn_qkv" => "attn.c_attn",
+            "attn_output" => "attn.c_proj",
+            "ffn_up" => "mlp.c_fc",
+            "ffn_down" => "mlp.c_proj",
+            _ => return None,
+        })
+    })
+}
+
+/// A matrix of `cols` columns (row-major) transposed.
+fn transposed(v: &[f32], cols: usize) -> Vec<f32> {
+    let rows = v.len() / cols.max(1);
+    (0..cols).flat_map(|c| (0..rows).map(move |r| v[r * cols + c])).collect()
 }
 
 /// A GPT-NeoX GGUF tensor's HF name; the head as `embed_out`, which transformers 4 reads and 5

@@ -387,3 +387,17 @@ fn convert_lists_the_tokens_that_end_a_completion() {
     assert_eq!(read("generation_config.json")["eos_token_id"], serde_json::json!([3, 2, 1, 5]));
     assert_eq!(read("config.json")["eos_token_id"], serde_json::json!(3));
 }
+
+/// GPT-2 and StarCoder GGUFs with KV heads HF's `gpt2` and `gpt_bigcode` cannot hold (GPT-2:
+/// one a head; GPT-BigCode: one, or one a head): one error line naming the count, no folder.
+#[test]
+fn convert_refuses_kv_groups_gpt2_and_gpt_bigcode_lack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let one = ("gpt2.attention.head_count_kv", GgufValue::U32(1));
+    let says = ["`gpt2.attention.head_count_kv` is 1 of 4 heads", "one KV head a head"];
+    refused(dir, "gpt2-mqa", &arch_meta("gpt2", 2, vec![one]), vec![], &says);
+    let two = ("starcoder.attention.head_count_kv", GgufValue::U32(2));
+    let says = ["`starcoder.attention.head_count_kv` is 2 of 4 heads", "one KV head, or one a head"];
+    refused(dir, "starcoder-groups", &arch_meta("starcoder", 2, vec![two]), vec![], &says);
+}

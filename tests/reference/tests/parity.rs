@@ -1201,6 +1201,69 @@ fn gpt2_against_candle(m: &TinyGpt2, dir: &Path, theirs: &Path) -> Run {
     })
 }
 
+/// GPT-2 and StarCoder GGUFs as llama.cpp's converters write them — every matrix as an
+/// `nn.Linear`'s (GPT-2's `Conv1D`s turned), q, k and v one after another, the positions as
+/// `position_embd`, the context from `context_length` — convert into exactly the tensors they
+/// were written from (GPT-2's turned back, under `transformer.`; GPT-BigCode's q, k and v head
+/// by head again where the GGUF has a KV head a head), a config by HF's own key names, and the
+/// model candle computes.
+#[test]
+fn gpt2_and_starcoder_ggufs_convert_to_the_models_they_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in [Gpt2Kind::Gpt2, Gpt2Kind::MultiQuery, Gpt2Kind::HeadByHead] {
+        let m = TinyGpt2::new(kind);
+        let (h, hd) = (m.hidden(), m.hidden() / m.heads);
+        let kv = if kind == Gpt2Kind::MultiQuery { 1 } else { m.heads };
+        let top = [
+            ("transformer.wte.weight", "token_embd.weight"),
+            ("transformer.wpe.weight", "position_embd.weight"),
+            ("transformer.ln_f.weight", "output_norm.weight"),
+            ("transformer.ln_f.bias", "output_norm.bias"),
+        ];
+        // GPT-BigCode head by head: head j's [q, k, v] → [all q; all k; all v].
+        let slots: Vec<usize> = match kind {
+            Gpt2Kind::HeadByHead => (0..3).flat_map(|part| (0..m.heads).map(move |j| 3 * j + part)).collect(),
+            _ => (0..m.heads + 2 * kv).collect(),
+        };
+        let gguf_tensors =
+            as_gguf_tensors(&m.laid_out(), &top, "transformer.h.", hd, &slots, |stem| match stem {
+                "ln_1" => "attn_norm",
+                "ln_2" => "ffn_norm",
+                "attn.c_attn" => "attn_qkv",
+                "attn.c_proj" => "attn_output",
+                "mlp.c_fc" => "ffn_up",
+                "mlp.c_proj" => "ffn_down",
+                other => panic!("{other}"),
+            });
+        let u = |v: usize| GgufValue::U32(v as u32);
+        let arch_meta = vec![
+            ("context_length", u(m.positions)),
+            ("attention.head_count_kv", u(kv)),
+            ("attention.layer_norm_epsilon", GgufValue::F32(1e-5)),
+        ];
+        let arch = if kind == Gpt2Kind::Gpt2 { "gpt2" } else { "starcoder" };
+        let out = tmp.path().join(format!("{kind:?}"));
+        // The folder names its tensors under `transformer.`, as GPT2LMHeadModel saves them.
+        let stored = |n: &str| if m.bare { format!("transformer.{n}") } else { n.to_string() };
+        let pre = if kind == Gpt2Kind::Gpt2 { "gpt-2" } else { "starcoder" };
+        let gguf = (&gguf_tensors[..], arch, arch_meta, pre);
+        gguf_converts_back(&out, gguf, (m.layers, h, m.heads), m.vocab, &m.tensors(), stored);
+        let cfg = folder_config(&out);
+        for key in ["hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps", "rope_theta"] {
+            assert!(cfg.get(key).is_none(), "{key} in {cfg}");
+        }
+        assert_eq!(
+            (cfg["n_embd"].as_u64(), cfg["n_positions"].as_u64()),
+            (Some(h as u64), Some(64)),
+            "{cfg}"
+        );
+        if kind != Gpt2Kind::Gpt2 {
+            assert_eq!(cfg["multi_query"], kind == Gpt2Kind::MultiQuery, "{cfg}");
+        }
+        gpt2_against_candle(&m, &out, &tmp.path().join(format!("{kind:?}-candle")));
+    }
+}
+
 /// gridlm on the GPT-NeoX folder `dir` (holding the model `m`) against candle on the same
 /// model, written for it into `theirs` ([`TinyNeoX::write_for_candle`]); gridlm's run.
 fn gpt_neox_against_candle(m: &TinyNeoX, dir: &Path, theirs: &Path) -> Run {
@@ -1337,7 +1400,10 @@ fn gguf_converts_back(
         ("feed_forward_length", u(4 * hidden)),
         ("attention.head_count", u(heads)),
     ];
-    meta.extend(common.into_iter().chain(arch_meta).map(|(k, v)| (format!("{arch}.{k}"), v)));
+    // The architecture's own value of a common key replaces it.
+    let own: Vec<&str> = arch_meta.iter().map(|(k, _)| *k).collect();
+    let common = common.into_iter().filter(|(k, _)| !own.contains(k));
+    meta.extend(common.chain(arch_meta).map(|(k, v)| (format!("{arch}.{k}"), v)));
     let (tokens, merges) = byte_level_vocabulary(vocab);
     meta.extend(byte_level_meta(pre, tokens, merges));
     let gguf = out.with_extension("gguf");
