@@ -360,6 +360,13 @@ pub(crate) fn conv1d(name: &str) -> bool {
         .any(|s| name.ends_with(s))
 }
 
+/// `src` as the family stores its matrices: GPT-2's `Conv1D`s read by their `[out, in]`
+/// shape; every other family's passed through.
+fn as_stored<'a>(cfg: &ModelConfig, src: &'a dyn Source) -> Transposed<'a> {
+    let turned = if cfg.arch == Arch::Gpt2 { conv1d } else { |_: &str| false };
+    Transposed { inner: src, turned }
+}
+
 /// The output head: `lm_head`, or GPT-NeoX's `embed_out` where a folder written before
 /// transformers 5 names it so.
 fn head_name(cfg: &ModelConfig, src: &dyn Source) -> &'static str {
@@ -878,8 +885,7 @@ impl Shard {
         plan: ShardPlan,
         quant: Option<Quant>,
     ) -> Result<Self> {
-        let turned = Transposed { inner: ckpt, turned: conv1d };
-        let ckpt = if cfg.arch == Arch::Gpt2 { &turned } else { ckpt };
+        let ckpt: &dyn Source = &as_stored(&cfg, ckpt);
         // The shard's weights in chunks of their own, which it returns whole when dropped.
         kernels::arena::close_chunk();
         let pack = |m: &Mat| PackedMat::pack_as(m, quant);
@@ -1122,8 +1128,7 @@ impl Shard {
         plan: &ShardPlan,
         quant: Option<Quant>,
     ) -> Result<usize> {
-        let turned = Transposed { inner: src, turned: conv1d };
-        let src = if cfg.arch == Arch::Gpt2 { &turned } else { src };
+        let src: &dyn Source = &as_stored(cfg, src);
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let qd = cfg.q_dim();
         let (q_rows, kv_rows) = (plan.q_heads.len() * hd, plan.kv_heads.len() * hd);

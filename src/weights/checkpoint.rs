@@ -129,12 +129,18 @@ impl Checkpoint {
             })
         };
         // GPT-2's tensors without `transformer.`: none named under it, some of its own there.
-        let names: Vec<String> = match &ckpt.index {
-            Some(index) => index.keys().cloned().collect(),
-            None => ckpt.file("model.safetensors")?.tensors.keys().cloned().collect(),
+        let bare = |names: &mut dyn Iterator<Item = &String>| {
+            let (mut under, mut own) = (false, false);
+            for n in names {
+                under |= n.starts_with("transformer.");
+                own |= n.starts_with("h.0.") || n == "wte.weight" || n == "wpe.weight";
+            }
+            own && !under
         };
-        let gpt2_own = |n: &String| n.starts_with("h.0.") || n == "wte.weight" || n == "wpe.weight";
-        ckpt.bare = !names.iter().any(|n| n.starts_with("transformer.")) && names.iter().any(gpt2_own);
+        ckpt.bare = match &ckpt.index {
+            Some(index) => bare(&mut index.keys()),
+            None => bare(&mut ckpt.file("model.safetensors")?.tensors.keys()),
+        };
         if !holds(&ckpt, "model.embed_tokens.weight")? {
             for prefixes in TEXT_MODEL_PREFIXES {
                 if holds(&ckpt, &format!("{}embed_tokens.weight", prefixes.0))? {

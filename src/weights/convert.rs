@@ -392,7 +392,7 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
                 Some(shape) => falcon_grouped_rows(&v, shape, cols),
                 None => v,
             };
-            let v = if turn { transposed(&v, cols) } else { v };
+            let v = if turn { super::transposed(&v, v.len() / cols.max(1), cols) } else { v };
             encode(&v, dt)
         };
         named.push((hf, Lazy::new(dt, shape, make)));
@@ -1081,12 +1081,6 @@ fn gpt2_name(gguf: &str) -> Option<String> {
             _ => return None,
         })
     })
-}
-
-/// A matrix of `cols` columns (row-major) transposed.
-fn transposed(v: &[f32], cols: usize) -> Vec<f32> {
-    let rows = v.len() / cols.max(1);
-    (0..cols).flat_map(|c| (0..rows).map(move |r| v[r * cols + c])).collect()
 }
 
 /// A GPT-NeoX GGUF tensor's HF name; the head as `embed_out`, which transformers 4 reads and 5

@@ -162,6 +162,11 @@ impl Source for Transposed<'_> {
     }
 }
 
+/// A row-major `rows × cols` matrix's values, transposed.
+pub(crate) fn transposed<T: Copy>(v: &[T], rows: usize, cols: usize) -> Vec<T> {
+    (0..cols).flat_map(|c| (0..rows).map(move |r| v[r * cols + c])).collect()
+}
+
 /// Element type of stored weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DType {
@@ -289,13 +294,10 @@ impl Mat {
     }
     /// The matrix turned on its side: `[cols, rows]`, row `c` holding column `c`.
     pub fn transpose(&self) -> Mat {
-        fn turn<T: Copy>(v: &[T], rows: usize, cols: usize) -> Vec<T> {
-            (0..cols).flat_map(|c| (0..rows).map(move |r| v[r * cols + c])).collect()
-        }
         let data = match &self.data {
-            Data::F32(v) => Data::F32(turn(v, self.rows, self.cols)),
-            Data::BF16(v) => Data::BF16(turn(v, self.rows, self.cols)),
-            Data::F16(v) => Data::F16(turn(v, self.rows, self.cols)),
+            Data::F32(v) => Data::F32(transposed(v, self.rows, self.cols)),
+            Data::BF16(v) => Data::BF16(transposed(v, self.rows, self.cols)),
+            Data::F16(v) => Data::F16(transposed(v, self.rows, self.cols)),
         };
         Mat { rows: self.cols, cols: self.rows, data }
     }
