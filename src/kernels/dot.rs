@@ -1324,9 +1324,9 @@ pub trait Avx512Load {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<T> Avx512Load for T {}
 
-/// Bytes of a thread's piece of a one-token product from which the AVX2 float kernels and the int8
-/// ones of `maddubs` and AVX-VNNI read it in two streams, its first half beside its second; a
-/// shorter piece goes in one (and every piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two
+/// Bytes of a thread's piece of a one-token product from which the AVX2 float kernels read it in
+/// three streams (its thirds side by side, [`avx2::panels`]) and the int8 ones of `maddubs` and
+/// AVX-VNNI in two, its first half beside its second; a shorter piece goes in one (and every piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two
 /// streams from memory pay on long pieces and cost on short ones, whose streams each start anew. On
 /// the 2-core Zen 4 machine whose virtual CPUs show no AVX-512 (`gridlm bench`, the two ways step
 /// by step in one run): with two streams from 1 MiB on rather than for every piece, SmolLM2 bf16
@@ -1335,7 +1335,8 @@ impl<T> Avx512Load for T {}
 /// but for the tails) and the qwen2-0.5b shape within 1% either way. One stream for every piece
 /// decoded SmolLM2 as fast as from 1 MiB on, but the llama-3.2-1b shape 0.7–7.2% slower (four runs,
 /// slowest apart); from 4 MiB on, SmolLM2 as from 1 MiB and the shape up to 2% slower; from 256 KiB
-/// on, SmolLM2 1.3–2.2% faster than two streams for every piece (together). Not measured on Zen 3.
+/// on, SmolLM2 1.3–2.2% faster than two streams for every piece (together). Not measured on Zen 3
+/// (where three streams replaced two in the float kernel later, from the same threshold).
 pub const TWO_STREAMS_FROM: usize = 1 << 20;
 
 /// The threshold for kernels that read every piece in one stream: the int8 one-token kernel of
@@ -2160,11 +2161,16 @@ mod avx2 {
         with_fetch!(fetch, panels_with::<T>(w, x, kb, out))
     }
 
-    /// [`panels`], prefetching as the [`Fetch`] of code `F` says. A long range's first half and its
-    /// second are read side by side, a panel of each at a time (an odd last panel alone): two
-    /// streams from memory instead of one, each panel's sums the same bits. On the 2-core Zen 3
-    /// machine SmolLM2's layer and head products, one token in a loop, read at medians of 0.98–1.03
-    /// of a probe read beside them with two streams against 0.90–0.96 with one (three series of
+    /// [`panels`], prefetching as the [`Fetch`] of code `F` says. A long range's thirds are read
+    /// side by side, a panel of each at a time (the last one or two panels alone): three streams
+    /// from memory instead of one, each panel's sums the same bits. Against two streams (the
+    /// halves side by side), step by step in one run on the 2-core Zen 3 machine while its reads
+    /// ran at 25–42 GB/s (`gridlm bench --compare-prefetch` with a build whose `far` way meant
+    /// three streams under `near`'s prefetch): the llama-3.2-1b shape in bf16 decoded 12–18% faster
+    /// (five runs, together and apart), SmolLM2 0.7–3.2% faster (seven). Two streams against
+    /// one, on the same machine: SmolLM2's layer and head products, one token in a loop, read
+    /// at medians of 0.98–1.03 of a probe read beside them with two streams against 0.90–0.96
+    /// with one (three series of
     /// 30–40 interleaved rounds); two neighbouring panels at a time, one stream read by two
     /// pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901 of the bandwidth
     /// against 0.832–0.871 (four interleaved pairs), less in the step than in the loop; with the
@@ -2178,12 +2184,13 @@ mod avx2 {
         debug_assert_eq!(w.len(), 4 * n * out.len().div_ceil(4));
         let xp = x.as_ptr();
         let panel = |p: usize| w.as_ptr().add(p * 4 * n);
-        let (pairs, alone) =
-            streams(out.len().div_ceil(4), std::mem::size_of_val(w), super::TWO_STREAMS_FROM);
-        for (p, q) in pairs {
-            let [a, b] = panel_sums::<T, F, 2>([panel(p), panel(q)], xp, n, kb);
-            store_rows(a, panel_out(out, p));
-            store_rows(b, panel_out(out, q));
+        let (groups, alone) =
+            streams::<3>(out.len().div_ceil(4), std::mem::size_of_val(w), super::TWO_STREAMS_FROM);
+        for g in groups {
+            let sums = panel_sums::<T, F, 3>(g.map(panel), xp, n, kb);
+            for (s, p) in sums.into_iter().zip(g) {
+                store_rows(s, panel_out(out, p));
+            }
         }
         for p in alone {
             let [s] = panel_sums::<T, F, 1>([panel(p)], xp, n, kb);
@@ -2193,16 +2200,16 @@ mod avx2 {
 
     /// The panels `0..np` of a thread's range (`bytes` of weights) as the one-token kernels
     /// read them: from `from` bytes on ([`super::TWO_STREAMS_FROM`], or
-    /// [`super::ONE_STREAM`]) in two streams, pairs `(p, p + np / 2)` (the first half beside
-    /// the second) and then an odd last panel alone; below that in one stream, every panel
-    /// alone, in order.
-    pub(super) fn streams(
+    /// [`super::ONE_STREAM`]) in `S` streams, groups `[p, p + np / S, …]` (the range's `S`
+    /// parts side by side) and then the last `np % S` panels alone; below that in one stream,
+    /// every panel alone, in order.
+    pub(super) fn streams<const S: usize>(
         np: usize,
         bytes: usize,
         from: usize,
-    ) -> (impl Iterator<Item = (usize, usize)>, std::ops::Range<usize>) {
-        let half = if bytes >= from { np / 2 } else { 0 };
-        ((0..half).map(move |p| (p, p + half)), 2 * half..np)
+    ) -> (impl Iterator<Item = [usize; S]>, std::ops::Range<usize>) {
+        let part = if bytes >= from { np / S } else { 0 };
+        ((0..part).map(move |p| std::array::from_fn(|s| p + s * part)), S * part..np)
     }
 
     /// Panel `p`'s rows of `out` (fewer than four where `out` ends inside it).
@@ -2582,8 +2589,8 @@ mod avx2 {
                 let rs = |p: usize| _mm_loadu_ps(row_scales.as_ptr().add(4 * p));
                 // One stream or two, as in the float kernel ([`panels_with`]), from `$two_from`
                 // bytes on.
-                let (pairs, alone) = streams(out.len().div_ceil(4), std::mem::size_of_val(w), $two_from);
-                for (p, o) in pairs {
+                let (pairs, alone) = streams::<2>(out.len().div_ceil(4), std::mem::size_of_val(w), $two_from);
+                for [p, o] in pairs {
                     let [a, b] = sums::<F, 2>([panel(p), panel(o)], q.as_ptr(), s, kc);
                     store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
                     store_rows(finish_q8(b.0, b.1, rs(o)), panel_out(out, o));
