@@ -1326,7 +1326,8 @@ impl<T> Avx512Load for T {}
 
 /// Bytes of a thread's piece of a one-token product from which the AVX2 float kernels read it in
 /// three streams (its thirds side by side, [`avx2::panels`]) and the int8 ones of `maddubs` and
-/// AVX-VNNI in two, its first half beside its second; a shorter piece goes in one (and every piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two
+/// AVX-VNNI in two, its first half beside its second; a shorter piece goes in one (and every
+/// piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two
 /// streams from memory pay on long pieces and cost on short ones, whose streams each start anew. On
 /// the 2-core Zen 4 machine whose virtual CPUs show no AVX-512 (`gridlm bench`, the two ways step
 /// by step in one run): with two streams from 1 MiB on rather than for every piece, SmolLM2 bf16
@@ -1337,12 +1338,12 @@ impl<T> Avx512Load for T {}
 /// slowest apart); from 4 MiB on, SmolLM2 as from 1 MiB and the shape up to 2% slower; from 256 KiB
 /// on, SmolLM2 1.3–2.2% faster than two streams for every piece (together). Not measured on Zen 3
 /// (where three streams replaced two in the float kernel later, from the same threshold).
-pub const TWO_STREAMS_FROM: usize = 1 << 20;
+pub const STREAMS_FROM: usize = 1 << 20;
 
 /// The threshold for kernels that read every piece in one stream: the int8 one-token kernel of
 /// AVX512-VNNI (the same loop as `maddubs`', one `vpdpbusd` a chunk instead of three
 /// instructions). On the 2-core Zen 4 machine with AVX-512 (`gridlm bench`, the two ways step
-/// by step in one run), one stream for every piece against two from [`TWO_STREAMS_FROM`] on:
+/// by step in one run), one stream for every piece against two from [`STREAMS_FROM`] on:
 /// the llama-3.2-1b shape's int8 decode 2–5% faster in 9 of 10 runs (the other 2% slower),
 /// either placement of the cores; the qwen2-0.5b shape 0–6% faster (three runs); SmolLM2 within
 /// 2% either way (three), where the same way both times gave 0.98–1.02 in nine runs of ten (1.08
@@ -2151,7 +2152,7 @@ mod avx2 {
     /// Consecutive packed panels (four rows each, chunks of [`BLOCK`] columns side by side)
     /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
     /// inside the last panel (the matrix's padding rows are not written). Each panel is read
-    /// once, with nothing between two panels but four sums: from [`super::TWO_STREAMS_FROM`]
+    /// once, with nothing between two panels but four sums: from [`super::STREAMS_FROM`]
     /// bytes on in two streams, the range's first half beside its second, below that in one.
     ///
     /// # Safety
@@ -2170,9 +2171,8 @@ mod avx2 {
     /// (five runs, together and apart), SmolLM2 0.7–3.2% faster (seven). Two streams against
     /// one, on the same machine: SmolLM2's layer and head products, one token in a loop, read
     /// at medians of 0.98–1.03 of a probe read beside them with two streams against 0.90–0.96
-    /// with one (three series of
-    /// 30–40 interleaved rounds); two neighbouring panels at a time, one stream read by two
-    /// pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901 of the bandwidth
+    /// with one (three series of 30–40 interleaved rounds); two neighbouring panels at a time,
+    /// one stream read by two pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901 of the bandwidth
     /// against 0.832–0.871 (four interleaved pairs), less in the step than in the loop; with the
     /// cores' placement changing between runs, pairs fell either way. The hardware's prefetch alone
     /// ([`Fetch::None`]) gains most (0.78–0.82 → ~0.92 in the loop), so the start-up pick now and
@@ -2185,7 +2185,7 @@ mod avx2 {
         let xp = x.as_ptr();
         let panel = |p: usize| w.as_ptr().add(p * 4 * n);
         let (groups, alone) =
-            streams::<3>(out.len().div_ceil(4), std::mem::size_of_val(w), super::TWO_STREAMS_FROM);
+            streams::<3>(out.len().div_ceil(4), std::mem::size_of_val(w), super::STREAMS_FROM);
         for g in groups {
             let sums = panel_sums::<T, F, 3>(g.map(panel), xp, n, kb);
             for (s, p) in sums.into_iter().zip(g) {
@@ -2199,7 +2199,7 @@ mod avx2 {
     }
 
     /// The panels `0..np` of a thread's range (`bytes` of weights) as the one-token kernels
-    /// read them: from `from` bytes on ([`super::TWO_STREAMS_FROM`], or
+    /// read them: from `from` bytes on ([`super::STREAMS_FROM`], or
     /// [`super::ONE_STREAM`]) in `S` streams, groups `[p, p + np / S, …]` (the range's `S`
     /// parts side by side) and then the last `np % S` panels alone; below that in one stream,
     /// every panel alone, in order.
@@ -2460,7 +2460,7 @@ mod avx2 {
     /// converted and scaled once, in the same order on every path, so the paths agree bit for
     /// bit. Two rows share one register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
     /// `out` may end inside the last panel. A long range's panels go in two streams, as the
-    /// float kernel's do ([`panels`], [`super::TWO_STREAMS_FROM`]): on the 2-core Zen 3 machine
+    /// float kernel's do ([`panels`], [`super::STREAMS_FROM`]): on the 2-core Zen 3 machine
     /// the llama-3.2-1b shape's int8 decode read at 0.91–0.97 of the bandwidth with them
     /// against 0.84–0.87 with one (three interleaved pairs), where bf16 reads at ~0.9–1.0. With
     /// AVX512-VNNI every range goes in one stream ([`super::ONE_STREAM`]).
@@ -2587,8 +2587,8 @@ mod avx2 {
                 let kc = n / BLOCK;
                 let panel = |p: usize| w.as_ptr().add(p * 4 * n);
                 let rs = |p: usize| _mm_loadu_ps(row_scales.as_ptr().add(4 * p));
-                // One stream or two, as in the float kernel ([`panels_with`]), from `$two_from`
-                // bytes on.
+                // One stream or two (the float kernel, [`panels_with`], reads three), from
+                // `$two_from` bytes on.
                 let (pairs, alone) = streams::<2>(out.len().div_ceil(4), std::mem::size_of_val(w), $two_from);
                 for [p, o] in pairs {
                     let [a, b] = sums::<F, 2>([panel(p), panel(o)], q.as_ptr(), s, kc);
@@ -2666,14 +2666,14 @@ mod avx2 {
         tokens_q8_maddubs,
         "avx2,fma,f16c",
         add_maddubs,
-        super::TWO_STREAMS_FROM
+        super::STREAMS_FROM
     );
     panels_q8_kernel!(
         panels_q8_avx_vnni,
         tokens_q8_avx_vnni,
         "avx2,fma,f16c,avxvnni",
         add_dpbusd_avx,
-        super::TWO_STREAMS_FROM
+        super::STREAMS_FROM
     );
     panels_q8_kernel!(
         panels_q8_avx512_vnni,

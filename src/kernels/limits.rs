@@ -12,8 +12,8 @@ use std::time::Instant;
 /// prefetcher alone; else that many bytes ahead, non-temporal, as the matrix kernels may
 /// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead, 4 KiB in the float FMA
 /// kernels); `streams`, each thread's share read as one stream or as two or three side by
-/// side (its halves or thirds), as the one-token AVX2 int8 and float kernels read a range; `page`, one
-/// line a 4 KiB page asked for into L2, as [`super::Fetch::Page`] asks. So that no way the
+/// side (its halves or thirds), as the one-token AVX2 int8 and float kernels read a range;
+/// `page`, one line a 4 KiB page asked for into L2, as [`super::Fetch::Page`] asks. So that no way the
 /// kernels read is faster than the fastest of these. (On the 2-core Zen 5 machine the 4 KiB
 /// ways read at 0.94–1.04 of the fastest of the others, a median of 1.00 over 193 readings.)
 const READS: [(usize, usize, bool); 11] = [
@@ -95,8 +95,7 @@ impl ReadProbe {
     /// GB/s, and the way of reading ([`ReadWay`]) that made it. Each pass reads the buffer once
     /// per way of reading (`READS`: plain loads; loads with software prefetches at four
     /// distances; plain and at two distances, each thread's share as two streams; plain and at
-    /// 1 KiB as three): the limit
-    /// is what the best of them reaches, not what one happens to.
+    /// 1 KiB as three): the limit is what the best of them reaches, not what one happens to.
     pub fn best(&self, team: &Team, passes: usize) -> (f64, ReadWay) {
         let isa = detect();
         let mut best = (f64::INFINITY, ReadWay(0));
@@ -244,8 +243,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// The sum of `c`, read as `S` streams side by side (its `S` equal parts, a pair of lines
-    /// of each at a time, as the one-token AVX2 kernels read a thread's range in two or three); with
-    /// `ahead > 0`, each pair of lines is asked for `ahead` bytes before it is loaded
+    /// of each at a time, as the one-token AVX2 kernels read a thread's range in two or three);
+    /// with `ahead > 0`, each pair of lines is asked for `ahead` bytes before it is loaded
     /// (non-temporal hint, as the matrix kernels do); with `page`, where a pair of lines begins
     /// a 4 KiB page, a line ahead into L2 as `Fetch::Page` asks ([`fetch_page`]).
     ///
