@@ -1325,9 +1325,9 @@ pub trait Avx512Load {}
 impl<T> Avx512Load for T {}
 
 /// Bytes of a thread's piece of a one-token product from which the AVX2 float kernels read it in
-/// three streams (its thirds side by side, [`avx2::panels`]) and the int8 ones of `maddubs` and
-/// AVX-VNNI in two, its first half beside its second; a shorter piece goes in one (and every
-/// piece where AVX512-VNNI runs int8: [`ONE_STREAM`]). Two
+/// three streams (its thirds side by side, [`avx2::panels`]), as the int8 ones of `maddubs` and
+/// AVX-VNNI do; a shorter piece goes in one (and every piece where AVX512-VNNI runs int8:
+/// [`ONE_STREAM`]). Two
 /// streams from memory pay on long pieces and cost on short ones, whose streams each start anew. On
 /// the 2-core Zen 4 machine whose virtual CPUs show no AVX-512 (`gridlm bench`, the two ways step
 /// by step in one run): with two streams from 1 MiB on rather than for every piece, SmolLM2 bf16
@@ -2078,7 +2078,7 @@ mod avx2 {
     }
 
     /// [`fetch_stream`] for the float FMA kernels (all but `vdpbf16ps`), the AVX2 one-token
-    /// kernel ([`panel_sums`], a thread's range in two streams) and the 512-bit FMA one: the
+    /// kernel ([`panel_sums`], a thread's long range in three streams) and the 512-bit FMA one: the
     /// chunk 4 KiB past the one at `wp`. On the 2-core Zen 5 machine, two threads streaming
     /// SmolLM2's 120 layer products in a loop in AVX2 (`GRIDLM_NO_AVX512=1`) read, while the
     /// cores sat apart, at ~60 GB/s asking 2 KiB ahead, ~64 at 3 KiB, ~65.5 at 4 KiB, ~62.5 at
@@ -2153,7 +2153,7 @@ mod avx2 {
     /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
     /// inside the last panel (the matrix's padding rows are not written). Each panel is read
     /// once, with nothing between two panels but four sums: from [`super::STREAMS_FROM`]
-    /// bytes on in two streams, the range's first half beside its second, below that in one.
+    /// bytes on in three streams, the range's thirds side by side, below that in one.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
@@ -2459,11 +2459,14 @@ mod avx2 {
     /// 8–11.) Per group they are
     /// converted and scaled once, in the same order on every path, so the paths agree bit for
     /// bit. Two rows share one register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
-    /// `out` may end inside the last panel. A long range's panels go in two streams, as the
-    /// float kernel's do ([`panels`], [`super::STREAMS_FROM`]): on the 2-core Zen 3 machine
-    /// the llama-3.2-1b shape's int8 decode read at 0.91–0.97 of the bandwidth with them
-    /// against 0.84–0.87 with one (three interleaved pairs), where bf16 reads at ~0.9–1.0. With
-    /// AVX512-VNNI every range goes in one stream ([`super::ONE_STREAM`]).
+    /// `out` may end inside the last panel. A long range's panels go in three streams, as the
+    /// float kernel's do ([`panels`], [`super::STREAMS_FROM`]). On the 2-core Zen 3 machine two
+    /// streams read the llama-3.2-1b shape's int8 decode at 0.91–0.97 of the bandwidth against
+    /// 0.84–0.87 with one (three interleaved pairs); three against two, step by step in one run
+    /// (`gridlm bench --compare-prefetch`, a build whose `far` way meant three streams under
+    /// `near`'s prefetch): that shape 1.0–3.1% faster (five runs), SmolLM2 0.5–5.8% (four),
+    /// where the same way on both sides gave 0.992–1.013 (five). With AVX512-VNNI every range
+    /// goes in one stream ([`super::ONE_STREAM`]).
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c, and what `path` names; every |q| ≤
@@ -2510,7 +2513,7 @@ mod avx2 {
     /// One [`panels_q8`] kernel, prefetching as the [`Fetch`] of code `F` says: `$add(acc, ax,
     /// sw)` adds a chunk's products to a group's 32-bit sums.
     macro_rules! panels_q8_kernel {
-        ($name:ident, $tokens:ident, $features:literal, $add:ident, $two_from:expr) => {
+        ($name:ident, $tokens:ident, $features:literal, $add:ident, $streams_from:expr) => {
             /// One panel against `NT` tokens at once, each token's four sums into `out[t]`: what
             /// [`panels_q8`] gives each token alone, bit for bit (see [`panel_q8_tokens`]).
             #[target_feature(enable = $features)]
@@ -2587,13 +2590,15 @@ mod avx2 {
                 let kc = n / BLOCK;
                 let panel = |p: usize| w.as_ptr().add(p * 4 * n);
                 let rs = |p: usize| _mm_loadu_ps(row_scales.as_ptr().add(4 * p));
-                // One stream or two (the float kernel, [`panels_with`], reads three), from
-                // `$two_from` bytes on.
-                let (pairs, alone) = streams::<2>(out.len().div_ceil(4), std::mem::size_of_val(w), $two_from);
-                for [p, o] in pairs {
-                    let [a, b] = sums::<F, 2>([panel(p), panel(o)], q.as_ptr(), s, kc);
-                    store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
-                    store_rows(finish_q8(b.0, b.1, rs(o)), panel_out(out, o));
+                // One stream or three, from `$streams_from` bytes on, as the float kernel
+                // ([`panels_with`]).
+                let (groups, alone) =
+                    streams::<3>(out.len().div_ceil(4), std::mem::size_of_val(w), $streams_from);
+                for g in groups {
+                    let sums = sums::<F, 3>(g.map(panel), q.as_ptr(), s, kc);
+                    for (a, p) in sums.into_iter().zip(g) {
+                        store_rows(finish_q8(a.0, a.1, rs(p)), panel_out(out, p));
+                    }
                 }
                 for p in alone {
                     let [a] = sums::<F, 1>([panel(p)], q.as_ptr(), s, kc);

@@ -1282,12 +1282,12 @@ mod tests {
     }
 
     /// A thread's first piece of a one-token product long enough for several streams
-    /// ([`dot::STREAMS_FROM`]: three in AVX2 floats, two in AVX2 int8) and its later, shorter
+    /// ([`dot::STREAMS_FROM`]: three in AVX2, floats and int8) and its later, shorter
     /// ones in one give the sums the reference gives, and the same bits as the many-token
     /// kernels, on every path and weight type (the int8 path of AVX512-VNNI reads every piece
     /// in one, [`dot::ONE_STREAM`]). One thread takes the whole matrix in halves of what it
     /// has left: 1208 rows of 2048 columns make a first piece of 151 panels (50 groups of three
-    /// and one alone; 75 pairs and one alone), 1.2 MiB of int8 and twice or four times that of
+    /// and one alone), 1.2 MiB of int8 and twice or four times that of
     /// the 16- and 32-bit types, then pieces below 1 MiB.
     #[test]
     fn long_and_short_one_token_pieces_give_the_same_sums() {

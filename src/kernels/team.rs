@@ -190,8 +190,8 @@ impl Team {
 /// [`Region::for_ranges`] and [`Region::for_streams`] (never less than their `min`).
 ///
 /// Every piece a one-token product takes starts a stream from memory where none was running
-/// (it reads its panels as two streams side by side, and the second begins halfway along the
-/// piece), so the fewer pieces the fewer cold starts. On the 2-core Zen 3 machine, SmolLM2's
+/// (a long one reads its panels as streams side by side, each beginning a part further along
+/// the piece), so the fewer pieces the fewer cold starts. On the 2-core Zen 3 machine, SmolLM2's
 /// decode steps (bf16, one token, 121 products of 0.7–3.5 MB and the 56 MB head), taken in
 /// turn with halves and quarters within one run, took 2–5% less time with halves (pieces of
 /// at least 64 KiB, [`super::packed`]); the whole share at once took 1.5% more than halves
