@@ -54,6 +54,13 @@ pub struct RankReport {
     /// it (`--compare-prefetch`; null otherwise).
     pub baseline_prefetch: Option<String>,
     pub baseline_prefetch_by: Option<String>,
+    /// Which pieces of its one-token products the AVX2 kernels read in three streams (`long`:
+    /// from 1 MiB on; `every`: every piece; [`crate::kernels::Streams`]), what decided it
+    /// (`timed`, `GRIDLM_STREAMS` or `default`: not timed, as where no AVX2 kernel reads them)
+    /// and its timings (as above, the second where the first would have left `long`).
+    pub streams: String,
+    pub streams_by: String,
+    pub streams_timings: usize,
     /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
     /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
     /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
@@ -716,7 +723,7 @@ impl BenchReport {
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}){}, many tokens {} ({}){}; kernels {}{}\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}){}, many tokens {} ({}){}; streams {} ({}); kernels {}{}\n",
                 r.rank,
                 r.stage,
                 r.tp,
@@ -739,6 +746,8 @@ impl BenchReport {
                     (Some(way), Some(by), Some(n)) => format!(", the baseline's {way} ({})", by_timings(by, n)),
                     _ => String::new(),
                 },
+                r.streams,
+                by_timings(&r.streams_by, r.streams_timings),
                 r.isa,
                 r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );

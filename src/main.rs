@@ -14,7 +14,7 @@ use gridlm::config::ModelConfig;
 use gridlm::engine::sampling::SamplingParams;
 use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions, StepProfile};
 use gridlm::grid::{Grid, ShardPlan};
-use gridlm::kernels::{dot, Fetch, ManyFetch, Quant};
+use gridlm::kernels::{dot, Fetch, ManyFetch, Quant, Streams};
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
@@ -948,10 +948,10 @@ fn gather_rank_reports(
     let t = profile.per_step_ms().map(f64::to_bits);
     // u64::MAX: not counted (no decode step, or allocations are not counted).
     let allocs = profile.allocations_per_step().map_or(u64::MAX, f64::to_bits);
-    // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL`, `Int8Path::ALL` and
-    // `ManyFetch::ALL` (the order they are declared in; u64::MAX: weights not int8, or no
-    // baseline way).
-    let (prefetch, many_prefetch) = (engine.prefetch(), engine.many_prefetch());
+    // Sent as indices into `Fetch::ALL`, `PrefetchBy::ALL`, `Isa::ALL`, `Int8Path::ALL`,
+    // `ManyFetch::ALL` and `Streams::ALL` (the order they are declared in; u64::MAX: weights
+    // not int8, or no baseline way).
+    let (prefetch, many_prefetch, streams) = (engine.prefetch(), engine.many_prefetch(), engine.streams());
     let isa = dot::detect();
     let int8 = if shard.weight_dtype() == "int8" { dot::int8_path_for(isa) as u64 } else { u64::MAX };
     let mine = [
@@ -978,6 +978,8 @@ fn gather_rank_reports(
         base_many.map_or(u64::MAX, |m| m.1 as u64),
         base_prefetch.map_or(u64::MAX, |p| p.0 as u64),
         base_prefetch.map_or(u64::MAX, |p| p.1 as u64),
+        streams.0 as u64,
+        streams.1 as u64,
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -1017,6 +1019,9 @@ fn gather_rank_reports(
                 .then(|| Fetch::ALL.get(v[21] as usize).map_or("?", |f| f.name()).to_string()),
             baseline_prefetch_by: (v[22] != u64::MAX)
                 .then(|| by(v[22]).map_or("?", |b| b.name()).to_string()),
+            streams: Streams::ALL.get(v[23] as usize).map_or("?", |s| s.name()).to_string(),
+            streams_by: by(v[24]).map_or("?", |b| b.streams_name()).to_string(),
+            streams_timings: by(v[24]).map_or(0, |b| b.timings()),
         })
         .collect()
 }

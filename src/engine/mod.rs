@@ -414,6 +414,9 @@ pub struct Engine {
     prefetch: (kernels::Fetch, PrefetchBy),
     /// How this rank's many-token bf16 products prefetch, and what decided it.
     many_prefetch: (kernels::ManyFetch, PrefetchBy),
+    /// Which pieces of this rank's one-token products the AVX2 kernels read in three streams,
+    /// and what decided it.
+    streams: (kernels::Streams, PrefetchBy),
     /// What [`Plan::Read`] runs on this rank (see [`Engine::set_reader`]).
     reader: Option<Reader>,
     /// What steps of side 1 run on, while the engine holds side 0's (its own), or the other
@@ -439,6 +442,7 @@ pub struct SpareWeights {
     shard: Shard,
     prefetch: (kernels::Fetch, PrefetchBy),
     many_prefetch: (kernels::ManyFetch, PrefetchBy),
+    streams: (kernels::Streams, PrefetchBy),
 }
 
 impl SpareWeights {
@@ -517,6 +521,15 @@ impl PrefetchBy {
             b => b.name(),
         }
     }
+
+    /// [`PrefetchBy::name`] for the one-token streams ([`kernels::Streams`]), whose variable
+    /// is another.
+    pub fn streams_name(self) -> &'static str {
+        match self {
+            PrefetchBy::Env => "GRIDLM_STREAMS",
+            b => b.name(),
+        }
+    }
 }
 
 /// Bytes of a rank's buffers in a run beyond its weights and KV pages, `[per token of a
@@ -544,14 +557,37 @@ fn largest_vocab_shard(vocab: usize, tp: usize) -> usize {
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
     let names = kernels::Fetch::ALL.map(kernels::Fetch::name);
     let named = named_in_env("GRIDLM_PREFETCH", kernels::Fetch::parse, &names)?;
-    let chosen = if let Some(f) = named {
-        (f, PrefetchBy::Env)
-    } else if let Some(picked) = shard.pick_fetch(team) {
+    let chosen = named_or_timed(named, || shard.pick_fetch(team), kernels::Fetch::Near);
+    kernels::dot::set_fetch(chosen.0);
+    Ok(chosen)
+}
+
+/// The way `named` (by a variable), else the one `pick` timed, else `default`, with what
+/// decided it.
+fn named_or_timed<T, const W: usize>(
+    named: Option<T>,
+    pick: impl FnOnce() -> Option<kernels::Picked<T, W>>,
+    default: T,
+) -> (T, PrefetchBy) {
+    if let Some(way) = named {
+        (way, PrefetchBy::Env)
+    } else if let Some(picked) = pick() {
         (picked.way, PrefetchBy::timed(picked.timings))
     } else {
-        (kernels::Fetch::Near, PrefetchBy::Default)
-    };
-    kernels::dot::set_fetch(chosen.0);
+        (default, PrefetchBy::Default)
+    }
+}
+
+/// Which pieces of this rank's one-token products the AVX2 kernels read in three streams: as
+/// `GRIDLM_STREAMS` names it (long or every), else the faster on its own layers, timed on
+/// `team` under the prefetch way already set ([`Shard::pick_streams`]: `long` unless `every`
+/// is clearly faster), else [`kernels::Streams::Long`]. Set for the process
+/// ([`kernels::dot::set_streams`]).
+fn choose_streams(shard: &Shard, team: &Team) -> Result<(kernels::Streams, PrefetchBy)> {
+    let names = kernels::Streams::ALL.map(kernels::Streams::name);
+    let named = named_in_env("GRIDLM_STREAMS", kernels::Streams::parse, &names)?;
+    let chosen = named_or_timed(named, || shard.pick_streams(team), kernels::Streams::Long);
+    kernels::dot::set_streams(chosen.0);
     Ok(chosen)
 }
 
@@ -612,6 +648,7 @@ impl Engine {
             Some((r, s, parts.next() == Some("panic")))
         });
         let prefetch = choose_prefetch(&shard, &team)?;
+        let streams = choose_streams(&shard, &team)?;
         let many_prefetch = many_prefetch_from_env()?;
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
         // Alone, a rank takes its share of its node: the others are not known yet.
@@ -666,6 +703,7 @@ impl Engine {
             steps: 0,
             prefetch,
             many_prefetch,
+            streams,
             reader: None,
             other: None,
             side: 0,
@@ -735,6 +773,12 @@ impl Engine {
         self.many_prefetch
     }
 
+    /// Which pieces of this rank's one-token products the AVX2 kernels read in three streams,
+    /// and what decided it.
+    pub fn streams(&self) -> (kernels::Streams, PrefetchBy) {
+        self.streams
+    }
+
     /// Times this rank's many-token prefetch on its own layers at `tokens` a decode step (the
     /// most its run decodes at once; [`Shard::pick_many_fetch`]) and keeps the fastest, unless
     /// `GRIDLM_MANY_PREFETCH` named one or that kernel would not run such steps. Local to the
@@ -774,9 +818,10 @@ impl Engine {
             return Err(Error::Input("weights run in turn must be the same layers of the same model".into()));
         }
         let prefetch = choose_prefetch(&shard, &self.team)?;
+        let streams = choose_streams(&shard, &self.team)?;
         let many_prefetch = timed_many_prefetch(&shard, &self.team, tokens, many_prefetch_from_env()?);
         self.apply_prefetch();
-        Ok(SpareWeights { shard, prefetch, many_prefetch })
+        Ok(SpareWeights { shard, prefetch, many_prefetch, streams })
     }
 
     /// Runs on `spare`'s weights from now on, leaving the engine's in `spare`. Between runs
@@ -786,6 +831,7 @@ impl Engine {
         std::mem::swap(&mut self.shard, &mut spare.shard);
         std::mem::swap(&mut self.prefetch, &mut spare.prefetch);
         std::mem::swap(&mut self.many_prefetch, &mut spare.many_prefetch);
+        std::mem::swap(&mut self.streams, &mut spare.streams);
         self.apply_prefetch();
     }
 
@@ -833,6 +879,7 @@ impl Engine {
     fn apply_prefetch(&self) {
         kernels::dot::set_fetch(self.prefetch.0);
         kernels::dot::set_many_fetch(self.many_prefetch.0);
+        kernels::dot::set_streams(self.streams.0);
     }
 
     /// Whether some layer of the model attends through a window (its keys may live in a

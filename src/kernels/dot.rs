@@ -1336,9 +1336,67 @@ impl<T> Avx512Load for T {}
 /// but for the tails) and the qwen2-0.5b shape within 1% either way. One stream for every piece
 /// decoded SmolLM2 as fast as from 1 MiB on, but the llama-3.2-1b shape 0.7–7.2% slower (four runs,
 /// slowest apart); from 4 MiB on, SmolLM2 as from 1 MiB and the shape up to 2% slower; from 256 KiB
-/// on, SmolLM2 1.3–2.2% faster than two streams for every piece (together). Not measured on Zen 3
-/// (where three streams replaced two in the float kernel later, from the same threshold).
+/// on, SmolLM2 1.3–2.2% faster than two streams for every piece (together). On Zen 3, where
+/// three streams replaced two later (in the float kernels, then the int8 ones), every piece in
+/// three was faster: so the threshold is [`Streams::Long`]'s, one of two ways each rank times.
 pub const STREAMS_FROM: usize = 1 << 20;
+
+/// Which pieces of a one-token product the AVX2 float and int8 kernels read in three streams
+/// (see [`STREAMS_FROM`]). Where streams pay depends on the CPU: on the 2-core Zen 4 machine
+/// whose virtual CPUs show no AVX-512, two streams for every piece decoded SmolLM2 2.8–8.5%
+/// slower than from 1 MiB on; on the 2-core Zen 3 machine, three streams for every piece
+/// decoded it 6.5–7.4% faster than from 1 MiB on (four runs, the two ways step by step in one
+/// run, the cores apart; two streams for every piece 0.96–1.05 of its speed), since SmolLM2's
+/// layer products are 0.7–3.5 MB and a thread's pieces of them mostly shorter than 1 MiB. So
+/// each rank times its own layers both ways at start-up ([`super::packed::pick_streams`]),
+/// keeping [`Streams::Long`] unless the other is clearly faster; `GRIDLM_STREAMS` names one
+/// instead. No choice changes a result: each panel's sums are the same bits either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streams {
+    /// Pieces of [`STREAMS_FROM`] bytes or more in three streams, shorter ones in one.
+    Long,
+    /// Every piece of three panels or more in three streams.
+    Every,
+}
+
+impl Streams {
+    /// In declared order, so a way's discriminant is its index.
+    pub const ALL: [Streams; 2] = [Streams::Long, Streams::Every];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Streams::Long => "long",
+            Streams::Every => "every",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Streams> {
+        Streams::ALL.into_iter().find(|f| f.name() == s)
+    }
+}
+
+/// The process's [`Streams`], as its discriminant; [`Streams::Long`] until one is set.
+static STREAMS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(Streams::Long as u8);
+
+/// Which pieces the AVX2 one-token kernels read in three streams in this process.
+pub fn streams() -> Streams {
+    let code = STREAMS.load(std::sync::atomic::Ordering::Relaxed);
+    Streams::ALL.get(code as usize).copied().unwrap_or(Streams::Long)
+}
+
+/// Sets which pieces the AVX2 one-token kernels read in three streams, from their next call on.
+pub fn set_streams(s: Streams) {
+    STREAMS.store(s as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The bytes of a thread's piece from which the AVX2 one-token kernels read it in three
+/// streams under the process's [`Streams`].
+pub(crate) fn streams_from() -> usize {
+    match streams() {
+        Streams::Long => STREAMS_FROM,
+        Streams::Every => 0,
+    }
+}
 
 /// The threshold for kernels that read every piece in one stream: the int8 one-token kernel of
 /// AVX512-VNNI (the same loop as `maddubs`', one `vpdpbusd` a chunk instead of three
@@ -2153,7 +2211,8 @@ mod avx2 {
     /// against one prepared input: `out[4p + lane] = row lane of panel p · x`. `out` may end
     /// inside the last panel (the matrix's padding rows are not written). Each panel is read
     /// once, with nothing between two panels but four sums: from [`super::STREAMS_FROM`]
-    /// bytes on in three streams, the range's thirds side by side, below that in one.
+    /// bytes on (every range under [`super::Streams::Every`]) in three streams, the range's
+    /// thirds side by side, below that in one.
     ///
     /// # Safety
     /// The CPU must have avx2, fma and f16c; `x.len()` is a multiple of [`BLOCK`] and
@@ -2185,7 +2244,7 @@ mod avx2 {
         let xp = x.as_ptr();
         let panel = |p: usize| w.as_ptr().add(p * 4 * n);
         let (groups, alone) =
-            streams::<3>(out.len().div_ceil(4), std::mem::size_of_val(w), super::STREAMS_FROM);
+            streams::<3>(out.len().div_ceil(4), std::mem::size_of_val(w), super::streams_from());
         for g in groups {
             let sums = panel_sums::<T, F, 3>(g.map(panel), xp, n, kb);
             for (s, p) in sums.into_iter().zip(g) {
@@ -2199,7 +2258,7 @@ mod avx2 {
     }
 
     /// The panels `0..np` of a thread's range (`bytes` of weights) as the one-token kernels
-    /// read them: from `from` bytes on ([`super::STREAMS_FROM`], or
+    /// read them: from `from` bytes on ([`super::streams_from`], or
     /// [`super::ONE_STREAM`]) in `S` streams, groups `[p, p + np / S, …]` (the range's `S`
     /// parts side by side) and then the last `np % S` panels alone; below that in one stream,
     /// every panel alone, in order.
@@ -2460,7 +2519,8 @@ mod avx2 {
     /// converted and scaled once, in the same order on every path, so the paths agree bit for
     /// bit. Two rows share one register: lanes 0–3 sum row 0 (or 2), lanes 4–7 row 1 (or 3).
     /// `out` may end inside the last panel. A long range's panels go in three streams, as the
-    /// float kernel's do ([`panels`], [`super::STREAMS_FROM`]). On the 2-core Zen 3 machine two
+    /// float kernel's do ([`panels`], [`super::STREAMS_FROM`]; every range's under
+    /// [`super::Streams::Every`]). On the 2-core Zen 3 machine two
     /// streams read the llama-3.2-1b shape's int8 decode at 0.91–0.97 of the bandwidth against
     /// 0.84–0.87 with one (three interleaved pairs); three against two, step by step in one run
     /// (`gridlm bench --compare-prefetch`, a build whose `far` way meant three streams under
@@ -2671,14 +2731,14 @@ mod avx2 {
         tokens_q8_maddubs,
         "avx2,fma,f16c",
         add_maddubs,
-        super::STREAMS_FROM
+        super::streams_from()
     );
     panels_q8_kernel!(
         panels_q8_avx_vnni,
         tokens_q8_avx_vnni,
         "avx2,fma,f16c,avxvnni",
         add_dpbusd_avx,
-        super::STREAMS_FROM
+        super::streams_from()
     );
     panels_q8_kernel!(
         panels_q8_avx512_vnni,

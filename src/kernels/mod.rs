@@ -9,8 +9,8 @@ pub mod limits;
 pub mod packed;
 pub mod team;
 
-pub use dot::{Fetch, ManyFetch};
-pub use packed::{matmul, pick_fetch, pick_many_fetch, PackedMat, Picked, Quant};
+pub use dot::{Fetch, ManyFetch, Streams};
+pub use packed::{matmul, pick_fetch, pick_many_fetch, pick_streams, PackedMat, Picked, Quant};
 pub use team::{Par, Region, Team};
 
 /// RMSNorm of each `w.len()`-sized row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
@@ -1291,6 +1291,8 @@ mod tests {
     /// the 16- and 32-bit types, then pieces below 1 MiB.
     #[test]
     fn long_and_short_one_token_pieces_give_the_same_sums() {
+        let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let before = dot::streams();
         let team = Team::new(1).unwrap();
         let (rows, cols) = (1208, 2048);
         assert!(rows / 2 * cols >= dot::STREAMS_FROM && rows / 4 * cols < dot::STREAMS_FROM);
@@ -1308,7 +1310,12 @@ mod tests {
                 let want = |x: &[f32]| naive_matmul(&w64, rows, cols, x, 1);
                 assert_matmul_on_every_isa(&team, &w, &x[..cols], 1, &want, 1e-6, &format!("{dtype:?}"));
             }
-            for path in paths(quant.is_some()) {
+            // Under either way of choosing the pieces read in streams (every piece: each of
+            // the pieces after the first too).
+            for (path, streams) in
+                paths(quant.is_some()).into_iter().flat_map(|p| dot::Streams::ALL.map(|s| (p, s)))
+            {
+                dot::set_streams(streams);
                 let mut many = vec![0.0f32; 2 * rows];
                 on_path(path, || matmul(&team, &w, &x, 2, &mut many));
                 for t in 0..2 {
@@ -1318,11 +1325,12 @@ mod tests {
                     assert_eq!(
                         bits(&one),
                         bits(&many[t * rows..(t + 1) * rows]),
-                        "{path:?} {dtype:?} {quant:?} token {t}"
+                        "{path:?} {dtype:?} {quant:?} {streams:?} token {t}"
                     );
                 }
             }
         }
+        dot::set_streams(before);
     }
 
     /// A product of no tokens does nothing, on every path and weight type, from a team or

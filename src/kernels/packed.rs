@@ -314,6 +314,33 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<Picked<Fetc
     pick_way(team, mats, 1, Fetch::ALL, Some(Fetch::Page), dot::set_fetch)
 }
 
+/// Chooses which pieces of one-token products the AVX2 kernels read in three streams
+/// ([`dot::Streams`]) as [`pick_fetch`] chooses the prefetch way: one token through `mats`,
+/// both ways timed fourteen times, interleaved, under the process's prefetch way; sets the
+/// faster for the process ([`dot::set_streams`]) unless [`dot::Streams::Long`]'s median is
+/// within 2% of it (`PICK_MARGIN`), in two timings running where the first would leave `Long`.
+/// `None`, and nothing set, where no AVX2 one-token kernel reads `mats` (the 512-bit kernels
+/// and AVX512-VNNI's int8 one read every piece in one stream) or they hold less than 64 MiB.
+pub fn pick_streams(
+    team: &super::Team,
+    mats: &[&PackedMat],
+) -> Option<Picked<dot::Streams, { dot::Streams::ALL.len() }>> {
+    if !mats.iter().any(|m| reads_in_streams(m, dot::detect())) {
+        return None;
+    }
+    let long = Some(dot::Streams::Long);
+    pick_way(team, mats, 1, dot::Streams::ALL, long, dot::set_streams)
+}
+
+/// Whether one token through `m` on `isa` goes through an AVX2 kernel that reads long pieces
+/// in several streams (the float one, or int8 on `maddubs` or AVX-VNNI).
+fn reads_in_streams(m: &PackedMat, isa: Isa) -> bool {
+    match m.store {
+        Store::I8(..) => matches!(dot::int8_path_for(isa), dot::Int8Path::Maddubs | dot::Int8Path::AvxVnni),
+        _ => isa == Isa::Avx2,
+    }
+}
+
 /// Chooses the way the many-token bf16 kernel of AVX512_BF16 prefetches ([`ManyFetch`]) as
 /// [`pick_fetch`] chooses the one-token way: `n_tok` tokens (2 to 15, a batch's decode
 /// step) through `mats` (the way names the hint of every row's requests: 16 KiB ahead in rows
@@ -1652,6 +1679,45 @@ mod tests {
         // A second timing only where the first left `Page`, and then it decided.
         assert!(picked.timings == 1 || picked.timings == 2, "{picked:?}");
         dot::set_fetch(before);
+    }
+
+    #[test]
+    fn pick_streams_times_where_an_avx2_kernel_streams_the_matrices() {
+        let _g = dot::FETCH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let before = dot::streams();
+        let team = Team::new(2).unwrap();
+        let (a, b) = (filled(20480, DType::BF16), filled(20480, DType::BF16));
+        // int8 at one byte a weight: 2 x 40 MiB too.
+        let [qa, qb] = [(); 2].map(|_| {
+            let data = Data::F32(vec![0.5; 40960 * 1024]);
+            PackedMat::pack_as(&Mat { rows: 40960, cols: 1024, data }, Some(Quant::Int8))
+        });
+        // 8 MiB: in cache, not timed, nothing set.
+        dot::set_streams(dot::Streams::Every);
+        assert!(pick_streams(&team, &[&filled(4096, DType::BF16)]).is_none());
+        assert_eq!(dot::streams(), dot::Streams::Every);
+        let isa = dot::detect();
+        for mats in [[&a, &b], [&qa, &qb]] {
+            let picked = pick_streams(&team, &mats);
+            if !reads_in_streams(mats[0], isa) {
+                // The 512-bit kernels (or AVX512-VNNI's int8 one) read each piece in one
+                // stream: nothing to time, nothing set.
+                assert!(picked.is_none());
+                assert_eq!(dot::streams(), dot::Streams::Every);
+                continue;
+            }
+            // 2 x 40 MiB: both ways timed, the faster set (`Long` while within the margin).
+            let picked = picked.expect("80 MiB are timed");
+            assert_picked_preferring(&dot::Streams::ALL, dot::Streams::Long, picked.way, &picked.medians);
+            assert_eq!(dot::streams(), picked.way);
+            assert!(picked.timings == 1 || picked.timings == 2, "{picked:?}");
+            dot::set_streams(dot::Streams::Every);
+        }
+        // Which kernels read in streams: AVX2's float one, int8 on maddubs or AVX-VNNI.
+        assert!(reads_in_streams(&a, Isa::Avx2) && reads_in_streams(&qa, Isa::Avx2));
+        assert!(!reads_in_streams(&a, Isa::Avx512) && !reads_in_streams(&a, Isa::Portable));
+        assert!(!reads_in_streams(&qa, Isa::Portable));
+        dot::set_streams(before);
     }
 
     #[test]

@@ -1313,6 +1313,17 @@ impl Shard {
         kernels::pick_fetch(team, &self.layer_mats())
     }
 
+    /// Chooses which pieces of this rank's one-token products the AVX2 kernels read in three
+    /// streams ([`kernels::pick_streams`]) by timing its own layers' products, in the order a
+    /// decode step runs them; `None` when they are too small to tell or no such kernel reads
+    /// them.
+    pub fn pick_streams(
+        &self,
+        team: &Team,
+    ) -> Option<kernels::Picked<kernels::Streams, { kernels::Streams::ALL.len() }>> {
+        kernels::pick_streams(team, &self.layer_mats())
+    }
+
     /// Chooses how this rank's many-token bf16 products prefetch ([`kernels::pick_many_fetch`])
     /// by timing `tokens` tokens through its own layers' products, in the order a decode step
     /// runs them; `None` when they are too small to tell or do not go through that kernel.

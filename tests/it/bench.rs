@@ -91,8 +91,8 @@ fn check(j: &serde_json::Value, ranks: usize) {
 #[test]
 fn bench_synthetic_shape_one_rank() {
     let mut cmd = std::process::Command::new(bin());
-    // The rank chooses its one-token prefetch itself, unless told.
-    cmd.env_remove("GRIDLM_PREFETCH").args([
+    // The rank chooses its one-token prefetch and streams itself, unless told.
+    cmd.env_remove("GRIDLM_PREFETCH").env_remove("GRIDLM_STREAMS").args([
         "bench",
         "--shape",
         "smollm2-135m",
@@ -117,6 +117,14 @@ fn bench_synthetic_shape_one_rank() {
     assert!(["none", "near", "far", "nta", "page"].contains(&rank["prefetch"].as_str().unwrap()), "{rank}");
     // One timing of every way, or two where the first would have left `page`.
     assert!([1, 2].contains(&rank["prefetch_timings"].as_u64().unwrap()), "{rank}");
+    // Which pieces the AVX2 kernels read in streams: timed where they run (the layers are
+    // bf16), else not.
+    let timed_streams = rank["isa"] == "avx2";
+    let streams_by = if timed_streams { "timed" } else { "default" };
+    assert_eq!(rank["streams_by"], streams_by, "{rank}");
+    assert!(["long", "every"].contains(&rank["streams"].as_str().unwrap()), "{rank}");
+    let timings = rank["streams_timings"].as_u64().unwrap();
+    assert!(if timed_streams { [1, 2].contains(&timings) } else { timings == 0 }, "{rank}");
     // One token a step: the many-token prefetch is not timed.
     assert_eq!(
         (&rank["many_prefetch"], &rank["many_prefetch_by"], &rank["many_prefetch_timings"]),
@@ -194,7 +202,8 @@ fn bench_two_stages(dir: &Path, args: &[&str], envs: &[(&str, &str)]) -> serde_j
 fn bench_model_folder_on_two_stages() {
     let (_t, dir) = tiny_llama();
     let args = ["--new-tokens", "4", "--reps", "1", "--batch", "3", "--quant", "int8", "--kv-dtype", "bf16"];
-    let j = bench_two_stages(&dir, &args, &[("GRIDLM_PREFETCH", "far"), ("GRIDLM_MANY_PREFETCH", "nta")]);
+    let env = [("GRIDLM_PREFETCH", "far"), ("GRIDLM_MANY_PREFETCH", "nta"), ("GRIDLM_STREAMS", "every")];
+    let j = bench_two_stages(&dir, &args, &env);
     assert_eq!(j["pp"], 2);
     assert_eq!(j["batch"], 3);
     assert_eq!(j["weight_dtype"], "int8");
@@ -204,8 +213,10 @@ fn bench_model_folder_on_two_stages() {
         assert_eq!((&r["prefetch"], &r["prefetch_by"]), (&"far".into(), &"GRIDLM_PREFETCH".into()), "{r}");
         let many = (&r["many_prefetch"], &r["many_prefetch_by"]);
         assert_eq!(many, (&"nta".into(), &"GRIDLM_MANY_PREFETCH".into()), "{r}");
+        assert_eq!((&r["streams"], &r["streams_by"]), (&"every".into(), &"GRIDLM_STREAMS".into()), "{r}");
         // Named, not timed.
         assert_eq!((&r["prefetch_timings"], &r["many_prefetch_timings"]), (&0.into(), &0.into()), "{r}");
+        assert_eq!(r["streams_timings"], 0, "{r}");
         let int8 = ["portable", "maddubs", "avx-vnni", "avx512-vnni"];
         assert!(int8.contains(&r["int8_kernel"].as_str().unwrap_or("none")), "{r}");
     }

@@ -117,6 +117,8 @@ fn a_bad_prefetch_name_is_one_error_line_on_every_rank() {
     assert_every_rank_says(&out, 2, "GRIDLM_PREFETCH is 'sideways': expected none, near, far, nta or page");
     let out = local(2, &dir, &["--prompt", "t1", "--pp", "2"], &[("GRIDLM_MANY_PREFETCH", "far")]);
     assert_every_rank_says(&out, 2, "GRIDLM_MANY_PREFETCH is 'far': expected l2, nta or whole");
+    let out = local(2, &dir, &["--prompt", "t1", "--pp", "2"], &[("GRIDLM_STREAMS", "some")]);
+    assert_every_rank_says(&out, 2, "GRIDLM_STREAMS is 'some': expected long or every");
 }
 
 #[test]
