@@ -61,6 +61,10 @@ pub struct RankReport {
     pub streams: String,
     pub streams_by: String,
     pub streams_timings: usize,
+    /// With `--compare-streams`: the streams the baseline's one-token products read in, and
+    /// what decided it (`--compare-streams`; null otherwise).
+    pub baseline_streams: Option<String>,
+    pub baseline_streams_by: Option<String>,
     /// The kernels the rank runs: its SIMD path ([`crate::kernels::dot::Isa`]: `portable`,
     /// `avx2`, `avx512` or `avx512bf16`) and, for int8 weights, how their products are summed
     /// ([`crate::kernels::dot::Int8Path`]: `portable`, `maddubs`, `avx-vnni` or `avx512-vnni`).
@@ -218,6 +222,9 @@ pub struct Baseline {
     /// With `--compare-prefetch`: the one-token prefetch way the baseline ran under (null
     /// otherwise).
     pub prefetch: Option<String>,
+    /// With `--compare-streams`: which pieces of one-token products the baseline read in three
+    /// streams (`long` or `every`; null otherwise).
+    pub streams: Option<String>,
     #[serde(flatten)]
     pub decode: DecodeFigures,
     /// The compared runs' decode tokens/s over these (each the mean of its runs' rates).
@@ -245,12 +252,15 @@ pub enum Alternated {
 
 impl Baseline {
     /// The baseline's figures (`decode`, of `weight_dtype` weights at `batch` sequences, under
-    /// the one-token way `prefetch` where it has its own) and the speed-ups of the runs compared
-    /// with it (`compared`), rep by rep in the same order; `alternated` as the field says.
+    /// the one-token way `prefetch` and `streams` where it has its own) and the speed-ups of
+    /// the runs compared with it (`compared`), rep by rep in the same order; `alternated` as
+    /// the field says.
+    #[allow(clippy::too_many_arguments)] // what the baseline ran, its figures, the compared ones
     pub fn new(
         weight_dtype: String,
         batch: usize,
         prefetch: Option<String>,
+        streams: Option<String>,
         decode: DecodeFigures,
         compared: &DecodeFigures,
         alternated: Alternated,
@@ -261,6 +271,7 @@ impl Baseline {
             weight_dtype,
             batch,
             prefetch,
+            streams,
             alternated,
             speedup,
             speedup_by_rep: compared.runs.iter().zip(&decode.runs).map(|(c, b)| rate(c) / rate(b)).collect(),
@@ -670,10 +681,11 @@ impl BenchReport {
         }
         if let Some(u) = &self.baseline {
             let b = &u.decode;
-            let what = match &u.prefetch {
-                Some(way) => format!("prefetch {way}"),
-                None if u.batch != self.batch => format!("batch {}", u.batch),
-                None => format!("{} weights", u.weight_dtype),
+            let what = match (&u.prefetch, &u.streams) {
+                (Some(way), _) => format!("prefetch {way}"),
+                (None, Some(way)) => format!("streams {way}"),
+                (None, None) if u.batch != self.batch => format!("batch {}", u.batch),
+                (None, None) => format!("{} weights", u.weight_dtype),
             };
             let each = |v: &mut dyn Iterator<Item = f64>, places: usize| {
                 v.map(|x| format!("{x:.places$}")).collect::<Vec<_>>().join(", ")
@@ -723,7 +735,7 @@ impl BenchReport {
         for r in &self.ranks {
             let allocs = r.allocations_per_step.map_or("not counted".into(), |a| format!("{a}"));
             s += &format!(
-                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}){}, many tokens {} ({}){}; streams {} ({}); kernels {}{}\n",
+                "  rank {} (stage {}, tp {}): weights {:.1} MB, resident {:.1} MB; per decode step {:.2} ms = compute {:.2} + allreduce {:.2} + allgather {:.2} + send/recv {:.2}, {allocs} allocations; prefetch {} ({}){}, many tokens {} ({}){}; streams {} ({}){}; kernels {}{}\n",
                 r.rank,
                 r.stage,
                 r.tp,
@@ -748,6 +760,10 @@ impl BenchReport {
                 },
                 r.streams,
                 by_timings(&r.streams_by, r.streams_timings),
+                match (&r.baseline_streams, &r.baseline_streams_by) {
+                    (Some(way), Some(by)) => format!(", the baseline's {way} ({by})"),
+                    _ => String::new(),
+                },
                 r.isa,
                 r.int8_kernel.as_ref().map_or(String::new(), |k| format!(", int8 {k}"))
             );

@@ -550,6 +550,15 @@ struct BenchArgs {
     #[arg(long, value_name = "WAY", value_parser = parse_fetch,
           conflicts_with_all = ["compare_unquantized", "compare_batch"])]
     compare_prefetch: Option<Fetch>,
+    /// Run one-token products with the other choice of which pieces the AVX2 kernels read in
+    /// three streams (long: from 1 MiB on; every: every piece) in turn with the choice each
+    /// rank took at start-up (timed, or named by GRIDLM_STREAMS), step by step on the same
+    /// weights and batch; report both and the rank's own choice's decode speed-up over it. No
+    /// choice changes a result. For decode of one token a step, as --compare-prefetch; where no
+    /// AVX2 kernel reads a rank's products (AVX-512, AVX512-VNNI int8) both sides read alike.
+    #[arg(long, value_name = "WAY", value_parser = parse_streams,
+          conflicts_with_all = ["compare_unquantized", "compare_batch", "compare_prefetch"])]
+    compare_streams: Option<Streams>,
     #[command(flatten)]
     grid: GridArgs,
 }
@@ -606,6 +615,11 @@ fn parse_quant(s: &str) -> Result<Quant, String> {
 fn parse_fetch(s: &str) -> Result<Fetch, String> {
     let names = Fetch::ALL.map(Fetch::name).join(", ");
     Fetch::parse(s).ok_or_else(|| format!("unknown prefetch way `{s}` (expected one of {names})"))
+}
+
+fn parse_streams(s: &str) -> Result<Streams, String> {
+    let names = Streams::ALL.map(Streams::name).join(" or ");
+    Streams::parse(s).ok_or_else(|| format!("unknown streams way `{s}` (expected {names})"))
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -926,22 +940,25 @@ fn count_cpu_list(s: &str) -> Option<usize> {
 }
 
 /// The prefetch ways a bench's baseline ran under where they differ from the rank's own: the
-/// one-token way (`--compare-prefetch`) and the many-token way (`--compare-batch`).
-type BaselineWays = (Option<(Fetch, PrefetchBy)>, Option<(ManyFetch, PrefetchBy)>);
+/// one-token way (`--compare-prefetch`), the many-token way (`--compare-batch`) and the
+/// one-token streams (`--compare-streams`).
+type BaselineWays =
+    (Option<(Fetch, PrefetchBy)>, Option<(ManyFetch, PrefetchBy)>, Option<(Streams, PrefetchBy)>);
 
 /// Collective: every rank's memory and time figures, in world-rank order. `weight_rss` is the
 /// RSS growth while the rank loaded its shard; the current RSS is taken now. `profile` is where
 /// the rank's decode steps went: the engine's own since its last run began, or (bench with a
 /// baseline) since the last run of the side it reports on. `base_ways`: the one-token way the
-/// baseline of `bench --compare-prefetch` ran under, and the many-token way the baseline batch
-/// of `bench --compare-batch` ran under. `step_tokens`: the tokens of a decode step whose
+/// baseline of `bench --compare-prefetch` ran under, the many-token way the baseline batch
+/// of `bench --compare-batch` ran under, and the streams the baseline of `bench
+/// --compare-streams` read in. `step_tokens`: the tokens of a decode step whose
 /// weight bytes each rank reports (more of a mixture's experts for more tokens).
 fn gather_rank_reports(
     link: &dyn Link,
     engine: &Engine,
     profile: StepProfile,
     weight_rss: usize,
-    (base_prefetch, base_many): BaselineWays,
+    (base_prefetch, base_many, base_streams): BaselineWays,
     step_tokens: usize,
 ) -> Vec<RankReport> {
     let (grid, shard) = (engine.grid, &engine.shard);
@@ -980,6 +997,8 @@ fn gather_rank_reports(
         base_prefetch.map_or(u64::MAX, |p| p.1 as u64),
         streams.0 as u64,
         streams.1 as u64,
+        base_streams.map_or(u64::MAX, |s| s.0 as u64),
+        base_streams.map_or(u64::MAX, |s| s.1 as u64),
     ];
     let mut all = vec![0; mine.len() * link.world_size()];
     link.allgather_u64(&mine, &mut all);
@@ -1022,6 +1041,10 @@ fn gather_rank_reports(
             streams: Streams::ALL.get(v[23] as usize).map_or("?", |s| s.name()).to_string(),
             streams_by: by(v[24]).map_or("?", |b| b.streams_name()).to_string(),
             streams_timings: by(v[24]).map_or(0, |b| b.timings()),
+            baseline_streams: (v[25] != u64::MAX)
+                .then(|| Streams::ALL.get(v[25] as usize).map_or("?", |s| s.name()).to_string()),
+            baseline_streams_by: (v[26] != u64::MAX)
+                .then(|| by(v[26]).map_or("?", |b| b.streams_name()).to_string()),
         })
         .collect()
 }
@@ -1274,7 +1297,7 @@ fn run_generate(
 
     let Some((tok, prompts)) = prompts else {
         engine.follow(comm, link)?;
-        gather_rank_reports(link, &engine, engine.profile(), weight_rss, (None, None), 1);
+        gather_rank_reports(link, &engine, engine.profile(), weight_rss, (None, None, None), 1);
         return agree(link, Ok(()));
     };
     let eos_ids = eos_ids(cfg_eos, &tok);
@@ -1315,7 +1338,7 @@ fn run_generate(
         &engine,
         engine.profile(),
         weight_rss,
-        (None, None),
+        (None, None, None),
         1,
     ));
     // The driver's verdict on the run (a lone prompt's own error included) reaches every rank,
@@ -1731,10 +1754,14 @@ fn run_bench(
         };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
-        if let Some(way) = a.compare_prefetch.filter(|_| tokens_per_step > 1) {
+        let one_token_way = match (a.compare_prefetch, a.compare_streams) {
+            (Some(way), _) => Some(("--compare-prefetch", way.name(), "prefetch")),
+            (None, Some(way)) => Some(("--compare-streams", way.name(), "streams")),
+            (None, None) => None,
+        };
+        if let Some((option, way, what)) = one_token_way.filter(|_| tokens_per_step > 1) {
             return Err(gridlm::Error::Input(format!(
-                "--compare-prefetch {}: --batch {} decodes {} tokens a step, through the many-token kernels, which the one-token prefetch does not touch; use --batch 1 (or --micro-batches {})",
-                way.name(),
+                "{option} {way}: --batch {} decodes {} tokens a step, through the many-token kernels, which the one-token {what} does not touch; use --batch 1 (or --micro-batches {})",
                 a.work.batch,
                 tokens_per_step,
                 a.work.batch
@@ -1785,6 +1812,9 @@ fn run_bench(
     // `--compare-prefetch`: the one-token way the baseline runs under, beside the rank's own.
     let main_prefetch = engine.prefetch();
     let base_prefetch = a.compare_prefetch.map(|way| (way, PrefetchBy::Compared));
+    // `--compare-streams`: the streams the baseline's one-token products read in.
+    let main_streams = engine.streams();
+    let base_streams = a.compare_streams.map(|way| (way, PrefetchBy::Compared));
     // `--compare-unquantized`: the same layers unquantized, loaded beside the quantized ones
     // and run in turn with them on the same kernel threads (see the run schedule below).
     let mut spare = None;
@@ -1893,7 +1923,8 @@ fn run_bench(
     // machine int8 against bf16 came out at 1.47x where the same runs at the same reads gave
     // 1.90x). Micro-batches of a pipeline keep whole runs in turn: each side's steps overlap
     // with its own.
-    let comparing = spare.is_some() || a.compare_batch.is_some() || base_prefetch.is_some();
+    let comparing =
+        spare.is_some() || a.compare_batch.is_some() || base_prefetch.is_some() || base_streams.is_some();
     let stepwise = comparing && micro(a.work.batch) == 1 && micro(base_batch) == 1;
     // Step by step, the one run of both: the main side's requests, then the baseline's.
     let both = stepwise.then(|| {
@@ -1915,10 +1946,11 @@ fn run_bench(
     if stepwise {
         // The engine holds the baseline's weights or prefetch way beside its own, and each
         // step says whose it runs on.
-        let other = match (spare.take(), base_prefetch) {
-            (Some(spare), _) => gridlm::engine::OtherSide::Weights(Box::new(spare)),
-            (None, Some(way)) => gridlm::engine::OtherSide::Prefetch(way),
-            (None, None) => gridlm::engine::OtherSide::ManyPrefetch(base_many.unwrap_or(main_many)),
+        let other = match (spare.take(), base_prefetch, base_streams) {
+            (Some(spare), _, _) => gridlm::engine::OtherSide::Weights(Box::new(spare)),
+            (None, Some(way), _) => gridlm::engine::OtherSide::Prefetch(way),
+            (None, None, Some(way)) => gridlm::engine::OtherSide::Streams(way),
+            (None, None, None) => gridlm::engine::OtherSide::ManyPrefetch(base_many.unwrap_or(main_many)),
         };
         engine.set_other_side(Some(other));
     }
@@ -1967,6 +1999,9 @@ fn run_bench(
         if let Some(base_prefetch) = base_prefetch.filter(|_| !stepwise) {
             engine.set_prefetch(if side == Side::Main { main_prefetch } else { base_prefetch });
         }
+        if let Some(base_streams) = base_streams.filter(|_| !stepwise) {
+            engine.set_streams(if side == Side::Main { main_streams } else { base_streams });
+        }
         if n == a.warmup * sides(0).len() {
             read_around(&engine);
         }
@@ -1980,13 +2015,17 @@ fn run_bench(
                     Run::Rep(k) => format!("rep {}/{}", k + 1, a.reps),
                 };
                 let other = if side == Side::Main { Side::Baseline } else { Side::Main };
-                let name = |side: Side| match (&spare_dtypes, base_prefetch) {
-                    (Some(d), _) => d[side as usize].clone(),
-                    (None, Some(base)) => {
+                let name = |side: Side| match (&spare_dtypes, base_prefetch, base_streams) {
+                    (Some(d), _, _) => d[side as usize].clone(),
+                    (None, Some(base), _) => {
                         let way = if side == Side::Main { main_prefetch.0 } else { base.0 };
                         format!("prefetch {}", way.name())
                     }
-                    (None, None) => format!("batch {}", work[side as usize].0.len()),
+                    (None, None, Some(base)) => {
+                        let way = if side == Side::Main { main_streams.0 } else { base.0 };
+                        format!("streams {}", way.name())
+                    }
+                    (None, None, None) => format!("batch {}", work[side as usize].0.len()),
                 };
                 if stepwise {
                     label += &format!(" ({}, step by step with {})", name(side), name(other));
@@ -2068,6 +2107,7 @@ fn run_bench(
     }
     engine.set_many_prefetch(main_many);
     engine.set_prefetch(main_prefetch);
+    engine.set_streams(main_streams);
     let after = limits(&engine);
     // The resident memory reported below is the engine's, without the probe's buffer.
     engine.set_reader(None);
@@ -2139,7 +2179,7 @@ fn run_bench(
         (shard.weight_dtype().to_string(), all.iter().sum::<u64>())
     });
     drop(spare.take());
-    let base_ways = (base_prefetch, base_many);
+    let base_ways = (base_prefetch, base_many, base_streams);
     let ranks = gather_rank_reports(link, &engine, main_profile, weight_rss, base_ways, tokens_per_step);
     if let Some(msg) = failed {
         return Err(Agreed(msg).into());
@@ -2173,6 +2213,7 @@ fn run_bench(
             weight_dtype,
             base_batch,
             base_prefetch.map(|way| way.0.name().to_string()),
+            base_streams.map(|way| way.0.name().to_string()),
             figures(Side::Baseline, weight_bytes_per_token),
             &decode,
             alternated,

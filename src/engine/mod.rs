@@ -434,6 +434,9 @@ pub enum OtherSide {
     /// The engine's own weights under another one-token way (`gridlm bench
     /// --compare-prefetch`).
     Prefetch((kernels::Fetch, PrefetchBy)),
+    /// The engine's own weights with the one-token kernels' other choice of which pieces they
+    /// read in three streams (`gridlm bench --compare-streams`).
+    Streams((kernels::Streams, PrefetchBy)),
 }
 
 /// Weights held aside with the prefetch ways chosen for them ([`Engine::spare_weights`]), to
@@ -473,7 +476,8 @@ pub enum PrefetchBy {
     /// As [`PrefetchBy::Timed`], in two timings: the first would have left `page` (`whole`)
     /// and the second decided. Named `timed` too; [`PrefetchBy::timings`] tells them apart.
     TimedTwice,
-    /// `gridlm bench --compare-prefetch` named it, for the baseline of a comparison.
+    /// `gridlm bench --compare-prefetch` (`--compare-streams`) named it, for the baseline of
+    /// a comparison.
     Compared,
 }
 
@@ -527,6 +531,7 @@ impl PrefetchBy {
     pub fn streams_name(self) -> &'static str {
         match self {
             PrefetchBy::Env => "GRIDLM_STREAMS",
+            PrefetchBy::Compared => "--compare-streams",
             b => b.name(),
         }
     }
@@ -794,6 +799,14 @@ impl Engine {
         kernels::dot::set_fetch(way.0);
     }
 
+    /// Makes `way` this rank's choice of which pieces of one-token products the AVX2 kernels
+    /// read in three streams (and the process's): `gridlm bench --compare-streams` runs its
+    /// baseline under the way it names.
+    pub fn set_streams(&mut self, way: (kernels::Streams, PrefetchBy)) {
+        self.streams = way;
+        kernels::dot::set_streams(way.0);
+    }
+
     /// Makes `way` this rank's many-token prefetch (and the process's), as a pick of
     /// [`Engine::pick_many_prefetch`] returned by [`Engine::many_prefetch`] left it: `gridlm
     /// bench --compare-batch` runs each batch size under the way picked for its own steps.
@@ -869,6 +882,10 @@ impl Engine {
             OtherSide::Prefetch(one) => {
                 let way = std::mem::replace(one, self.prefetch);
                 self.set_prefetch(way);
+            }
+            OtherSide::Streams(streams) => {
+                let way = std::mem::replace(streams, self.streams);
+                self.set_streams(way);
             }
         }
         self.other = Some(other);

@@ -353,6 +353,13 @@ fn bad_command_lines() {
     );
     let batch_of_2 = [&prefetch[..], &["nta", "--batch", "2"]].concat();
     assert_one_line_error(&gridlm(&batch_of_2), &["--compare-prefetch nta: --batch 2", "--batch 1"]);
+    // The one-token streams likewise.
+    let streams = ["bench", "--shape", "smollm2-135m", "--compare-streams"];
+    assert_one_line_error(&gridlm(&[&streams[..], &["all"]].concat()), &["`all`", "long or every"]);
+    let batch_of_2 = [&streams[..], &["every", "--batch", "2"]].concat();
+    assert_one_line_error(&gridlm(&batch_of_2), &["--compare-streams every: --batch 2", "--batch 1"]);
+    let both = [&streams[..], &["every", "--compare-prefetch", "nta"]].concat();
+    assert_one_line_error(&gridlm(&both), &["--compare-streams", "--compare-prefetch"]);
     // A count below its least: the option named, with what it got.
     let shape = ["bench", "--shape", "smollm2-135m"];
     for (option, value, least) in

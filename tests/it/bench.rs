@@ -491,6 +491,59 @@ fn bench_compares_one_token_prefetch_ways_step_by_step() {
     assert_eq!(digests[0], digests[1], "{table}");
 }
 
+/// `--compare-streams`: the one-token products with the other choice of which pieces the AVX2
+/// kernels read in three streams, step by step with the rank's own. No choice changes a result,
+/// so both sides give the same tokens; every rank reports both, on one rank and on two of a
+/// stage (tp). (Where no AVX2 kernel runs, both sides read alike and still report so.)
+#[test]
+fn bench_compares_one_token_streams_step_by_step() {
+    let (_t, dir) = tiny_llama();
+    let mut cmd = std::process::Command::new(bin());
+    // The rank's own choice named, so the labels are known.
+    cmd.env("GRIDLM_STREAMS", "every").args(["bench", "--model", path_str(&dir)]);
+    cmd.args(["--compare-streams", "long", "--prompt-len", "6", "--new-tokens", "4"]);
+    cmd.args(["--warmup", "0", "--reps", "2", "--bandwidth-mib", "32", "--json"]);
+    let (j, stderr) = bench_one_rank(cmd);
+    let b = &j["baseline"];
+    let ran = (&b["streams"], &b["prefetch"], &b["batch"], &b["alternated"]);
+    assert_eq!(ran, (&"long".into(), &serde_json::Value::Null, &1.into(), &"steps".into()), "{b}");
+    assert_eq!(b["tokens_digest"], j["tokens_digest"], "{j}");
+    assert!(!j["tokens_digest"].is_null(), "{j}");
+    assert_eq!(b["weight_bytes_per_token"], j["weight_bytes_per_token"], "{j}");
+    let rank = &j["ranks"][0];
+    assert_eq!(
+        (&rank["streams"], &rank["streams_by"]),
+        (&"every".into(), &"GRIDLM_STREAMS".into()),
+        "{rank}"
+    );
+    let base = (&rank["baseline_streams"], &rank["baseline_streams_by"]);
+    assert_eq!(base, (&"long".into(), &"--compare-streams".into()), "{rank}");
+    assert!(rank["baseline_prefetch"].is_null(), "{rank}");
+    let labels = progress_labels(&stderr);
+    let expected = [
+        "rep 1/2 (streams every, step by step with streams long)",
+        "rep 1/2 (streams long, step by step with streams every)",
+        "rep 2/2 (streams every, step by step with streams long)",
+        "rep 2/2 (streams long, step by step with streams every)",
+    ];
+    assert_eq!(labels, expected, "{stderr}");
+    // Two ranks of a stage, the choice timed or defaulted: each reports the baseline's.
+    std::env::set_var("GRIDLM_BIN", bin());
+    let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
+    cmd.args(["bench", "--model", path_str(&dir), "--tp", "2", "--threads", "1", "--prompt-len", "5"]);
+    cmd.args(["--new-tokens", "4", "--warmup", "0", "--reps", "1", "--bandwidth-mib", "32"]);
+    cmd.args(["--compare-streams", "every"]);
+    let out = gridlm_reference::run_with_timeout(cmd, 120);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("baseline: streams every"), "{table}");
+    assert_eq!(table.matches("the baseline's every (--compare-streams)").count(), 2, "{table}");
+    let digests: Vec<&str> =
+        table.lines().filter_map(|l| l.split("digest ").nth(1)?.split(' ').next()).collect();
+    assert_eq!(digests.len(), 2, "{table}");
+    assert_eq!(digests[0], digests[1], "{table}");
+}
+
 /// A comparison run step by step gives each side the tokens that side gives run alone, on one
 /// rank and on grids: under tensor parallelism every rank of the stage must switch to the step's
 /// side (a rank left on the other weights would add int8 partial sums to unquantized ones), and
