@@ -472,18 +472,24 @@ fn bench_compares_one_token_prefetch_ways_step_by_step() {
     cmd.args(["--warmup", "0", "--reps", "1", "--bandwidth-mib", "32", "--json"]);
     let rank = &bench_one_rank(cmd).0["ranks"][0];
     assert!(["baseline_prefetch", "baseline_prefetch_by"].iter().all(|k| rank[k].is_null()), "{rank}");
-    // Two ranks of a stage: each reports its own way and the baseline's, one table row says
-    // what the baseline ran under.
+    // Two ranks of a stage: each reports its own way and the baseline's.
+    one_token_comparison_on_two_ranks(&dir, ("--compare-prefetch", "prefetch"), "far");
+}
+
+/// `bench` with a one-token comparison (`option`, whose table row names the baseline `what
+/// way`) on two ranks of a stage: one table row says what the baseline ran under, each rank's
+/// row names the baseline's way and what decided it, and both sides' digests are the same.
+fn one_token_comparison_on_two_ranks(dir: &Path, (option, what): (&str, &str), way: &str) {
     std::env::set_var("GRIDLM_BIN", bin());
     let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
-    cmd.args(["bench", "--model", path_str(&dir), "--tp", "2", "--threads", "1", "--prompt-len", "5"]);
+    cmd.args(["bench", "--model", path_str(dir), "--tp", "2", "--threads", "1", "--prompt-len", "5"]);
     cmd.args(["--new-tokens", "4", "--warmup", "0", "--reps", "1", "--bandwidth-mib", "32"]);
-    cmd.args(["--compare-prefetch", "far"]);
+    cmd.args([option, way]);
     let out = gridlm_reference::run_with_timeout(cmd, 120);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(table.contains("baseline: prefetch far"), "{table}");
-    assert_eq!(table.matches("the baseline's far (--compare-prefetch)").count(), 2, "{table}");
+    assert!(table.contains(&format!("baseline: {what} {way}")), "{table}");
+    assert_eq!(table.matches(&format!("the baseline's {way} ({option})")).count(), 2, "{table}");
     // The digests of both sides, in the table: the same.
     let digests: Vec<&str> =
         table.lines().filter_map(|l| l.split("digest ").nth(1)?.split(' ').next()).collect();
@@ -528,20 +534,7 @@ fn bench_compares_one_token_streams_step_by_step() {
     ];
     assert_eq!(labels, expected, "{stderr}");
     // Two ranks of a stage, the choice timed or defaulted: each reports the baseline's.
-    std::env::set_var("GRIDLM_BIN", bin());
-    let mut cmd = gridlm_reference::launch_command(&["local", "2"]);
-    cmd.args(["bench", "--model", path_str(&dir), "--tp", "2", "--threads", "1", "--prompt-len", "5"]);
-    cmd.args(["--new-tokens", "4", "--warmup", "0", "--reps", "1", "--bandwidth-mib", "32"]);
-    cmd.args(["--compare-streams", "every"]);
-    let out = gridlm_reference::run_with_timeout(cmd, 120);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let table = String::from_utf8_lossy(&out.stdout);
-    assert!(table.contains("baseline: streams every"), "{table}");
-    assert_eq!(table.matches("the baseline's every (--compare-streams)").count(), 2, "{table}");
-    let digests: Vec<&str> =
-        table.lines().filter_map(|l| l.split("digest ").nth(1)?.split(' ').next()).collect();
-    assert_eq!(digests.len(), 2, "{table}");
-    assert_eq!(digests[0], digests[1], "{table}");
+    one_token_comparison_on_two_ranks(&dir, ("--compare-streams", "streams"), "every");
 }
 
 /// A comparison run step by step gives each side the tokens that side gives run alone, on one
