@@ -43,6 +43,33 @@ pub fn last_level_cache_bytes(root: &Path) -> Option<usize> {
     caches(root).into_iter().max_by_key(|c| c.0).map(|c| c.2)
 }
 
+/// Whether this process runs on an AMD Zen 3 core, as CPUID tells (a hypervisor passes it
+/// through): the one CPU on which reading every piece of a one-token product in three
+/// streams was measured faster ([`crate::kernels::dot::preferred_streams`]).
+pub fn zen3() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        // SAFETY: every x86_64 CPU has CPUID leaves 0 and 1.
+        #[allow(unused_unsafe)]
+        let (v, id) = unsafe { (__cpuid(0), __cpuid(1)) };
+        let vendor = [v.ebx, v.edx, v.ecx].map(u32::to_le_bytes).concat();
+        let (base, ext) = ((id.eax >> 8) & 0xF, (id.eax >> 20) & 0xFF);
+        let family = if base == 0xF { base + ext } else { base };
+        let model = ((id.eax >> 12) & 0xF0) | ((id.eax >> 4) & 0xF);
+        is_zen3(&vendor, family, model)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether a CPU of this vendor string, family and model (CPUID's, the extended parts added)
+/// is AMD's Zen 3: family 19h, models 00h–0Fh (EPYC 7003) and 20h–5Fh (Ryzen 5000 and 6000);
+/// 10h–1Fh and 60h on are Zen 4's.
+fn is_zen3(vendor: &[u8], family: u32, model: u32) -> bool {
+    vendor == b"AuthenticAMD" && family == 0x19 && matches!(model, 0x00..=0x0F | 0x20..=0x5F)
+}
+
 /// A cache size as sysfs writes it (`48K`, `1024K`, `32M`), in bytes.
 fn cache_size(s: &str) -> Option<usize> {
     let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
@@ -330,6 +357,34 @@ mod tests {
     use super::*;
 
     const G: u64 = 1 << 30;
+
+    #[test]
+    fn zen3_is_amd_family_19h_zen3_models() {
+        let amd = b"AuthenticAMD";
+        // EPYC 7003 (this project's Zen 3 machine: family 25, model 1), Ryzen 5000 and 6000.
+        for model in [0x01, 0x08, 0x21, 0x44, 0x50] {
+            assert!(is_zen3(amd, 0x19, model), "{model:#x}");
+        }
+        // Zen 4 (EPYC 9004: model 17, as the Zen 4 machine; Ryzen 7000), Zen 2, Zen 5, Intel.
+        for (family, model) in
+            [(0x19, 0x11), (0x19, 0x61), (0x19, 0x74), (0x19, 0xA0), (0x17, 0x31), (0x1A, 0x02)]
+        {
+            assert!(!is_zen3(amd, family, model), "{family:#x} {model:#x}");
+        }
+        assert!(!is_zen3(b"GenuineIntel", 0x19, 0x01));
+        // CPUID as Linux reads it.
+        let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else { return };
+        let field = |name: &str| {
+            let line = info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))?;
+            Some(line.split_once(':')?.1.trim().to_string())
+        };
+        if let (Some(vendor), Some(family), Some(model)) =
+            (field("vendor_id"), field("cpu family"), field("model"))
+        {
+            let (family, model) = (family.parse().unwrap_or(0), model.parse().unwrap_or(0));
+            assert_eq!(zen3(), is_zen3(vendor.as_bytes(), family, model), "{vendor} {family} {model}");
+        }
+    }
 
     #[test]
     fn kv_room_is_the_tightest_nodes() {

@@ -469,9 +469,9 @@ pub enum PrefetchBy {
     /// within 2% of the fastest (another way is taken over it only if ahead in two timings
     /// running), in one timing of every way.
     Timed,
-    /// Not timed: the kernels' own ([`kernels::Fetch::Near`], [`kernels::ManyFetch::L2`]).
-    /// The layers were too small to time, or (many tokens) the run decodes one token a step
-    /// or its products do not go through that kernel.
+    /// Not timed: the kernels' own ([`kernels::Fetch::Near`], [`kernels::ManyFetch::L2`],
+    /// the CPU's preferred [`kernels::Streams`]). The layers were too small to time, or (many
+    /// tokens) the run decodes one token a step or its products do not go through that kernel.
     Default,
     /// As [`PrefetchBy::Timed`], in two timings: the first would have left `page` (`whole`)
     /// and the second decided. Named `timed` too; [`PrefetchBy::timings`] tells them apart.
@@ -583,17 +583,32 @@ fn named_or_timed<T, const W: usize>(
     }
 }
 
-/// Which pieces of this rank's one-token products the AVX2 kernels read in three streams: as
-/// `GRIDLM_STREAMS` names it (long or every), else the faster on its own layers, timed on
-/// `team` under the prefetch way already set ([`Shard::pick_streams`]: `long` unless `every`
-/// is clearly faster), else [`kernels::Streams::Long`]. Set for the process
-/// ([`kernels::dot::set_streams`]).
-fn choose_streams(shard: &Shard, team: &Team) -> Result<(kernels::Streams, PrefetchBy)> {
+/// Which pieces of the one-token products the AVX2 kernels read in three streams as
+/// `GRIDLM_STREAMS` names it (long or every), if it does; set for the process
+/// ([`kernels::dot::set_streams`]) as that, or else as the CPU's preferred way
+/// ([`kernels::dot::preferred_streams`]), so that the prefetch pick times its ways under the
+/// streams the rank most likely keeps.
+fn streams_from_env() -> Result<Option<kernels::Streams>> {
     let names = kernels::Streams::ALL.map(kernels::Streams::name);
     let named = named_in_env("GRIDLM_STREAMS", kernels::Streams::parse, &names)?;
-    let chosen = named_or_timed(named, || shard.pick_streams(team), kernels::Streams::Long);
+    kernels::dot::set_streams(named.unwrap_or_else(kernels::dot::preferred_streams));
+    Ok(named)
+}
+
+/// Which pieces of this rank's one-token products the AVX2 kernels read in three streams: as
+/// `named` ([`streams_from_env`]), else the faster on its own layers, timed on `team` under
+/// the prefetch way already set ([`Shard::pick_streams`]: the CPU's preferred way unless the
+/// other is clearly faster), else the preferred way ([`kernels::dot::preferred_streams`]).
+/// Set for the process ([`kernels::dot::set_streams`]).
+fn choose_streams(
+    shard: &Shard,
+    team: &Team,
+    named: Option<kernels::Streams>,
+) -> (kernels::Streams, PrefetchBy) {
+    let preferred = kernels::dot::preferred_streams();
+    let chosen = named_or_timed(named, || shard.pick_streams(team), preferred);
     kernels::dot::set_streams(chosen.0);
-    Ok(chosen)
+    chosen
 }
 
 /// This rank's many-token prefetch as `GRIDLM_MANY_PREFETCH` names it (l2, nta or whole), set for the
@@ -652,8 +667,9 @@ impl Engine {
             let (r, s) = (parts.next()?.parse().ok()?, parts.next()?.parse().ok()?);
             Some((r, s, parts.next() == Some("panic")))
         });
+        let named_streams = streams_from_env()?;
         let prefetch = choose_prefetch(&shard, &team)?;
-        let streams = choose_streams(&shard, &team)?;
+        let streams = choose_streams(&shard, &team, named_streams);
         let many_prefetch = many_prefetch_from_env()?;
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
         // Alone, a rank takes its share of its node: the others are not known yet.
@@ -830,8 +846,9 @@ impl Engine {
         {
             return Err(Error::Input("weights run in turn must be the same layers of the same model".into()));
         }
+        let named_streams = streams_from_env()?;
         let prefetch = choose_prefetch(&shard, &self.team)?;
-        let streams = choose_streams(&shard, &self.team)?;
+        let streams = choose_streams(&shard, &self.team, named_streams);
         let many_prefetch = timed_many_prefetch(&shard, &self.team, tokens, many_prefetch_from_env()?);
         self.apply_prefetch();
         Ok(SpareWeights { shard, prefetch, many_prefetch, streams })

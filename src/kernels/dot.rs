@@ -1349,8 +1349,9 @@ pub const STREAMS_FROM: usize = 1 << 20;
 /// run, the cores apart; two streams for every piece 0.96–1.05 of its speed), since SmolLM2's
 /// layer products are 0.7–3.5 MB and a thread's pieces of them mostly shorter than 1 MiB. So
 /// each rank times its own layers both ways at start-up ([`super::packed::pick_streams`]),
-/// keeping [`Streams::Long`] unless the other is clearly faster; `GRIDLM_STREAMS` names one
-/// instead. No choice changes a result: each panel's sums are the same bits either way.
+/// keeping the CPU's preferred way ([`preferred_streams`]) unless the other is clearly
+/// faster; `GRIDLM_STREAMS` names one instead. No choice changes a result: each panel's sums
+/// are the same bits either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Streams {
     /// Pieces of [`STREAMS_FROM`] bytes or more in three streams, shorter ones in one.
@@ -1387,6 +1388,25 @@ pub fn streams() -> Streams {
 /// Sets which pieces the AVX2 one-token kernels read in three streams, from their next call on.
 pub fn set_streams(s: Streams) {
     STREAMS.store(s as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The [`Streams`] a rank keeps unless its start-up timing puts the other ahead by 2% twice
+/// running ([`super::packed::pick_streams`]), and takes where its layers are too small to
+/// time: [`Streams::Every`] on Zen 3 ([`crate::host::zen3`]), the one CPU where it was measured
+/// faster, [`Streams::Long`] elsewhere. On the 2-core Zen 3 machine `every` decoded SmolLM2
+/// 2.8–7.8% faster than `long` in bf16 and 6.7–10.3% in int8 (`gridlm bench --compare-streams
+/// long`, the two step by step in one run), the llama-3.2-1b shape 0.1–1.6%; yet with `long`
+/// preferred, its start-up timing kept `long` in 7 of 20 starts of SmolLM2 in one spell of
+/// the host (and took `every` in all of 12 an hour later): the layers' products alone, back to
+/// back, differ less than a decode step's, whose products attention and the norms separate.
+/// On the 2-core Zen 4 machine (AVX-512 not shown to its virtual CPUs), two streams for every
+/// piece had cost SmolLM2 2.8–8.5% against two from 1 MiB on ([`STREAMS_FROM`]).
+pub fn preferred_streams() -> Streams {
+    if crate::host::zen3() {
+        Streams::Every
+    } else {
+        Streams::Long
+    }
 }
 
 /// The bytes of a thread's piece from which the AVX2 one-token kernels read it in three

@@ -317,8 +317,9 @@ pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<Picked<Fetc
 /// Chooses which pieces of one-token products the AVX2 kernels read in three streams
 /// ([`dot::Streams`]) as [`pick_fetch`] chooses the prefetch way: one token through `mats`,
 /// both ways timed fourteen times, interleaved, under the process's prefetch way; sets the
-/// faster for the process ([`dot::set_streams`]) unless [`dot::Streams::Long`]'s median is
-/// within 2% of it (`PICK_MARGIN`), in two timings running where the first would leave `Long`.
+/// faster for the process ([`dot::set_streams`]) unless the CPU's preferred way's median
+/// ([`dot::preferred_streams`]) is within 2% of it (`PICK_MARGIN`), in two timings running
+/// where the first would leave the preferred way.
 /// `None`, and nothing set, where no AVX2 one-token kernel reads `mats` (the 512-bit kernels
 /// and AVX512-VNNI's int8 one read every piece in one stream) or they hold less than 64 MiB.
 pub fn pick_streams(
@@ -328,8 +329,8 @@ pub fn pick_streams(
     if !mats.iter().any(|m| reads_in_streams(m, dot::detect())) {
         return None;
     }
-    let long = Some(dot::Streams::Long);
-    pick_way(team, mats, 1, dot::Streams::ALL, long, dot::set_streams)
+    let prefer = Some(dot::preferred_streams());
+    pick_way(team, mats, 1, dot::Streams::ALL, prefer, dot::set_streams)
 }
 
 /// Whether one token through `m` on `isa` goes through an AVX2 kernel that reads long pieces
@@ -1706,9 +1707,11 @@ mod tests {
                 assert_eq!(dot::streams(), dot::Streams::Every);
                 continue;
             }
-            // 2 x 40 MiB: both ways timed, the faster set (`Long` while within the margin).
+            // 2 x 40 MiB: both ways timed, the faster set (the CPU's preferred one while
+            // within the margin).
             let picked = picked.expect("80 MiB are timed");
-            assert_picked_preferring(&dot::Streams::ALL, dot::Streams::Long, picked.way, &picked.medians);
+            let prefer = dot::preferred_streams();
+            assert_picked_preferring(&dot::Streams::ALL, prefer, picked.way, &picked.medians);
             assert_eq!(dot::streams(), picked.way);
             assert!(picked.timings == 1 || picked.timings == 2, "{picked:?}");
             dot::set_streams(dot::Streams::Every);

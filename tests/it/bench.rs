@@ -85,6 +85,10 @@ fn check(j: &serde_json::Value, ranks: usize) {
     // sized when a run begins): no heap allocation on any rank, kernel threads included.
     for r in j["ranks"].as_array().unwrap() {
         assert_eq!(r["allocations_per_step"].as_f64(), Some(0.0), "{r}");
+        // Streams not timed nor named: the CPU's preferred way.
+        if r["streams_by"] == "default" {
+            assert_eq!(r["streams"], gridlm::kernels::dot::preferred_streams().name(), "{r}");
+        }
     }
 }
 
