@@ -583,32 +583,26 @@ fn named_or_timed<T, const W: usize>(
     }
 }
 
-/// Which pieces of the one-token products the AVX2 kernels read in three streams as
-/// `GRIDLM_STREAMS` names it (long or every), if it does; set for the process
-/// ([`kernels::dot::set_streams`]) as that, or else as the CPU's preferred way
-/// ([`kernels::dot::preferred_streams`]), so that the prefetch pick times its ways under the
-/// streams the rank most likely keeps.
-fn streams_from_env() -> Result<Option<kernels::Streams>> {
-    let names = kernels::Streams::ALL.map(kernels::Streams::name);
-    let named = named_in_env("GRIDLM_STREAMS", kernels::Streams::parse, &names)?;
-    kernels::dot::set_streams(named.unwrap_or_else(kernels::dot::preferred_streams));
-    Ok(named)
-}
-
-/// Which pieces of this rank's one-token products the AVX2 kernels read in three streams: as
-/// `named` ([`streams_from_env`]), else the faster on its own layers, timed on `team` under
-/// the prefetch way already set ([`Shard::pick_streams`]: the CPU's preferred way unless the
-/// other is clearly faster), else the preferred way ([`kernels::dot::preferred_streams`]).
-/// Set for the process ([`kernels::dot::set_streams`]).
-fn choose_streams(
+/// This rank's one-token prefetch ([`choose_prefetch`]) and which pieces of its one-token
+/// products the AVX2 kernels read in three streams, each set for the process. The streams:
+/// as `GRIDLM_STREAMS` names them (long or every), else the faster on the rank's own layers,
+/// timed on `team` under the prefetch way just chosen ([`Shard::pick_streams`]: the CPU's
+/// preferred way unless the other is clearly faster), else the preferred way
+/// ([`kernels::dot::preferred_streams`]). Before the prefetch pick the streams are set as
+/// named, or else as preferred, so that its ways are timed under the streams the rank most
+/// likely keeps.
+fn choose_one_token_ways(
     shard: &Shard,
     team: &Team,
-    named: Option<kernels::Streams>,
-) -> (kernels::Streams, PrefetchBy) {
+) -> Result<((kernels::Fetch, PrefetchBy), (kernels::Streams, PrefetchBy))> {
+    let names = kernels::Streams::ALL.map(kernels::Streams::name);
+    let named = named_in_env("GRIDLM_STREAMS", kernels::Streams::parse, &names)?;
     let preferred = kernels::dot::preferred_streams();
-    let chosen = named_or_timed(named, || shard.pick_streams(team), preferred);
-    kernels::dot::set_streams(chosen.0);
-    chosen
+    kernels::dot::set_streams(named.unwrap_or(preferred));
+    let prefetch = choose_prefetch(shard, team)?;
+    let streams = named_or_timed(named, || shard.pick_streams(team), preferred);
+    kernels::dot::set_streams(streams.0);
+    Ok((prefetch, streams))
 }
 
 /// This rank's many-token prefetch as `GRIDLM_MANY_PREFETCH` names it (l2, nta or whole), set for the
@@ -667,9 +661,7 @@ impl Engine {
             let (r, s) = (parts.next()?.parse().ok()?, parts.next()?.parse().ok()?);
             Some((r, s, parts.next() == Some("panic")))
         });
-        let named_streams = streams_from_env()?;
-        let prefetch = choose_prefetch(&shard, &team)?;
-        let streams = choose_streams(&shard, &team, named_streams);
+        let (prefetch, streams) = choose_one_token_ways(&shard, &team)?;
         let many_prefetch = many_prefetch_from_env()?;
         let max_page_bytes = shard.kv_page_bytes(kv_dtype);
         // Alone, a rank takes its share of its node: the others are not known yet.
@@ -846,9 +838,7 @@ impl Engine {
         {
             return Err(Error::Input("weights run in turn must be the same layers of the same model".into()));
         }
-        let named_streams = streams_from_env()?;
-        let prefetch = choose_prefetch(&shard, &self.team)?;
-        let streams = choose_streams(&shard, &self.team, named_streams);
+        let (prefetch, streams) = choose_one_token_ways(&shard, &self.team)?;
         let many_prefetch = timed_many_prefetch(&shard, &self.team, tokens, many_prefetch_from_env()?);
         self.apply_prefetch();
         Ok(SpareWeights { shard, prefetch, many_prefetch, streams })

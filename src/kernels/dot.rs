@@ -1397,16 +1397,15 @@ pub fn set_streams(s: Streams) {
 /// 2.8–7.8% faster than `long` in bf16 and 6.7–10.3% in int8 (`gridlm bench --compare-streams
 /// long`, the two step by step in one run), the llama-3.2-1b shape 0.1–1.6%; yet with `long`
 /// preferred, its start-up timing kept `long` in 7 of 20 starts of SmolLM2 in one spell of
-/// the host (and took `every` in all of 12 an hour later): the layers' products alone, back to
-/// back, differ less than a decode step's, whose products attention and the norms separate.
-/// On the 2-core Zen 4 machine (AVX-512 not shown to its virtual CPUs), two streams for every
-/// piece had cost SmolLM2 2.8–8.5% against two from 1 MiB on ([`STREAMS_FROM`]).
+/// the host (and took `every` in all of 12 starts 35 minutes later): the layers' products
+/// alone, back to back, differ less than a decode step's, whose products attention and the
+/// norms separate. On the 2-core Zen 4 machine (AVX-512 not shown to its virtual CPUs), two
+/// streams for every piece had cost SmolLM2 2.8–8.5% against two from 1 MiB on
+/// ([`STREAMS_FROM`]). Found once a process: CPUID, which a hypervisor may trap, is not asked
+/// again.
 pub fn preferred_streams() -> Streams {
-    if crate::host::zen3() {
-        Streams::Every
-    } else {
-        Streams::Long
-    }
+    static PREFERRED: std::sync::OnceLock<Streams> = std::sync::OnceLock::new();
+    *PREFERRED.get_or_init(|| if crate::host::zen3() { Streams::Every } else { Streams::Long })
 }
 
 /// The bytes of a thread's piece from which the AVX2 one-token kernels read it in three
