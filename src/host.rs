@@ -45,8 +45,16 @@ pub fn last_level_cache_bytes(root: &Path) -> Option<usize> {
 
 /// Whether this process runs on an AMD Zen 3 core, as CPUID tells (a hypervisor passes it
 /// through): the one CPU on which reading every piece of a one-token product in three
-/// streams was measured faster ([`crate::kernels::dot::preferred_streams`]).
+/// streams ([`crate::kernels::dot::preferred_streams`]) and the kernels' own short prefetch
+/// ([`crate::kernels::dot::preferred_fetch`]) were measured faster. Found once a process:
+/// CPUID, which a hypervisor may trap, is not asked again.
 pub fn zen3() -> bool {
+    static ZEN3: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ZEN3.get_or_init(cpuid_zen3)
+}
+
+/// [`zen3`], from CPUID itself.
+fn cpuid_zen3() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::__cpuid;

@@ -545,8 +545,9 @@ pub fn page_values<T: Elem + Avx2Load>(
 /// 0.94–1.00 and 0.96–0.99 while they sat together); on Zen 5, apart, `Far` decoded SmolLM2
 /// 5% faster than `Near`, and [`Fetch::Nta`] 2–5% faster than either, together and apart. So
 /// each rank times its own layers under every way at start-up ([`super::packed::pick_fetch`])
-/// and keeps the fastest, or [`Fetch::Page`] where it is within a margin of the fastest (which
-/// ways are close changes with where the cores sit); `GRIDLM_PREFETCH` names one instead.
+/// and keeps the fastest, or the CPU's preferred way ([`preferred_fetch`]) where it is within a
+/// margin of the fastest (which ways are close changes with where the cores sit);
+/// `GRIDLM_PREFETCH` names one instead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fetch {
     /// No software prefetch: the hardware prefetchers alone.
@@ -617,6 +618,24 @@ pub fn fetch() -> Fetch {
 /// Sets the way one-token products prefetch in this process, from their next call on.
 pub fn set_fetch(f: Fetch) {
     FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The [`Fetch`] a rank keeps unless its start-up timing puts another way ahead by 2% twice
+/// running ([`super::packed::pick_fetch`]): [`Fetch::Near`] on Zen 3 ([`crate::host::zen3`]),
+/// [`Fetch::Page`] elsewhere. On the 2-core Zen 4 machine `page` decoded SmolLM2 at a median of
+/// 0.963 of the probe against 0.884 under none (see [`Fetch::Page`]). On the 2-core Zen 3
+/// machine, each way against `near` step by step in one run (`gridlm bench --compare-prefetch`),
+/// `near` decoded SmolLM2 1.12–1.17× as fast as `page`, 1.02–1.04× as fast as `nta` (5 runs of
+/// 5), and 0.93–1.03× as fast as none (ahead in 3 of 5); the llama-3.2-1b shape 1.18–1.30×,
+/// 1.04× and 1.02× (two runs each). Yet with `page` preferred, the start-up timing took none in
+/// 4 of 13 starts of SmolLM2 in the same spell and `nta` in 2. Where the rank's layers are too
+/// small to time it takes [`Fetch::Near`] on every CPU.
+pub fn preferred_fetch() -> Fetch {
+    if crate::host::zen3() {
+        Fetch::Near
+    } else {
+        Fetch::Page
+    }
 }
 
 /// How the many-token bf16 kernel of AVX512_BF16 (a batch's decode step, a short prompt) asks
@@ -1401,11 +1420,13 @@ pub fn set_streams(s: Streams) {
 /// alone, back to back, differ less than a decode step's, whose products attention and the
 /// norms separate. On the 2-core Zen 4 machine (AVX-512 not shown to its virtual CPUs), two
 /// streams for every piece had cost SmolLM2 2.8–8.5% against two from 1 MiB on
-/// ([`STREAMS_FROM`]). Found once a process: CPUID, which a hypervisor may trap, is not asked
-/// again.
+/// ([`STREAMS_FROM`]).
 pub fn preferred_streams() -> Streams {
-    static PREFERRED: std::sync::OnceLock<Streams> = std::sync::OnceLock::new();
-    *PREFERRED.get_or_init(|| if crate::host::zen3() { Streams::Every } else { Streams::Long })
+    if crate::host::zen3() {
+        Streams::Every
+    } else {
+        Streams::Long
+    }
 }
 
 /// The bytes of a thread's piece from which the AVX2 one-token kernels read it in three

@@ -270,8 +270,9 @@ const PICK_MAX_BYTES: usize = 256 << 20;
 /// (in 12 of the int8 shape, none either way).
 const PICK_ROUNDS: usize = 14;
 
-/// How much faster than the preferred way ([`Fetch::Page`] for one token, [`ManyFetch::Whole`]
-/// for a batch of up to eight) another must time (its median share of a round at most
+/// How much faster than the preferred way (for one token the CPU's, [`dot::preferred_fetch`]:
+/// [`Fetch::Page`], or [`Fetch::Near`] on Zen 3; [`ManyFetch::Whole`] for a batch of up to
+/// eight) another must time (its median share of a round at most
 /// `1 / (1 + PICK_MARGIN)` of the preferred one's) to be picked over it. Each is far ahead
 /// while the cores sit apart and ties with others while they sit together. Where the cores
 /// sit decides which ways are close, and it changes while a process runs: on the 2-core Zen 4
@@ -280,7 +281,7 @@ const PICK_ROUNDS: usize = 14;
 /// and in 20 on llama-3.2-1b's with them apart `None` and `Near` timed 1.1–6.5% behind it,
 /// `Nta` 9.9–19.9%. A run whose pick took `Nta` then decoded the llama-3.2-1b shape apart at
 /// 0.807 of the probe, where runs with `Page` apart reached 0.90–0.99. Within the margin the
-/// pick keeps `Page`; beyond it (where another CPU streams faster another way) it takes the
+/// pick keeps the preferred way, there `Page`; beyond it (where another CPU streams faster another way) it takes the
 /// fastest. Likewise `Whole` (1.17–1.20 of `L2`'s rate apart, 1.01–1.03 together): picked
 /// without a preference, it lost to `L2` in 2 of 8 starts of SmolLM2 at a batch of 8, and
 /// one of those runs decoded apart at 833 tokens/s, where runs with `Whole` apart reached
@@ -303,15 +304,15 @@ pub struct Picked<T, const W: usize> {
 /// `mats` in order (the first of them up to 256 MiB), in one region of `team` as a decode step
 /// runs them, fourteen times (`PICK_ROUNDS`) under each way, interleaved, after one untimed
 /// pass. Sets the way with the shortest median pass for the process ([`dot::set_fetch`]),
-/// unless [`Fetch::Page`]'s is within 2% of it (`PICK_MARGIN`; then `Page`), and returns it,
-/// with each way's median pass as a share of its round's mean (in [`Fetch::ALL`]'s order) and
-/// the number of timings.
-/// Where that would leave `Page`, every way is timed again and the second timing decides, so
-/// another way is picked only if it is ahead by the margin twice running.
+/// unless the CPU's preferred way's ([`dot::preferred_fetch`]: `Page`, `Near` on Zen 3) is
+/// within 2% of it (`PICK_MARGIN`; then that way), and returns it, with each way's median pass
+/// as a share of its round's mean (in [`Fetch::ALL`]'s order) and the number of timings.
+/// Where that would leave the preferred way, every way is timed again and the second timing
+/// decides, so another way is picked only if it is ahead by the margin twice running.
 /// `None`, and nothing set, when the matrices hold less than 64 MiB: they would be timed in
 /// cache, where the prefetch hardly matters.
 pub fn pick_fetch(team: &super::Team, mats: &[&PackedMat]) -> Option<Picked<Fetch, { Fetch::ALL.len() }>> {
-    pick_way(team, mats, 1, Fetch::ALL, Some(Fetch::Page), dot::set_fetch)
+    pick_way(team, mats, 1, Fetch::ALL, Some(dot::preferred_fetch()), dot::set_fetch)
 }
 
 /// Chooses which pieces of one-token products the AVX2 kernels read in three streams
@@ -1671,14 +1672,15 @@ mod tests {
         dot::set_fetch(Fetch::Far);
         assert!(pick_fetch(&team, &[&filled(4096, DType::BF16)]).is_none());
         assert_eq!(dot::fetch(), Fetch::Far);
-        // 2 x 40 MiB: timed; every way once at least, and the fastest is set (`Page` while
-        // it is within the margin).
+        // 2 x 40 MiB: timed; every way once at least, and the fastest is set (the CPU's
+        // preferred way while it is within the margin).
         let (a, b) = (filled(20480, DType::BF16), filled(20480, DType::BF16));
         let picked = pick_fetch(&team, &[&a, &b]).expect("80 MiB are timed");
-        assert_picked_preferring(&Fetch::ALL, Fetch::Page, picked.way, &picked.medians);
+        assert_picked_preferring(&Fetch::ALL, dot::preferred_fetch(), picked.way, &picked.medians);
         assert_eq!(dot::fetch(), picked.way);
-        // A second timing only where the first left `Page`, and then it decided.
+        // A second timing only where the first left the preferred way, and then it decided.
         assert!(picked.timings == 1 || picked.timings == 2, "{picked:?}");
+        assert!(picked.timings == 2 || picked.way == dot::preferred_fetch(), "{picked:?}");
         dot::set_fetch(before);
     }
 
