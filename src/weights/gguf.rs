@@ -76,8 +76,8 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
-    /// 4-bit indices into a fixed non-uniform table of 16 levels ([`IQ4_LEVELS`]), blocks of
-    /// 32 with one scale.
+    /// 4-bit indices into a fixed non-uniform table of 16 levels (`IQ4_LEVELS` in this
+    /// module), blocks of 32 with one scale.
     Iq4Nl,
     /// IQ4_NL's indices in blocks of 256: eight sub-blocks of 32 with 6-bit scales of their own.
     Iq4Xs,
