@@ -281,11 +281,11 @@ const PICK_ROUNDS: usize = 14;
 /// and in 20 on llama-3.2-1b's with them apart `None` and `Near` timed 1.1–6.5% behind it,
 /// `Nta` 9.9–19.9%. A run whose pick took `Nta` then decoded the llama-3.2-1b shape apart at
 /// 0.807 of the probe, where runs with `Page` apart reached 0.90–0.99. Within the margin the
-/// pick keeps the preferred way, there `Page`; beyond it (where another CPU streams faster another way) it takes the
-/// fastest. Likewise `Whole` (1.17–1.20 of `L2`'s rate apart, 1.01–1.03 together): picked
-/// without a preference, it lost to `L2` in 2 of 8 starts of SmolLM2 at a batch of 8, and
-/// one of those runs decoded apart at 833 tokens/s, where runs with `Whole` apart reached
-/// 1004–1016.
+/// pick keeps the preferred way, there `Page`; beyond it (where another CPU streams faster
+/// another way) it takes the fastest. Likewise `Whole` (1.17–1.20 of `L2`'s rate apart,
+/// 1.01–1.03 together): picked without a preference, it lost to `L2` in 2 of 8 starts of
+/// SmolLM2 at a batch of 8, and one of those runs decoded apart at 833 tokens/s, where runs
+/// with `Whole` apart reached 1004–1016.
 const PICK_MARGIN: f64 = 0.02;
 
 /// A way picked by timing ([`pick_fetch`], [`pick_many_fetch`]).

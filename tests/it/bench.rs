@@ -88,9 +88,8 @@ fn check(j: &serde_json::Value, ranks: usize) {
         // Streams not timed nor named: the CPU's preferred way. A pick decided by one timing
         // kept the preferred way (one that would leave it is timed again), for the prefetch
         // and the streams alike.
-        let preferred = gridlm::kernels::dot::preferred_streams().name();
         if r["streams_by"] == "default" || (r["streams_by"] == "timed" && r["streams_timings"] == 1) {
-            assert_eq!(r["streams"], preferred, "{r}");
+            assert_eq!(r["streams"], gridlm::kernels::dot::preferred_streams().name(), "{r}");
         }
         if r["prefetch_by"] == "timed" && r["prefetch_timings"] == 1 {
             assert_eq!(r["prefetch"], gridlm::kernels::dot::preferred_fetch().name(), "{r}");
