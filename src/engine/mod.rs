@@ -557,8 +557,8 @@ fn largest_vocab_shard(vocab: usize, tp: usize) -> usize {
 
 /// This rank's one-token prefetch: the one `GRIDLM_PREFETCH` names (none, near, far, nta or
 /// page), else the fastest on its own layers, timed on `team` ([`Shard::pick_fetch`]: the
-/// CPU's preferred way, `page` or `near` on Zen 3, unless another is clearly faster), else
-/// [`kernels::Fetch::Near`].
+/// CPU's preferred way, `near` on Zen 3 and `page` elsewhere, unless another is clearly
+/// faster), else [`kernels::Fetch::Near`].
 /// Set for the process ([`kernels::dot::set_fetch`]).
 fn choose_prefetch(shard: &Shard, team: &Team) -> Result<(kernels::Fetch, PrefetchBy)> {
     let names = kernels::Fetch::ALL.map(kernels::Fetch::name);
