@@ -574,7 +574,12 @@ pub enum Fetch {
     /// decode, runs with each way named in turn, reps together at a median of 0.963 of the
     /// probe against 0.884 (124.6 against 112.7 tokens/s), the llama-3.2-1b shape 0.989 against
     /// 0.970 (why more than alone was not measured: the matrices lie back to back, so the
-    /// requests near a share's end may reach the next product's first pages).
+    /// requests near a share's end may reach the next product's first pages). Step by step in
+    /// one run (`gridlm bench --compare-prefetch`, six runs a way) SmolLM2 decoded only
+    /// 1.001–1.020× (median 1.012) as fast as under none, 1.04–1.40× as fast as under
+    /// [`Fetch::Far`] and 1.00–1.16× as under [`Fetch::Nta`] (the larger figures with the cores
+    /// apart): most of the gap the runs in turn showed did not hold once both ways met the same
+    /// moments of the host (why was not measured).
     Page,
 }
 
@@ -622,8 +627,9 @@ pub fn set_fetch(f: Fetch) {
 
 /// The [`Fetch`] a rank keeps unless its start-up timing puts another way ahead by 2% twice
 /// running ([`super::packed::pick_fetch`]): [`Fetch::Near`] on Zen 3 ([`crate::host::zen3`]),
-/// [`Fetch::Page`] elsewhere. On the 2-core Zen 4 machine `page` decoded SmolLM2 at a median of
-/// 0.963 of the probe against 0.884 under none (see [`Fetch::Page`]). On the 2-core Zen 3
+/// [`Fetch::Page`] elsewhere. On the 2-core Zen 4 machine `page` decoded SmolLM2 1.001–1.020×
+/// as fast as none step by step, and well ahead of `far` and `nta` with the cores apart (see
+/// [`Fetch::Page`]). On the 2-core Zen 3
 /// machine, each way against `near` step by step in one run (`gridlm bench --compare-prefetch`),
 /// `near` decoded SmolLM2 1.12–1.17× as fast as `page`, 1.02–1.04× as fast as `nta` (5 runs of
 /// 5), and 0.93–1.03× as fast as none (ahead in 3 of 5); the llama-3.2-1b shape 1.18–1.30×,
