@@ -1117,10 +1117,10 @@ fn granite_hybrid_dense_ffn(raw: &HfConfig) -> std::result::Result<usize, String
 /// An image-and-text folder's config as its text model's: Gemma 3's (`model_type: gemma3`, its
 /// text model `gemma3_text`), Mistral Small 3.x's (`mistral3`, its text model `mistral`),
 /// Qwen2-VL's and Qwen2.5-VL's (`qwen2_vl`, `qwen2_5_vl`: a `qwen2`), Qwen3-VL's (`qwen3_vl`:
-/// a `qwen3`) or Qwen3-VL-MoE's (`qwen3_vl_moe`: its `qwen3_vl_moe_text`), the `text_config` over HF's defaults for that text model, with the folder's own
-/// end-of-sequence ids where it gives them. `None` for any other config. The text model's
-/// weights are found under the folder's `language_model` prefix (`weights::checkpoint`); the
-/// image tower's are never read.
+/// a `qwen3`) or Qwen3-VL-MoE's (`qwen3_vl_moe`: its `qwen3_vl_moe_text`), the `text_config` over
+/// HF's defaults for that text model, with the folder's own end-of-sequence ids where it gives
+/// them. `None` for any other config. The text model's weights are found under the folder's
+/// `language_model` prefix (`weights::checkpoint`); the image tower's are never read.
 ///
 /// Qwen's M-RoPE rotates by three position rows (time, height, width), which HF makes one
 /// `arange` for text alone — all gridlm is given — so it is plain RoPE there, as HF's configs

@@ -223,8 +223,8 @@ struct GenerateArgs {
     #[arg(long)]
     prompt: Option<String>,
     /// A file of prompts generated together: one per line (`\n` for a newline), or JSONL
-    /// objects with `prompt` and optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`, `stop`,
-    /// `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`. `-` reads
+    /// objects with `prompt` and optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`,
+    /// `stop`, `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`. `-` reads
     /// standard input.
     #[arg(long)]
     prompts_file: Option<PathBuf>,

@@ -128,10 +128,11 @@ impl Defaults {
 
 /// Reads a prompts file. JSONL when the name ends in `.jsonl` or the first non-blank line starts
 /// with `{`: each non-blank line is an object with `prompt` and optional `id`, `max_tokens`,
-/// `ignore_eos`, `chat`, `system`, `stop` (string or list), `temperature`, `top_k`, `top_p`, `min_p`,
-/// `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`. Otherwise each non-blank line is a prompt, with `\n` and `\\`
-/// as escapes. The path `-` reads standard input (under mpirun, the first rank's, where the
-/// prompts are read). Errors name the file (or `stdin`) and line.
+/// `ignore_eos`, `chat`, `system`, `stop` (string or list), `temperature`, `top_k`, `top_p`,
+/// `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`. Otherwise each
+/// non-blank line is a prompt, with `\n` and `\\` as escapes. The path `-` reads standard input
+/// (under mpirun, the first rank's, where the prompts are read). Errors name the file (or `stdin`)
+/// and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
     let (name, text) = if path == Path::new("-") {
         let mut text = String::new();

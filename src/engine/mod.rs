@@ -606,8 +606,8 @@ fn choose_one_token_ways(
     Ok((prefetch, streams))
 }
 
-/// This rank's many-token prefetch as `GRIDLM_MANY_PREFETCH` names it (l2, nta or whole), set for the
-/// process ([`kernels::dot::set_many_fetch`]); else [`kernels::ManyFetch::L2`], until
+/// This rank's many-token prefetch as `GRIDLM_MANY_PREFETCH` names it (l2, nta or whole), set for
+/// the process ([`kernels::dot::set_many_fetch`]); else [`kernels::ManyFetch::L2`], until
 /// [`Engine::pick_many_prefetch`] times it.
 fn many_prefetch_from_env() -> Result<(kernels::ManyFetch, PrefetchBy)> {
     let names = kernels::ManyFetch::ALL.map(kernels::ManyFetch::name);

@@ -418,9 +418,9 @@ impl Buffers {
 
 /// The most summary values a rank sends in one collective of [`sample_rows`]: its first round
 /// (`rows` rows of `first` candidates, sent together, at most the largest shard's) or one row
-/// of the whole largest shard, whichever is more. A later round whose rows ask for more candidates than that holds is sent
-/// in as many collectives as it takes, so the buffers reserved for it never grow. The same on
-/// every rank: it depends only on the draws and the stage's largest shard.
+/// of the whole largest shard, whichever is more. A later round whose rows ask for more candidates
+/// than that holds is sent in as many collectives as it takes, so the buffers reserved for it never
+/// grow. The same on every rank: it depends only on the draws and the stage's largest shard.
 fn round_room(rows: usize, first: usize, max_shard: usize) -> usize {
     (summary_len(first.min(max_shard.max(1))) * rows).max(summary_len(max_shard))
 }

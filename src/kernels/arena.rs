@@ -53,8 +53,9 @@ impl Chunk {
             }
             let start = (base as usize).next_multiple_of(HUGE);
             let (head, tail) = (start - base as usize, base as usize + len - (start + size));
-            // SAFETY: both ranges lie inside the mapping just made and outside [start, start + size);
-            // MADV_HUGEPAGE changes no contents (and is only advice: without THP it does nothing).
+            // SAFETY: both ranges lie inside the mapping just made and outside
+            // [start, start + size); MADV_HUGEPAGE changes no contents (and is only advice:
+            // without THP it does nothing).
             unsafe {
                 if head > 0 {
                     libc::munmap(base, head);

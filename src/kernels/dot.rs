@@ -625,17 +625,16 @@ pub fn set_fetch(f: Fetch) {
     FETCH.store(f as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// The [`Fetch`] a rank keeps unless its start-up timing puts another way ahead by 2% twice
-/// running ([`super::packed::pick_fetch`]): [`Fetch::Near`] on Zen 3 ([`crate::host::zen3`]),
-/// [`Fetch::Page`] elsewhere. On the 2-core Zen 4 machine `page` decoded SmolLM2 1.001–1.020×
-/// as fast as none step by step, and well ahead of `far` and `nta` with the cores apart (see
-/// [`Fetch::Page`]). On the 2-core Zen 3
-/// machine, each way against `near` step by step in one run (`gridlm bench --compare-prefetch`),
-/// `near` decoded SmolLM2 1.12–1.17× as fast as `page`, 1.02–1.04× as fast as `nta` (5 runs of
-/// 5), and 0.93–1.03× as fast as none (ahead in 3 of 5); the llama-3.2-1b shape 1.18–1.30×,
-/// 1.04× and 1.02× (two runs each). Yet with `page` preferred, the start-up timing took none in
-/// 4 of 13 starts of SmolLM2 in the same spell and `nta` in 2. Where the rank's layers are too
-/// small to time it takes [`Fetch::Near`] on every CPU.
+/// The [`Fetch`] a rank keeps unless its start-up timing puts another way ahead by 2% twice running
+/// ([`super::packed::pick_fetch`]): [`Fetch::Near`] on Zen 3 ([`crate::host::zen3`]),
+/// [`Fetch::Page`] elsewhere. On the 2-core Zen 4 machine `page` decoded SmolLM2 1.001–1.020× as
+/// fast as none step by step, and well ahead of `far` and `nta` with the cores apart (see
+/// [`Fetch::Page`]). On the 2-core Zen 3 machine, each way against `near` step by step in one run
+/// (`gridlm bench --compare-prefetch`), `near` decoded SmolLM2 1.12–1.17× as fast as `page`,
+/// 1.02–1.04× as fast as `nta` (5 runs of 5), and 0.93–1.03× as fast as none (ahead in 3 of 5); the
+/// llama-3.2-1b shape 1.18–1.30×, 1.04× and 1.02× (two runs each). Yet with `page` preferred, the
+/// start-up timing took none in 4 of 13 starts of SmolLM2 in the same spell and `nta` in 2. Where
+/// the rank's layers are too small to time it takes [`Fetch::Near`] on every CPU.
 pub fn preferred_fetch() -> Fetch {
     if crate::host::zen3() {
         Fetch::Near
@@ -2129,8 +2128,8 @@ mod avx2 {
     /// The prefetch of the many-token kernels (and of [`widen`]): the panel chunk 8 KiB past
     /// the one at `wp`, into L2 (the T1 hint). Such a kernel spends several times longer on a
     /// chunk than the one-token kernel, and with [`fetch_ahead`] (1 KiB ahead, non-temporal)
-    /// it waited on memory. On the 2-core Zen 4 machine (AVX2 measured there with `GRIDLM_NO_AVX512=1`)
-    /// the bf16 products of SmolLM2's 30 layers took:
+    /// it waited on memory. On the 2-core Zen 4 machine (AVX2 measured there with
+    /// `GRIDLM_NO_AVX512=1`) the bf16 products of SmolLM2's 30 layers took:
     /// - 8 tokens: 9.6 ms instead of 13.5 in 512-bit registers, 12.8 instead of 17.8 in AVX2;
     /// - 4 tokens: 7.0 ms instead of 10.2 in AVX2;
     /// - 16 and 64 tokens: 18.4 and 70.9 ms instead of 22.9 and 74.9 in 512-bit registers,
@@ -2277,11 +2276,11 @@ mod avx2 {
     /// one, on the same machine: SmolLM2's layer and head products, one token in a loop, read
     /// at medians of 0.98–1.03 of a probe read beside them with two streams against 0.90–0.96
     /// with one (three series of 30–40 interleaved rounds); two neighbouring panels at a time,
-    /// one stream read by two pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901 of the bandwidth
-    /// against 0.832–0.871 (four interleaved pairs), less in the step than in the loop; with the
-    /// cores' placement changing between runs, pairs fell either way. The hardware's prefetch alone
-    /// ([`Fetch::None`]) gains most (0.78–0.82 → ~0.92 in the loop), so the start-up pick now and
-    /// then takes it over `Near` (~0.96).
+    /// one stream read by two pointers, at 0.74. SmolLM2 decode (`gridlm bench`) ran at 0.852–0.901
+    /// of the bandwidth against 0.832–0.871 (four interleaved pairs), less in the step than in the
+    /// loop; with the cores' placement changing between runs, pairs fell either way. The hardware's
+    /// prefetch alone ([`Fetch::None`]) gains most (0.78–0.82 → ~0.92 in the loop), so the start-up
+    /// pick now and then takes it over `Near` (~0.96).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn panels_with<T: Avx2Load, const F: u8>(w: &[T], x: &[f32], kb: usize, out: &mut [f32]) {
         let n = x.len();
@@ -3648,10 +3647,10 @@ mod avx512 {
     /// registers (rows 0–1, 2–3) serves `NT` tokens, and each input register (an input block in
     /// both halves) two rows of each panel. A panel's accumulators take the chunks in column
     /// order whatever `P` and `NT` are and however the columns are split between calls, so
-    /// finished sums ([`pair_acc_sums`]) are the same bits for each, and the one-token kernel's. At four tokens one panel takes 8
-    /// `vdpbf16ps` per 6 loads, two panels 16 per 8 (on the 2-core Zen 5 machine, 4 × 1024 columns
-    /// against four tokens from L1 ran at 353 GFLOP/s on one core, 2 × 4 × 1024 at 520,
-    /// 3 × 4 × 1024 no faster).
+    /// finished sums ([`pair_acc_sums`]) are the same bits for each, and the one-token kernel's. At
+    /// four tokens one panel takes 8 `vdpbf16ps` per 6 loads, two panels 16 per 8 (on the 2-core
+    /// Zen 5 machine, 4 × 1024 columns against four tokens from L1 ran at 353 GFLOP/s on one core,
+    /// 2 × 4 × 1024 at 520, 3 × 4 × 1024 no faster).
     ///
     /// # Safety
     /// The CPU must have avx512f, avx512bf16, avx2, fma and f16c; `n` is a multiple of

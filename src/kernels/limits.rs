@@ -13,8 +13,8 @@ use std::time::Instant;
 /// stream weights: [`super::Fetch::Nta`] asks 2 KiB ahead, 4 KiB in the float FMA
 /// kernels); `streams`, each thread's share read as one stream or as two or three side by
 /// side (its halves or thirds), as the one-token AVX2 int8 and float kernels read a range;
-/// `page`, one line a 4 KiB page asked for into L2, as [`super::Fetch::Page`] asks. So that no way the
-/// kernels read is faster than the fastest of these. (On the 2-core Zen 5 machine the 4 KiB
+/// `page`, one line a 4 KiB page asked for into L2, as [`super::Fetch::Page`] asks. So that no way
+/// the kernels read is faster than the fastest of these. (On the 2-core Zen 5 machine the 4 KiB
 /// ways read at 0.94–1.04 of the fastest of the others, a median of 1.00 over 193 readings.)
 const READS: [(usize, usize, bool); 11] = [
     (0, 1, false),

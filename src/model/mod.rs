@@ -575,9 +575,9 @@ unsafe impl Sync for MainThread<'_> {}
 /// to this thread's copy of the residual stream `x`, each token's row normed first by `norm`
 /// (weights, epsilon) if given (Gemma 2, 3), or else with `bias` added (StarCoder 2's o_proj and
 /// down biases: once, to the sum; no family has both), then times `scale` (Granite's residual
-/// multiplier; 1 changes no bit): thread 0 calls MPI while the other threads wait at a barrier (none when the
-/// stage has one rank). `o` is complete on entry (the product that wrote it ended with a
-/// barrier), and nothing writes it again before every thread has passed another barrier.
+/// multiplier; 1 changes no bit): thread 0 calls MPI while the other threads wait at a barrier
+/// (none when the stage has one rank). `o` is complete on entry (the product that wrote it ended
+/// with a barrier), and nothing writes it again before every thread has passed another barrier.
 fn add_reduced(
     r: &Region,
     comm: &MainThread,
@@ -1932,9 +1932,9 @@ impl Shard {
     }
 
     /// cos/sin of every token's position, the spans' tokens in turn (as `s.tokens` lists them),
-    /// for the local layers too if they have frequencies of their own. Under LongRoPE a token takes the long factors at
-    /// positions past the original context, or at every position of a sequence marked in
-    /// `long_rope`; the global tables are times its attention factor.
+    /// for the local layers too if they have frequencies of their own. Under LongRoPE a token takes
+    /// the long factors at positions past the original context, or at every position of a sequence
+    /// marked in `long_rope`; the global tables are times its attention factor.
     fn rope_tables(&self, spans: &[Span], long_rope: &[bool], s: &mut Scratch) {
         let half = self.inv_freq.len();
         type Long = Option<(Vec<f64>, usize)>;

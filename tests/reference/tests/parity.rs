@@ -664,8 +664,8 @@ fn as_transformers5(cfg: &serde_json::Value) -> serde_json::Value {
 /// `rope_parameters`), against candle on the same weights with the config in the form it
 /// reads: Llama 3's scaled RoPE (a base of 500000), Phi-4-mini's LongRoPE over three quarters
 /// of each head, and Gemma 3's settings nested by layer type (a global base of 10⁶, a local
-/// one of 20000; candle's Gemma 3 has no scaling to check a scaled one against). Read as before (an unknown key ignored: a base of
-/// 10000, no scaling, whole heads), each fails.
+/// one of 20000; candle's Gemma 3 has no scaling to check a scaled one against). Read as before (an
+/// unknown key ignored: a base of 10000, no scaling, whole heads), each fails.
 #[test]
 fn transformers5_configs_match_candle() {
     let tmp = tempfile::tempdir().unwrap();
@@ -692,7 +692,8 @@ fn transformers5_configs_match_candle() {
     v5(&dir, &cfg);
     let candle = candle_longrope_phi3(&m, &dir, &cfg, &tmp.path().join("phi3-candle"));
     tiny_matches_candle("transformers 5 phi3", &dir, candle);
-    // Gemma 3, its prompt one token at a time (as `random_gemma3_matches_candle_on_one_and_two_ranks`).
+    // Gemma 3, its prompt one token at a time (as
+    // `random_gemma3_matches_candle_on_one_and_two_ranks`).
     let dir = tmp.path().join("gemma3");
     std::fs::create_dir_all(&dir).unwrap();
     gridlm_reference::TinyModel::gemma3().write(&dir);
@@ -1379,9 +1380,9 @@ type GgufSpec<'a> = (&'a [(String, Vec<usize>, Vec<f32>)], &'a str, Vec<(&'a str
 
 /// A GGUF of `(tensors, architecture, its metadata by key under the architecture beside the
 /// layers, the width and the heads of `shape` (a context of 2048, an FFN of four times the
-/// width), the pre-tokenizer of a byte-level vocabulary of `vocab` words)`, written beside `out` and
-/// converted (f32) into `out`, which must hold exactly `tensors` (each named as `stored` says);
-/// returns the GGUF's metadata.
+/// width), the pre-tokenizer of a byte-level vocabulary of `vocab` words)`, written beside `out`
+/// and converted (f32) into `out`, which must hold exactly `tensors` (each named as `stored`
+/// says); returns the GGUF's metadata.
 fn gguf_converts_back(
     out: &Path,
     (gguf_tensors, arch, arch_meta, pre): GgufSpec,
