@@ -627,14 +627,14 @@ pub fn set_fetch(f: Fetch) {
 
 /// The [`Fetch`] a rank keeps unless its start-up timing puts another way ahead by 2% twice running
 /// ([`super::packed::pick_fetch`]): [`Fetch::Near`] on Zen 3 ([`crate::host::zen3`]),
-/// [`Fetch::Page`] elsewhere. On the 2-core Zen 4 machine `page` decoded SmolLM2 1.001–1.020× as
-/// fast as none step by step, and well ahead of `far` and `nta` with the cores apart (see
-/// [`Fetch::Page`]). On the 2-core Zen 3 machine, each way against `near` step by step in one run
-/// (`gridlm bench --compare-prefetch`), `near` decoded SmolLM2 1.12–1.17× as fast as `page`,
-/// 1.02–1.04× as fast as `nta` (5 runs of 5), and 0.93–1.03× as fast as none (ahead in 3 of 5); the
-/// llama-3.2-1b shape 1.18–1.30×, 1.04× and 1.02× (two runs each). Yet with `page` preferred, the
-/// start-up timing took none in 4 of 13 starts of SmolLM2 in the same spell and `nta` in 2. Where
-/// the rank's layers are too small to time it takes [`Fetch::Near`] on every CPU.
+/// [`Fetch::Page`] elsewhere. On the 2-core Zen 4 machine `page` decoded SmolLM2 ahead of none,
+/// `far` and `nta` step by step (the figures are at [`Fetch::Page`]). On the 2-core Zen 3 machine,
+/// each way against `near` step by step in one run (`gridlm bench --compare-prefetch`), `near`
+/// decoded SmolLM2 1.12–1.17× as fast as `page`, 1.02–1.04× as fast as `nta` (5 runs of 5), and
+/// 0.93–1.03× as fast as none (ahead in 3 of 5); the llama-3.2-1b shape 1.18–1.30×, 1.04× and 1.02×
+/// (two runs each). Yet with `page` preferred, the start-up timing took none in 4 of 13 starts of
+/// SmolLM2 in the same spell and `nta` in 2. Where the rank's layers are too small to time it takes
+/// [`Fetch::Near`] on every CPU.
 pub fn preferred_fetch() -> Fetch {
     if crate::host::zen3() {
         Fetch::Near
