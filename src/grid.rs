@@ -28,9 +28,11 @@ impl Grid {
             return Err(Error::Input(format!("invalid grid --pp {pp} --tp {tp}: both must be at least 1")));
         }
         if pp * tp != world_size {
+            let ranks = |n: usize| format!("{n} rank{}", if n == 1 { "" } else { "s" });
             return Err(Error::Input(format!(
-                "invalid grid: --pp {pp} × --tp {tp} = {} ranks, but the job has {world_size} ranks",
-                pp * tp
+                "invalid grid: --pp {pp} × --tp {tp} = {}, but the job has {}",
+                ranks(pp * tp),
+                ranks(world_size)
             )));
         }
         Ok(Grid { pp, tp, rank })
@@ -216,6 +218,17 @@ mod tests {
         assert_eq!(balanced_layers(&cfg, 2), vec![3, 1]);
         let big = crate::weights::synthetic::shape("llama-2-70b").unwrap();
         assert_eq!(balanced_layers(&big, 4), vec![20, 20, 20, 20]);
+    }
+
+    #[test]
+    fn a_grid_that_does_not_fill_the_job_says_so() {
+        let err = |pp, tp, world| Grid::new(pp, tp, 0, world).err().map(|e| e.to_string());
+        assert!(err(2, 2, 4).is_none());
+        let one = err(1, 2, 1).unwrap();
+        assert!(one.contains("--pp 1 × --tp 2 = 2 ranks, but the job has 1 rank"), "{one}");
+        let many = err(1, 1, 3).unwrap();
+        assert!(many.contains("--pp 1 × --tp 1 = 1 rank, but the job has 3 ranks"), "{many}");
+        assert!(err(0, 2, 2).unwrap().contains("both must be at least 1"));
     }
 
     #[test]
