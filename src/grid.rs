@@ -28,11 +28,10 @@ impl Grid {
             return Err(Error::Input(format!("invalid grid --pp {pp} --tp {tp}: both must be at least 1")));
         }
         if pp * tp != world_size {
-            let ranks = |n: usize| format!("{n} rank{}", if n == 1 { "" } else { "s" });
             return Err(Error::Input(format!(
                 "invalid grid: --pp {pp} × --tp {tp} = {}, but the job has {}",
-                ranks(pp * tp),
-                ranks(world_size)
+                crate::count(pp * tp, "rank"),
+                crate::count(world_size, "rank")
             )));
         }
         Ok(Grid { pp, tp, rank })
