@@ -344,8 +344,9 @@ struct SamplingArgs {
     #[arg(long, allow_negative_numbers = true)]
     frequency_penalty: Option<f32>,
     /// Seed of the sampling draws (default: from the clock, printed with --json). The same
-    /// seed gives the same tokens on every grid layout. Prompt i of a prompts file uses
-    /// seed + i unless its line sets one.
+    /// seed gives the same tokens on any number of pipeline stages and kernel threads; tensor
+    /// parallelism sums in another order, so its draws may part where two tokens nearly tie.
+    /// Prompt i of a prompts file uses seed + i unless its line sets one.
     #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
 }

@@ -16,9 +16,11 @@
 //! `g` is Gumbel noise fixed by the sequence's seed, the token's number in the sequence and
 //! the token id. That is an exact sample of the kept tokens' softmax; it splits over shards
 //! (a max of local maxima); it is the same on every path; and a tiny difference in the logits
-//! (another grid sums in another order) changes the token only when the two best `l + g` are
-//! that close. So the same seed gives the same tokens whatever the grid. Order of processing
-//! (as in HF transformers): repetition penalty, temperature, top-k, top-p, min-p.
+//! (tensor parallelism sums in another order) changes the token only when the two best `l + g`
+//! are that close, or a token is that close to the edge of the kept set. So the same seed gives
+//! the same tokens on any number of stages and threads (the same logits), and on another
+//! tensor-parallel split until such a near-tie. Order of processing (as in HF transformers):
+//! repetition penalty, temperature, top-k, top-p, min-p.
 
 use crate::comm::Comm;
 use crate::room;
