@@ -135,9 +135,11 @@ fn same_or_near_tie(e: &mut gridlm::engine::Engine, prompt: &[u32], alone: &[u32
     );
 }
 
-/// Largest logit gap at which a tensor-parallel layout may pick the other token (as the parity
-/// tests allow bf16 against f32).
-const NEAR_TIE: f32 = 0.1;
+/// Largest logit gap at which a tensor-parallel layout may pick the other token. Between 1×1,
+/// 1×2 and 1×3 the gap of SmolLM2's two best tokens moved by up to 0.165 (0.11 at the 99th
+/// percentile of 652 positions) with the AVX512-BF16 kernels, which round products' inputs to
+/// bf16, and by up to 0.011 with f32 inputs.
+const NEAR_TIE: f32 = 0.2;
 
 /// Where `got` first differs from `want` (the tokens of `prompt` on the run it is compared
 /// with): that position, the prompt with the tokens before it, and the logits the engine `e`
