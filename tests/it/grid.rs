@@ -379,16 +379,18 @@ fn a_bad_rank_count_is_one_line_from_the_launch_script() {
 /// Ranks that mpirun starts on another node (through ssh; on the emulated nodes through a launch
 /// agent that clears the environment as ssh does) do not inherit the launching shell's
 /// environment: `launch/emulated-nodes`, as `launch/nodes`, passes every exported `GRIDLM_`
-/// variable on, so all four ranks, two on each node, see it. Needs root (network namespaces).
+/// variable and `RUST_BACKTRACE` on, so all four ranks, two on each node, see them. Needs root
+/// (network namespaces).
 #[test]
 fn gridlm_variables_reach_the_ranks_of_every_node() {
     let mut cmd = launch_command(&["emulated-nodes", "4"]);
-    cmd.env("GRIDLM_BIN", "/bin/sh").env("GRIDLM_TEST_PASSED_ON", "yes");
-    cmd.args(["-c", r#"echo "$(hostname) ${GRIDLM_TEST_PASSED_ON:-unset}""#]);
+    cmd.env("GRIDLM_BIN", "/bin/sh").env("GRIDLM_TEST_PASSED_ON", "yes").env("RUST_BACKTRACE", "full");
+    cmd.args(["-c", r#"echo "$(hostname) ${GRIDLM_TEST_PASSED_ON:-unset} ${RUST_BACKTRACE:-unset}""#]);
     let out = run_with_timeout(cmd, 120);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{stderr}");
     let mut lines: Vec<&str> = stdout.lines().collect();
     lines.sort_unstable();
-    assert_eq!(lines, ["gridlm-a yes", "gridlm-a yes", "gridlm-b yes", "gridlm-b yes"], "{stderr}");
+    let want = ["gridlm-a yes full", "gridlm-a yes full", "gridlm-b yes full", "gridlm-b yes full"];
+    assert_eq!(lines, want, "{stderr}");
 }
