@@ -166,8 +166,8 @@ struct HeadRow {
 }
 
 /// Marks in a sequence's `seen` bits (one per token of the vocabulary shard `vr`) the tokens
-/// of `tokens` in the shard.
-fn mark_seen(seen: &mut [u64], tokens: &[u32], vr: std::ops::Range<usize>) {
+/// of `tokens` in the shard (the bits [`sampling::adjust`] reads for the repetition penalty).
+pub fn mark_seen(seen: &mut [u64], tokens: &[u32], vr: std::ops::Range<usize>) {
     for &t in tokens {
         if vr.contains(&(t as usize)) {
             let i = t as usize - vr.start;

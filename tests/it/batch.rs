@@ -5,6 +5,7 @@ use super::*;
 use gridlm::comm::Single;
 use gridlm::engine::sampling::SamplingParams;
 use gridlm::engine::{Finish, GenerateOptions};
+use gridlm::prompts::{read_prompts, Defaults};
 use gridlm::tokenizer::Tokenizer;
 use gridlm_reference::{launch_command, run_with_timeout};
 use serde_json::Value;
@@ -162,22 +163,6 @@ fn departure(
     Some((i, prefix, logits))
 }
 
-/// The settings of a [`SAMPLED`] line.
-fn sampled_params(settings: &str) -> SamplingParams {
-    let v: Value = serde_json::from_str(&format!("{{{settings}}}")).unwrap();
-    let f = |key: &str, default: f64| v.get(key).map_or(default, |x| x.as_f64().unwrap());
-    SamplingParams {
-        temperature: f("temperature", 0.0) as f32,
-        top_k: f("top_k", 0.0) as usize,
-        top_p: f("top_p", 1.0) as f32,
-        min_p: f("min_p", 0.0) as f32,
-        repetition_penalty: f("repetition_penalty", 1.0) as f32,
-        presence_penalty: f("presence_penalty", 0.0) as f32,
-        frequency_penalty: f("frequency_penalty", 0.0) as f32,
-        seed: v["seed"].as_u64().unwrap(),
-    }
-}
-
 /// A departure of sampled `got` from `want` (the tokens the 1×1 run drew for `prompt` with
 /// `p`) may only be at a near-tie. At the first differing position the row of the engine `e`
 /// (the 1×1 run's kernels), adjusted as the run adjusts it (repetition penalty over the prompt
@@ -198,11 +183,10 @@ fn sampled_same_or_near_tie(
     let Some((i, prefix, mut row)) = departure(e, prompt, want, got, what) else { return };
     let vocab = row.len();
     let mut seen = vec![0u64; vocab.div_ceil(64)];
-    for &t in &prefix {
-        seen[t as usize / 64] |= 1 << (t % 64);
-    }
-    let mut counts = vec![0u16; if p.counts_tokens() { vocab } else { 0 }];
+    gridlm::engine::mark_seen(&mut seen, &prefix, 0..vocab);
+    let mut counts = Vec::new();
     if p.counts_tokens() {
+        counts.resize(vocab, 0u16);
         want[..i].iter().for_each(|&t| counts[t as usize] += 1);
     }
     adjust(&mut row, p, &seen, &counts);
@@ -257,7 +241,17 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_up_to_near_ties() {
     write_prompts(&file, TEXTS.iter().map(|t| (*t, String::new())).chain(sampled));
     let base = batched(&file);
 
+    // The sampled lines' settings and tokens as `generate` reads them.
     let tok = Tokenizer::from_dir(&dir).unwrap();
+    let defaults = Defaults {
+        max_tokens: 16,
+        ignore_eos: false,
+        chat: false,
+        system: None,
+        stop: Vec::new(),
+        params: SamplingParams::default(),
+    };
+    let specs = read_prompts(&file, &defaults).unwrap().split_off(TEXTS.len());
     let mut sampled_first: Option<Vec<Vec<u32>>> = None;
     let mut tp_first: Option<Vec<Vec<u32>>> = None;
     for (pp, tp) in [(1, 1), (1, 2), (2, 1), (2, 2)] {
@@ -286,11 +280,10 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_up_to_near_ties() {
             assert_eq!(&sampled, first, "{pp}x{tp}: sampled tokens differ from 1x1");
             continue;
         }
-        for (j, (got, want)) in sampled.iter().zip(first).enumerate() {
-            let (text, settings) = SAMPLED[j];
-            let prompt = tok.encode(text, true).unwrap();
-            let what = format!("{pp}x{tp}: sampled prompt {j} ({text:?})");
-            sampled_same_or_near_tie(&mut e, &prompt, &sampled_params(settings), want, got, &what);
+        for (j, ((got, want), spec)) in sampled.iter().zip(first).zip(&specs).enumerate() {
+            let prompt = tok.encode(&spec.text, true).unwrap();
+            let what = format!("{pp}x{tp}: sampled prompt {j} ({:?})", spec.text);
+            sampled_same_or_near_tie(&mut e, &prompt, &spec.params, want, got, &what);
         }
         // The same split of every sum on one stage or two: the same bits, so the same tokens.
         let all: Vec<Vec<u32>> = results.iter().map(ids).collect();
