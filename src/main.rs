@@ -129,6 +129,32 @@ struct WorkloadArgs {
     batch: usize,
 }
 
+impl WorkloadArgs {
+    /// What bench asks of its workload before running it; plan predicts the same workload, so
+    /// it asks the same.
+    fn check(&self) -> Result<()> {
+        at_least(&[
+            ("--prompt-len", self.prompt_len, 1),
+            ("--new-tokens", self.new_tokens, 2),
+            ("--batch", self.batch, 1),
+        ])
+    }
+
+    /// Every sequence must reach all its positions within the model's context, or bench's
+    /// figures would count tokens that were never made.
+    fn check_context(&self, cfg: &ModelConfig) -> gridlm::Result<()> {
+        check_prompt(self.prompt_len, cfg.max_position_embeddings)?;
+        let positions = self.prompt_len + self.new_tokens;
+        if positions > cfg.max_position_embeddings {
+            return Err(gridlm::Error::Input(format!(
+                "--prompt-len {} + --new-tokens {} = {positions} positions, but the model's context holds {} (its max_position_embeddings)",
+                self.prompt_len, self.new_tokens, cfg.max_position_embeddings
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Args)]
 struct PlanArgs {
     /// HuggingFace model folder (only config.json is read).
@@ -840,7 +866,14 @@ fn plan(a: PlanArgs) -> Result<()> {
         (Some(_), None) => anyhow::bail!("--core-gbps needs --cores-per-socket (the cores of one socket)"),
         (None, _) => (0.0, 0),
     };
-    let mut positive = vec![("--mem-bw", mem_bw), ("--peak-gflops", peak_gflops), ("--net-gbps", a.net_gbps)];
+    a.work.check()?;
+    a.work.check_context(&cfg)?;
+    let mut positive = vec![
+        ("--mem-bw", mem_bw),
+        ("--peak-gflops", peak_gflops),
+        ("--net-gbps", a.net_gbps),
+        ("--local-gb-per-s", a.local_gb_per_s),
+    ];
     if a.core_gbps.is_some() {
         positive.push(("--core-gbps", core_gbps));
     }
@@ -850,11 +883,19 @@ fn plan(a: PlanArgs) -> Result<()> {
     if let Some((k, v)) = positive.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
         anyhow::bail!("{k} must be a positive number, got {v}");
     }
+    // Clap takes `nan` and `inf` as numbers; negative ones it refuses as options.
+    let finite = [
+        ("--mem-gb", a.mem_gb),
+        ("--net-latency-us", a.net_latency_us),
+        ("--local-latency-us", a.local_latency_us),
+    ];
+    if let Some((k, v)) = finite.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
+        anyhow::bail!("{k} must be a number, at least 0, got {v}");
+    }
     at_least(&[
         ("--nodes", a.nodes, 1),
         ("--sockets-per-node", a.sockets_per_node, 1),
         ("--ranks-per-socket", a.ranks_per_socket, 1),
-        ("--batch", a.work.batch, 1),
         ("--cores-per-socket", a.cores_per_socket.unwrap_or(1), 1),
     ])?;
     let cluster = Cluster {
@@ -1620,10 +1661,8 @@ fn merge(out: &mut serde_json::Value, extra: &serde_json::Value) {
 
 fn bench(a: BenchArgs) -> Result<()> {
     a.engine.check()?;
+    a.work.check()?;
     at_least(&[
-        ("--prompt-len", a.work.prompt_len, 1),
-        ("--new-tokens", a.work.new_tokens, 2),
-        ("--batch", a.work.batch, 1),
         ("--reps", a.reps, 1),
         ("--step-tokens", a.step_tokens.unwrap_or(1), 1),
         ("--compare-batch", a.compare_batch.unwrap_or(1), 1),
@@ -1754,7 +1793,7 @@ fn run_bench(
             (None, None) => unreachable!("clap requires --model or --shape"),
         };
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
-        check_prompt(a.work.prompt_len, cfg.max_position_embeddings)?;
+        a.work.check_context(&cfg)?;
         let one_token_way = match (a.compare_prefetch, a.compare_streams) {
             (Some(way), _) => Some(("--compare-prefetch", way.name(), "prefetch")),
             (None, Some(way)) => Some(("--compare-streams", way.name(), "streams")),
@@ -1766,15 +1805,6 @@ fn run_bench(
                 a.work.batch,
                 tokens_per_step,
                 a.work.batch
-            )));
-        }
-        // Every sequence must decode all its new tokens, or the figures would count tokens
-        // that were never made.
-        let positions = a.work.prompt_len + a.work.new_tokens;
-        if positions > cfg.max_position_embeddings {
-            return Err(gridlm::Error::Input(format!(
-                "--prompt-len {} + --new-tokens {} = {positions} positions, but the model's context holds {} (its max_position_embeddings)",
-                a.work.prompt_len, a.work.new_tokens, cfg.max_position_embeddings
             )));
         }
         Ok((cfg, plan))

@@ -375,6 +375,19 @@ fn bad_command_lines() {
     assert_one_line_error(&gridlm(&folder), &["--shape-layers needs --shape"]);
     let plan = ["plan", "--shape", "smollm2-135m", "--nodes", "0", "--mem-bw", "20", "--peak-gflops", "100"];
     assert_one_line_error(&gridlm(&plan), &["--nodes must be at least 1, got 0"]);
+    // Plan predicts bench's workload, so it asks what bench asks of it, and of its link
+    // figures numbers (clap reads `nan` and `inf` as such), not a table of NaN.
+    let plan = ["plan", "--shape", "smollm2-135m", "--mem-bw", "20", "--peak-gflops", "100"];
+    for (option, value, want) in [
+        ("--new-tokens", "1", "--new-tokens must be at least 2, got 1"),
+        ("--prompt-len", "9000", "the prompt has 9000 tokens but the model's context holds 8192"),
+        ("--new-tokens", "8190", "--prompt-len 128 + --new-tokens 8190 = 8318 positions"),
+        ("--local-gb-per-s", "0", "--local-gb-per-s must be a positive number, got 0"),
+        ("--local-latency-us", "nan", "--local-latency-us must be a number, at least 0, got NaN"),
+        ("--mem-gb", "inf", "--mem-gb must be a number, at least 0, got inf"),
+    ] {
+        assert_one_line_error(&gridlm(&[&plan[..], &[option, value]].concat()), &[want]);
+    }
     let generate = ["generate", "--model", "m", "--prompt", "hi", "--step-tokens", "0"];
     assert_one_line_error(&gridlm(&generate), &["--step-tokens must be at least 1, got 0"]);
     let both = ["--quant", "int8", "--compare-unquantized", "--compare-batch", "1"];
