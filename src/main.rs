@@ -821,9 +821,9 @@ fn inspect(a: InspectArgs) -> Result<()> {
     let ckpt = Checkpoint::open(&a.model)?;
     let x = gridlm::inspect::inspect(&ckpt, &cfg, (a.pp, a.tp, a.layers.as_deref()), a.quant)?;
     if a.json {
-        println!("{}", serde_json::to_string(&x)?);
+        writeln!(std::io::stdout(), "{}", serde_json::to_string(&x)?)?;
     } else {
-        print!("gridlm inspect: {}\n{}", a.model.display(), gridlm::inspect::table(&x));
+        write!(std::io::stdout(), "gridlm inspect: {}\n{}", a.model.display(), gridlm::inspect::table(&x))?;
     }
     Ok(())
 }
@@ -924,9 +924,9 @@ fn plan(a: PlanArgs) -> Result<()> {
     };
     let p = layouts(&cfg, &cluster, &work);
     if a.json {
-        println!("{}", serde_json::to_string(&p)?);
+        writeln!(std::io::stdout(), "{}", serde_json::to_string(&p)?)?;
     } else {
-        print!("{}", table(&p));
+        write!(std::io::stdout(), "{}", table(&p))?;
     }
     Ok(())
 }
@@ -936,7 +936,7 @@ fn report(a: ReportArgs) -> Result<()> {
     if let Some(p) = &a.plot {
         gridlm::scaling::plot(&runs, p, &a.title)?;
     }
-    print!("{}", gridlm::scaling::table(&runs));
+    write!(std::io::stdout(), "{}", gridlm::scaling::table(&runs))?;
     Ok(())
 }
 
@@ -1161,6 +1161,9 @@ fn on_grid(g: &GridArgs, job: impl FnOnce(Grid, &dyn Comm, &dyn Link) -> Result<
     }
     let mpi = MpiJob::init()?;
     let (rank, size) = (mpi.rank(), mpi.size());
+    if rank == 0 {
+        adopt_launcher_stdout();
+    }
     let pp = g.pp.unwrap_or(1);
     let tp = g.tp.unwrap_or((size / pp.max(1)).max(1));
     // The same arguments reach every rank, so every rank reaches the same verdict here.
@@ -1175,6 +1178,9 @@ fn on_grid(g: &GridArgs, job: impl FnOnce(Grid, &dyn Comm, &dyn Link) -> Result<
         Ok(()) => Ok(()),
         // Printed already by the driver, after every rank finished the job.
         Err(e) if e.downcast_ref::<Reported>().is_some() => Err(e),
+        // The driver's reader went away (`| head`), the answer written after the other ranks
+        // finished their part: the run ends quietly (see `main`), not by an abort of the job.
+        Err(e) if broken_pipe(&e) => Err(e),
         Err(e) if e.downcast_ref::<Agreed>().is_some() => {
             let _ = std::io::stdout().flush();
             error_line(&format!("{e:#}"));
@@ -1185,6 +1191,35 @@ fn on_grid(g: &GridArgs, job: impl FnOnce(Grid, &dyn Comm, &dyn Link) -> Result<
             let _ = std::io::stdout().flush();
             error_line(&format!("rank {rank}: {e:#}"));
             mpi.abort(1)
+        }
+    }
+}
+
+/// Makes the pipe `GRIDLM_STDOUT` names this process's stdout, where it is one with a reader.
+/// `launch/local` and `launch/sockets` name there the pipe their own stdout is
+/// (`/proc/<mpirun's pid>/fd/1`), for the driver to write the answer into itself rather than
+/// through mpirun: a reader that goes away (`| head`) then ends the run quietly with status 0,
+/// where mpirun, finding its stdout closed, would abort the job with status 1 and lines of its
+/// own. Only a pipe is taken (a file opened anew would be written from its start, not where the
+/// shell's `>>` appends), and only while it has a reader (opening a pipe without one would wait
+/// for one); otherwise stdout stays as the launcher gave it.
+fn adopt_launcher_stdout() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let Some(path) = std::env::var_os("GRIDLM_STDOUT") else { return };
+    if !std::fs::metadata(&path).is_ok_and(|m| m.file_type().is_fifo()) {
+        return;
+    }
+    let Ok(pipe) = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&path) else {
+        return;
+    };
+    let fd = pipe.as_raw_fd();
+    // SAFETY: plain calls on a descriptor this function owns and on fd 1, before any thread
+    // writes to stdout; `pipe` closes its own descriptor after the copy.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0 {
+            libc::dup2(fd, 1);
         }
     }
 }
@@ -1754,14 +1789,15 @@ fn run_limits(a: &BenchArgs, link: &dyn Link) -> Result<()> {
             "threads_per_rank": threads,
             "ranks": ranks,
         });
-        println!("{out}");
+        writeln!(std::io::stdout(), "{out}")?;
     } else {
         let bf16 = bf16.map(|g| format!(", bf16 dot peak {g:.1} GFLOP/s")).unwrap_or_default();
-        println!(
+        writeln!(
+            std::io::stdout(),
             "{} rank(s) × {threads} thread(s): read bandwidth {gb:.1} GB/s (one thread alone {core:.1}), \
              f32 FMA peak {gf:.1} GFLOP/s{bf16}, kernel-thread handoff {handoff:.2} µs",
             per_rank.len()
-        );
+        )?;
     }
     Ok(())
 }

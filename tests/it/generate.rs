@@ -199,14 +199,18 @@ fn presence_and_frequency_penalties_pick_the_penalized_best() {
 }
 
 /// A reader of the answer that goes away (`gridlm generate ... | head -c 1`) ends the run
-/// quietly: exit status 0, no error line, for a streamed answer and for JSON alike.
+/// quietly: exit status 0, no error line, for a streamed answer and for JSON alike, and so
+/// for `plan`'s JSON (it panicked on the closed pipe).
 #[test]
 fn a_closed_stdout_ends_the_run_quietly() {
     let (_t, dir) = tiny_llama();
-    for json in [false, true] {
+    let generate =
+        ["generate", "--model", path_str(&dir), "--prompt", "t1 t2", "--max-tokens", "40", "--ignore-eos"];
+    let plan =
+        ["plan", "--shape", "llama-2-70b", "--nodes", "64", "--mem-bw", "200", "--peak-gflops", "3000"];
+    for (args, json) in [(&generate[..], false), (&generate[..], true), (&plan[..], true)] {
         let mut cmd = std::process::Command::new(bin());
-        cmd.args(["generate", "--model", path_str(&dir), "--prompt", "t1 t2", "--max-tokens", "40"]);
-        cmd.arg("--ignore-eos");
+        cmd.args(args);
         if json {
             cmd.arg("--json");
         }
@@ -218,8 +222,8 @@ fn a_closed_stdout_ends_the_run_quietly() {
         drop(child.stdout.take()); // closed before the first token
         let out = child.wait_with_output().expect("wait");
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "json {json}: {stderr}");
-        assert!(!stderr.contains("error"), "json {json}: {stderr}");
+        assert!(out.status.success(), "{args:?} json {json}: {stderr}");
+        assert!(!stderr.contains("error"), "{args:?} json {json}: {stderr}");
     }
 }
 

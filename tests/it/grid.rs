@@ -394,3 +394,52 @@ fn gridlm_variables_reach_the_ranks_of_every_node() {
     let want = ["gridlm-a yes full", "gridlm-a yes full", "gridlm-b yes full", "gridlm-b yes full"];
     assert_eq!(lines, want, "{stderr}");
 }
+
+/// A reader of the answer that goes away (`launch/local 2 generate ... | head -c 1`) ends a
+/// multi-rank run quietly, as it does a single process's: status 0, no error line. Through
+/// mpirun it did not: mpirun, finding its stdout closed, aborted the job (status 1, its own
+/// `SIGPIPE detected` lines); `launch/local` now hands the driver the pipe itself.
+#[test]
+fn a_closed_stdout_ends_a_multi_rank_run_quietly() {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    // The real model: its tokens come slowly enough for mpirun to forward them one by one (the
+    // tiny model's whole answer came in a few writes, and mpirun ran on past as many failures).
+    let dir = smollm2("bf16");
+    for json in [false, true] {
+        let mut cmd = launch_command(&["local", "2"]);
+        cmd.args(["generate", "--model", path_str(&dir), "--tp", "2", "--threads", "1"]);
+        cmd.args(["--prompt", "Count: 1, 2, 3,", "--max-tokens", "300", "--ignore-eos"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .expect("spawn");
+        let group = child.id();
+        // Ends the job should it hang (its pipes then close); told when it ended.
+        let (ended, ending) = std::sync::mpsc::channel::<()>();
+        let watchdog = std::thread::spawn(move || {
+            let hung = ending.recv_timeout(std::time::Duration::from_secs(120)).is_err();
+            if hung {
+                let _ = Command::new("kill").args(["-KILL", "--", &format!("-{group}")]).status();
+            }
+            hung
+        });
+        let mut first = [0u8; 1];
+        let read = child.stdout.as_mut().unwrap().read(&mut first).expect("read stdout");
+        assert_eq!(read, 1, "json {json}: no answer");
+        drop(child.stdout.take()); // the reader goes away after the first byte
+        let out = child.wait_with_output().expect("wait");
+        let _ = ended.send(());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!watchdog.join().unwrap(), "json {json}: the job hung:\n{stderr}");
+        assert!(out.status.success(), "json {json}: {:?}\n{stderr}", out.status);
+        for word in ["error", "SIGPIPE", "abort", "panicked"] {
+            assert!(!stderr.contains(word), "json {json}: {stderr}");
+        }
+    }
+}
