@@ -943,16 +943,17 @@ fn report(a: ReportArgs) -> Result<()> {
 fn run_convert(a: ConvertArgs) -> Result<()> {
     if a.vocab_only {
         convert::convert_vocab(&a.gguf, &a.out)?;
-        eprintln!("wrote {} (the tokenizer)", a.out.display());
+        // Not eprintln!, which panics where stderr is closed: the folder is written all the same.
+        let _ = writeln!(std::io::stderr(), "wrote {} (the tokenizer)", a.out.display());
         return Ok(());
     }
     let s = convert::convert(&a.gguf, &a.out, a.dtype)?;
-    eprintln!(
-        "wrote {} ({} tensors, {:.1} MB of weights in {})",
+    let (mb, dtype) = (s.bytes as f64 / 1e6, a.dtype.name());
+    let _ = writeln!(
+        std::io::stderr(),
+        "wrote {} ({} tensors, {mb:.1} MB of weights in {dtype})",
         a.out.display(),
-        s.n_tensors,
-        s.bytes as f64 / 1e6,
-        a.dtype.name()
+        s.n_tensors
     );
     Ok(())
 }

@@ -401,3 +401,29 @@ fn convert_refuses_kv_groups_gpt2_and_gpt_bigcode_lack() {
     let says = ["`starcoder.attention.head_count_kv` is 2 of 4 heads", "one KV head, or one a head"];
     refused(dir, "starcoder-groups", &arch_meta("starcoder", 2, vec![two]), vec![], &says);
 }
+
+/// A closed stderr (`gridlm convert ... 2>&1 | true`) leaves the run's result alone: the folder
+/// written and status 0 (the closing `wrote` line panicked, status 101).
+#[test]
+fn convert_succeeds_with_stderr_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("m.gguf");
+    write_gguf(
+        &gguf,
+        &llama_meta(4, vec![]),
+        &[("token_embd.weight".to_string(), vec![4, 32], vec![0.5; 128])],
+    );
+    for vocab_only in [false, true] {
+        let out_dir = tmp.path().join(format!("m-{vocab_only}"));
+        let mut cmd = std::process::Command::new(bin());
+        cmd.args(["convert", "--gguf", path_str(&gguf), "--out", path_str(&out_dir)]);
+        if vocab_only {
+            cmd.arg("--vocab-only");
+        }
+        let mut child = cmd.stderr(std::process::Stdio::piped()).spawn().expect("spawn");
+        drop(child.stderr.take());
+        let status = child.wait().expect("wait");
+        assert!(status.success(), "vocab only {vocab_only}: {status:?}");
+        assert!(out_dir.join("tokenizer.json").exists(), "vocab only {vocab_only}");
+    }
+}
