@@ -204,7 +204,7 @@ struct PlanArgs {
     /// output (run on one socket with its cores); the flags win where given.
     #[arg(long)]
     limits: Option<PathBuf>,
-    /// Memory of one socket, GB (default: no limit).
+    /// Memory of one socket, GB: each layout then says whether it fits (default: not known).
     #[arg(long, default_value_t = 0.0)]
     mem_gb: f64,
     /// Network bandwidth between nodes, Gbit/s.

@@ -54,7 +54,7 @@ pub struct Cluster {
     /// known; each rank then reads its share of the socket's bandwidth).
     pub core_gb_per_s: f64,
     pub cores_per_socket: usize,
-    /// Memory of one socket, GB (0: no limit).
+    /// Memory of one socket, GB (0: not known, and then whether a layout fits is not either).
     pub mem_gb: f64,
     /// Network between nodes: bandwidth (Gbit/s) and one message's latency (µs).
     pub net_gbps: f64,
@@ -85,7 +85,8 @@ pub struct Prediction {
     pub nodes_used: usize,
     /// Largest memory of any rank, bytes.
     pub mem_per_rank: f64,
-    pub fits: bool,
+    /// Whether that fits a rank's share of a socket's memory; `None` where it was not given.
+    pub fits: Option<bool>,
     pub first_token_ms: f64,
     pub next_token_ms: f64,
     pub tokens_per_s: f64,
@@ -274,7 +275,7 @@ pub fn predict(cfg: &ModelConfig, c: &Cluster, w: &Workload, pp: usize, tp: usiz
     decode_comm += back;
     prefill_s += back;
     let tokens_per_s = if overlap { b / (pp as f64 * slowest_stage) } else { b / decode_s };
-    let fits = c.mem_gb <= 0.0 || mem_max <= c.mem_gb * 1e9 / c.ranks_per_socket as f64;
+    let fits = (c.mem_gb > 0.0).then(|| mem_max <= c.mem_gb * 1e9 / c.ranks_per_socket as f64);
     Prediction {
         pp,
         tp,
@@ -304,7 +305,11 @@ pub fn table(p: &[Prediction]) -> String {
             r.nodes_used,
             if r.crosses_network { " (network)" } else { "" },
             r.mem_per_rank / 1e9,
-            if r.fits { "yes" } else { "no" },
+            match r.fits {
+                Some(true) => "yes",
+                Some(false) => "no",
+                None => "—",
+            },
             r.first_token_ms,
             r.next_token_ms,
             r.comm_ms,
@@ -371,7 +376,7 @@ mod tests {
         // ~8B parameters of 2 bytes at 100 GB/s: ~160 ms, no communication.
         assert!((140.0..180.0).contains(&p.next_token_ms), "{p:?}");
         assert_eq!(p.comm_ms, 0.0);
-        assert!(p.fits && !p.crosses_network);
+        assert!(p.fits == Some(true) && !p.crosses_network);
     }
 
     #[test]
@@ -390,8 +395,10 @@ mod tests {
         let big = crate::weights::synthetic::shape("llama-2-70b").unwrap();
         let mut c = cluster(2);
         c.mem_gb = 64.0;
-        assert!(!predict(&big, &c, &work(), 1, 1).fits);
-        assert!(predict(&big, &c, &work(), 1, 4).fits);
+        assert_eq!(predict(&big, &c, &work(), 1, 1).fits, Some(false));
+        assert_eq!(predict(&big, &c, &work(), 1, 4).fits, Some(true));
+        c.mem_gb = 0.0;
+        assert_eq!(predict(&big, &c, &work(), 1, 1).fits, None, "no memory given: not known");
     }
 
     #[test]
