@@ -139,8 +139,9 @@ impl ShardPlan {
         }
         if grid.pp > cfg.n_layers {
             return Err(Error::Input(format!(
-                "invalid grid: --pp {} exceeds the model's {} layers",
-                grid.pp, cfg.n_layers
+                "invalid grid: --pp {} exceeds the model's {}",
+                grid.pp,
+                crate::count(cfg.n_layers, "layer")
             )));
         }
         // FFN columns and vocabulary rows are split in blocks of `FFN_ALIGN`: every tp rank
@@ -170,8 +171,10 @@ impl ShardPlan {
                 if split.len() != grid.pp || split.iter().sum::<usize>() != cfg.n_layers || split.contains(&0)
                 {
                     return Err(Error::Input(format!(
-                        "invalid --layers {split:?}: expected one positive count per pipeline stage ({} with --pp {}), summing to the model's {} layers",
-                        grid.pp, grid.pp, cfg.n_layers
+                        "invalid --layers {split:?}: expected one positive count per pipeline stage ({} with --pp {}), summing to the model's {}",
+                        grid.pp,
+                        grid.pp,
+                        crate::count(cfg.n_layers, "layer")
                     )));
                 }
                 split.to_vec()

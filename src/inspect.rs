@@ -146,8 +146,15 @@ pub fn inspect(
 pub fn table(x: &Inspection) -> String {
     let range = |r: &Range<usize>| format!("{}–{}", r.start, r.end.saturating_sub(1));
     let mut s = format!(
-        "{}: {} layers, hidden {}, {} heads / {} KV heads of {}, vocabulary {}, context {}\n",
-        x.model_type, x.layers, x.hidden, x.heads, x.kv_heads, x.head_dim, x.vocab, x.context
+        "{}: {}, hidden {}, {} / {} of {}, vocabulary {}, context {}\n",
+        x.model_type,
+        crate::count(x.layers, "layer"),
+        x.hidden,
+        crate::count(x.heads, "head"),
+        crate::count(x.kv_heads, "KV head"),
+        x.head_dim,
+        x.vocab,
+        x.context
     );
     s += &format!("FFN: {}\n", x.ffn);
     if let Some(w) = x.window {

@@ -2291,6 +2291,7 @@ fn run_bench(
         model: match (&a.model, &a.shape) {
             (Some(d), _) => d.display().to_string(),
             (_, Some(s)) => match a.shape_layers {
+                Some(1) => format!("{s}, its first layer (synthetic)"),
                 Some(n) => format!("{s}, its first {n} layers (synthetic)"),
                 None => format!("{s} (synthetic)"),
             },

@@ -403,8 +403,8 @@ impl Engine {
                 let problem = match check_prompt(req.prompt.len(), ctx) {
                     Err(e) => Some(e.to_string()),
                     Ok(()) if need > pages => Some(format!(
-                        "the prompt of {} tokens with max_tokens {} needs {need} KV pages of {PAGE} positions ({:.1} MiB per rank) but the KV memory holds {pages} ({:.1} MiB)",
-                        req.prompt.len(),
+                        "the prompt of {} with max_tokens {} needs {need} KV pages of {PAGE} positions ({:.1} MiB per rank) but the KV memory holds {pages} ({:.1} MiB)",
+                        crate::count(req.prompt.len(), "token"),
                         req.max_tokens,
                         (need * page_bytes) as f64 / (1 << 20) as f64,
                         (pages * page_bytes) as f64 / (1 << 20) as f64
