@@ -7,7 +7,6 @@
 
 use crate::comm::Link;
 use crate::error::{Error, Result};
-use crate::kernels::Quant;
 use std::path::Path;
 
 /// A `kB` field of a `/proc` file (`MemAvailable:` of meminfo, `VmRSS:` of status), in bytes.
@@ -228,11 +227,14 @@ fn gib(bytes: u64) -> String {
 
 /// What rank `me` (on host `host`) finds when every rank's `[node key, bytes needed, bytes
 /// available]` is in `all`: an error when the ranks of its node need more than the node has
-/// (the most any of them saw available; `u64::MAX` means unknown).
-fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> Result<()> {
+/// (the most any of them saw available; `u64::MAX` means unknown). `int8`, where the weights are
+/// not quantized already, holds the same records of what `--quant int8` would need, which the
+/// line then gives, as the way out where it fits and as the size to find room for where not.
+fn shortfall(me: usize, host: &str, all: &[[u64; 3]], int8: Option<&[[u64; 3]]>) -> Result<()> {
     let mine = all[me][0];
     let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == mine).collect();
-    let need: u64 = ranks.iter().map(|&r| all[r][1]).sum();
+    let need_of = |records: &[[u64; 3]]| ranks.iter().map(|&r| records[r][1]).sum::<u64>();
+    let need = need_of(all);
     let avail = ranks.iter().map(|&r| all[r][2]).max().unwrap_or(u64::MAX);
     if need <= avail {
         return Ok(());
@@ -241,7 +243,11 @@ fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> R
         [one] => format!("rank {one}"),
         many => format!("ranks {}", many.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
     };
-    let hint = if quant.is_some() { "run on more nodes" } else { "run on more nodes or with --quant int8" };
+    let hint = match int8.map(need_of) {
+        None => "run on more nodes".to_string(),
+        Some(q) if q <= avail => format!("run on more nodes or with --quant int8 (then {})", gib(q)),
+        Some(q) => format!("run on more nodes (with --quant int8 still {})", gib(q)),
+    };
     Err(Error::Input(format!(
         "not enough memory on host {host}: the weights of {who} need {}, but {} is available; {hint}",
         gib(need),
@@ -251,10 +257,13 @@ fn shortfall(me: usize, host: &str, all: &[[u64; 3]], quant: Option<Quant>) -> R
 
 /// Collective over the job: every rank says the bytes its weights will take (`need`, from
 /// [`crate::model::Shard::planned_bytes`]); the ranks of each node (one running kernel) are
-/// summed and compared with the memory the node has available. Loading quantized (`quant`)
-/// changes only the hint.
-pub fn check_room(link: &dyn Link, need: usize, quant: Option<Quant>) -> Result<()> {
-    shortfall(link.world_rank(), &name(), &gather_nodes(link, need).0, quant)
+/// summed and compared with the memory the node has available. `int8_need`, the bytes the
+/// weights would take quantized (`None` where they are already), only informs the error line;
+/// every rank must give one or none alike.
+pub fn check_room(link: &dyn Link, need: usize, int8_need: Option<usize>) -> Result<()> {
+    let all = gather_nodes(link, need).0;
+    let int8 = int8_need.map(|b| gather_nodes(link, b).0);
+    shortfall(link.world_rank(), &name(), &all, int8.as_deref())
 }
 
 /// Bytes of a host name [`gather_nodes`] passes on (longer names are cut there).
@@ -431,15 +440,22 @@ mod tests {
         let (a, b) = (crate::fnv1a("node-a"), crate::fnv1a("node-b"));
         // Two ranks of 6 GiB each fit alone in node-a's 10 GiB, not together.
         let all = [[a, 6 * G, 10 * G], [a, 6 * G, 10 * G], [b, 6 * G, 10 * G]];
-        let e = shortfall(0, "node-a", &all, None).unwrap_err().to_string();
+        // Quantized, 3 GiB each: the two fit.
+        let int8 = all.map(|[n, b, a]| [n, b / 2, a]);
+        let e = shortfall(0, "node-a", &all, Some(&int8)).unwrap_err().to_string();
         assert!(e.contains("host node-a") && e.contains("ranks 0, 1"), "{e}");
-        assert!(e.contains("12.0 GiB") && e.contains("10.0 GiB") && e.contains("--quant int8"), "{e}");
-        assert!(shortfall(1, "node-a", &all, None).is_err());
+        assert!(e.contains("need 12.0 GiB") && e.contains("10.0 GiB is available"), "{e}");
+        assert!(e.ends_with("run on more nodes or with --quant int8 (then 6.0 GiB)"), "{e}");
+        assert!(shortfall(1, "node-a", &all, Some(&int8)).is_err());
         // node-b's one rank has room.
-        assert!(shortfall(2, "node-b", &all, None).is_ok());
+        assert!(shortfall(2, "node-b", &all, Some(&int8)).is_ok());
+        // Too large quantized as well: the size it would need still.
+        let big = all.map(|[n, _, a]| [n, 12 * G, a]);
+        let e = shortfall(0, "node-a", &big, Some(&all)).unwrap_err().to_string();
+        assert!(e.ends_with("run on more nodes (with --quant int8 still 12.0 GiB)"), "{e}");
         // Already quantized: no hint to quantize.
-        let e = shortfall(0, "node-b", &[[b, 11 * G, 10 * G]], Some(Quant::Int8)).unwrap_err().to_string();
-        assert!(e.contains("rank 0 need") && !e.contains("--quant"), "{e}");
+        let e = shortfall(0, "node-b", &[[b, 11 * G, 10 * G]], None).unwrap_err().to_string();
+        assert!(e.contains("rank 0 need") && e.ends_with("run on more nodes"), "{e}");
         // Unknown available memory never refuses.
         assert!(shortfall(0, "x", &[[a, 100 * G, u64::MAX]], None).is_ok());
     }

@@ -1129,9 +1129,17 @@ fn load_shard(
     plan: ShardPlan,
     quant: Option<Quant>,
 ) -> Result<Shard> {
-    let planned = src.and_then(|s| Ok((Shard::planned_bytes(s.as_ref(), &cfg, &plan, quant)?, s)));
-    let (need, src) = agree(link, planned)?;
-    agree(link, host::check_room(link, need, quant))?;
+    let planned = src.and_then(|s| {
+        let need = Shard::planned_bytes(s.as_ref(), &cfg, &plan, quant)?;
+        // What quantizing would need instead, for the line should the weights not fit.
+        let int8 = match quant {
+            None => Some(Shard::planned_bytes(s.as_ref(), &cfg, &plan, Some(Quant::Int8))?),
+            Some(_) => None,
+        };
+        Ok((need, int8, s))
+    });
+    let (need, int8, src) = agree(link, planned)?;
+    agree(link, host::check_room(link, need, int8))?;
     agree(link, Shard::from_source(src.as_ref(), cfg, plan, quant))
 }
 
