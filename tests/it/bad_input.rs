@@ -162,6 +162,14 @@ fn missing_model_folder() {
     let file = dir.join("model.safetensors");
     let out = gridlm(&["generate", "--model", path_str(&file), "--prompt", "hi"]);
     assert_one_line_error(&out, &["model.safetensors: a file, not a model folder"]);
+    // llama.cpp's file, or a folder of them: named, and the command that makes a folder.
+    let gguf = dir.join("model.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\0\0\0").unwrap();
+    let out = gridlm(&["generate", "--model", path_str(&gguf), "--prompt", "hi"]);
+    assert_one_line_error(&out, &["model.gguf: a GGUF file, not a model folder", "gridlm convert --gguf"]);
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    let out = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "hi"]);
+    assert_one_line_error(&out, &["config.json", "the folder holds 1 GGUF file", "gridlm convert --gguf"]);
 }
 
 #[test]
