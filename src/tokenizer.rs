@@ -38,7 +38,15 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
-            return Err(Error::file(&path, "not found: the model folder needs a tokenizer.json"));
+            let hint = if dir.join("tokenizer.model").exists() {
+                "; its tokenizer.model (SentencePiece's file) gridlm does not read: HF's tokenizers write a tokenizer.json of it (`AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`)"
+            } else {
+                ""
+            };
+            return Err(Error::file(
+                &path,
+                format!("not found: the model folder needs a tokenizer.json{hint}"),
+            ));
         }
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::file(&path, format!("invalid tokenizer: {e}")))?;

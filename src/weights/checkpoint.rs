@@ -83,6 +83,41 @@ pub struct Checkpoint {
 const TEXT_MODEL_PREFIXES: [(&str, &str); 2] =
     [("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head.")];
 
+/// What a folder without `model.safetensors` or its index holds instead, said after the error:
+/// PyTorch's weights, llama.cpp's files, or safetensors files without their index (empty where
+/// none). Of PyTorch's files only weights count (`pytorch_model*.bin`, `model*.pt`,
+/// `consolidated*.pth`, ...), not a trainer's `training_args.bin` or `optimizer.pt`.
+fn held_instead(dir: &Path) -> String {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort_unstable();
+    let of = |exts: &[&str], starts: &[&str]| {
+        let found: Vec<&str> = names
+            .iter()
+            .map(String::as_str)
+            .filter(|n| exts.iter().any(|x| n.ends_with(x)) && starts.iter().any(|p| n.starts_with(p)))
+            .collect();
+        match found.as_slice() {
+            [] => None,
+            [a] => Some(a.to_string()),
+            [a, rest @ ..] => Some(format!("{a} and {} more", rest.len())),
+        }
+    };
+    if let Some(f) = of(&[".bin", ".pt", ".pth"], &["pytorch_model", "model", "consolidated"]) {
+        format!("; the folder holds {f}, PyTorch's format, which gridlm does not read: save the model as safetensors (transformers' `save_pretrained` does by default)")
+    } else if let Some(f) = of(&[".gguf"], &[""]) {
+        format!("; the folder holds {f}: `gridlm convert --gguf FILE --out DIR` makes a model folder of one")
+    } else if let Some(f) = of(&[".safetensors"], &[""]) {
+        format!("; the folder holds {f}, but no model.safetensors.index.json")
+    } else {
+        String::new()
+    }
+}
+
 impl Checkpoint {
     /// Finds `DIR/model.safetensors` or `DIR/model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Self> {
@@ -109,7 +144,10 @@ impl Checkpoint {
         } else {
             return Err(Error::file(
                 &single,
-                "not found (expected model.safetensors or model.safetensors.index.json)",
+                format!(
+                    "not found (expected model.safetensors or model.safetensors.index.json){}",
+                    held_instead(dir)
+                ),
             ));
         };
         let origin = if index.is_some() { index_path } else { single };

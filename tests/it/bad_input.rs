@@ -130,6 +130,29 @@ fn missing_tokenizer() {
     let (_t, dir) = tiny_llama();
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
     assert_one_line_error(&generate_on(&dir, "t1"), &["tokenizer.json", "not found"]);
+    // SentencePiece's own file, which older folders hold alone: named, and the way to a tokenizer.json.
+    std::fs::write(dir.join("tokenizer.model"), b"").unwrap();
+    assert_one_line_error(
+        &generate_on(&dir, "t1"),
+        &["tokenizer.json", "its tokenizer.model", "save_pretrained"],
+    );
+}
+
+/// A folder without model.safetensors or its index says what it holds instead: PyTorch's
+/// weights (not a trainer's files), or safetensors shards without their index.
+#[test]
+fn missing_safetensors() {
+    let (_t, dir) = tiny_llama();
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let want = "not found (expected model.safetensors or model.safetensors.index.json)";
+    std::fs::write(dir.join("training_args.bin"), b"").unwrap();
+    let out = generate_on(&dir, "t1");
+    assert_one_line_error(&out, &[want]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("PyTorch"));
+    std::fs::write(dir.join("model-00001-of-00002.safetensors"), b"").unwrap();
+    assert_one_line_error(&generate_on(&dir, "t1"), &[want, "model-00001-of-00002.safetensors, but no"]);
+    std::fs::write(dir.join("pytorch_model.bin"), b"").unwrap();
+    assert_one_line_error(&generate_on(&dir, "t1"), &[want, "holds pytorch_model.bin, PyTorch's format"]);
 }
 
 #[test]
