@@ -498,6 +498,17 @@ fn token_ids(v: &Option<serde_json::Value>) -> Vec<u32> {
     }
 }
 
+/// The `quant_method` of a config.json's `quantization_config` (GPTQ, AWQ, bitsandbytes, FP8,
+/// ...): its weights are stored in that method's tensors and types, not as plain matrices. At
+/// the top (HF's place for it, an image-and-text folder's too) or in `text_config`.
+fn quantized_before_saving(text: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    [&v, &v["text_config"]].iter().find_map(|c| {
+        let q = c.get("quantization_config").filter(|q| !q.is_null())?;
+        Some(q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("unnamed").to_string())
+    })
+}
+
 impl ModelConfig {
     /// Reads `DIR/config.json` and, when present, the EOS ids of `DIR/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -545,6 +556,11 @@ impl ModelConfig {
     /// Parses and validates config text; `path` is only used in error messages.
     pub fn from_json(path: &Path, text: &str) -> Result<Self> {
         let bad = |msg: String| Error::file(path, msg);
+        if let Some(method) = quantized_before_saving(text) {
+            return Err(bad(format!(
+                "quantization_config: weights quantized before saving (quant_method `{method}`) are not read; gridlm loads f32, bf16 or f16 weights (and quantizes them itself with --quant int8)"
+            )));
+        }
         if let Some(text_model) = image_text_config(text).map_err(bad)? {
             return Self::from_json(path, &text_model);
         }

@@ -24,6 +24,21 @@ fn malformed_config() {
     assert_one_line_error(&generate_on(&dir, "t1"), &["config.json", "missing field `num_attention_heads`"]);
 }
 
+/// A folder of weights quantized before saving (GPTQ, AWQ, FP8, ...: other tensors and types)
+/// is refused by its config, naming the method; a `quantization_config` of null is none.
+#[test]
+fn weights_quantized_before_saving() {
+    let (_t, dir) = tiny_llama();
+    let mut cfg = gridlm_reference::TinyModel::llama().config();
+    cfg["quantization_config"] = serde_json::json!(null);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    assert!(generate_on(&dir, "t1").status.success());
+    cfg["quantization_config"] = serde_json::json!({"quant_method": "awq", "bits": 4});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let want = ["config.json: quantization_config", "quant_method `awq`", "--quant int8"];
+    assert_one_line_error(&generate_on(&dir, "t1"), &want);
+}
+
 #[test]
 fn unknown_model_type() {
     let (_t, dir) = tiny_llama();
