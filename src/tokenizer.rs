@@ -133,8 +133,8 @@ impl Tokenizer {
     pub fn render_chat(&self, messages: &[(&str, &str)]) -> Result<String> {
         let (tpl, tpl_path) = self.chat_template.as_ref().ok_or_else(|| {
             let cfg_path = self.path.with_file_name("tokenizer_config.json");
-            let msg =
-                "no `chat_template` here, in chat_template.jinja or in chat_template.json: --chat needs one";
+            let msg = "no `chat_template` here, in chat_template.jinja or in chat_template.json: a chat \
+                       (generate's --chat, serve's /v1/chat/completions) needs one";
             Error::file(&cfg_path, msg)
         })?;
         let mut env = minijinja::Environment::new();
