@@ -441,7 +441,7 @@ mod tests {
         // Two ranks of 6 GiB each fit alone in node-a's 10 GiB, not together.
         let all = [[a, 6 * G, 10 * G], [a, 6 * G, 10 * G], [b, 6 * G, 10 * G]];
         // Quantized, 3 GiB each: the two fit.
-        let int8 = all.map(|[n, b, a]| [n, b / 2, a]);
+        let int8 = all.map(|[node, bytes, avail]| [node, bytes / 2, avail]);
         let e = shortfall(0, "node-a", &all, Some(&int8)).unwrap_err().to_string();
         assert!(e.contains("host node-a") && e.contains("ranks 0, 1"), "{e}");
         assert!(e.contains("need 12.0 GiB") && e.contains("10.0 GiB is available"), "{e}");
@@ -450,7 +450,7 @@ mod tests {
         // node-b's one rank has room.
         assert!(shortfall(2, "node-b", &all, Some(&int8)).is_ok());
         // Too large quantized as well: the size it would need still.
-        let big = all.map(|[n, _, a]| [n, 12 * G, a]);
+        let big = all.map(|[node, _, avail]| [node, 12 * G, avail]);
         let e = shortfall(0, "node-a", &big, Some(&all)).unwrap_err().to_string();
         assert!(e.ends_with("run on more nodes (with --quant int8 still 12.0 GiB)"), "{e}");
         // Already quantized: no hint to quantize.
