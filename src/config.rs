@@ -4,7 +4,6 @@
 use crate::error::{Error, Result};
 pub use crate::kernels::Activation;
 use serde::Deserialize;
-use std::io::Read;
 use std::path::Path;
 
 /// The decoder families gridlm runs. They share one forward pass; they differ in details
@@ -513,14 +512,11 @@ impl ModelConfig {
     /// Reads `DIR/config.json` and, when present, the EOS ids of `DIR/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         // What `gridlm convert` makes a folder of (llama.cpp's files), named as such.
-        let convert = "`gridlm convert --gguf FILE --out DIR` makes a model folder of one";
+        let convert = crate::weights::gguf::CONVERT_HINT;
         if dir.is_file() {
-            let mut magic = [0u8; 4];
-            let gguf = std::fs::File::open(dir).and_then(|mut f| f.read_exact(&mut magic)).is_ok()
-                && &magic == b"GGUF";
             return Err(Error::file(
                 dir,
-                if gguf {
+                if crate::weights::gguf::is_gguf(dir) {
                     format!("a GGUF file, not a model folder; {convert}")
                 } else {
                     "a file, not a model folder (one holding config.json, the safetensors files and tokenizer.json)"
@@ -529,16 +525,16 @@ impl ModelConfig {
             ));
         }
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            let ggufs = std::fs::read_dir(dir).into_iter().flatten().flatten();
-            match ggufs.filter(|e| e.path().extension().is_some_and(|x| x == "gguf")).count() {
-                0 => Error::io(&path, e),
-                n => Error::file(
-                    &path,
-                    format!("{e}, and the folder holds {}; {convert}", crate::count(n, "GGUF file")),
-                ),
-            }
-        })?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| {
+                match crate::weights::checkpoint::files_named(dir, &[".gguf"], &[""]).len() {
+                    0 => Error::io(&path, e),
+                    n => Error::file(
+                        &path,
+                        format!("{e}, and the folder holds {}; {convert}", crate::count(n, "GGUF file")),
+                    ),
+                }
+            })?;
         let mut cfg = Self::from_json(&path, &text)?;
         let gen_path = dir.join("generation_config.json");
         if let Ok(gen_text) = std::fs::read_to_string(&gen_path) {

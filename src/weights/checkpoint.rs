@@ -83,34 +83,35 @@ pub struct Checkpoint {
 const TEXT_MODEL_PREFIXES: [(&str, &str); 2] =
     [("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head.")];
 
-/// What a folder without `model.safetensors` or its index holds instead, said after the error:
-/// PyTorch's weights, llama.cpp's files, or safetensors files without their index (empty where
-/// none). Of PyTorch's files only weights count (`pytorch_model*.bin`, `model*.pt`,
-/// `consolidated*.pth`, ...), not a trainer's `training_args.bin` or `optimizer.pt`.
-fn held_instead(dir: &Path) -> String {
+/// The names of the files in `dir` ending in one of `exts` and starting with one of `starts`,
+/// sorted (none where the folder cannot be read): what a folder holds in place of a model
+/// folder's files, for error lines.
+pub fn files_named(dir: &Path, exts: &[&str], starts: &[&str]) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| exts.iter().any(|x| n.ends_with(x)) && starts.iter().any(|p| n.starts_with(p)))
         .collect();
     names.sort_unstable();
-    let of = |exts: &[&str], starts: &[&str]| {
-        let found: Vec<&str> = names
-            .iter()
-            .map(String::as_str)
-            .filter(|n| exts.iter().any(|x| n.ends_with(x)) && starts.iter().any(|p| n.starts_with(p)))
-            .collect();
-        match found.as_slice() {
-            [] => None,
-            [a] => Some(a.to_string()),
-            [a, rest @ ..] => Some(format!("{a} and {} more", rest.len())),
-        }
+    names
+}
+
+/// What a folder without `model.safetensors` or its index holds instead, said after the error:
+/// PyTorch's weights, llama.cpp's files, or safetensors files without their index (empty where
+/// none). Of PyTorch's files only weights count (`pytorch_model*.bin`, `model*.pt`,
+/// `consolidated*.pth`, ...), not a trainer's `training_args.bin` or `optimizer.pt`.
+fn held_instead(dir: &Path) -> String {
+    let of = |exts: &[&str], starts: &[&str]| match files_named(dir, exts, starts).as_slice() {
+        [] => None,
+        [a] => Some(a.to_string()),
+        [a, rest @ ..] => Some(format!("{a} and {} more", rest.len())),
     };
     if let Some(f) = of(&[".bin", ".pt", ".pth"], &["pytorch_model", "model", "consolidated"]) {
         format!("; the folder holds {f}, PyTorch's format, which gridlm does not read: save the model as safetensors (transformers' `save_pretrained` does by default)")
     } else if let Some(f) = of(&[".gguf"], &[""]) {
-        format!("; the folder holds {f}: `gridlm convert --gguf FILE --out DIR` makes a model folder of one")
+        format!("; the folder holds {f}: {}", super::gguf::CONVERT_HINT)
     } else if let Some(f) = of(&[".safetensors"], &[""]) {
         format!("; the folder holds {f}, but no model.safetensors.index.json")
     } else {

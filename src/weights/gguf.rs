@@ -7,6 +7,19 @@ use half::{bf16, f16};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// The four bytes a GGUF file begins with.
+const MAGIC: &[u8; 4] = b"GGUF";
+
+/// What to do with llama.cpp's files where a model folder was wanted, for error lines.
+pub const CONVERT_HINT: &str = "`gridlm convert --gguf FILE --out DIR` makes a model folder of one";
+
+/// Whether `path` is a file that begins as a GGUF file does.
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == MAGIC
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
     U64(u64),
@@ -238,7 +251,7 @@ impl Gguf {
     pub fn open(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         let mut c = Cursor { buf: &bytes, pos: 0, path };
-        if c.take(4)? != b"GGUF" {
+        if c.take(4)? != MAGIC {
             return Err(Error::file(path, "not a GGUF file (magic bytes are not `GGUF`)"));
         }
         let version = c.u32()?;
