@@ -225,20 +225,26 @@ fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// The ranks on rank `me`'s node in `all` (as [`shortfall`] reads it), the bytes they need
+/// together and the most any of them saw available.
+fn node_of(me: usize, all: &[[u64; 3]]) -> (Vec<usize>, u64, u64) {
+    let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == all[me][0]).collect();
+    let need = ranks.iter().map(|&r| all[r][1]).sum();
+    let avail = ranks.iter().map(|&r| all[r][2]).max().unwrap_or(u64::MAX);
+    (ranks, need, avail)
+}
+
 /// What rank `me` (on host `host`) finds when every rank's `[node key, bytes needed, bytes
 /// available]` is in `all`: an error when the ranks of its node need more than the node has
 /// (the most any of them saw available; `u64::MAX` means unknown). `int8`, where the weights are
 /// not quantized already, holds the same records of what `--quant int8` would need, which the
 /// line then gives, as the way out where it fits and as the size to find room for where not.
 fn shortfall(me: usize, host: &str, all: &[[u64; 3]], int8: Option<&[[u64; 3]]>) -> Result<()> {
-    let mine = all[me][0];
-    let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == mine).collect();
-    let need_of = |records: &[[u64; 3]]| ranks.iter().map(|&r| records[r][1]).sum::<u64>();
-    let need = need_of(all);
-    let avail = ranks.iter().map(|&r| all[r][2]).max().unwrap_or(u64::MAX);
+    let (ranks, need, avail) = node_of(me, all);
     if need <= avail {
         return Ok(());
     }
+    let need_of = |records: &[[u64; 3]]| ranks.iter().map(|&r| records[r][1]).sum::<u64>();
     let who = match ranks.as_slice() {
         [one] => format!("rank {one}"),
         many => format!("ranks {}", many.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
@@ -259,10 +265,15 @@ fn shortfall(me: usize, host: &str, all: &[[u64; 3]], int8: Option<&[[u64; 3]]>)
 /// [`crate::model::Shard::planned_bytes`]); the ranks of each node (one running kernel) are
 /// summed and compared with the memory the node has available. `int8_need`, the bytes the
 /// weights would take quantized (`None` where they are already), only informs the error line;
-/// every rank must give one or none alike.
+/// every rank must give one or none alike. It is gathered only where some node falls short:
+/// every rank holds the same records, so all of them know whether one does.
 pub fn check_room(link: &dyn Link, need: usize, int8_need: Option<usize>) -> Result<()> {
     let all = gather_nodes(link, need).0;
-    let int8 = int8_need.map(|b| gather_nodes(link, b).0);
+    let short = (0..all.len()).any(|r| {
+        let (_, need, avail) = node_of(r, &all);
+        need > avail
+    });
+    let int8 = int8_need.filter(|_| short).map(|b| gather_nodes(link, b).0);
     shortfall(link.world_rank(), &name(), &all, int8.as_deref())
 }
 
