@@ -1095,7 +1095,10 @@ fn gather_rank_reports(
 fn write_f32_file(path: &Path, v: &[f32]) -> Result<()> {
     let tmp = path.with_extension("partial");
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    std::fs::write(&tmp, bytes).with_context(|| format!("{}: cannot write", tmp.display()))?;
+    if let Err(e) = std::fs::write(&tmp, bytes) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("{}: cannot write", path.display()));
+    }
     std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot write", path.display()))?;
     Ok(())
 }

@@ -9,7 +9,7 @@ use crate::config::{Arch, RopeScaling};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
@@ -404,8 +404,10 @@ pub fn convert(gguf_path: &Path, out: &Path, dtype: DType) -> Result<Summary> {
         let st_path = tmp.join("model.safetensors");
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
-        safetensors::serialize_to_file(named, Some(meta), &st_path)
-            .map_err(|e| Error::file(&st_path, format!("cannot write: {e:?}")))?;
+        safetensors::serialize_to_file(named, Some(meta), &st_path).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(e) => Error::io(&st_path, e),
+            e => Error::file(&st_path, format!("cannot write: {e}")),
+        })?;
         write_json(&tmp.join("config.json"), &config)?;
         let mut gen = serde_json::json!({});
         if let Some(b) = bos {
@@ -480,7 +482,17 @@ fn write_aside(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     if let Err(e) = write(&tmp) {
         let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
+        // The folder aside is gone: name the file as it would have been in `out`.
+        let moved = |path: PathBuf| match path.strip_prefix(&tmp) {
+            Ok(rest) => out.join(rest),
+            Err(_) => path,
+        };
+        return Err(match e {
+            Error::Io { path, err } => Error::Io { path: moved(path), err },
+            Error::File { path, msg } => Error::File { path: moved(path), msg },
+            Error::Tensor { path, tensor, msg } => Error::Tensor { path: moved(path), tensor, msg },
+            e => e,
+        });
     }
     std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))
 }
@@ -1616,6 +1628,25 @@ fn sentencepiece(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A folder that cannot be written in full leaves nothing behind, and its error names the
+    /// file as it would have been in `--out`, not in the folder aside that is gone.
+    #[test]
+    fn a_failed_write_leaves_no_folder_and_names_the_out_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let err = write_aside(&out, |tmp| {
+            std::fs::write(tmp.join("config.json"), "{}").unwrap();
+            let full = tmp.join("model.safetensors");
+            std::os::unix::fs::symlink("/dev/full", &full).unwrap();
+            std::fs::write(&full, [0u8; 4096]).map_err(|e| Error::io(&full, e))
+        })
+        .unwrap_err()
+        .to_string();
+        let want = format!("{}: No space left on device", out.join("model.safetensors").display());
+        assert!(err.starts_with(&want), "{err}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
 
     #[test]
     fn sparse_layers_as_hf_describes_them() {
