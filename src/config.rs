@@ -524,17 +524,40 @@ impl ModelConfig {
                 },
             ));
         }
+        if !dir.exists() {
+            // Often a hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), as other tools take.
+            return Err(Error::file(
+                dir,
+                "no such folder; --model takes a model folder on this machine (config.json, the safetensors files and tokenizer.json), gridlm downloads nothing",
+            ));
+        }
         let path = dir.join("config.json");
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| {
-                match crate::weights::checkpoint::files_named(dir, &[".gguf"], &[""]).len() {
-                    0 => Error::io(&path, e),
-                    n => Error::file(
-                        &path,
-                        format!("{e}, and the folder holds {}; {convert}", crate::count(n, "GGUF file")),
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            let named = crate::weights::checkpoint::files_named;
+            // A HuggingFace hub cache's folder for a model (`models--OWNER--NAME`) holds
+            // its model folders under `snapshots/`, one a revision.
+            let snapshots = named(&dir.join("snapshots"), &[""], &[""]);
+            match (named(dir, &[".gguf"], &[""]).len(), snapshots.as_slice()) {
+                (0, []) => Error::io(&path, e),
+                (0, revisions) => Error::file(
+                    &path,
+                    format!(
+                        "{e}; the folder is a HuggingFace hub cache's, its model folder {}",
+                        match revisions {
+                            [one] => format!("is {}", dir.join("snapshots").join(one).display()),
+                            more => format!(
+                                "is one of {}",
+                                more.iter().map(|r| format!("snapshots/{r}")).collect::<Vec<_>>().join(", ")
+                            ),
+                        }
                     ),
-                }
-            })?;
+                ),
+                (n, _) => Error::file(
+                    &path,
+                    format!("{e}, and the folder holds {}; {convert}", crate::count(n, "GGUF file")),
+                ),
+            }
+        })?;
         let mut cfg = Self::from_json(&path, &text)?;
         let gen_path = dir.join("generation_config.json");
         if let Ok(gen_text) = std::fs::read_to_string(&gen_path) {

@@ -194,7 +194,7 @@ fn chat_without_template() {
 #[test]
 fn missing_model_folder() {
     let out = gridlm(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
-    assert_one_line_error(&out, &["/nonexistent/model/config.json"]);
+    assert_one_line_error(&out, &["/nonexistent/model: no such folder", "downloads nothing"]);
     // A file of the folder given for the folder.
     let (_t, dir) = tiny_llama();
     let file = dir.join("model.safetensors");
@@ -208,6 +208,12 @@ fn missing_model_folder() {
     std::fs::remove_file(dir.join("config.json")).unwrap();
     let out = gridlm(&["generate", "--model", path_str(&dir), "--prompt", "hi"]);
     assert_one_line_error(&out, &["config.json", "the folder holds 1 GGUF file", "gridlm convert --gguf"]);
+    // A HuggingFace hub cache's folder for a model: its model folder is a revision below it.
+    let hub = dir.join("models--owner--name");
+    std::fs::create_dir_all(hub.join("snapshots/0123abc")).unwrap();
+    let out = gridlm(&["generate", "--model", path_str(&hub), "--prompt", "hi"]);
+    let want = format!("its model folder is {}", hub.join("snapshots/0123abc").display());
+    assert_one_line_error(&out, &["config.json", "HuggingFace hub cache", &want]);
 }
 
 #[test]
