@@ -134,17 +134,20 @@ impl Defaults {
 /// (under mpirun, the first rank's, where the prompts are read). Errors name the file (or `stdin`)
 /// and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
-    let (name, text) = if path == Path::new("-") {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+    let (name, bytes) = if path == Path::new("-") {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes)
             .map_err(|e| Error::Input(format!("stdin: cannot read the prompts: {e}")))?;
-        ("stdin".to_string(), text)
+        ("stdin".to_string(), bytes)
     } else {
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path)
+        let bytes = std::fs::read(path)
             .map_err(|e| Error::Input(format!("{name}: cannot read the prompts file: {e}")))?;
-        (name, text)
+        (name, bytes)
     };
+    let text = utf8_text(&name, bytes)?;
+    // A byte-order mark, as Windows editors begin a UTF-8 file with, is no part of a prompt.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let lines: Vec<(usize, &str)> =
         text.lines().enumerate().map(|(i, l)| (i + 1, l)).filter(|(_, l)| !l.trim().is_empty()).collect();
     if lines.is_empty() {
@@ -186,6 +189,20 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         out.push(s);
     }
     Ok(out)
+}
+
+/// The prompts file's `bytes` as text; else an error naming the line and byte that are not
+/// UTF-8 (a file saved as Latin-1 or UTF-16, say).
+fn utf8_text(name: &str, bytes: Vec<u8>) -> Result<String> {
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let bytes = e.as_bytes();
+        let line = 1 + bytes[..at].iter().filter(|&&b| b == b'\n').count();
+        Error::Input(format!(
+            "{name}:{line}: not UTF-8 text (byte 0x{:02x} at offset {at}); save the prompts as UTF-8",
+            bytes[at]
+        ))
+    })
 }
 
 /// The length of the longest proper start of `stop` that `text` ends with.
@@ -306,6 +323,28 @@ mod tests {
             stop: vec![],
             params: SamplingParams { seed: 100, ..Default::default() },
         }
+    }
+
+    /// A byte-order mark is no part of the first prompt (nor keeps a JSONL file from being
+    /// seen as one); bytes that are not UTF-8 are named by line.
+    #[test]
+    fn a_byte_order_mark_is_dropped_and_other_encodings_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("p.txt");
+        std::fs::write(&plain, "\u{feff}first\nsecond\n").unwrap();
+        let p = read_prompts(&plain, &defaults()).unwrap();
+        assert_eq!((p[0].text.as_str(), p[1].text.as_str()), ("first", "second"));
+        let jl = dir.path().join("p.prompts");
+        std::fs::write(&jl, "\u{feff}{\"prompt\":\"a\",\"max_tokens\":3}\n").unwrap();
+        let p = read_prompts(&jl, &defaults()).unwrap();
+        assert_eq!((p[0].text.as_str(), p[0].max_tokens), ("a", 3));
+        let latin1 = dir.path().join("l.txt");
+        std::fs::write(&latin1, b"tea\ncaf\xe9 au lait\n").unwrap();
+        let err = read_prompts(&latin1, &defaults()).unwrap_err().to_string();
+        assert!(
+            err.ends_with("l.txt:2: not UTF-8 text (byte 0xe9 at offset 7); save the prompts as UTF-8"),
+            "{err}"
+        );
     }
 
     #[test]
