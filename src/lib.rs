@@ -50,7 +50,38 @@ pub(crate) fn fnv1a_more(h: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// Writes `bytes` to `path` whole or not at all: into a file beside it, renamed into place, the
+/// file aside removed where writing fails (a full disk), so no half-written file is left.
+pub fn write_whole(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().map_or("out".into(), |n| n.to_string_lossy());
+    let aside = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    let written = std::fs::write(&aside, bytes).and_then(|()| std::fs::rename(&aside, path));
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&aside);
+        Error::io(path, e)
+    })
+}
+
 /// "1 token", "2 tokens": `n` and `what`, plural but for one, for lines people read.
 pub fn count(n: usize, what: &str) -> String {
     format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
+#[cfg(test)]
+mod tests {
+    /// A file is written whole; where the disk is full (the file aside is `/dev/full`), the error
+    /// names the file and nothing is left, neither the file nor the one aside.
+    #[test]
+    fn a_file_is_written_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plot.svg");
+        super::write_whole(&path, b"<svg/>").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"<svg/>");
+        std::fs::remove_file(&path).unwrap();
+        let aside = dir.path().join(format!(".plot.svg.partial-{}", std::process::id()));
+        std::os::unix::fs::symlink("/dev/full", &aside).unwrap();
+        let err = super::write_whole(&path, b"<svg/>").unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}: No space left on device", path.display())), "{err}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
 }

@@ -1093,14 +1093,8 @@ fn gather_rank_reports(
 }
 
 fn write_f32_file(path: &Path, v: &[f32]) -> Result<()> {
-    let tmp = path.with_extension("partial");
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    if let Err(e) = std::fs::write(&tmp, bytes) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("{}: cannot write", path.display()));
-    }
-    std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot write", path.display()))?;
-    Ok(())
+    Ok(gridlm::write_whole(path, &bytes)?)
 }
 
 /// An error every rank already knows about (agreed collectively), so ranks can exit

@@ -210,8 +210,9 @@ pub fn plot(runs: &[Run], path: &Path, title: &str) -> Result<()> {
             })
             .collect()
     };
+    let mut svg = String::new();
     {
-        let root = SVGBackend::new(path, (1000, 420)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (1000, 420)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let root = root.titled(title, ("sans-serif", 18)).map_err(|e| err(e.to_string()))?;
         let panels = root.split_evenly((1, 2));
@@ -257,7 +258,7 @@ pub fn plot(runs: &[Run], path: &Path, title: &str) -> Result<()> {
         }
         root.present().map_err(|e| err(e.to_string()))?;
     }
-    Ok(())
+    crate::write_whole(path, svg.as_bytes())
 }
 
 #[cfg(test)]
