@@ -91,6 +91,30 @@ const KEYS: [&str; 22] = [
     "top_logprobs",
 ];
 
+/// Whether a setting's value asks for nothing beyond a request without it.
+type AsksNothing = fn(&Value) -> bool;
+
+/// OpenAI's request keys gridlm does not act on, each with whether a value asks for nothing
+/// beyond what a request without it gets (null, an empty list or object, the default): such
+/// a value is taken, as clients send them unasked; any other is refused by name, as something
+/// gridlm does not do rather than an unknown key.
+const OPENAI_NOT_TAKEN: [(&str, AsksNothing); 14] = [
+    ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty)),
+    ("response_format", |v| v.get("type").and_then(Value::as_str) == Some("text")),
+    ("tools", |v| v.as_array().is_some_and(Vec::is_empty)),
+    ("functions", |v| v.as_array().is_some_and(Vec::is_empty)),
+    ("tool_choice", |v| v.as_str() == Some("none")),
+    ("function_call", |v| v.as_str() == Some("none")),
+    ("parallel_tool_calls", Value::is_boolean),
+    ("store", |v| v.as_bool() == Some(false)),
+    ("metadata", Value::is_object),
+    ("service_tier", |v| matches!(v.as_str(), Some("auto" | "default"))),
+    ("best_of", |v| v.as_u64() == Some(1)),
+    ("suffix", |v| v.as_str() == Some("")),
+    ("modalities", |v| v.as_array().is_some_and(|m| m.iter().all(|m| m == "text"))),
+    ("prediction", |_| false),
+];
+
 /// The most completions one request may ask for (its prompts × `n`).
 pub const MAX_CHOICES: usize = 64;
 
@@ -99,8 +123,14 @@ pub const MAX_CHOICES: usize = 64;
 pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Result<Ask, String> {
     let obj: Map<String, Value> =
         serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
-    if let Some(k) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
-        return Err(format!("unknown key `{k}`"));
+    for (k, v) in obj.iter().filter(|(k, _)| !KEYS.contains(&k.as_str())) {
+        match OPENAI_NOT_TAKEN.iter().find(|(name, _)| name == k) {
+            None => return Err(format!("unknown key `{k}`")),
+            Some((_, neutral)) if !v.is_null() && !neutral(v) => {
+                return Err(format!("`{k}`: OpenAI's setting, which gridlm does not support (got {v})"))
+            }
+            Some(_) => {}
+        }
     }
     let mut ask = Ask {
         kind,
@@ -708,6 +738,11 @@ fn refuse(front: &Front, req: http::Request, url: &str, status: u16, msg: &str) 
     let _ = std::io::stderr().write_all(format!("serve: {url} {status}: {msg}\n").as_bytes());
 }
 
+/// The served model as OpenAI's `model` object.
+fn model_object(front: &Front) -> Value {
+    json!({"id": front.model, "object": "model", "created": front.created, "owned_by": "gridlm"})
+}
+
 /// Answers one HTTP request, and logs it on stderr (but for /health and /v1/models).
 fn answer(mut req: http::Request, front: &Front) {
     let t0 = Instant::now();
@@ -732,9 +767,15 @@ fn answer(mut req: http::Request, front: &Front) {
             return reply(req, 200, "text/plain; version=0.0.4", text);
         }
         ("GET", "/v1/models") => {
-            let model =
-                json!({"id": front.model, "object": "model", "created": front.created, "owned_by": "gridlm"});
-            return reply_json(req, 200, &json!({"object": "list", "data": [model]}));
+            return reply_json(req, 200, &json!({"object": "list", "data": [model_object(front)]}));
+        }
+        // One model by its id (OpenAI's retrieve).
+        ("GET", u) if u.strip_prefix("/v1/models/") == Some(front.model.as_str()) => {
+            return reply_json(req, 200, &model_object(front));
+        }
+        (_, u) if u.starts_with("/v1/models/") => {
+            let what = format!("no model {} (this server has {})", &u["/v1/models/".len()..], front.model);
+            return refuse(front, req, &url, 404, &what);
         }
         ("POST", "/v1/completions") => Kind::Completion,
         ("POST", "/v1/chat/completions") => Kind::Chat,
@@ -1324,11 +1365,33 @@ mod tests {
         assert_eq!(a.max_tokens, 7);
     }
 
+    /// OpenAI's settings gridlm does not act on are taken where they ask for nothing (as
+    /// clients send them unasked), and the request is the one without them.
+    #[test]
+    fn openai_settings_that_ask_for_nothing_are_taken() {
+        let plain = ask(Kind::Chat, r#"{"messages":[{"role":"user","content":"a"}]}"#).unwrap();
+        let neutral = r#"{"messages":[{"role":"user","content":"a"}],"logit_bias":{},"tools":[],
+            "tool_choice":"none","parallel_tool_calls":false,"response_format":{"type":"text"},
+            "store":false,"metadata":{"who":"me"},"service_tier":"auto","functions":null,
+            "modalities":["text"],"prediction":null}"#;
+        let a = ask(Kind::Chat, neutral).unwrap();
+        assert_eq!((a.messages, a.params, a.max_tokens), (plain.messages, plain.params, plain.max_tokens));
+        let a = ask(Kind::Completion, r#"{"prompt":"a","best_of":1,"suffix":"","logit_bias":null}"#).unwrap();
+        assert_eq!(a.prompts, vec!["a".to_string()]);
+    }
+
     #[test]
     fn bad_requests_name_what_is_wrong() {
         for (kind, body, fragment) in [
             (Kind::Completion, "[1]", "not a JSON object"),
             (Kind::Completion, r#"{"prompt":"a","temprature":1}"#, "unknown key `temprature`"),
+            (
+                Kind::Completion,
+                r#"{"prompt":"a","logit_bias":{"28":-100}}"#,
+                "`logit_bias`: OpenAI's setting, which gridlm does not support (got {\"28\":-100})",
+            ),
+            (Kind::Chat, r#"{"messages":[],"tools":[{"type":"function"}]}"#, "`tools`: OpenAI's setting"),
+            (Kind::Completion, r#"{"prompt":"a","best_of":2}"#, "`best_of`: OpenAI's setting"),
             (Kind::Completion, r#"{"max_tokens":3}"#, "no `prompt`"),
             (Kind::Completion, r#"{"prompt":["a",1]}"#, "`prompt` must be a string"),
             (Kind::Completion, r#"{"messages":[]}"#, "belongs to /v1/chat/completions"),
