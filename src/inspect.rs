@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::grid::{Grid, ShardPlan};
 use crate::kernels::Quant;
 use crate::model::{KvPool, Shard, PAGE};
-use crate::weights::{DType, Source};
+use crate::weights::{Cast, DType, Source};
 use serde::Serialize;
 use std::ops::Range;
 
@@ -62,13 +62,25 @@ pub struct RankPlan {
 }
 
 /// Inspects the model `cfg` whose tensors `src` holds on a `pp` × `tp` grid (`layers`: the
-/// layers per stage, as `--layers`), its matrices quantized by `quant` if given.
+/// layers per stage, as `--layers`), its matrices converted to `dtype` and quantized by `quant`
+/// if given.
 pub fn inspect(
     src: &dyn Source,
     cfg: &ModelConfig,
     (pp, tp, layers): (usize, usize, Option<&[usize]>),
-    quant: Option<Quant>,
+    (dtype, quant): (Option<DType>, Option<Quant>),
 ) -> Result<Inspection> {
+    let stored = src.dtype(crate::model::embed_name(cfg), &[cfg.vocab_size, cfg.hidden_size])?;
+    // The matrices as loading would convert them (no tensor is read here, so no error of
+    // converting one can name the folder).
+    let cast;
+    let src: &dyn Source = match dtype {
+        Some(dtype) => {
+            cast = Cast { inner: src, dtype, dir: std::path::PathBuf::new() };
+            &cast
+        }
+        None => src,
+    };
     let world = pp * tp;
     let mut ranks = Vec::with_capacity(world);
     for rank in 0..world {
@@ -119,7 +131,6 @@ pub fn inspect(
         }
         None => format!("dense, {} columns", cfg.intermediate_size),
     };
-    let stored = src.dtype(crate::model::embed_name(cfg), &[cfg.vocab_size, cfg.hidden_size])?;
     Ok(Inspection {
         model_type: cfg.arch.name(),
         layers: cfg.n_layers,
@@ -135,7 +146,7 @@ pub fn inspect(
         params: layers_params(&|i| cfg.ffn_params(i)) + embeddings,
         params_per_token: layers_params(&|i| cfg.ffn_params_per_token(i)) + vocab,
         stored_dtype: stored.name(),
-        weight_dtype: if quant.is_some() { "int8" } else { stored.name() },
+        weight_dtype: if quant.is_some() { "int8" } else { dtype.unwrap_or(stored).name() },
         pp,
         tp,
         ranks,

@@ -106,6 +106,9 @@ struct InspectArgs {
     /// Layers per stage, e.g. `16,14` (default: as generate and bench split them).
     #[arg(long, value_delimiter = ',')]
     layers: Option<Vec<usize>>,
+    /// Weight matrices converted to this dtype at load (as for generate and bench).
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<DType>,
     /// Weights quantized at load: `int8` (as for generate and bench).
     #[arg(long, value_parser = parse_quant)]
     quant: Option<Quant>,
@@ -309,12 +312,23 @@ struct EngineArgs {
     /// Element type of the KV cache: f16 halves its memory and the bytes attention reads.
     #[arg(long, default_value = "f16", value_parser = parse_dtype)]
     kv_dtype: DType,
+    /// Weight dtype: the checkpoint's matrices converted to f32, bf16 or f16 at load (default:
+    /// as stored; bf16 halves what an f32 checkpoint reads a token); for bench's --shape, the
+    /// random weights' (default bf16).
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<DType>,
     /// Quantize the weight matrices at load: `int8` (per output row; half the bytes of bf16).
     #[arg(long, value_parser = parse_quant)]
     quant: Option<Quant>,
 }
 
 impl EngineArgs {
+    /// The folder `model`'s weights as this rank reads them: as stored, or converted to
+    /// `--dtype`.
+    fn source(&self, model: &Path) -> gridlm::Result<Box<dyn Source>> {
+        open_source(model, self.dtype)
+    }
+
     /// Kernel threads per rank: as asked, else the cores this process may run on.
     fn threads(&self) -> usize {
         self.threads.unwrap_or_else(default_threads)
@@ -518,10 +532,6 @@ struct BenchArgs {
     /// machine, its layers read as the whole model's are (the output head whole).
     #[arg(long)]
     shape_layers: Option<usize>,
-    /// Weight dtype: of a --shape model (default bf16); with --model, the checkpoint's
-    /// matrices converted to it at load (default: as stored).
-    #[arg(long, value_parser = parse_dtype)]
-    dtype: Option<DType>,
     #[command(flatten)]
     work: WorkloadArgs,
     /// Unmeasured sequences before the measured ones.
@@ -819,7 +829,7 @@ fn inspect(a: InspectArgs) -> Result<()> {
     at_least(&[("--pp", a.pp, 1), ("--tp", a.tp, 1)])?;
     let cfg = ModelConfig::from_dir(&a.model)?;
     let ckpt = Checkpoint::open(&a.model)?;
-    let x = gridlm::inspect::inspect(&ckpt, &cfg, (a.pp, a.tp, a.layers.as_deref()), a.quant)?;
+    let x = gridlm::inspect::inspect(&ckpt, &cfg, (a.pp, a.tp, a.layers.as_deref()), (a.dtype, a.quant))?;
     if a.json {
         writeln!(std::io::stdout(), "{}", serde_json::to_string(&x)?)?;
     } else {
@@ -1119,6 +1129,15 @@ fn agree<T>(link: &dyn Link, r: gridlm::Result<T>) -> Result<T> {
 
 /// This rank's shard from `src`, once every node is known to have memory for the weights of
 /// all its ranks. Collective; every step's error is agreed, so each rank reports it.
+/// The folder `model`'s weights: as stored, or their matrices converted to `dtype`.
+fn open_source(model: &Path, dtype: Option<DType>) -> gridlm::Result<Box<dyn Source>> {
+    let ckpt = Checkpoint::open(model)?;
+    Ok(match dtype {
+        None => Box::new(ckpt),
+        Some(dtype) => Box::new(Cast { inner: ckpt, dtype, dir: model.to_path_buf() }),
+    })
+}
+
 fn load_shard(
     link: &dyn Link,
     src: gridlm::Result<Box<dyn Source>>,
@@ -1287,8 +1306,7 @@ fn open_engine(
     (cfg, plan, grid): (ModelConfig, ShardPlan, Grid),
     engine: &EngineArgs,
 ) -> Result<Engine> {
-    let ckpt = Checkpoint::open(model).map(|c| Box::new(c) as Box<dyn Source>);
-    let shard = load_shard(link, ckpt, cfg, plan, engine.quant)?;
+    let shard = load_shard(link, engine.source(model), cfg, plan, engine.quant)?;
     let e = agree(link, Engine::new(shard, grid, engine.threads(), engine.kv_dtype))?;
     engine.warn_if_oversubscribed();
     Ok(e)
@@ -1854,12 +1872,10 @@ fn run_bench(
     let (cfg, plan) = agree(link, setup)?;
     let full_cfg = cfg.clone();
     let rss_before = host::rss_bytes();
-    let open = || match (&a.model, a.dtype) {
-        (Some(dir), None) => Checkpoint::open(dir).map(|c| Box::new(c) as Box<dyn Source>),
-        (Some(dir), Some(dtype)) => Checkpoint::open(dir)
-            .map(|inner| Box::new(Cast { inner, dtype, dir: dir.clone() }) as Box<dyn Source>),
-        (None, dtype) => {
-            let dtype = dtype.unwrap_or(DType::BF16);
+    let open = || match &a.model {
+        Some(dir) => a.engine.source(dir),
+        None => {
+            let dtype = a.engine.dtype.unwrap_or(DType::BF16);
             Ok(Box::new(synthetic::Synthetic { dtype, seed: 0x6772_6964 }) as Box<dyn Source>)
         }
     };

@@ -45,6 +45,34 @@ pub trait Source {
     }
 }
 
+/// A borrowed source reads as the source itself (so a [`Cast`] can view one it does not own).
+impl<S: Source + ?Sized> Source for &S {
+    fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
+        (**self).rows(name, expected_shape, rows)
+    }
+    fn block(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<Mat> {
+        (**self).block(name, expected_shape, rows, cols)
+    }
+    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
+        (**self).cols(name, expected_shape, cols)
+    }
+    fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {
+        (**self).dtype(name, expected_shape)
+    }
+    fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        (**self).vector_f32(name, len)
+    }
+    fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        (**self).vector_range_f32(name, len, range)
+    }
+}
+
 /// The (rows, columns) a tensor of `shape` is read as: its last dimension the columns, the
 /// product of the others the rows; a 1-D tensor is a column.
 pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
@@ -55,8 +83,8 @@ pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
     }
 }
 
-/// A source whose matrices are converted to `dtype` as they are read (`bench --model DIR
-/// --dtype`), so one checkpoint can be measured in every weight dtype. 1-D tensors (norms,
+/// A source whose matrices are converted to `dtype` as they are read (`--dtype` with a model
+/// folder), so one checkpoint runs and is measured in every weight dtype. 1-D tensors (norms,
 /// biases) are read as f32 from the source itself, as they are for every dtype.
 pub struct Cast<S> {
     pub inner: S,
@@ -77,7 +105,7 @@ impl<S: Source> Cast<S> {
                     return Err(crate::error::Error::tensor(
                         &self.dir,
                         name,
-                        format!("holds {v}, beyond f16's range (±65504); bench it in bf16 or f32"),
+                        format!("holds {v}, beyond f16's range (±65504); load it in bf16 or f32"),
                     ));
                 }
             }

@@ -251,3 +251,38 @@ fn model_sampling_follows_generation_config() {
     assert_ne!(sampled, run(&["--repetition-penalty", "1.2"]), "sampled as greedy");
     assert_eq!(run(&["--model-sampling", "--temperature", "0"]), run(&["--repetition-penalty", "1.2"]));
 }
+
+/// `--dtype` converts a folder's matrices at load: SmolLM2 stored in f32 and loaded in bf16
+/// gives the tokens of the folder stored in bf16 (the same weights rounded alike), on one
+/// rank and on two tp ranks, and `inspect --dtype` counts the bytes the bf16 folder holds.
+#[test]
+fn a_folder_loaded_in_another_dtype_runs_as_one_stored_in_it() {
+    let (f32_dir, bf16_dir) = (smollm2("f32"), smollm2("bf16"));
+    let prompt = "Write a haiku about the sea.";
+    let run = |dir: &Path, extra: &[&str]| {
+        let mut args = vec!["generate", "--model", path_str(dir), "--prompt", prompt, "--max-tokens", "24"];
+        args.extend(["--ignore-eos", "--json"]);
+        args.extend(extra);
+        json_of(&gridlm(&args))
+    };
+    let stored = run(&bf16_dir, &[]);
+    let loaded = run(&f32_dir, &["--dtype", "bf16"]);
+    assert_eq!((&loaded["weight_dtype"], &stored["weight_dtype"]), (&"bf16".into(), &"bf16".into()));
+    assert_eq!(loaded["token_ids"], stored["token_ids"]);
+    assert_eq!(loaded["ranks"][0]["weight_bytes"], stored["ranks"][0]["weight_bytes"]);
+    let args =
+        ["--dtype", "bf16", "--tp", "2", "--prompt", prompt, "--max-tokens", "24", "--ignore-eos", "--json"];
+    let two = json_of(&super::grid::local(2, &f32_dir, &args, &[]));
+    let two_stored = json_of(&super::grid::local(2, &bf16_dir, &args[2..], &[]));
+    assert_eq!(two["token_ids"], two_stored["token_ids"]);
+    let inspect = |dir: &Path, extra: &[&str]| {
+        let mut args = vec!["inspect", "--model", path_str(dir), "--tp", "2", "--json"];
+        args.extend(extra);
+        json_of(&gridlm(&args))
+    };
+    let (i_loaded, i_stored) = (inspect(&f32_dir, &["--dtype", "bf16"]), inspect(&bf16_dir, &[]));
+    assert_eq!((&i_loaded["stored_dtype"], &i_loaded["weight_dtype"]), (&"f32".into(), &"bf16".into()));
+    for r in 0..2 {
+        assert_eq!(i_loaded["ranks"][r]["weight_bytes"], i_stored["ranks"][r]["weight_bytes"]);
+    }
+}

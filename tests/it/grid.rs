@@ -5,7 +5,7 @@ use gridlm_reference::{launch_command, run_with_timeout, TinyModel};
 
 /// `launch/local RANKS gridlm generate --model DIR ARGS...` with a deadline (one kernel thread
 /// per rank unless ARGS say otherwise).
-fn local(ranks: usize, dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+pub(super) fn local(ranks: usize, dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     std::env::set_var("GRIDLM_BIN", bin());
     let n = ranks.to_string();
     let mut cmd = launch_command(&["local", &n]);
