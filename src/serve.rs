@@ -127,7 +127,12 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         match OPENAI_NOT_TAKEN.iter().find(|(name, _)| name == k) {
             None => return Err(format!("unknown key `{k}`")),
             Some((_, neutral)) if !v.is_null() && !neutral(v) => {
-                return Err(format!("`{k}`: OpenAI's setting, which gridlm does not support (got {v})"))
+                // The value as sent, cut short (a list of tools can be long).
+                let mut got = v.to_string();
+                if let Some((at, _)) = got.char_indices().nth(60) {
+                    got.replace_range(at.., "…");
+                }
+                return Err(format!("`{k}`: OpenAI's setting, which gridlm does not support (got {got})"));
             }
             Some(_) => {}
         }
@@ -770,12 +775,14 @@ fn answer(mut req: http::Request, front: &Front) {
             return reply_json(req, 200, &json!({"object": "list", "data": [model_object(front)]}));
         }
         // One model by its id (OpenAI's retrieve).
-        ("GET", u) if u.strip_prefix("/v1/models/") == Some(front.model.as_str()) => {
-            return reply_json(req, 200, &model_object(front));
-        }
-        (_, u) if u.starts_with("/v1/models/") => {
-            let what = format!("no model {} (this server has {})", &u["/v1/models/".len()..], front.model);
-            return refuse(front, req, &url, 404, &what);
+        (m, u) if u.starts_with("/v1/models/") => {
+            let name = &u["/v1/models/".len()..];
+            let (status, what) = match (name == front.model, m) {
+                (true, "GET") => return reply_json(req, 200, &model_object(front)),
+                (true, m) => (405, format!("{url} does not take {m}")),
+                (false, _) => (404, format!("no model {name} (this server has {})", front.model)),
+            };
+            return refuse(front, req, &url, status, &what);
         }
         ("POST", "/v1/completions") => Kind::Completion,
         ("POST", "/v1/chat/completions") => Kind::Chat,
@@ -1392,6 +1399,11 @@ mod tests {
             ),
             (Kind::Chat, r#"{"messages":[],"tools":[{"type":"function"}]}"#, "`tools`: OpenAI's setting"),
             (Kind::Completion, r#"{"prompt":"a","best_of":2}"#, "`best_of`: OpenAI's setting"),
+            (
+                Kind::Chat,
+                &format!(r#"{{"messages":[],"tools":[{}]}}"#, ["{}"; 40].join(",")),
+                "(got [{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}…)",
+            ),
             (Kind::Completion, r#"{"max_tokens":3}"#, "no `prompt`"),
             (Kind::Completion, r#"{"prompt":["a",1]}"#, "`prompt` must be a string"),
             (Kind::Completion, r#"{"messages":[]}"#, "belongs to /v1/chat/completions"),

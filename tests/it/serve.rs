@@ -224,6 +224,7 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
     let (status, other) = server.http("GET", "/v1/models/gpt-4o", "");
     assert_eq!(status, 404);
     assert!(other.contains("no model gpt-4o (this server has SmolLM2-135M-Instruct-bf16)"), "{other}");
+    assert_eq!(server.http("POST", "/v1/models/SmolLM2-135M-Instruct-bf16", "").0, 405);
     assert_eq!(server.http("GET", "/health", "").0, 200);
 
     // One at a time (each after the ranks went to sleep), then all at once.
