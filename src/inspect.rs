@@ -61,6 +61,11 @@ pub struct RankPlan {
     pub kv_windowed_bytes_per_position: usize,
 }
 
+/// The dtype the folder `src` stores its weights in: its embedding's.
+pub fn stored_dtype(src: &dyn Source, cfg: &ModelConfig) -> Result<DType> {
+    src.dtype(crate::model::embed_name(cfg), &[cfg.vocab_size, cfg.hidden_size])
+}
+
 /// Inspects the model `cfg` whose tensors `src` holds on a `pp` × `tp` grid (`layers`: the
 /// layers per stage, as `--layers`), its matrices converted to `dtype` and quantized by `quant`
 /// if given.
@@ -70,7 +75,7 @@ pub fn inspect(
     (pp, tp, layers): (usize, usize, Option<&[usize]>),
     (dtype, quant): (Option<DType>, Option<Quant>),
 ) -> Result<Inspection> {
-    let stored = src.dtype(crate::model::embed_name(cfg), &[cfg.vocab_size, cfg.hidden_size])?;
+    let stored = stored_dtype(src, cfg)?;
     // The matrices as loading would convert them (no tensor is read here, so no error of
     // converting one can name the folder).
     let cast;

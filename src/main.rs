@@ -166,9 +166,10 @@ struct PlanArgs {
     /// A named model shape (as for bench).
     #[arg(long)]
     shape: Option<String>,
-    /// Weight dtype: f32, bf16, f16 (or int8 with --quant int8).
-    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
-    dtype: DType,
+    /// Weight dtype: f32, bf16, f16 (or int8 with --quant int8); default: a --model folder's
+    /// as stored (as generate loads it), bf16 for a --shape.
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<DType>,
     /// Weights quantized at load: `int8` (as for generate and bench).
     #[arg(long, value_parser = parse_quant)]
     quant: Option<Quant>,
@@ -838,6 +839,24 @@ fn inspect(a: InspectArgs) -> Result<()> {
     Ok(())
 }
 
+/// The dtype the folder `dir` stores its weights in, as generate would load them: from the
+/// safetensors headers, or where the folder holds only its config (enough to plan a model not
+/// yet fetched) from config.json's `torch_dtype` (`dtype` in transformers 5), else bf16.
+fn folder_dtype(dir: &Path, cfg: &ModelConfig) -> Result<DType> {
+    if let Ok(ckpt) = Checkpoint::open(dir) {
+        return Ok(gridlm::inspect::stored_dtype(&ckpt, cfg)?);
+    }
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let named = ["torch_dtype", "dtype"].iter().find_map(|k| v[k].as_str().or(v["text_config"][k].as_str()));
+    Ok(match named {
+        Some("float32") => DType::F32,
+        Some("float16") => DType::F16,
+        _ => DType::BF16,
+    })
+}
+
 fn plan(a: PlanArgs) -> Result<()> {
     use gridlm::plan::{layouts, table, Cluster, Workload};
     let cfg = match (&a.model, &a.shape) {
@@ -923,10 +942,15 @@ fn plan(a: PlanArgs) -> Result<()> {
         local_latency_us: a.local_latency_us,
         local_gb_per_s: a.local_gb_per_s,
     };
-    let weight_bytes = if a.quant.is_some() { 1.0 } else { a.dtype.size_bytes() as f64 };
+    let dtype = match (a.dtype, &a.model) {
+        (Some(dtype), _) => dtype,
+        (None, Some(dir)) => folder_dtype(dir, &cfg)?,
+        (None, None) => DType::BF16,
+    };
+    let weight_bytes = if a.quant.is_some() { 1.0 } else { dtype.size_bytes() as f64 };
     let work = Workload {
         weight_bytes,
-        bf16: a.quant.is_none() && a.dtype == DType::BF16,
+        bf16: a.quant.is_none() && dtype == DType::BF16,
         kv_bytes: a.kv_dtype.size_bytes() as f64,
         prompt_len: a.work.prompt_len,
         new_tokens: a.work.new_tokens,

@@ -173,3 +173,31 @@ fn bench_limits_alone() {
     }
     assert!(repo_root().join("launch/scale").exists());
 }
+
+/// `plan --model` counts a folder's weights in the dtype generate would load them in: as stored
+/// (SmolLM2 in f32 and in bf16: twice the bytes a rank), from config.json's `torch_dtype` where
+/// the folder holds nothing else yet, and as `--dtype` says where given.
+#[test]
+fn plan_counts_a_folder_in_its_stored_dtype() {
+    let mem = |dir: &Path, extra: &[&str]| {
+        let mut args = vec!["plan", "--model", path_str(dir), "--mem-bw", "50", "--peak-gflops", "200"];
+        args.extend(["--net-gbps", "10", "--net-latency-us", "10", "--json"]);
+        args.extend(extra);
+        let out = gridlm(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v[0]["mem_per_rank"].as_f64().unwrap()
+    };
+    let (f32_dir, bf16_dir) = (smollm2("f32"), smollm2("bf16"));
+    let (stored_f32, stored_bf16) = (mem(&f32_dir, &[]), mem(&bf16_dir, &[]));
+    assert!((1.9..2.0).contains(&(stored_f32 / stored_bf16)), "{stored_f32} against {stored_bf16}");
+    assert_eq!(mem(&f32_dir, &["--dtype", "bf16"]), stored_bf16);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(f32_dir.join("config.json")).unwrap()).unwrap();
+    for (torch_dtype, want) in [("float32", stored_f32), ("bfloat16", stored_bf16)] {
+        cfg["torch_dtype"] = torch_dtype.into();
+        std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+        assert_eq!(mem(tmp.path(), &[]), want, "{torch_dtype}");
+    }
+}
