@@ -33,8 +33,10 @@ impl MappedFile {
         // SAFETY: the file is opened read-only and the map is only read; a checkpoint being
         // rewritten while we load it is outside what we can guard against.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        let (header_len, meta) = SafeTensors::read_metadata(&map)
-            .map_err(|e| Error::file(&path, format!("truncated or corrupt safetensors file: {e:?}")))?;
+        let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
+            let why = super::lfs_pointer(&path);
+            Error::file(&path, why.unwrap_or_else(|| format!("truncated or corrupt safetensors file: {e:?}")))
+        })?;
         let data_start = 8 + header_len;
         let mut tensors = HashMap::new();
         for (tname, info) in meta.tensors() {

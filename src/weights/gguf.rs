@@ -252,7 +252,11 @@ impl Gguf {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         let mut c = Cursor { buf: &bytes, pos: 0, path };
         if c.take(4)? != MAGIC {
-            return Err(Error::file(path, "not a GGUF file (magic bytes are not `GGUF`)"));
+            let why = super::lfs_pointer(path);
+            return Err(Error::file(
+                path,
+                why.unwrap_or_else(|| "not a GGUF file (magic bytes are not `GGUF`)".into()),
+            ));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {

@@ -73,6 +73,23 @@ impl<S: Source + ?Sized> Source for &S {
     }
 }
 
+/// Where the file `path` is a Git LFS pointer (a model repository cloned without Git LFS keeps
+/// its large files as such pointers), the error to give instead of its format's own.
+pub fn lfs_pointer(path: &std::path::Path) -> Option<String> {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let n = std::fs::File::open(path).ok()?.read(&mut head).ok()?;
+    let text = std::str::from_utf8(&head[..n]).ok()?;
+    if !text.starts_with("version https://git-lfs.github.com/spec/") {
+        return None;
+    }
+    let size = text.lines().find_map(|l| l.strip_prefix("size ")?.trim().parse::<u64>().ok());
+    let size = size.map_or(String::new(), |b| format!(" of {:.1} MB", b as f64 / 1e6));
+    Some(format!(
+        "a Git LFS pointer, not the file itself (its content{size} was never fetched: the repository was cloned without Git LFS); run `git lfs install && git lfs pull` in its folder"
+    ))
+}
+
 /// The (rows, columns) a tensor of `shape` is read as: its last dimension the columns, the
 /// product of the others the rows; a 1-D tensor is a column.
 pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {

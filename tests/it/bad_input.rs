@@ -60,6 +60,34 @@ fn truncated_safetensors() {
     assert_one_line_error(&generate_on(&dir, "t1"), &["model.safetensors", "truncated or corrupt"]);
 }
 
+/// A repository cloned without Git LFS holds pointers in place of its large files: the weights,
+/// the tokenizer or a GGUF given to convert are each named as one, with the command that
+/// fetches them.
+#[test]
+fn git_lfs_pointers_in_place_of_files() {
+    let (t, dir) = tiny_llama();
+    let pointer = |size: u64| {
+        format!("version https://git-lfs.github.com/spec/v1\noid sha256:{}\nsize {size}\n", "0".repeat(64))
+    };
+    let want = ["a Git LFS pointer, not the file itself", "git lfs pull"];
+    let weights = dir.join("model.safetensors");
+    let kept = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, pointer(269060552)).unwrap();
+    let out = generate_on(&dir, "t1");
+    assert_one_line_error(
+        &out,
+        &[&["model.safetensors: ", want[0], " (its content of 269.1 MB"][..], &want[1..]].concat(),
+    );
+    std::fs::write(&weights, kept).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), pointer(2104556)).unwrap();
+    assert_one_line_error(&generate_on(&dir, "t1"), &[&["tokenizer.json: "][..], &want].concat());
+    let out_dir = t.path().join("converted");
+    let out =
+        gridlm(&["convert", "--gguf", path_str(&dir.join("tokenizer.json")), "--out", path_str(&out_dir)]);
+    assert_one_line_error(&out, &want);
+    assert!(!out_dir.exists());
+}
+
 #[test]
 fn corrupt_safetensors_header() {
     let (_t, dir) = tiny_llama();
