@@ -508,6 +508,59 @@ fn quantized_before_saving(text: &str) -> Option<String> {
     })
 }
 
+/// The error for a folder `dir` whose `config.json` (`path`) cannot be read (`e`), saying what
+/// the folder holds instead where that tells what was meant: llama.cpp's files, a HuggingFace
+/// hub cache's folder for a model (its model folders under `snapshots/`, one a revision), or
+/// model folders below it.
+fn without_config(dir: &Path, path: &Path, e: std::io::Error) -> Error {
+    let named = crate::weights::checkpoint::files_named;
+    let ggufs = named(dir, &[".gguf"], &[""]).len();
+    if ggufs > 0 {
+        let convert = crate::weights::gguf::CONVERT_HINT;
+        return Error::file(
+            path,
+            format!("{e}, and the folder holds {}; {convert}", crate::count(ggufs, "GGUF file")),
+        );
+    }
+    let listed = |names: &[String], under: &str| {
+        let shown: Vec<String> = names.iter().take(3).map(|n| format!("{under}{n}")).collect();
+        let more = names.len().saturating_sub(3);
+        shown.join(", ") + &if more > 0 { format!(" and {more} more") } else { String::new() }
+    };
+    match named(&dir.join("snapshots"), &[""], &[""]).as_slice() {
+        [] => {}
+        [one] => {
+            let at = dir.join("snapshots").join(one);
+            return Error::file(
+                path,
+                format!("{e}; the folder is a HuggingFace hub cache's, its model folder is {}", at.display()),
+            );
+        }
+        more => {
+            let revisions = listed(more, "snapshots/");
+            return Error::file(
+                path,
+                format!(
+                    "{e}; the folder is a HuggingFace hub cache's, its model folder is one of {revisions}"
+                ),
+            );
+        }
+    }
+    let mut models = named(dir, &[""], &[""]);
+    models.retain(|n| dir.join(n).join("config.json").is_file());
+    match models.len() {
+        0 => Error::io(path, e),
+        n => Error::file(
+            path,
+            format!(
+                "{e}; the folder holds {}: {} (give one as --model)",
+                crate::count(n, "model folder"),
+                listed(&models, "")
+            ),
+        ),
+    }
+}
+
 impl ModelConfig {
     /// Reads `DIR/config.json` and, when present, the EOS ids of `DIR/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -532,32 +585,7 @@ impl ModelConfig {
             ));
         }
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            let named = crate::weights::checkpoint::files_named;
-            // A HuggingFace hub cache's folder for a model (`models--OWNER--NAME`) holds
-            // its model folders under `snapshots/`, one a revision.
-            let snapshots = named(&dir.join("snapshots"), &[""], &[""]);
-            match (named(dir, &[".gguf"], &[""]).len(), snapshots.as_slice()) {
-                (0, []) => Error::io(&path, e),
-                (0, revisions) => Error::file(
-                    &path,
-                    format!(
-                        "{e}; the folder is a HuggingFace hub cache's, its model folder {}",
-                        match revisions {
-                            [one] => format!("is {}", dir.join("snapshots").join(one).display()),
-                            more => format!(
-                                "is one of {}",
-                                more.iter().map(|r| format!("snapshots/{r}")).collect::<Vec<_>>().join(", ")
-                            ),
-                        }
-                    ),
-                ),
-                (n, _) => Error::file(
-                    &path,
-                    format!("{e}, and the folder holds {}; {convert}", crate::count(n, "GGUF file")),
-                ),
-            }
-        })?;
+        let text = std::fs::read_to_string(&path).map_err(|e| without_config(dir, &path, e))?;
         let mut cfg = Self::from_json(&path, &text)?;
         let gen_path = dir.join("generation_config.json");
         if let Ok(gen_text) = std::fs::read_to_string(&gen_path) {

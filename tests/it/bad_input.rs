@@ -242,6 +242,13 @@ fn missing_model_folder() {
     let out = gridlm(&["generate", "--model", path_str(&hub), "--prompt", "hi"]);
     let want = format!("its model folder is {}", hub.join("snapshots/0123abc").display());
     assert_one_line_error(&out, &["config.json", "HuggingFace hub cache", &want]);
+    // The folder above a model folder.
+    let (above, _) = tiny_llama();
+    let out = gridlm(&["generate", "--model", path_str(above.path()), "--prompt", "hi"]);
+    assert_one_line_error(
+        &out,
+        &["config.json", "the folder holds 1 model folder: model (give one as --model)"],
+    );
 }
 
 #[test]
