@@ -1151,8 +1151,6 @@ fn agree<T>(link: &dyn Link, r: gridlm::Result<T>) -> Result<T> {
     }
 }
 
-/// This rank's shard from `src`, once every node is known to have memory for the weights of
-/// all its ranks. Collective; every step's error is agreed, so each rank reports it.
 /// The folder `model`'s weights: as stored, or their matrices converted to `dtype`.
 fn open_source(model: &Path, dtype: Option<DType>) -> gridlm::Result<Box<dyn Source>> {
     let ckpt = Checkpoint::open(model)?;
@@ -1162,6 +1160,8 @@ fn open_source(model: &Path, dtype: Option<DType>) -> gridlm::Result<Box<dyn Sou
     })
 }
 
+/// This rank's shard from `src`, once every node is known to have memory for the weights of
+/// all its ranks. Collective; every step's error is agreed, so each rank reports it.
 fn load_shard(
     link: &dyn Link,
     src: gridlm::Result<Box<dyn Source>>,
