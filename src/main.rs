@@ -324,10 +324,14 @@ struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// The folder `model`'s weights as this rank reads them: as stored, or converted to
-    /// `--dtype`.
+    /// The folder `model`'s weights as this rank reads them: as stored, or their matrices
+    /// converted to `--dtype`.
     fn source(&self, model: &Path) -> gridlm::Result<Box<dyn Source>> {
-        open_source(model, self.dtype)
+        let ckpt = Checkpoint::open(model)?;
+        Ok(match self.dtype {
+            None => Box::new(ckpt),
+            Some(dtype) => Box::new(Cast { inner: ckpt, dtype, dir: model.to_path_buf() }),
+        })
     }
 
     /// Kernel threads per rank: as asked, else the cores this process may run on.
@@ -850,11 +854,7 @@ fn folder_dtype(dir: &Path, cfg: &ModelConfig) -> Result<DType> {
     let text = std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text)?;
     let named = ["torch_dtype", "dtype"].iter().find_map(|k| v[k].as_str().or(v["text_config"][k].as_str()));
-    Ok(match named {
-        Some("float32") => DType::F32,
-        Some("float16") => DType::F16,
-        _ => DType::BF16,
-    })
+    Ok(named.and_then(DType::parse).unwrap_or(DType::BF16))
 }
 
 fn plan(a: PlanArgs) -> Result<()> {
@@ -1149,15 +1149,6 @@ fn agree<T>(link: &dyn Link, r: gridlm::Result<T>) -> Result<T> {
         Ok(()) => Ok(r.expect("agree returned Ok only when every rank, this one included, succeeded")),
         Err(msg) => Err(Agreed(msg).into()),
     }
-}
-
-/// The folder `model`'s weights: as stored, or their matrices converted to `dtype`.
-fn open_source(model: &Path, dtype: Option<DType>) -> gridlm::Result<Box<dyn Source>> {
-    let ckpt = Checkpoint::open(model)?;
-    Ok(match dtype {
-        None => Box::new(ckpt),
-        Some(dtype) => Box::new(Cast { inner: ckpt, dtype, dir: model.to_path_buf() }),
-    })
 }
 
 /// This rank's shard from `src`, once every node is known to have memory for the weights of
