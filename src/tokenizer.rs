@@ -48,10 +48,8 @@ impl Tokenizer {
                 format!("not found: the model folder needs a tokenizer.json{hint}"),
             ));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
-            let why = crate::weights::lfs_pointer(&path);
-            Error::file(&path, why.unwrap_or_else(|| format!("invalid tokenizer: {e}")))
-        })?;
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| crate::weights::unreadable(&path, || format!("invalid tokenizer: {e}")))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
             Ok(text) => serde_json::from_str(&text)

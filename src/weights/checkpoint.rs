@@ -34,8 +34,7 @@ impl MappedFile {
         // rewritten while we load it is outside what we can guard against.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
-            let why = super::lfs_pointer(&path);
-            Error::file(&path, why.unwrap_or_else(|| format!("truncated or corrupt safetensors file: {e:?}")))
+            super::unreadable(&path, || format!("truncated or corrupt safetensors file: {e:?}"))
         })?;
         let data_start = 8 + header_len;
         let mut tensors = HashMap::new();

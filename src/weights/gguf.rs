@@ -252,11 +252,7 @@ impl Gguf {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         let mut c = Cursor { buf: &bytes, pos: 0, path };
         if c.take(4)? != MAGIC {
-            let why = super::lfs_pointer(path);
-            return Err(Error::file(
-                path,
-                why.unwrap_or_else(|| "not a GGUF file (magic bytes are not `GGUF`)".into()),
-            ));
+            return Err(super::unreadable(path, || "not a GGUF file (magic bytes are not `GGUF`)".into()));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {

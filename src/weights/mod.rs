@@ -73,9 +73,15 @@ impl<S: Source + ?Sized> Source for &S {
     }
 }
 
-/// Where the file `path` is a Git LFS pointer (a model repository cloned without Git LFS keeps
-/// its large files as such pointers), the error to give instead of its format's own.
-pub fn lfs_pointer(path: &std::path::Path) -> Option<String> {
+/// The error for a file `path` its format's reader refuses (`why`): where the file is a Git LFS
+/// pointer (a model repository cloned without Git LFS keeps its large files as such pointers),
+/// that is said instead.
+pub fn unreadable(path: &std::path::Path, why: impl FnOnce() -> String) -> crate::Error {
+    crate::Error::file(path, lfs_pointer(path).unwrap_or_else(why))
+}
+
+/// What to say of the file `path` where it is a Git LFS pointer.
+fn lfs_pointer(path: &std::path::Path) -> Option<String> {
     use std::io::Read;
     let mut head = [0u8; 256];
     let n = std::fs::File::open(path).ok()?.read(&mut head).ok()?;
