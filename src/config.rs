@@ -522,11 +522,6 @@ fn without_config(dir: &Path, path: &Path, e: std::io::Error) -> Error {
             format!("{e}, and the folder holds {}; {convert}", crate::count(ggufs, "GGUF file")),
         );
     }
-    let listed = |names: &[String], under: &str| {
-        let shown: Vec<String> = names.iter().take(3).map(|n| format!("{under}{n}")).collect();
-        let more = names.len().saturating_sub(3);
-        shown.join(", ") + &if more > 0 { format!(" and {more} more") } else { String::new() }
-    };
     match named(&dir.join("snapshots"), &[""], &[""]).as_slice() {
         [] => {}
         [one] => {
@@ -537,7 +532,8 @@ fn without_config(dir: &Path, path: &Path, e: std::io::Error) -> Error {
             );
         }
         more => {
-            let revisions = listed(more, "snapshots/");
+            let more: Vec<String> = more.iter().map(|r| format!("snapshots/{r}")).collect();
+            let revisions = crate::weights::checkpoint::some_of(&more, 3);
             return Error::file(
                 path,
                 format!(
@@ -555,7 +551,7 @@ fn without_config(dir: &Path, path: &Path, e: std::io::Error) -> Error {
             format!(
                 "{e}; the folder holds {}: {} (give one as --model)",
                 crate::count(n, "model folder"),
-                listed(&models, "")
+                crate::weights::checkpoint::some_of(&models, 3)
             ),
         ),
     }

@@ -99,15 +99,23 @@ pub fn files_named(dir: &Path, exts: &[&str], starts: &[&str]) -> Vec<String> {
     names
 }
 
+/// `names` for an error line: the first `shown` of them, then how many more.
+pub fn some_of(names: &[String], shown: usize) -> String {
+    let first = names[..names.len().min(shown)].join(", ");
+    match names.len().saturating_sub(shown) {
+        0 => first,
+        more => format!("{first} and {more} more"),
+    }
+}
+
 /// What a folder without `model.safetensors` or its index holds instead, said after the error:
 /// PyTorch's weights, llama.cpp's files, or safetensors files without their index (empty where
 /// none). Of PyTorch's files only weights count (`pytorch_model*.bin`, `model*.pt`,
 /// `consolidated*.pth`, ...), not a trainer's `training_args.bin` or `optimizer.pt`.
 fn held_instead(dir: &Path) -> String {
-    let of = |exts: &[&str], starts: &[&str]| match files_named(dir, exts, starts).as_slice() {
-        [] => None,
-        [a] => Some(a.to_string()),
-        [a, rest @ ..] => Some(format!("{a} and {} more", rest.len())),
+    let of = |exts: &[&str], starts: &[&str]| {
+        let names = files_named(dir, exts, starts);
+        (!names.is_empty()).then(|| some_of(&names, 1))
     };
     if let Some(f) = of(&[".bin", ".pt", ".pth"], &["pytorch_model", "model", "consolidated"]) {
         format!("; the folder holds {f}, PyTorch's format, which gridlm does not read: save the model as safetensors (transformers' `save_pretrained` does by default)")
@@ -279,5 +287,18 @@ impl Source for Checkpoint {
 
     fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {
         Ok(self.info(name, expected_shape)?.2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Error lines name the first few of a folder's files and count the rest.
+    #[test]
+    fn some_names_and_how_many_more() {
+        let names: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        assert_eq!(super::some_of(&names, 1), "a and 3 more");
+        assert_eq!(super::some_of(&names, 3), "a, b, c and 1 more");
+        assert_eq!(super::some_of(&names[..2], 3), "a, b");
+        assert_eq!(super::some_of(&names[..1], 1), "a");
     }
 }
