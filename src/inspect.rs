@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::grid::{Grid, ShardPlan};
 use crate::kernels::Quant;
 use crate::model::{KvPool, Shard, PAGE};
-use crate::weights::{Cast, DType, Source};
+use crate::weights::{DType, Source};
 use serde::Serialize;
 use std::ops::Range;
 
@@ -61,31 +61,22 @@ pub struct RankPlan {
     pub kv_windowed_bytes_per_position: usize,
 }
 
-/// The dtype the folder `src` stores its weights in: its embedding's.
+/// The dtype `src` gives a folder's weights in (its embedding's): as stored, or as a
+/// [`crate::weights::Cast`] converts them.
 pub fn stored_dtype(src: &dyn Source, cfg: &ModelConfig) -> Result<DType> {
     src.dtype(crate::model::embed_name(cfg), &[cfg.vocab_size, cfg.hidden_size])
 }
 
 /// Inspects the model `cfg` whose tensors `src` holds on a `pp` × `tp` grid (`layers`: the
-/// layers per stage, as `--layers`), its matrices converted to `dtype` and quantized by `quant`
-/// if given.
+/// layers per stage, as `--layers`; `src` as loading reads the folder, whose weights are
+/// `stored` in that dtype), its matrices quantized by `quant` if given.
 pub fn inspect(
     src: &dyn Source,
     cfg: &ModelConfig,
     (pp, tp, layers): (usize, usize, Option<&[usize]>),
-    (dtype, quant): (Option<DType>, Option<Quant>),
+    (stored, quant): (DType, Option<Quant>),
 ) -> Result<Inspection> {
-    let stored = stored_dtype(src, cfg)?;
-    // The matrices as loading would convert them (no tensor is read here, so no error of
-    // converting one can name the folder).
-    let cast;
-    let src: &dyn Source = match dtype {
-        Some(dtype) => {
-            cast = Cast { inner: src, dtype, dir: std::path::PathBuf::new() };
-            &cast
-        }
-        None => src,
-    };
+    let loaded = stored_dtype(src, cfg)?;
     let world = pp * tp;
     let mut ranks = Vec::with_capacity(world);
     for rank in 0..world {
@@ -151,7 +142,7 @@ pub fn inspect(
         params: layers_params(&|i| cfg.ffn_params(i)) + embeddings,
         params_per_token: layers_params(&|i| cfg.ffn_params_per_token(i)) + vocab,
         stored_dtype: stored.name(),
-        weight_dtype: if quant.is_some() { "int8" } else { dtype.unwrap_or(stored).name() },
+        weight_dtype: if quant.is_some() { "int8" } else { loaded.name() },
         pp,
         tp,
         ranks,

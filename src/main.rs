@@ -19,7 +19,7 @@ use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
 use gridlm::tokenizer::Tokenizer;
 use gridlm::weights::checkpoint::Checkpoint;
-use gridlm::weights::{convert, synthetic, Cast, DType, Source};
+use gridlm::weights::{as_loaded, convert, synthetic, DType, Source};
 use gridlm::{count, host};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -327,11 +327,7 @@ impl EngineArgs {
     /// The folder `model`'s weights as this rank reads them: as stored, or their matrices
     /// converted to `--dtype`.
     fn source(&self, model: &Path) -> gridlm::Result<Box<dyn Source>> {
-        let ckpt = Checkpoint::open(model)?;
-        Ok(match self.dtype {
-            None => Box::new(ckpt),
-            Some(dtype) => Box::new(Cast { inner: ckpt, dtype, dir: model.to_path_buf() }),
-        })
+        Ok(as_loaded(Checkpoint::open(model)?, self.dtype, model))
     }
 
     /// Kernel threads per rank: as asked, else the cores this process may run on.
@@ -834,7 +830,10 @@ fn inspect(a: InspectArgs) -> Result<()> {
     at_least(&[("--pp", a.pp, 1), ("--tp", a.tp, 1)])?;
     let cfg = ModelConfig::from_dir(&a.model)?;
     let ckpt = Checkpoint::open(&a.model)?;
-    let x = gridlm::inspect::inspect(&ckpt, &cfg, (a.pp, a.tp, a.layers.as_deref()), (a.dtype, a.quant))?;
+    let stored = gridlm::inspect::stored_dtype(&ckpt, &cfg)?;
+    let src = as_loaded(ckpt, a.dtype, &a.model);
+    let x =
+        gridlm::inspect::inspect(src.as_ref(), &cfg, (a.pp, a.tp, a.layers.as_deref()), (stored, a.quant))?;
     if a.json {
         writeln!(std::io::stdout(), "{}", serde_json::to_string(&x)?)?;
     } else {

@@ -45,34 +45,6 @@ pub trait Source {
     }
 }
 
-/// A borrowed source reads as the source itself (so a [`Cast`] can view one it does not own).
-impl<S: Source + ?Sized> Source for &S {
-    fn rows(&self, name: &str, expected_shape: &[usize], rows: Range<usize>) -> Result<Mat> {
-        (**self).rows(name, expected_shape, rows)
-    }
-    fn block(
-        &self,
-        name: &str,
-        expected_shape: &[usize],
-        rows: Range<usize>,
-        cols: Range<usize>,
-    ) -> Result<Mat> {
-        (**self).block(name, expected_shape, rows, cols)
-    }
-    fn cols(&self, name: &str, expected_shape: &[usize], cols: Range<usize>) -> Result<Mat> {
-        (**self).cols(name, expected_shape, cols)
-    }
-    fn dtype(&self, name: &str, expected_shape: &[usize]) -> Result<DType> {
-        (**self).dtype(name, expected_shape)
-    }
-    fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        (**self).vector_f32(name, len)
-    }
-    fn vector_range_f32(&self, name: &str, len: usize, range: Range<usize>) -> Result<Vec<f32>> {
-        (**self).vector_range_f32(name, len, range)
-    }
-}
-
 /// The error for a file `path` its format's reader refuses (`why`): where the file is a Git LFS
 /// pointer (a model repository cloned without Git LFS keeps its large files as such pointers),
 /// that is said instead.
@@ -103,6 +75,19 @@ pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
         [] => (1, 1),
         [n] => (*n, 1),
         [lead @ .., c] => (lead.iter().product(), *c),
+    }
+}
+
+/// `src`, the folder `dir`'s weights, as loading reads them: as stored, or with its matrices
+/// converted to `dtype`.
+pub fn as_loaded<S: Source + 'static>(
+    src: S,
+    dtype: Option<DType>,
+    dir: &std::path::Path,
+) -> Box<dyn Source> {
+    match dtype {
+        None => Box::new(src),
+        Some(dtype) => Box::new(Cast { inner: src, dtype, dir: dir.to_path_buf() }),
     }
 }
 
