@@ -131,6 +131,8 @@ pub struct Request {
     keep_alive: bool,
     /// Set once the whole answer is written, so the connection may go on.
     done: Arc<AtomicBool>,
+    /// Headers every answer to it carries, beside the status line's own.
+    extra: Vec<(String, String)>,
 }
 
 impl Request {
@@ -147,6 +149,11 @@ impl Request {
     /// The value of the first header named `name` (in any case).
     pub fn header(&self, name: &str) -> Option<&str> {
         self.head.header(name)
+    }
+
+    /// Adds the header `name: value` to the answer, whichever it is.
+    pub fn add_header(&mut self, name: &str, value: &str) {
+        self.extra.push((name.to_string(), value.to_string()));
     }
 
     /// Whether the client went away (closed or reset the connection) before its answer: the
@@ -173,20 +180,17 @@ impl Request {
     pub fn respond(mut self, status: u16, kind: &str, body: &[u8]) -> io::Result<()> {
         // Taken only here and by the drop, each once: `self` is consumed.
         let Some(w) = self.w.take() else { return Err(io::ErrorKind::NotConnected.into()) };
-        let sent = write_answer(&w, status, kind, body, self.keep_alive, self.head.method == "HEAD");
+        let head = head(status, kind, self.keep_alive, &self.extra);
+        let sent = write_answer(&w, head, body, self.head.method == "HEAD");
         self.done.store(sent.is_ok(), Ordering::SeqCst);
         sent
     }
 
-    /// Starts an answer of `status` whose body of content type `kind` comes in chunks, with the
-    /// `extra` headers.
-    pub fn start_chunked(mut self, status: u16, kind: &str, extra: &[(&str, &str)]) -> io::Result<Chunked> {
+    /// Starts an answer of `status` whose body of content type `kind` comes in chunks.
+    pub fn start_chunked(mut self, status: u16, kind: &str) -> io::Result<Chunked> {
         // Taken only here and by the drop, each once: `self` is consumed.
         let Some(w) = self.w.take() else { return Err(io::ErrorKind::NotConnected.into()) };
-        let mut head = head(status, kind, self.keep_alive);
-        for (name, value) in extra {
-            head.push_str(&format!("{name}: {value}\r\n"));
-        }
+        let mut head = head(status, kind, self.keep_alive, &self.extra);
         head.push_str("Transfer-Encoding: chunked\r\n\r\n");
         (&w).write_all(head.as_bytes())?;
         Ok(Chunked { w, done: Arc::clone(&self.done) })
@@ -198,7 +202,7 @@ impl Drop for Request {
     fn drop(&mut self) {
         if let Some(w) = self.w.take() {
             let body = br#"{"error":{"message":"the server failed while answering","type":"server_error","param":null,"code":null}}"#;
-            let _ = write_answer(&w, 500, "application/json", body, false, false);
+            let _ = write_answer(&w, head(500, "application/json", false, &self.extra), body, false);
         }
     }
 }
@@ -229,27 +233,24 @@ impl Chunked {
     }
 }
 
-/// The status line and headers of an answer, but for its length or chunking and the blank line.
-fn head(status: u16, kind: &str, keep_alive: bool) -> String {
+/// The status line and headers of an answer (with the `extra` ones), but for its length or
+/// chunking and the blank line.
+fn head(status: u16, kind: &str, keep_alive: bool, extra: &[(String, String)]) -> String {
     let connection = if keep_alive { "keep-alive" } else { "close" };
-    format!(
+    let mut head = format!(
         "HTTP/1.1 {status} {}\r\nServer: gridlm\r\nContent-Type: {kind}\r\nConnection: {connection}\r\n",
         reason(status)
-    )
+    );
+    for (name, value) in extra {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head
 }
 
-/// Writes a whole answer in one go (the body left out for a HEAD request).
-fn write_answer(
-    mut w: &TcpStream,
-    status: u16,
-    kind: &str,
-    body: &[u8],
-    keep: bool,
-    bare: bool,
-) -> io::Result<()> {
-    let mut out = head(status, kind, keep);
-    out.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-    let mut out = out.into_bytes();
+/// Writes a whole answer, `head` then `body` (left out for a HEAD request), in one go.
+fn write_answer(mut w: &TcpStream, mut head: String, body: &[u8], bare: bool) -> io::Result<()> {
+    head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    let mut out = head.into_bytes();
     if !bare {
         out.extend_from_slice(body);
     }
@@ -260,7 +261,7 @@ fn write_answer(
 fn refuse(stream: &TcpStream, handler: &dyn Handler, status: u16, why: &str, io: Duration) {
     let _ = stream.set_write_timeout(Some(io));
     let (body, kind) = handler.refused(status, why);
-    let _ = write_answer(stream, status, kind, &body, false, false);
+    let _ = write_answer(stream, head(status, kind, false, &[]), &body, false);
 }
 
 fn reason(status: u16) -> &'static str {
@@ -269,6 +270,7 @@ fn reason(status: u16) -> &'static str {
         200 => "OK",
         400 => "Bad Request",
         401 => "Unauthorized",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -354,7 +356,14 @@ fn connection<H: Handler>(stream: TcpStream, limits: Limits, handler: &Weak<H>, 
         let keep_alive = head.keep_alive() && body.is_ok();
         let done = Arc::new(AtomicBool::new(false));
         let Ok(w) = stream.try_clone() else { return };
-        live.request(Request { head, body, w: Some(w), keep_alive, done: Arc::clone(&done) });
+        live.request(Request {
+            head,
+            body,
+            w: Some(w),
+            keep_alive,
+            done: Arc::clone(&done),
+            extra: Vec::new(),
+        });
         drop(live);
         if !keep_alive || !done.load(Ordering::SeqCst) {
             return linger(&stream, &mut r);
@@ -577,18 +586,20 @@ mod tests {
     use std::io::Read;
     use std::sync::atomic::AtomicUsize;
 
-    /// Answers `METHOD URL BODY-LENGTH`, or the body's refusal; `/fail` panics, `/chunks`
-    /// answers in two chunks.
+    /// Answers `METHOD URL BODY-LENGTH`, or the body's refusal, with the header `X-Url: URL`;
+    /// `/fail` panics, `/chunks` answers in two chunks.
     struct Echo(AtomicUsize);
 
     impl Handler for Echo {
-        fn request(&self, req: Request) {
+        fn request(&self, mut req: Request) {
             self.0.fetch_add(1, Ordering::SeqCst);
-            if req.url() == "/fail" {
+            let url = req.url().to_string();
+            req.add_header("X-Url", &url);
+            if url == "/fail" {
                 panic!("a failing request thread (a test)");
             }
-            if req.url() == "/chunks" {
-                let mut c = req.start_chunked(200, "text/plain", &[("Cache-Control", "no-cache")]).unwrap();
+            if url == "/chunks" {
+                let mut c = req.start_chunked(200, "text/plain").unwrap();
                 c.chunk(b"one ").unwrap();
                 c.chunk(b"two").unwrap();
                 return c.finish().unwrap();
@@ -724,6 +735,9 @@ mod tests {
             b"GET /h HTTP/1.1\r\n\r\nPOST /b HTTP/1.1\r\nExpect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nabc\r\n2\r\nde\r\n0\r\nT: 1\r\n\r\nGET /chunks HTTP/1.1\r\nConnection: close\r\n\r\nGET /never HTTP/1.1\r\n\r\n",
         );
         assert!(got.contains("HTTP/1.1 100 Continue\r\n\r\n"), "{got}");
+        // Each answer carries the headers added to its request, whole or in chunks.
+        assert!(got.contains("X-Url: /h\r\nContent-Length: 8\r\n\r\n"), "{got}");
+        assert!(got.contains("X-Url: /chunks\r\nTransfer-Encoding: chunked\r\n\r\n"), "{got}");
         let want = [(200, "GET /h 0".into()), (200, "POST /b 5".into()), (200, "one two".to_string())];
         assert_eq!(answers(&got), want, "{got}");
         // HTTP/1.0 closes unless asked not to.
@@ -735,9 +749,11 @@ mod tests {
     #[test]
     fn a_failing_handler_answers_500_and_the_server_goes_on() {
         let (server, ..) = start(LIMITS);
-        let got = answers(&exchange(&server, b"GET /fail HTTP/1.1\r\n\r\nGET /after HTTP/1.1\r\n\r\n"));
+        let text = exchange(&server, b"GET /fail HTTP/1.1\r\n\r\nGET /after HTTP/1.1\r\n\r\n");
+        let got = answers(&text);
         assert_eq!(got.len(), 1, "the connection closes after the failure: {got:?}");
         assert_eq!(got[0].0, 500);
+        assert!(text.contains("X-Url: /fail\r\n"), "the headers added before the failure: {text}");
         let next = answers(&exchange(&server, b"GET /next HTTP/1.1\r\nConnection: close\r\n\r\n"));
         assert_eq!(next, [(200, "GET /next 0".into())]);
     }

@@ -77,6 +77,10 @@ struct ServeArgs {
     /// environment's GRIDLM_API_KEY, else none needed.
     #[arg(long, env = "GRIDLM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// A web origin (`http://localhost:3000`) whose pages may call the server from a browser
+    /// (CORS); again for more, `*` for any. Default: none.
+    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    allow_origins: Vec<String>,
     /// Sampling settings of a request that does not give them; request i's seed is seed + i.
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -1616,13 +1620,20 @@ fn serve(a: ServeArgs) -> Result<()> {
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty() || k.trim() != k) {
         anyhow::bail!("--api-key (or GRIDLM_API_KEY) must be a key without spaces around it");
     }
+    let origins: std::result::Result<Vec<String>, String> = a
+        .allow_origins
+        .iter()
+        .map(|o| gridlm::serve::origin(o).map_err(|e| format!("--allow-origin {o}: {e}")))
+        .collect();
+    let origins = origins.map_err(anyhow::Error::msg)?;
     let params = a.sampling.params_over_model(&a.model, a.model_sampling)?;
-    on_grid(&a.grid, |grid, comm, link| run_serve(&a, &params, grid, comm, link))
+    on_grid(&a.grid, |grid, comm, link| run_serve(&a, &params, &origins, grid, comm, link))
 }
 
 fn run_serve(
     a: &ServeArgs,
     params: &SamplingParams,
+    origins: &[String],
     grid: Grid,
     comm: &dyn Comm,
     link: &dyn Link,
@@ -1685,6 +1696,7 @@ fn run_serve(
         max_in_flight: a.max_in_flight,
         in_flight: Default::default(),
         metrics: Default::default(),
+        allow_origins: origins.to_vec(),
     };
     SERVING.store(true, std::sync::atomic::Ordering::Relaxed);
     // Requests are taken, and the address announced, once every rank has its KV pool in place

@@ -466,6 +466,45 @@ pub struct Front {
     pub max_in_flight: usize,
     pub in_flight: AtomicUsize,
     pub metrics: Metrics,
+    /// The web origins whose pages may call the server from a browser (CORS), as [`origin`]
+    /// writes them; `*` takes any.
+    pub allow_origins: Vec<String>,
+}
+
+/// `text` as a browser writes a page's origin in its requests' `Origin` header (the scheme and
+/// host in lower case, the scheme's default port left out), or `*`; or why it is no origin.
+pub fn origin(text: &str) -> std::result::Result<String, String> {
+    // `null`: what browsers send for a page opened from a file.
+    if text == "*" || text == "null" {
+        return Ok(text.into());
+    }
+    let form = "an origin is SCHEME://HOST[:PORT] (as a browser's address bar shows a page's), \
+                `null` (pages opened from files) or `*` (any)";
+    let Some((scheme, rest)) = text.split_once("://") else { return Err(form.into()) };
+    let (scheme, rest) = (scheme.to_ascii_lowercase(), rest.to_ascii_lowercase());
+    if let Some(slash) = rest.find(['/', '?', '#']) {
+        return Err(format!("an origin has no path: {scheme}://{}", &rest[..slash]));
+    }
+    let (host, port) = match rest.rsplit_once(':') {
+        // A port, not the end of an IPv6 address in brackets.
+        Some((host, port)) if !port.contains(']') => (host, Some(port)),
+        _ => (rest.as_str(), None),
+    };
+    let scheme_ok =
+        !scheme.is_empty() && scheme.bytes().all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b));
+    if !scheme_ok || host.is_empty() || host.contains('@') || port.is_some_and(|p| p.parse::<u16>().is_err())
+    {
+        return Err(form.into());
+    }
+    let default = match scheme.as_str() {
+        "http" => Some("80"),
+        "https" => Some("443"),
+        _ => None,
+    };
+    Ok(match port {
+        Some(p) if Some(p) != default => format!("{scheme}://{host}:{p}"),
+        _ => format!("{scheme}://{host}"),
+    })
 }
 
 /// Upper bounds of the latency histograms' buckets, in seconds.
@@ -748,6 +787,47 @@ fn model_object(front: &Front) -> Value {
     json!({"id": front.model, "object": "model", "created": front.created, "owned_by": "gridlm"})
 }
 
+/// The methods the path `url` takes, or `None` where it is no endpoint.
+fn takes(url: &str) -> Option<&'static str> {
+    match url {
+        "/health" | "/metrics" | "/v1/models" => Some("GET, HEAD, OPTIONS"),
+        u if u.starts_with("/v1/models/") => Some("GET, HEAD, OPTIONS"),
+        "/v1/completions" | "/v1/chat/completions" => Some("POST, OPTIONS"),
+        _ => None,
+    }
+}
+
+impl Front {
+    /// Whether a browser's page at `origin` (an `Origin` header) may read the answers.
+    fn allows(&self, origin: &str) -> bool {
+        self.allow_origins.iter().any(|o| o == "*" || o.eq_ignore_ascii_case(origin))
+    }
+}
+
+/// Answers an OPTIONS request to an endpoint taking `methods`: a browser's CORS preflight
+/// (naming the method the page will send) from an `allowed` origin with the methods and
+/// headers it may send, from another with 403 and why; any other with the methods.
+fn options(mut req: http::Request, front: &Front, url: &str, methods: &str, allowed: bool) {
+    let Some(origin) = req.header("Access-Control-Request-Method").and(req.header("Origin")) else {
+        req.add_header("Allow", methods);
+        return reply(req, 200, "text/plain", String::new());
+    };
+    if !allowed {
+        let msg = format!(
+            "a page at {origin} may not call this server from a browser (CORS): --allow-origin {origin} \
+             lets it"
+        );
+        return refuse(front, req, url, 403, &msg);
+    }
+    // The headers the page asks to send (`Authorization`, `Content-Type`, a client's own).
+    let asked = req.header("Access-Control-Request-Headers").unwrap_or("Authorization, Content-Type");
+    let asked = asked.to_string();
+    req.add_header("Access-Control-Allow-Methods", methods);
+    req.add_header("Access-Control-Allow-Headers", &asked);
+    req.add_header("Access-Control-Max-Age", "600");
+    reply(req, 200, "text/plain", String::new())
+}
+
 /// Answers one HTTP request, and logs it on stderr (but for /health and /v1/models).
 fn answer(mut req: http::Request, front: &Front) {
     let t0 = Instant::now();
@@ -755,6 +835,18 @@ fn answer(mut req: http::Request, front: &Front) {
     // Tests: a request thread that fails (the server must answer on).
     if std::env::var_os("GRIDLM_TEST_SERVE_PANIC").is_some_and(|p| p == url.as_str()) {
         panic!("a request to {url} (GRIDLM_TEST_SERVE_PANIC)");
+    }
+    // Browsers (CORS): the answers to a page of an allowed origin say it may read them; its
+    // preflights (OPTIONS, which browsers send without the API key) are answered here.
+    let allowed = req.header("Origin").filter(|o| front.allows(o)).map(str::to_string);
+    if let Some(o) = &allowed {
+        req.add_header("Access-Control-Allow-Origin", o);
+    }
+    if !front.allow_origins.is_empty() {
+        req.add_header("Vary", "Origin");
+    }
+    if let ("OPTIONS", Some(methods)) = (req.method(), takes(&url)) {
+        return options(req, front, &url, methods, allowed.is_some());
     }
     if url != "/health" && front.api_key.as_deref().is_some_and(|k| !authorized(&req, k)) {
         return refuse(
@@ -765,7 +857,9 @@ fn answer(mut req: http::Request, front: &Front) {
             "a missing or wrong API key (send `Authorization: Bearer KEY`)",
         );
     }
-    let kind = match (req.method(), url.as_str()) {
+    // A HEAD request is answered as its GET, without the body.
+    let method = if req.method() == "HEAD" { "GET" } else { req.method() };
+    let kind = match (method, url.as_str()) {
         ("GET", "/health") => return reply_json(req, 200, &json!({"status": "ok"})),
         ("GET", "/metrics") => {
             let text = front.metrics.render(front.in_flight.load(Ordering::Relaxed));
@@ -786,13 +880,14 @@ fn answer(mut req: http::Request, front: &Front) {
         }
         ("POST", "/v1/completions") => Kind::Completion,
         ("POST", "/v1/chat/completions") => Kind::Chat,
-        (_, "/health" | "/metrics" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
-            let m = req.method().to_string();
-            return refuse(front, req, &url, 405, &format!("{url} does not take {m}"));
-        }
-        _ => {
-            let known = "/v1/completions, /v1/chat/completions, /v1/models, /metrics and /health";
-            return refuse(front, req, &url, 404, &format!("no endpoint {url} (there are {known})"));
+        (_, u) => {
+            let Some(methods) = takes(u) else {
+                let known = "/v1/completions, /v1/chat/completions, /v1/models, /metrics and /health";
+                return refuse(front, req, &url, 404, &format!("no endpoint {url} (there are {known})"));
+            };
+            let msg = format!("{url} does not take {}", req.method());
+            req.add_header("Allow", methods);
+            return refuse(front, req, &url, 405, &msg);
         }
     };
     let n = front.count.fetch_add(1, Ordering::Relaxed);
@@ -1182,7 +1277,7 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
 /// and how they ended (`None` when the client went away: the driver stops the completions at
 /// their next token, finding the channel closed).
 fn stream(
-    req: http::Request,
+    mut req: http::Request,
     head: &Head,
     ask: &Ask,
     k: usize,
@@ -1196,7 +1291,8 @@ fn stream(
         let counts = Counts::default();
         return (400, Some(Outcome { finish: vec![Finish::Error], tokens: *tokens, counts }));
     }
-    let Ok(w) = req.start_chunked(200, "text/event-stream", &[("Cache-Control", "no-cache")]) else {
+    req.add_header("Cache-Control", "no-cache");
+    let Ok(w) = req.start_chunked(200, "text/event-stream") else {
         return (200, None);
     };
     let mut sse = Sse { w, first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k] };
@@ -1461,6 +1557,29 @@ mod tests {
             assert!(e.contains(fragment), "{body}: {e}");
             // One pair of backticks around each name.
             assert!(!e.contains("``") && e.matches('`').count().is_multiple_of(2), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn origins_are_written_as_browsers_send_them() {
+        for (given, want) in [
+            ("http://localhost:3000", "http://localhost:3000"),
+            ("HTTP://LocalHost:80", "http://localhost"),
+            ("https://chat.example.com:443", "https://chat.example.com"),
+            ("https://[::1]:8443", "https://[::1]:8443"),
+            ("https://[::1]", "https://[::1]"),
+            ("app://desk", "app://desk"),
+            ("null", "null"),
+            ("*", "*"),
+        ] {
+            assert_eq!(origin(given).as_deref(), Ok(want), "{given}");
+        }
+        assert_eq!(
+            origin("http://localhost:3000/").unwrap_err(),
+            "an origin has no path: http://localhost:3000"
+        );
+        for bad in ["localhost:3000", "http://", "http://h:99999", "http://u@h", "://h", "ht tp://h"] {
+            assert!(origin(bad).unwrap_err().starts_with("an origin is SCHEME://HOST[:PORT]"), "{bad}");
         }
     }
 

@@ -75,6 +75,17 @@ impl Server {
         BufReader::new(s)
     }
 
+    /// The request `head` (its request line and headers, without the blank line) with `body`,
+    /// on a connection of its own: the answer's head and body as sent.
+    fn raw(&self, head: &str, body: &str) -> String {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        write!(s, "{head}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    }
+
     /// A streamed completion of thousands of tokens, once its first event has come: it runs on
     /// while other requests come, until its connection is dropped.
     fn long_stream(&self) -> BufReader<TcpStream> {
@@ -499,7 +510,8 @@ fn logprobs_as_generate(server: &Server, prompt: &str, g: &Value) {
 fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() {
     let dir = smollm2("bf16");
     let env = [("GRIDLM_TEST_SERVE_PANIC", "/v1/fail")];
-    let mut server = Server::start_with(1, &dir, &["--api-key", "secret", "--max-in-flight", "1"], &env);
+    let args = ["--api-key", "secret", "--max-in-flight", "1", "--allow-origin", "http://LocalHost:3000"];
+    let mut server = Server::start_with(1, &dir, &args, &env);
     let ask = json!({"prompt": "The capital of France is", "max_tokens": 3});
     for key in [None, Some("wrong")] {
         server.key = key.map(String::from);
@@ -587,6 +599,47 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     let log = server.log_text();
     assert!(log.contains("200: 4 prompt tokens, the client went away, streamed"), "{log}");
     assert!(log.contains("499: 4 prompt tokens, the client went away, "), "{log}");
+
+    // A browser's page at the origin --allow-origin names: its preflight, sent without the key,
+    // gets the methods and the headers it asked for; its requests' answers (refusals too) let
+    // it read them. A page elsewhere is refused its preflight and gets no such header.
+    let page = "Origin: http://localhost:3000";
+    let preflight = "OPTIONS /v1/chat/completions HTTP/1.1\r\nAccess-Control-Request-Method: POST\r\n\
+                     Access-Control-Request-Headers: authorization, content-type";
+    let got = server.raw(&format!("{preflight}\r\n{page}"), "");
+    assert!(got.starts_with("HTTP/1.1 200 "), "{got}");
+    for header in [
+        "Access-Control-Allow-Origin: http://localhost:3000",
+        "Access-Control-Allow-Methods: POST, OPTIONS",
+        "Access-Control-Allow-Headers: authorization, content-type",
+        "Vary: Origin",
+    ] {
+        assert!(got.contains(&format!("\r\n{header}\r\n")), "{header}: {got}");
+    }
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).to_string();
+    let post = "POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json";
+    for (key, status) in [("secret", 200), ("wrong", 401)] {
+        let got = server.raw(&format!("{post}\r\n{page}\r\nAuthorization: Bearer {key}"), &chat);
+        assert!(got.starts_with(&format!("HTTP/1.1 {status} ")), "{got}");
+        assert!(got.contains("\r\nAccess-Control-Allow-Origin: http://localhost:3000\r\n"), "{got}");
+    }
+    let elsewhere = "Origin: http://localhost:3001";
+    let got = server.raw(&format!("{preflight}\r\n{elsewhere}"), "");
+    assert!(got.starts_with("HTTP/1.1 403 "), "{got}");
+    assert!(
+        got.contains("--allow-origin http://localhost:3001 lets it") && !got.contains("Allow-Origin"),
+        "{got}"
+    );
+    let got = server.raw(&format!("{post}\r\n{elsewhere}\r\nAuthorization: Bearer secret"), &chat);
+    assert!(got.starts_with("HTTP/1.1 200 ") && !got.contains("Allow-Origin"), "{got}");
+    // OPTIONS outside a preflight, and a method an endpoint does not take, name the methods.
+    let got = server.raw("OPTIONS /v1/models HTTP/1.1", "");
+    assert!(got.starts_with("HTTP/1.1 200 ") && got.contains("\r\nAllow: GET, HEAD, OPTIONS\r\n"), "{got}");
+    let got = server.raw("DELETE /v1/completions HTTP/1.1\r\nAuthorization: Bearer secret", "");
+    assert!(got.starts_with("HTTP/1.1 405 ") && got.contains("\r\nAllow: POST, OPTIONS\r\n"), "{got}");
+    // HEAD is answered as GET, without the body.
+    let got = server.raw("HEAD /health HTTP/1.1", "");
+    assert!(got.starts_with("HTTP/1.1 200 ") && got.ends_with("Content-Length: 15\r\n\r\n"), "{got}");
 }
 
 /// SIGUSR1 to the launcher (mpirun passes it on to every rank) drains the server: a stream in
