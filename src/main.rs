@@ -257,9 +257,10 @@ struct GenerateArgs {
     #[arg(long)]
     prompt: Option<String>,
     /// A file of prompts generated together: one per line (`\n` for a newline), or JSONL
-    /// objects with `prompt` and optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`,
-    /// `stop`, `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`. `-` reads
-    /// standard input.
+    /// objects with `prompt` (or a conversation, `messages`, as in OpenAI's chat requests) and
+    /// optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`, `stop`, `temperature`,
+    /// `top_k`, `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`,
+    /// `frequency_penalty`, `seed`. `-` reads standard input.
     #[arg(long)]
     prompts_file: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.
@@ -1305,12 +1306,12 @@ fn prepare_prompts(
     specs
         .into_iter()
         .map(|spec| {
-            let text = if spec.chat {
-                tok.apply_chat_template(spec.system.as_deref(), &spec.text)?
-            } else {
-                spec.text.clone()
-            };
-            let ids = tok.encode(&text, !spec.chat)?;
+            let ids = spec.rendered(tok).and_then(|text| tok.encode(&text, !spec.chat));
+            // A prompt of the file is named by its line (a chat template may refuse one).
+            let ids = ids.map_err(|e| match (&a.prompts_file, a.prompt.is_none()) {
+                (Some(f), true) => gridlm::Error::Input(format!("{}:{}: {e}", f.display(), spec.line)),
+                _ => e,
+            })?;
             Ok(Prepared { spec, ids })
         })
         .collect()

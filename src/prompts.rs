@@ -27,7 +27,11 @@ pub struct PromptSpec {
     pub line: usize,
     /// The JSONL `id`, if any, echoed in the results.
     pub id: Option<serde_json::Value>,
+    /// The prompt (the user's message, with `chat`).
     pub text: String,
+    /// A JSONL line's conversation (`messages`), the system message first where the line has
+    /// none and the command gives one; in place of `text` where not empty.
+    pub messages: Vec<(String, String)>,
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub chat: bool,
@@ -37,8 +41,9 @@ pub struct PromptSpec {
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 15] = [
+const KEYS: [&str; 16] = [
     "prompt",
+    "messages",
     "id",
     "max_tokens",
     "ignore_eos",
@@ -86,6 +91,51 @@ pub(crate) fn stop_field(
     }))
 }
 
+/// The conversation of a JSON object's `messages` (OpenAI's: each with a `role` and a `content`,
+/// a string, null or a list of text parts) as `(role, text)`, if it has one; the error names
+/// the message and what is wrong.
+pub(crate) fn messages_field(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<Option<Vec<(String, String)>>, String> {
+    use serde_json::Value;
+    let Some(msgs) = field::<Vec<serde_json::Map<String, Value>>>(obj, "messages")? else { return Ok(None) };
+    if msgs.is_empty() {
+        return Err("`messages` is empty".into());
+    }
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let role = match m.get("role") {
+            Some(Value::String(r)) => r.clone(),
+            Some(_) => return Err(format!("`messages[{i}].role` must be a string")),
+            None => return Err(format!("`messages[{i}]` has no `role`")),
+        };
+        let text = match m.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(t)) => t.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        (kind, _) => {
+                            return Err(format!(
+                                "`messages[{i}]`: a content part of type {} (only text is read)",
+                                kind.unwrap_or("(none)")
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+            Some(_) => {
+                return Err(format!("`messages[{i}].content` must be a string or a list of text parts"))
+            }
+        };
+        out.push((role, text));
+    }
+    Ok(Some(out))
+}
+
 /// The sampling settings a JSON object gives (`temperature`, `top_k`, `top_p`, `min_p`,
 /// `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`) over those of `p`,
 /// checked.
@@ -116,6 +166,7 @@ impl Defaults {
             line,
             id: None,
             text,
+            messages: Vec::new(),
             max_tokens: self.max_tokens,
             ignore_eos: self.ignore_eos,
             chat: self.chat,
@@ -126,8 +177,25 @@ impl Defaults {
     }
 }
 
+impl PromptSpec {
+    /// The text the model reads: the prompt, or with `chat` the conversation through the
+    /// model's chat template.
+    pub fn rendered(&self, tok: &Tokenizer) -> Result<String> {
+        if !self.messages.is_empty() {
+            let messages: Vec<(&str, &str)> =
+                self.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            tok.render_chat(&messages)
+        } else if self.chat {
+            tok.apply_chat_template(self.system.as_deref(), &self.text)
+        } else {
+            Ok(self.text.clone())
+        }
+    }
+}
+
 /// Reads a prompts file. JSONL when the name ends in `.jsonl` or the first non-blank line starts
-/// with `{`: each non-blank line is an object with `prompt` and optional `id`, `max_tokens`,
+/// with `{`: each non-blank line is an object with `prompt` (or a conversation, `messages`, as
+/// OpenAI's chat requests give it: a chat) and optional `id`, `max_tokens`,
 /// `ignore_eos`, `chat`, `system`, `stop` (string or list), `temperature`, `top_k`, `top_p`,
 /// `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`. Otherwise each
 /// non-blank line is a prompt, with `\n` and `\\` as escapes. The path `-` reads standard input
@@ -166,7 +234,13 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         if let Some(k) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
             return Err(at(format!("unknown key `{k}` (expected {})", KEYS.join(", "))));
         }
-        let text: String = field(&obj, "prompt").map_err(at)?.ok_or_else(|| at("no `prompt`".into()))?;
+        let messages = messages_field(&obj).map_err(at)?;
+        let text: Option<String> = field(&obj, "prompt").map_err(at)?;
+        let text = match (text, &messages) {
+            (Some(_), Some(_)) => return Err(at("a line has a `prompt` or `messages`, not both".into())),
+            (None, None) => return Err(at("no `prompt` (or `messages`)".into())),
+            (text, _) => text.unwrap_or_default(),
+        };
         let mut s = d.spec(n, index, text);
         s.id = obj.get("id").cloned();
         let get = |s: &mut PromptSpec| -> std::result::Result<(), String> {
@@ -182,6 +256,20 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         get(&mut s).map_err(at)?;
         if s.stop.iter().any(String::is_empty) {
             return Err(at("a stop string is empty".into()));
+        }
+        if let Some(mut messages) = messages {
+            if obj.contains_key("chat") && !s.chat {
+                return Err(at("`messages` is a chat: `chat` false does not go with it".into()));
+            }
+            if obj.contains_key("system") {
+                return Err(at("beside `messages`, the system message goes first in them".into()));
+            }
+            s.chat = true;
+            // The command's --system, before a conversation without a system message.
+            if let Some(system) = s.system.take().filter(|_| messages[0].0 != "system") {
+                messages.insert(0, ("system".into(), system));
+            }
+            s.messages = messages;
         }
         if s.system.is_some() && !s.chat {
             return Err(at("a system message needs `chat` (it goes into the chat template)".into()));
@@ -388,5 +476,44 @@ mod tests {
         std::fs::write(&jl, "{\"prompt\":\"a\",\"system\":\"be kind\",\"chat\":false}\n").unwrap();
         let e = read_prompts(&jl, &chat).unwrap_err().to_string();
         assert!(e.contains("p.jsonl:1:") && e.contains("a system message needs `chat`"), "{e}");
+    }
+
+    #[test]
+    fn conversations_in_jsonl_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let jl = dir.path().join("c.jsonl");
+        let read = |text: &str, d: &Defaults| {
+            std::fs::write(&jl, text).unwrap();
+            read_prompts(&jl, d).map_err(|e| e.to_string())
+        };
+        let turns = r#"[{"role":"user","content":"a"},{"role":"assistant","content":[{"type":"text","text":"b"}]},{"role":"user","content":"c"}]"#;
+        let owned = |m: &[(&str, &str)]| -> Vec<(String, String)> {
+            m.iter().map(|(r, c)| (r.to_string(), c.to_string())).collect()
+        };
+        // A conversation is a chat, with or without --chat; the command's system message goes
+        // first where it has none of its own.
+        let p = read(&format!("{{\"messages\":{turns},\"max_tokens\":3}}\n"), &defaults()).unwrap();
+        assert!(p[0].chat);
+        assert_eq!(p[0].messages, owned(&[("user", "a"), ("assistant", "b"), ("user", "c")]));
+        let chat = Defaults { chat: true, system: Some("be brief".into()), ..defaults() };
+        let own = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"a"}]}"#;
+        let p = read(&format!("{{\"messages\":{turns}}}\n{own}\n{{\"prompt\":\"q\"}}\n"), &chat).unwrap();
+        assert_eq!(p[0].messages[0], ("system".to_string(), "be brief".to_string()));
+        assert_eq!(p[0].messages.len(), 4);
+        assert_eq!(p[1].messages, owned(&[("system", "s"), ("user", "a")]));
+        assert_eq!((p[1].system.as_deref(), p[2].system.as_deref()), (None, Some("be brief")));
+        assert!(p[2].messages.is_empty());
+        for (line, want) in [
+            (format!(r#"{{"messages":{turns},"prompt":"a"}}"#), "a `prompt` or `messages`, not both"),
+            (format!(r#"{{"messages":{turns},"chat":false}}"#), "`chat` false does not go with it"),
+            (format!(r#"{{"messages":{turns},"system":"s"}}"#), "the system message goes first in them"),
+            (r#"{"messages":[]}"#.into(), "`messages` is empty"),
+            (r#"{"messages":[{"content":"a"}]}"#.into(), "`messages[0]` has no `role`"),
+            (r#"{"messages":"hi"}"#.into(), "`messages`: invalid type"),
+            (r#"{"max_tokens":3}"#.into(), "no `prompt` (or `messages`)"),
+        ] {
+            let e = read(&format!("{line}\n"), &defaults()).unwrap_err();
+            assert!(e.contains("c.jsonl:1: ") && e.contains(want), "{line}: {e}");
+        }
     }
 }

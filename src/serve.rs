@@ -12,7 +12,7 @@ use crate::engine::sampling::SamplingParams;
 use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
 use crate::error::Result;
 use crate::http;
-use crate::prompts::{field, sampling_fields, stop_field, TextTracker};
+use crate::prompts::{field, messages_field, sampling_fields, stop_field, TextTracker};
 use crate::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -181,45 +181,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             if obj.contains_key("prompt") {
                 return Err("`prompt` belongs to /v1/completions; here the conversation is `messages`".into());
             }
-            let msgs: Vec<Map<String, Value>> = field(&obj, "messages")?.ok_or("no `messages`")?;
-            if msgs.is_empty() {
-                return Err("`messages` is empty".into());
-            }
-            for (i, m) in msgs.iter().enumerate() {
-                let role = match m.get("role") {
-                    Some(Value::String(r)) => r.clone(),
-                    Some(_) => return Err(format!("`messages[{i}].role` must be a string")),
-                    None => return Err(format!("`messages[{i}]` has no `role`")),
-                };
-                let text = match m.get("content") {
-                    None | Some(Value::Null) => String::new(),
-                    Some(Value::String(t)) => t.clone(),
-                    Some(Value::Array(parts)) => {
-                        let mut text = String::new();
-                        for p in parts {
-                            match (
-                                p.get("type").and_then(Value::as_str),
-                                p.get("text").and_then(Value::as_str),
-                            ) {
-                                (Some("text"), Some(t)) => text.push_str(t),
-                                (kind, _) => {
-                                    return Err(format!(
-                                        "`messages[{i}]`: a content part of type {} (only text is read)",
-                                        kind.unwrap_or("(none)")
-                                    ))
-                                }
-                            }
-                        }
-                        text
-                    }
-                    Some(_) => {
-                        return Err(format!(
-                            "`messages[{i}].content` must be a string or a list of text parts"
-                        ))
-                    }
-                };
-                ask.messages.push((role, text));
-            }
+            ask.messages = messages_field(&obj)?.ok_or("no `messages`")?;
         }
     }
     let max: Option<usize> = field(&obj, "max_tokens")?;

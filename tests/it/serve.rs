@@ -407,6 +407,29 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     assert_eq!(both["choices"][1]["index"], 1);
     assert_ne!(texts[0], texts[1]);
     assert_eq!(both["usage"]["completion_tokens"], 48);
+
+    // A conversation of several turns: the answer `generate` gives it from a prompts file's
+    // `messages`, with the same prompt tokens.
+    let messages = json!([
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]);
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("chats.jsonl");
+    std::fs::write(&file, json!({"messages": messages, "max_tokens": 16}).to_string()).unwrap();
+    let mut cmd = launch_command(&["local", "2"]);
+    cmd.args(["generate", "--model", path_str(&dir), "--threads", "1", "--tp", "2", "--json"]);
+    cmd.args(["--prompts-file", path_str(&file)]);
+    let out = gridlm_reference::run_with_timeout(cmd, 300);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (status, v) = server.post("/v1/chat/completions", &json!({"messages": messages, "max_tokens": 16}));
+    assert_eq!(status, 200, "{v}");
+    let r = &g["results"][0];
+    assert_eq!(v["choices"][0]["message"]["content"], r["text"], "{g}");
+    assert_eq!(v["usage"]["prompt_tokens"], r["prompt_tokens"], "{g}");
 }
 
 /// Log-probabilities as OpenAI gives them, each token's those of `generate --logprobs 3
