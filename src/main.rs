@@ -17,7 +17,7 @@ use gridlm::grid::{Grid, ShardPlan};
 use gridlm::kernels::{dot, Fetch, ManyFetch, Quant, Streams};
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
-use gridlm::tokenizer::Tokenizer;
+use gridlm::tokenizer::{check_template_vars, TemplateVars, Tokenizer};
 use gridlm::weights::checkpoint::Checkpoint;
 use gridlm::weights::{as_loaded, convert, synthetic, DType, Source};
 use gridlm::{count, host};
@@ -77,6 +77,10 @@ struct ServeArgs {
     /// environment's GRIDLM_API_KEY, else none needed.
     #[arg(long, env = "GRIDLM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Further variables of the chat template for chat requests, a JSON object (a request's
+    /// `chat_template_kwargs` go over them): `{"enable_thinking": false}`, say.
+    #[arg(long, value_name = "JSON", value_parser = parse_template_vars)]
+    chat_template_kwargs: Option<TemplateVars>,
     /// A web origin (`http://localhost:3000`) whose pages may call the server from a browser
     /// (CORS); again for more, `*` for any. Default: none.
     #[arg(long = "allow-origin", value_name = "ORIGIN")]
@@ -269,6 +273,11 @@ struct GenerateArgs {
     /// A system message before the prompt in the chat template (with --chat).
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    /// Further variables of the chat template, a JSON object, as HF's apply_chat_template
+    /// takes them (`{"enable_thinking": false}`: Qwen3's and SmolLM3's answers without
+    /// thinking first).
+    #[arg(long, value_name = "JSON", value_parser = parse_template_vars)]
+    chat_template_kwargs: Option<TemplateVars>,
     /// Maximum number of new tokens.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -663,6 +672,14 @@ fn parse_fetch(s: &str) -> Result<Fetch, String> {
 fn parse_streams(s: &str) -> Result<Streams, String> {
     let names = Streams::ALL.map(Streams::name).join(" or ");
     Streams::parse(s).ok_or_else(|| format!("unknown streams way `{s}` (expected {names})"))
+}
+
+/// A JSON object of further chat template variables (`{"enable_thinking": false}`).
+fn parse_template_vars(s: &str) -> Result<TemplateVars, String> {
+    let vars: TemplateVars =
+        serde_json::from_str(s).map_err(|e| format!("not a JSON object of template variables: {e}"))?;
+    check_template_vars(&vars)?;
+    Ok(vars)
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -1295,6 +1312,7 @@ fn prepare_prompts(
         ignore_eos: a.ignore_eos,
         chat: a.chat,
         system: a.system.clone(),
+        template_vars: a.chat_template_kwargs.clone().unwrap_or_default(),
         stop: a.stop.clone(),
         params: params.clone(),
     };
@@ -1303,6 +1321,11 @@ fn prepare_prompts(
         (None, Some(f)) => read_prompts(f, &d)?,
         (None, None) => unreachable!("clap requires --prompt or --prompts-file"),
     };
+    if a.chat_template_kwargs.is_some() && !specs.iter().any(|s| s.chat) {
+        let msg =
+            "--chat-template-kwargs: no prompt is a chat (--chat, or a prompts file's `chat` or `messages`)";
+        return Err(gridlm::Error::Input(msg.into()));
+    }
     specs
         .into_iter()
         .map(|spec| {
@@ -1689,7 +1712,11 @@ fn run_serve(
         model: name.clone(),
         context,
         vocab: engine.shard.cfg.vocab_size,
-        defaults: serve::Defaults { max_tokens: a.max_tokens, params: params.clone() },
+        defaults: serve::Defaults {
+            max_tokens: a.max_tokens,
+            template_vars: a.chat_template_kwargs.clone().unwrap_or_default(),
+            params: params.clone(),
+        },
         tx,
         count: Default::default(),
         created: serve::now_s(),

@@ -4,7 +4,7 @@
 
 use crate::engine::sampling::SamplingParams;
 use crate::error::{Error, Result};
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::tokenizer::{check_template_vars, StreamDecoder, TemplateVars, Tokenizer};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -16,6 +16,8 @@ pub struct Defaults {
     pub chat: bool,
     /// A system message before the prompt in the chat template (with `chat` only).
     pub system: Option<String>,
+    /// Further variables of the chat template (`enable_thinking`, say).
+    pub template_vars: TemplateVars,
     pub stop: Vec<String>,
     pub params: SamplingParams,
 }
@@ -36,12 +38,14 @@ pub struct PromptSpec {
     pub ignore_eos: bool,
     pub chat: bool,
     pub system: Option<String>,
+    /// Further variables of the chat template: the command's, a line's over them.
+    pub template_vars: TemplateVars,
     pub stop: Vec<String>,
     pub params: SamplingParams,
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 16] = [
+const KEYS: [&str; 17] = [
     "prompt",
     "messages",
     "id",
@@ -49,6 +53,7 @@ const KEYS: [&str; 16] = [
     "ignore_eos",
     "chat",
     "system",
+    "chat_template_kwargs",
     "stop",
     "temperature",
     "top_k",
@@ -171,6 +176,7 @@ impl Defaults {
             ignore_eos: self.ignore_eos,
             chat: self.chat,
             system: self.system.clone(),
+            template_vars: self.template_vars.clone(),
             stop: self.stop.clone(),
             params,
         }
@@ -181,26 +187,27 @@ impl PromptSpec {
     /// The text the model reads: the prompt, or with `chat` the conversation through the
     /// model's chat template.
     pub fn rendered(&self, tok: &Tokenizer) -> Result<String> {
-        if !self.messages.is_empty() {
-            let messages: Vec<(&str, &str)> =
-                self.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            tok.render_chat(&messages)
-        } else if self.chat {
-            tok.apply_chat_template(self.system.as_deref(), &self.text)
-        } else {
-            Ok(self.text.clone())
+        if !self.chat {
+            return Ok(self.text.clone());
         }
+        let messages: Vec<(&str, &str)> = if self.messages.is_empty() {
+            let system = self.system.as_deref().map(|s| ("system", s));
+            system.into_iter().chain([("user", self.text.as_str())]).collect()
+        } else {
+            self.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect()
+        };
+        tok.render_chat(&messages, &self.template_vars)
     }
 }
 
 /// Reads a prompts file. JSONL when the name ends in `.jsonl` or the first non-blank line starts
 /// with `{`: each non-blank line is an object with `prompt` (or a conversation, `messages`, as
-/// OpenAI's chat requests give it: a chat) and optional `id`, `max_tokens`,
-/// `ignore_eos`, `chat`, `system`, `stop` (string or list), `temperature`, `top_k`, `top_p`,
-/// `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`. Otherwise each
-/// non-blank line is a prompt, with `\n` and `\\` as escapes. The path `-` reads standard input
-/// (under mpirun, the first rank's, where the prompts are read). Errors name the file (or `stdin`)
-/// and line.
+/// OpenAI's chat requests give it: a chat) and optional `id`, `max_tokens`, `ignore_eos`,
+/// `chat`, `system`, `chat_template_kwargs`, `stop` (string or list), `temperature`, `top_k`,
+/// `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`.
+/// Otherwise each non-blank line is a prompt, with `\n` and `\\` as escapes. The path `-`
+/// reads standard input (under mpirun, the first rank's, where the prompts are read). Errors
+/// name the file (or `stdin`) and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
     let (name, bytes) = if path == Path::new("-") {
         let mut bytes = Vec::new();
@@ -248,6 +255,10 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             s.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(s.ignore_eos);
             s.chat = field(&obj, "chat")?.unwrap_or(s.chat);
             s.system = field(&obj, "system")?.or(s.system.take());
+            if let Some(vars) = field::<TemplateVars>(&obj, "chat_template_kwargs")? {
+                check_template_vars(&vars).map_err(|e| format!("`chat_template_kwargs`: {e}"))?;
+                s.template_vars.extend(vars);
+            }
             if let Some(stop) = stop_field(&obj)? {
                 s.stop = stop;
             }
@@ -273,6 +284,9 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         }
         if s.system.is_some() && !s.chat {
             return Err(at("a system message needs `chat` (it goes into the chat template)".into()));
+        }
+        if obj.contains_key("chat_template_kwargs") && !s.chat {
+            return Err(at("`chat_template_kwargs` needs `chat` (they go into the chat template)".into()));
         }
         out.push(s);
     }
@@ -408,6 +422,7 @@ mod tests {
             ignore_eos: false,
             chat: false,
             system: None,
+            template_vars: TemplateVars::new(),
             stop: vec![],
             params: SamplingParams { seed: 100, ..Default::default() },
         }
@@ -503,7 +518,24 @@ mod tests {
         assert_eq!(p[1].messages, owned(&[("system", "s"), ("user", "a")]));
         assert_eq!((p[1].system.as_deref(), p[2].system.as_deref()), (None, Some("be brief")));
         assert!(p[2].messages.is_empty());
+        // Template variables: the command's, a line's over them.
+        let thinking = Defaults {
+            template_vars: serde_json::from_value(serde_json::json!({"enable_thinking": true, "x": 1}))
+                .unwrap(),
+            ..chat.clone()
+        };
+        let off = r#"{"prompt":"q","chat_template_kwargs":{"enable_thinking":false}}"#;
+        let p = read(&format!("{off}\n{{\"prompt\":\"q\"}}\n"), &thinking).unwrap();
+        let vars = |i: usize| serde_json::Value::Object(p[i].template_vars.clone());
+        assert_eq!(vars(0), serde_json::json!({"enable_thinking": false, "x": 1}));
+        assert_eq!(vars(1), serde_json::json!({"enable_thinking": true, "x": 1}));
         for (line, want) in [
+            (
+                r#"{"prompt":"q","chat_template_kwargs":{"add_generation_prompt":false}}"#.into(),
+                "is set by gridlm",
+            ),
+            (r#"{"prompt":"q","chat_template_kwargs":"x"}"#.into(), "`chat_template_kwargs`: invalid type"),
+            (r#"{"prompt":"q","chat_template_kwargs":{}}"#.into(), "`chat_template_kwargs` needs `chat`"),
             (format!(r#"{{"messages":{turns},"prompt":"a"}}"#), "a `prompt` or `messages`, not both"),
             (format!(r#"{{"messages":{turns},"chat":false}}"#), "`chat` false does not go with it"),
             (format!(r#"{{"messages":{turns},"system":"s"}}"#), "the system message goes first in them"),

@@ -13,7 +13,7 @@ use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Tr
 use crate::error::Result;
 use crate::http;
 use crate::prompts::{field, messages_field, sampling_fields, stop_field, TextTracker};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{check_template_vars, TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -40,6 +40,9 @@ pub struct Ask {
     pub prompts: Vec<String>,
     pub token_prompts: Vec<Vec<u32>>,
     pub messages: Vec<(String, String)>,
+    /// Chat: further variables of the chat template (`chat_template_kwargs`, over the
+    /// server's).
+    pub template_vars: TemplateVars,
     /// Completions of each prompt (`n`); the `j`-th samples with seed + `j`.
     pub n: usize,
     pub max_tokens: usize,
@@ -61,12 +64,14 @@ pub struct Ask {
 #[derive(Debug, Clone)]
 pub struct Defaults {
     pub max_tokens: usize,
+    /// Further variables of the chat template (`--chat-template-kwargs`).
+    pub template_vars: TemplateVars,
     /// The seed of request `n` without its own is `params.seed + n`.
     pub params: SamplingParams,
 }
 
 /// Keys a request may have.
-const KEYS: [&str; 22] = [
+const KEYS: [&str; 23] = [
     "model",
     "prompt",
     "messages",
@@ -89,6 +94,7 @@ const KEYS: [&str; 22] = [
     "logprobs",
     "echo",
     "top_logprobs",
+    "chat_template_kwargs",
 ];
 
 /// Whether a setting's value asks for nothing beyond a request without it.
@@ -142,6 +148,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         prompts: Vec::new(),
         token_prompts: Vec::new(),
         messages: Vec::new(),
+        template_vars: d.template_vars.clone(),
         n: 1,
         max_tokens: d.max_tokens,
         ignore_eos: false,
@@ -154,8 +161,11 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     };
     match kind {
         Kind::Completion => {
-            if obj.contains_key("messages") {
-                return Err("`messages` belongs to /v1/chat/completions; here the prompt is `prompt`".into());
+            for key in ["messages", "chat_template_kwargs"] {
+                if obj.contains_key(key) {
+                    let msg = "belongs to /v1/chat/completions; here the prompt is `prompt`";
+                    return Err(format!("`{key}` {msg}"));
+                }
             }
             // Token ids: a non-empty list of numbers that fit a u32.
             let ids = |v: &Value| -> Option<Vec<u32>> {
@@ -182,6 +192,11 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
                 return Err("`prompt` belongs to /v1/completions; here the conversation is `messages`".into());
             }
             ask.messages = messages_field(&obj)?.ok_or("no `messages`")?;
+            // vLLM's key, which clients send (`extra_body`) to turn a template's thinking off.
+            if let Some(vars) = field::<TemplateVars>(&obj, "chat_template_kwargs")? {
+                check_template_vars(&vars).map_err(|e| format!("`chat_template_kwargs`: {e}"))?;
+                ask.template_vars.extend(vars);
+            }
         }
     }
     let max: Option<usize> = field(&obj, "max_tokens")?;
@@ -984,7 +999,7 @@ fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, St
         Kind::Chat => {
             let msgs: Vec<(&str, &str)> =
                 ask.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            vec![(front.tok.render_chat(&msgs).map_err(|e| e.to_string())?, false)]
+            vec![(front.tok.render_chat(&msgs, &ask.template_vars).map_err(|e| e.to_string())?, false)]
         }
     };
     let many = texts.len() > 1;
@@ -1345,7 +1360,8 @@ mod tests {
     use super::*;
 
     fn defaults() -> Defaults {
-        Defaults { max_tokens: 32, params: SamplingParams { seed: 100, ..Default::default() } }
+        let template_vars = serde_json::from_value(json!({"enable_thinking": true, "x": 1})).unwrap();
+        Defaults { max_tokens: 32, template_vars, params: SamplingParams { seed: 100, ..Default::default() } }
     }
 
     fn ask(kind: Kind, body: &str) -> std::result::Result<Ask, String> {
@@ -1417,6 +1433,22 @@ mod tests {
         ] {
             assert_eq!(ask(kind, &body).unwrap().logprobs, want, "{body}");
         }
+    }
+
+    #[test]
+    fn chat_template_variables_go_over_the_server_s() {
+        let a = ask(Kind::Chat, r#"{"messages":[{"role":"user","content":"a"}]}"#).unwrap();
+        assert_eq!(Value::Object(a.template_vars), json!({"enable_thinking": true, "x": 1}));
+        let body = r#"{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"enable_thinking":false}}"#;
+        let a = ask(Kind::Chat, body).unwrap();
+        assert_eq!(Value::Object(a.template_vars), json!({"enable_thinking": false, "x": 1}));
+        let e = ask(Kind::Completion, r#"{"prompt":"a","chat_template_kwargs":{}}"#).unwrap_err();
+        assert!(e.contains("`chat_template_kwargs` belongs to /v1/chat/completions"), "{e}");
+        let body = r#"{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"messages":[]}}"#;
+        let e = ask(Kind::Chat, body).unwrap_err();
+        assert!(e.starts_with("`chat_template_kwargs`: `messages` is set by gridlm"), "{e}");
+        let body = r#"{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":[1]}"#;
+        assert!(ask(Kind::Chat, body).unwrap_err().starts_with("`chat_template_kwargs`: invalid type"));
     }
 
     #[test]

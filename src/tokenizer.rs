@@ -125,12 +125,14 @@ impl Tokenizer {
     pub fn apply_chat_template(&self, system: Option<&str>, user: &str) -> Result<String> {
         let system = system.map(|s| ("system", s));
         let messages: Vec<(&str, &str)> = system.into_iter().chain([("user", user)]).collect();
-        self.render_chat(&messages)
+        self.render_chat(&messages, &TemplateVars::new())
     }
 
     /// A conversation of `(role, content)` messages through the model's chat template, with the
-    /// prompt for the assistant's next turn, ready for generation.
-    pub fn render_chat(&self, messages: &[(&str, &str)]) -> Result<String> {
+    /// prompt for the assistant's next turn, ready for generation; `vars` are further variables
+    /// the template reads (as HF's `apply_chat_template` takes them: `enable_thinking`, say),
+    /// over the special tokens'.
+    pub fn render_chat(&self, messages: &[(&str, &str)], vars: &TemplateVars) -> Result<String> {
         let (tpl, tpl_path) = self.chat_template.as_ref().ok_or_else(|| {
             let cfg_path = self.path.with_file_name("tokenizer_config.json");
             let msg = "no `chat_template` here, in chat_template.jinja or in chat_template.json: a chat \
@@ -157,16 +159,33 @@ impl Tokenizer {
         let bad = |e: minijinja::Error| Error::file(tpl_path, format!("chat_template: {e}"));
         env.add_template("chat", tpl).map_err(bad)?;
         let t = env.get_template("chat").map_err(bad)?;
+        let mut more = TemplateVars::new();
+        for (name, token) in [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)] {
+            more.insert(name.into(), token.clone().unwrap_or_default().into());
+        }
+        more.extend(vars.iter().map(|(k, v)| (k.clone(), v.clone())));
         t.render(minijinja::context! {
             messages => messages
                 .iter()
                 .map(|&(role, content)| minijinja::context! { role => role, content => content })
                 .collect::<Vec<_>>(),
             add_generation_prompt => true,
-            bos_token => self.bos_token.clone().unwrap_or_default(),
-            eos_token => self.eos_token.clone().unwrap_or_default(),
+            ..minijinja::Value::from_serialize(&more)
         })
         .map_err(bad)
+    }
+}
+
+/// Variables a chat template reads beside the conversation (HF's `apply_chat_template`
+/// keyword arguments), by name.
+pub type TemplateVars = serde_json::Map<String, serde_json::Value>;
+
+/// `vars` checked as a chat template's further variables: none of them one gridlm sets for every
+/// prompt (`messages`, `add_generation_prompt`); the error names it.
+pub fn check_template_vars(vars: &TemplateVars) -> std::result::Result<(), String> {
+    match vars.keys().find(|k| matches!(k.as_str(), "messages" | "add_generation_prompt")) {
+        Some(k) => Err(format!("`{k}` is set by gridlm for every chat, not by a template variable")),
+        None => Ok(()),
     }
 }
 
@@ -294,6 +313,32 @@ mod tests {
         let cfg = serde_json::json!({"chat_template": template, "bos_token": "<bos>", "eos_token": "<eos>"});
         std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
         Tokenizer::from_dir(dir).unwrap()
+    }
+
+    /// Further variables reach the template as HF's `apply_chat_template` passes its keyword
+    /// arguments (a thinking model's switch, say), over the special tokens; those gridlm sets
+    /// for every chat are refused.
+    #[test]
+    fn template_variables_reach_the_template() {
+        let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>\
+                        {% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}\
+                        {{ eos_token }}";
+        let dir = tempfile::tempdir().unwrap();
+        let t = tokenizer_with(dir.path(), template);
+        let vars = |v: serde_json::Value| -> TemplateVars { serde_json::from_value(v).unwrap() };
+        let render = |v: serde_json::Value| t.render_chat(&[("user", "hi")], &vars(v)).unwrap();
+        assert_eq!(render(serde_json::json!({})), "<user>hi<assistant><eos>");
+        assert_eq!(render(serde_json::json!({"enable_thinking": true})), "<user>hi<assistant><eos>");
+        assert_eq!(
+            render(serde_json::json!({"enable_thinking": false})),
+            "<user>hi<assistant><think></think><eos>"
+        );
+        assert_eq!(render(serde_json::json!({"eos_token": "</s>"})), "<user>hi<assistant></s>");
+        for name in ["messages", "add_generation_prompt"] {
+            let e = check_template_vars(&vars(serde_json::json!({ name: 1 }))).unwrap_err();
+            assert_eq!(e, format!("`{name}` is set by gridlm for every chat, not by a template variable"));
+        }
+        assert!(check_template_vars(&vars(serde_json::json!({"enable_thinking": false}))).is_ok());
     }
 
     /// The template is found where HF finds it: chat_template.jinja before chat_template.json

@@ -248,6 +248,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_up_to_near_ties() {
         ignore_eos: false,
         chat: false,
         system: None,
+        template_vars: Default::default(),
         stop: Vec::new(),
         params: SamplingParams::default(),
     };
