@@ -141,6 +141,18 @@ pub(crate) fn messages_field(
     Ok(Some(out))
 }
 
+/// The chat template variables of a JSON object's `chat_template_kwargs`, if it has them,
+/// checked.
+pub(crate) fn template_vars_field(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<Option<TemplateVars>, String> {
+    let vars = field::<TemplateVars>(obj, "chat_template_kwargs")?;
+    if let Some(v) = &vars {
+        check_template_vars(v).map_err(|e| format!("`chat_template_kwargs`: {e}"))?;
+    }
+    Ok(vars)
+}
+
 /// The sampling settings a JSON object gives (`temperature`, `top_k`, `top_p`, `min_p`,
 /// `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`) over those of `p`,
 /// checked.
@@ -255,10 +267,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             s.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(s.ignore_eos);
             s.chat = field(&obj, "chat")?.unwrap_or(s.chat);
             s.system = field(&obj, "system")?.or(s.system.take());
-            if let Some(vars) = field::<TemplateVars>(&obj, "chat_template_kwargs")? {
-                check_template_vars(&vars).map_err(|e| format!("`chat_template_kwargs`: {e}"))?;
-                s.template_vars.extend(vars);
-            }
+            s.template_vars.extend(template_vars_field(&obj)?.unwrap_or_default());
             if let Some(stop) = stop_field(&obj)? {
                 s.stop = stop;
             }

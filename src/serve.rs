@@ -12,8 +12,8 @@ use crate::engine::sampling::SamplingParams;
 use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
 use crate::error::Result;
 use crate::http;
-use crate::prompts::{field, messages_field, sampling_fields, stop_field, TextTracker};
-use crate::tokenizer::{check_template_vars, TemplateVars, Tokenizer};
+use crate::prompts::{field, messages_field, sampling_fields, stop_field, template_vars_field, TextTracker};
+use crate::tokenizer::{TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -193,10 +193,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             }
             ask.messages = messages_field(&obj)?.ok_or("no `messages`")?;
             // vLLM's key, which clients send (`extra_body`) to turn a template's thinking off.
-            if let Some(vars) = field::<TemplateVars>(&obj, "chat_template_kwargs")? {
-                check_template_vars(&vars).map_err(|e| format!("`chat_template_kwargs`: {e}"))?;
-                ask.template_vars.extend(vars);
-            }
+            ask.template_vars.extend(template_vars_field(&obj)?.unwrap_or_default());
         }
     }
     let max: Option<usize> = field(&obj, "max_tokens")?;
@@ -764,12 +761,83 @@ fn model_object(front: &Front) -> Value {
     json!({"id": front.model, "object": "model", "created": front.created, "owned_by": "gridlm"})
 }
 
+/// Answers vLLM's `/tokenize` (a prompt, or a chat through the template, as token ids, their
+/// count and the context) or `/detokenize` (token ids as text), `url` saying which; a bad
+/// request gets 400 naming what is wrong.
+fn tokens(mut req: http::Request, front: &Front, url: &str) {
+    let body = match std::mem::replace(&mut req.body, Ok(Vec::new())) {
+        Ok(body) => body,
+        Err((status, why)) => return refuse(front, req, url, status, &why),
+    };
+    let answer = if url == "/tokenize" { tokenize(&body, front) } else { detokenize(&body, front) };
+    match answer {
+        Ok(v) => reply_json(req, 200, &v),
+        Err(e) => refuse(front, req, url, 400, &e),
+    }
+}
+
+/// The JSON object of a request's `body`, with none but the keys `takes`.
+fn object_of(body: &[u8], takes: &[&str]) -> std::result::Result<Map<String, Value>, String> {
+    let obj: Map<String, Value> =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
+    match obj.keys().find(|k| !takes.contains(&k.as_str())) {
+        Some(k) => Err(format!("unknown key `{k}` (expected {})", takes.join(", "))),
+        None => Ok(obj),
+    }
+}
+
+/// `/tokenize`: `prompt` encoded as a completion's is (`add_special_tokens`, default true), or
+/// `messages` through the chat template as a chat request's are (`chat_template_kwargs`).
+fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
+    let keys = [
+        "model",
+        "prompt",
+        "add_special_tokens",
+        "messages",
+        "add_generation_prompt",
+        "chat_template_kwargs",
+    ];
+    let obj = object_of(body, &keys)?;
+    let (text, special) = match (obj.get("prompt"), messages_field(&obj)?) {
+        (Some(_), Some(_)) => return Err("a `prompt` or `messages`, not both".into()),
+        (None, None) => return Err("no `prompt` (or `messages`)".into()),
+        (Some(Value::String(p)), None) => (p.clone(), field(&obj, "add_special_tokens")?.unwrap_or(true)),
+        (Some(_), None) => return Err("`prompt` must be a string".into()),
+        (None, Some(messages)) => {
+            if field::<bool>(&obj, "add_generation_prompt")? == Some(false) {
+                let msg = "`add_generation_prompt`: gridlm's chats end with the prompt for the answer";
+                return Err(msg.into());
+            }
+            let mut vars = front.defaults.template_vars.clone();
+            vars.extend(template_vars_field(&obj)?.unwrap_or_default());
+            let msgs: Vec<(&str, &str)> = messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+            (front.tok.render_chat(&msgs, &vars).map_err(|e| e.to_string())?, false)
+        }
+    };
+    let ids = front.tok.encode(&text, special).map_err(|e| e.to_string())?;
+    Ok(json!({"count": ids.len(), "max_model_len": front.context, "tokens": ids}))
+}
+
+/// `/detokenize`: `tokens` as text, special tokens written.
+fn detokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
+    let obj = object_of(body, &["model", "tokens"])?;
+    let ids: Vec<u64> = field(&obj, "tokens")?.ok_or("no `tokens`")?;
+    let ids: Vec<u32> = ids
+        .iter()
+        .map(|&t| match u32::try_from(t) {
+            Ok(t) if (t as usize) < front.vocab => Ok(t),
+            _ => Err(format!("`tokens`: token id {t} is outside the vocabulary ({} tokens)", front.vocab)),
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    Ok(json!({"prompt": front.tok.decode_as(&ids, false).map_err(|e| e.to_string())?}))
+}
+
 /// The methods the path `url` takes, or `None` where it is no endpoint.
 fn takes(url: &str) -> Option<&'static str> {
     match url {
         "/health" | "/metrics" | "/v1/models" => Some("GET, HEAD, OPTIONS"),
         u if u.starts_with("/v1/models/") => Some("GET, HEAD, OPTIONS"),
-        "/v1/completions" | "/v1/chat/completions" => Some("POST, OPTIONS"),
+        "/v1/completions" | "/v1/chat/completions" | "/tokenize" | "/detokenize" => Some("POST, OPTIONS"),
         _ => None,
     }
 }
@@ -855,11 +923,13 @@ fn answer(mut req: http::Request, front: &Front) {
             };
             return refuse(front, req, &url, status, &what);
         }
+        ("POST", "/tokenize" | "/detokenize") => return tokens(req, front, &url),
         ("POST", "/v1/completions") => Kind::Completion,
         ("POST", "/v1/chat/completions") => Kind::Chat,
         (_, u) => {
             let Some(methods) = takes(u) else {
-                let known = "/v1/completions, /v1/chat/completions, /v1/models, /metrics and /health";
+                let known = "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, \
+                             /metrics and /health";
                 return refuse(front, req, &url, 404, &format!("no endpoint {url} (there are {known})"));
             };
             let msg = format!("{url} does not take {}", req.method());

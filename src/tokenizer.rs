@@ -74,9 +74,15 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The text of `ids`, special tokens left out.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.decode_as(ids, true)
+    }
+
+    /// The text of `ids`, special tokens left out or not.
+    pub fn decode_as(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner
-            .decode(ids, true)
+            .decode(ids, skip_special)
             .map_err(|e| Error::file(&self.path, format!("cannot decode tokens: {e}")))
     }
 

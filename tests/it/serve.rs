@@ -237,6 +237,23 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
     assert!(other.contains("no model gpt-4o (this server has SmolLM2-135M-Instruct-bf16)"), "{other}");
     assert_eq!(server.http("POST", "/v1/models/SmolLM2-135M-Instruct-bf16", "").0, 405);
     assert_eq!(server.http("GET", "/health", "").0, 200);
+    // vLLM's /tokenize and /detokenize: a prompt's tokens as a completion's, a chat's as a chat
+    // request's, and their text back, special tokens written.
+    let ids = |v: &Value| -> Vec<u32> {
+        v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+    let (status, v) = server.post("/tokenize", &json!({"prompt": TEXTS[0]}));
+    assert_eq!((status, ids(&v)), (200, tok.encode(TEXTS[0], true).unwrap()), "{v}");
+    assert_eq!(v["count"], tok.encode(TEXTS[0], true).unwrap().len());
+    let chat = json!({"messages": [{"role": "user", "content": chat_prompt}]});
+    let (status, v) = server.post("/tokenize", &chat);
+    assert_eq!((status, ids(&v)), (200, chat_ids.clone()), "{v}");
+    let (status, v) = server.post("/detokenize", &json!({"tokens": chat_ids}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["prompt"], tok.apply_chat_template(None, chat_prompt).unwrap());
+    let (status, v) = server.post("/detokenize", &json!({"tokens": [49152]}));
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("outside the vocabulary"), "{v}");
 
     // One at a time (each after the ranks went to sleep), then all at once.
     for (t, w) in TEXTS.iter().zip(&want).take(2) {
