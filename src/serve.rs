@@ -915,7 +915,8 @@ fn answer(mut req: http::Request, front: &Front) {
         }
         // One model by its id (OpenAI's retrieve).
         (m, u) if u.starts_with("/v1/models/") => {
-            let name = &u["/v1/models/".len()..];
+            // The name as the client wrote it, before a URL's escapes (`org%2Fname`).
+            let name = percent_encoding::percent_decode_str(&u["/v1/models/".len()..]).decode_utf8_lossy();
             let (status, what) = match (name == front.model, m) {
                 (true, "GET") => return reply_json(req, 200, &model_object(front)),
                 (true, m) => (405, format!("{url} does not take {m}")),

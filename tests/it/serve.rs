@@ -550,7 +550,13 @@ fn logprobs_as_generate(server: &Server, prompt: &str, g: &Value) {
 fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() {
     let dir = smollm2("bf16");
     let env = [("GRIDLM_TEST_SERVE_PANIC", "/v1/fail")];
-    let args = ["--api-key", "secret", "--max-in-flight", "1", "--allow-origin", "http://LocalHost:3000"];
+    let args = [
+        ["--api-key", "secret"],
+        ["--max-in-flight", "1"],
+        ["--allow-origin", "http://LocalHost:3000"],
+        ["--name", "org/Small LM"],
+    ]
+    .concat();
     let mut server = Server::start_with(1, &dir, &args, &env);
     let ask = json!({"prompt": "The capital of France is", "max_tokens": 3});
     for key in [None, Some("wrong")] {
@@ -677,6 +683,11 @@ fn serve_checks_the_api_key_and_turns_away_requests_beyond_the_most_in_flight() 
     assert!(got.starts_with("HTTP/1.1 200 ") && got.contains("\r\nAllow: GET, HEAD, OPTIONS\r\n"), "{got}");
     let got = server.raw("DELETE /v1/completions HTTP/1.1\r\nAuthorization: Bearer secret", "");
     assert!(got.starts_with("HTTP/1.1 405 ") && got.contains("\r\nAllow: POST, OPTIONS\r\n"), "{got}");
+    // A model's name as clients write it into a URL, escaped (OpenAI's `models.retrieve`) or not.
+    for path in ["/v1/models/org%2FSmall%20LM", "/v1/models/org/Small%20LM"] {
+        let (status, v) = server.http("GET", path, "");
+        assert!(status == 200 && v.contains(r#""id":"org/Small LM""#), "{path}: {v}");
+    }
     // HEAD is answered as GET, without the body.
     let got = server.raw("HEAD /health HTTP/1.1", "");
     assert!(got.starts_with("HTTP/1.1 200 ") && got.ends_with("Content-Length: 15\r\n\r\n"), "{got}");
