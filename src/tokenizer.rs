@@ -25,6 +25,89 @@ fn byte_of_char(c: char) -> Option<u8> {
     (0..256u32).filter(|&b| !printable(b)).nth((c - 256) as usize).map(|b| b as u8)
 }
 
+/// GPT-2's one special token, its tokenizer's default beginning, end and unknown token.
+const GPT2_SPECIAL: &str = "<|endoftext|>";
+
+/// GPT-2's byte-level BPE from the files its tokenizer was saved as before tokenizer.json
+/// (`vocab.json`, `merges.txt`), built as HF's `GPT2TokenizerFast` builds it from them: the
+/// byte-level pre-tokenizer (a space before the text where `add_prefix_space`), BPE, the
+/// beginning token first where `add_bos_token`; the added tokens of `added_tokens_decoder`, and
+/// the special tokens the config names (`<|endoftext|>` where it names none). Other tokenizers
+/// saved so (Qwen2's, CodeGen's) split text otherwise, so the config must name GPT-2's class
+/// (or name none, in a GPT-2 model's folder).
+fn gpt2_files(dir: &Path, cfg: &serde_json::Value, cfg_path: &Path) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::{decoders, pre_tokenizers::byte_level::ByteLevel, processors, AddedToken};
+    let vocab = dir.join("vocab.json");
+    let class = cfg.get("tokenizer_class").and_then(|c| c.as_str());
+    let model_type = || -> Option<String> {
+        let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        v.get("model_type")?.as_str().map(String::from)
+    };
+    let gpt2 = match class {
+        Some(c) => matches!(c, "GPT2Tokenizer" | "GPT2TokenizerFast"),
+        None => model_type().as_deref() == Some("gpt2"),
+    };
+    if !gpt2 {
+        let what = class.map_or_else(|| "names no tokenizer_class".to_string(), |c| format!("names {c}"));
+        let msg = format!(
+            "not found; vocab.json and merges.txt gridlm reads only as GPT-2's tokenizer, and {} {what}: \
+             HF's tokenizers write a tokenizer.json of them (`AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`)",
+            cfg_path.display()
+        );
+        return Err(Error::file(&dir.join("tokenizer.json"), msg));
+    }
+    let text = |p: &Path| p.to_str().map(String::from).ok_or_else(|| Error::file(p, "not a UTF-8 path"));
+    let bpe = tokenizers::models::bpe::BPE::from_file(&text(&vocab)?, &text(&dir.join("merges.txt"))?)
+        .build()
+        .map_err(|e| {
+            crate::weights::unreadable(&vocab, || format!("with merges.txt, not GPT-2's BPE: {e}"))
+        })?;
+    let flag = |key: &str| cfg.get(key).and_then(|v| v.as_bool()).unwrap_or(false);
+    let mut tok = tokenizers::Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::new(flag("add_prefix_space"), true, true)));
+    tok.with_decoder(Some(decoders::byte_level::ByteLevel::default()));
+    let bos = token_str(cfg.get("bos_token")).unwrap_or_else(|| GPT2_SPECIAL.into());
+    if flag("add_bos_token") {
+        let id = tok
+            .token_to_id(&bos)
+            .ok_or_else(|| Error::file(cfg_path, format!("bos_token {bos} is not in vocab.json")))?;
+        let template = processors::template::TemplateProcessing::builder()
+            .try_single(format!("{bos}:0 $A:0"))
+            .and_then(|t| t.try_pair(format!("{bos}:0 $A:0 {bos}:1 $B:1")))
+            .map_err(|e| Error::file(cfg_path, format!("add_bos_token: {e}")))?
+            .special_tokens(vec![(bos.clone(), id)])
+            .build()
+            .map_err(|e| Error::file(cfg_path, format!("add_bos_token: {e}")))?;
+        tok.with_post_processor(Some(template));
+    } else {
+        tok.with_post_processor(Some(processors::byte_level::ByteLevel::new(true, false, true)));
+    }
+    if let Some(added) = cfg.get("added_tokens_decoder").and_then(|a| a.as_object()) {
+        for (id, t) in added {
+            let t: AddedToken = serde_json::from_value(t.clone())
+                .map_err(|e| Error::file(cfg_path, format!("added_tokens_decoder {id}: {e}")))?;
+            if t.special {
+                tok.add_special_tokens(&[t]);
+            } else {
+                tok.add_tokens(&[t]);
+            }
+        }
+    }
+    // As GPT2Tokenizer takes them: each of the beginning, end and unknown tokens
+    // `<|endoftext|>` unless the config names another; padding only where it names one.
+    let named =
+        ["bos_token", "eos_token", "unk_token"].map(|k| token_str(cfg.get(k)).unwrap_or(GPT2_SPECIAL.into()));
+    let specials: Vec<AddedToken> = named
+        .into_iter()
+        .chain(token_str(cfg.get("pad_token")))
+        .filter(|t| tok.token_to_id(t).is_some())
+        .map(|t| AddedToken::from(t, true))
+        .collect();
+    tok.add_special_tokens(&specials);
+    Ok(tok)
+}
+
 /// A special token in tokenizer_config.json: a string or `{"content": "..."}`.
 fn token_str(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
@@ -36,8 +119,27 @@ fn token_str(v: Option<&serde_json::Value>) -> Option<String> {
 
 impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("tokenizer.json");
-        if !path.exists() {
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| Error::file(&cfg_path, format!("invalid JSON: {e}")))?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let mut path = dir.join("tokenizer.json");
+        let (mut bos_token, mut eos_token) =
+            (token_str(cfg.get("bos_token")), token_str(cfg.get("eos_token")));
+        let inner = if path.exists() {
+            tokenizers::Tokenizer::from_file(&path)
+                .map_err(|e| crate::weights::unreadable(&path, || format!("invalid tokenizer: {e}")))?
+        } else if dir.join("vocab.json").exists() && dir.join("merges.txt").exists() {
+            // GPT-2's tokenizer as saved before tokenizer.json: its special tokens are
+            // `<|endoftext|>` unless the config names others.
+            let tok = gpt2_files(dir, &cfg, &cfg_path)?;
+            bos_token.get_or_insert_with(|| GPT2_SPECIAL.into());
+            eos_token.get_or_insert_with(|| GPT2_SPECIAL.into());
+            path = dir.join("vocab.json");
+            tok
+        } else {
             let hint = if dir.join("tokenizer.model").exists() {
                 "; its tokenizer.model (SentencePiece's file) gridlm does not read: HF's tokenizers write a tokenizer.json of it (`AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`)"
             } else {
@@ -47,21 +149,13 @@ impl Tokenizer {
                 &path,
                 format!("not found: the model folder needs a tokenizer.json{hint}"),
             ));
-        }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| crate::weights::unreadable(&path, || format!("invalid tokenizer: {e}")))?;
-        let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
-            Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| Error::file(&cfg_path, format!("invalid JSON: {e}")))?,
-            Err(_) => serde_json::Value::Null,
         };
         Ok(Tokenizer {
             inner,
             path,
             chat_template: chat_template(dir, &cfg, &cfg_path)?,
-            bos_token: token_str(cfg.get("bos_token")),
-            eos_token: token_str(cfg.get("eos_token")),
+            bos_token,
+            eos_token,
         })
     }
 

@@ -362,6 +362,67 @@ fn real_vocabularies_encode_as_hf_tokenizers_do() {
     }
 }
 
+/// GPT-2's tokenizer saved as `vocab.json` and `merges.txt` alone (no tokenizer.json, as
+/// transformers saved it before tokenizer.json): read as HF's `GPT2Tokenizer` reads them, it
+/// encodes llama.cpp's test strings into the ids HF's tokenizer gave them (transformers 5.25
+/// from these two files gave the same, checked by hand), `<|endoftext|>` a special token and the
+/// end of text; another tokenizer class saved so is refused, naming it.
+#[test]
+fn gpt2_vocab_and_merges_encode_as_hf_tokenizers_do() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fetched = Command::new(root.join("launch/get-vocabs")).output().unwrap();
+    assert!(fetched.status.success(), "{}", String::from_utf8_lossy(&fetched.stderr));
+    let gguf = PathBuf::from(String::from_utf8(fetched.stdout).unwrap().trim()).join("ggml-vocab-gpt-2.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    let json_dir = tmp.path().join("json");
+    let out = gridlm(&["convert", "--vocab-only", "--gguf", path_str(&gguf), "--out", path_str(&json_dir)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The vocabulary and merges of the converted tokenizer.json, as GPT-2's files hold them.
+    let t: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(json_dir.join("tokenizer.json")).unwrap()).unwrap();
+    let dir = tmp.path().join("slow");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("vocab.json"), t["model"]["vocab"].to_string()).unwrap();
+    let merges: Vec<String> = t["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            m.as_str().map_or_else(
+                || format!("{} {}", m[0].as_str().unwrap(), m[1].as_str().unwrap()),
+                String::from,
+            )
+        })
+        .collect();
+    std::fs::write(dir.join("merges.txt"), format!("#version: 0.2\n{}\n", merges.join("\n"))).unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
+    let tok = gridlm::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    let read = |ext: &str| std::fs::read_to_string(format!("{}{ext}", gguf.display())).unwrap();
+    let (texts, ids) = (read(".inp"), read(".out"));
+    let texts: Vec<&str> = texts.split_terminator("\n__ggml_vocab_test__\n").collect();
+    let ids: Vec<Vec<u32>> =
+        ids.lines().map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect()).collect();
+    assert!(texts.len() >= 40 && ids.len() == texts.len());
+    for (text, want) in texts.iter().zip(&ids) {
+        assert_eq!(&tok.encode(text, true).unwrap(), want, "{text:?}");
+    }
+    assert_eq!(tok.encode("a<|endoftext|>b", true).unwrap(), [64, 50256, 65]);
+    assert_eq!(tok.eos_id(), Some(50256));
+    assert_eq!(tok.decode(&[15496, 995, 50256]).unwrap(), "Hello world");
+    // Its config's switches, as transformers 5.25 takes them (its ids, by hand): the beginning
+    // token first, a space before the text (and after a special token).
+    let switches = r#"{"tokenizer_class": "GPT2Tokenizer", "add_bos_token": true, "add_prefix_space": true}"#;
+    std::fs::write(dir.join("tokenizer_config.json"), switches).unwrap();
+    let tok = gridlm::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    assert_eq!(tok.encode("Hello world", true).unwrap(), [50256, 18435, 995]);
+    assert_eq!(tok.encode("Hello world", false).unwrap(), [18435, 995]);
+    assert_eq!(tok.encode("a<|endoftext|>b", true).unwrap(), [50256, 257, 50256, 275]);
+    // Qwen2's tokenizer is saved so too, but splits text otherwise.
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"tokenizer_class": "Qwen2Tokenizer"}"#).unwrap();
+    let e = gridlm::tokenizer::Tokenizer::from_dir(&dir).err().unwrap().to_string();
+    assert!(e.contains("only as GPT-2's tokenizer") && e.contains("names Qwen2Tokenizer"), "{e}");
+}
+
 /// A converted model stops where llama.cpp stops it: `generation_config.json` lists the GGUF's
 /// EOS, EOT and EOM tokens and the control tokens that end a turn or a text in the chat formats
 /// llama.cpp knows (here Llama 3's), EOS first; a word that only looks like one is not listed.
