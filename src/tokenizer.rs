@@ -49,11 +49,14 @@ fn gpt2_files(dir: &Path, cfg: &serde_json::Value, cfg_path: &Path) -> Result<to
         None => model_type().as_deref() == Some("gpt2"),
     };
     if !gpt2 {
-        let what = class.map_or_else(|| "names no tokenizer_class".to_string(), |c| format!("names {c}"));
+        let cfg_name = cfg_path.display();
+        let what = match class {
+            Some(c) => format!("{cfg_name} names {c}"),
+            None => format!("{cfg_name} names no tokenizer_class, nor is config.json's model_type gpt2"),
+        };
         let msg = format!(
-            "not found; vocab.json and merges.txt gridlm reads only as GPT-2's tokenizer, and {} {what}: \
-             HF's tokenizers write a tokenizer.json of them (`AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`)",
-            cfg_path.display()
+            "not found; vocab.json and merges.txt gridlm reads only as GPT-2's tokenizer, and {what}: \
+             HF's tokenizers write a tokenizer.json of them (`AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`)"
         );
         return Err(Error::file(&dir.join("tokenizer.json"), msg));
     }

@@ -421,6 +421,11 @@ fn gpt2_vocab_and_merges_encode_as_hf_tokenizers_do() {
     std::fs::write(dir.join("tokenizer_config.json"), r#"{"tokenizer_class": "Qwen2Tokenizer"}"#).unwrap();
     let e = gridlm::tokenizer::Tokenizer::from_dir(&dir).err().unwrap().to_string();
     assert!(e.contains("only as GPT-2's tokenizer") && e.contains("names Qwen2Tokenizer"), "{e}");
+    // Nor a class nor a GPT-2 model: nothing says how to split the text.
+    std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "qwen2"}"#).unwrap();
+    let e = gridlm::tokenizer::Tokenizer::from_dir(&dir).err().unwrap().to_string();
+    assert!(e.contains("names no tokenizer_class, nor is config.json's model_type gpt2"), "{e}");
 }
 
 /// A converted model stops where llama.cpp stops it: `generation_config.json` lists the GGUF's
