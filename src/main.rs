@@ -82,7 +82,7 @@ struct ServeArgs {
     #[arg(long, value_name = "JSON", value_parser = parse_template_vars)]
     chat_template_kwargs: Option<TemplateVars>,
     /// A web origin (`http://localhost:3000`) whose pages may call the server from a browser
-    /// (CORS); again for more, `*` for any. Default: none.
+    /// (CORS); again for more, `null` for pages opened from files, `*` for any. Default: none.
     #[arg(long = "allow-origin", value_name = "ORIGIN")]
     allow_origins: Vec<String>,
     /// Sampling settings of a request that does not give them; request i's seed is seed + i.
