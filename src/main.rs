@@ -264,7 +264,7 @@ struct GenerateArgs {
     /// objects with `prompt` (or a conversation, `messages`, as in OpenAI's chat requests) and
     /// optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`, `stop`, `temperature`,
     /// `top_k`, `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`,
-    /// `frequency_penalty`, `seed`. `-` reads standard input.
+    /// `frequency_penalty`, `seed`; or lines of OpenAI's batch input. `-` reads standard input.
     #[arg(long)]
     prompts_file: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.

@@ -216,10 +216,10 @@ impl PromptSpec {
 /// with `{`: each non-blank line is an object with `prompt` (or a conversation, `messages`, as
 /// OpenAI's chat requests give it: a chat) and optional `id`, `max_tokens`, `ignore_eos`,
 /// `chat`, `system`, `chat_template_kwargs`, `stop` (string or list), `temperature`, `top_k`,
-/// `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`.
-/// Otherwise each non-blank line is a prompt, with `\n` and `\\` as escapes. The path `-`
-/// reads standard input (under mpirun, the first rank's, where the prompts are read). Errors
-/// name the file (or `stdin`) and line.
+/// `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`, or a
+/// line of OpenAI's batch input (read as its request's body). Otherwise each non-blank line is
+/// a prompt, with `\n` and `\\` as escapes. The path `-` reads standard input (under mpirun,
+/// the first rank's, where the prompts are read). Errors name the file (or `stdin`) and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
     let (name, bytes) = if path == Path::new("-") {
         let mut bytes = Vec::new();
@@ -250,6 +250,12 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         let at = |msg: String| Error::Input(format!("{name}:{n}: {msg}"));
         let obj: serde_json::Map<String, serde_json::Value> =
             serde_json::from_str(l).map_err(|e| at(format!("not a prompt object: {e}")))?;
+        // OpenAI's batch input: the request's body, and whether it is a chat.
+        let (obj, batch_chat) = if obj.contains_key("body") {
+            batch_request(obj).map(|(o, chat)| (o, Some(chat))).map_err(at)?
+        } else {
+            (obj, None)
+        };
         if let Some(k) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
             return Err(at(format!("unknown key `{k}` (expected {})", KEYS.join(", "))));
         }
@@ -274,6 +280,10 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             sampling_fields(&obj, &mut s.params)
         };
         get(&mut s).map_err(at)?;
+        if batch_chat == Some(false) {
+            // A completion request's prompt goes to the model as it is.
+            (s.chat, s.system) = (false, None);
+        }
         if s.stop.iter().any(String::is_empty) {
             return Err(at("a stop string is empty".into()));
         }
@@ -300,6 +310,59 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         out.push(s);
     }
     Ok(out)
+}
+
+/// A line of OpenAI's batch input (`custom_id`, `method` POST, `url` `/v1/chat/completions`
+/// or `/v1/completions`, `body` the request) as the prompt line it asks for: `custom_id` as
+/// `id`, the body's keys as a line's (`max_completion_tokens` as `max_tokens`; `model` and an
+/// `n` of 1 asking nothing), and whether it is a chat (the chat endpoint's).
+fn batch_request(
+    mut obj: serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<(serde_json::Map<String, serde_json::Value>, bool), String> {
+    use serde_json::Value;
+    const BATCH: [&str; 4] = ["custom_id", "method", "url", "body"];
+    if let Some(k) = obj.keys().find(|k| !BATCH.contains(&k.as_str())) {
+        return Err(format!("unknown key `{k}` of a batch request (expected {})", BATCH.join(", ")));
+    }
+    if let Some(m) = obj.get("method").filter(|m| m.as_str() != Some("POST")) {
+        return Err(format!("`method` {m}: a batch request is a POST"));
+    }
+    let chat = match obj.get("url").and_then(Value::as_str) {
+        Some("/v1/chat/completions") => true,
+        Some("/v1/completions") => false,
+        url => {
+            let got = url.map_or_else(|| "is missing".to_string(), |u| format!("is {u}"));
+            return Err(format!("`url` {got}: a prompts file takes /v1/chat/completions or /v1/completions"));
+        }
+    };
+    let Some(Value::Object(mut body)) = obj.remove("body") else {
+        return Err("`body` must be a request object".into());
+    };
+    body.remove("model");
+    if let Some(n) = body.remove("n").filter(|n| n.as_u64() != Some(1)) {
+        return Err(format!("`body.n` {n}: a line gives one completion"));
+    }
+    if let Some(max) = body.remove("max_completion_tokens") {
+        body.entry("max_tokens").or_insert(max);
+    }
+    if let Some(k) = ["messages", "chat_template_kwargs"].into_iter().find(|k| !chat && body.contains_key(*k))
+    {
+        return Err(format!("`body.{k}` belongs to /v1/chat/completions"));
+    }
+    if chat && body.contains_key("prompt") {
+        return Err("`body.prompt` belongs to /v1/completions".into());
+    }
+    if body.get("prompt").is_some_and(|p| !p.is_string()) {
+        return Err("`body.prompt`: a line's prompt is one string".into());
+    }
+    let taken = |k: &str| KEYS.contains(&k) && !matches!(k, "id" | "chat" | "system");
+    if let Some(k) = body.keys().find(|k| !taken(k)) {
+        return Err(format!("`body.{k}`: a request's setting a prompts file does not take"));
+    }
+    if let Some(id) = obj.remove("custom_id") {
+        body.insert("id".into(), id);
+    }
+    Ok((body, chat))
 }
 
 /// The prompts file's `bytes` as text; else an error naming the line and byte that are not
@@ -500,6 +563,53 @@ mod tests {
         std::fs::write(&jl, "{\"prompt\":\"a\",\"system\":\"be kind\",\"chat\":false}\n").unwrap();
         let e = read_prompts(&jl, &chat).unwrap_err().to_string();
         assert!(e.contains("p.jsonl:1:") && e.contains("a system message needs `chat`"), "{e}");
+    }
+
+    /// OpenAI's batch input lines: the request's body as a line, its `custom_id` as the id, a
+    /// completion's prompt as it is whatever the command says; what a line cannot do refused.
+    #[test]
+    fn openai_batch_input_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let jl = dir.path().join("batch.jsonl");
+        let chat_line = r#"{"custom_id":"r1","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"a"}],"max_completion_tokens":5,"temperature":0.5,"seed":3}}"#;
+        let text_line = r#"{"custom_id":"r2","method":"POST","url":"/v1/completions","body":{"model":"m","prompt":"b","max_tokens":4,"n":1,"stop":["x"]}}"#;
+        std::fs::write(&jl, format!("{chat_line}\n{text_line}\n")).unwrap();
+        let chat = Defaults { chat: true, system: Some("be brief".into()), ..defaults() };
+        let p = read_prompts(&jl, &chat).unwrap();
+        assert_eq!((p[0].id.clone(), p[0].chat, p[0].max_tokens), (Some(serde_json::json!("r1")), true, 5));
+        assert_eq!((p[0].params.temperature, p[0].params.seed), (0.5, 3));
+        assert_eq!(
+            p[0].messages,
+            [("system".to_string(), "be brief".to_string()), ("user".into(), "a".into())]
+        );
+        assert_eq!(
+            (p[1].id.clone(), p[1].chat, p[1].system.clone()),
+            (Some(serde_json::json!("r2")), false, None)
+        );
+        assert_eq!((p[1].text.as_str(), p[1].max_tokens, p[1].stop.clone()), ("b", 4, vec!["x".to_string()]));
+        let line = |url: &str, body: &str| {
+            format!(r#"{{"custom_id":"c","method":"POST","url":"{url}","body":{body}}}"#)
+        };
+        let (c, t) = ("/v1/chat/completions", "/v1/completions");
+        for (line, want) in [
+            (line("/v1/embeddings", r#"{"input":"x"}"#), "`url` is /v1/embeddings"),
+            (line(t, r#"{"prompt":"x","n":2}"#), "`body.n` 2: a line gives one completion"),
+            (line(t, r#"{"prompt":["x","y"]}"#), "`body.prompt`: a line's prompt is one string"),
+            (line(t, r#"{"messages":[]}"#), "`body.messages` belongs to /v1/chat/completions"),
+            (line(c, r#"{"prompt":"x"}"#), "`body.prompt` belongs to /v1/completions"),
+            (line(c, r#"{"messages":[],"logprobs":true}"#), "`body.logprobs`: a request's setting"),
+            (line(c, r#"{"messages":[],"system":"s"}"#), "`body.system`: a request's setting"),
+            (line(c, "5"), "`body` must be a request object"),
+            (
+                r#"{"custom_id":"c","method":"GET","url":"/v1/completions","body":{}}"#.into(),
+                "a batch request is a POST",
+            ),
+            (r#"{"custom_id":"c","body":{},"x":1}"#.into(), "unknown key `x` of a batch request"),
+        ] {
+            std::fs::write(&jl, format!("{line}\n")).unwrap();
+            let e = read_prompts(&jl, &defaults()).unwrap_err().to_string();
+            assert!(e.contains("batch.jsonl:1: ") && e.contains(want), "{line}: {e}");
+        }
     }
 
     #[test]

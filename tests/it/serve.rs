@@ -426,7 +426,8 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     assert_eq!(both["usage"]["completion_tokens"], 48);
 
     // A conversation of several turns: the answer `generate` gives it from a prompts file's
-    // `messages`, with the same prompt tokens.
+    // `messages`, and from the same request as a line of OpenAI's batch input, with the same
+    // prompt tokens.
     let messages = json!([
         {"role": "system", "content": "Answer in one word."},
         {"role": "user", "content": "What is the capital of France?"},
@@ -435,18 +436,23 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
     ]);
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("chats.jsonl");
-    std::fs::write(&file, json!({"messages": messages, "max_tokens": 16}).to_string()).unwrap();
+    let request = json!({"messages": messages, "max_tokens": 16});
+    let batch =
+        json!({"custom_id": "turn-4", "method": "POST", "url": "/v1/chat/completions", "body": request});
+    std::fs::write(&file, format!("{request}\n{batch}\n")).unwrap();
     let mut cmd = launch_command(&["local", "2"]);
     cmd.args(["generate", "--model", path_str(&dir), "--threads", "1", "--tp", "2", "--json"]);
     cmd.args(["--prompts-file", path_str(&file)]);
     let out = gridlm_reference::run_with_timeout(cmd, 300);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let g: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let (status, v) = server.post("/v1/chat/completions", &json!({"messages": messages, "max_tokens": 16}));
+    let (status, v) = server.post("/v1/chat/completions", &request);
     assert_eq!(status, 200, "{v}");
-    let r = &g["results"][0];
-    assert_eq!(v["choices"][0]["message"]["content"], r["text"], "{g}");
-    assert_eq!(v["usage"]["prompt_tokens"], r["prompt_tokens"], "{g}");
+    for r in g["results"].as_array().unwrap() {
+        assert_eq!(v["choices"][0]["message"]["content"], r["text"], "{g}");
+        assert_eq!(v["usage"]["prompt_tokens"], r["prompt_tokens"], "{g}");
+    }
+    assert_eq!((g["results"].as_array().unwrap().len(), &g["results"][1]["id"]), (2, &json!("turn-4")));
 }
 
 /// Log-probabilities as OpenAI gives them, each token's those of `generate --logprobs 3
