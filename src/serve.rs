@@ -13,7 +13,7 @@ use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Tr
 use crate::error::Result;
 use crate::http;
 use crate::prompts::{field, messages_field, sampling_fields, stop_field, template_vars_field, TextTracker};
-use crate::tokenizer::{TemplateVars, Tokenizer};
+use crate::tokenizer::{ChatEnd, TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -43,6 +43,9 @@ pub struct Ask {
     /// Chat: further variables of the chat template (`chat_template_kwargs`, over the
     /// server's).
     pub template_vars: TemplateVars,
+    /// Chat: how the rendered conversation ends (`add_generation_prompt`,
+    /// `continue_final_message`).
+    pub chat_end: ChatEnd,
     /// Completions of each prompt (`n`); the `j`-th samples with seed + `j`.
     pub n: usize,
     pub max_tokens: usize,
@@ -71,7 +74,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have.
-const KEYS: [&str; 23] = [
+const KEYS: [&str; 25] = [
     "model",
     "prompt",
     "messages",
@@ -95,6 +98,8 @@ const KEYS: [&str; 23] = [
     "echo",
     "top_logprobs",
     "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
 ];
 
 /// Whether a setting's value asks for nothing beyond a request without it.
@@ -149,6 +154,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         token_prompts: Vec::new(),
         messages: Vec::new(),
         template_vars: d.template_vars.clone(),
+        chat_end: ChatEnd::Answer,
         n: 1,
         max_tokens: d.max_tokens,
         ignore_eos: false,
@@ -161,7 +167,8 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     };
     match kind {
         Kind::Completion => {
-            for key in ["messages", "chat_template_kwargs"] {
+            for key in ["messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"]
+            {
                 if obj.contains_key(key) {
                     let msg = "belongs to /v1/chat/completions; here the prompt is `prompt`";
                     return Err(format!("`{key}` {msg}"));
@@ -194,6 +201,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             ask.messages = messages_field(&obj)?.ok_or("no `messages`")?;
             // vLLM's key, which clients send (`extra_body`) to turn a template's thinking off.
             ask.template_vars.extend(template_vars_field(&obj)?.unwrap_or_default());
+            ask.chat_end = chat_end_field(&obj)?;
         }
     }
     let max: Option<usize> = field(&obj, "max_tokens")?;
@@ -776,6 +784,12 @@ fn tokens(mut req: http::Request, front: &Front, url: &str) {
     }
 }
 
+/// How a chat request's rendered conversation ends, as its `add_generation_prompt` and
+/// `continue_final_message` ask.
+fn chat_end_field(obj: &Map<String, Value>) -> std::result::Result<ChatEnd, String> {
+    ChatEnd::asked(field(obj, "add_generation_prompt")?, field(obj, "continue_final_message")?)
+}
+
 /// The JSON object of a request's `body`, with none but the keys `takes`.
 fn object_of(body: &[u8], takes: &[&str]) -> std::result::Result<Map<String, Value>, String> {
     let obj: Map<String, Value> =
@@ -795,6 +809,7 @@ fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
         "add_special_tokens",
         "messages",
         "add_generation_prompt",
+        "continue_final_message",
         "chat_template_kwargs",
     ];
     let obj = object_of(body, &keys)?;
@@ -804,14 +819,11 @@ fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
         (Some(Value::String(p)), None) => (p.clone(), field(&obj, "add_special_tokens")?.unwrap_or(true)),
         (Some(_), None) => return Err("`prompt` must be a string".into()),
         (None, Some(messages)) => {
-            if field::<bool>(&obj, "add_generation_prompt")? == Some(false) {
-                let msg = "`add_generation_prompt`: gridlm's chats end with the prompt for the answer";
-                return Err(msg.into());
-            }
+            let end = chat_end_field(&obj)?;
             let mut vars = front.defaults.template_vars.clone();
             vars.extend(template_vars_field(&obj)?.unwrap_or_default());
             let msgs: Vec<(&str, &str)> = messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            (front.tok.render_chat(&msgs, &vars).map_err(|e| e.to_string())?, false)
+            (front.tok.render_chat_to(&msgs, &vars, end).map_err(|e| e.to_string())?, false)
         }
     };
     let ids = front.tok.encode(&text, special).map_err(|e| e.to_string())?;
@@ -1070,7 +1082,8 @@ fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, St
         Kind::Chat => {
             let msgs: Vec<(&str, &str)> =
                 ask.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            vec![(front.tok.render_chat(&msgs, &ask.template_vars).map_err(|e| e.to_string())?, false)]
+            let text = front.tok.render_chat_to(&msgs, &ask.template_vars, ask.chat_end);
+            vec![(text.map_err(|e| e.to_string())?, false)]
         }
     };
     let many = texts.len() > 1;
@@ -1515,6 +1528,13 @@ mod tests {
         assert_eq!(Value::Object(a.template_vars), json!({"enable_thinking": false, "x": 1}));
         let e = ask(Kind::Completion, r#"{"prompt":"a","chat_template_kwargs":{}}"#).unwrap_err();
         assert!(e.contains("`chat_template_kwargs` belongs to /v1/chat/completions"), "{e}");
+        // How the chat ends: vLLM's keys.
+        let body = r#"{"messages":[{"role":"user","content":"a"}],"continue_final_message":true}"#;
+        assert_eq!(ask(Kind::Chat, body).unwrap().chat_end, ChatEnd::Open);
+        let body = r#"{"messages":[{"role":"user","content":"a"}],"add_generation_prompt":false}"#;
+        assert_eq!(ask(Kind::Chat, body).unwrap().chat_end, ChatEnd::Closed);
+        let e = ask(Kind::Completion, r#"{"prompt":"a","continue_final_message":true}"#).unwrap_err();
+        assert!(e.contains("`continue_final_message` belongs to /v1/chat/completions"), "{e}");
         let body = r#"{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"messages":[]}}"#;
         let e = ask(Kind::Chat, body).unwrap_err();
         assert!(e.starts_with("`chat_template_kwargs`: `messages` is set by gridlm"), "{e}");

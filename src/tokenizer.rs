@@ -236,6 +236,16 @@ impl Tokenizer {
     /// the template reads (as HF's `apply_chat_template` takes them: `enable_thinking`, say),
     /// over the special tokens'.
     pub fn render_chat(&self, messages: &[(&str, &str)], vars: &TemplateVars) -> Result<String> {
+        self.render_chat_to(messages, vars, ChatEnd::Answer)
+    }
+
+    /// [`Tokenizer::render_chat`], ending as `end` says.
+    pub fn render_chat_to(
+        &self,
+        messages: &[(&str, &str)],
+        vars: &TemplateVars,
+        end: ChatEnd,
+    ) -> Result<String> {
         let (tpl, tpl_path) = self.chat_template.as_ref().ok_or_else(|| {
             let cfg_path = self.path.with_file_name("tokenizer_config.json");
             let msg = "no `chat_template` here, in chat_template.jinja or in chat_template.json: a chat \
@@ -267,15 +277,60 @@ impl Tokenizer {
             more.insert(name.into(), token.clone().unwrap_or_default().into());
         }
         more.extend(vars.iter().map(|(k, v)| (k.clone(), v.clone())));
-        t.render(minijinja::context! {
-            messages => messages
-                .iter()
-                .map(|&(role, content)| minijinja::context! { role => role, content => content })
-                .collect::<Vec<_>>(),
-            add_generation_prompt => true,
-            ..minijinja::Value::from_serialize(&more)
-        })
-        .map_err(bad)
+        let text = t
+            .render(minijinja::context! {
+                messages => messages
+                    .iter()
+                    .map(|&(role, content)| minijinja::context! { role => role, content => content })
+                    .collect::<Vec<_>>(),
+                add_generation_prompt => end == ChatEnd::Answer,
+                ..minijinja::Value::from_serialize(&more)
+            })
+            .map_err(bad)?;
+        if end != ChatEnd::Open {
+            return Ok(text);
+        }
+        // Cut after the last message's content, as HF does: where the template writes it last,
+        // as given or (templates that trim messages) trimmed.
+        let last = messages.last().map_or("", |m| m.1);
+        let at = [last, last.trim()].into_iter().find_map(|c| text.rfind(c).map(|at| at + c.len()));
+        let at = at.ok_or_else(|| {
+            let msg = "continue_final_message: the chat template does not write the last message's content";
+            Error::file(tpl_path, msg)
+        })?;
+        Ok(text[..at].to_string())
+    }
+}
+
+/// How a rendered chat ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ChatEnd {
+    /// With the prompt for the assistant's answer (HF's `add_generation_prompt`).
+    #[default]
+    Answer,
+    /// After the last message, as the template closes it.
+    Closed,
+    /// Within the last message, right after its content, so the answer continues it (HF's
+    /// `continue_final_message`: a reply begun for the model).
+    Open,
+}
+
+impl ChatEnd {
+    /// The ending a request's `add_generation_prompt` and `continue_final_message` (vLLM's
+    /// keys, HF's arguments) ask for: continuing the last message leaves out the prompt for an
+    /// answer, so both true is an error.
+    pub fn asked(
+        add_generation_prompt: Option<bool>,
+        continue_final: Option<bool>,
+    ) -> std::result::Result<Self, String> {
+        match (add_generation_prompt, continue_final.unwrap_or(false)) {
+            (Some(true), true) => Err("`continue_final_message` continues the last message, so \
+                                       `add_generation_prompt` must not be true beside it"
+                .into()),
+            (_, true) => Ok(ChatEnd::Open),
+            (Some(false), false) => Ok(ChatEnd::Closed),
+            (_, false) => Ok(ChatEnd::Answer),
+        }
     }
 }
 
@@ -442,6 +497,31 @@ mod tests {
             assert_eq!(e, format!("`{name}` is set by gridlm for every chat, not by a template variable"));
         }
         assert!(check_template_vars(&vars(serde_json::json!({"enable_thinking": false}))).is_ok());
+    }
+
+    /// A chat ends with the prompt for an answer, closed after its last message, or open within
+    /// it (HF's `continue_final_message`: cut after the last message's content where the
+    /// template writes it, as given or trimmed); both asked at once is refused.
+    #[test]
+    fn chats_end_as_asked() {
+        let template =
+            "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}\
+                        {% if add_generation_prompt %}<assistant>{% endif %}";
+        let dir = tempfile::tempdir().unwrap();
+        let t = tokenizer_with(dir.path(), template);
+        let chat = [("user", "hi"), ("assistant", "The answer is ")];
+        let render = |end| t.render_chat_to(&chat, &TemplateVars::new(), end).unwrap();
+        assert_eq!(render(ChatEnd::Answer), "<user>hi</user><assistant>The answer is</assistant><assistant>");
+        assert_eq!(render(ChatEnd::Closed), "<user>hi</user><assistant>The answer is</assistant>");
+        assert_eq!(render(ChatEnd::Open), "<user>hi</user><assistant>The answer is");
+        let t = tokenizer_with(dir.path(), "{% for m in messages %}{{ m.role }}{% endfor %}");
+        let e = t.render_chat_to(&[("user", "hi")], &TemplateVars::new(), ChatEnd::Open).unwrap_err();
+        assert!(e.to_string().contains("does not write the last message's content"), "{e}");
+        assert_eq!(ChatEnd::asked(None, None), Ok(ChatEnd::Answer));
+        assert_eq!(ChatEnd::asked(Some(false), None), Ok(ChatEnd::Closed));
+        assert_eq!(ChatEnd::asked(None, Some(true)), Ok(ChatEnd::Open));
+        assert_eq!(ChatEnd::asked(Some(false), Some(true)), Ok(ChatEnd::Open));
+        assert!(ChatEnd::asked(Some(true), Some(true)).unwrap_err().contains("must not be true"));
     }
 
     /// The template is found where HF finds it: chat_template.jinja before chat_template.json

@@ -224,6 +224,14 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
     let chat_prompt = "Explain in one sentence why the sky is blue.";
     let chat_ids = tok.encode(&tok.apply_chat_template(None, chat_prompt).unwrap(), false).unwrap();
     let chat_want = alone(&chat_ids);
+    // A reply begun for the model (vLLM's `continue_final_message`): the rendered conversation
+    // cut after the begun reply, its answer continuing it.
+    let begun = [("user", chat_prompt), ("assistant", "The sky is blue because")];
+    let vars = gridlm::tokenizer::TemplateVars::new();
+    let open = tok.render_chat_to(&begun, &vars, gridlm::tokenizer::ChatEnd::Open).unwrap();
+    assert!(open.ends_with("The sky is blue because"), "{open:?}");
+    let begun_ids = tok.encode(&open, false).unwrap();
+    let begun_want = alone(&begun_ids);
 
     let server = Server::start(2, &dir, &["--pp", "2", "--max-tokens", "16"]);
     let (status, models) = server.http("GET", "/v1/models", "");
@@ -296,6 +304,10 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
     let (status, v) = server.post("/v1/chat/completions", &chat);
     assert_eq!(status, 200, "{v}");
     assert_eq!(text_of(&v), chat_want);
+    let begun_messages: Vec<Value> = begun.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
+    let begun_ask = json!({"messages": begun_messages, "continue_final_message": true, "max_tokens": 16});
+    let (status, v) = server.post("/v1/chat/completions", &begun_ask);
+    assert_eq!((status, text_of(&v)), (200, begun_want), "{v}");
     assert_eq!(
         (v["object"].as_str(), v["choices"][0]["message"]["role"].as_str()),
         (Some("chat.completion"), Some("assistant"))
