@@ -151,6 +151,11 @@ impl Request {
         self.head.header(name)
     }
 
+    /// The body, or the status and reason it was not read, taken out (an empty body left).
+    pub fn take_body(&mut self) -> Result<Vec<u8>, (u16, String)> {
+        std::mem::replace(&mut self.body, Ok(Vec::new()))
+    }
+
     /// Adds the header `name: value` to the answer, whichever it is.
     pub fn add_header(&mut self, name: &str, value: &str) {
         self.extra.push((name.to_string(), value.to_string()));

@@ -83,7 +83,7 @@ struct ServeArgs {
     chat_template_kwargs: Option<TemplateVars>,
     /// A web origin (`http://localhost:3000`) whose pages may call the server from a browser
     /// (CORS); again for more, `null` for pages opened from files, `*` for any. Default: none.
-    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    #[arg(long = "allow-origin", value_name = "ORIGIN", value_parser = gridlm::serve::origin)]
     allow_origins: Vec<String>,
     /// Sampling settings of a request that does not give them; request i's seed is seed + i.
     #[command(flatten)]
@@ -1644,20 +1644,13 @@ fn serve(a: ServeArgs) -> Result<()> {
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty() || k.trim() != k) {
         anyhow::bail!("--api-key (or GRIDLM_API_KEY) must be a key without spaces around it");
     }
-    let origins: std::result::Result<Vec<String>, String> = a
-        .allow_origins
-        .iter()
-        .map(|o| gridlm::serve::origin(o).map_err(|e| format!("--allow-origin {o}: {e}")))
-        .collect();
-    let origins = origins.map_err(anyhow::Error::msg)?;
     let params = a.sampling.params_over_model(&a.model, a.model_sampling)?;
-    on_grid(&a.grid, |grid, comm, link| run_serve(&a, &params, &origins, grid, comm, link))
+    on_grid(&a.grid, |grid, comm, link| run_serve(&a, &params, grid, comm, link))
 }
 
 fn run_serve(
     a: &ServeArgs,
     params: &SamplingParams,
-    origins: &[String],
     grid: Grid,
     comm: &dyn Comm,
     link: &dyn Link,
@@ -1724,7 +1717,7 @@ fn run_serve(
         max_in_flight: a.max_in_flight,
         in_flight: Default::default(),
         metrics: Default::default(),
-        allow_origins: origins.to_vec(),
+        allow_origins: a.allow_origins.clone(),
     };
     SERVING.store(true, std::sync::atomic::Ordering::Relaxed);
     // Requests are taken, and the address announced, once every rank has its KV pool in place

@@ -141,16 +141,17 @@ pub(crate) fn messages_field(
     Ok(Some(out))
 }
 
-/// The chat template variables of a JSON object's `chat_template_kwargs`, if it has them,
-/// checked.
-pub(crate) fn template_vars_field(
+/// `vars` with the chat template variables of a JSON object's `chat_template_kwargs` over
+/// them, where it has them, checked.
+pub(crate) fn template_vars_over(
+    vars: &mut TemplateVars,
     obj: &serde_json::Map<String, serde_json::Value>,
-) -> std::result::Result<Option<TemplateVars>, String> {
-    let vars = field::<TemplateVars>(obj, "chat_template_kwargs")?;
-    if let Some(v) = &vars {
-        check_template_vars(v).map_err(|e| format!("`chat_template_kwargs`: {e}"))?;
+) -> std::result::Result<(), String> {
+    if let Some(more) = field::<TemplateVars>(obj, "chat_template_kwargs")? {
+        check_template_vars(&more).map_err(|e| format!("`chat_template_kwargs`: {e}"))?;
+        vars.extend(more);
     }
-    Ok(vars)
+    Ok(())
 }
 
 /// The sampling settings a JSON object gives (`temperature`, `top_k`, `top_p`, `min_p`,
@@ -202,12 +203,11 @@ impl PromptSpec {
         if !self.chat {
             return Ok(self.text.clone());
         }
-        let messages: Vec<(&str, &str)> = if self.messages.is_empty() {
-            let system = self.system.as_deref().map(|s| ("system", s));
-            system.into_iter().chain([("user", self.text.as_str())]).collect()
-        } else {
-            self.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect()
-        };
+        if !self.messages.is_empty() {
+            return tok.render_chat(&self.messages, &self.template_vars);
+        }
+        let system = self.system.as_deref().map(|s| ("system", s));
+        let messages: Vec<(&str, &str)> = system.into_iter().chain([("user", self.text.as_str())]).collect();
         tok.render_chat(&messages, &self.template_vars)
     }
 }
@@ -273,7 +273,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             s.ignore_eos = field(&obj, "ignore_eos")?.unwrap_or(s.ignore_eos);
             s.chat = field(&obj, "chat")?.unwrap_or(s.chat);
             s.system = field(&obj, "system")?.or(s.system.take());
-            s.template_vars.extend(template_vars_field(&obj)?.unwrap_or_default());
+            template_vars_over(&mut s.template_vars, &obj)?;
             if let Some(stop) = stop_field(&obj)? {
                 s.stop = stop;
             }

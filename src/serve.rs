@@ -12,7 +12,7 @@ use crate::engine::sampling::SamplingParams;
 use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
 use crate::error::Result;
 use crate::http;
-use crate::prompts::{field, messages_field, sampling_fields, stop_field, template_vars_field, TextTracker};
+use crate::prompts::{field, messages_field, sampling_fields, stop_field, template_vars_over, TextTracker};
 use crate::tokenizer::{ChatEnd, TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -200,7 +200,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             }
             ask.messages = messages_field(&obj)?.ok_or("no `messages`")?;
             // vLLM's key, which clients send (`extra_body`) to turn a template's thinking off.
-            ask.template_vars.extend(template_vars_field(&obj)?.unwrap_or_default());
+            template_vars_over(&mut ask.template_vars, &obj)?;
             ask.chat_end = chat_end_field(&obj)?;
         }
     }
@@ -773,7 +773,7 @@ fn model_object(front: &Front) -> Value {
 /// count and the context) or `/detokenize` (token ids as text), `url` saying which; a bad
 /// request gets 400 naming what is wrong.
 fn tokens(mut req: http::Request, front: &Front, url: &str) {
-    let body = match std::mem::replace(&mut req.body, Ok(Vec::new())) {
+    let body = match req.take_body() {
         Ok(body) => body,
         Err((status, why)) => return refuse(front, req, url, status, &why),
     };
@@ -821,9 +821,8 @@ fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
         (None, Some(messages)) => {
             let end = chat_end_field(&obj)?;
             let mut vars = front.defaults.template_vars.clone();
-            vars.extend(template_vars_field(&obj)?.unwrap_or_default());
-            let msgs: Vec<(&str, &str)> = messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            (front.tok.render_chat_to(&msgs, &vars, end).map_err(|e| e.to_string())?, false)
+            template_vars_over(&mut vars, &obj)?;
+            (front.tok.render_chat_to(&messages, &vars, end).map_err(|e| e.to_string())?, false)
         }
     };
     let ids = front.tok.encode(&text, special).map_err(|e| e.to_string())?;
@@ -951,7 +950,7 @@ fn answer(mut req: http::Request, front: &Front) {
         }
     };
     let n = front.count.fetch_add(1, Ordering::Relaxed);
-    let body = match std::mem::replace(&mut req.body, Ok(Vec::new())) {
+    let body = match req.take_body() {
         Ok(body) => body,
         Err((status, why)) => return refuse(front, req, &url, status, &why),
     };
@@ -1080,9 +1079,7 @@ fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, St
     let texts: Vec<(String, bool)> = match ask.kind {
         Kind::Completion => ask.prompts.iter().map(|p| (p.clone(), true)).collect(),
         Kind::Chat => {
-            let msgs: Vec<(&str, &str)> =
-                ask.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
-            let text = front.tok.render_chat_to(&msgs, &ask.template_vars, ask.chat_end);
+            let text = front.tok.render_chat_to(&ask.messages, &ask.template_vars, ask.chat_end);
             vec![(text.map_err(|e| e.to_string())?, false)]
         }
     };

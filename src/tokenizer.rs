@@ -235,14 +235,18 @@ impl Tokenizer {
     /// prompt for the assistant's next turn, ready for generation; `vars` are further variables
     /// the template reads (as HF's `apply_chat_template` takes them: `enable_thinking`, say),
     /// over the special tokens'.
-    pub fn render_chat(&self, messages: &[(&str, &str)], vars: &TemplateVars) -> Result<String> {
+    pub fn render_chat<R: AsRef<str>, C: AsRef<str>>(
+        &self,
+        messages: &[(R, C)],
+        vars: &TemplateVars,
+    ) -> Result<String> {
         self.render_chat_to(messages, vars, ChatEnd::Answer)
     }
 
     /// [`Tokenizer::render_chat`], ending as `end` says.
-    pub fn render_chat_to(
+    pub fn render_chat_to<R: AsRef<str>, C: AsRef<str>>(
         &self,
-        messages: &[(&str, &str)],
+        messages: &[(R, C)],
         vars: &TemplateVars,
         end: ChatEnd,
     ) -> Result<String> {
@@ -281,7 +285,9 @@ impl Tokenizer {
             .render(minijinja::context! {
                 messages => messages
                     .iter()
-                    .map(|&(role, content)| minijinja::context! { role => role, content => content })
+                    .map(|(role, content)| {
+                        minijinja::context! { role => role.as_ref(), content => content.as_ref() }
+                    })
                     .collect::<Vec<_>>(),
                 add_generation_prompt => end == ChatEnd::Answer,
                 ..minijinja::Value::from_serialize(&more)
@@ -292,7 +298,7 @@ impl Tokenizer {
         }
         // Cut after the last message's content, as HF does: where the template writes it last,
         // as given or (templates that trim messages) trimmed.
-        let last = messages.last().map_or("", |m| m.1);
+        let last = messages.last().map_or("", |m| m.1.as_ref());
         let at = [last, last.trim()].into_iter().find_map(|c| text.rfind(c).map(|at| at + c.len()));
         let at = at.ok_or_else(|| {
             let msg = "continue_final_message: the chat template does not write the last message's content";
