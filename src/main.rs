@@ -11,7 +11,7 @@ use gridlm::bench::{
 use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
-use gridlm::engine::sampling::SamplingParams;
+use gridlm::engine::sampling::{SamplingParams, TokenRules};
 use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions, StepProfile};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::kernels::{dot, Fetch, ManyFetch, Quant, Streams};
@@ -264,7 +264,8 @@ struct GenerateArgs {
     /// objects with `prompt` (or a conversation, `messages`, as in OpenAI's chat requests) and
     /// optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`, `stop`, `temperature`,
     /// `top_k`, `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`,
-    /// `frequency_penalty`, `seed`; or lines of OpenAI's batch input. `-` reads standard input.
+    /// `frequency_penalty`, `seed`, `min_tokens`, `stop_token_ids`, `logit_bias`; or lines of
+    /// OpenAI's batch input. `-` reads standard input.
     #[arg(long)]
     prompts_file: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.
@@ -287,6 +288,19 @@ struct GenerateArgs {
     /// End a completion when this text appears (repeatable); the text is cut before it.
     #[arg(long)]
     stop: Vec<String>,
+    /// End a completion when one of these tokens is picked (ids, comma-separated or repeated;
+    /// vLLM's stop_token_ids): it finishes as stopped, the token left out of its text.
+    #[arg(long, value_name = "ID,...", value_delimiter = ',')]
+    stop_token_ids: Vec<u32>,
+    /// Bring at least N tokens before a completion may end: until then its end-of-sequence and
+    /// stop tokens are never picked and no stop string ends it (vLLM's min_tokens).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    min_tokens: usize,
+    /// Biases added to tokens' logits before they are picked, OpenAI's logit_bias: a JSON
+    /// object of token ids and biases from -100 to 100 (`'{"198": -100}'` all but bans token
+    /// 198; 100 all but forces it).
+    #[arg(long, value_name = "JSON", value_parser = parse_logit_bias)]
+    logit_bias: Option<LogitBias>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Sample as the model folder's generation_config.json says (do_sample, temperature,
@@ -680,6 +694,16 @@ fn parse_template_vars(s: &str) -> Result<TemplateVars, String> {
         serde_json::from_str(s).map_err(|e| format!("not a JSON object of template variables: {e}"))?;
     check_template_vars(&vars)?;
     Ok(vars)
+}
+
+/// `--logit-bias`'s (token, bias) pairs (one value to clap, not many).
+#[derive(Clone)]
+struct LogitBias(Vec<(u32, f32)>);
+
+fn parse_logit_bias(s: &str) -> Result<LogitBias, String> {
+    let obj =
+        serde_json::from_str(s).map_err(|e| format!("not a JSON object of token ids and biases: {e}"))?;
+    gridlm::prompts::logit_bias(&obj).map(LogitBias)
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -1301,11 +1325,13 @@ struct Prepared {
     ids: Vec<u32>,
 }
 
-/// Driver: the prompts of this run (from `--prompt` or the prompts file), tokenized.
+/// Driver: the prompts of this run (from `--prompt` or the prompts file), tokenized, their
+/// token rules checked against the model's `vocab`.
 fn prepare_prompts(
     a: &GenerateArgs,
     params: &SamplingParams,
     tok: &Tokenizer,
+    vocab: usize,
 ) -> gridlm::Result<Vec<Prepared>> {
     let d = Defaults {
         max_tokens: a.max_tokens,
@@ -1315,6 +1341,11 @@ fn prepare_prompts(
         template_vars: a.chat_template_kwargs.clone().unwrap_or_default(),
         stop: a.stop.clone(),
         params: params.clone(),
+        rules: TokenRules {
+            min_tokens: a.min_tokens,
+            stop_token_ids: a.stop_token_ids.clone(),
+            logit_bias: a.logit_bias.as_ref().map_or_else(Vec::new, |b| b.0.clone()),
+        },
     };
     let specs = match (&a.prompt, &a.prompts_file) {
         (Some(p), _) => vec![d.spec(0, 0, p.clone())],
@@ -1326,15 +1357,25 @@ fn prepare_prompts(
             "--chat-template-kwargs: no prompt is a chat (--chat, or a prompts file's `chat` or `messages`)";
         return Err(gridlm::Error::Input(msg.into()));
     }
+    let file = a.prompts_file.as_ref().filter(|_| a.prompt.is_none());
     specs
         .into_iter()
         .map(|spec| {
-            let ids = spec.rendered(tok).and_then(|text| tok.encode(&text, !spec.chat));
-            // A prompt of the file is named by its line (a chat template may refuse one).
-            let ids = ids.map_err(|e| match (&a.prompts_file, a.prompt.is_none()) {
-                (Some(f), true) => gridlm::Error::Input(format!("{}:{}: {e}", f.display(), spec.line)),
-                _ => e,
+            // A prompt of the file is named by its line (a chat template may refuse one); a rule
+            // by its key there, else by its flag.
+            let at = |e: String| match file {
+                Some(f) => gridlm::Error::Input(format!("{}:{}: {e}", f.display(), spec.line)),
+                None => gridlm::Error::Input(e),
+            };
+            spec.rules.check(vocab, spec.max_tokens).map_err(|e| match file {
+                Some(_) => at(format!("`{}", e.replacen(' ', "` ", 1))),
+                None => {
+                    let (key, rest) = e.split_once(' ').unwrap_or((&e, ""));
+                    at(format!("--{} {rest}", key.replace('_', "-")))
+                }
             })?;
+            let ids = spec.rendered(tok).and_then(|text| tok.encode(&text, !spec.chat));
+            let ids = ids.map_err(|e| if file.is_some() { at(e.to_string()) } else { e })?;
             Ok(Prepared { spec, ids })
         })
         .collect()
@@ -1413,7 +1454,7 @@ fn run_generate(
         let plan = ShardPlan::new(&cfg, &grid, a.grid.layers.as_deref())?;
         let prompts = if driver {
             let tok = Tokenizer::from_dir(&a.model)?;
-            let prompts = prepare_prompts(a, params, &tok)?;
+            let prompts = prepare_prompts(a, params, &tok, cfg.vocab_size)?;
             if a.prompt.is_some() {
                 check_prompt(prompts[0].ids.len(), cfg.max_position_embeddings)?;
             }
@@ -1455,11 +1496,12 @@ fn run_generate(
             keep_logits: a.logits_out.is_some(),
             logprobs: a.logprobs.map(|n| n as usize),
             prompt_logprobs: a.prompt_logprobs.map(|n| n as usize),
+            rules: p.spec.rules.clone(),
         })
         .collect();
     let opts = a.batching.options(grid.pp, eos_ids);
     let mut trackers: Vec<TextTracker> =
-        prompts.iter().map(|p| TextTracker::new(p.spec.stop.clone())).collect();
+        prompts.iter().map(|p| TextTracker::new(p.spec.stop.clone(), &p.spec.rules)).collect();
     // Locked per write, never across a step: a kernel thread that panics must not find it held.
     let mut stdout = std::io::stdout();
     let stream_text = single && !a.json;
@@ -2032,6 +2074,7 @@ fn run_bench(
             keep_logits: false,
             logprobs: None,
             prompt_logprobs: None,
+            rules: TokenRules::default(),
         })
         .collect();
     let options = |batch: usize| RunOptions {

@@ -2,7 +2,7 @@
 //! file (one prompt per line, or JSONL with per-prompt settings), and following a completion's
 //! text as tokens arrive, so stop strings end it.
 
-use crate::engine::sampling::SamplingParams;
+use crate::engine::sampling::{SamplingParams, TokenRules, MAX_LOGIT_BIAS};
 use crate::error::{Error, Result};
 use crate::tokenizer::{check_template_vars, StreamDecoder, TemplateVars, Tokenizer};
 use serde::Deserialize;
@@ -20,6 +20,8 @@ pub struct Defaults {
     pub template_vars: TemplateVars,
     pub stop: Vec<String>,
     pub params: SamplingParams,
+    /// Logit biases, stop tokens and least number of tokens.
+    pub rules: TokenRules,
 }
 
 /// One prompt of a prompts file, with its settings resolved.
@@ -42,10 +44,11 @@ pub struct PromptSpec {
     pub template_vars: TemplateVars,
     pub stop: Vec<String>,
     pub params: SamplingParams,
+    pub rules: TokenRules,
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 17] = [
+const KEYS: [&str; 20] = [
     "prompt",
     "messages",
     "id",
@@ -63,6 +66,9 @@ const KEYS: [&str; 17] = [
     "presence_penalty",
     "frequency_penalty",
     "seed",
+    "min_tokens",
+    "stop_token_ids",
+    "logit_bias",
 ];
 
 /// A stop setting: one string or a list.
@@ -154,6 +160,44 @@ pub(crate) fn template_vars_over(
     Ok(())
 }
 
+/// The token rules a JSON object gives (`min_tokens`, `stop_token_ids`, `logit_bias`: OpenAI's
+/// object of token ids, as strings, and biases) over those of `r`, each bias checked (the
+/// tokens are checked against the vocabulary later, [`TokenRules::check`]).
+pub(crate) fn rules_fields(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    r: &mut TokenRules,
+) -> std::result::Result<(), String> {
+    r.min_tokens = field(obj, "min_tokens")?.unwrap_or(r.min_tokens);
+    if let Some(ids) = field(obj, "stop_token_ids")? {
+        r.stop_token_ids = ids;
+    }
+    if let Some(bias) = field::<serde_json::Map<String, serde_json::Value>>(obj, "logit_bias")? {
+        r.logit_bias = logit_bias(&bias).map_err(|e| format!("`logit_bias`: {e}"))?;
+    }
+    Ok(())
+}
+
+/// OpenAI's `logit_bias` object (token ids as strings, each with a bias from -100 to 100) as
+/// (token, bias) pairs, or what is wrong with it.
+pub fn logit_bias(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<Vec<(u32, f32)>, String> {
+    let pair = |(k, v): (&String, &serde_json::Value)| {
+        let t: u32 = k.trim().parse().map_err(|_| format!("the key {k:?} is not a token id"))?;
+        let b = v.as_f64().ok_or_else(|| format!("the bias of token {t} is {v}, not a number"))?;
+        if !(-MAX_LOGIT_BIAS as f64..=MAX_LOGIT_BIAS as f64).contains(&b) {
+            return Err(format!("the bias of token {t} must be in [-100, 100], got {b}"));
+        }
+        Ok((t, b as f32))
+    };
+    let mut out: Vec<(u32, f32)> = obj.iter().map(pair).collect::<std::result::Result<_, String>>()?;
+    out.sort_by_key(|p| p.0);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(format!("token {} is given twice", w[0].0));
+    }
+    Ok(out)
+}
+
 /// The sampling settings a JSON object gives (`temperature`, `top_k`, `top_p`, `min_p`,
 /// `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`) over those of `p`,
 /// checked.
@@ -192,6 +236,7 @@ impl Defaults {
             template_vars: self.template_vars.clone(),
             stop: self.stop.clone(),
             params,
+            rules: self.rules.clone(),
         }
     }
 }
@@ -216,8 +261,8 @@ impl PromptSpec {
 /// with `{`: each non-blank line is an object with `prompt` (or a conversation, `messages`, as
 /// OpenAI's chat requests give it: a chat) and optional `id`, `max_tokens`, `ignore_eos`,
 /// `chat`, `system`, `chat_template_kwargs`, `stop` (string or list), `temperature`, `top_k`,
-/// `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`, or a
-/// line of OpenAI's batch input (read as its request's body). Otherwise each non-blank line is
+/// `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`,
+/// `min_tokens`, `stop_token_ids`, `logit_bias`, or a line of OpenAI's batch input (read as its request's body). Otherwise each non-blank line is
 /// a prompt, with `\n` and `\\` as escapes. The path `-` reads standard input (under mpirun,
 /// the first rank's, where the prompts are read). Errors name the file (or `stdin`) and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
@@ -277,6 +322,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             if let Some(stop) = stop_field(&obj)? {
                 s.stop = stop;
             }
+            rules_fields(&obj, &mut s.rules)?;
             sampling_fields(&obj, &mut s.params)
         };
         get(&mut s).map_err(at)?;
@@ -407,21 +453,35 @@ fn unescape(l: &str) -> String {
     out
 }
 
-/// The text of one completion as its tokens arrive, cut at the first stop string. Text that
-/// may be the start of a stop string is held back until the next tokens tell, so a stream
-/// never shows what the cut takes away.
+/// The text of one completion as its tokens arrive, cut at the first stop string or before its
+/// first stop token ([`TokenRules`]; no stop string ends it before its `min_tokens`). Text
+/// that may be the start of a stop string is held back until the next tokens tell, so a
+/// stream never shows what the cut takes away.
 pub struct TextTracker {
     stream: StreamDecoder,
     text: String,
     stop: Vec<String>,
+    stop_ids: Vec<u32>,
+    min_tokens: usize,
+    /// Tokens pushed.
+    tokens: usize,
     stopped: bool,
     /// Bytes of `text` handed out.
     shown: usize,
 }
 
 impl TextTracker {
-    pub fn new(stop: Vec<String>) -> Self {
-        TextTracker { stream: StreamDecoder::default(), text: String::new(), stop, stopped: false, shown: 0 }
+    pub fn new(stop: Vec<String>, rules: &TokenRules) -> Self {
+        TextTracker {
+            stream: StreamDecoder::default(),
+            text: String::new(),
+            stop,
+            stop_ids: rules.stop_token_ids.clone(),
+            min_tokens: rules.min_tokens,
+            tokens: 0,
+            stopped: false,
+            shown: 0,
+        }
     }
 
     /// Adds a token. Returns the new text to show (never past a stop string, nor the start of
@@ -430,16 +490,27 @@ impl TextTracker {
         if self.stopped {
             return Ok((String::new(), false));
         }
+        self.tokens += 1;
+        if self.stop_ids.contains(&id) {
+            // A stop token ends the completion and, as vLLM leaves it, is no part of its text.
+            self.stopped = true;
+            return Ok((String::new(), false));
+        }
         let Some(piece) = self.stream.push(tok, id)? else { return Ok((String::new(), true)) };
         let start = self.text.len();
         self.text.push_str(&piece);
-        // A stop string ending in this piece starts at most its length before the piece.
-        let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
-        let mut from = start.saturating_sub(longest);
-        while !self.text.is_char_boundary(from) {
-            from -= 1;
-        }
-        let cut = self.stop.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min();
+        // Only a stop string ending in this piece: one begun at most its length less one before
+        // it (one whole before it was looked for already, or came among the first
+        // `min_tokens`, which no stop string ends). Not before the least number of tokens.
+        let text = &self.text;
+        let ending_here = |s: &String| {
+            let mut from = start.saturating_sub(s.len().saturating_sub(1));
+            while !text.is_char_boundary(from) {
+                from += 1;
+            }
+            text[from..].find(s.as_str()).map(|i| from + i)
+        };
+        let cut = self.stop.iter().filter_map(ending_here).min().filter(|_| self.tokens > self.min_tokens);
         let upto = match cut {
             Some(cut) => {
                 self.stopped = true;
@@ -497,6 +568,7 @@ mod tests {
             template_vars: TemplateVars::new(),
             stop: vec![],
             params: SamplingParams { seed: 100, ..Default::default() },
+            rules: TokenRules::default(),
         }
     }
 

@@ -8,11 +8,13 @@
 //! channel, so a streamed answer shows each piece as its step ends. While no request runs or
 //! waits, the other ranks sleep ([`crate::comm::Link::sleep_until_woken`]).
 
-use crate::engine::sampling::SamplingParams;
+use crate::engine::sampling::{SamplingParams, TokenRules};
 use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
 use crate::error::Result;
 use crate::http;
-use crate::prompts::{field, messages_field, sampling_fields, stop_field, template_vars_over, TextTracker};
+use crate::prompts::{
+    field, messages_field, rules_fields, sampling_fields, stop_field, template_vars_over, TextTracker,
+};
 use crate::tokenizer::{ChatEnd, TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -52,6 +54,8 @@ pub struct Ask {
     pub ignore_eos: bool,
     pub stop: Vec<String>,
     pub params: SamplingParams,
+    /// Logit biases, stop tokens and least number of tokens.
+    pub rules: TokenRules,
     pub stream: bool,
     /// Streamed: a last chunk with the token counts (`stream_options.include_usage`).
     pub stream_usage: bool,
@@ -74,7 +78,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have.
-const KEYS: [&str; 25] = [
+const KEYS: [&str; 28] = [
     "model",
     "prompt",
     "messages",
@@ -100,6 +104,9 @@ const KEYS: [&str; 25] = [
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    "min_tokens",
+    "stop_token_ids",
+    "logit_bias",
 ];
 
 /// Whether a setting's value asks for nothing beyond a request without it.
@@ -109,8 +116,7 @@ type AsksNothing = fn(&Value) -> bool;
 /// beyond what a request without it gets (null, an empty list or object, the default): such
 /// a value is taken, as clients send them unasked; any other is refused by name, as something
 /// gridlm does not do rather than an unknown key.
-const OPENAI_NOT_TAKEN: [(&str, AsksNothing); 14] = [
-    ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty)),
+const OPENAI_NOT_TAKEN: [(&str, AsksNothing); 13] = [
     ("response_format", |v| v.get("type").and_then(Value::as_str) == Some("text")),
     ("tools", |v| v.as_array().is_some_and(Vec::is_empty)),
     ("functions", |v| v.as_array().is_some_and(Vec::is_empty)),
@@ -160,6 +166,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         ignore_eos: false,
         stop: Vec::new(),
         params: SamplingParams { seed: d.params.seed.wrapping_add(n), ..d.params.clone() },
+        rules: TokenRules::default(),
         stream: false,
         stream_usage: false,
         logprobs: None,
@@ -225,6 +232,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         return Err("`stop`: a stop string is empty".into());
     }
     sampling_fields(&obj, &mut ask.params)?;
+    rules_fields(&obj, &mut ask.rules)?;
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
     let prompts = (ask.prompts.len() + ask.token_prompts.len()).max(1);
@@ -329,7 +337,7 @@ impl Served {
 
     fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
         let client = Client {
-            tracker: TextTracker::new(inc.stop),
+            tracker: TextTracker::new(inc.stop, &inc.request.rules),
             choice: inc.choice,
             reply: inc.reply,
             listener: inc.listener,
@@ -962,6 +970,9 @@ fn answer(mut req: http::Request, front: &Front) {
         Ok(p) => p,
         Err(e) => return refuse(front, req, &url, 400, &e),
     };
+    if let Err(e) = ask.rules.check(front.vocab, ask.max_tokens) {
+        return refuse(front, req, &url, 400, &format!("`{}", e.replacen(' ', "` ", 1)));
+    }
     let counted = InFlight(&front.in_flight);
     if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
         let most = front.max_in_flight;
@@ -993,6 +1004,7 @@ fn answer(mut req: http::Request, front: &Front) {
                 keep_logits: false,
                 logprobs: ask.logprobs,
                 prompt_logprobs: ask.logprobs.filter(|_| ask.echo),
+                rules: ask.rules.clone(),
             };
             let inc = Incoming {
                 request,
@@ -1561,6 +1573,19 @@ mod tests {
             "modalities":["text"],"prediction":null}"#;
         let a = ask(Kind::Chat, neutral).unwrap();
         assert_eq!((a.messages, a.params, a.max_tokens), (plain.messages, plain.params, plain.max_tokens));
+        assert_eq!(a.rules, plain.rules);
+        // vLLM's and OpenAI's token rules, taken.
+        let rules =
+            r#"{"prompt":"a","logit_bias":{"28":-100," 7":2.5},"min_tokens":3,"stop_token_ids":[2,9]}"#;
+        let r = ask(Kind::Completion, rules).unwrap().rules;
+        assert_eq!(
+            r,
+            TokenRules {
+                min_tokens: 3,
+                stop_token_ids: vec![2, 9],
+                logit_bias: vec![(7, 2.5), (28, -100.0)]
+            }
+        );
         let a = ask(Kind::Completion, r#"{"prompt":"a","best_of":1,"suffix":"","logit_bias":null}"#).unwrap();
         assert_eq!(a.prompts, vec!["a".to_string()]);
     }
@@ -1572,9 +1597,16 @@ mod tests {
             (Kind::Completion, r#"{"prompt":"a","temprature":1}"#, "unknown key `temprature`"),
             (
                 Kind::Completion,
-                r#"{"prompt":"a","logit_bias":{"28":-100}}"#,
-                "`logit_bias`: OpenAI's setting, which gridlm does not support (got {\"28\":-100})",
+                r#"{"prompt":"a","response_format":{"type":"json_object"}}"#,
+                "`response_format`: OpenAI's setting, which gridlm does not support (got {\"type\":\"json_object\"})",
             ),
+            (
+                Kind::Completion,
+                r#"{"prompt":"a","logit_bias":{"28":-101}}"#,
+                "`logit_bias`: the bias of token 28 must be in [-100, 100], got -101",
+            ),
+            (Kind::Chat, r#"{"messages":[{"role":"user","content":"a"}],"min_tokens":-1}"#, "`min_tokens`: invalid value"),
+            (Kind::Completion, r#"{"prompt":"a","stop_token_ids":2}"#, "`stop_token_ids`: invalid type"),
             (Kind::Chat, r#"{"messages":[],"tools":[{"type":"function"}]}"#, "`tools`: OpenAI's setting"),
             (Kind::Completion, r#"{"prompt":"a","best_of":2}"#, "`best_of`: OpenAI's setting"),
             (

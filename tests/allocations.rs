@@ -10,7 +10,7 @@
 //! beside it.
 
 use gridlm::comm::Single;
-use gridlm::engine::sampling::{self, Buffers, Draw, SamplingParams};
+use gridlm::engine::sampling::{self, Buffers, Draw, SamplingParams, TokenRules};
 use gridlm::engine::{Engine, Request, RunOptions};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::model::Shard;
@@ -87,6 +87,7 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, draf
         keep_logits: len == 9,
         logprobs: None,
         prompt_logprobs: None,
+        rules: TokenRules::default(),
     };
     let sampled = |temperature, top_p, top_k, seed| SamplingParams {
         temperature,
@@ -106,8 +107,22 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, draf
     // Penalized: its rows after drafts count them among its tokens, and put the counts back.
     let counting =
         SamplingParams { frequency_penalty: 0.5, presence_penalty: 0.2, ..SamplingParams::default() };
+    // Biased, and its stop token kept out of its first three tokens.
+    let ruled = |len: usize, params: SamplingParams| Request {
+        rules: TokenRules {
+            min_tokens: 3,
+            stop_token_ids: vec![7],
+            logit_bias: vec![(5, -100.0), (2999, 3.0)],
+        },
+        ..request(len, params)
+    };
     let cases = [
         ("greedy", vec![request(5, SamplingParams::default())], 0),
+        (
+            "token rules, batch 2",
+            vec![ruled(5, SamplingParams::default()), ruled(7, sampled(0.8, 0.9, 0, 5))],
+            0,
+        ),
         // Its one step of prefill, the engine's first, feeds one token as a decode step does.
         ("greedy, a one-token prompt", vec![request(1, SamplingParams::default())], 0),
         ("greedy, batch 3", (0..3).map(|i| request(5 + 4 * i, SamplingParams::default())).collect(), 0),

@@ -84,7 +84,7 @@ pub enum Plan {
 
 /// A sequence taking a slot: its KV pages (in position order), how it picks tokens and
 /// whether its tokens' log-probabilities are reported (with how many alternatives).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Admit {
     pub slot: usize,
     pub pages: Vec<u32>,
@@ -94,6 +94,12 @@ pub struct Admit {
     /// already (from the prefix cache): never sent in a span, but part of its history.
     pub history: Vec<u32>,
     pub prompt_len: usize,
+    /// Biases added to some tokens' logits before they are picked ([`sampling::TokenRules`]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The tokens that end the sequence (its end-of-sequence tokens unless they are ignored,
+    /// and its stop tokens): never picked as its first `min_tokens` tokens.
+    pub enders: Vec<u32>,
+    pub min_tokens: usize,
 }
 
 /// The most alternatives a token's log-probabilities list ([`TokenLogprobs::top`]).
@@ -261,9 +267,19 @@ struct SlotState {
     /// presence or frequency penalty is on (else empty).
     counts: Vec<u16>,
     prompt_len: usize,
+    /// Its logit biases and the tokens that end it, as indices in this rank's shard, and how
+    /// many tokens it brings before those may be picked ([`Admit`]).
+    bias: Vec<(u32, f32)>,
+    enders: Vec<u32>,
+    min_tokens: u64,
 }
 
 impl SlotState {
+    /// Whether picking its tokens changes a row's logits ([`Engine::pick`]).
+    fn adjusts(&self) -> bool {
+        sampling::adjusts(&self.params) || !self.bias.is_empty() || self.min_tokens > 0
+    }
+
     /// Token `t`'s local index in the shard from `shard_start` and its count, where the
     /// sequence counts its tokens and the shard holds `t`.
     fn count_of(&mut self, t: u32, shard_start: usize) -> Option<(usize, &mut u16)> {
@@ -1081,6 +1097,14 @@ impl Engine {
                 st.counts.resize(self.shard.vocab_range().len(), 0);
             }
             st.prompt_len = a.prompt_len;
+            let vr = self.shard.vocab_range();
+            let local =
+                |t: u32| (t as usize).checked_sub(vr.start).filter(|&i| i < vr.len()).map(|i| i as u32);
+            st.bias.clear();
+            st.bias.extend(a.logit_bias.iter().filter_map(|&(t, b)| Some((local(t)?, b))));
+            st.enders.clear();
+            st.enders.extend(a.enders.iter().filter_map(|&t| local(t)));
+            st.min_tokens = a.min_tokens as u64;
         }
         let (spans, tokens) = (&step.spans, &step.tokens);
         let h = self.shard.cfg.hidden_size;
@@ -1257,7 +1281,7 @@ impl Engine {
                     &mut lp.idx,
                     &mut lp.mine[i * rec + 1..(i + 1) * rec],
                 );
-                if sampling::adjusts(&self.slots[emitting[row]].params) {
+                if self.slots[emitting[row]].adjusts() {
                     lp.raw.extend_from_slice(logits);
                 }
             }
@@ -1272,7 +1296,11 @@ impl Engine {
         undo.clear();
         for (row, &slot) in emitting.iter().enumerate() {
             let st = &mut self.slots[slot];
-            sampling::adjust(&mut self.logits[row * vl..(row + 1) * vl], &st.params, &st.seen, &st.counts);
+            let logits = &mut self.logits[row * vl..(row + 1) * vl];
+            // The tokens that end it are out while it has brought fewer than its min_tokens.
+            let banned = if self.head_rows[row].index < st.min_tokens { &st.enders[..] } else { &[] };
+            sampling::steer(logits, &st.bias, banned);
+            sampling::adjust(logits, &st.params, &st.seen, &st.counts);
             if let Some((i, c)) = self.head_rows[row].draft.and_then(|d| st.count_of(d, vr.start)) {
                 undo.push((slot, i, *c));
                 *c = c.saturating_add(1);
@@ -1326,7 +1354,7 @@ impl Engine {
         let lp = &mut self.logprob_bufs;
         let mut raw = lp.raw.chunks_exact(vl);
         for (i, &(row, _)) in lp.rows.iter().enumerate() {
-            let logits = if sampling::adjusts(&self.slots[emitting[row]].params) {
+            let logits = if self.slots[emitting[row]].adjusts() {
                 raw.next().expect("a raw row for each adjusted one")
             } else {
                 &self.logits[row * vl..(row + 1) * vl]
@@ -1435,8 +1463,8 @@ impl Engine {
             pages: (0..pages as u32).collect(),
             params: SamplingParams::default(),
             logprobs: None,
-            history: Vec::new(),
             prompt_len: prompt.len(),
+            ..Admit::default()
         }];
         let span = Span { seq: 0, pos0: 0, len: prompt.len(), emit: true };
         let first = Step { admit, spans: vec![span], tokens: prompt.to_vec(), ..Step::default() };
@@ -1472,6 +1500,7 @@ impl Engine {
             keep_logits: opts.keep_prompt_logits,
             logprobs: None,
             prompt_logprobs: None,
+            rules: sampling::TokenRules::default(),
         };
         let run = RunOptions { eos_ids: opts.eos_ids.clone(), ..RunOptions::default() };
         let mut done = self.run(&[req], &run, comm, link, |_, t| on_token(t).map(|()| true))?;

@@ -146,6 +146,67 @@ impl SamplingParams {
     }
 }
 
+/// What a sequence's tokens may be, beside how they are drawn: a bias added to some tokens'
+/// logits (OpenAI's `logit_bias`), tokens that end it as its end-of-sequence token does (vLLM's
+/// `stop_token_ids`; finished as stopped), and how many tokens it brings before anything may end
+/// it (vLLM's `min_tokens`: until then neither its end-of-sequence nor its stop tokens are ever
+/// picked, and no stop string ends it).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TokenRules {
+    pub min_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    /// (token, bias) pairs, each token once.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+/// The largest bias `logit_bias` may add or take away (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+
+impl TokenRules {
+    /// The first rule that does not fit a vocabulary of `vocab` tokens or `max_tokens`, as a
+    /// message beginning with its name.
+    pub fn check(&self, vocab: usize, max_tokens: usize) -> Result<(), String> {
+        if self.min_tokens > max_tokens {
+            return Err(format!(
+                "min_tokens ({}) must be at most max_tokens ({max_tokens})",
+                self.min_tokens
+            ));
+        }
+        let outside = |t: &u32| *t as usize >= vocab;
+        if let Some(t) = self.stop_token_ids.iter().find(|t| outside(t)) {
+            return Err(format!("stop_token_ids holds token {t}, outside the vocabulary of {vocab} tokens"));
+        }
+        for (i, &(t, b)) in self.logit_bias.iter().enumerate() {
+            if outside(&t) {
+                return Err(format!("logit_bias holds token {t}, outside the vocabulary of {vocab} tokens"));
+            }
+            if !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b) {
+                return Err(format!("logit_bias gives token {t} a bias of {b}, outside [-100, 100]"));
+            }
+            if self.logit_bias[..i].iter().any(|p| p.0 == t) {
+                return Err(format!("logit_bias gives token {t} twice"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Adds a sequence's logit biases (`bias`: index in the shard, bias) to one row of shard logits
+/// and takes the tokens `banned` (indices in the shard) out of it: their logits become −∞.
+/// Indices past the row are left alone.
+pub fn steer(row: &mut [f32], bias: &[(u32, f32)], banned: &[u32]) {
+    for &(i, b) in bias {
+        if let Some(l) = row.get_mut(i as usize) {
+            *l += b;
+        }
+    }
+    for &i in banned {
+        if let Some(l) = row.get_mut(i as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
 fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -215,7 +276,8 @@ fn before(a: (f32, u32), b: (f32, u32)) -> std::cmp::Ordering {
 /// the top `c` (value, global index) in order, padded. `idx` is reusable scratch.
 pub fn summarize(row: &[f32], vocab_start: usize, c: usize, idx: &mut Vec<u32>, out: &mut [f32]) {
     let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let s: f64 = row.iter().map(|&l| ((l - m) as f64).exp()).sum();
+    // A shard whose every token is taken out (−∞) adds nothing (not exp(NaN)).
+    let s: f64 = if m == f32::NEG_INFINITY { 0.0 } else { row.iter().map(|&l| ((l - m) as f64).exp()).sum() };
     let sent = c.min(row.len());
     idx.clear();
     idx.extend(0..row.len() as u32);
@@ -363,7 +425,8 @@ pub fn threshold_pick(
 ) -> (f64, u32) {
     row.iter()
         .enumerate()
-        .filter(|(_, &l)| l >= theta)
+        // Never a token taken out (−∞), though θ be −∞ (no truncation).
+        .filter(|(_, &l)| l >= theta && l > f32::NEG_INFINITY)
         .map(|(i, &l)| {
             let t = (vocab_start + i) as u32;
             (l as f64 + p.gumbel(index, t), t)
@@ -730,6 +793,63 @@ mod tests {
             for (row, p) in params.iter().enumerate() {
                 assert_eq!(picked[row], sample_split(&rows[row], 1, p, index), "row {row}, draw {index}");
             }
+        }
+    }
+
+    /// Tokens taken out (−∞) are never picked, greedy or sampled, on any split of the
+    /// vocabulary, also where they are a whole shard; a bias is added to its token's logit; the
+    /// rules' check names what does not fit.
+    #[test]
+    fn tokens_taken_out_are_never_drawn() {
+        let mut l = logits(300, 9);
+        let best = (0..300).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+        // 0..43 holds the first shard of 7 (0..42) whole.
+        let banned: Vec<u32> = (0..43).chain([best]).collect();
+        let before = l[50];
+        steer(&mut l, &[(5, 2.0), (50, -1.5), (400, 1.0)], &banned);
+        assert_eq!((l[5], l[50]), (f32::NEG_INFINITY, before - 1.5));
+        let settings = [
+            SamplingParams::default(),
+            SamplingParams { temperature: 1.0, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_k: 50, ..Default::default() },
+            SamplingParams { temperature: 1.0, min_p: 0.2, ..Default::default() },
+        ];
+        for p in &settings {
+            for i in 0..2000 {
+                let t = if p.is_greedy() {
+                    (0..300u32).fold(0, |b, t| if l[t as usize] > l[b as usize] { t } else { b })
+                } else {
+                    sample_split(&l, 1, p, i)
+                };
+                assert!(!banned.contains(&t), "{p:?}: drew {t}, taken out");
+                if !p.is_greedy() {
+                    for shards in [2, 3, 7] {
+                        assert_eq!(sample_split(&l, shards, p, i), t, "{p:?}: {shards} shards at draw {i}");
+                    }
+                }
+            }
+        }
+        let rules =
+            |min_tokens, stop_token_ids, logit_bias| TokenRules { min_tokens, stop_token_ids, logit_bias };
+        assert_eq!(rules(3, vec![299], vec![(0, -100.0), (7, 100.0)]).check(300, 3), Ok(()));
+        for (r, msg) in [
+            (rules(4, vec![], vec![]), "min_tokens (4) must be at most max_tokens (3)"),
+            (
+                rules(0, vec![300], vec![]),
+                "stop_token_ids holds token 300, outside the vocabulary of 300 tokens",
+            ),
+            (
+                rules(0, vec![], vec![(300, 1.0)]),
+                "logit_bias holds token 300, outside the vocabulary of 300 tokens",
+            ),
+            (
+                rules(0, vec![], vec![(1, 100.5)]),
+                "logit_bias gives token 1 a bias of 100.5, outside [-100, 100]",
+            ),
+            (rules(0, vec![], vec![(1, 1.0), (1, 2.0)]), "logit_bias gives token 1 twice"),
+        ] {
+            assert_eq!(r.check(300, 3), Err(msg.to_string()));
         }
     }
 

@@ -17,8 +17,9 @@
 
 use super::prefix::{PrefixCache, ROOT};
 use super::{
-    check_prompt, sampling::SamplingParams, Admit, Drafted, Engine, Finish, Plan, Scored, Step, StepResult,
-    TokenLogprobs,
+    check_prompt,
+    sampling::{SamplingParams, TokenRules},
+    Admit, Drafted, Engine, Finish, Plan, Scored, Step, StepResult, TokenLogprobs,
 };
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
@@ -27,7 +28,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 /// One prompt to complete.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
@@ -42,6 +43,8 @@ pub struct Request {
     /// it), with this many alternatives'. With `max_tokens` 0 the request only scores its
     /// prompt.
     pub prompt_logprobs: Option<usize>,
+    /// Its logit biases, stop tokens and least number of tokens.
+    pub rules: TokenRules,
 }
 
 /// How the scheduler runs a set of requests.
@@ -299,6 +302,7 @@ impl Engine {
         let ms = |t0: Instant, paused: f64| t0.elapsed().as_secs_f64() * 1e3 - paused;
         let mut paused = 0.0;
         let ctx = self.max_context();
+        let vocab = self.shard.cfg.vocab_size;
         let positions = |r: &Request| positions_of(r, ctx);
         let page_bytes = self.max_page_bytes().max(1);
         // Unasked, a quarter of the tightest node's memory (where none is known, 1 GiB a node,
@@ -413,7 +417,7 @@ impl Engine {
                         "log-probabilities list at most {} alternatives a token, {alternatives} asked",
                         super::MAX_LOGPROBS
                     )),
-                    Ok(()) => req.params.check().err(),
+                    Ok(()) => req.params.check().err().or_else(|| req.rules.check(vocab, req.max_tokens).err()),
                 };
                 let mut out = Completion {
                     token_ids: Vec::new(),
@@ -513,6 +517,9 @@ impl Engine {
                         logprobs: l.req.logprobs,
                         history: l.req.prompt[..skipped].to_vec(),
                         prompt_len: l.req.prompt.len(),
+                        logit_bias: l.req.rules.logit_bias.clone(),
+                        enders: enders(&l.req, &opts.eos_ids),
+                        min_tokens: l.req.rules.min_tokens,
                     });
                     let drafts = Vec::with_capacity(opts.speculate);
                     l.seq = Some(Seq { slot, pages: pg, group: g, fed: skipped, cached, borrowed, drafts });
@@ -632,7 +639,7 @@ impl Engine {
                     let pos = req.prompt.len() + c.token_ids.len() - 1;
                     let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
                         Some(Finish::Eos)
-                    } else if !go_on {
+                    } else if !go_on || req.rules.stop_token_ids.contains(&tok) {
                         Some(Finish::Stop)
                     } else if c.token_ids.len() >= req.max_tokens {
                         Some(Finish::Length)
@@ -744,6 +751,16 @@ fn token_at(prompt: &[u32], brought: &[u32], i: usize) -> u32 {
     } else {
         brought[i - prompt.len()]
     }
+}
+
+/// The tokens that end request `r` (the end-of-sequence tokens `eos` unless it ignores them, and
+/// its stop tokens), where it brings a least number of tokens (none: no need to know them).
+fn enders(r: &Request, eos: &[u32]) -> Vec<u32> {
+    if r.rules.min_tokens == 0 {
+        return Vec::new();
+    }
+    let eos = if r.ignore_eos { &[][..] } else { eos };
+    eos.iter().chain(&r.rules.stop_token_ids).copied().collect()
 }
 
 /// The KV pages a request takes: its prompt and every token it may bring, within the context.

@@ -248,6 +248,9 @@ mod tests {
                 logprobs: Some(3),
                 history: vec![4, 0, u32::MAX],
                 prompt_len: 1 << 35,
+                logit_bias: vec![(5, -100.0), (u32::MAX, 0.5)],
+                enders: vec![2, 0],
+                min_tokens: 3,
             }],
             spans: vec![
                 Span { seq: 2, pos0: 0, len: 3, emit: false },

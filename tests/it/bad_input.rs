@@ -325,6 +325,22 @@ fn bad_prompts_files() {
     assert_one_line_error(&run(&jl, &[]), &["p.jsonl:2:", "not a prompt object"]);
     std::fs::write(&jl, "{\"prompt\":\"t1\",\"min_p\":1.5}\n").unwrap();
     assert_one_line_error(&run(&jl, &[]), &["p.jsonl:1:", "`min_p` must be in [0, 1]"]);
+    std::fs::write(&jl, "{\"prompt\":\"t1\",\"logit_bias\":{\"3\":120}}\n").unwrap();
+    assert_one_line_error(
+        &run(&jl, &[]),
+        &["p.jsonl:1:", "`logit_bias`: the bias of token 3 must be in [-100, 100]"],
+    );
+    // Token rules are checked against the model (its vocabulary) and the line's max_tokens.
+    std::fs::write(&jl, "{\"prompt\":\"t1\"}\n{\"prompt\":\"t1\",\"stop_token_ids\":[1000000]}\n").unwrap();
+    assert_one_line_error(
+        &run(&jl, &[]),
+        &["p.jsonl:2: `stop_token_ids` holds token 1000000, outside the vocabulary"],
+    );
+    std::fs::write(&jl, "{\"prompt\":\"t1\",\"max_tokens\":4}\n").unwrap();
+    assert_one_line_error(
+        &run(&jl, &["--min-tokens", "5"]),
+        &["p.jsonl:1: `min_tokens` (5) must be at most max_tokens (4)"],
+    );
     std::fs::write(&jl, "\n").unwrap();
     assert_one_line_error(&run(&jl, &[]), &["p.jsonl", "no prompts"]);
 }
@@ -350,6 +366,21 @@ fn bad_sampling_and_batching_flags() {
     assert_one_line_error(&run(&["--max-batch", "0"]), &["--max-batch"]);
     assert_one_line_error(&run(&["--speculate", "65"]), &["--speculate", "not in 0..=64"]);
     assert_one_line_error(&run(&["--stop", ""]), &["--stop"]);
+    assert_one_line_error(
+        &run(&["--min-tokens", "200"]),
+        &["--min-tokens (200) must be at most max_tokens (128)"],
+    );
+    assert_one_line_error(
+        &run(&["--stop-token-ids", "2,1000000"]),
+        &["--stop-token-ids holds token 1000000"],
+    );
+    assert_one_line_error(&run(&["--stop-token-ids", "x"]), &["invalid value 'x'", "--stop-token-ids"]);
+    assert_one_line_error(&run(&["--logit-bias", "{\"1000000\": 1}"]), &["--logit-bias holds token 1000000"]);
+    assert_one_line_error(
+        &run(&["--logit-bias", "{\"3\": 1, \"03\": 2}"]),
+        &["--logit-bias", "token 3 is given twice"],
+    );
+    assert_one_line_error(&run(&["--logit-bias", "[3]"]), &["--logit-bias", "not a JSON object"]);
     assert_one_line_error(&run(&["--max-tokens", "0", "--logits-out", "l.f32"]), &["--logits-out needs"]);
 }
 

@@ -251,6 +251,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_up_to_near_ties() {
         template_vars: Default::default(),
         stop: Vec::new(),
         params: SamplingParams::default(),
+        rules: Default::default(),
     };
     let specs = read_prompts(&file, &defaults).unwrap().split_off(TEXTS.len());
     let mut sampled_first: Option<Vec<Vec<u32>>> = None;
@@ -720,5 +721,83 @@ fn speculative_drafts_bring_the_tokens_decoded_without() {
             assert_eq!(b["logprobs"], a["logprobs"], "{pp}x{tp}: prompt {i}'s log-probabilities");
             assert_eq!(b["finish_reason"], a["finish_reason"], "{pp}x{tp}: prompt {i}");
         }
+    }
+}
+
+/// Token rules as OpenAI and vLLM take them, in a prompts file, on one rank, two
+/// tensor-parallel ranks (the vocabulary split: a bias or a ban on either shard) and two
+/// stages, and with drafts: each layout's rules against its own answer without them.
+/// `logit_bias` -100 on the first token brings the second most likely one (the reported
+/// log-probabilities stay the model's own), +100 forces a token, greedy or sampled;
+/// `min_tokens` keeps the end-of-sequence token out (greedy: the same tokens up to where it
+/// came), `stop_token_ids` end the answer at the first such token, left out of the text, and
+/// no stop string ends an answer before its `min_tokens`.
+#[test]
+fn token_rules_steer_the_picks_on_every_layout() {
+    let dir = smollm2("bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("rules.jsonl");
+    let chat = serde_json::json!([{"role": "user", "content": "Say hello."}]);
+    let layouts: [(usize, &[&str]); 4] =
+        [(1, &[]), (2, &["--tp", "2"]), (2, &["--pp", "2"]), (1, &["--speculate", "3"])];
+    for (ranks, layout) in layouts {
+        let run = |lines: &[Value]| -> Vec<Value> {
+            let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+            std::fs::write(&file, text).unwrap();
+            let mut args = vec!["--prompts-file", path_str(&file), "--json", "--logprobs", "2"];
+            args.extend(layout);
+            let j = json_of(&local(ranks, &dir, &args));
+            j["results"].as_array().unwrap().clone()
+        };
+        let line = |more: Value| {
+            let mut l = serde_json::json!({"messages": chat, "max_tokens": 48});
+            l.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
+            l
+        };
+        let base = &run(&[line(serde_json::json!({}))])[0];
+        let at = format!("{layout:?}: {base}");
+        assert_eq!(base["finish_reason"], "eos", "{at}");
+        let tokens = ids(base);
+        let (n, eos) = (tokens.len(), *tokens.last().unwrap());
+        let texts: Vec<&str> =
+            base["logprobs"].as_array().unwrap().iter().map(|l| l["text"].as_str().unwrap()).collect();
+        let first_top = &base["logprobs"][0]["top"];
+        let second = first_top[1]["token"].as_u64().unwrap() as u32;
+        let stop_id = tokens[n / 2];
+        let cut = tokens.iter().position(|&t| t == stop_id).unwrap();
+        let bang = texts.iter().position(|t| t.contains('!')).unwrap_or_else(|| panic!("no `!`: {at}"));
+        let bias = |t: u32, b: f64| serde_json::json!({ t.to_string(): b });
+        let results = run(&[
+            line(serde_json::json!({"logit_bias": bias(tokens[0], -100.0), "max_tokens": 1})),
+            line(serde_json::json!({"logit_bias": bias(second, 100.0), "max_tokens": 4})),
+            line(serde_json::json!({"logit_bias": bias(second, 100.0), "max_tokens": 4, "temperature": 1.0})),
+            line(serde_json::json!({"min_tokens": n + 4, "max_tokens": n + 4})),
+            line(
+                serde_json::json!({"min_tokens": n + 4, "max_tokens": n + 4, "temperature": 1.0, "seed": 3}),
+            ),
+            line(serde_json::json!({"stop_token_ids": [stop_id, 49151]})),
+            line(serde_json::json!({"stop": "!", "min_tokens": bang + 1})),
+        ]);
+        let [banned, forced, forced_sampled, least, least_sampled, stopped, late_stop] = &results[..] else {
+            panic!("seven results: {results:?}")
+        };
+        assert_eq!(ids(banned), [second], "{at}\n{banned}");
+        assert_eq!(&banned["logprobs"][0]["top"], first_top, "{at}\n{banned}");
+        assert_eq!(ids(forced), [second; 4], "{at}\n{forced}");
+        assert_eq!(ids(forced_sampled), [second; 4], "{at}\n{forced_sampled}");
+        for r in [least, least_sampled] {
+            assert_eq!((r["finish_reason"].as_str(), ids(r).len()), (Some("length"), n + 4), "{at}\n{r}");
+            assert!(!ids(r).contains(&eos), "{at}\n{r}");
+        }
+        assert_eq!(ids(least)[..n - 1], tokens[..n - 1], "{at}\n{least}");
+        assert_eq!(ids(stopped), tokens[..=cut], "{at}\n{stopped}");
+        assert_eq!(stopped["finish_reason"], "stop", "{at}\n{stopped}");
+        assert_eq!(stopped["text"], texts[..cut].concat(), "{at}\n{stopped}");
+        // The `!` of token `bang` is kept; the answer goes on as without the stop string, to its
+        // next `!` or its end.
+        let kept = texts[..=bang].concat();
+        let late = late_stop["text"].as_str().unwrap();
+        assert!(late.starts_with(&kept), "{at}\n{late_stop}");
+        assert_eq!(ids(late_stop), tokens[..ids(late_stop).len()], "{at}\n{late_stop}");
     }
 }

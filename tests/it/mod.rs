@@ -69,6 +69,7 @@ pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize, keep_logits: bool) ->
         keep_logits,
         logprobs: None,
         prompt_logprobs: None,
+        rules: Default::default(),
     }
 }
 

@@ -446,18 +446,10 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
         {"role": "assistant", "content": "Paris."},
         {"role": "user", "content": "And of Italy?"},
     ]);
-    let tmp = tempfile::tempdir().unwrap();
-    let file = tmp.path().join("chats.jsonl");
     let request = json!({"messages": messages, "max_tokens": 16});
     let batch =
         json!({"custom_id": "turn-4", "method": "POST", "url": "/v1/chat/completions", "body": request});
-    std::fs::write(&file, format!("{request}\n{batch}\n")).unwrap();
-    let mut cmd = launch_command(&["local", "2"]);
-    cmd.args(["generate", "--model", path_str(&dir), "--threads", "1", "--tp", "2", "--json"]);
-    cmd.args(["--prompts-file", path_str(&file)]);
-    let out = gridlm_reference::run_with_timeout(cmd, 300);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let g: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let g = generate_lines_on_two_tp_ranks(&dir, &[request.clone(), batch]);
     let (status, v) = server.post("/v1/chat/completions", &request);
     assert_eq!(status, 200, "{v}");
     for r in g["results"].as_array().unwrap() {
@@ -465,6 +457,20 @@ fn serve_on_two_tensor_parallel_ranks_answers_as_generate() {
         assert_eq!(v["usage"]["prompt_tokens"], r["prompt_tokens"], "{g}");
     }
     assert_eq!((g["results"].as_array().unwrap().len(), &g["results"][1]["id"]), (2, &json!("turn-4")));
+}
+
+/// `generate --json` of the prompts file of `lines` on two tensor-parallel ranks of the model
+/// `dir`.
+fn generate_lines_on_two_tp_ranks(dir: &Path, lines: &[Value]) -> Value {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    std::fs::write(&file, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let mut cmd = launch_command(&["local", "2"]);
+    cmd.args(["generate", "--model", path_str(dir), "--threads", "1", "--tp", "2", "--json"]);
+    cmd.args(["--prompts-file", path_str(&file)]);
+    let out = gridlm_reference::run_with_timeout(cmd, 300);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// Log-probabilities as OpenAI gives them, each token's those of `generate --logprobs 3
@@ -852,4 +858,63 @@ fn a_request_whose_client_left_while_it_waited_never_runs() {
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}\n{}", server.log_text());
     let log = server.log_text();
     assert!(log.contains(" 499: ") && log.contains("the client went away, streamed"), "{log}");
+}
+
+/// Token rules (`logit_bias`, `min_tokens`, `stop_token_ids`) in chat requests, whole and
+/// streamed, on two tensor-parallel ranks: the answers and finish reasons `generate` gives the
+/// same requests as prompts-file lines; rules that do not fit the vocabulary or `max_tokens`
+/// are refused by name.
+#[test]
+fn serve_takes_token_rules_as_generate() {
+    let dir = smollm2("bf16");
+    let chat = json!([{"role": "user", "content": "Say hello."}]);
+    let requests = [
+        json!({"messages": chat, "max_tokens": 12, "logit_bias": {"19556": -100, "1535": 4.5}}),
+        json!({"messages": chat, "max_tokens": 34, "min_tokens": 30}),
+        json!({"messages": chat, "max_tokens": 48, "stop_token_ids": [282]}),
+    ];
+    let g = generate_lines_on_two_tp_ranks(&dir, &requests);
+    let server = Server::start(2, &dir, &["--tp", "2"]);
+    for (request, r) in requests.iter().zip(g["results"].as_array().unwrap()) {
+        let (status, v) = server.post("/v1/chat/completions", request);
+        assert_eq!(status, 200, "{v}");
+        let finish = if r["finish_reason"] == "length" { "length" } else { "stop" };
+        let choice = &v["choices"][0];
+        assert_eq!(
+            (&choice["message"]["content"], &choice["finish_reason"]),
+            (&r["text"], &json!(finish)),
+            "{r}"
+        );
+        assert_eq!(v["usage"]["completion_tokens"], r["token_ids"].as_array().unwrap().len(), "{r}");
+        let mut streamed = request.clone();
+        streamed["stream"] = json!(true);
+        let events = server.events("/v1/chat/completions", &streamed);
+        let text: String =
+            events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
+        let last = events.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str());
+        assert_eq!((text.as_str(), last), (r["text"].as_str().unwrap(), Some(finish)), "{r}");
+    }
+    assert_eq!(g["results"][2]["finish_reason"], "stop", "{g}");
+    assert_eq!(g["results"][1]["token_ids"].as_array().unwrap().len(), 34, "{g}");
+    for (rules, msg) in [
+        (
+            json!({"stop_token_ids": [49152]}),
+            "`stop_token_ids` holds token 49152, outside the vocabulary of 49152 tokens",
+        ),
+        (
+            json!({"logit_bias": {"60000": 1}}),
+            "`logit_bias` holds token 60000, outside the vocabulary of 49152 tokens",
+        ),
+        (json!({"min_tokens": 9, "max_tokens": 8}), "`min_tokens` (9) must be at most max_tokens (8)"),
+        (
+            json!({"logit_bias": {"5": -101}}),
+            "`logit_bias`: the bias of token 5 must be in [-100, 100], got -101",
+        ),
+        (json!({"logit_bias": {"five": 1}}), "`logit_bias`: the key \"five\" is not a token id"),
+    ] {
+        let mut request = json!({"messages": chat});
+        request.as_object_mut().unwrap().extend(rules.as_object().unwrap().clone());
+        let (status, e) = server.post("/v1/chat/completions", &request);
+        assert_eq!((status, e["error"]["message"].as_str()), (400, Some(msg)), "{rules}");
+    }
 }
