@@ -7,6 +7,7 @@ pub mod comm;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod grammar;
 pub mod grid;
 pub mod host;
 pub mod http;

@@ -13,6 +13,7 @@ use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
 use gridlm::engine::sampling::{SamplingParams, TokenRules};
 use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions, StepProfile};
+use gridlm::grammar::{Format, Grammars};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::kernels::{dot, Fetch, ManyFetch, Quant, Streams};
 use gridlm::model::Shard;
@@ -301,6 +302,11 @@ struct GenerateArgs {
     /// 198; 100 all but forces it).
     #[arg(long, value_name = "JSON", value_parser = parse_logit_bias)]
     logit_bias: Option<LogitBias>,
+    /// Structured output, OpenAI's response_format: `'{"type": "json_object"}'` holds the answer
+    /// to a JSON object, `'{"type": "json_schema", "json_schema": {"schema": {...}}}'` to JSON
+    /// its schema takes (llguidance's grammar engine picks the tokens that may come next).
+    #[arg(long, value_name = "JSON", value_parser = parse_response_format)]
+    response_format: Option<ResponseFormat>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Sample as the model folder's generation_config.json says (do_sample, temperature,
@@ -521,6 +527,7 @@ impl BatchArgs {
             sides: None,
             prefix_cache: !self.no_prefix_cache,
             speculate: self.speculate.into(),
+            grammars: None,
         }
     }
 
@@ -694,6 +701,15 @@ fn parse_template_vars(s: &str) -> Result<TemplateVars, String> {
         serde_json::from_str(s).map_err(|e| format!("not a JSON object of template variables: {e}"))?;
     check_template_vars(&vars)?;
     Ok(vars)
+}
+
+/// `--response-format`'s format (`None`: text).
+#[derive(Clone)]
+struct ResponseFormat(Option<Format>);
+
+fn parse_response_format(s: &str) -> Result<ResponseFormat, String> {
+    let v: serde_json::Value = serde_json::from_str(s).map_err(|e| format!("not JSON: {e}"))?;
+    Format::from_response_format(&v).map(ResponseFormat)
 }
 
 /// `--logit-bias`'s (token, bias) pairs (one value to clap, not many).
@@ -1346,6 +1362,7 @@ fn prepare_prompts(
             stop_token_ids: a.stop_token_ids.clone(),
             logit_bias: a.logit_bias.as_ref().map_or_else(Vec::new, |b| b.0.clone()),
         },
+        format: a.response_format.as_ref().and_then(|f| f.0.clone()),
     };
     let specs = match (&a.prompt, &a.prompts_file) {
         (Some(p), _) => vec![d.spec(0, 0, p.clone())],
@@ -1458,7 +1475,12 @@ fn run_generate(
             if a.prompt.is_some() {
                 check_prompt(prompts[0].ids.len(), cfg.max_position_embeddings)?;
             }
-            Some((tok, prompts))
+            // The vocabulary as the grammar engine reads it, where an answer is held to one.
+            let grammars = match prompts.iter().any(|p| p.spec.format.is_some()) {
+                true => Some(Grammars::new(&tok, cfg.vocab_size, &eos_ids(cfg.eos_token_ids.clone(), &tok))?),
+                false => None,
+            };
+            Some((tok, prompts, grammars))
         } else {
             None
         };
@@ -1473,13 +1495,13 @@ fn run_generate(
     engine.share_sizes(link);
     // The most tokens a decode step will hold, known to the driver (its prompts), for each
     // rank's many-token prefetch.
-    let batch = prompts.as_ref().map_or(0, |(_, p)| p.len().min(a.batching.max_batch));
+    let batch = prompts.as_ref().map_or(0, |(_, p, _)| p.len().min(a.batching.max_batch));
     let mut all = vec![0u64; link.world_size()];
     link.allgather_u64(&[batch as u64], &mut all);
     let micro_batches = a.batching.overlap.micro_batches(grid.pp);
     engine.pick_many_prefetch((all.into_iter().max().unwrap_or(0) as usize).div_ceil(micro_batches));
 
-    let Some((tok, prompts)) = prompts else {
+    let Some((tok, prompts, grammars)) = prompts else {
         engine.follow(comm, link)?;
         gather_rank_reports(link, &engine, engine.profile(), weight_rss, (None, None, None), 1);
         return agree(link, Ok(()));
@@ -1497,9 +1519,11 @@ fn run_generate(
             logprobs: a.logprobs.map(|n| n as usize),
             prompt_logprobs: a.prompt_logprobs.map(|n| n as usize),
             rules: p.spec.rules.clone(),
+            format: p.spec.format.clone(),
         })
         .collect();
-    let opts = a.batching.options(grid.pp, eos_ids);
+    let mut opts = a.batching.options(grid.pp, eos_ids);
+    opts.grammars = grammars;
     let mut trackers: Vec<TextTracker> =
         prompts.iter().map(|p| TextTracker::new(p.spec.stop.clone(), &p.spec.rules)).collect();
     // Locked per write, never across a step: a kernel thread that panics must not find it held.
@@ -1713,7 +1737,11 @@ fn run_serve(
             let server = gridlm::http::Server::bind(&a.listen).map_err(|e| {
                 gridlm::Error::Input(format!("--listen {}: cannot listen there: {e}", a.listen))
             })?;
-            Some((tok, server))
+            // The vocabulary as the grammar engine reads it, for structured output (requests
+            // asking for it are refused with the reason where it cannot be read).
+            let grammars = Grammars::new(&tok, cfg.vocab_size, &eos_ids(cfg.eos_token_ids.clone(), &tok))
+                .map_err(|e| e.to_string());
+            Some((tok, server, grammars))
         } else {
             None
         };
@@ -1726,12 +1754,13 @@ fn run_serve(
     engine.share_sizes(link);
     let micro_batches = a.batching.overlap.micro_batches(grid.pp);
     engine.pick_many_prefetch(a.batching.max_batch.div_ceil(micro_batches));
-    let Some((tok, server)) = front else {
+    let Some((tok, server, grammars)) = front else {
         engine.follow(comm, link)?;
         return agree(link, Ok(()));
     };
     let eos_ids = eos_ids(cfg_eos, &tok);
-    let opts = a.batching.options(grid.pp, eos_ids);
+    let mut opts = a.batching.options(grid.pp, eos_ids);
+    opts.grammars = grammars.as_ref().ok().cloned();
     let context = engine.max_context();
     // KV pages for max-batch requests at the full context, where the KV memory allows.
     let want = a.batching.max_batch.saturating_mul(context.div_ceil(gridlm::model::PAGE));
@@ -1747,6 +1776,7 @@ fn run_serve(
         model: name.clone(),
         context,
         vocab: engine.shard.cfg.vocab_size,
+        grammars,
         defaults: serve::Defaults {
             max_tokens: a.max_tokens,
             template_vars: a.chat_template_kwargs.clone().unwrap_or_default(),
@@ -2075,6 +2105,7 @@ fn run_bench(
             logprobs: None,
             prompt_logprobs: None,
             rules: TokenRules::default(),
+            format: None,
         })
         .collect();
     let options = |batch: usize| RunOptions {
@@ -2092,6 +2123,7 @@ fn run_bench(
         // Every rep runs its prompts whole: a measurement of prefill, not of the cache.
         prefix_cache: false,
         speculate: 0,
+        grammars: None,
     };
     // Each side's requests (the first prompts of one list) and options.
     let work =

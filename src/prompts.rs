@@ -4,6 +4,7 @@
 
 use crate::engine::sampling::{SamplingParams, TokenRules, MAX_LOGIT_BIAS};
 use crate::error::{Error, Result};
+use crate::grammar::Format;
 use crate::tokenizer::{check_template_vars, StreamDecoder, TemplateVars, Tokenizer};
 use serde::Deserialize;
 use std::path::Path;
@@ -22,6 +23,8 @@ pub struct Defaults {
     pub params: SamplingParams,
     /// Logit biases, stop tokens and least number of tokens.
     pub rules: TokenRules,
+    /// What the answer must be (structured output).
+    pub format: Option<Format>,
 }
 
 /// One prompt of a prompts file, with its settings resolved.
@@ -45,10 +48,11 @@ pub struct PromptSpec {
     pub stop: Vec<String>,
     pub params: SamplingParams,
     pub rules: TokenRules,
+    pub format: Option<Format>,
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 20] = [
+const KEYS: [&str; 21] = [
     "prompt",
     "messages",
     "id",
@@ -69,6 +73,7 @@ const KEYS: [&str; 20] = [
     "min_tokens",
     "stop_token_ids",
     "logit_bias",
+    "response_format",
 ];
 
 /// A stop setting: one string or a list.
@@ -177,6 +182,17 @@ pub(crate) fn rules_fields(
     Ok(())
 }
 
+/// The answer's format a JSON object's `response_format` asks for (OpenAI's), if it has one:
+/// `Some(None)` for text.
+pub(crate) fn format_field(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<Option<Option<Format>>, String> {
+    match obj.get("response_format").filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(v) => Format::from_response_format(v).map(Some).map_err(|e| format!("`response_format`: {e}")),
+    }
+}
+
 /// OpenAI's `logit_bias` object (token ids as strings, each with a bias from -100 to 100) as
 /// (token, bias) pairs, or what is wrong with it.
 pub fn logit_bias(
@@ -237,6 +253,7 @@ impl Defaults {
             stop: self.stop.clone(),
             params,
             rules: self.rules.clone(),
+            format: self.format.clone(),
         }
     }
 }
@@ -262,7 +279,8 @@ impl PromptSpec {
 /// OpenAI's chat requests give it: a chat) and optional `id`, `max_tokens`, `ignore_eos`,
 /// `chat`, `system`, `chat_template_kwargs`, `stop` (string or list), `temperature`, `top_k`,
 /// `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`,
-/// `min_tokens`, `stop_token_ids`, `logit_bias`, or a line of OpenAI's batch input (read as its request's body). Otherwise each non-blank line is
+/// `min_tokens`, `stop_token_ids`, `logit_bias`, `response_format`, or a line of OpenAI's batch
+/// input (read as its request's body). Otherwise each non-blank line is
 /// a prompt, with `\n` and `\\` as escapes. The path `-` reads standard input (under mpirun,
 /// the first rank's, where the prompts are read). Errors name the file (or `stdin`) and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
@@ -323,6 +341,9 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
                 s.stop = stop;
             }
             rules_fields(&obj, &mut s.rules)?;
+            if let Some(f) = format_field(&obj)? {
+                s.format = f;
+            }
             sampling_fields(&obj, &mut s.params)
         };
         get(&mut s).map_err(at)?;
@@ -569,6 +590,7 @@ mod tests {
             stop: vec![],
             params: SamplingParams { seed: 100, ..Default::default() },
             rules: TokenRules::default(),
+            format: None,
         }
     }
 

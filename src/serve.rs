@@ -11,9 +11,11 @@
 use crate::engine::sampling::{SamplingParams, TokenRules};
 use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
 use crate::error::Result;
+use crate::grammar::{Format, Grammars};
 use crate::http;
 use crate::prompts::{
-    field, messages_field, rules_fields, sampling_fields, stop_field, template_vars_over, TextTracker,
+    field, format_field, messages_field, rules_fields, sampling_fields, stop_field, template_vars_over,
+    TextTracker,
 };
 use crate::tokenizer::{ChatEnd, TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
@@ -56,6 +58,8 @@ pub struct Ask {
     pub params: SamplingParams,
     /// Logit biases, stop tokens and least number of tokens.
     pub rules: TokenRules,
+    /// What the answer must be (`response_format`; structured output).
+    pub format: Option<Format>,
     pub stream: bool,
     /// Streamed: a last chunk with the token counts (`stream_options.include_usage`).
     pub stream_usage: bool,
@@ -78,7 +82,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have.
-const KEYS: [&str; 28] = [
+const KEYS: [&str; 29] = [
     "model",
     "prompt",
     "messages",
@@ -107,6 +111,7 @@ const KEYS: [&str; 28] = [
     "min_tokens",
     "stop_token_ids",
     "logit_bias",
+    "response_format",
 ];
 
 /// Whether a setting's value asks for nothing beyond a request without it.
@@ -116,8 +121,7 @@ type AsksNothing = fn(&Value) -> bool;
 /// beyond what a request without it gets (null, an empty list or object, the default): such
 /// a value is taken, as clients send them unasked; any other is refused by name, as something
 /// gridlm does not do rather than an unknown key.
-const OPENAI_NOT_TAKEN: [(&str, AsksNothing); 13] = [
-    ("response_format", |v| v.get("type").and_then(Value::as_str) == Some("text")),
+const OPENAI_NOT_TAKEN: [(&str, AsksNothing); 12] = [
     ("tools", |v| v.as_array().is_some_and(Vec::is_empty)),
     ("functions", |v| v.as_array().is_some_and(Vec::is_empty)),
     ("tool_choice", |v| v.as_str() == Some("none")),
@@ -167,6 +171,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         stop: Vec::new(),
         params: SamplingParams { seed: d.params.seed.wrapping_add(n), ..d.params.clone() },
         rules: TokenRules::default(),
+        format: None,
         stream: false,
         stream_usage: false,
         logprobs: None,
@@ -233,6 +238,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     }
     sampling_fields(&obj, &mut ask.params)?;
     rules_fields(&obj, &mut ask.rules)?;
+    ask.format = format_field(&obj)?.flatten();
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
     let prompts = (ask.prompts.len() + ask.token_prompts.len()).max(1);
@@ -444,6 +450,8 @@ pub struct Front {
     pub context: usize,
     /// Tokens in the model's vocabulary (a prompt of token ids is checked against it).
     pub vocab: usize,
+    /// The vocabulary as the grammar engine reads it (structured output), or why it cannot.
+    pub grammars: std::result::Result<Arc<Grammars>, String>,
     pub defaults: Defaults,
     pub tx: Sender<Incoming>,
     /// Requests so far (for ids and default seeds).
@@ -973,6 +981,14 @@ fn answer(mut req: http::Request, front: &Front) {
     if let Err(e) = ask.rules.check(front.vocab, ask.max_tokens) {
         return refuse(front, req, &url, 400, &format!("`{}", e.replacen(' ', "` ", 1)));
     }
+    // A format the grammar engine cannot compile is refused here, not after the request waited.
+    if let Some(f) = &ask.format {
+        let compiled =
+            front.grammars.as_ref().map_err(|e| format!("structured output is not available: {e}"));
+        if let Err(e) = compiled.and_then(|g| g.start(f).map(|_| ())) {
+            return refuse(front, req, &url, 400, &e);
+        }
+    }
     let counted = InFlight(&front.in_flight);
     if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
         let most = front.max_in_flight;
@@ -1005,6 +1021,7 @@ fn answer(mut req: http::Request, front: &Front) {
                 logprobs: ask.logprobs,
                 prompt_logprobs: ask.logprobs.filter(|_| ask.echo),
                 rules: ask.rules.clone(),
+                format: ask.format.clone(),
             };
             let inc = Incoming {
                 request,
@@ -1573,7 +1590,7 @@ mod tests {
             "modalities":["text"],"prediction":null}"#;
         let a = ask(Kind::Chat, neutral).unwrap();
         assert_eq!((a.messages, a.params, a.max_tokens), (plain.messages, plain.params, plain.max_tokens));
-        assert_eq!(a.rules, plain.rules);
+        assert_eq!((a.rules, a.format), (plain.rules, None));
         // vLLM's and OpenAI's token rules, taken.
         let rules =
             r#"{"prompt":"a","logit_bias":{"28":-100," 7":2.5},"min_tokens":3,"stop_token_ids":[2,9]}"#;
@@ -1597,15 +1614,29 @@ mod tests {
             (Kind::Completion, r#"{"prompt":"a","temprature":1}"#, "unknown key `temprature`"),
             (
                 Kind::Completion,
-                r#"{"prompt":"a","response_format":{"type":"json_object"}}"#,
-                "`response_format`: OpenAI's setting, which gridlm does not support (got {\"type\":\"json_object\"})",
+                r#"{"prompt":"a","prediction":{"type":"content","content":"b"}}"#,
+                "`prediction`: OpenAI's setting, which gridlm does not support",
+            ),
+            (
+                Kind::Completion,
+                r#"{"prompt":"a","response_format":{"type":"xml"}}"#,
+                "`response_format`: `type` is \"xml\": text, json_object or json_schema",
+            ),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"user","content":"a"}],"response_format":{"type":"json_schema"}}"#,
+                "`response_format`: `json_schema.schema` must be a JSON schema (an object)",
             ),
             (
                 Kind::Completion,
                 r#"{"prompt":"a","logit_bias":{"28":-101}}"#,
                 "`logit_bias`: the bias of token 28 must be in [-100, 100], got -101",
             ),
-            (Kind::Chat, r#"{"messages":[{"role":"user","content":"a"}],"min_tokens":-1}"#, "`min_tokens`: invalid value"),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"user","content":"a"}],"min_tokens":-1}"#,
+                "`min_tokens`: invalid value",
+            ),
             (Kind::Completion, r#"{"prompt":"a","stop_token_ids":2}"#, "`stop_token_ids`: invalid type"),
             (Kind::Chat, r#"{"messages":[],"tools":[{"type":"function"}]}"#, "`tools`: OpenAI's setting"),
             (Kind::Completion, r#"{"prompt":"a","best_of":2}"#, "`best_of`: OpenAI's setting"),

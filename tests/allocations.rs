@@ -88,6 +88,7 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, draf
         logprobs: None,
         prompt_logprobs: None,
         rules: TokenRules::default(),
+        format: None,
     };
     let sampled = |temperature, top_p, top_k, seed| SamplingParams {
         temperature,

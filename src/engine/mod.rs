@@ -132,6 +132,10 @@ pub struct Step {
     pub scored: Vec<Scored>,
     /// Emitting spans ending in draft tokens to verify, in span order.
     pub drafted: Vec<Drafted>,
+    /// Sequences (slots) whose next token is held to a grammar (structured output), and the
+    /// tokens each may bring: `vocab.div_ceil(64)` words a sequence, a bit per token id.
+    pub allowed_seqs: Vec<usize>,
+    pub allowed: Vec<u64>,
 }
 
 /// An emitting span whose last `k` tokens are drafts (speculative decoding): guesses of the
@@ -169,6 +173,9 @@ pub struct Scored {
 struct HeadRow {
     index: u64,
     draft: Option<u32>,
+    /// Its sequence's place among the step's [`Step::allowed_seqs`], where a grammar holds its
+    /// token.
+    allowed: Option<usize>,
 }
 
 /// Marks in a sequence's `seen` bits (one per token of the vocabulary shard `vr`) the tokens
@@ -1145,6 +1152,9 @@ impl Engine {
         let (emitting, head_rows) = (&mut self.emitting, &mut self.head_rows);
         emitting.clear();
         head_rows.clear();
+        if step.allowed.len() != step.allowed_seqs.len() * shard.cfg.vocab_size.div_ceil(64) {
+            return Err(Error::Comm("a step's allowed tokens do not match its vocabulary".into()));
+        }
         let (mut end, mut drafted) = (0, step.drafted.iter().peekable());
         for (i, sp) in spans.iter().enumerate() {
             end += sp.len;
@@ -1155,6 +1165,10 @@ impl Engine {
             if k >= sp.len {
                 return Err(Error::Comm(format!("a step drafts {k} tokens in a span of {}", sp.len)));
             }
+            let allowed = step.allowed_seqs.iter().position(|&s| s == sp.seq);
+            if allowed.is_some() && k > 0 {
+                return Err(Error::Comm("a step drafts tokens for a sequence held to a grammar".into()));
+            }
             for p in end - 1 - k..end {
                 let row = emitting.len();
                 crate::grow(last, (row + 1) * h);
@@ -1162,7 +1176,7 @@ impl Engine {
                 emitting.push(sp.seq);
                 let pos = sp.pos0 + p + sp.len - end;
                 let index = (pos + 1).saturating_sub(self.slots[sp.seq].prompt_len) as u64;
-                head_rows.push(HeadRow { index, draft: (p + 1 < end).then(|| tokens[p + 1]) });
+                head_rows.push(HeadRow { index, draft: (p + 1 < end).then(|| tokens[p + 1]), allowed });
             }
         }
         if drafted.next().is_some() {
@@ -1181,7 +1195,7 @@ impl Engine {
                 comm.allgatherv(&logits[..vl], &counts, &mut full);
                 result.logits = Some(full);
             }
-            self.pick(m, comm, &mut result);
+            self.pick(m, &step.allowed, comm, &mut result);
         }
         if !step.scored.is_empty() {
             self.score(step, comm, &mut result)?;
@@ -1255,8 +1269,8 @@ impl Engine {
     /// Last stage: the next token of each of the `m` rows of `self.logits` (their slots in
     /// `self.emitting`), into `picked`, the same on every rank of the stage: greedy rows by one
     /// allgather of (value, index), sampled rows exactly over the whole vocabulary (see
-    /// [`sampling`]).
-    fn pick(&mut self, m: usize, comm: &dyn Comm, result: &mut StepResult) {
+    /// [`sampling`]). `allowed`: the step's tokens allowed by grammars ([`Step::allowed`]).
+    fn pick(&mut self, m: usize, allowed: &[u64], comm: &dyn Comm, result: &mut StepResult) {
         let vr = self.shard.vocab_range();
         let vl = vr.len();
         let emitting = std::mem::take(&mut self.emitting);
@@ -1281,7 +1295,7 @@ impl Engine {
                     &mut lp.idx,
                     &mut lp.mine[i * rec + 1..(i + 1) * rec],
                 );
-                if self.slots[emitting[row]].adjusts() {
+                if self.slots[emitting[row]].adjusts() || self.head_rows[row].allowed.is_some() {
                     lp.raw.extend_from_slice(logits);
                 }
             }
@@ -1299,6 +1313,10 @@ impl Engine {
             let logits = &mut self.logits[row * vl..(row + 1) * vl];
             // The tokens that end it are out while it has brought fewer than its min_tokens.
             let banned = if self.head_rows[row].index < st.min_tokens { &st.enders[..] } else { &[] };
+            if let Some(a) = self.head_rows[row].allowed {
+                let words = self.shard.cfg.vocab_size.div_ceil(64);
+                crate::grammar::keep_allowed(logits, vr.start, &allowed[a * words..(a + 1) * words]);
+            }
             sampling::steer(logits, &st.bias, banned);
             sampling::adjust(logits, &st.params, &st.seen, &st.counts);
             if let Some((i, c)) = self.head_rows[row].draft.and_then(|d| st.count_of(d, vr.start)) {
@@ -1354,7 +1372,7 @@ impl Engine {
         let lp = &mut self.logprob_bufs;
         let mut raw = lp.raw.chunks_exact(vl);
         for (i, &(row, _)) in lp.rows.iter().enumerate() {
-            let logits = if self.slots[emitting[row]].adjusts() {
+            let logits = if self.slots[emitting[row]].adjusts() || self.head_rows[row].allowed.is_some() {
                 raw.next().expect("a raw row for each adjusted one")
             } else {
                 &self.logits[row * vl..(row + 1) * vl]
@@ -1501,6 +1519,7 @@ impl Engine {
             logprobs: None,
             prompt_logprobs: None,
             rules: sampling::TokenRules::default(),
+            format: None,
         };
         let run = RunOptions { eos_ids: opts.eos_ids.clone(), ..RunOptions::default() };
         let mut done = self.run(&[req], &run, comm, link, |_, t| on_token(t).map(|()| true))?;

@@ -23,8 +23,10 @@ use super::{
 };
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
+use crate::grammar::{Constrained, Format, Grammars};
 use crate::model::{Span, PAGE};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One prompt to complete.
@@ -45,6 +47,8 @@ pub struct Request {
     pub prompt_logprobs: Option<usize>,
     /// Its logit biases, stop tokens and least number of tokens.
     pub rules: TokenRules,
+    /// What its answer must be (structured output; [`RunOptions::grammars`] reads it).
+    pub format: Option<Format>,
 }
 
 /// How the scheduler runs a set of requests.
@@ -83,6 +87,9 @@ pub struct RunOptions {
     /// its prompt and output, and checked in the step ([`Drafted`]; a penalized sequence's
     /// rows count the drafts before them, see `Engine::pick`). 0: none.
     pub speculate: usize,
+    /// The model's vocabulary for structured output ([`Request::format`]); a request asking
+    /// for it without them fails alone.
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 impl Default for RunOptions {
@@ -98,6 +105,7 @@ impl Default for RunOptions {
             sides: None,
             prefix_cache: true,
             speculate: 0,
+            grammars: None,
         }
     }
 }
@@ -237,6 +245,8 @@ struct Live {
     out: Completion,
     /// Its place while it runs.
     seq: Option<Seq>,
+    /// Its grammar so far, where it asks for structured output.
+    grammar: Option<Constrained>,
 }
 
 impl Engine {
@@ -404,7 +414,7 @@ impl Engine {
                 arrived += 1;
                 let need = pages_of(&req, ctx);
                 let alternatives = req.logprobs.max(req.prompt_logprobs).unwrap_or(0);
-                let problem = match check_prompt(req.prompt.len(), ctx) {
+                let mut problem = match check_prompt(req.prompt.len(), ctx) {
                     Err(e) => Some(e.to_string()),
                     Ok(()) if need > pages => Some(format!(
                         "the prompt of {} with max_tokens {} needs {need} KV pages of {PAGE} positions ({:.1} MiB per rank) but the KV memory holds {pages} ({:.1} MiB)",
@@ -419,6 +429,14 @@ impl Engine {
                     )),
                     Ok(()) => req.params.check().err().or_else(|| req.rules.check(vocab, req.max_tokens).err()),
                 };
+                let mut grammar = None;
+                if let (None, Some(f)) = (&problem, &req.format) {
+                    match opts.grammars.as_ref().map(|g| g.start(f)) {
+                        Some(Ok(c)) => grammar = Some(c),
+                        Some(Err(e)) => problem = Some(e),
+                        None => problem = Some("structured output needs the model's vocabulary".into()),
+                    }
+                }
                 let mut out = Completion {
                     token_ids: Vec::new(),
                     finish: Finish::Length,
@@ -444,7 +462,7 @@ impl Engine {
                     live.push(None);
                     live.len() - 1
                 });
-                live[at] = Some(Live { key, req, out, seq: None });
+                live[at] = Some(Live { key, req, out, seq: None, grammar });
                 waiting[side_of(key)].push_back(at);
             }
             // Slots a group may fill (side by side, a side's requests).
@@ -548,6 +566,7 @@ impl Engine {
                     spare.push(emitting);
                     continue;
                 };
+                allowed_tokens(opts, &emitting, &mut live, step);
                 stats.drafted += rows - emitting.len();
                 if step.spans.iter().any(|s| s.len > 1 || !s.emit) {
                     stats.prefill_steps += 1;
@@ -637,9 +656,17 @@ impl Engine {
                     };
                     let go_on = traffic.token(l.key, tok, lp)?;
                     let pos = req.prompt.len() + c.token_ids.len() - 1;
+                    // A grammar that takes nothing more (or fails) ends the answer.
+                    let complete = l.grammar.as_mut().is_some_and(|g| match g.push(tok) {
+                        Ok(()) => g.done(),
+                        Err(e) => {
+                            c.error.get_or_insert(e);
+                            true
+                        }
+                    });
                     let finish = if !req.ignore_eos && opts.eos_ids.contains(&tok) {
                         Some(Finish::Eos)
-                    } else if !go_on || req.rules.stop_token_ids.contains(&tok) {
+                    } else if !go_on || complete || req.rules.stop_token_ids.contains(&tok) {
                         Some(Finish::Stop)
                     } else if c.token_ids.len() >= req.max_tokens {
                         Some(Finish::Length)
@@ -670,7 +697,7 @@ impl Engine {
             }
             for (at, fin) in ended.drain(..) {
                 let mut l = live[at].take().expect("an ended request is held");
-                l.out.finish = fin;
+                l.out.finish = if l.out.error.is_some() { Finish::Error } else { fin };
                 let s = l.seq.take().expect("an ended request was running");
                 members[s.group].retain(|&m| m != at);
                 free_slots.push(s.slot);
@@ -753,6 +780,32 @@ fn token_at(prompt: &[u32], brought: &[u32], i: usize) -> u32 {
     }
 }
 
+/// Puts into `step` the tokens each of its emitting sequences that asks for structured output
+/// (`emitting`, in span order) may bring next, as its grammar says. A grammar that fails lets
+/// only the end-of-sequence tokens through, and the request ends with its error.
+fn allowed_tokens(opts: &RunOptions, emitting: &[usize], live: &mut [Option<Live>], step: &mut Step) {
+    step.allowed_seqs.clear();
+    step.allowed.clear();
+    let Some(grammars) = &opts.grammars else { return };
+    for &at in emitting {
+        let l = live[at].as_mut().expect("an emitting request is held");
+        let (Some(g), Some(s)) = (l.grammar.as_mut(), l.seq.as_ref()) else { continue };
+        let w = step.allowed.len();
+        step.allowed.resize(w + grammars.words(), 0);
+        let bits = &mut step.allowed[w..];
+        if let Err(e) = grammars.allowed(g, bits) {
+            bits.fill(0);
+            for &t in &opts.eos_ids {
+                if let Some(w) = bits.get_mut(t as usize / 64) {
+                    *w |= 1 << (t % 64);
+                }
+            }
+            l.out.error.get_or_insert(e);
+        }
+        step.allowed_seqs.push(s.slot);
+    }
+}
+
 /// The tokens that end request `r` (the end-of-sequence tokens `eos` unless it ignores them, and
 /// its stop tokens), where it brings a least number of tokens (none: no need to know them).
 fn enders(r: &Request, eos: &[u32]) -> Vec<u32> {
@@ -810,6 +863,9 @@ fn build_step(
         let s = l.seq.as_mut().expect("members are running");
         let (r, done) = (&l.req, &l.out.token_ids);
         let p = &r.prompt;
+        // A constrained sequence's next tokens are each allowed by the grammar after the one
+        // before: it drafts none.
+        let speculate = if l.grammar.is_some() { 0 } else { limits.speculate };
         s.drafts.clear();
         if s.fed < p.len() {
             continue;
@@ -819,8 +875,7 @@ fn build_step(
         // Drafts take the positions after `pos` (within the sequence's pages), stand for
         // tokens before the last one it may bring, and leave the span within the chunk every
         // rank's buffers hold (`Engine::drive`'s `begin`).
-        let most = limits
-            .speculate
+        let most = speculate
             .min(positions_of(r, limits.ctx).saturating_sub(pos + 1))
             .min(r.max_tokens.saturating_sub(done.len() + 1))
             .min(limits.step_tokens.max(PAGE) - 1);

@@ -7,7 +7,8 @@
 //! step:   0u8, want_logits u8, side u8, spans u64, admit bytes u64,
 //!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens,
 //!         scored u64, scored × (span u64, next u64 (u64::MAX: none), k u64),
-//!         drafted u64, drafted × (span u64, k u64), admit (bincode)
+//!         drafted u64, drafted × (span u64, k u64),
+//!         allowed u64, allowed × seq u64, words u64, words × u64, admit (bincode)
 //! other:  1u8, the plan (bincode)
 //! result: tokens, 0u8 | 1u8 and (logits, log-probabilities, prompt log-probabilities) (bincode)
 //! tokens: count u64, then the tokens × u32
@@ -67,6 +68,10 @@ pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
         word(out, d.span);
         word(out, d.k);
     }
+    word(out, step.allowed_seqs.len());
+    step.allowed_seqs.iter().for_each(|&s| word(out, s));
+    word(out, step.allowed.len());
+    step.allowed.iter().for_each(|w| out.extend_from_slice(&w.to_le_bytes()));
     if !step.admit.is_empty() {
         let start = out.len();
         bincode::serialize_into(&mut *out, &step.admit)
@@ -122,6 +127,16 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
     for _ in 0..n_drafted {
         let span = r.usize()?;
         step.drafted.push(Drafted { span, k: r.usize()? });
+    }
+    let n_allowed = r.len(8)?;
+    step.allowed_seqs.clear();
+    for _ in 0..n_allowed {
+        step.allowed_seqs.push(r.usize()?);
+    }
+    let n_words = r.len(8)?;
+    step.allowed.clear();
+    for _ in 0..n_words {
+        step.allowed.push(u64::from_le_bytes(r.array()?));
     }
     let admit = r.take(admit_bytes)?;
     if admit.is_empty() {
@@ -264,6 +279,8 @@ mod tests {
                 Scored { span: 1, next: None, k: 0 },
             ],
             drafted: vec![Drafted { span: 1, k: 3 }, Drafted { span: 4, k: 1 << 33 }],
+            allowed_seqs: vec![0, 2],
+            allowed: vec![u64::MAX, 1, 0, 1 << 63],
         }
     }
 

@@ -381,6 +381,12 @@ fn bad_sampling_and_batching_flags() {
         &["--logit-bias", "token 3 is given twice"],
     );
     assert_one_line_error(&run(&["--logit-bias", "[3]"]), &["--logit-bias", "not a JSON object"]);
+    assert_one_line_error(
+        &run(&["--response-format", r#"{"type": "xml"}"#]),
+        &["--response-format", "`type` is \"xml\": text, json_object or json_schema"],
+    );
+    let unknown_type = r#"{"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}"#;
+    assert_one_line_error(&run(&["--response-format", unknown_type]), &["response_format: ", "strin"]);
     assert_one_line_error(&run(&["--max-tokens", "0", "--logits-out", "l.f32"]), &["--logits-out needs"]);
 }
 

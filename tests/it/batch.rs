@@ -252,6 +252,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_up_to_near_ties() {
         stop: Vec::new(),
         params: SamplingParams::default(),
         rules: Default::default(),
+        format: None,
     };
     let specs = read_prompts(&file, &defaults).unwrap().split_off(TEXTS.len());
     let mut sampled_first: Option<Vec<Vec<u32>>> = None;
@@ -799,5 +800,71 @@ fn token_rules_steer_the_picks_on_every_layout() {
         let late = late_stop["text"].as_str().unwrap();
         assert!(late.starts_with(&kept), "{at}\n{late_stop}");
         assert_eq!(ids(late_stop), tokens[..ids(late_stop).len()], "{at}\n{late_stop}");
+    }
+}
+
+/// The cat schema of the structured-output tests: a name, an age and a colour of three.
+pub(super) fn cat_schema() -> Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "color": {"type": "string", "enum": ["black", "white", "orange"]}
+        },
+        "required": ["name", "age", "color"],
+        "additionalProperties": false
+    })
+}
+
+/// Whether `text` is JSON the cat schema takes (read by serde_json, not by the grammar engine).
+pub(super) fn is_a_cat(text: &str) -> bool {
+    let Ok(Value::Object(o)) = serde_json::from_str::<Value>(text) else { return false };
+    let color = o.get("color").and_then(Value::as_str);
+    o.len() == 3
+        && o.get("name").is_some_and(Value::is_string)
+        && o.get("age").is_some_and(|a| a.is_i64() || a.is_u64())
+        && color.is_some_and(|c| ["black", "white", "orange"].contains(&c))
+}
+
+/// Structured output (OpenAI's `response_format`) in a prompts file, on one rank, two
+/// tensor-parallel ranks, two stages and with drafts asked for: every answer held to a JSON
+/// schema is JSON the schema takes, greedy and sampled, one held to `json_object` is a JSON
+/// object, and each ends once its JSON is complete; the model's answer without a format is no
+/// such JSON (so the format did the work).
+#[test]
+fn structured_output_holds_answers_to_their_schema_on_every_layout() {
+    let dir = smollm2("bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("json.jsonl");
+    let chat = serde_json::json!([{"role": "user", "content": "Describe a cat as JSON with its name, age and color."}]);
+    let schema =
+        serde_json::json!({"type": "json_schema", "json_schema": {"name": "cat", "schema": cat_schema()}});
+    let lines = [
+        serde_json::json!({"messages": chat, "max_tokens": 60}),
+        serde_json::json!({"messages": chat, "max_tokens": 60, "response_format": schema}),
+        serde_json::json!({"messages": chat, "max_tokens": 60, "response_format": schema, "temperature": 1.0, "seed": 3}),
+        serde_json::json!({"messages": chat, "max_tokens": 60, "response_format": schema, "temperature": 1.2, "seed": 4}),
+        serde_json::json!({"messages": chat, "max_tokens": 100, "response_format": {"type": "json_object"}}),
+    ];
+    std::fs::write(&file, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let layouts: [(usize, &[&str]); 4] =
+        [(1, &[]), (2, &["--tp", "2"]), (2, &["--pp", "2"]), (1, &["--speculate", "3"])];
+    for (ranks, layout) in layouts {
+        let mut args = vec!["--prompts-file", path_str(&file), "--json"];
+        args.extend(layout);
+        let j = json_of(&local(ranks, &dir, &args));
+        let r = j["results"].as_array().unwrap();
+        let text = |i: usize| r[i]["text"].as_str().unwrap();
+        assert!(!is_a_cat(text(0)), "{layout:?}: without a format: {}", r[0]);
+        for c in &r[1..4] {
+            assert!(is_a_cat(c["text"].as_str().unwrap()), "{layout:?}: {c}");
+            assert_eq!(c["finish_reason"], "stop", "{layout:?}: {c}");
+        }
+        let object = serde_json::from_str::<Value>(text(4));
+        assert!(object.as_ref().is_ok_and(Value::is_object), "{layout:?}: {}", r[4]);
+        for c in &r[1..] {
+            assert_eq!(c["drafted_tokens"], 0, "{layout:?}: a constrained sequence drafted: {c}");
+        }
     }
 }

@@ -70,6 +70,7 @@ pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize, keep_logits: bool) ->
         logprobs: None,
         prompt_logprobs: None,
         rules: Default::default(),
+        format: None,
     }
 }
 

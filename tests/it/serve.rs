@@ -918,3 +918,49 @@ fn serve_takes_token_rules_as_generate() {
         assert_eq!((status, e["error"]["message"].as_str()), (400, Some(msg)), "{rules}");
     }
 }
+
+/// Structured output in chat requests on two tensor-parallel ranks: the answer held to a JSON
+/// schema, whole and streamed, is the one `generate` gives the same request, JSON the schema
+/// takes; a format that is not one, or a schema the grammar engine cannot compile, is refused
+/// by name before the request runs.
+#[test]
+fn serve_holds_answers_to_a_response_format_as_generate() {
+    let dir = smollm2("bf16");
+    let chat = json!([{"role": "user", "content": "Describe a cat as JSON with its name, age and color."}]);
+    let format =
+        json!({"type": "json_schema", "json_schema": {"name": "cat", "schema": super::batch::cat_schema()}});
+    let request = json!({"messages": chat, "max_tokens": 60, "response_format": format});
+    let g = generate_lines_on_two_tp_ranks(&dir, std::slice::from_ref(&request));
+    let want = &g["results"][0];
+    assert!(super::batch::is_a_cat(want["text"].as_str().unwrap()), "{want}");
+    let server = Server::start(2, &dir, &["--tp", "2"]);
+    let (status, v) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(
+        (&choice["message"]["content"], &choice["finish_reason"]),
+        (&want["text"], &json!("stop")),
+        "{v}"
+    );
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let events = server.events("/v1/chat/completions", &streamed);
+    let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, want["text"].as_str().unwrap());
+    for (format, msg) in [
+        (json!({"type": "yaml"}), "`response_format`: `type` is \"yaml\": text, json_object or json_schema"),
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+            "`json_schema.schema` must be a JSON schema",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}),
+            "response_format: ",
+        ),
+    ] {
+        let (status, e) =
+            server.post("/v1/chat/completions", &json!({"messages": chat, "response_format": format}));
+        let got = e["error"]["message"].as_str().unwrap_or_default();
+        assert!(status == 400 && got.contains(msg), "{format}: {status} {e}");
+    }
+}
