@@ -21,7 +21,23 @@ pub enum Format {
     JsonObject,
     /// JSON that a JSON schema takes (OpenAI's `json_schema`).
     JsonSchema(Value),
+    /// Text a regular expression matches whole (vLLM's `regex`).
+    Regex(String),
+    /// One of these texts (vLLM's `choice`).
+    Choice(Vec<String>),
+    /// Text of a Lark grammar, as llguidance reads it (vLLM's `grammar`).
+    Grammar(String),
 }
+
+/// vLLM's formats: the keys of its `structured_outputs` and, but for `json_object`, the
+/// request keys of its earlier versions (`guided_json`, ...).
+pub const VLLM_FORMATS: [(&str, Option<&str>); 5] = [
+    ("json", Some("guided_json")),
+    ("regex", Some("guided_regex")),
+    ("choice", Some("guided_choice")),
+    ("grammar", Some("guided_grammar")),
+    ("json_object", None),
+];
 
 impl Format {
     /// OpenAI's `response_format` (`{"type": "text"}`, `{"type": "json_object"}` or
@@ -46,6 +62,29 @@ impl Format {
         }
     }
 
+    /// vLLM's format `key` ([`VLLM_FORMATS`]: `json`, a schema or its text; `regex`; `choice`,
+    /// a list of texts; `grammar`, Lark; `json_object`, true) with its value `v`, or what is
+    /// wrong with it (to follow the key's name).
+    pub fn from_vllm(key: &str, v: &Value) -> std::result::Result<Format, String> {
+        match (key, v) {
+            ("json", Value::String(text)) => match serde_json::from_str::<Value>(text) {
+                Ok(schema) if schema.is_object() => Ok(Format::JsonSchema(schema)),
+                _ => Err("must be a JSON schema (an object, or its text)".into()),
+            },
+            ("json", s) if s.is_object() => Ok(Format::JsonSchema(s.clone())),
+            ("json", _) => Err("must be a JSON schema (an object, or its text)".into()),
+            ("regex", Value::String(r)) => Ok(Format::Regex(r.clone())),
+            ("choice", Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_string) => {
+                Ok(Format::Choice(a.iter().filter_map(|c| c.as_str().map(String::from)).collect()))
+            }
+            ("choice", _) => Err("must be a non-empty list of strings".into()),
+            ("grammar", Value::String(g)) => Ok(Format::Grammar(g.clone())),
+            ("json_object", Value::Bool(true)) => Ok(Format::JsonObject),
+            ("json_object", _) => Err("must be true".into()),
+            _ => Err("must be a string".into()),
+        }
+    }
+
     /// The grammar: JSON written compactly as Python's `json.dumps` writes it (`", "` and
     /// `": "` between items, no other whitespace), so a model cannot drift into endless
     /// whitespace.
@@ -53,6 +92,12 @@ impl Format {
         let mut schema = match self {
             Format::JsonObject => json!({"type": "object"}),
             Format::JsonSchema(s) => s.clone(),
+            Format::Regex(r) => return TopLevelGrammar::from_regex(r),
+            Format::Choice(c) => {
+                let any: Vec<String> = c.iter().map(|c| regex_syntax::escape(c)).collect();
+                return TopLevelGrammar::from_regex(&format!("({})", any.join("|")));
+            }
+            Format::Grammar(g) => return TopLevelGrammar::from_lark(g.clone()),
         };
         let layout = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         match &mut schema {
@@ -107,10 +152,11 @@ impl Grammars {
 
     /// A fresh matcher of format `f`, or why `f` cannot be compiled.
     pub fn start(&self, f: &Format) -> std::result::Result<Constrained, String> {
-        let parser = self.factory.create_parser(f.grammar()).map_err(|e| format!("response_format: {e}"))?;
+        let parser =
+            self.factory.create_parser(f.grammar()).map_err(|e| format!("the answer's format: {e}"))?;
         let m = Matcher::new(Ok(parser));
         match m.get_error() {
-            Some(e) => Err(format!("response_format: {e}")),
+            Some(e) => Err(format!("the answer's format: {e}")),
             None => Ok(Constrained(m)),
         }
     }

@@ -4,7 +4,7 @@
 
 use crate::engine::sampling::{SamplingParams, TokenRules, MAX_LOGIT_BIAS};
 use crate::error::{Error, Result};
-use crate::grammar::Format;
+use crate::grammar::{Format, VLLM_FORMATS};
 use crate::tokenizer::{check_template_vars, StreamDecoder, TemplateVars, Tokenizer};
 use serde::Deserialize;
 use std::path::Path;
@@ -52,7 +52,7 @@ pub struct PromptSpec {
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 21] = [
+const KEYS: [&str; 26] = [
     "prompt",
     "messages",
     "id",
@@ -74,6 +74,11 @@ const KEYS: [&str; 21] = [
     "stop_token_ids",
     "logit_bias",
     "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 ];
 
 /// A stop setting: one string or a list.
@@ -182,14 +187,46 @@ pub(crate) fn rules_fields(
     Ok(())
 }
 
-/// The answer's format a JSON object's `response_format` asks for (OpenAI's), if it has one:
-/// `Some(None)` for text.
+/// The answer's format a JSON object asks for, if it asks: OpenAI's `response_format`
+/// (`Some(None)` for text), vLLM's `structured_outputs` (one of `json`, `regex`, `choice`,
+/// `grammar`, `json_object`) or its earlier `guided_json`, `guided_regex`, `guided_choice`,
+/// `guided_grammar`; more than one is an error naming them.
 pub(crate) fn format_field(
     obj: &serde_json::Map<String, serde_json::Value>,
 ) -> std::result::Result<Option<Option<Format>>, String> {
-    match obj.get("response_format").filter(|v| !v.is_null()) {
-        None => Ok(None),
-        Some(v) => Format::from_response_format(v).map(Some).map_err(|e| format!("`response_format`: {e}")),
+    use serde_json::Value;
+    let given = |key: &str| obj.get(key).filter(|v| !v.is_null());
+    let mut found: Vec<(String, Option<Format>)> = Vec::new();
+    if let Some(v) = given("response_format") {
+        let f = Format::from_response_format(v).map_err(|e| format!("`response_format`: {e}"))?;
+        found.push(("response_format".into(), f));
+    }
+    if let Some(v) = given("structured_outputs") {
+        let o = v.as_object().ok_or("`structured_outputs` must be an object")?;
+        for (k, v) in o.iter().filter(|(_, v)| !v.is_null() && **v != Value::Bool(false)) {
+            let at = format!("structured_outputs.{k}");
+            if !VLLM_FORMATS.iter().any(|f| f.0 == k) {
+                let known: Vec<&str> = VLLM_FORMATS.iter().map(|f| f.0).collect();
+                return Err(format!("`{at}`: not a format gridlm takes ({})", known.join(", ")));
+            }
+            let f = Format::from_vllm(k, v).map_err(|e| format!("`{at}` {e}"))?;
+            found.push((at, Some(f)));
+        }
+    }
+    for (key, legacy) in VLLM_FORMATS.iter().filter_map(|&(k, l)| Some((k, l?))) {
+        if let Some(v) = given(legacy) {
+            found.push((
+                legacy.into(),
+                Some(Format::from_vllm(key, v).map_err(|e| format!("`{legacy}` {e}"))?),
+            ));
+        }
+    }
+    match found.len() {
+        0 | 1 => Ok(found.pop().map(|f| f.1)),
+        _ => {
+            let names: Vec<String> = found.iter().map(|f| format!("`{}`", f.0)).collect();
+            Err(format!("{} each ask for a format: give one", names.join(" and ")))
+        }
     }
 }
 
@@ -614,6 +651,54 @@ mod tests {
             err.ends_with("l.txt:2: not UTF-8 text (byte 0xe9 at offset 7); save the prompts as UTF-8"),
             "{err}"
         );
+    }
+
+    /// OpenAI's and vLLM's ways of asking for a format, one at a time; two at once, or a value
+    /// of the wrong kind, named.
+    #[test]
+    fn formats_as_openai_and_vllm_ask_for_them() {
+        let read = |text: &str| format_field(&serde_json::from_str(text).unwrap());
+        assert_eq!(read(r#"{"prompt": "a"}"#), Ok(None));
+        assert_eq!(read(r#"{"response_format": {"type": "text"}}"#), Ok(Some(None)));
+        assert_eq!(
+            read(r#"{"response_format": {"type": "json_object"}}"#),
+            Ok(Some(Some(Format::JsonObject)))
+        );
+        let schema = serde_json::json!({"type": "integer"});
+        for text in [
+            r#"{"structured_outputs": {"json": {"type": "integer"}}}"#,
+            r#"{"guided_json": "{\"type\": \"integer\"}"}"#,
+        ] {
+            assert_eq!(read(text), Ok(Some(Some(Format::JsonSchema(schema.clone())))), "{text}");
+        }
+        let choice = Format::Choice(vec!["a".into(), "b".into()]);
+        assert_eq!(
+            read(r#"{"guided_choice": ["a", "b"], "structured_outputs": null}"#),
+            Ok(Some(Some(choice)))
+        );
+        let regex = r#"{"structured_outputs": {"regex": "[0-9]+", "json_object": false, "grammar": null}}"#;
+        assert_eq!(read(regex), Ok(Some(Some(Format::Regex("[0-9]+".into())))));
+        assert_eq!(
+            read(r#"{"structured_outputs": {"json_object": true}}"#),
+            Ok(Some(Some(Format::JsonObject)))
+        );
+        for (text, msg) in [
+            (
+                r#"{"response_format": {"type": "json_object"}, "guided_regex": "a"}"#,
+                "`response_format` and `guided_regex` each ask for a format: give one",
+            ),
+            (r#"{"structured_outputs": {"regex": 3}}"#, "`structured_outputs.regex` must be a string"),
+            (r#"{"structured_outputs": {"json": "[1]"}}"#, "`structured_outputs.json` must be a JSON schema"),
+            (r#"{"structured_outputs": "json"}"#, "`structured_outputs` must be an object"),
+            (
+                r#"{"structured_outputs": {"xml": "a"}}"#,
+                "`structured_outputs.xml`: not a format gridlm takes",
+            ),
+            (r#"{"guided_choice": "a"}"#, "`guided_choice` must be a non-empty list of strings"),
+        ] {
+            let e = read(text).unwrap_err();
+            assert!(e.starts_with(msg), "{text}: {e}");
+        }
     }
 
     #[test]

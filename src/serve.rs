@@ -82,7 +82,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have.
-const KEYS: [&str; 29] = [
+const KEYS: [&str; 34] = [
     "model",
     "prompt",
     "messages",
@@ -112,6 +112,11 @@ const KEYS: [&str; 29] = [
     "stop_token_ids",
     "logit_bias",
     "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 ];
 
 /// Whether a setting's value asks for nothing beyond a request without it.

@@ -386,7 +386,7 @@ fn bad_sampling_and_batching_flags() {
         &["--response-format", "`type` is \"xml\": text, json_object or json_schema"],
     );
     let unknown_type = r#"{"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}"#;
-    assert_one_line_error(&run(&["--response-format", unknown_type]), &["response_format: ", "strin"]);
+    assert_one_line_error(&run(&["--response-format", unknown_type]), &["the answer's format: ", "strin"]);
     assert_one_line_error(&run(&["--max-tokens", "0", "--logits-out", "l.f32"]), &["--logits-out needs"]);
 }
 

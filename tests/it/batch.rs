@@ -837,7 +837,8 @@ fn structured_output_holds_answers_to_their_schema_on_every_layout() {
     let dir = smollm2("bf16");
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("json.jsonl");
-    let chat = serde_json::json!([{"role": "user", "content": "Describe a cat as JSON with its name, age and color."}]);
+    let ask = |q: &str| serde_json::json!([{"role": "user", "content": q}]);
+    let chat = ask("Describe a cat as JSON with its name, age and color.");
     let schema =
         serde_json::json!({"type": "json_schema", "json_schema": {"name": "cat", "schema": cat_schema()}});
     let lines = [
@@ -846,6 +847,13 @@ fn structured_output_holds_answers_to_their_schema_on_every_layout() {
         serde_json::json!({"messages": chat, "max_tokens": 60, "response_format": schema, "temperature": 1.0, "seed": 3}),
         serde_json::json!({"messages": chat, "max_tokens": 60, "response_format": schema, "temperature": 1.2, "seed": 4}),
         serde_json::json!({"messages": chat, "max_tokens": 100, "response_format": {"type": "json_object"}}),
+        // vLLM's formats: a choice, a regular expression (its earlier key), a Lark grammar.
+        serde_json::json!({"messages": ask("Is the sky green? Answer yes or no."),
+            "structured_outputs": {"choice": ["Yes", "No"]}}),
+        serde_json::json!({"messages": ask("What is the phone number of the White House?"),
+            "guided_regex": "\\(\\d{3}\\) \\d{3}-\\d{4}", "max_tokens": 30}),
+        serde_json::json!({"messages": ask("Write a SQL query to list all users."), "max_tokens": 30,
+            "structured_outputs": {"grammar": "start: \"SELECT \" cols \" FROM \" NAME \";\"\ncols: \"*\" | NAME (\", \" NAME)*\nNAME: /[a-z_]+/\n"}}),
     ];
     std::fs::write(&file, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
     let layouts: [(usize, &[&str]); 4] =
@@ -863,6 +871,24 @@ fn structured_output_holds_answers_to_their_schema_on_every_layout() {
         }
         let object = serde_json::from_str::<Value>(text(4));
         assert!(object.as_ref().is_ok_and(Value::is_object), "{layout:?}: {}", r[4]);
+        assert!(["Yes", "No"].contains(&text(5)), "{layout:?}: {}", r[5]);
+        // (ddd) ddd-dddd, checked by hand.
+        let phone: Vec<bool> = text(6).chars().map(|c| c.is_ascii_digit()).collect();
+        let digits = [false, true, true, true, false, false, true, true, true, false, true, true, true, true];
+        assert!(
+            phone == digits && text(6).starts_with('(') && text(6)[4..6] == *") ",
+            "{layout:?}: {}",
+            r[6]
+        );
+        let sql = text(7);
+        assert!(
+            sql.starts_with("SELECT ") && sql.contains(" FROM ") && sql.ends_with(';'),
+            "{layout:?}: {}",
+            r[7]
+        );
+        for c in &r[5..] {
+            assert_eq!(c["finish_reason"], "stop", "{layout:?}: {c}");
+        }
         for c in &r[1..] {
             assert_eq!(c["drafted_tokens"], 0, "{layout:?}: a constrained sequence drafted: {c}");
         }

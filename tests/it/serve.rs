@@ -947,6 +947,16 @@ fn serve_holds_answers_to_a_response_format_as_generate() {
     let events = server.events("/v1/chat/completions", &streamed);
     let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(text, want["text"].as_str().unwrap());
+    // vLLM's formats, as its clients send them (`extra_body`).
+    let yes_no = json!({"messages": [{"role": "user", "content": "Is the sky green? Answer yes or no."}],
+        "structured_outputs": {"choice": ["Yes", "No"]}});
+    let (status, v) = server.post("/v1/chat/completions", &yes_no);
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    assert!(status == 200 && ["Yes", "No"].contains(&answer), "{v}");
+    let digits = json!({"prompt": "The year the Moon was first walked on:", "guided_regex": " [0-9]{4}"});
+    let (status, v) = server.post("/v1/completions", &digits);
+    let answer = v["choices"][0]["text"].as_str().unwrap_or_default();
+    assert!(status == 200 && answer.len() == 5 && answer[1..].bytes().all(|b| b.is_ascii_digit()), "{v}");
     for (format, msg) in [
         (json!({"type": "yaml"}), "`response_format`: `type` is \"yaml\": text, json_object or json_schema"),
         (
@@ -955,7 +965,7 @@ fn serve_holds_answers_to_a_response_format_as_generate() {
         ),
         (
             json!({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}),
-            "response_format: ",
+            "the answer's format: ",
         ),
     ] {
         let (status, e) =
