@@ -26,13 +26,16 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError}
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// The two endpoints that generate.
+/// The three endpoints that generate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// `/v1/completions`: a prompt text, continued as it is.
     Completion,
     /// `/v1/chat/completions`: messages, through the model's chat template.
     Chat,
+    /// `/v1/responses` (OpenAI's Responses API): `input` and `instructions`, read as the chat
+    /// they make; one answer, as a response object.
+    Response,
 }
 
 /// What a request asks for, checked.
@@ -149,6 +152,7 @@ pub const MAX_CHOICES: usize = 64;
 pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Result<Ask, String> {
     let obj: Map<String, Value> =
         serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
+    let obj = if kind == Kind::Response { response_as_chat(obj)? } else { obj };
     for (k, v) in obj.iter().filter(|(k, _)| !KEYS.contains(&k.as_str())) {
         match OPENAI_NOT_TAKEN.iter().find(|(name, _)| name == k) {
             None => return Err(format!("unknown key `{k}`")),
@@ -211,7 +215,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
                 None => return Err("no `prompt`".into()),
             }
         }
-        Kind::Chat => {
+        Kind::Chat | Kind::Response => {
             if obj.contains_key("prompt") {
                 return Err("`prompt` belongs to /v1/completions; here the conversation is `messages`".into());
             }
@@ -225,7 +229,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     let max = max.or(field(&obj, "max_completion_tokens")?);
     ask.max_tokens = max.unwrap_or(ask.max_tokens);
     ask.echo = field(&obj, "echo")?.unwrap_or(false);
-    if ask.echo && kind == Kind::Chat {
+    if ask.echo && kind != Kind::Completion {
         return Err("`echo` belongs to /v1/completions".into());
     }
     if ask.max_tokens == 0 && !ask.echo {
@@ -262,7 +266,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             ask.logprobs = field(&obj, "logprobs")?;
             ("logprobs", ask.logprobs)
         }
-        Kind::Chat => {
+        Kind::Chat | Kind::Response => {
             let on: bool = field(&obj, "logprobs")?.unwrap_or(false);
             if top.is_some() && !on {
                 return Err("`top_logprobs` needs `logprobs`: true".into());
@@ -275,6 +279,124 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         return Err(format!("`{key}`: at most {MAX_LOGPROBS} alternatives a token, got {n}"));
     }
     Ok(ask)
+}
+
+/// A `/v1/responses` request (OpenAI's Responses API) as the chat request it asks for:
+/// `input` (a text, or a list of messages whose content is a text or `input_text` and
+/// `output_text` parts) as `messages`, after `instructions` as the system message;
+/// `max_output_tokens` as `max_tokens`; `text.format` as `response_format`. What a response
+/// would need kept (`previous_response_id`, `conversation`, `background`) or gridlm does not
+/// give (reasoning, log-probabilities, other input items) is refused by name; `store` and
+/// `metadata` are taken (nothing is kept: the answer says `"store": false`).
+fn response_as_chat(mut obj: Map<String, Value>) -> std::result::Result<Map<String, Value>, String> {
+    const CHATS: [&str; 9] = [
+        "messages",
+        "prompt",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "response_format",
+        "echo",
+        "logprobs",
+        "stop",
+    ];
+    for key in CHATS {
+        if obj.contains_key(key) {
+            return Err(format!("`{key}` is no key of /v1/responses (its input is `input`)"));
+        }
+    }
+    let given = |obj: &Map<String, Value>, k: &str| obj.get(k).filter(|v| !v.is_null()).cloned();
+    for key in ["previous_response_id", "conversation"] {
+        if let Some(v) = given(&obj, key) {
+            return Err(format!(
+                "`{key}` {v}: gridlm keeps no responses; send the whole conversation in `input`"
+            ));
+        }
+    }
+    let nothing = |v: &Value| match v {
+        Value::Bool(b) => !b,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.values().all(Value::is_null),
+        Value::Number(n) => n.as_u64() == Some(0),
+        Value::String(s) => s == "disabled",
+        Value::Null => true,
+    };
+    for key in ["background", "reasoning", "include", "top_logprobs", "truncation", "max_tool_calls"] {
+        if let Some(v) = obj.remove(key).filter(|v| !nothing(v)) {
+            return Err(format!("`{key}`: OpenAI's setting, which gridlm does not support (got {v})"));
+        }
+    }
+    for key in ["store", "metadata", "prompt_cache_key", "safety_identifier", "stream_options"] {
+        obj.remove(key);
+    }
+    let part = |p: &Value| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+        (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(json!({"type": "text", "text": t})),
+        (kind, _) => Err(format!("a content part of type {} (only text is read)", kind.unwrap_or("(none)"))),
+    };
+    let mut messages = Vec::new();
+    if let Some(i) = obj.remove("instructions").filter(|v| !v.is_null()) {
+        messages.push(json!({"role": "system", "content": i}));
+    }
+    match obj.remove("input") {
+        Some(Value::String(t)) => messages.push(json!({"role": "user", "content": t})),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            for (i, item) in items.iter().enumerate() {
+                let at = |e: String| format!("`input[{i}]`: {e}");
+                match item.get("type").and_then(Value::as_str) {
+                    None | Some("message") => {}
+                    Some(t) => return Err(at(format!("an item of type {t} (only messages are read)"))),
+                }
+                let role = match item.get("role").and_then(Value::as_str) {
+                    Some("developer") => "system",
+                    Some(r @ ("system" | "user" | "assistant")) => r,
+                    r => {
+                        return Err(at(format!(
+                            "role {} (system, developer, user or assistant)",
+                            r.unwrap_or("missing")
+                        )))
+                    }
+                };
+                let content = match item.get("content") {
+                    Some(Value::String(t)) => json!(t),
+                    Some(Value::Array(parts)) => Value::Array(
+                        parts.iter().map(part).collect::<std::result::Result<_, _>>().map_err(at)?,
+                    ),
+                    _ => return Err(at("`content` must be a string or a list of text parts".into())),
+                };
+                messages.push(json!({"role": role, "content": content}));
+            }
+        }
+        _ => return Err("`input` must be a string or a non-empty list of messages".into()),
+    }
+    obj.insert("messages".into(), Value::Array(messages));
+    if let Some(m) = obj.remove("max_output_tokens") {
+        obj.insert("max_tokens".into(), m);
+    }
+    if let Some(text) = obj.remove("text").filter(|v| !v.is_null()) {
+        let t = text.as_object().ok_or("`text` must be an object")?;
+        if let Some(k) = t.keys().find(|k| !matches!(k.as_str(), "format" | "verbosity")) {
+            return Err(format!("`text.{k}`: not a setting of the text"));
+        }
+        if let Some(f) = t.get("format").filter(|v| !v.is_null()) {
+            // The chat's form: a schema's name, schema and strictness inside `json_schema`.
+            let chat_format = match f.get("type").and_then(Value::as_str) {
+                Some("json_schema") => {
+                    let inner: Map<String, Value> = ["name", "schema", "strict", "description"]
+                        .iter()
+                        .filter_map(|k| f.get(*k).map(|v| (k.to_string(), v.clone())))
+                        .collect();
+                    json!({"type": "json_schema", "json_schema": inner})
+                }
+                _ => f.clone(),
+            };
+            // Named as this request names it.
+            let named =
+                |e: String| format!("`text.format`: {}", e.replace("`json_schema.schema`", "`schema`"));
+            crate::grammar::Format::from_response_format(&chat_format).map_err(named)?;
+            obj.insert("response_format".into(), chat_format);
+        }
+    }
+    Ok(obj)
 }
 
 /// A request on its way to the driver: what the scheduler runs, its stop strings, and where
@@ -869,7 +991,9 @@ fn takes(url: &str) -> Option<&'static str> {
     match url {
         "/health" | "/metrics" | "/v1/models" => Some("GET, HEAD, OPTIONS"),
         u if u.starts_with("/v1/models/") => Some("GET, HEAD, OPTIONS"),
-        "/v1/completions" | "/v1/chat/completions" | "/tokenize" | "/detokenize" => Some("POST, OPTIONS"),
+        "/v1/completions" | "/v1/chat/completions" | "/v1/responses" | "/tokenize" | "/detokenize" => {
+            Some("POST, OPTIONS")
+        }
         _ => None,
     }
 }
@@ -959,9 +1083,10 @@ fn answer(mut req: http::Request, front: &Front) {
         ("POST", "/tokenize" | "/detokenize") => return tokens(req, front, &url),
         ("POST", "/v1/completions") => Kind::Completion,
         ("POST", "/v1/chat/completions") => Kind::Chat,
+        ("POST", "/v1/responses") => Kind::Response,
         (_, u) => {
             let Some(methods) = takes(u) else {
-                let known = "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, \
+                let known = "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, \
                              /metrics and /health";
                 return refuse(front, req, &url, 404, &format!("no endpoint {url} (there are {known})"));
             };
@@ -1044,6 +1169,7 @@ fn answer(mut req: http::Request, front: &Front) {
     let id = match kind {
         Kind::Completion => format!("cmpl-{n}"),
         Kind::Chat => format!("chatcmpl-{n}"),
+        Kind::Response => format!("resp_{n}"),
     };
     let prompt_tokens = prompts.iter().map(Vec::len).sum();
     // An echoed prompt of token ids is their bytes.
@@ -1112,7 +1238,7 @@ fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, St
     }
     let texts: Vec<(String, bool)> = match ask.kind {
         Kind::Completion => ask.prompts.iter().map(|p| (p.clone(), true)).collect(),
-        Kind::Chat => {
+        Kind::Chat | Kind::Response => {
             let text = front.tok.render_chat_to(&ask.messages, &ask.template_vars, ask.chat_end);
             vec![(text.map_err(|e| e.to_string())?, false)]
         }
@@ -1221,10 +1347,10 @@ impl Head<'_> {
             (Kind::Completion, _) => {
                 json!({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
             }
-            (Kind::Chat, false) => {
+            (Kind::Chat | Kind::Response, false) => {
                 json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason})
             }
-            (Kind::Chat, true) => {
+            (Kind::Chat | Kind::Response, true) => {
                 let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
                 json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
             }
@@ -1265,7 +1391,7 @@ impl Head<'_> {
                 }
                 json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
             }
-            Kind::Chat => {
+            Kind::Chat | Kind::Response => {
                 let entry = |t: u32, v: f32| {
                     let b = bytes(t);
                     json!({"token": text(&b), "logprob": v, "bytes": b})
@@ -1296,12 +1422,52 @@ impl Head<'_> {
             (Kind::Completion, _) => "text_completion",
             (Kind::Chat, false) => "chat.completion",
             (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Response, _) => "response",
         }
+    }
+
+    /// The Responses API's object of an answer: while it streams (`done` `None`) in progress,
+    /// without output; then its text, how it ended, its token counts (`cached` of the prompt's
+    /// from the prefix cache).
+    fn response(&self, done: Option<(&str, Finish, usize, usize)>) -> Value {
+        let mut r = json!({
+            "id": self.id, "object": "response", "created_at": self.created, "status": "in_progress",
+            "error": null, "incomplete_details": null, "model": self.model, "output": [],
+            "parallel_tool_calls": false, "tool_choice": "none", "tools": [], "store": false,
+            "metadata": {}, "usage": null,
+        });
+        if let Some((text, finish, tokens, cached)) = done {
+            let cut = matches!(finish, Finish::Length | Finish::Context);
+            r["status"] = json!(if cut { "incomplete" } else { "completed" });
+            if cut {
+                r["incomplete_details"] = json!({"reason": "max_output_tokens"});
+            }
+            r["output"] = json!([self.response_message(text, "completed")]);
+            r["usage"] = json!({
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + tokens,
+            });
+        }
+        r
+    }
+
+    /// The Responses API's message item of an answer's `text` (none yet while `in_progress`).
+    fn response_message(&self, text: &str, status: &str) -> Value {
+        let content = if status == "in_progress" { json!([]) } else { json!([output_text(text)]) };
+        json!({"type": "message", "id": format!("msg_{}", self.id), "status": status, "role": "assistant", "content": content})
     }
 
     fn body(&self, choices: Vec<Value>, streamed: bool) -> Value {
         json!({"id": self.id, "object": self.object(streamed), "created": self.created, "model": self.model, "choices": choices})
     }
+}
+
+/// The Responses API's text part of an answer.
+fn output_text(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
 }
 
 /// Ends a request whose events stopped before its completions were done: the client went away
@@ -1350,6 +1516,10 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
     if done < k {
         return cut_short(req);
     }
+    if head.kind == Kind::Response {
+        reply_json(req, 200, &head.response(Some((&texts[0], finish[0], tokens, counts.cached))));
+        return (200, Some(Outcome { finish, tokens, counts }));
+    }
     let choices = (0..k).map(|i| {
         let (mut text, mut all) =
             head.echoed(i, &prompt_lps[i]).map_or((String::new(), Vec::new()), |(t, e)| (t.to_string(), e));
@@ -1387,7 +1557,10 @@ fn stream(
     let Ok(w) = req.start_chunked(200, "text/event-stream") else {
         return (200, None);
     };
-    let mut sse = Sse { w, first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k] };
+    let mut sse = Sse { w, first: vec![true; k], offsets: vec![0; k], echoed: vec![false; k], sequence: 0 };
+    if head.kind == Kind::Response {
+        return stream_response(sse, head, event, events);
+    }
     let mut finish = vec![Finish::Length; k];
     let (mut done, mut tokens, mut counts) = (0, 0, Counts::default());
     loop {
@@ -1435,6 +1608,83 @@ fn stream(
     }
 }
 
+/// The rest of a Responses API stream whose first event is `first`: the response created and in
+/// progress, its message and text part added, a delta as each piece of text comes, then the
+/// text, part and message done and the response completed (or an `error` event where the text
+/// could not be made). The status, and how it ended (`None` when the client went away).
+fn stream_response(
+    mut sse: Sse,
+    head: &Head,
+    first: (usize, Event),
+    events: &mut Events,
+) -> (u16, Option<Outcome>) {
+    let item = format!("msg_{}", head.id);
+    let at = json!({"item_id": item, "output_index": 0, "content_index": 0});
+    let with = |mut v: Value, more: Value| {
+        if let (Some(v), Value::Object(more)) = (v.as_object_mut(), more) {
+            v.extend(more);
+        }
+        v
+    };
+    let mut start = || -> std::io::Result<()> {
+        sse.typed("response.created", json!({"response": head.response(None)}))?;
+        sse.typed("response.in_progress", json!({"response": head.response(None)}))?;
+        let added = json!({"output_index": 0, "item": head.response_message("", "in_progress")});
+        sse.typed("response.output_item.added", added)?;
+        sse.typed("response.content_part.added", with(at.clone(), json!({"part": output_text("")})))
+    };
+    if start().is_err() {
+        return (200, None);
+    }
+    let mut text = String::new();
+    let mut event = first;
+    loop {
+        let sent = match event.1 {
+            Event::Prompt(_) => Ok(()),
+            Event::Text(piece, _) if piece.is_empty() => Ok(()),
+            Event::Text(piece, _) => {
+                text.push_str(&piece);
+                sse.typed(
+                    "response.output_text.delta",
+                    with(at.clone(), json!({"delta": piece, "logprobs": []})),
+                )
+            }
+            Event::Done { rest, finish, error, tokens, counts, .. } => {
+                let outcome = Outcome { finish: vec![finish], tokens, counts };
+                let end = match error {
+                    Some(e) => sse.typed("error", json!({"code": null, "message": e, "param": null})),
+                    None => (|| {
+                        if !rest.is_empty() {
+                            let delta = json!({"delta": rest, "logprobs": []});
+                            sse.typed("response.output_text.delta", with(at.clone(), delta))?;
+                        }
+                        text.push_str(&rest);
+                        sse.typed(
+                            "response.output_text.done",
+                            with(at.clone(), json!({"text": text, "logprobs": []})),
+                        )?;
+                        let part = json!({"part": output_text(&text)});
+                        sse.typed("response.content_part.done", with(at.clone(), part))?;
+                        let done =
+                            json!({"output_index": 0, "item": head.response_message(&text, "completed")});
+                        sse.typed("response.output_item.done", done)?;
+                        let r = head.response(Some((&text, finish, tokens, counts.cached)));
+                        sse.typed("response.completed", json!({"response": r}))
+                    })(),
+                };
+                return (200, end.and_then(|()| sse.w.finish()).ok().map(|()| outcome));
+            }
+        };
+        if sent.is_err() {
+            return (200, None);
+        }
+        event = match events.recv() {
+            Some(e) => e,
+            None => return (200, None),
+        };
+    }
+}
+
 /// A stream of server-sent events in HTTP chunks, each flushed as it is written.
 struct Sse {
     w: http::Chunked,
@@ -1444,11 +1694,22 @@ struct Sse {
     offsets: Vec<usize>,
     /// Each choice whose echoed prompt was sent.
     echoed: Vec<bool>,
+    /// Events of a Responses API stream sent so far (each event's `sequence_number`).
+    sequence: u64,
 }
 
 impl Sse {
     fn data(&mut self, data: &str) -> std::io::Result<()> {
         self.w.chunk(format!("data: {data}\n\n").as_bytes())
+    }
+
+    /// A Responses API event of type `kind` (named in the event and in its data, with its
+    /// sequence number) whose data is `v`, an object.
+    fn typed(&mut self, kind: &str, mut v: Value) -> std::io::Result<()> {
+        v["type"] = json!(kind);
+        v["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        self.w.chunk(format!("event: {kind}\ndata: {v}\n\n").as_bytes())
     }
 
     fn event(&mut self, v: &Value) -> std::io::Result<()> {
@@ -1610,6 +1871,38 @@ mod tests {
         );
         let a = ask(Kind::Completion, r#"{"prompt":"a","best_of":1,"suffix":"","logit_bias":null}"#).unwrap();
         assert_eq!(a.prompts, vec!["a".to_string()]);
+    }
+
+    /// A Responses API request read as the chat it makes: instructions first, the input's
+    /// messages (a developer's as a system one, text parts), its limit and its format.
+    #[test]
+    fn responses_requests_are_read_as_chats() {
+        let body = r#"{"model":"m","instructions":"be brief","input":[{"role":"developer","content":"d"},
+            {"type":"message","role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_text","text":"b"}]}],
+            "max_output_tokens":7,"temperature":0.5,"store":true,"metadata":{"k":"v"},"reasoning":null,"include":[],
+            "text":{"format":{"type":"json_schema","name":"x","schema":{"type":"integer"},"strict":true}}}"#;
+        let a = ask(Kind::Response, body).unwrap();
+        let m: Vec<(&str, &str)> = a.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        assert_eq!(m, [("system", "be brief"), ("system", "d"), ("user", "ab")]);
+        assert_eq!((a.max_tokens, a.params.temperature, a.n), (7, 0.5, 1));
+        assert_eq!(a.format, Some(Format::JsonSchema(json!({"type": "integer"}))));
+        let a = ask(Kind::Response, r#"{"input":"hi","text":{"format":{"type":"text"}}}"#).unwrap();
+        assert_eq!((a.messages, a.format), (vec![("user".to_string(), "hi".to_string())], None));
+        for (body, msg) in [
+            (r#"{"input":[]}"#, "`input` must be a string or a non-empty list of messages"),
+            (r#"{"input":"a","n":2}"#, "`n` is no key of /v1/responses"),
+            (r#"{"input":[{"role":"tool","content":"a"}]}"#, "`input[0]`: role tool"),
+            (
+                r#"{"input":[{"role":"user","content":[{"type":"input_image"}]}]}"#,
+                "`input[0]`: a content part of type input_image",
+            ),
+            (r#"{"input":"a","background":true}"#, "`background`: OpenAI's setting"),
+            (r#"{"input":"a","text":{"format":{"type":"xml"}}}"#, "`text.format`: `type` is \"xml\""),
+            (r#"{"input":"a","text":{"format":{"type":"json_schema"}}}"#, "`text.format`: `schema` must be"),
+        ] {
+            let e = ask(Kind::Response, body).unwrap_err();
+            assert!(e.starts_with(msg), "{body}: {e}");
+        }
     }
 
     #[test]

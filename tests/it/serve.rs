@@ -974,3 +974,107 @@ fn serve_holds_answers_to_a_response_format_as_generate() {
         assert!(status == 400 && got.contains(msg), "{format}: {status} {e}");
     }
 }
+
+/// OpenAI's Responses API (`/v1/responses`): `instructions` and `input` get the chat answer of
+/// the same system and user messages, as a response object with its usage, whole and as the
+/// stream of typed events (created … deltas … completed, numbered in order); one cut short by
+/// `max_output_tokens` is incomplete; `text.format` holds it to a schema; what a response would
+/// need kept, or gridlm does not give, is refused by name.
+#[test]
+fn serve_answers_the_responses_api_as_chat() {
+    let dir = smollm2("bf16");
+    let server = Server::start(1, &dir, &[]);
+    let messages = json!([
+        {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]);
+    let (status, chat) =
+        server.post("/v1/chat/completions", &json!({"messages": messages, "max_tokens": 40}));
+    assert_eq!(status, 200, "{chat}");
+    let want = chat["choices"][0]["message"]["content"].as_str().unwrap();
+    let request = json!({"instructions": "Answer in one sentence.", "input": "What is the capital of France?",
+        "max_output_tokens": 40, "store": false, "metadata": {"who": "test"}});
+    let (status, r) = server.post("/v1/responses", &request);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!((&r["object"], &r["status"]), (&json!("response"), &json!("completed")), "{r}");
+    assert_eq!(r["output"][0]["content"][0]["text"], want, "{r}");
+    assert_eq!(r["usage"]["input_tokens"], chat["usage"]["prompt_tokens"], "{r}");
+    assert_eq!(r["usage"]["output_tokens"], chat["usage"]["completion_tokens"], "{r}");
+    // The same as a list of messages (a developer message is a system one).
+    let listed = json!({"input": [{"role": "developer", "content": "Answer in one sentence."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}],
+        "max_output_tokens": 40});
+    assert_eq!(server.post("/v1/responses", &listed).1["output"][0]["content"][0]["text"], want);
+    // Streamed: typed events in order, their deltas the answer.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = server.http("POST", "/v1/responses", &streamed.to_string());
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<(String, Value)> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (kind, data) = e.strip_prefix("event: ").and_then(|e| e.split_once("\ndata: ")).unwrap();
+            (kind.to_string(), serde_json::from_str(data).unwrap())
+        })
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+    let order = [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ];
+    assert_eq!(kinds[..4], order, "{kinds:?}");
+    let end = [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ];
+    assert_eq!(kinds[kinds.len() - 4..], end, "{kinds:?}");
+    for (i, (kind, data)) in events.iter().enumerate() {
+        assert_eq!((&data["type"], &data["sequence_number"]), (&json!(kind), &json!(i)), "{data}");
+    }
+    let deltas: String = events.iter().filter_map(|e| e.1["delta"].as_str()).collect();
+    assert_eq!(deltas, want);
+    assert_eq!(events.last().unwrap().1["response"]["output"][0]["content"][0]["text"], want);
+    // Cut short.
+    let (_, cut) =
+        server.post("/v1/responses", &json!({"input": "Tell me a story.", "max_output_tokens": 5}));
+    assert_eq!(
+        (&cut["status"], &cut["incomplete_details"]["reason"]),
+        (&json!("incomplete"), &json!("max_output_tokens")),
+        "{cut}"
+    );
+    assert_eq!(cut["usage"]["output_tokens"], 5, "{cut}");
+    // Held to a schema.
+    let cat = json!({"input": "Describe a cat as JSON with its name, age and color.", "max_output_tokens": 60,
+        "text": {"format": {"type": "json_schema", "name": "cat", "schema": super::batch::cat_schema(), "strict": true}}});
+    let (status, r) = server.post("/v1/responses", &cat);
+    assert!(
+        status == 200 && super::batch::is_a_cat(r["output"][0]["content"][0]["text"].as_str().unwrap()),
+        "{r}"
+    );
+    for (more, msg) in [
+        (
+            json!({"previous_response_id": "resp_1"}),
+            "`previous_response_id` \"resp_1\": gridlm keeps no responses",
+        ),
+        (
+            json!({"reasoning": {"effort": "high"}}),
+            "`reasoning`: OpenAI's setting, which gridlm does not support",
+        ),
+        (json!({"messages": []}), "`messages` is no key of /v1/responses"),
+        (
+            json!({"input": [{"type": "function_call_output", "output": "1"}]}),
+            "`input[0]`: an item of type function_call_output",
+        ),
+    ] {
+        let mut request = json!({"input": "x"});
+        request.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
+        let (status, e) = server.post("/v1/responses", &request);
+        let got = e["error"]["message"].as_str().unwrap_or_default();
+        assert!(status == 400 && got.starts_with(msg), "{more}: {status} {e}");
+    }
+}
