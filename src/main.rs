@@ -265,8 +265,10 @@ struct GenerateArgs {
     /// objects with `prompt` (or a conversation, `messages`, as in OpenAI's chat requests) and
     /// optional `id`, `max_tokens`, `ignore_eos`, `chat`, `system`, `stop`, `temperature`,
     /// `top_k`, `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`,
-    /// `frequency_penalty`, `seed`, `min_tokens`, `stop_token_ids`, `logit_bias`; or lines of
-    /// OpenAI's batch input. `-` reads standard input.
+    /// `frequency_penalty`, `seed`, `min_tokens`, `stop_token_ids`, `logit_bias`,
+    /// `response_format` (or vLLM's `structured_outputs`, `guided_json`, `guided_regex`,
+    /// `guided_choice`, `guided_grammar`); or lines of OpenAI's batch input. `-` reads standard
+    /// input.
     #[arg(long)]
     prompts_file: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.

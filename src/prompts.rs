@@ -316,8 +316,9 @@ impl PromptSpec {
 /// OpenAI's chat requests give it: a chat) and optional `id`, `max_tokens`, `ignore_eos`,
 /// `chat`, `system`, `chat_template_kwargs`, `stop` (string or list), `temperature`, `top_k`,
 /// `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seed`,
-/// `min_tokens`, `stop_token_ids`, `logit_bias`, `response_format`, or a line of OpenAI's batch
-/// input (read as its request's body). Otherwise each non-blank line is
+/// `min_tokens`, `stop_token_ids`, `logit_bias`, `response_format` (or vLLM's
+/// `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`), or a
+/// line of OpenAI's batch input (read as its request's body). Otherwise each non-blank line is
 /// a prompt, with `\n` and `\\` as escapes. The path `-` reads standard input (under mpirun,
 /// the first rank's, where the prompts are read). Errors name the file (or `stdin`) and line.
 pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {

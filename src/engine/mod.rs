@@ -282,9 +282,10 @@ struct SlotState {
 }
 
 impl SlotState {
-    /// Whether picking its tokens changes a row's logits ([`Engine::pick`]).
-    fn adjusts(&self) -> bool {
-        sampling::adjusts(&self.params) || !self.bias.is_empty() || self.min_tokens > 0
+    /// Whether picking its token changes the logits of its row `r` ([`Engine::pick`]): its
+    /// sampling settings, its token rules or a grammar do.
+    fn adjusts(&self, r: &HeadRow) -> bool {
+        sampling::adjusts(&self.params) || !self.bias.is_empty() || self.min_tokens > 0 || r.allowed.is_some()
     }
 
     /// Token `t`'s local index in the shard from `shard_start` and its count, where the
@@ -1295,7 +1296,7 @@ impl Engine {
                     &mut lp.idx,
                     &mut lp.mine[i * rec + 1..(i + 1) * rec],
                 );
-                if self.slots[emitting[row]].adjusts() || self.head_rows[row].allowed.is_some() {
+                if self.slots[emitting[row]].adjusts(&self.head_rows[row]) {
                     lp.raw.extend_from_slice(logits);
                 }
             }
@@ -1372,7 +1373,7 @@ impl Engine {
         let lp = &mut self.logprob_bufs;
         let mut raw = lp.raw.chunks_exact(vl);
         for (i, &(row, _)) in lp.rows.iter().enumerate() {
-            let logits = if self.slots[emitting[row]].adjusts() || self.head_rows[row].allowed.is_some() {
+            let logits = if self.slots[emitting[row]].adjusts(&self.head_rows[row]) {
                 raw.next().expect("a raw row for each adjusted one")
             } else {
                 &self.logits[row * vl..(row + 1) * vl]
