@@ -17,7 +17,7 @@ use gridlm::grammar::{Format, Grammars};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::kernels::{dot, Fetch, ManyFetch, Quant, Streams};
 use gridlm::model::Shard;
-use gridlm::prompts::{read_prompts, Defaults, PromptSpec, TextTracker};
+use gridlm::prompts::{read_prompts, Defaults, PromptSpec, StopBy, TextTracker};
 use gridlm::tokenizer::{check_template_vars, TemplateVars, Tokenizer};
 use gridlm::weights::checkpoint::Checkpoint;
 use gridlm::weights::{as_loaded, convert, synthetic, DType, Source};
@@ -291,6 +291,10 @@ struct GenerateArgs {
     /// End a completion when this text appears (repeatable); the text is cut before it.
     #[arg(long)]
     stop: Vec<String>,
+    /// Keep the stop string (or stop token) that ends a completion in its text (vLLM's
+    /// include_stop_str_in_output).
+    #[arg(long)]
+    include_stop_str_in_output: bool,
     /// End a completion when one of these tokens is picked (ids, comma-separated or repeated;
     /// vLLM's stop_token_ids): it finishes as stopped, the token left out of its text.
     #[arg(long, value_name = "ID,...", value_delimiter = ',')]
@@ -1358,6 +1362,7 @@ fn prepare_prompts(
         system: a.system.clone(),
         template_vars: a.chat_template_kwargs.clone().unwrap_or_default(),
         stop: a.stop.clone(),
+        keep_stop: a.include_stop_str_in_output,
         params: params.clone(),
         rules: TokenRules {
             min_tokens: a.min_tokens,
@@ -1526,8 +1531,10 @@ fn run_generate(
         .collect();
     let mut opts = a.batching.options(grid.pp, eos_ids);
     opts.grammars = grammars;
-    let mut trackers: Vec<TextTracker> =
-        prompts.iter().map(|p| TextTracker::new(p.spec.stop.clone(), &p.spec.rules)).collect();
+    let mut trackers: Vec<TextTracker> = prompts
+        .iter()
+        .map(|p| TextTracker::new(p.spec.stop.clone(), p.spec.keep_stop, &p.spec.rules))
+        .collect();
     // Locked per write, never across a step: a kernel thread that panics must not find it held.
     let mut stdout = std::io::stdout();
     let stream_text = single && !a.json;
@@ -1589,6 +1596,7 @@ fn run_generate(
                 "token_ids": g.token_ids,
                 "text": texts[0],
                 "finish_reason": g.finish,
+                "stop_reason": trackers[0].stopped_by().map(StopBy::json),
                 "logprobs": logprobs_json(&tok, &g.token_ids, &g.logprobs),
                 "prompt_logprobs": prompt_logprobs_json(&tok, &p.ids, g),
                 "prefill_ms": first,
@@ -1623,8 +1631,9 @@ fn run_generate(
             .iter()
             .zip(&prompts)
             .zip(&texts)
+            .zip(&trackers)
             .enumerate()
-            .map(|(i, ((c, p), text))| {
+            .map(|(i, (((c, p), text), t))| {
                 serde_json::json!({
                     "index": i,
                     "id": p.spec.id,
@@ -1636,6 +1645,7 @@ fn run_generate(
                     "token_ids": c.token_ids,
                     "text": text,
                     "finish_reason": c.finish,
+                    "stop_reason": t.stopped_by().map(StopBy::json),
                     "logprobs": logprobs_json(&tok, &c.token_ids, &c.logprobs),
                     "prompt_logprobs": prompt_logprobs_json(&tok, &p.ids, c),
                     "error": c.error,

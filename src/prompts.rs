@@ -20,6 +20,8 @@ pub struct Defaults {
     /// Further variables of the chat template (`enable_thinking`, say).
     pub template_vars: TemplateVars,
     pub stop: Vec<String>,
+    /// The text keeps the stop string or token that ends it.
+    pub keep_stop: bool,
     pub params: SamplingParams,
     /// Logit biases, stop tokens and least number of tokens.
     pub rules: TokenRules,
@@ -46,13 +48,14 @@ pub struct PromptSpec {
     /// Further variables of the chat template: the command's, a line's over them.
     pub template_vars: TemplateVars,
     pub stop: Vec<String>,
+    pub keep_stop: bool,
     pub params: SamplingParams,
     pub rules: TokenRules,
     pub format: Option<Format>,
 }
 
 /// Keys a JSONL line may have.
-const KEYS: [&str; 26] = [
+const KEYS: [&str; 27] = [
     "prompt",
     "messages",
     "id",
@@ -79,6 +82,7 @@ const KEYS: [&str; 26] = [
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "include_stop_str_in_output",
 ];
 
 /// A stop setting: one string or a list.
@@ -288,6 +292,7 @@ impl Defaults {
             system: self.system.clone(),
             template_vars: self.template_vars.clone(),
             stop: self.stop.clone(),
+            keep_stop: self.keep_stop,
             params,
             rules: self.rules.clone(),
             format: self.format.clone(),
@@ -378,6 +383,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             if let Some(stop) = stop_field(&obj)? {
                 s.stop = stop;
             }
+            s.keep_stop = field(&obj, "include_stop_str_in_output")?.unwrap_or(s.keep_stop);
             rules_fields(&obj, &mut s.rules)?;
             if let Some(f) = format_field(&obj)? {
                 s.format = f;
@@ -512,33 +518,55 @@ fn unescape(l: &str) -> String {
     out
 }
 
+/// What ended a completion before its end-of-sequence token or its length: a stop string or a
+/// stop token (vLLM's `stop_reason`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StopBy {
+    Text(String),
+    Token(u32),
+}
+
+impl StopBy {
+    /// As vLLM writes it: the string, or the token id.
+    pub fn json(&self) -> serde_json::Value {
+        match self {
+            StopBy::Text(s) => serde_json::json!(s),
+            StopBy::Token(t) => serde_json::json!(t),
+        }
+    }
+}
+
 /// The text of one completion as its tokens arrive, cut at the first stop string or before its
-/// first stop token ([`TokenRules`]; no stop string ends it before its `min_tokens`). Text
-/// that may be the start of a stop string is held back until the next tokens tell, so a
-/// stream never shows what the cut takes away.
+/// first stop token ([`TokenRules`]; no stop string ends it before its `min_tokens`), or after
+/// them where the text keeps them (vLLM's `include_stop_str_in_output`). Text that may be the
+/// start of a stop string is held back until the next tokens tell, so a stream never shows what
+/// the cut takes away.
 pub struct TextTracker {
     stream: StreamDecoder,
     text: String,
     stop: Vec<String>,
     stop_ids: Vec<u32>,
+    /// The text keeps the stop string or token that ends it.
+    keep_stop: bool,
     min_tokens: usize,
     /// Tokens pushed.
     tokens: usize,
-    stopped: bool,
+    stopped: Option<StopBy>,
     /// Bytes of `text` handed out.
     shown: usize,
 }
 
 impl TextTracker {
-    pub fn new(stop: Vec<String>, rules: &TokenRules) -> Self {
+    pub fn new(stop: Vec<String>, keep_stop: bool, rules: &TokenRules) -> Self {
         TextTracker {
             stream: StreamDecoder::default(),
             text: String::new(),
             stop,
             stop_ids: rules.stop_token_ids.clone(),
+            keep_stop,
             min_tokens: rules.min_tokens,
             tokens: 0,
-            stopped: false,
+            stopped: None,
             shown: 0,
         }
     }
@@ -546,13 +574,19 @@ impl TextTracker {
     /// Adds a token. Returns the new text to show (never past a stop string, nor the start of
     /// one that may still come) and whether the completion goes on.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<(String, bool)> {
-        if self.stopped {
+        if self.stopped.is_some() {
             return Ok((String::new(), false));
         }
         self.tokens += 1;
         if self.stop_ids.contains(&id) {
-            // A stop token ends the completion and, as vLLM leaves it, is no part of its text.
-            self.stopped = true;
+            // A stop token ends the completion and, as vLLM leaves it, is no part of its text
+            // unless the text keeps it (it comes with the rest).
+            if self.keep_stop {
+                if let Some(piece) = self.stream.push(tok, id)? {
+                    self.text.push_str(&piece);
+                }
+            }
+            self.stopped = Some(StopBy::Token(id));
             return Ok((String::new(), false));
         }
         let Some(piece) = self.stream.push(tok, id)? else { return Ok((String::new(), true)) };
@@ -562,17 +596,25 @@ impl TextTracker {
         // it (one whole before it was looked for already, or came among the first
         // `min_tokens`, which no stop string ends). Not before the least number of tokens.
         let text = &self.text;
-        let ending_here = |s: &String| {
+        let ending_here = |(k, s): (usize, &String)| {
             let mut from = start.saturating_sub(s.len().saturating_sub(1));
             while !text.is_char_boundary(from) {
                 from += 1;
             }
-            text[from..].find(s.as_str()).map(|i| from + i)
+            text[from..].find(s.as_str()).map(|i| (from + i, k))
         };
-        let cut = self.stop.iter().filter_map(ending_here).min().filter(|_| self.tokens > self.min_tokens);
+        let cut = self
+            .stop
+            .iter()
+            .enumerate()
+            .filter_map(ending_here)
+            .min()
+            .filter(|_| self.tokens > self.min_tokens);
         let upto = match cut {
-            Some(cut) => {
-                self.stopped = true;
+            Some((at, k)) => {
+                let s = &self.stop[k];
+                let cut = if self.keep_stop { at + s.len() } else { at };
+                self.stopped = Some(StopBy::Text(s.clone()));
                 self.text.truncate(cut);
                 cut
             }
@@ -581,7 +623,7 @@ impl TextTracker {
         };
         let new = self.text.get(self.shown..upto).unwrap_or_default().to_string();
         self.shown = self.shown.max(upto);
-        Ok((new, !self.stopped))
+        Ok((new, self.stopped.is_none()))
     }
 
     /// The text handed out by [`TextTracker::push`] so far.
@@ -595,7 +637,12 @@ impl TextTracker {
     }
 
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.stopped.is_some()
+    }
+
+    /// The stop string or token that ended the completion, if one did.
+    pub fn stopped_by(&self) -> Option<&StopBy> {
+        self.stopped.as_ref()
     }
 
     /// The text so far (cut at a stop string if one appeared).
@@ -626,6 +673,7 @@ mod tests {
             system: None,
             template_vars: TemplateVars::new(),
             stop: vec![],
+            keep_stop: false,
             params: SamplingParams { seed: 100, ..Default::default() },
             rules: TokenRules::default(),
             format: None,

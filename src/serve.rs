@@ -15,7 +15,7 @@ use crate::grammar::{Format, Grammars};
 use crate::http;
 use crate::prompts::{
     field, format_field, messages_field, rules_fields, sampling_fields, stop_field, template_vars_over,
-    TextTracker,
+    StopBy, TextTracker,
 };
 use crate::tokenizer::{ChatEnd, TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
@@ -58,6 +58,8 @@ pub struct Ask {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
+    /// The text keeps the stop string or token that ends it (`include_stop_str_in_output`).
+    pub keep_stop: bool,
     pub params: SamplingParams,
     /// Logit biases, stop tokens and least number of tokens.
     pub rules: TokenRules,
@@ -85,7 +87,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have.
-const KEYS: [&str; 34] = [
+const KEYS: [&str; 35] = [
     "model",
     "prompt",
     "messages",
@@ -120,6 +122,7 @@ const KEYS: [&str; 34] = [
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "include_stop_str_in_output",
 ];
 
 /// Whether a setting's value asks for nothing beyond a request without it.
@@ -178,6 +181,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         max_tokens: d.max_tokens,
         ignore_eos: false,
         stop: Vec::new(),
+        keep_stop: false,
         params: SamplingParams { seed: d.params.seed.wrapping_add(n), ..d.params.clone() },
         rules: TokenRules::default(),
         format: None,
@@ -242,6 +246,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             field(&o, "include_usage").map_err(|e| format!("`stream_options`: {e}"))?.unwrap_or(false);
     }
     ask.stop = stop_field(&obj)?.unwrap_or_default();
+    ask.keep_stop = field(&obj, "include_stop_str_in_output")?.unwrap_or(false);
     if ask.stop.iter().any(String::is_empty) {
         return Err("`stop`: a stop string is empty".into());
     }
@@ -404,6 +409,8 @@ fn response_as_chat(mut obj: Map<String, Value>) -> std::result::Result<Map<Stri
 pub struct Incoming {
     pub request: Request,
     pub stop: Vec<String>,
+    /// The text keeps the stop string or token that ends it.
+    pub keep_stop: bool,
     /// Which of its HTTP request's completions it is (its events carry it).
     pub choice: usize,
     pub reply: Sender<(usize, Event)>,
@@ -424,12 +431,14 @@ pub enum Event {
     /// last text.
     Text(String, Logprobs),
     /// The request is over: the rest of its text (what the last tokens completed) and its
-    /// tokens' log-probabilities not sent yet, why it ended, its error if it could not run, and
-    /// how many tokens it brought, cached and drafted.
+    /// tokens' log-probabilities not sent yet, why it ended (and the stop string or token that
+    /// ended it), its error if it could not run, and how many tokens it brought, cached and
+    /// drafted.
     Done {
         rest: String,
         logprobs: Logprobs,
         finish: Finish,
+        stop_by: Option<StopBy>,
         error: Option<String>,
         tokens: usize,
         counts: Counts,
@@ -470,7 +479,7 @@ impl Served {
 
     fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
         let client = Client {
-            tracker: TextTracker::new(inc.stop, &inc.request.rules),
+            tracker: TextTracker::new(inc.stop, inc.keep_stop, &inc.request.rules),
             choice: inc.choice,
             reply: inc.reply,
             listener: inc.listener,
@@ -554,7 +563,8 @@ impl Traffic for Served {
             drafted: completion.drafted,
             accepted: completion.accepted,
         };
-        let done = Event::Done { rest, logprobs: c.pending, finish, error, tokens, counts };
+        let stop_by = c.tracker.stopped_by().cloned();
+        let done = Event::Done { rest, logprobs: c.pending, finish, stop_by, error, tokens, counts };
         let _ = c.reply.send((c.choice, done));
         Ok(())
     }
@@ -1156,6 +1166,7 @@ fn answer(mut req: http::Request, front: &Front) {
             let inc = Incoming {
                 request,
                 stop: ask.stop.clone(),
+                keep_stop: ask.keep_stop,
                 choice: i * ask.n + j,
                 reply: reply.clone(),
                 listener: Arc::downgrade(&events.listening),
@@ -1338,21 +1349,23 @@ impl Head<'_> {
         index: usize,
         (text, lps): (&str, &Entries),
         offset: &mut usize,
-        finish: Option<Finish>,
+        ended: Option<(Finish, Option<&StopBy>)>,
         delta: bool,
     ) -> Value {
-        let reason = finish.map(finish_reason);
+        let reason = ended.map(|e| finish_reason(e.0));
+        // vLLM's: the stop string or token that ended it.
+        let stop = ended.and_then(|e| e.1).map(StopBy::json);
         let lp = if self.logprobs { self.logprobs_json(lps, offset) } else { Value::Null };
         match (self.kind, delta) {
             (Kind::Completion, _) => {
-                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
+                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
             }
             (Kind::Chat | Kind::Response, false) => {
-                json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason})
+                json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
             }
             (Kind::Chat | Kind::Response, true) => {
                 let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
-                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
             }
         }
     }
@@ -1487,6 +1500,7 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
     let mut lps: Vec<Logprobs> = vec![Vec::new(); k];
     let mut prompt_lps: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); k];
     let mut finish = vec![Finish::Length; k];
+    let mut stop_by: Vec<Option<StopBy>> = vec![None; k];
     let (mut done, mut tokens, mut counts) = (0, 0, Counts::default());
     while let Some((i, event)) = events.recv_unless(&|| req.client_gone()) {
         match event {
@@ -1495,7 +1509,8 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
                 texts[i].push_str(&piece);
                 lps[i].extend(lp);
             }
-            Event::Done { rest, logprobs, finish: f, error, tokens: t, counts: c } => {
+            Event::Done { rest, logprobs, finish: f, stop_by: by, error, tokens: t, counts: c } => {
+                stop_by[i] = by;
                 tokens += t;
                 head.add(&mut counts, i, c);
                 if let Some(e) = error {
@@ -1525,7 +1540,7 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
             head.echoed(i, &prompt_lps[i]).map_or((String::new(), Vec::new()), |(t, e)| (t.to_string(), e));
         text.push_str(&texts[i]);
         all.extend(entries(&lps[i]));
-        head.choice(i, (&text, &all), &mut 0, Some(finish[i]), false)
+        head.choice(i, (&text, &all), &mut 0, Some((finish[i], stop_by[i].as_ref())), false)
     });
     let mut body = head.body(choices.collect(), false);
     body["usage"] = head.usage(tokens, counts.cached);
@@ -1578,13 +1593,13 @@ fn stream(
         let sent = sent.and_then(|()| match e {
             Event::Prompt(_) => Ok(()),
             Event::Text(t, lp) => sse.piece(head, i, (&t, &entries(&lp)), None),
-            Event::Done { rest, logprobs, finish: f, error, tokens: t, counts: c } => {
+            Event::Done { rest, logprobs, finish: f, stop_by, error, tokens: t, counts: c } => {
                 (finish[i], done, tokens) = (f, done + 1, tokens + t);
                 head.add(&mut counts, i, c);
                 match error {
                     // The text could not be made after some was sent: say so in the stream.
                     Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
-                    None => sse.piece(head, i, (&rest, &entries(&logprobs)), Some(f)),
+                    None => sse.piece(head, i, (&rest, &entries(&logprobs)), Some((f, stop_by.as_ref()))),
                 }
             }
         });
@@ -1721,9 +1736,9 @@ impl Sse {
         head: &Head,
         index: usize,
         piece: (&str, &Entries),
-        finish: Option<Finish>,
+        ended: Option<(Finish, Option<&StopBy>)>,
     ) -> std::io::Result<()> {
-        let mut c = head.choice(index, piece, &mut self.offsets[index], finish, true);
+        let mut c = head.choice(index, piece, &mut self.offsets[index], ended, true);
         if std::mem::take(&mut self.first[index]) && head.kind == Kind::Chat {
             c["delta"]["role"] = json!("assistant");
         }

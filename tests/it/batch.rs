@@ -250,6 +250,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_up_to_near_ties() {
         system: None,
         template_vars: Default::default(),
         stop: Vec::new(),
+        keep_stop: false,
         params: SamplingParams::default(),
         rules: Default::default(),
         format: None,
@@ -778,9 +779,13 @@ fn token_rules_steer_the_picks_on_every_layout() {
             ),
             line(serde_json::json!({"stop_token_ids": [stop_id, 49151]})),
             line(serde_json::json!({"stop": "!", "min_tokens": bang + 1})),
+            line(serde_json::json!({"stop_token_ids": [stop_id], "include_stop_str_in_output": true})),
+            line(serde_json::json!({"stop": "!", "include_stop_str_in_output": true})),
         ]);
-        let [banned, forced, forced_sampled, least, least_sampled, stopped, late_stop] = &results[..] else {
-            panic!("seven results: {results:?}")
+        let [banned, forced, forced_sampled, least, least_sampled, stopped, late_stop, kept_id, kept_text] =
+            &results[..]
+        else {
+            panic!("nine results: {results:?}")
         };
         assert_eq!(ids(banned), [second], "{at}\n{banned}");
         assert_eq!(&banned["logprobs"][0]["top"], first_top, "{at}\n{banned}");
@@ -794,6 +799,21 @@ fn token_rules_steer_the_picks_on_every_layout() {
         assert_eq!(ids(stopped), tokens[..=cut], "{at}\n{stopped}");
         assert_eq!(stopped["finish_reason"], "stop", "{at}\n{stopped}");
         assert_eq!(stopped["text"], texts[..cut].concat(), "{at}\n{stopped}");
+        // vLLM's stop_reason, and the stop token or string kept in the text where asked.
+        assert_eq!(stopped["stop_reason"], stop_id, "{at}\n{stopped}");
+        assert_eq!(
+            (&kept_id["text"], &kept_id["stop_reason"]),
+            (&texts[..=cut].concat().into(), &stop_id.into()),
+            "{at}\n{kept_id}"
+        );
+        let base_text = base["text"].as_str().unwrap();
+        let through_bang = &base_text[..=base_text.find('!').unwrap()];
+        assert_eq!(
+            (kept_text["text"].as_str(), &kept_text["stop_reason"]),
+            (Some(through_bang), &"!".into()),
+            "{at}\n{kept_text}"
+        );
+        assert_eq!(base["stop_reason"], Value::Null, "{at}");
         // The `!` of token `bang` is kept; the answer goes on as without the stop string, to its
         // next `!` or its end.
         let kept = texts[..=bang].concat();

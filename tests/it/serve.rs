@@ -872,6 +872,7 @@ fn serve_takes_token_rules_as_generate() {
         json!({"messages": chat, "max_tokens": 12, "logit_bias": {"19556": -100, "1535": 4.5}}),
         json!({"messages": chat, "max_tokens": 34, "min_tokens": 30}),
         json!({"messages": chat, "max_tokens": 48, "stop_token_ids": [282]}),
+        json!({"messages": chat, "max_tokens": 48, "stop": ["!", "?"], "include_stop_str_in_output": true}),
     ];
     let g = generate_lines_on_two_tp_ranks(&dir, &requests);
     let server = Server::start(2, &dir, &["--tp", "2"]);
@@ -886,15 +887,27 @@ fn serve_takes_token_rules_as_generate() {
             "{r}"
         );
         assert_eq!(v["usage"]["completion_tokens"], r["token_ids"].as_array().unwrap().len(), "{r}");
+        assert_eq!(choice["stop_reason"], r["stop_reason"], "{r}");
         let mut streamed = request.clone();
         streamed["stream"] = json!(true);
         let events = server.events("/v1/chat/completions", &streamed);
         let text: String =
             events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
-        let last = events.iter().rev().find_map(|e| e["choices"][0]["finish_reason"].as_str());
-        assert_eq!((text.as_str(), last), (r["text"].as_str().unwrap(), Some(finish)), "{r}");
+        let last = events.iter().rev().find(|e| !e["choices"][0]["finish_reason"].is_null());
+        let last = last.map(|e| (&e["choices"][0]["finish_reason"], &e["choices"][0]["stop_reason"]));
+        assert_eq!(
+            (text.as_str(), last),
+            (r["text"].as_str().unwrap(), Some((&json!(finish), &r["stop_reason"]))),
+            "{r}"
+        );
     }
-    assert_eq!(g["results"][2]["finish_reason"], "stop", "{g}");
+    assert_eq!(
+        (&g["results"][2]["finish_reason"], &g["results"][2]["stop_reason"]),
+        (&json!("stop"), &json!(282)),
+        "{g}"
+    );
+    let kept = g["results"][3]["text"].as_str().unwrap();
+    assert!(kept.ends_with(['!', '?']) && g["results"][3]["stop_reason"] == kept[kept.len() - 1..], "{g}");
     assert_eq!(g["results"][1]["token_ids"].as_array().unwrap().len(), 34, "{g}");
     for (rules, msg) in [
         (
