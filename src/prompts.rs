@@ -54,8 +54,8 @@ pub struct PromptSpec {
     pub format: Option<Format>,
 }
 
-/// Keys a JSONL line may have.
-const KEYS: [&str; 27] = [
+/// Keys a JSONL line may have (and [`ANSWER_KEYS`]).
+const KEYS: [&str; 17] = [
     "prompt",
     "messages",
     "id",
@@ -73,6 +73,11 @@ const KEYS: [&str; 27] = [
     "presence_penalty",
     "frequency_penalty",
     "seed",
+];
+
+/// Keys of an answer's settings beyond sampling, which prompts-file lines and serve's requests
+/// both take and read alike ([`answer_fields`]).
+pub(crate) const ANSWER_KEYS: [&str; 10] = [
     "min_tokens",
     "stop_token_ids",
     "logit_bias",
@@ -174,10 +179,32 @@ pub(crate) fn template_vars_over(
     Ok(())
 }
 
+/// The answer settings a JSON object gives ([`ANSWER_KEYS`]) over those given: whether the text
+/// keeps the stop string or token that ends it (`include_stop_str_in_output`), the token rules
+/// and the format.
+pub(crate) fn answer_fields(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    keep_stop: &mut bool,
+    rules: &mut TokenRules,
+    format: &mut Option<Format>,
+) -> std::result::Result<(), String> {
+    *keep_stop = field(obj, "include_stop_str_in_output")?.unwrap_or(*keep_stop);
+    rules_fields(obj, rules)?;
+    if let Some(f) = format_field(obj)? {
+        *format = f;
+    }
+    Ok(())
+}
+
+/// Whether a JSONL line may have key `k`.
+fn line_key(k: &str) -> bool {
+    KEYS.contains(&k) || ANSWER_KEYS.contains(&k)
+}
+
 /// The token rules a JSON object gives (`min_tokens`, `stop_token_ids`, `logit_bias`: OpenAI's
 /// object of token ids, as strings, and biases) over those of `r`, each bias checked (the
 /// tokens are checked against the vocabulary later, [`TokenRules::check`]).
-pub(crate) fn rules_fields(
+fn rules_fields(
     obj: &serde_json::Map<String, serde_json::Value>,
     r: &mut TokenRules,
 ) -> std::result::Result<(), String> {
@@ -362,8 +389,9 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         } else {
             (obj, None)
         };
-        if let Some(k) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
-            return Err(at(format!("unknown key `{k}` (expected {})", KEYS.join(", "))));
+        if let Some(k) = obj.keys().find(|k| !line_key(k)) {
+            let expected: Vec<&str> = KEYS.iter().chain(&ANSWER_KEYS).copied().collect();
+            return Err(at(format!("unknown key `{k}` (expected {})", expected.join(", "))));
         }
         let messages = messages_field(&obj).map_err(at)?;
         let text: Option<String> = field(&obj, "prompt").map_err(at)?;
@@ -383,11 +411,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             if let Some(stop) = stop_field(&obj)? {
                 s.stop = stop;
             }
-            s.keep_stop = field(&obj, "include_stop_str_in_output")?.unwrap_or(s.keep_stop);
-            rules_fields(&obj, &mut s.rules)?;
-            if let Some(f) = format_field(&obj)? {
-                s.format = f;
-            }
+            answer_fields(&obj, &mut s.keep_stop, &mut s.rules, &mut s.format)?;
             sampling_fields(&obj, &mut s.params)
         };
         get(&mut s).map_err(at)?;
@@ -466,7 +490,7 @@ fn batch_request(
     if body.get("prompt").is_some_and(|p| !p.is_string()) {
         return Err("`body.prompt`: a line's prompt is one string".into());
     }
-    let taken = |k: &str| KEYS.contains(&k) && !matches!(k, "id" | "chat" | "system");
+    let taken = |k: &str| line_key(k) && !matches!(k, "id" | "chat" | "system");
     if let Some(k) = body.keys().find(|k| !taken(k)) {
         return Err(format!("`body.{k}`: a request's setting a prompts file does not take"));
     }

@@ -14,8 +14,8 @@ use crate::error::Result;
 use crate::grammar::{Format, Grammars};
 use crate::http;
 use crate::prompts::{
-    field, format_field, messages_field, rules_fields, sampling_fields, stop_field, template_vars_over,
-    StopBy, TextTracker,
+    answer_fields, field, messages_field, sampling_fields, stop_field, template_vars_over, StopBy,
+    TextTracker, ANSWER_KEYS,
 };
 use crate::tokenizer::{ChatEnd, TemplateVars, Tokenizer};
 use serde_json::{json, Map, Value};
@@ -87,7 +87,7 @@ pub struct Defaults {
 }
 
 /// Keys a request may have.
-const KEYS: [&str; 35] = [
+const KEYS: [&str; 25] = [
     "model",
     "prompt",
     "messages",
@@ -113,16 +113,6 @@ const KEYS: [&str; 35] = [
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
-    "min_tokens",
-    "stop_token_ids",
-    "logit_bias",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "include_stop_str_in_output",
 ];
 
 /// Whether a setting's value asks for nothing beyond a request without it.
@@ -156,7 +146,8 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     let obj: Map<String, Value> =
         serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
     let obj = if kind == Kind::Response { response_as_chat(obj)? } else { obj };
-    for (k, v) in obj.iter().filter(|(k, _)| !KEYS.contains(&k.as_str())) {
+    let known = |k: &str| KEYS.contains(&k) || ANSWER_KEYS.contains(&k);
+    for (k, v) in obj.iter().filter(|(k, _)| !known(k)) {
         match OPENAI_NOT_TAKEN.iter().find(|(name, _)| name == k) {
             None => return Err(format!("unknown key `{k}`")),
             Some((_, neutral)) if !v.is_null() && !neutral(v) => {
@@ -246,13 +237,11 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             field(&o, "include_usage").map_err(|e| format!("`stream_options`: {e}"))?.unwrap_or(false);
     }
     ask.stop = stop_field(&obj)?.unwrap_or_default();
-    ask.keep_stop = field(&obj, "include_stop_str_in_output")?.unwrap_or(false);
     if ask.stop.iter().any(String::is_empty) {
         return Err("`stop`: a stop string is empty".into());
     }
     sampling_fields(&obj, &mut ask.params)?;
-    rules_fields(&obj, &mut ask.rules)?;
-    ask.format = format_field(&obj)?.flatten();
+    answer_fields(&obj, &mut ask.keep_stop, &mut ask.rules, &mut ask.format)?;
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
     let prompts = (ask.prompts.len() + ask.token_prompts.len()).max(1);
@@ -1470,7 +1459,12 @@ impl Head<'_> {
     /// The Responses API's message item of an answer's `text` (none yet while `in_progress`).
     fn response_message(&self, text: &str, status: &str) -> Value {
         let content = if status == "in_progress" { json!([]) } else { json!([output_text(text)]) };
-        json!({"type": "message", "id": format!("msg_{}", self.id), "status": status, "role": "assistant", "content": content})
+        json!({"type": "message", "id": self.message_id(), "status": status, "role": "assistant", "content": content})
+    }
+
+    /// The id of the Responses API's message item of the answer.
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.id)
     }
 
     fn body(&self, choices: Vec<Value>, streamed: bool) -> Value {
@@ -1633,8 +1627,7 @@ fn stream_response(
     first: (usize, Event),
     events: &mut Events,
 ) -> (u16, Option<Outcome>) {
-    let item = format!("msg_{}", head.id);
-    let at = json!({"item_id": item, "output_index": 0, "content_index": 0});
+    let at = json!({"item_id": head.message_id(), "output_index": 0, "content_index": 0});
     let with = |mut v: Value, more: Value| {
         if let (Some(v), Value::Object(more)) = (v.as_object_mut(), more) {
             v.extend(more);
