@@ -124,8 +124,17 @@ impl std::fmt::Debug for Grammars {
     }
 }
 
-/// One constrained sequence's state: its grammar so far.
+/// One constrained sequence's state: its grammar so far. A clone goes on alone from where
+/// this one is; the compiled grammar and its lexer's states, built as matchers meet them, are
+/// shared (behind a lock), not compiled again.
+#[derive(Clone)]
 pub struct Constrained(Matcher);
+
+impl std::fmt::Debug for Constrained {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Constrained {{ done: {} }}", self.done())
+    }
+}
 
 impl Grammars {
     /// The vocabulary of `vocab` tokens (the model's; ids the tokenizer lacks are never

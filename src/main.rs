@@ -1527,6 +1527,7 @@ fn run_generate(
             prompt_logprobs: a.prompt_logprobs.map(|n| n as usize),
             rules: p.spec.rules.clone(),
             format: p.spec.format.clone(),
+            grammar: None,
         })
         .collect();
     let mut opts = a.batching.options(grid.pp, eos_ids);
@@ -2118,6 +2119,7 @@ fn run_bench(
             prompt_logprobs: None,
             rules: TokenRules::default(),
             format: None,
+            grammar: None,
         })
         .collect();
     let options = |batch: usize| RunOptions {

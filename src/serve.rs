@@ -1110,14 +1110,20 @@ fn answer(mut req: http::Request, front: &Front) {
     if let Err(e) = ask.rules.check(front.vocab, ask.max_tokens) {
         return refuse(front, req, &url, 400, &format!("`{}", e.replacen(' ', "` ", 1)));
     }
-    // A format the grammar engine cannot compile is refused here, not after the request waited.
-    if let Some(f) = &ask.format {
-        let compiled =
-            front.grammars.as_ref().map_err(|e| format!("structured output is not available: {e}"));
-        if let Err(e) = compiled.and_then(|g| g.start(f).map(|_| ())) {
-            return refuse(front, req, &url, 400, &e);
+    // The format is compiled here, in the request's thread: one the grammar engine cannot
+    // compile is refused before the request waits, and the driver does not stall the running
+    // sequences' steps compiling it. Each completion goes on from a clone.
+    let grammar = match &ask.format {
+        Some(f) => {
+            let compiled =
+                front.grammars.as_ref().map_err(|e| format!("structured output is not available: {e}"));
+            match compiled.and_then(|g| g.start(f)) {
+                Ok(c) => Some(c),
+                Err(e) => return refuse(front, req, &url, 400, &e),
+            }
         }
-    }
+        None => None,
+    };
     let counted = InFlight(&front.in_flight);
     if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
         let most = front.max_in_flight;
@@ -1151,6 +1157,7 @@ fn answer(mut req: http::Request, front: &Front) {
                 prompt_logprobs: ask.logprobs.filter(|_| ask.echo),
                 rules: ask.rules.clone(),
                 format: ask.format.clone(),
+                grammar: grammar.clone(),
             };
             let inc = Incoming {
                 request,

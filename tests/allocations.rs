@@ -89,6 +89,7 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, draf
         prompt_logprobs: None,
         rules: TokenRules::default(),
         format: None,
+        grammar: None,
     };
     let sampled = |temperature, top_p, top_k, seed| SamplingParams {
         temperature,

@@ -1521,6 +1521,7 @@ impl Engine {
             prompt_logprobs: None,
             rules: sampling::TokenRules::default(),
             format: None,
+            grammar: None,
         };
         let run = RunOptions { eos_ids: opts.eos_ids.clone(), ..RunOptions::default() };
         let mut done = self.run(&[req], &run, comm, link, |_, t| on_token(t).map(|()| true))?;

@@ -49,6 +49,10 @@ pub struct Request {
     pub rules: TokenRules,
     /// What its answer must be (structured output; [`RunOptions::grammars`] reads it).
     pub format: Option<Format>,
+    /// `format` already compiled ([`Grammars::start`]) where the request was made: the
+    /// scheduler compiles it at admission where this is `None`, and the running sequences'
+    /// steps wait for that (serve compiles each request's format in its own thread).
+    pub grammar: Option<Constrained>,
 }
 
 /// How the scheduler runs a set of requests.
@@ -409,7 +413,7 @@ impl Engine {
                     more = traffic.arrivals(true, &mut came)?;
                 }
             }
-            for req in came.drain(..) {
+            for mut req in came.drain(..) {
                 let key = arrived;
                 arrived += 1;
                 let need = pages_of(&req, ctx);
@@ -429,8 +433,8 @@ impl Engine {
                     )),
                     Ok(()) => req.params.check().err().or_else(|| req.rules.check(vocab, req.max_tokens).err()),
                 };
-                let mut grammar = None;
-                if let (None, Some(f)) = (&problem, &req.format) {
+                let mut grammar = req.grammar.take();
+                if let (None, None, Some(f)) = (&problem, &grammar, &req.format) {
                     match opts.grammars.as_ref().map(|g| g.start(f)) {
                         Some(Ok(c)) => grammar = Some(c),
                         Some(Err(e)) => problem = Some(e),

@@ -71,6 +71,7 @@ pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize, keep_logits: bool) ->
         prompt_logprobs: None,
         rules: Default::default(),
         format: None,
+        grammar: None,
     }
 }
 

@@ -934,7 +934,7 @@ fn serve_takes_token_rules_as_generate() {
 
 /// Structured output in chat requests on two tensor-parallel ranks: the answer held to a JSON
 /// schema, whole and streamed, is the one `generate` gives the same request, JSON the schema
-/// takes; a format that is not one, or a schema the grammar engine cannot compile, is refused
+/// takes, and so is each of several sampled answers to one request; a format that is not one, or a schema the grammar engine cannot compile, is refused
 /// by name before the request runs.
 #[test]
 fn serve_holds_answers_to_a_response_format_as_generate() {
@@ -960,6 +960,17 @@ fn serve_holds_answers_to_a_response_format_as_generate() {
     let events = server.events("/v1/chat/completions", &streamed);
     let text: String = events.iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(text, want["text"].as_str().unwrap());
+    // Several sampled answers to one request: each goes on from its own copy of the format
+    // compiled once, and each is a cat.
+    let mut several = request.clone();
+    several["n"] = json!(3);
+    several["temperature"] = json!(1.0);
+    several["seed"] = json!(5);
+    let (status, v) = server.post("/v1/chat/completions", &several);
+    assert_eq!(status, 200, "{v}");
+    let cats: Vec<&str> = (0..3).filter_map(|i| v["choices"][i]["message"]["content"].as_str()).collect();
+    assert!(cats.len() == 3 && cats.iter().all(|c| super::batch::is_a_cat(c)), "{v}");
+    assert!(cats[0] != cats[1] || cats[1] != cats[2], "{v}");
     // vLLM's formats, as its clients send them (`extra_body`).
     let yes_no = json!({"messages": [{"role": "user", "content": "Is the sky green? Answer yes or no."}],
         "structured_outputs": {"choice": ["Yes", "No"]}});
