@@ -19,6 +19,7 @@ pub mod prompts;
 pub mod scaling;
 pub mod serve;
 pub mod tokenizer;
+pub mod tools;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -86,6 +86,12 @@ struct ServeArgs {
     /// (CORS); again for more, `null` for pages opened from files, `*` for any. Default: none.
     #[arg(long = "allow-origin", value_name = "ORIGIN", value_parser = gridlm::serve::origin)]
     allow_origins: Vec<String>,
+    /// How calls are read from the text of a chat answer that may call the request's tools or
+    /// not (`tool_choice` auto, the default where a request gives `tools`): `hermes`,
+    /// `<tool_call>{...}</tool_call>` (Qwen2.5, Qwen3, Hermes). Without it such requests are
+    /// refused; `required` and a tool by name need none.
+    #[arg(long, value_name = "PARSER")]
+    tool_call_parser: Option<gridlm::tools::Parser>,
     /// Sampling settings of a request that does not give them; request i's seed is seed + i.
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -1794,6 +1800,7 @@ fn run_serve(
             max_tokens: a.max_tokens,
             template_vars: a.chat_template_kwargs.clone().unwrap_or_default(),
             params: params.clone(),
+            tool_parser: a.tool_call_parser,
         },
         tx,
         count: Default::default(),

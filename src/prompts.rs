@@ -5,7 +5,7 @@
 use crate::engine::sampling::{SamplingParams, TokenRules, MAX_LOGIT_BIAS};
 use crate::error::{Error, Result};
 use crate::grammar::{Format, VLLM_FORMATS};
-use crate::tokenizer::{check_template_vars, StreamDecoder, TemplateVars, Tokenizer};
+use crate::tokenizer::{check_template_vars, Message, StreamDecoder, TemplateVars, Tokenizer};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -40,7 +40,7 @@ pub struct PromptSpec {
     pub text: String,
     /// A JSONL line's conversation (`messages`), the system message first where the line has
     /// none and the command gives one; in place of `text` where not empty.
-    pub messages: Vec<(String, String)>,
+    pub messages: Vec<Message>,
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub chat: bool,
@@ -122,11 +122,13 @@ pub(crate) fn stop_field(
 }
 
 /// The conversation of a JSON object's `messages` (OpenAI's: each with a `role` and a `content`,
-/// a string, null or a list of text parts) as `(role, text)`, if it has one; the error names
-/// the message and what is wrong.
+/// a string, null or a list of text parts; an assistant's `tool_calls`, a tool's
+/// `tool_call_id`, a `name`) as [`Message`]s, if it has one; the error names the message and
+/// what is wrong. A tool call's `arguments`, JSON text, reach the template as the JSON value
+/// it writes (as vLLM gives them: templates write them with `tojson`).
 pub(crate) fn messages_field(
     obj: &serde_json::Map<String, serde_json::Value>,
-) -> std::result::Result<Option<Vec<(String, String)>>, String> {
+) -> std::result::Result<Option<Vec<Message>>, String> {
     use serde_json::Value;
     let Some(msgs) = field::<Vec<serde_json::Map<String, Value>>>(obj, "messages")? else { return Ok(None) };
     if msgs.is_empty() {
@@ -161,7 +163,24 @@ pub(crate) fn messages_field(
                 return Err(format!("`messages[{i}].content` must be a string or a list of text parts"))
             }
         };
-        out.push((role, text));
+        let mut more = serde_json::Map::new();
+        for key in ["tool_call_id", "name"] {
+            match m.get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(v)) => _ = more.insert(key.into(), v.clone().into()),
+                Some(_) => return Err(format!("`messages[{i}].{key}` must be a string")),
+            }
+        }
+        match m.get("tool_calls") {
+            None | Some(Value::Null) => {}
+            Some(calls) if role == "assistant" => {
+                let calls = crate::tools::calls_for_template(calls)
+                    .map_err(|e| format!("`messages[{i}].tool_calls{e}"))?;
+                more.insert("tool_calls".into(), calls);
+            }
+            Some(_) => return Err(format!("`messages[{i}]`: only an assistant's message has `tool_calls`")),
+        }
+        out.push(Message { role, content: text, more });
     }
     Ok(Some(out))
 }
@@ -431,8 +450,8 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             }
             s.chat = true;
             // The command's --system, before a conversation without a system message.
-            if let Some(system) = s.system.take().filter(|_| messages[0].0 != "system") {
-                messages.insert(0, ("system".into(), system));
+            if let Some(system) = s.system.take().filter(|_| messages[0].role != "system") {
+                messages.insert(0, Message::new("system", &system));
             }
             s.messages = messages;
         }

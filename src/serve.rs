@@ -17,7 +17,8 @@ use crate::prompts::{
     answer_fields, field, messages_field, sampling_fields, stop_field, template_vars_over, StopBy,
     TextTracker, ANSWER_KEYS,
 };
-use crate::tokenizer::{ChatEnd, TemplateVars, Tokenizer};
+use crate::tokenizer::{ChatEnd, Message, TemplateVars, Tokenizer};
+use crate::tools::{self, Piece, Reader, Tools};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -46,7 +47,9 @@ pub struct Ask {
     /// of token ids, or a list of such lists), or the messages as `(role, content)` (chat).
     pub prompts: Vec<String>,
     pub token_prompts: Vec<Vec<u32>>,
-    pub messages: Vec<(String, String)>,
+    pub messages: Vec<Message>,
+    /// Chat: the tools the answer may call (`tools`, `tool_choice`, `parallel_tool_calls`).
+    pub tools: Option<Tools>,
     /// Chat: further variables of the chat template (`chat_template_kwargs`, over the
     /// server's).
     pub template_vars: TemplateVars,
@@ -84,6 +87,8 @@ pub struct Defaults {
     pub template_vars: TemplateVars,
     /// The seed of request `n` without its own is `params.seed + n`.
     pub params: SamplingParams,
+    /// How calls are read from an answer that may call tools or not (`--tool-call-parser`).
+    pub tool_parser: Option<tools::Parser>,
 }
 
 /// Keys a request may have.
@@ -114,6 +119,9 @@ const KEYS: [&str; 25] = [
     "add_generation_prompt",
     "continue_final_message",
 ];
+
+/// A chat request's keys of tool calling ([`Tools::read`]).
+const TOOL_KEYS: [&str; 3] = ["tools", "tool_choice", "parallel_tool_calls"];
 
 /// Whether a setting's value asks for nothing beyond a request without it.
 type AsksNothing = fn(&Value) -> bool;
@@ -146,7 +154,8 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     let obj: Map<String, Value> =
         serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
     let obj = if kind == Kind::Response { response_as_chat(obj)? } else { obj };
-    let known = |k: &str| KEYS.contains(&k) || ANSWER_KEYS.contains(&k);
+    let tool_key = |k: &str| kind == Kind::Chat && TOOL_KEYS.contains(&k);
+    let known = |k: &str| KEYS.contains(&k) || ANSWER_KEYS.contains(&k) || tool_key(k);
     for (k, v) in obj.iter().filter(|(k, _)| !known(k)) {
         match OPENAI_NOT_TAKEN.iter().find(|(name, _)| name == k) {
             None => return Err(format!("unknown key `{k}`")),
@@ -167,6 +176,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         token_prompts: Vec::new(),
         messages: Vec::new(),
         template_vars: d.template_vars.clone(),
+        tools: None,
         chat_end: ChatEnd::Answer,
         n: 1,
         max_tokens: d.max_tokens,
@@ -218,6 +228,10 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             // vLLM's key, which clients send (`extra_body`) to turn a template's thinking off.
             template_vars_over(&mut ask.template_vars, &obj)?;
             ask.chat_end = chat_end_field(&obj)?;
+            if kind == Kind::Chat {
+                ask.tools = Tools::read(&obj, d.tool_parser)?;
+                tools_for_template(&mut ask.template_vars, ask.tools.as_ref());
+            }
         }
     }
     let max: Option<usize> = field(&obj, "max_tokens")?;
@@ -242,6 +256,14 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     }
     sampling_fields(&obj, &mut ask.params)?;
     answer_fields(&obj, &mut ask.keep_stop, &mut ask.rules, &mut ask.format)?;
+    if let Some(calls) = ask.tools.as_ref().and_then(Tools::format) {
+        if ask.format.is_some() {
+            return Err("`tool_choice` holds the answer to a tool call, so it takes no other format \
+                        (`response_format`, `structured_outputs`)"
+                .into());
+        }
+        ask.format = Some(calls);
+    }
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
     let prompts = (ask.prompts.len() + ask.token_prompts.len()).max(1);
@@ -926,6 +948,14 @@ fn tokens(mut req: http::Request, front: &Front, url: &str) {
     }
 }
 
+/// The chat template's `tools` (as HF's `apply_chat_template` passes them) where a request gives
+/// any, over the server's.
+fn tools_for_template(vars: &mut TemplateVars, tools: Option<&Tools>) {
+    if let Some(t) = tools {
+        vars.insert("tools".into(), Value::Array(t.list.clone()));
+    }
+}
+
 /// How a chat request's rendered conversation ends, as its `add_generation_prompt` and
 /// `continue_final_message` ask.
 fn chat_end_field(obj: &Map<String, Value>) -> std::result::Result<ChatEnd, String> {
@@ -953,6 +983,7 @@ fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
         "add_generation_prompt",
         "continue_final_message",
         "chat_template_kwargs",
+        "tools",
     ];
     let obj = object_of(body, &keys)?;
     let (text, special) = match (obj.get("prompt"), messages_field(&obj)?) {
@@ -964,6 +995,10 @@ fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
             let end = chat_end_field(&obj)?;
             let mut vars = front.defaults.template_vars.clone();
             template_vars_over(&mut vars, &obj)?;
+            // The tools as a chat's template reads them (no choice of them: nothing answers).
+            let mut listed = obj.clone();
+            listed.insert("tool_choice".into(), json!("none"));
+            tools_for_template(&mut vars, Tools::read(&listed, None)?.as_ref());
             (front.tok.render_chat_to(&messages, &vars, end).map_err(|e| e.to_string())?, false)
         }
     };
@@ -1195,6 +1230,7 @@ fn answer(mut req: http::Request, front: &Front) {
         tok: &front.tok,
         logprobs: ask.logprobs.is_some(),
         echo: ask.echo.then_some(Echo { texts: &echo_texts, ids: &prompts, n: ask.n }),
+        tools: ask.tools.as_ref().map(|t| (t, front.defaults.tool_parser)),
     };
     let (status, outcome) =
         if ask.stream { stream(req, &head, &ask, k, &mut events) } else { whole(req, &head, k, &mut events) };
@@ -1296,6 +1332,9 @@ struct Head<'a> {
     logprobs: bool,
     /// Echoed prompts.
     echo: Option<Echo<'a>>,
+    /// The tools the answers may call, and how calls are read from answers that may call or
+    /// not (the server's parser).
+    tools: Option<(&'a Tools, Option<tools::Parser>)>,
 }
 
 /// A request's prompts, echoed: their texts and tokens, and the completions of each (`n`).
@@ -1474,6 +1513,32 @@ impl Head<'_> {
         format!("msg_{}", self.id)
     }
 
+    /// A reader of an answer's tool calls, where the answers may make them.
+    fn reader(&self) -> Option<Reader> {
+        self.tools.and_then(|(t, parser)| Reader::new(t, parser))
+    }
+
+    /// A whole answer's `choice` (from [`Head::choice`]) with the calls its text makes read
+    /// out of it by `reader`: the message's content (null where it is all calls) and
+    /// `tool_calls`, and the answer ended for them where it made any and was not cut short.
+    fn with_calls(&self, choice: &mut Value, reader: &mut Reader, text: &str) {
+        let (content, calls) = tools::read_whole(reader, text);
+        if calls.is_empty() {
+            return;
+        }
+        let m = &mut choice["message"];
+        m["content"] = json!(content);
+        m["tool_calls"] = calls
+            .into_iter()
+            .map(|(id, name, arguments)| {
+                json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+        if let (Some((t, _)), Some("stop")) = (self.tools, choice["finish_reason"].as_str()) {
+            choice["finish_reason"] = json!(t.finish_reason());
+        }
+    }
+
     fn body(&self, choices: Vec<Value>, streamed: bool) -> Value {
         json!({"id": self.id, "object": self.object(streamed), "created": self.created, "model": self.model, "choices": choices})
     }
@@ -1541,7 +1606,11 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
             head.echoed(i, &prompt_lps[i]).map_or((String::new(), Vec::new()), |(t, e)| (t.to_string(), e));
         text.push_str(&texts[i]);
         all.extend(entries(&lps[i]));
-        head.choice(i, (&text, &all), &mut 0, Some((finish[i], stop_by[i].as_ref())), false)
+        let mut c = head.choice(i, (&text, &all), &mut 0, Some((finish[i], stop_by[i].as_ref())), false);
+        if let Some(mut r) = head.reader() {
+            head.with_calls(&mut c, &mut r, &text);
+        }
+        c
     });
     let mut body = head.body(choices.collect(), false);
     body["usage"] = head.usage(tokens, counts.cached);
@@ -1579,6 +1648,8 @@ fn stream(
     }
     let mut finish = vec![Finish::Length; k];
     let (mut done, mut tokens, mut counts) = (0, 0, Counts::default());
+    // Each answer's tool calls, read as its text comes.
+    let mut readers: Vec<Option<Reader>> = (0..k).map(|_| head.reader()).collect();
     loop {
         let (i, e) = event;
         // An echoed prompt comes first, with its log-probabilities if they were asked for.
@@ -1591,16 +1662,19 @@ fn stream(
             sse.echoed[i] = true;
             sent = sse.piece(head, i, (text, &lps), None);
         }
-        let sent = sent.and_then(|()| match e {
-            Event::Prompt(_) => Ok(()),
-            Event::Text(t, lp) => sse.piece(head, i, (&t, &entries(&lp)), None),
-            Event::Done { rest, logprobs, finish: f, stop_by, error, tokens: t, counts: c } => {
+        let sent = sent.and_then(|()| match (e, &mut readers[i]) {
+            (Event::Prompt(_), _) => Ok(()),
+            (Event::Text(t, lp), None) => sse.piece(head, i, (&t, &entries(&lp)), None),
+            (Event::Text(t, lp), Some(r)) => sse.calls(head, i, r, &t, &entries(&lp), None),
+            (Event::Done { rest, logprobs, finish: f, stop_by, error, tokens: t, counts: c }, r) => {
                 (finish[i], done, tokens) = (f, done + 1, tokens + t);
                 head.add(&mut counts, i, c);
-                match error {
+                let ended = Some((f, stop_by.as_ref()));
+                match (error, r) {
                     // The text could not be made after some was sent: say so in the stream.
-                    Some(e) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
-                    None => sse.piece(head, i, (&rest, &entries(&logprobs)), Some((f, stop_by.as_ref()))),
+                    (Some(e), _) => sse.event(&json!({"error": {"message": e, "type": "server_error", "param": null, "code": null}})),
+                    (None, None) => sse.piece(head, i, (&rest, &entries(&logprobs)), ended),
+                    (None, Some(r)) => sse.calls(head, i, r, &rest, &entries(&logprobs), ended),
                 }
             }
         });
@@ -1738,11 +1812,67 @@ impl Sse {
         piece: (&str, &Entries),
         ended: Option<(Finish, Option<&StopBy>)>,
     ) -> std::io::Result<()> {
-        let mut c = head.choice(index, piece, &mut self.offsets[index], ended, true);
+        let c = head.choice(index, piece, &mut self.offsets[index], ended, true);
+        self.send(head, index, c)
+    }
+
+    /// Sends chunk `c` of choice `index`, the choice's first carrying the role.
+    fn send(&mut self, head: &Head, index: usize, mut c: Value) -> std::io::Result<()> {
         if std::mem::take(&mut self.first[index]) && head.kind == Kind::Chat {
             c["delta"]["role"] = json!("assistant");
         }
         self.event(&head.body(vec![c], true))
+    }
+
+    /// A piece of an answer that may call tools: `text` (the tokens `lps`) read by the answer's
+    /// `reader`, then (where it `ended`) what the reader held. Text goes out as content, with
+    /// the tokens' log-probabilities (even where the reader holds it back); each call as a
+    /// chunk of `tool_calls` (its id, name and arguments so far), then more of its arguments
+    /// as they come. The last chunk ends the answer for its calls where it made any.
+    fn calls(
+        &mut self,
+        head: &Head,
+        index: usize,
+        reader: &mut Reader,
+        text: &str,
+        lps: &Entries,
+        ended: Option<(Finish, Option<&StopBy>)>,
+    ) -> std::io::Result<()> {
+        let mut pieces = Vec::new();
+        reader.push(text, &mut pieces);
+        if ended.is_some() {
+            reader.finish(&mut pieces);
+        }
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Text(t) => content.push_str(&t),
+                Piece::Call { index: at, id, name, arguments } => calls.push(
+                    json!({"index": at, "id": id, "type": "function", "function": {"name": name, "arguments": arguments}}),
+                ),
+                Piece::Arguments { index: at, text } => {
+                    calls.push(json!({"index": at, "function": {"arguments": text}}))
+                }
+            }
+        }
+        if !content.is_empty() || (head.logprobs && !lps.is_empty()) {
+            self.piece(head, index, (&content, lps), None)?;
+        }
+        for call in calls {
+            let mut c = head.choice(index, ("", &[]), &mut self.offsets[index], None, true);
+            c["delta"] = json!({"tool_calls": [call]});
+            c["logprobs"] = Value::Null;
+            self.send(head, index, c)?;
+        }
+        let Some(ended) = ended else { return Ok(()) };
+        let mut c = head.choice(index, ("", &[]), &mut self.offsets[index], Some(ended), true);
+        if let (Some((t, _)), true, Some("stop")) = (head.tools, reader.called(), c["finish_reason"].as_str())
+        {
+            c["finish_reason"] = json!(t.finish_reason());
+        }
+        c["logprobs"] = Value::Null;
+        self.send(head, index, c)
     }
 }
 
@@ -1752,7 +1882,8 @@ mod tests {
 
     fn defaults() -> Defaults {
         let template_vars = serde_json::from_value(json!({"enable_thinking": true, "x": 1})).unwrap();
-        Defaults { max_tokens: 32, template_vars, params: SamplingParams { seed: 100, ..Default::default() } }
+        let params = SamplingParams { seed: 100, ..Default::default() };
+        Defaults { max_tokens: 32, template_vars, params, tool_parser: None }
     }
 
     fn ask(kind: Kind, body: &str) -> std::result::Result<Ask, String> {
@@ -1856,7 +1987,7 @@ mod tests {
             r#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":7}"#,
         )
         .unwrap();
-        assert_eq!(a.messages, vec![("system".into(), "be brief".into()), ("user".into(), "ab".into())]);
+        assert_eq!(a.messages, [("system", "be brief"), ("user", "ab")]);
         assert_eq!(a.max_tokens, 7);
     }
 
@@ -1897,12 +2028,12 @@ mod tests {
             "max_output_tokens":7,"temperature":0.5,"store":true,"metadata":{"k":"v"},"reasoning":null,"include":[],
             "text":{"format":{"type":"json_schema","name":"x","schema":{"type":"integer"},"strict":true}}}"#;
         let a = ask(Kind::Response, body).unwrap();
-        let m: Vec<(&str, &str)> = a.messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        let m: Vec<(&str, &str)> = a.messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
         assert_eq!(m, [("system", "be brief"), ("system", "d"), ("user", "ab")]);
         assert_eq!((a.max_tokens, a.params.temperature, a.n), (7, 0.5, 1));
         assert_eq!(a.format, Some(Format::JsonSchema(json!({"type": "integer"}))));
         let a = ask(Kind::Response, r#"{"input":"hi","text":{"format":{"type":"text"}}}"#).unwrap();
-        assert_eq!((a.messages, a.format), (vec![("user".to_string(), "hi".to_string())], None));
+        assert_eq!((a.messages, a.format), (vec![Message::new("user", "hi")], None));
         for (body, msg) in [
             (r#"{"input":[]}"#, "`input` must be a string or a non-empty list of messages"),
             (r#"{"input":"a","n":2}"#, "`n` is no key of /v1/responses"),
@@ -1951,11 +2082,32 @@ mod tests {
                 "`min_tokens`: invalid value",
             ),
             (Kind::Completion, r#"{"prompt":"a","stop_token_ids":2}"#, "`stop_token_ids`: invalid type"),
-            (Kind::Chat, r#"{"messages":[],"tools":[{"type":"function"}]}"#, "`tools`: OpenAI's setting"),
-            (Kind::Completion, r#"{"prompt":"a","best_of":2}"#, "`best_of`: OpenAI's setting"),
+            // Tools are a chat's (and the Responses API's own are not taken).
+            (
+                Kind::Completion,
+                r#"{"prompt":"a","tools":[{"type":"function"}]}"#,
+                "`tools`: OpenAI's setting",
+            ),
+            (Kind::Response, r#"{"input":"a","tools":[{"type":"function"}]}"#, "`tools`: OpenAI's setting"),
             (
                 Kind::Chat,
-                &format!(r#"{{"messages":[],"tools":[{}]}}"#, ["{}"; 40].join(",")),
+                r#"{"messages":[{"role":"user","content":"a"}],"tools":[{"type":"x"}]}"#,
+                "`tools[0]`: only tools of type function are taken",
+            ),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"user","content":"a"}],"tool_choice":"required","tools":[{"type":"function","function":{"name":"f"}}],"response_format":{"type":"json_object"}}"#,
+                "`tool_choice` holds the answer to a tool call, so it takes no other format",
+            ),
+            (
+                Kind::Chat,
+                r#"{"messages":[{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":"{"}}]}]}"#,
+                "`messages[0].tool_calls[0].function.arguments` is not JSON",
+            ),
+            (Kind::Completion, r#"{"prompt":"a","best_of":2}"#, "`best_of`: OpenAI's setting"),
+            (
+                Kind::Completion,
+                &format!(r#"{{"prompt":"a","tools":[{}]}}"#, ["{}"; 40].join(",")),
                 "(got [{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}…)",
             ),
             (Kind::Completion, r#"{"max_tokens":3}"#, "no `prompt`"),

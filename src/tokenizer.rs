@@ -236,22 +236,18 @@ impl Tokenizer {
         self.render_chat(&messages, &TemplateVars::new())
     }
 
-    /// A conversation of `(role, content)` messages through the model's chat template, with the
-    /// prompt for the assistant's next turn, ready for generation; `vars` are further variables
-    /// the template reads (as HF's `apply_chat_template` takes them: `enable_thinking`, say),
-    /// over the special tokens'.
-    pub fn render_chat<R: AsRef<str>, C: AsRef<str>>(
-        &self,
-        messages: &[(R, C)],
-        vars: &TemplateVars,
-    ) -> Result<String> {
+    /// A conversation of messages (`(role, content)` pairs or [`Message`]s) through the model's
+    /// chat template, with the prompt for the assistant's next turn, ready for generation;
+    /// `vars` are further variables the template reads (as HF's `apply_chat_template` takes
+    /// them: `enable_thinking`, `tools`, say), over the special tokens'.
+    pub fn render_chat<M: AsMessage>(&self, messages: &[M], vars: &TemplateVars) -> Result<String> {
         self.render_chat_to(messages, vars, ChatEnd::Answer)
     }
 
     /// [`Tokenizer::render_chat`], ending as `end` says.
-    pub fn render_chat_to<R: AsRef<str>, C: AsRef<str>>(
+    pub fn render_chat_to<M: AsMessage>(
         &self,
-        messages: &[(R, C)],
+        messages: &[M],
         vars: &TemplateVars,
         end: ChatEnd,
     ) -> Result<String> {
@@ -267,6 +263,22 @@ impl Tokenizer {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        // JSON as HF's templates get it: Python's json.dumps (keys in their order, `", "` and
+        // `": "`, or lines indented by `indent`), not minijinja's (sorted, compact, escaped for
+        // HTML). Templates write tools and tool calls' arguments with it.
+        env.add_filter(
+            "tojson",
+            |v: minijinja::Value,
+             kwargs: minijinja::value::Kwargs|
+             -> std::result::Result<String, minijinja::Error> {
+                let indent: Option<usize> = kwargs.get("indent")?;
+                kwargs.assert_all_used()?;
+                let v = serde_json::to_value(&v).map_err(|e| {
+                    minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}"))
+                })?;
+                Ok(py_json(&v, indent))
+            },
+        );
         // Today's date in the template's format, as HF gives templates (Llama 3.x and SmolLM3
         // write it into the system turn).
         env.add_function("strftime_now", |format: String| -> std::result::Result<String, minijinja::Error> {
@@ -290,8 +302,12 @@ impl Tokenizer {
             .render(minijinja::context! {
                 messages => messages
                     .iter()
-                    .map(|(role, content)| {
-                        minijinja::context! { role => role.as_ref(), content => content.as_ref() }
+                    .map(|m| {
+                        let mut v = serde_json::Map::new();
+                        v.insert("role".into(), m.role().into());
+                        v.insert("content".into(), m.content().into());
+                        v.extend(m.more().into_iter().flatten().map(|(k, x)| (k.clone(), x.clone())));
+                        minijinja::Value::from_serialize(&v)
                     })
                     .collect::<Vec<_>>(),
                 add_generation_prompt => end == ChatEnd::Answer,
@@ -303,13 +319,107 @@ impl Tokenizer {
         }
         // Cut after the last message's content, as HF does: where the template writes it last,
         // as given or (templates that trim messages) trimmed.
-        let last = messages.last().map_or("", |m| m.1.as_ref());
+        let last = messages.last().map_or("", |m| m.content());
         let at = [last, last.trim()].into_iter().find_map(|c| text.rfind(c).map(|at| at + c.len()));
         let at = at.ok_or_else(|| {
             let msg = "continue_final_message: the chat template does not write the last message's content";
             Error::file(tpl_path, msg)
         })?;
         Ok(text[..at].to_string())
+    }
+}
+
+/// JSON text as Python's `json.dumps(v, ensure_ascii=False, indent=indent)` writes it: keys in
+/// their order; `", "` and `": "` between items, or with `indent` each item on a line of its
+/// own indented by that many spaces a level (`","` ending lines).
+pub fn py_json(v: &serde_json::Value, indent: Option<usize>) -> String {
+    fn write(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
+        use serde_json::Value;
+        let items: Vec<(Option<&String>, &Value)> = match v {
+            Value::Array(a) if !a.is_empty() => a.iter().map(|x| (None, x)).collect(),
+            Value::Object(o) if !o.is_empty() => o.iter().map(|(k, x)| (Some(k), x)).collect(),
+            v => return out.push_str(&v.to_string()),
+        };
+        let (open, close) = if v.is_array() { ('[', ']') } else { ('{', '}') };
+        out.push(open);
+        for (i, (k, x)) in items.into_iter().enumerate() {
+            match indent {
+                Some(n) => {
+                    out.push_str(if i > 0 { ",\n" } else { "\n" });
+                    out.push_str(&" ".repeat(n * (level + 1)));
+                }
+                None if i > 0 => out.push_str(", "),
+                None => {}
+            }
+            if let Some(k) = k {
+                out.push_str(&Value::from(k.as_str()).to_string());
+                out.push_str(": ");
+            }
+            write(x, indent, level + 1, out);
+        }
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * level));
+        }
+        out.push(close);
+    }
+    let mut out = String::new();
+    write(v, indent, 0, &mut out);
+    out
+}
+
+/// One message of a conversation as a chat template reads it: its role, its text and further
+/// keys (an assistant's `tool_calls`, a tool's `tool_call_id` and `name`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+    /// Its further keys, as the template reads them.
+    pub more: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Message {
+    /// A message of `role` with `content` and nothing more.
+    pub fn new(role: &str, content: &str) -> Message {
+        Message { role: role.into(), content: content.into(), more: Default::default() }
+    }
+}
+
+/// A message is a `(role, content)` pair where it has nothing more.
+impl<R: AsRef<str>, C: AsRef<str>> PartialEq<(R, C)> for Message {
+    fn eq(&self, (role, content): &(R, C)) -> bool {
+        self.role == role.as_ref() && self.content == content.as_ref() && self.more.is_empty()
+    }
+}
+
+/// What a chat template reads of a message ([`Message`], or a `(role, content)` pair).
+pub trait AsMessage {
+    fn role(&self) -> &str;
+    fn content(&self) -> &str;
+    /// Its further keys, if it has any.
+    fn more(&self) -> Option<&serde_json::Map<String, serde_json::Value>> {
+        None
+    }
+}
+
+impl<R: AsRef<str>, C: AsRef<str>> AsMessage for (R, C) {
+    fn role(&self) -> &str {
+        self.0.as_ref()
+    }
+    fn content(&self) -> &str {
+        self.1.as_ref()
+    }
+}
+
+impl AsMessage for Message {
+    fn role(&self) -> &str {
+        &self.role
+    }
+    fn content(&self) -> &str {
+        &self.content
+    }
+    fn more(&self) -> Option<&serde_json::Map<String, serde_json::Value>> {
+        Some(&self.more)
     }
 }
 
@@ -508,6 +618,52 @@ mod tests {
             assert_eq!(e, format!("`{name}` is set by gridlm for every chat, not by a template variable"));
         }
         assert!(check_template_vars(&vars(serde_json::json!({"enable_thinking": false}))).is_ok());
+    }
+
+    /// JSON as Python's json.dumps writes it (the texts are Python 3's, by hand), and so the
+    /// templates' `tojson`, indented or not.
+    #[test]
+    fn json_is_written_as_python_writes_it() {
+        let v = serde_json::json!({"a": [1, {"b": "é\n\u{1}"}], "c": {}, "d": [], "e": 1.5, "f": null, "g": true});
+        let flat = r#"{"a": [1, {"b": "é\n\u0001"}], "c": {}, "d": [], "e": 1.5, "f": null, "g": true}"#;
+        let indented = "{\n  \"a\": [\n    1,\n    {\n      \"b\": \"é\\n\\u0001\"\n    }\n  ],\n  \"c\": {},\n  \"d\": [],\n  \"e\": 1.5,\n  \"f\": null,\n  \"g\": true\n}";
+        assert_eq!(py_json(&v, None), flat);
+        assert_eq!(py_json(&v, Some(2)), indented);
+        let dir = tempfile::tempdir().unwrap();
+        let t = tokenizer_with(dir.path(), "{{ x | tojson }}|{{ x | tojson(indent=2) }}");
+        let mut vars = TemplateVars::new();
+        vars.insert("x".into(), v);
+        assert_eq!(t.render_chat(&[("user", "hi")], &vars).unwrap(), format!("{flat}|{indented}"));
+    }
+
+    /// A request's tools, an assistant's calls and a tool's answer reach the template as HF's
+    /// `apply_chat_template` gives them (`tools=`, messages with `tool_calls` whose arguments
+    /// are objects, `tool_call_id`): the text below is transformers 5.25's for this template
+    /// and conversation, by hand.
+    #[test]
+    fn tools_and_calls_reach_the_template_as_hf_gives_them() {
+        let template = r#"{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }}: {{ t.function.description }} {{ t.function.parameters | tojson }}
+{% endfor %}</tools>
+{% endif %}
+{%- for m in messages %}<{{ m.role }}>
+{%- if m.tool_calls %}{% for c in m.tool_calls %}<call id="{{ c.id }}">{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</call>{% endfor %}
+{%- elif m.role == "tool" %}<result for="{{ m.tool_call_id }}">{{ m.content }}</result>
+{%- else %}{{ m.content }}{% endif %}</{{ m.role }}>
+{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let t = tokenizer_with(dir.path(), template);
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}]);
+        let body = serde_json::json!({"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]});
+        let messages = crate::prompts::messages_field(body.as_object().unwrap()).unwrap().unwrap();
+        let mut vars = TemplateVars::new();
+        vars.insert("tools".into(), tools);
+        let want = "<tools>get_weather: The weather in a city. {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"unit\": {\"enum\": [\"c\", \"f\"]}}, \"required\": [\"city\"]}\n</tools>\n<user>Weather in Paris?</user>\n<assistant><call id=\"call_1\">{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"c\"}}</call></assistant>\n<tool><result for=\"call_1\">21 degrees</result></tool>\n<assistant>";
+        assert_eq!(t.render_chat(&messages, &vars).unwrap(), want);
     }
 
     /// A chat ends with the prompt for an answer, closed after its last message, or open within

@@ -1102,3 +1102,146 @@ fn serve_answers_the_responses_api_as_chat() {
         assert!(status == 400 && got.starts_with(msg), "{more}: {status} {e}");
     }
 }
+
+/// A streamed chat answer gathered: its text, and its tool calls (name, arguments, id) with
+/// their arguments' pieces joined, and how it ended.
+fn gathered(events: &[Value]) -> (String, Vec<(String, String, String)>, String) {
+    let (mut text, mut calls, mut finish) =
+        (String::new(), Vec::<(String, String, String)>::new(), String::new());
+    for e in events {
+        let c = &e["choices"][0];
+        text.push_str(c["delta"]["content"].as_str().unwrap_or_default());
+        for call in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = call["index"].as_u64().unwrap() as usize;
+            let args = call["function"]["arguments"].as_str().unwrap_or_default();
+            if let Some(name) = call["function"]["name"].as_str() {
+                assert_eq!(i, calls.len(), "{e}");
+                calls.push((name.to_string(), args.to_string(), call["id"].as_str().unwrap().to_string()));
+            } else {
+                calls[i].1.push_str(args);
+            }
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    (text, calls, finish)
+}
+
+/// Tool calling in chat requests on two tensor-parallel ranks (server started with the hermes
+/// parser): `required` and a tool by name give calls whose arguments are JSON the tool's
+/// schema takes, whole and streamed alike; `auto` reads a model's `<tool_call>` (written here
+/// because a regular expression holds the answer to one) as a call after its text, and gives a
+/// model's plain answer as text, the answer the same chat without tools gets (SmolLM2's template
+/// does not read them); the next turn, with the assistant's calls and the tool's answer, runs.
+#[test]
+fn serve_calls_tools_as_asked() {
+    let dir = smollm2("bf16");
+    let server = Server::start(2, &dir, &["--tp", "2", "--tool-call-parser", "hermes"]);
+    let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}});
+    let time = json!({"type": "function", "function": {"name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}});
+    let chat = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let ask = |choice: Value| json!({"messages": chat, "tools": [weather, time], "tool_choice": choice, "max_tokens": 60});
+    // Arguments the tool's schema takes: an object with its required keys, as JSON text.
+    let takes = |name: &str, args: &str| {
+        let v: Value = serde_json::from_str(args).unwrap_or_else(|e| panic!("{e}: {args}"));
+        match name {
+            "get_weather" => {
+                v["city"].is_string() && ["celsius", "fahrenheit"].contains(&v["unit"].as_str().unwrap_or(""))
+            }
+            "get_time" => v["zone"].is_string(),
+            _ => false,
+        }
+    };
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for (choice, finish) in [(json!("required"), "tool_calls"), (named, "stop")] {
+        let (status, v) = server.post("/v1/chat/completions", &ask(choice.clone()));
+        assert_eq!(status, 200, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!((&c["message"]["content"], &c["finish_reason"]), (&Value::Null, &json!(finish)), "{v}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{v}");
+        let mut whole = Vec::new();
+        for call in calls {
+            let (name, args) =
+                (call["function"]["name"].as_str().unwrap(), call["function"]["arguments"].as_str().unwrap());
+            assert!(takes(name, args) && call["type"] == "function", "{v}");
+            assert!(call["id"].as_str().unwrap().starts_with("call_"), "{v}");
+            whole.push((name.to_string(), args.to_string()));
+        }
+        if choice.is_object() {
+            assert_eq!(whole.len(), 1, "{v}");
+            assert_eq!(whole[0].0, "get_weather");
+        }
+        let mut streamed = ask(choice.clone());
+        streamed["stream"] = json!(true);
+        let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &streamed));
+        let calls: Vec<(String, String)> = calls.into_iter().map(|(n, a, _)| (n, a)).collect();
+        assert_eq!((text.as_str(), calls, end.as_str()), ("", whole, finish), "{choice}");
+    }
+    // One call at most where calls are not parallel.
+    let mut one = ask(json!("required"));
+    one["parallel_tool_calls"] = json!(false);
+    let (_, v) = server.post("/v1/chat/completions", &one);
+    assert_eq!(v["choices"][0]["message"]["tool_calls"].as_array().map(Vec::len), Some(1), "{v}");
+
+    // `auto`: a call the model writes, after its text, whole and streamed.
+    let forced = "Sure\\.\n<tool_call>\n\\{\"name\": \"get_weather\", \"arguments\": \\{\"city\": \"[A-Z][a-z]+\", \"unit\": \"celsius\"\\}\\}\n</tool_call>";
+    let mut auto = ask(json!("auto"));
+    auto["structured_outputs"] = json!({"regex": forced});
+    auto["max_tokens"] = json!(120);
+    let (status, v) = server.post("/v1/chat/completions", &auto);
+    assert_eq!(status, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(
+        (&c["message"]["content"], &c["finish_reason"]),
+        (&json!("Sure.\n"), &json!("tool_calls")),
+        "{v}"
+    );
+    let call = &c["message"]["tool_calls"][0];
+    let args = call["function"]["arguments"].as_str().unwrap();
+    assert!(call["function"]["name"] == "get_weather" && takes("get_weather", args), "{v}");
+    auto["stream"] = json!(true);
+    let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &auto));
+    assert_eq!((text.as_str(), calls.len(), end.as_str()), ("Sure.\n", 1, "tool_calls"));
+    assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", args));
+    // `auto` where the model answers in text: the answer without tools.
+    let (_, plain) = server.post("/v1/chat/completions", &json!({"messages": chat, "max_tokens": 30}));
+    let (_, v) =
+        server.post("/v1/chat/completions", &json!({"messages": chat, "tools": [weather], "max_tokens": 30}));
+    assert_eq!(v["choices"][0]["message"], plain["choices"][0]["message"], "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], plain["choices"][0]["finish_reason"]);
+
+    // The next turn: the assistant's call and the tool's answer.
+    let id = call["id"].as_str().unwrap();
+    let turn = json!([
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+            "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": id, "content": "{\"temperature\": 21, \"sky\": \"clear\"}"},
+    ]);
+    let (status, v) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": turn, "tools": [weather], "tool_choice": "none", "max_tokens": 20}),
+    );
+    assert!(status == 200 && v["choices"][0]["message"]["content"].is_string(), "{v}");
+    let (status, t) = server.post("/tokenize", &json!({"messages": turn, "tools": [weather]}));
+    assert_eq!((status, &t["count"]), (200, &v["usage"]["prompt_tokens"]), "{t}");
+    // Calls a request cannot make are refused by name.
+    let mut bad = ask(json!({"type": "function", "function": {"name": "get_news"}}));
+    let (status, e) = server.post("/v1/chat/completions", &bad);
+    assert_eq!(
+        (status, e["error"]["message"].as_str()),
+        (400, Some("`tool_choice` names `get_news`, which is not among `tools`"))
+    );
+    bad["tool_choice"] = json!("required");
+    bad["response_format"] = json!({"type": "json_object"});
+    let (status, e) = server.post("/v1/chat/completions", &bad);
+    assert!(
+        status == 400 && e["error"]["message"].as_str().unwrap().contains("takes no other format"),
+        "{e}"
+    );
+}
