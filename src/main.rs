@@ -88,7 +88,8 @@ struct ServeArgs {
     allow_origins: Vec<String>,
     /// How calls are read from the text of a chat answer that may call the request's tools or
     /// not (`tool_choice` auto, the default where a request gives `tools`): `hermes`,
-    /// `<tool_call>{...}</tool_call>` (Qwen2.5, Qwen3, Hermes). Without it such requests are
+    /// `<tool_call>{...}</tool_call>` (Qwen2.5, Qwen3, Hermes); `llama3_json`, an answer that
+    /// is `{"name": ..., "parameters": ...}` (Llama 3.1–3.3). Without it such requests are
     /// refused; `required` and a tool by name need none.
     #[arg(long, value_name = "PARSER")]
     tool_call_parser: Option<gridlm::tools::Parser>,

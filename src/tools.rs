@@ -4,7 +4,8 @@
 //! holds the answer to the call's JSON (structured output, so any model gives a call that
 //! parses); `auto` lets the model answer or call, its calls read from its text by the parser
 //! the server was started with (`hermes`: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
-//! the form of Qwen2.5, Qwen3 and Hermes models).
+//! the form of Qwen2.5, Qwen3 and Hermes models; `llama3_json`: an answer that is
+//! `{"name": ..., "parameters": ...}`, Llama 3.1's and 3.2's JSON calls).
 //!
 //! The same [`Reader`] reads a whole answer and a streamed one, so both give the same calls.
 
@@ -40,6 +41,10 @@ pub enum Parser {
     /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one a call (Qwen2.5, Qwen3,
     /// Hermes 2 Pro and later).
     Hermes,
+    /// An answer that is `{"name": ..., "parameters": {...}}` (or several, `;` between them),
+    /// after `<|python_tag|>` or not (Llama 3.1, 3.2, 3.3 with JSON tool calls).
+    #[value(name = "llama3_json")]
+    Llama3Json,
 }
 
 /// The most tools a request may give.
@@ -241,6 +246,9 @@ enum Mode {
     Listed { depth: usize, string: bool, escaped: bool, from: usize },
     /// Hermes' tags: within a call or not; text after a call kept back while it is blank.
     Hermes { within: bool, after_call: bool },
+    /// Llama 3's JSON: whether the answer is calls (it begins with `{`), once its first
+    /// character that is not blank has come.
+    Llama { calls: Option<bool> },
 }
 
 /// Reads an answer, as its text comes, for the tool calls it makes ([`Piece`]s).
@@ -262,6 +270,7 @@ impl Reader {
             (ToolChoice::Named(n), _) => Mode::Named { name: n.clone(), begun: false },
             (ToolChoice::Required, _) => Mode::Listed { depth: 0, string: false, escaped: false, from: 0 },
             (ToolChoice::Auto, Some(Parser::Hermes)) => Mode::Hermes { within: false, after_call: false },
+            (ToolChoice::Auto, Some(Parser::Llama3Json)) => Mode::Llama { calls: None },
         };
         Some(Reader { mode, held: String::new(), calls: 0 })
     }
@@ -336,6 +345,20 @@ impl Reader {
                 self.held.push_str(text);
                 self.hermes(out, false);
             }
+            Mode::Llama { calls } => {
+                self.held.push_str(text);
+                if calls.is_none() {
+                    let begun = self.held.trim_start().trim_start_matches(PYTHON_TAG).trim_start();
+                    // Blank, or what may begin the tag: wait for more.
+                    if PYTHON_TAG.starts_with(begun) {
+                        return;
+                    }
+                    *calls = Some(begun.starts_with('{'));
+                }
+                if *calls == Some(false) && !self.held.is_empty() {
+                    out.push(Piece::Text(std::mem::take(&mut self.held)));
+                }
+            }
         }
     }
 
@@ -347,6 +370,19 @@ impl Reader {
             Mode::Listed { .. } if self.calls == 0 => out.push(Piece::Text(std::mem::take(&mut self.held))),
             Mode::Listed { .. } => {}
             Mode::Hermes { .. } => self.hermes(out, true),
+            Mode::Llama { .. } => {
+                let text = std::mem::take(&mut self.held);
+                match llama_calls(&text) {
+                    Some(calls) => {
+                        for (name, arguments) in calls {
+                            out.push(Piece::Call { index: self.calls, id: call_id(), name, arguments });
+                            self.calls += 1;
+                        }
+                    }
+                    None if text.is_empty() => {}
+                    None => out.push(Piece::Text(text)),
+                }
+            }
         }
     }
 
@@ -407,6 +443,26 @@ impl Reader {
             }
         }
     }
+}
+
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+/// Llama 3's JSON calls: `text` (after `<|python_tag|>` or not) as one JSON object or several,
+/// `;` between them, each with a `name` and its `parameters` (or `arguments`); `None` where it
+/// is not that (the answer is then text).
+fn llama_calls(text: &str) -> Option<Vec<(String, String)>> {
+    let mut rest = text.trim().trim_start_matches(PYTHON_TAG).trim_start();
+    let mut calls = Vec::new();
+    while !rest.is_empty() {
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let call = values.next()?.ok()?;
+        let name = call.get("name")?.as_str()?.to_string();
+        let args = call.get("parameters").or(call.get("arguments")).cloned().unwrap_or_else(|| json!({}));
+        calls.push((name, dumps(&args)));
+        rest = rest[values.byte_offset()..].trim_start();
+        rest = rest.strip_prefix(';').unwrap_or(rest).trim_start();
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 /// An answer's text and calls, read whole: its text (`None` where it is empty and calls were
@@ -523,6 +579,34 @@ mod tests {
         );
         // Something like a tag that is not one is text.
         assert_eq!(read_every_way(&t, "x <tool_ca"), (Some("x <tool_ca".into()), vec![]));
+    }
+
+    /// Llama 3's JSON calls: an answer that is one or several, whole and streamed; any other
+    /// answer is text as it comes.
+    #[test]
+    fn llama3_json_calls_are_read_from_an_answer_that_is_one() {
+        let t = tools(json!("auto"));
+        let read = |text: &str| {
+            let (content, calls) = read_whole(&mut Reader::new(&t, Some(Parser::Llama3Json)).unwrap(), text);
+            let whole: Vec<(String, String)> = calls.into_iter().map(|(_, n, a)| (n, a)).collect();
+            for step in 1..=text.chars().count().max(1) {
+                let got = streamed(&mut Reader::new(&t, Some(Parser::Llama3Json)).unwrap(), text, step);
+                assert_eq!(got, (content.clone(), whole.clone()), "pieces of {step}: {text:?}");
+            }
+            (content, whole)
+        };
+        let call = |n: &str, a: &str| (n.to_string(), a.to_string());
+        assert_eq!(
+            read(" {\"name\": \"get_weather\", \"parameters\": {\"city\":\"Oslo\"}}"),
+            (None, vec![call("get_weather", r#"{"city": "Oslo"}"#)])
+        );
+        assert_eq!(
+            read("<|python_tag|>{\"name\": \"time\", \"arguments\": {}}; {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}"),
+            (None, vec![call("time", "{}"), call("get_weather", r#"{"city": "Rome"}"#)])
+        );
+        assert_eq!(read("It is sunny."), (Some("It is sunny.".into()), vec![]));
+        assert_eq!(read("{\"no\": 1}"), (Some("{\"no\": 1}".into()), vec![]));
+        assert_eq!(read("{\"name\": \"time\""), (Some("{\"name\": \"time\"".into()), vec![]));
     }
 
     #[test]

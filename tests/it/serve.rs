@@ -1134,6 +1134,7 @@ fn gathered(events: &[Value]) -> (String, Vec<(String, String, String)>, String)
 /// because a regular expression holds the answer to one) as a call after its text, and gives a
 /// model's plain answer as text, the answer the same chat without tools gets (SmolLM2's template
 /// does not read them); the next turn, with the assistant's calls and the tool's answer, runs.
+/// With the llama3_json parser, an answer that is a JSON call is one.
 #[test]
 fn serve_calls_tools_as_asked() {
     let dir = smollm2("bf16");
@@ -1244,4 +1245,23 @@ fn serve_calls_tools_as_asked() {
         status == 400 && e["error"]["message"].as_str().unwrap().contains("takes no other format"),
         "{e}"
     );
+
+    // Llama 3's JSON calls: an answer that is one (held to it here) is a call, whole and streamed.
+    drop(server);
+    let server = Server::start(1, &dir, &["--tool-call-parser", "llama3_json"]);
+    let json_call = "\\{\"name\": \"get_weather\", \"parameters\": \\{\"city\": \"[A-Z][a-z]+\", \"unit\": \"celsius\"\\}\\}";
+    let mut auto = json!({"messages": chat, "tools": [weather], "max_tokens": 120, "structured_outputs": {"regex": json_call}});
+    let (status, v) = server.post("/v1/chat/completions", &auto);
+    let c = &v["choices"][0];
+    assert_eq!(
+        (status, &c["message"]["content"], &c["finish_reason"]),
+        (200, &Value::Null, &json!("tool_calls")),
+        "{v}"
+    );
+    let args = c["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap();
+    assert!(takes("get_weather", args), "{v}");
+    auto["stream"] = json!(true);
+    let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &auto));
+    assert_eq!((text.as_str(), calls.len(), end.as_str()), ("", 1, "tool_calls"));
+    assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", args));
 }
