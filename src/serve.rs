@@ -44,7 +44,7 @@ pub enum Kind {
 pub struct Ask {
     pub kind: Kind,
     /// The prompt texts (completions: one, or a list), or their tokens (completions: a list
-    /// of token ids, or a list of such lists), or the messages as `(role, content)` (chat).
+    /// of token ids, or a list of such lists), or the messages (chat).
     pub prompts: Vec<String>,
     pub token_prompts: Vec<Vec<u32>>,
     pub messages: Vec<Message>,
