@@ -230,7 +230,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             ask.chat_end = chat_end_field(&obj)?;
             if kind == Kind::Chat {
                 ask.tools = Tools::read(&obj, d.tool_parser)?;
-                tools_for_template(&mut ask.template_vars, ask.tools.as_ref());
+                tools_for_template(&mut ask.template_vars, ask.tools.as_ref().map_or(&[], |t| &t.list));
             }
         }
     }
@@ -950,9 +950,9 @@ fn tokens(mut req: http::Request, front: &Front, url: &str) {
 
 /// The chat template's `tools` (as HF's `apply_chat_template` passes them) where a request gives
 /// any, over the server's.
-fn tools_for_template(vars: &mut TemplateVars, tools: Option<&Tools>) {
-    if let Some(t) = tools {
-        vars.insert("tools".into(), Value::Array(t.list.clone()));
+fn tools_for_template(vars: &mut TemplateVars, tools: &[Value]) {
+    if !tools.is_empty() {
+        vars.insert("tools".into(), Value::Array(tools.to_vec()));
     }
 }
 
@@ -995,10 +995,7 @@ fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
             let end = chat_end_field(&obj)?;
             let mut vars = front.defaults.template_vars.clone();
             template_vars_over(&mut vars, &obj)?;
-            // The tools as a chat's template reads them (no choice of them: nothing answers).
-            let mut listed = obj.clone();
-            listed.insert("tool_choice".into(), json!("none"));
-            tools_for_template(&mut vars, Tools::read(&listed, None)?.as_ref());
+            tools_for_template(&mut vars, &Tools::list(&obj)?);
             (front.tok.render_chat_to(&messages, &vars, end).map_err(|e| e.to_string())?, false)
         }
     };
@@ -1534,6 +1531,12 @@ impl Head<'_> {
                 json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
             })
             .collect();
+        self.ended_for_calls(choice);
+    }
+
+    /// The answer of `choice`, which made tool calls, ended for them (`finish_reason`) where it
+    /// was not cut short.
+    fn ended_for_calls(&self, choice: &mut Value) {
         if let (Some((t, _)), Some("stop")) = (self.tools, choice["finish_reason"].as_str()) {
             choice["finish_reason"] = json!(t.finish_reason());
         }
@@ -1867,9 +1870,8 @@ impl Sse {
         }
         let Some(ended) = ended else { return Ok(()) };
         let mut c = head.choice(index, ("", &[]), &mut self.offsets[index], Some(ended), true);
-        if let (Some((t, _)), true, Some("stop")) = (head.tools, reader.called(), c["finish_reason"].as_str())
-        {
-            c["finish_reason"] = json!(t.finish_reason());
+        if reader.called() {
+            head.ended_for_calls(&mut c);
         }
         c["logprobs"] = Value::Null;
         self.send(head, index, c)

@@ -67,10 +67,9 @@ fn name_and_parameters(t: &Value) -> (&str, Value) {
 }
 
 impl Tools {
-    /// A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, checked; `None`
-    /// where it gives no tools (and no choice but `none`). `parser` is the server's: `auto`
-    /// needs one. The error names the key and what is wrong.
-    pub fn read(obj: &Map<String, Value>, parser: Option<Parser>) -> Result<Option<Tools>, String> {
+    /// A request's `tools` (none where it gives none), each checked: a function with a good
+    /// name, given once, and a schema of its parameters. The error names the tool.
+    pub fn list(obj: &Map<String, Value>) -> Result<Vec<Value>, String> {
         let list = match obj.get("tools") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(a)) => a.clone(),
@@ -103,6 +102,15 @@ impl Tools {
                 return Err(at(".function.description` must be a string"));
             }
         }
+        Ok(list)
+    }
+
+    /// A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, checked; `None`
+    /// where it gives no tools (and no choice but `none`). `parser` is the server's: `auto`
+    /// needs one. The error names the key and what is wrong.
+    pub fn read(obj: &Map<String, Value>, parser: Option<Parser>) -> Result<Option<Tools>, String> {
+        let list = Tools::list(obj)?;
+        let names: Vec<&str> = list.iter().filter_map(|t| t["function"]["name"].as_str()).collect();
         let choice = match obj.get("tool_choice") {
             None | Some(Value::Null) if list.is_empty() => ToolChoice::None,
             None | Some(Value::Null) => ToolChoice::Auto,
