@@ -614,6 +614,12 @@ impl TextTracker {
         }
     }
 
+    /// The same, its text keeping the special tokens `ids` (a tool-call parser's tags).
+    pub fn keeping(mut self, ids: Vec<u32>) -> Self {
+        self.stream = StreamDecoder::keeping(ids);
+        self
+    }
+
     /// Adds a token. Returns the new text to show (never past a stop string, nor the start of
     /// one that may still come) and whether the completion goes on.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<(String, bool)> {

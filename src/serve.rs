@@ -422,6 +422,8 @@ pub struct Incoming {
     pub stop: Vec<String>,
     /// The text keeps the stop string or token that ends it.
     pub keep_stop: bool,
+    /// Special tokens the text keeps: the tags of the tool-call parser that reads it.
+    pub keep_special: Vec<u32>,
     /// Which of its HTTP request's completions it is (its events carry it).
     pub choice: usize,
     pub reply: Sender<(usize, Event)>,
@@ -490,7 +492,7 @@ impl Served {
 
     fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
         let client = Client {
-            tracker: TextTracker::new(inc.stop, inc.keep_stop, &inc.request.rules),
+            tracker: TextTracker::new(inc.stop, inc.keep_stop, &inc.request.rules).keeping(inc.keep_special),
             choice: inc.choice,
             reply: inc.reply,
             listener: inc.listener,
@@ -1163,6 +1165,9 @@ fn answer(mut req: http::Request, front: &Front) {
             format!("{most} requests are being answered, the most --max-in-flight allows: try again later");
         return refuse(front, req, &url, 429, &msg);
     }
+    // The text keeps the tags its tool calls are read by, where they are special tokens.
+    let reader = ask.tools.as_ref().and_then(|t| Reader::new(t, front.defaults.tool_parser));
+    let tags = reader.map(|r| front.tok.special_ids(r.tags())).unwrap_or_default();
     // Each prompt's `n` completions, in that order; the `j`-th of a prompt samples with seed + j.
     let k = prompts.len() * ask.n;
     let (reply, rx) = channel();
@@ -1195,6 +1200,7 @@ fn answer(mut req: http::Request, front: &Front) {
                 request,
                 stop: ask.stop.clone(),
                 keep_stop: ask.keep_stop,
+                keep_special: tags.clone(),
                 choice: i * ask.n + j,
                 reply: reply.clone(),
                 listener: Arc::downgrade(&events.listening),

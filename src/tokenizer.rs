@@ -183,6 +183,18 @@ impl Tokenizer {
             .map_err(|e| Error::file(&self.path, format!("cannot decode tokens: {e}")))
     }
 
+    /// Ids of the special tokens (those decoded text leaves out) whose text is one of `texts`.
+    pub fn special_ids(&self, texts: &[&str]) -> Vec<u32> {
+        let added = self.inner.get_added_tokens_decoder();
+        let mut ids: Vec<u32> = added
+            .iter()
+            .filter(|(_, t)| t.special && texts.contains(&t.content.as_str()))
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// The bytes token `id` stands for in text (`None` for an id outside the vocabulary): a
     /// byte-level BPE token's characters mapped back to their bytes (GPT-2's table), a
     /// `<0xHH>` byte token's byte, `▁` as a space in SentencePiece pieces, a special token's
@@ -506,19 +518,38 @@ pub struct StreamDecoder {
     ids: Vec<u32>,
     prefix: usize,
     read: usize,
+    /// Special tokens whose text the text keeps (others are left out).
+    keep: Vec<u32>,
 }
 
 impl StreamDecoder {
+    /// A decoder keeping the text of special tokens `keep` (see [`Tokenizer::special_ids`]).
+    pub fn keeping(keep: Vec<u32>) -> Self {
+        StreamDecoder { keep, ..Default::default() }
+    }
+
     /// Adds a token; returns the new text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read])?;
         let now = tok.decode(&self.ids[self.prefix..])?;
+        let piece =
+            |now: &str| if now.starts_with(&before) { now[before.len()..].to_string() } else { now.into() };
+        if self.keep.contains(&id) {
+            // A kept special token: the text before it (all of it, a character cut short
+            // there as decoding the whole gives it), then its own. The window still begins
+            // before it, so the next token's text is what it is after those before it (a
+            // SentencePiece word's space is not taken for the start of the text).
+            let mut text = piece(&now);
+            text.push_str(&tok.decode_as(&[id], false)?);
+            self.read = self.ids.len();
+            return Ok(Some(text));
+        }
         if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
-            let piece = if now.starts_with(&before) { now[before.len()..].to_string() } else { now.clone() };
+            let text = piece(&now);
             self.prefix = self.read;
             self.read = self.ids.len();
-            Ok(Some(piece))
+            Ok(Some(text))
         } else {
             Ok(None)
         }
@@ -578,6 +609,65 @@ mod tests {
         let bytes: Vec<Vec<u8>> = (1..5).map(|id| t.token_bytes(id).unwrap()).collect();
         assert_eq!(bytes, [b" hi".to_vec(), vec![b'\n'], vec![0xE4], b"a b".to_vec()]);
         assert_eq!(t.token_bytes(5), None);
+    }
+
+    /// A tool-call parser's tags that are special tokens stay in streamed text, in place, and
+    /// the token after each comes as it does in the whole text (its SentencePiece space kept);
+    /// other special tokens are left out, and tags that are not special tokens were never
+    /// left out.
+    #[test]
+    fn special_tags_are_kept_where_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let words = [
+            "\u{2581}Sure",
+            ".",
+            "\u{2581}call",
+            "<tool_call>",
+            "</tool_call>",
+            "<|end|>",
+            "<0xC3>",
+            "<0xA9>",
+        ];
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            words.iter().enumerate().map(|(i, w)| (w.to_string(), serde_json::json!(i))).collect();
+        let added = |id: usize, special: bool| {
+            serde_json::json!({"id": id, "content": words[id], "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": special})
+        };
+        let decoder = serde_json::json!({"type": "Sequence", "decoders": [
+            {"type": "ByteFallback"},
+            {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "always", "split": true}]});
+        let write = |tags_special: bool| {
+            let tok = serde_json::json!({
+                "version": "1.0", "truncation": null, "padding": null,
+                "added_tokens": [added(3, tags_special), added(4, tags_special), added(5, true)],
+                "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+                "decoder": decoder, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "."},
+            });
+            std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+            Tokenizer::from_dir(dir.path()).unwrap()
+        };
+        let stream = |t: &Tokenizer, keep: Vec<u32>, ids: &[u32]| {
+            let mut d = StreamDecoder::keeping(keep);
+            let pieces: Vec<String> = ids.iter().filter_map(|&id| d.push(t, id).unwrap()).collect();
+            pieces
+        };
+        let t = write(true);
+        let tags = t.special_ids(&["<tool_call>", "</tool_call>"]);
+        assert_eq!(tags, [3, 4]);
+        // `é` in two byte tokens, cut by a tag: as the whole text gives it.
+        let ids = [0, 1, 3, 2, 5, 6, 4, 2, 6, 7];
+        assert_eq!(
+            stream(&t, tags.clone(), &ids),
+            ["Sure", ".", "<tool_call>", " call", "\u{FFFD}</tool_call>", " call", "é"]
+        );
+        assert_eq!(stream(&t, tags, &ids).concat(), "Sure.<tool_call> call\u{FFFD}</tool_call> callé");
+        assert_eq!(stream(&t, vec![], &ids).concat(), t.decode(&ids).unwrap());
+        assert_eq!(t.decode(&ids).unwrap(), "Sure. call\u{FFFD} callé");
+        // Tags that are plain added tokens are text already.
+        let t = write(false);
+        assert_eq!(t.special_ids(&["<tool_call>", "</tool_call>"]), Vec::<u32>::new());
+        assert_eq!(stream(&t, vec![], &ids).concat(), "Sure.<tool_call> call\u{FFFD}</tool_call> callé");
     }
 
     /// A tokenizer in `dir` (a three-word vocabulary) whose chat template is `template`.

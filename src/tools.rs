@@ -283,6 +283,17 @@ impl Reader {
         Some(Reader { mode, held: String::new(), calls: 0 })
     }
 
+    /// The tags this reader looks for in an answer's text. Where a model's tokenizer has them
+    /// as special tokens (Hermes 3's `<tool_call>`, Llama 3's `<|python_tag|>`), which decoded
+    /// text leaves out, the text of a request read this way must keep them.
+    pub fn tags(&self) -> &'static [&'static str] {
+        match self.mode {
+            Mode::Hermes { .. } => &[OPEN, CLOSE],
+            Mode::Llama { .. } => &[PYTHON_TAG],
+            Mode::Named { .. } | Mode::Listed { .. } => &[],
+        }
+    }
+
     /// Whether the answer has made a call.
     pub fn called(&self) -> bool {
         self.calls > 0

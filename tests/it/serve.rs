@@ -1128,13 +1128,40 @@ fn gathered(events: &[Value]) -> (String, Vec<(String, String, String)>, String)
     (text, calls, finish)
 }
 
+/// A copy of model folder `dir` (its other files linked) whose tokenizer has special tokens 3,
+/// 4 and 5 (SmolLM2's `<repo_name>`, `<reponame>`, `<file_sep>`) as the tool-call tags some
+/// models have as special tokens: `<tool_call>`, `</tool_call>` (Hermes 3), `<|python_tag|>`
+/// (Llama 3).
+fn with_special_tags(dir: &Path) -> tempfile::TempDir {
+    let copy = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "tokenizer.json" {
+            std::os::unix::fs::symlink(e.path(), copy.path().join(e.file_name())).unwrap();
+        }
+    }
+    let mut t: Value = serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+    for (id, tag) in [(3, "<tool_call>"), (4, "</tool_call>"), (5, "<|python_tag|>")] {
+        let added = &mut t["added_tokens"][id];
+        assert_eq!((added["id"].as_u64(), added["special"].as_bool()), (Some(id as u64), Some(true)));
+        let was = added["content"].as_str().unwrap().to_string();
+        added["content"] = json!(tag);
+        let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+        assert_eq!(vocab.remove(&was), Some(json!(id)));
+        vocab.insert(tag.to_string(), json!(id));
+    }
+    std::fs::write(copy.path().join("tokenizer.json"), t.to_string()).unwrap();
+    copy
+}
+
 /// Tool calling in chat requests on two tensor-parallel ranks (server started with the hermes
 /// parser): `required` and a tool by name give calls whose arguments are JSON the tool's
 /// schema takes, whole and streamed alike; `auto` reads a model's `<tool_call>` (written here
 /// because a regular expression holds the answer to one) as a call after its text, and gives a
 /// model's plain answer as text, the answer the same chat without tools gets (SmolLM2's template
 /// does not read them); the next turn, with the assistant's calls and the tool's answer, runs.
-/// With the llama3_json parser, an answer that is a JSON call is one.
+/// With the llama3_json parser, an answer that is a JSON call is one. Where the tags are special
+/// tokens (which decoded text leaves out), the parsers read them all the same.
 #[test]
 fn serve_calls_tools_as_asked() {
     let dir = smollm2("bf16");
@@ -1248,7 +1275,8 @@ fn serve_calls_tools_as_asked() {
 
     // Llama 3's JSON calls: an answer that is one (held to it here) is a call, whole and streamed.
     drop(server);
-    let server = Server::start(1, &dir, &["--tool-call-parser", "llama3_json"]);
+    let tagged = with_special_tags(&dir);
+    let server = Server::start(1, tagged.path(), &["--tool-call-parser", "llama3_json"]);
     let json_call = "\\{\"name\": \"get_weather\", \"parameters\": \\{\"city\": \"[A-Z][a-z]+\", \"unit\": \"celsius\"\\}\\}";
     let mut auto = json!({"messages": chat, "tools": [weather], "max_tokens": 120, "structured_outputs": {"regex": json_call}});
     let (status, v) = server.post("/v1/chat/completions", &auto);
@@ -1264,4 +1292,44 @@ fn serve_calls_tools_as_asked() {
     let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &auto));
     assert_eq!((text.as_str(), calls.len(), end.as_str()), ("", 1, "tool_calls"));
     assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", args));
+    // After `<|python_tag|>` as a special token (id 5 here, which the grammar writes).
+    let held = |grammar: &str| json!({"messages": chat, "tools": [weather], "max_tokens": 120, "structured_outputs": {"grammar": grammar}});
+    let paris = r#"{\"city\": \"Paris\", \"unit\": \"celsius\"}"#;
+    let paris_args = r#"{"city": "Paris", "unit": "celsius"}"#;
+    let mut ask = held(&format!(r#"start: <[5]> "{{\"name\": \"get_weather\", \"parameters\": {paris}}}""#));
+    let (status, v) = server.post("/v1/chat/completions", &ask);
+    let c = &v["choices"][0];
+    assert_eq!(
+        (status, &c["message"]["content"], &c["finish_reason"]),
+        (200, &Value::Null, &json!("tool_calls")),
+        "{v}"
+    );
+    assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], paris_args, "{v}");
+    ask["stream"] = json!(true);
+    let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &ask));
+    assert_eq!((text.as_str(), calls.len(), end.as_str()), ("", 1, "tool_calls"));
+    assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", paris_args));
+    // Hermes' tags as special tokens (3 and 4 here): the text before them is the content.
+    drop(server);
+    let server = Server::start(1, tagged.path(), &["--tool-call-parser", "hermes"]);
+    let call = format!(r#""\n{{\"name\": \"get_weather\", \"arguments\": {paris}}}\n""#);
+    let mut ask = held(&format!(r#"start: "Sure." <[3]> {call} <[4]>"#));
+    let (status, v) = server.post("/v1/chat/completions", &ask);
+    let c = &v["choices"][0];
+    assert_eq!(
+        (status, &c["message"]["content"], &c["finish_reason"]),
+        (200, &json!("Sure."), &json!("tool_calls")),
+        "{v}"
+    );
+    assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], paris_args, "{v}");
+    ask["stream"] = json!(true);
+    let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &ask));
+    assert_eq!((text.as_str(), calls.len(), end.as_str()), ("Sure.", 1, "tool_calls"));
+    assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", paris_args));
+    // Without tools the tags are special tokens as any other: not in the text.
+    let mut plain = held(&format!(r#"start: "Sure." <[3]> {call} <[4]>"#));
+    plain.as_object_mut().unwrap().remove("tools");
+    let (_, v) = server.post("/v1/chat/completions", &plain);
+    let want = format!("Sure.\n{{\"name\": \"get_weather\", \"arguments\": {paris_args}}}\n");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{v}");
 }
