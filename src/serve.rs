@@ -48,7 +48,8 @@ pub struct Ask {
     pub prompts: Vec<String>,
     pub token_prompts: Vec<Vec<u32>>,
     pub messages: Vec<Message>,
-    /// Chat: the tools the answer may call (`tools`, `tool_choice`, `parallel_tool_calls`).
+    /// Chat and Responses: the tools the answer may call (`tools`, `tool_choice`,
+    /// `parallel_tool_calls`).
     pub tools: Option<Tools>,
     /// Chat: further variables of the chat template (`chat_template_kwargs`, over the
     /// server's).
@@ -154,7 +155,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     let obj: Map<String, Value> =
         serde_json::from_slice(body).map_err(|e| format!("the body is not a JSON object: {e}"))?;
     let obj = if kind == Kind::Response { response_as_chat(obj)? } else { obj };
-    let tool_key = |k: &str| kind == Kind::Chat && TOOL_KEYS.contains(&k);
+    let tool_key = |k: &str| kind != Kind::Completion && TOOL_KEYS.contains(&k);
     let known = |k: &str| KEYS.contains(&k) || ANSWER_KEYS.contains(&k) || tool_key(k);
     for (k, v) in obj.iter().filter(|(k, _)| !known(k)) {
         match OPENAI_NOT_TAKEN.iter().find(|(name, _)| name == k) {
@@ -228,10 +229,10 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             // vLLM's key, which clients send (`extra_body`) to turn a template's thinking off.
             template_vars_over(&mut ask.template_vars, &obj)?;
             ask.chat_end = chat_end_field(&obj)?;
-            if kind == Kind::Chat {
-                ask.tools = Tools::read(&obj, d.tool_parser)?;
-                tools_for_template(&mut ask.template_vars, ask.tools.as_ref().map_or(&[], |t| &t.list));
-            }
+            // A Responses API request's tools, in the chat's form here, are named in its own.
+            let named = |e: String| if kind == Kind::Response { e.replace(".function.", ".") } else { e };
+            ask.tools = Tools::read(&obj, d.tool_parser).map_err(named)?;
+            tools_for_template(&mut ask.template_vars, ask.tools.as_ref().map_or(&[], |t| &t.list));
         }
     }
     let max: Option<usize> = field(&obj, "max_tokens")?;
@@ -259,7 +260,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     if let Some(calls) = ask.tools.as_ref().and_then(Tools::format) {
         if ask.format.is_some() {
             return Err("`tool_choice` holds the answer to a tool call, so it takes no other format \
-                        (`response_format`, `structured_outputs`)"
+                        (`response_format`, `text.format`, `structured_outputs`)"
                 .into());
         }
         ask.format = Some(calls);
@@ -299,8 +300,9 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
 
 /// A `/v1/responses` request (OpenAI's Responses API) as the chat request it asks for:
 /// `input` (a text, or a list of messages whose content is a text or `input_text` and
-/// `output_text` parts) as `messages`, after `instructions` as the system message;
-/// `max_output_tokens` as `max_tokens`; `text.format` as `response_format`. What a response
+/// `output_text` parts, answers' `function_call` items and tools' `function_call_output` items)
+/// as `messages`, after `instructions` as the system message; `max_output_tokens` as
+/// `max_tokens`; `text.format` as `response_format`; function tools in the chat's form. What a response
 /// would need kept (`previous_response_id`, `conversation`, `background`) or gridlm does not
 /// give (reasoning, log-probabilities, other input items) is refused by name; `store` and
 /// `metadata` are taken (nothing is kept: the answer says `"store": false`).
@@ -349,7 +351,8 @@ fn response_as_chat(mut obj: Map<String, Value>) -> std::result::Result<Map<Stri
         (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(json!({"type": "text", "text": t})),
         (kind, _) => Err(format!("a content part of type {} (only text is read)", kind.unwrap_or("(none)"))),
     };
-    let mut messages = Vec::new();
+    tools::chat_form_of_responses(&mut obj)?;
+    let mut messages: Vec<Value> = Vec::new();
     if let Some(i) = obj.remove("instructions").filter(|v| !v.is_null()) {
         messages.push(json!({"role": "system", "content": i}));
     }
@@ -358,9 +361,50 @@ fn response_as_chat(mut obj: Map<String, Value>) -> std::result::Result<Map<Stri
         Some(Value::Array(items)) if !items.is_empty() => {
             for (i, item) in items.iter().enumerate() {
                 let at = |e: String| format!("`input[{i}]`: {e}");
+                let text = |k: &str| {
+                    item.get(k).and_then(Value::as_str).ok_or_else(|| at(format!("`{k}` is missing")))
+                };
                 match item.get("type").and_then(Value::as_str) {
                     None | Some("message") => {}
-                    Some(t) => return Err(at(format!("an item of type {t} (only messages are read)"))),
+                    Some("function_call") => {
+                        // An answer's call: the assistant's message it follows (its text), or one
+                        // of its own.
+                        let (call_id, name, arguments) =
+                            (text("call_id")?, text("name")?, text("arguments")?);
+                        if let Err(e) = serde_json::from_str::<Value>(arguments) {
+                            return Err(at(format!("`arguments` is not JSON: {e}")));
+                        }
+                        let call = json!({"id": call_id, "type": "function",
+                            "function": {"name": name, "arguments": arguments}});
+                        match messages.last_mut().and_then(Value::as_object_mut) {
+                            Some(m) if m.get("role").and_then(Value::as_str) == Some("assistant") => {
+                                let calls = m.entry("tool_calls").or_insert_with(|| json!([]));
+                                if let Some(calls) = calls.as_array_mut() {
+                                    calls.push(call);
+                                }
+                            }
+                            _ => messages
+                                .push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                        }
+                        continue;
+                    }
+                    Some("function_call_output") => {
+                        let call_id = text("call_id")?;
+                        let content = match item.get("output") {
+                            Some(Value::String(t)) => json!(t),
+                            Some(Value::Array(parts)) => Value::Array(
+                                parts.iter().map(part).collect::<std::result::Result<_, _>>().map_err(at)?,
+                            ),
+                            _ => return Err(at("`output` must be a string or a list of text parts".into())),
+                        };
+                        messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": content}));
+                        continue;
+                    }
+                    Some(t) => {
+                        return Err(at(format!(
+                            "an item of type {t} (messages, function_call and function_call_output are read)"
+                        )))
+                    }
                 }
                 let role = match item.get("role").and_then(Value::as_str) {
                     Some("developer") => "system",
@@ -1478,22 +1522,27 @@ impl Head<'_> {
     }
 
     /// The Responses API's object of an answer: while it streams (`done` `None`) in progress,
-    /// without output; then its text, how it ended, its token counts (`cached` of the prompt's
-    /// from the prefix cache).
-    fn response(&self, done: Option<(&str, Finish, usize, usize)>) -> Value {
+    /// without output; then its output items, how it ended, its token counts (`cached` of the
+    /// prompt's from the prefix cache).
+    fn response(&self, done: Option<(Vec<Value>, Finish, usize, usize)>) -> Value {
         let mut r = json!({
             "id": self.id, "object": "response", "created_at": self.created, "status": "in_progress",
             "error": null, "incomplete_details": null, "model": self.model, "output": [],
             "parallel_tool_calls": false, "tool_choice": "none", "tools": [], "store": false,
             "metadata": {}, "usage": null,
         });
-        if let Some((text, finish, tokens, cached)) = done {
+        if let Some((t, _)) = self.tools {
+            r["tools"] = json!(t.responses_list());
+            r["tool_choice"] = t.responses_choice();
+            r["parallel_tool_calls"] = json!(t.parallel);
+        }
+        if let Some((output, finish, tokens, cached)) = done {
             let cut = matches!(finish, Finish::Length | Finish::Context);
             r["status"] = json!(if cut { "incomplete" } else { "completed" });
             if cut {
                 r["incomplete_details"] = json!({"reason": "max_output_tokens"});
             }
-            r["output"] = json!([self.response_message(text, "completed")]);
+            r["output"] = Value::Array(output);
             r["usage"] = json!({
                 "input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": cached},
@@ -1505,15 +1554,31 @@ impl Head<'_> {
         r
     }
 
-    /// The Responses API's message item of an answer's `text` (none yet while `in_progress`).
-    fn response_message(&self, text: &str, status: &str) -> Value {
-        let content = if status == "in_progress" { json!([]) } else { json!([output_text(text)]) };
-        json!({"type": "message", "id": self.message_id(), "status": status, "role": "assistant", "content": content})
+    /// The Responses API's output items of a whole answer's `text`: its message, or where it
+    /// calls tools, a message of its text where it has any and a `function_call` item a call.
+    fn response_output(&self, text: &str) -> Vec<Value> {
+        let Some(mut reader) = self.reader() else {
+            return vec![self.response_message(0, text, "completed")];
+        };
+        let (content, calls) = tools::read_whole(&mut reader, text);
+        let message = content.map(|c| self.response_message(0, &c, "completed"));
+        let calls = calls.iter().map(|(id, name, arguments)| function_call(id, name, arguments, "completed"));
+        message.into_iter().chain(calls).collect()
     }
 
-    /// The id of the Responses API's message item of the answer.
-    fn message_id(&self) -> String {
-        format!("msg_{}", self.id)
+    /// The Responses API's message item `k` of an answer (its first, or after calls another),
+    /// of `text` (none yet while `in_progress`).
+    fn response_message(&self, k: usize, text: &str, status: &str) -> Value {
+        let content = if status == "in_progress" { json!([]) } else { json!([output_text(text)]) };
+        json!({"type": "message", "id": self.message_id(k), "status": status, "role": "assistant", "content": content})
+    }
+
+    /// The id of the Responses API's message item `k` of the answer.
+    fn message_id(&self, k: usize) -> String {
+        match k {
+            0 => format!("msg_{}", self.id),
+            k => format!("msg_{}_{k}", self.id),
+        }
     }
 
     /// A reader of an answer's tool calls, where the answers may make them.
@@ -1556,6 +1621,18 @@ impl Head<'_> {
 /// The Responses API's text part of an answer.
 fn output_text(text: &str) -> Value {
     json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+/// The Responses API's item of a tool call: its id ([`function_call_id`]), the call's id, the
+/// tool's name and the arguments' JSON text so far.
+fn function_call(call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
+    let id = function_call_id(call_id);
+    json!({"type": "function_call", "id": id, "call_id": call_id, "name": name, "arguments": arguments, "status": status})
+}
+
+/// The id of the Responses API's item of the call `call_...`: `fc_...`, the same digits.
+fn function_call_id(call_id: &str) -> String {
+    format!("fc_{}", call_id.strip_prefix("call_").unwrap_or(call_id))
 }
 
 /// Ends a request whose events stopped before its completions were done: the client went away
@@ -1607,7 +1684,8 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
         return cut_short(req);
     }
     if head.kind == Kind::Response {
-        reply_json(req, 200, &head.response(Some((&texts[0], finish[0], tokens, counts.cached))));
+        let output = head.response_output(&texts[0]);
+        reply_json(req, 200, &head.response(Some((output, finish[0], tokens, counts.cached))));
         return (200, Some(Outcome { finish, tokens, counts }));
     }
     let choices = (0..k).map(|i| {
@@ -1708,67 +1786,55 @@ fn stream(
 }
 
 /// The rest of a Responses API stream whose first event is `first`: the response created and in
-/// progress, its message and text part added, a delta as each piece of text comes, then the
-/// text, part and message done and the response completed (or an `error` event where the text
-/// could not be made). The status, and how it ended (`None` when the client went away).
+/// progress, then its output items, each added, its text or arguments as they come and done
+/// (a message: its text part added, deltas, the text and the part done; a tool call: deltas of
+/// its arguments, then them whole), then the response completed (or an `error` event where the
+/// text could not be made). Without tools the message is added at once; where the answer may
+/// call them, once its text begins. The status, and how it ended (`None` when the client went
+/// away).
 fn stream_response(
     mut sse: Sse,
     head: &Head,
     first: (usize, Event),
     events: &mut Events,
 ) -> (u16, Option<Outcome>) {
-    let at = json!({"item_id": head.message_id(), "output_index": 0, "content_index": 0});
-    let with = |mut v: Value, more: Value| {
-        if let (Some(v), Value::Object(more)) = (v.as_object_mut(), more) {
-            v.extend(more);
-        }
-        v
-    };
+    let mut reader = head.reader();
+    let mut out = Output { head, done: Vec::new(), open: None, messages: 0 };
     let mut start = || -> std::io::Result<()> {
         sse.typed("response.created", json!({"response": head.response(None)}))?;
         sse.typed("response.in_progress", json!({"response": head.response(None)}))?;
-        let added = json!({"output_index": 0, "item": head.response_message("", "in_progress")});
-        sse.typed("response.output_item.added", added)?;
-        sse.typed("response.content_part.added", with(at.clone(), json!({"part": output_text("")})))
+        match reader {
+            Some(_) => Ok(()),
+            None => out.open_message(&mut sse),
+        }
     };
     if start().is_err() {
         return (200, None);
     }
-    let mut text = String::new();
+    let mut pieces = Vec::new();
     let mut event = first;
     loop {
         let sent = match event.1 {
             Event::Prompt(_) => Ok(()),
-            Event::Text(piece, _) if piece.is_empty() => Ok(()),
-            Event::Text(piece, _) => {
-                text.push_str(&piece);
-                sse.typed(
-                    "response.output_text.delta",
-                    with(at.clone(), json!({"delta": piece, "logprobs": []})),
-                )
-            }
+            Event::Text(piece, _) => out.read(&mut sse, reader.as_mut(), &piece, false, &mut pieces),
             Event::Done { rest, finish, error, tokens, counts, .. } => {
                 let outcome = Outcome { finish: vec![finish], tokens, counts };
                 let end = match error {
                     Some(e) => sse.typed("error", json!({"code": null, "message": e, "param": null})),
-                    None => (|| {
-                        if !rest.is_empty() {
-                            let delta = json!({"delta": rest, "logprobs": []});
-                            sse.typed("response.output_text.delta", with(at.clone(), delta))?;
+                    None => out.read(&mut sse, reader.as_mut(), &rest, true, &mut pieces).and_then(|()| {
+                        // An answer of no text and no calls is an empty message.
+                        if out.done.is_empty() && out.open.is_none() {
+                            out.open_message(&mut sse)?;
                         }
-                        text.push_str(&rest);
-                        sse.typed(
-                            "response.output_text.done",
-                            with(at.clone(), json!({"text": text, "logprobs": []})),
-                        )?;
-                        let part = json!({"part": output_text(&text)});
-                        sse.typed("response.content_part.done", with(at.clone(), part))?;
-                        let done =
-                            json!({"output_index": 0, "item": head.response_message(&text, "completed")});
-                        sse.typed("response.output_item.done", done)?;
-                        let r = head.response(Some((&text, finish, tokens, counts.cached)));
+                        out.close(&mut sse)?;
+                        let r = head.response(Some((
+                            std::mem::take(&mut out.done),
+                            finish,
+                            tokens,
+                            counts.cached,
+                        )));
                         sse.typed("response.completed", json!({"response": r}))
-                    })(),
+                    }),
                 };
                 return (200, end.and_then(|()| sse.w.finish()).ok().map(|()| outcome));
             }
@@ -1781,6 +1847,137 @@ fn stream_response(
             None => return (200, None),
         };
     }
+}
+
+/// The output item of a Responses API stream being sent.
+enum Item {
+    /// A message: its number among the answer's messages, and its text so far.
+    Message { k: usize, text: String },
+    /// A tool call: its id, the tool's name and the arguments so far.
+    Call { call_id: String, name: String, arguments: String },
+}
+
+/// The output items of a Responses API stream: those sent whole, the one being sent.
+struct Output<'h> {
+    head: &'h Head<'h>,
+    done: Vec<Value>,
+    open: Option<Item>,
+    /// Messages begun.
+    messages: usize,
+}
+
+impl Output<'_> {
+    /// `text`, the answer's next piece, sent: as text, or read for its calls by `reader` (and
+    /// all it held where the answer has `ended`); `pieces` is room for what it reads.
+    fn read(
+        &mut self,
+        sse: &mut Sse,
+        reader: Option<&mut Reader>,
+        text: &str,
+        ended: bool,
+        pieces: &mut Vec<Piece>,
+    ) -> std::io::Result<()> {
+        let Some(reader) = reader else { return self.text(sse, text) };
+        pieces.clear();
+        reader.push(text, pieces);
+        if ended {
+            reader.finish(pieces);
+        }
+        for p in pieces.drain(..) {
+            match p {
+                Piece::Text(t) => self.text(sse, &t)?,
+                Piece::Call { id, name, arguments, .. } => self.call(sse, id, name, &arguments)?,
+                Piece::Arguments { text, .. } => self.arguments(sse, &text)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a message's events are: its item, its output index, its one text part.
+    fn at(&self, k: usize) -> Value {
+        json!({"item_id": self.head.message_id(k), "output_index": self.done.len(), "content_index": 0})
+    }
+
+    fn open_message(&mut self, sse: &mut Sse) -> std::io::Result<()> {
+        let k = self.messages;
+        self.messages += 1;
+        let item = self.head.response_message(k, "", "in_progress");
+        sse.typed("response.output_item.added", json!({"output_index": self.done.len(), "item": item}))?;
+        sse.typed("response.content_part.added", with(self.at(k), json!({"part": output_text("")})))?;
+        self.open = Some(Item::Message { k, text: String::new() });
+        Ok(())
+    }
+
+    /// More text: in the message being sent, or a new one.
+    fn text(&mut self, sse: &mut Sse, piece: &str) -> std::io::Result<()> {
+        if piece.is_empty() {
+            return Ok(());
+        }
+        if !matches!(self.open, Some(Item::Message { .. })) {
+            self.close(sse)?;
+            self.open_message(sse)?;
+        }
+        let Some(Item::Message { k, text }) = &mut self.open else { return Ok(()) };
+        text.push_str(piece);
+        let at =
+            json!({"item_id": self.head.message_id(*k), "output_index": self.done.len(), "content_index": 0});
+        sse.typed("response.output_text.delta", with(at, json!({"delta": piece, "logprobs": []})))
+    }
+
+    /// A call begun, with the first of its arguments.
+    fn call(&mut self, sse: &mut Sse, call_id: String, name: String, arguments: &str) -> std::io::Result<()> {
+        self.close(sse)?;
+        let item = function_call(&call_id, &name, "", "in_progress");
+        sse.typed("response.output_item.added", json!({"output_index": self.done.len(), "item": item}))?;
+        self.open = Some(Item::Call { call_id, name, arguments: String::new() });
+        self.arguments(sse, arguments)
+    }
+
+    /// More of the arguments of the call being sent.
+    fn arguments(&mut self, sse: &mut Sse, delta: &str) -> std::io::Result<()> {
+        let index = self.done.len();
+        let Some(Item::Call { call_id, arguments, .. }) = &mut self.open else { return Ok(()) };
+        if delta.is_empty() {
+            return Ok(());
+        }
+        arguments.push_str(delta);
+        let v = json!({"item_id": function_call_id(call_id), "output_index": index, "delta": delta});
+        sse.typed("response.function_call_arguments.delta", v)
+    }
+
+    /// The item being sent, done.
+    fn close(&mut self, sse: &mut Sse) -> std::io::Result<()> {
+        let index = self.done.len();
+        let item = match self.open.take() {
+            None => return Ok(()),
+            Some(Item::Message { k, text }) => {
+                let at = self.at(k);
+                sse.typed(
+                    "response.output_text.done",
+                    with(at.clone(), json!({"text": text, "logprobs": []})),
+                )?;
+                sse.typed("response.content_part.done", with(at, json!({"part": output_text(&text)})))?;
+                self.head.response_message(k, &text, "completed")
+            }
+            Some(Item::Call { call_id, name, arguments }) => {
+                let item = function_call(&call_id, &name, &arguments, "completed");
+                let v = json!({"item_id": item["id"], "output_index": index, "name": name, "arguments": arguments});
+                sse.typed("response.function_call_arguments.done", v)?;
+                item
+            }
+        };
+        sse.typed("response.output_item.done", json!({"output_index": index, "item": item}))?;
+        self.done.push(item);
+        Ok(())
+    }
+}
+
+/// `v` with the keys of `more` added.
+fn with(mut v: Value, more: Value) -> Value {
+    if let (Some(v), Value::Object(more)) = (v.as_object_mut(), more) {
+        v.extend(more);
+    }
+    v
 }
 
 /// A stream of server-sent events in HTTP chunks, each flushed as it is written.
@@ -1887,6 +2084,7 @@ impl Sse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tools::ToolChoice;
 
     fn defaults() -> Defaults {
         let template_vars = serde_json::from_value(json!({"enable_thinking": true, "x": 1})).unwrap();
@@ -2042,6 +2240,55 @@ mod tests {
         assert_eq!(a.format, Some(Format::JsonSchema(json!({"type": "integer"}))));
         let a = ask(Kind::Response, r#"{"input":"hi","text":{"format":{"type":"text"}}}"#).unwrap();
         assert_eq!((a.messages, a.format), (vec![Message::new("user", "hi")], None));
+        // Tools in the chat's form; an answer's text and calls one assistant message, a call's
+        // output a tool's message.
+        let body = r#"{"input":[{"role":"user","content":"weather?"},
+            {"type":"message","role":"assistant","content":[{"type":"output_text","text":"Let me see."}]},
+            {"type":"function_call","call_id":"call_1","name":"w","arguments":"{\"city\": \"Oslo\"}"},
+            {"type":"function_call","call_id":"call_2","name":"w","arguments":"{}"},
+            {"type":"function_call_output","call_id":"call_1","output":"cold"},
+            {"type":"function_call","call_id":"call_3","name":"w","arguments":"{}"}],
+            "tools":[{"type":"function","name":"w","description":"d","parameters":{"type":"object"},"strict":true}],
+            "tool_choice":{"type":"function","name":"w"},"parallel_tool_calls":false}"#;
+        let a = ask(Kind::Response, body).unwrap();
+        let t = a.tools.as_ref().unwrap();
+        let chat_tool = json!({"type": "function", "function": {"name": "w", "description": "d",
+            "parameters": {"type": "object"}, "strict": true}});
+        assert_eq!(
+            (&t.list, &t.choice, t.parallel),
+            (&vec![chat_tool], &ToolChoice::Named("w".into()), false)
+        );
+        assert_eq!(
+            (t.responses_list(), t.responses_choice()),
+            (
+                vec![
+                    json!({"type": "function", "name": "w", "description": "d", "parameters": {"type": "object"}, "strict": true})
+                ],
+                json!({"type": "function", "name": "w"})
+            )
+        );
+        let m: Vec<(&str, &str, usize)> = a
+            .messages
+            .iter()
+            .map(|m| {
+                (
+                    m.role.as_str(),
+                    m.content.as_str(),
+                    m.more.get("tool_calls").and_then(Value::as_array).map_or(0, Vec::len),
+                )
+            })
+            .collect();
+        assert_eq!(
+            m,
+            [
+                ("user", "weather?", 0),
+                ("assistant", "Let me see.", 2),
+                ("tool", "cold", 0),
+                ("assistant", "", 1)
+            ]
+        );
+        assert_eq!(a.messages[1].more["tool_calls"][0]["function"]["arguments"], json!({"city": "Oslo"}));
+        assert_eq!(a.messages[2].more["tool_call_id"], "call_1");
         for (body, msg) in [
             (r#"{"input":[]}"#, "`input` must be a string or a non-empty list of messages"),
             (r#"{"input":"a","n":2}"#, "`n` is no key of /v1/responses"),
@@ -2096,7 +2343,46 @@ mod tests {
                 r#"{"prompt":"a","tools":[{"type":"function"}]}"#,
                 "`tools`: OpenAI's setting",
             ),
-            (Kind::Response, r#"{"input":"a","tools":[{"type":"function"}]}"#, "`tools`: OpenAI's setting"),
+            (
+                Kind::Response,
+                r#"{"input":"a","tools":[{"type":"function"}]}"#,
+                "`tools[0].name` must be 1 to 64 letters",
+            ),
+            (
+                Kind::Response,
+                r#"{"input":"a","tools":[{"type":"web_search"}]}"#,
+                "`tools[0]`: a tool of type web_search (only functions are taken)",
+            ),
+            (
+                Kind::Response,
+                r#"{"input":"a","tools":[{"type":"function","name":"f","function":{}}]}"#,
+                "`tools[0].function`: not a key of a function tool",
+            ),
+            (
+                Kind::Response,
+                r#"{"input":"a","tools":[{"type":"function","name":"f"}],"tool_choice":{"type":"allowed_tools"}}"#,
+                "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+            ),
+            (
+                Kind::Response,
+                r#"{"input":"a","tools":[{"type":"function","name":"f"}]}"#,
+                "`tool_choice` auto (the default where `tools` are given)",
+            ),
+            (
+                Kind::Response,
+                r#"{"input":"a","tools":[{"type":"function","name":"f"}],"tool_choice":"required","text":{"format":{"type":"json_object"}}}"#,
+                "`tool_choice` holds the answer to a tool call, so it takes no other format",
+            ),
+            (
+                Kind::Response,
+                r#"{"input":[{"type":"function_call","call_id":"c","name":"f","arguments":"{"}]}"#,
+                "`input[0]`: `arguments` is not JSON",
+            ),
+            (
+                Kind::Response,
+                r#"{"input":[{"type":"function_call_output","output":"x"}]}"#,
+                "`input[0]`: `call_id` is missing",
+            ),
             (
                 Kind::Chat,
                 r#"{"messages":[{"role":"user","content":"a"}],"tools":[{"type":"x"}]}"#,

@@ -1,4 +1,5 @@
-//! Tool calling in chat requests (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`):
+//! Tool calling in chat requests and the Responses API's (OpenAI's `tools`, `tool_choice`,
+//! `parallel_tool_calls`; the Responses API's in the chat's form, [`chat_form_of_responses`]):
 //! the tools reach the chat template (its `tools` variable, as HF's `apply_chat_template`
 //! passes them), and the answer is read for the calls it makes. A named tool or `required`
 //! holds the answer to the call's JSON (structured output, so any model gives a call that
@@ -189,6 +190,71 @@ impl Tools {
         match self.choice {
             ToolChoice::Named(_) => "stop",
             _ => "tool_calls",
+        }
+    }
+}
+
+/// The keys of a function tool in the Responses API, beside its `type`.
+const RESPONSES_TOOL_KEYS: [&str; 4] = ["name", "description", "parameters", "strict"];
+
+/// A Responses API request's `tools` and `tool_choice` in the chat's form, which
+/// [`Tools::read`] reads: a function tool there gives its `name`, `description`, `parameters`
+/// and `strict` beside its `type` (the chat's, inside `function`), a chosen tool is
+/// `{"type": "function", "name": ...}`. The error names the key as the request gives it.
+pub fn chat_form_of_responses(obj: &mut Map<String, Value>) -> Result<(), String> {
+    if let Some(Value::Array(list)) = obj.get_mut("tools") {
+        for (i, t) in list.iter_mut().enumerate() {
+            let at = |what: &str| format!("`tools[{i}]{what}");
+            let Some(o) = t.as_object() else { return Err(at("` must be an object")) };
+            match o.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                Some(kind) => {
+                    return Err(at(&format!("`: a tool of type {kind} (only functions are taken)")))
+                }
+                None => return Err(at(".type` is missing")),
+            }
+            if let Some(k) = o.keys().find(|k| *k != "type" && !RESPONSES_TOOL_KEYS.contains(&k.as_str())) {
+                let keys = RESPONSES_TOOL_KEYS.join(", ");
+                return Err(at(&format!(".{k}`: not a key of a function tool (type, {keys})")));
+            }
+            let f: Map<String, Value> =
+                o.iter().filter(|(k, _)| *k != "type").map(|(k, v)| (k.clone(), v.clone())).collect();
+            *t = json!({"type": "function", "function": f});
+        }
+    }
+    if let Some(c) = obj.get_mut("tool_choice").filter(|c| c.is_object()) {
+        match (c.get("type").and_then(Value::as_str), c.get("name").and_then(Value::as_str)) {
+            (Some("function"), Some(n)) => *c = json!({"type": "function", "function": {"name": n}}),
+            _ => {
+                return Err(
+                    "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}"
+                        .into(),
+                )
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Tools {
+    /// The tools as the Responses API gives them back: `{"type": "function", "name": ...,
+    /// ...}`.
+    pub fn responses_list(&self) -> Vec<Value> {
+        let flat = |t: &Value| {
+            let mut f = Map::from_iter([("type".to_string(), json!("function"))]);
+            f.extend(t["function"].as_object().cloned().unwrap_or_default());
+            Value::Object(f)
+        };
+        self.list.iter().map(flat).collect()
+    }
+
+    /// The choice as the Responses API gives it back.
+    pub fn responses_choice(&self) -> Value {
+        match &self.choice {
+            ToolChoice::None => json!("none"),
+            ToolChoice::Auto => json!("auto"),
+            ToolChoice::Required => json!("required"),
+            ToolChoice::Named(n) => json!({"type": "function", "name": n}),
         }
     }
 }

@@ -169,6 +169,25 @@ impl Server {
         assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
         data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
     }
+
+    /// The typed events (the Responses API's) a request for a stream gets: each its type and its
+    /// data, whose `type` and `sequence_number` are checked.
+    fn typed_events(&self, path: &str, body: &Value) -> Vec<(String, Value)> {
+        let (status, text) = self.http("POST", path, &body.to_string());
+        assert_eq!(status, 200, "{text}");
+        let events: Vec<(String, Value)> = text
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (kind, data) = e.strip_prefix("event: ").and_then(|e| e.split_once("\ndata: ")).unwrap();
+                (kind.to_string(), serde_json::from_str(data).unwrap())
+            })
+            .collect();
+        for (i, (kind, data)) in events.iter().enumerate() {
+            assert_eq!((&data["type"], &data["sequence_number"]), (&json!(kind), &json!(i)), "{data}");
+        }
+        events
+    }
 }
 
 impl Drop for Server {
@@ -1032,16 +1051,7 @@ fn serve_answers_the_responses_api_as_chat() {
     // Streamed: typed events in order, their deltas the answer.
     let mut streamed = request.clone();
     streamed["stream"] = json!(true);
-    let (status, text) = server.http("POST", "/v1/responses", &streamed.to_string());
-    assert_eq!(status, 200, "{text}");
-    let events: Vec<(String, Value)> = text
-        .split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            let (kind, data) = e.strip_prefix("event: ").and_then(|e| e.split_once("\ndata: ")).unwrap();
-            (kind.to_string(), serde_json::from_str(data).unwrap())
-        })
-        .collect();
+    let events = server.typed_events("/v1/responses", &streamed);
     let kinds: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
     let order = [
         "response.created",
@@ -1057,9 +1067,6 @@ fn serve_answers_the_responses_api_as_chat() {
         "response.completed",
     ];
     assert_eq!(kinds[kinds.len() - 4..], end, "{kinds:?}");
-    for (i, (kind, data)) in events.iter().enumerate() {
-        assert_eq!((&data["type"], &data["sequence_number"]), (&json!(kind), &json!(i)), "{data}");
-    }
     let deltas: String = events.iter().filter_map(|e| e.1["delta"].as_str()).collect();
     assert_eq!(deltas, want);
     assert_eq!(events.last().unwrap().1["response"]["output"][0]["content"][0]["text"], want);
@@ -1090,10 +1097,7 @@ fn serve_answers_the_responses_api_as_chat() {
             "`reasoning`: OpenAI's setting, which gridlm does not support",
         ),
         (json!({"messages": []}), "`messages` is no key of /v1/responses"),
-        (
-            json!({"input": [{"type": "function_call_output", "output": "1"}]}),
-            "`input[0]`: an item of type function_call_output",
-        ),
+        (json!({"input": [{"type": "reasoning", "summary": []}]}), "`input[0]`: an item of type reasoning"),
     ] {
         let mut request = json!({"input": "x"});
         request.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
@@ -1185,6 +1189,7 @@ fn serve_calls_tools_as_asked() {
         }
     };
     let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    let mut chat_calls = Vec::new();
     for (choice, finish) in [(json!("required"), "tool_calls"), (named, "stop")] {
         let (status, v) = server.post("/v1/chat/completions", &ask(choice.clone()));
         assert_eq!(status, 200, "{v}");
@@ -1208,7 +1213,8 @@ fn serve_calls_tools_as_asked() {
         streamed["stream"] = json!(true);
         let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &streamed));
         let calls: Vec<(String, String)> = calls.into_iter().map(|(n, a, _)| (n, a)).collect();
-        assert_eq!((text.as_str(), calls, end.as_str()), ("", whole, finish), "{choice}");
+        assert_eq!((text.as_str(), &calls, end.as_str()), ("", &whole, finish), "{choice}");
+        chat_calls.push(whole);
     }
     // One call at most where calls are not parallel.
     let mut one = ask(json!("required"));
@@ -1256,6 +1262,7 @@ fn serve_calls_tools_as_asked() {
         &json!({"messages": turn, "tools": [weather], "tool_choice": "none", "max_tokens": 20}),
     );
     assert!(status == 200 && v["choices"][0]["message"]["content"].is_string(), "{v}");
+    let turn_tokens = v["usage"]["prompt_tokens"].clone();
     let (status, t) = server.post("/tokenize", &json!({"messages": turn, "tools": [weather]}));
     assert_eq!((status, &t["count"]), (200, &v["usage"]["prompt_tokens"]), "{t}");
     // Calls a request cannot make are refused by name.
@@ -1272,6 +1279,101 @@ fn serve_calls_tools_as_asked() {
         status == 400 && e["error"]["message"].as_str().unwrap().contains("takes no other format"),
         "{e}"
     );
+
+    // The Responses API: the same tools in its form give the chat's calls as `function_call`
+    // items, whole and streamed; `auto` a message of the text before them.
+    let flat = |t: &Value| {
+        let mut f = t["function"].clone();
+        f["type"] = json!("function");
+        f
+    };
+    let respond = |choice: Value| {
+        json!({"input": "What is the weather in Paris?", "tools": [flat(&weather), flat(&time)],
+            "tool_choice": choice, "max_output_tokens": 60})
+    };
+    // An output item as (type, text or name, arguments); a call's ids checked.
+    let item = |i: &Value| {
+        assert_eq!(i["status"], "completed", "{i}");
+        match i["type"].as_str() {
+            Some("message") => {
+                ("message".to_string(), i["content"][0]["text"].as_str().unwrap().to_string(), String::new())
+            }
+            _ => {
+                let (call_id, id) = (i["call_id"].as_str().unwrap(), i["id"].as_str().unwrap());
+                assert!(call_id.starts_with("call_") && id == format!("fc_{}", &call_id[5..]), "{i}");
+                let (name, args) = (i["name"].as_str().unwrap(), i["arguments"].as_str().unwrap());
+                (i["type"].as_str().unwrap().to_string(), name.to_string(), args.to_string())
+            }
+        }
+    };
+    let as_calls = |calls: &[(String, String)]| -> Vec<(String, String, String)> {
+        calls.iter().map(|(n, a)| ("function_call".to_string(), n.clone(), a.clone())).collect()
+    };
+    let named = json!({"type": "function", "name": "get_weather"});
+    let sure = vec![("message".to_string(), "Sure.\n".to_string(), String::new())];
+    let auto_call = [sure, as_calls(&[("get_weather".into(), args.into())])].concat();
+    for (choice, want) in [
+        (json!("required"), as_calls(&chat_calls[0])),
+        (named.clone(), as_calls(&chat_calls[1])),
+        (json!("auto"), auto_call),
+    ] {
+        let mut request = respond(choice.clone());
+        if choice == "auto" {
+            request.as_object_mut().unwrap().insert("structured_outputs".into(), json!({"regex": forced}));
+            request["max_output_tokens"] = json!(120);
+        }
+        let (status, r) = server.post("/v1/responses", &request);
+        assert_eq!((status, &r["status"], &r["tool_choice"]), (200, &json!("completed"), &choice), "{r}");
+        assert_eq!(
+            (&r["tools"], &r["parallel_tool_calls"]),
+            (&json!([flat(&weather), flat(&time)]), &json!(true))
+        );
+        let items: Vec<_> = r["output"].as_array().unwrap().iter().map(item).collect();
+        assert_eq!(items, want, "{r}");
+        // Streamed: each item added, its arguments (or text) as they come, done; the response
+        // completed with them.
+        request["stream"] = json!(true);
+        let events = server.typed_events("/v1/responses", &request);
+        let completed = &events.last().unwrap().1["response"];
+        let items: Vec<_> = completed["output"].as_array().unwrap().iter().map(item).collect();
+        assert_eq!(items, want, "{completed}");
+        let mut sent: Vec<String> = Vec::new();
+        for (kind, e) in &events[2..events.len() - 1] {
+            let at = e["output_index"].as_u64().unwrap() as usize;
+            match kind.as_str() {
+                "response.output_item.added" => {
+                    assert_eq!(at, sent.len(), "{e}");
+                    sent.push(String::new());
+                }
+                "response.function_call_arguments.delta" | "response.output_text.delta" => {
+                    sent[at].push_str(e["delta"].as_str().unwrap())
+                }
+                "response.function_call_arguments.done" => {
+                    assert_eq!(
+                        (e["arguments"].as_str(), e["name"].as_str()),
+                        (Some(sent[at].as_str()), Some(want[at].1.as_str()))
+                    )
+                }
+                "response.output_item.done" => {
+                    assert_eq!(e["item"], completed["output"][at], "{e}");
+                    assert_eq!(&sent[at], if want[at].0 == "message" { &want[at].1 } else { &want[at].2 });
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(sent.len(), want.len());
+    }
+    // The next turn: the call and its output as input items, the chat's prompt.
+    let (status, r) = server.post(
+        "/v1/responses",
+        &json!({"input": [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": id, "name": "get_weather", "arguments": args},
+            {"type": "function_call_output", "call_id": id, "output": "{\"temperature\": 21, \"sky\": \"clear\"}"}],
+            "tools": [flat(&weather)], "tool_choice": "none", "max_output_tokens": 20}),
+    );
+    assert_eq!((status, &r["usage"]["input_tokens"]), (200, &turn_tokens), "{r}");
+    assert_eq!(r["output"][0]["type"], "message", "{r}");
 
     // Llama 3's JSON calls: an answer that is one (held to it here) is a call, whole and streamed.
     drop(server);
@@ -1296,36 +1398,31 @@ fn serve_calls_tools_as_asked() {
     let held = |grammar: &str| json!({"messages": chat, "tools": [weather], "max_tokens": 120, "structured_outputs": {"grammar": grammar}});
     let paris = r#"{\"city\": \"Paris\", \"unit\": \"celsius\"}"#;
     let paris_args = r#"{"city": "Paris", "unit": "celsius"}"#;
-    let mut ask = held(&format!(r#"start: <[5]> "{{\"name\": \"get_weather\", \"parameters\": {paris}}}""#));
-    let (status, v) = server.post("/v1/chat/completions", &ask);
-    let c = &v["choices"][0];
-    assert_eq!(
-        (status, &c["message"]["content"], &c["finish_reason"]),
-        (200, &Value::Null, &json!("tool_calls")),
-        "{v}"
-    );
-    assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], paris_args, "{v}");
-    ask["stream"] = json!(true);
-    let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &ask));
-    assert_eq!((text.as_str(), calls.len(), end.as_str()), ("", 1, "tool_calls"));
-    assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", paris_args));
+    // A call of get_weather for Paris, after `content`, whole and streamed.
+    let paris_call = |server: &Server, mut ask: Value, content: Value| {
+        let (status, v) = server.post("/v1/chat/completions", &ask);
+        let c = &v["choices"][0];
+        assert_eq!(
+            (status, &c["message"]["content"], &c["finish_reason"]),
+            (200, &content, &json!("tool_calls")),
+            "{v}"
+        );
+        assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], paris_args, "{v}");
+        ask["stream"] = json!(true);
+        let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &ask));
+        assert_eq!(
+            (text.as_str(), calls.len(), end.as_str()),
+            (content.as_str().unwrap_or(""), 1, "tool_calls")
+        );
+        assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", paris_args));
+    };
+    let ask = held(&format!(r#"start: <[5]> "{{\"name\": \"get_weather\", \"parameters\": {paris}}}""#));
+    paris_call(&server, ask, Value::Null);
     // Hermes' tags as special tokens (3 and 4 here): the text before them is the content.
     drop(server);
     let server = Server::start(1, tagged.path(), &["--tool-call-parser", "hermes"]);
     let call = format!(r#""\n{{\"name\": \"get_weather\", \"arguments\": {paris}}}\n""#);
-    let mut ask = held(&format!(r#"start: "Sure." <[3]> {call} <[4]>"#));
-    let (status, v) = server.post("/v1/chat/completions", &ask);
-    let c = &v["choices"][0];
-    assert_eq!(
-        (status, &c["message"]["content"], &c["finish_reason"]),
-        (200, &json!("Sure."), &json!("tool_calls")),
-        "{v}"
-    );
-    assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], paris_args, "{v}");
-    ask["stream"] = json!(true);
-    let (text, calls, end) = gathered(&server.events("/v1/chat/completions", &ask));
-    assert_eq!((text.as_str(), calls.len(), end.as_str()), ("Sure.", 1, "tool_calls"));
-    assert_eq!((calls[0].0.as_str(), calls[0].1.as_str()), ("get_weather", paris_args));
+    paris_call(&server, held(&format!(r#"start: "Sure." <[3]> {call} <[4]>"#)), json!("Sure."));
     // Without tools the tags are special tokens as any other: not in the text.
     let mut plain = held(&format!(r#"start: "Sure." <[3]> {call} <[4]>"#));
     plain.as_object_mut().unwrap().remove("tools");
