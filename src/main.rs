@@ -12,7 +12,9 @@ use gridlm::comm::mpi::{launched_by_mpirun, MpiJob};
 use gridlm::comm::{Comm, Link, Single};
 use gridlm::config::ModelConfig;
 use gridlm::engine::sampling::{SamplingParams, TokenRules};
-use gridlm::engine::{check_prompt, Completion, Engine, PrefetchBy, Request, RunOptions, StepProfile};
+use gridlm::engine::{
+    check_prompt, Completion, Engine, Pooling, PrefetchBy, Request, RunOptions, StepProfile,
+};
 use gridlm::grammar::{Format, Grammars};
 use gridlm::grid::{Grid, ShardPlan};
 use gridlm::kernels::{dot, Fetch, ManyFetch, Quant, Streams};
@@ -344,6 +346,14 @@ struct GenerateArgs {
     /// the prompt is only scored
     #[arg(long, value_name = "N", requires = "json", value_parser = clap::value_parser!(u64).range(0..=20))]
     prompt_logprobs: Option<u64>,
+    /// With --json: each prompt's embedding (`embedding`: its last hidden states, after the
+    /// final norm, pooled from its last position, the mean of its positions, or its first)
+    /// instead of new tokens
+    #[arg(long, value_name = "POOLING", requires = "json", conflicts_with_all = ["logprobs", "prompt_logprobs"])]
+    embed: Option<Pooling>,
+    /// With --embed: each embedding scaled to length 1 (as `serve`'s /v1/embeddings gives them)
+    #[arg(long, requires = "embed")]
+    normalize: bool,
     #[command(flatten)]
     grid: GridArgs,
     /// Write the logits of the last prompt position (f32, little-endian) to this file.
@@ -1248,6 +1258,15 @@ fn load_shard(
     agree(link, Shard::from_source(src.as_ref(), cfg, plan, quant))
 }
 
+/// An embedding as given: as pooled, or scaled to length 1 ([`gridlm::engine::normalized`]).
+fn embedding(e: &[f32], normalize: bool) -> Vec<f32> {
+    if normalize {
+        gridlm::engine::normalized(e)
+    } else {
+        e.to_vec()
+    }
+}
+
 fn generate(a: GenerateArgs) -> Result<()> {
     a.engine.check()?;
     a.batching.check()?;
@@ -1257,7 +1276,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if a.prompts_file.is_some() && a.logits_out.is_some() {
         anyhow::bail!("--logits-out works with --prompt only");
     }
-    if a.logits_out.is_some() && a.max_tokens == 0 {
+    if a.logits_out.is_some() && (a.max_tokens == 0 || a.embed.is_some()) {
         // The prompt's logits come with its first new token; without one there are none.
         anyhow::bail!("--logits-out needs --max-tokens of at least 1");
     }
@@ -1526,7 +1545,7 @@ fn run_generate(
         .iter()
         .map(|p| Request {
             prompt: p.ids.clone(),
-            max_tokens: p.spec.max_tokens,
+            max_tokens: if a.embed.is_some() { 0 } else { p.spec.max_tokens },
             ignore_eos: p.spec.ignore_eos,
             params: p.spec.params.clone(),
             keep_logits: a.logits_out.is_some(),
@@ -1535,6 +1554,7 @@ fn run_generate(
             rules: p.spec.rules.clone(),
             format: p.spec.format.clone(),
             grammar: None,
+            embed: a.embed,
         })
         .collect();
     let mut opts = a.batching.options(grid.pp, eos_ids);
@@ -1607,6 +1627,7 @@ fn run_generate(
                 "stop_reason": trackers[0].stopped_by().map(StopBy::json),
                 "logprobs": logprobs_json(&tok, &g.token_ids, &g.logprobs),
                 "prompt_logprobs": prompt_logprobs_json(&tok, &p.ids, g),
+                "embedding": g.embedding.as_deref().map(|e| embedding(e, a.normalize)),
                 "prefill_ms": first,
                 "decode_tokens_per_s": tps,
                 "seed": p.spec.params.seed,
@@ -1656,6 +1677,7 @@ fn run_generate(
                     "stop_reason": t.stopped_by().map(StopBy::json),
                     "logprobs": logprobs_json(&tok, &c.token_ids, &c.logprobs),
                     "prompt_logprobs": prompt_logprobs_json(&tok, &p.ids, c),
+                    "embedding": c.embedding.as_deref().map(|e| embedding(e, a.normalize)),
                     "error": c.error,
                     "seed": p.spec.params.seed,
                     "first_token_ms": c.times_ms.first(),
@@ -2128,6 +2150,7 @@ fn run_bench(
             rules: TokenRules::default(),
             format: None,
             grammar: None,
+            embed: None,
         })
         .collect();
     let options = |batch: usize| RunOptions {

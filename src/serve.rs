@@ -1239,6 +1239,7 @@ fn answer(mut req: http::Request, front: &Front) {
                 rules: ask.rules.clone(),
                 format: ask.format.clone(),
                 grammar: grammar.clone(),
+                embed: None,
             };
             let inc = Incoming {
                 request,

@@ -90,6 +90,7 @@ fn decode_allocates_nothing(model: &str, cfg: &gridlm::config::ModelConfig, draf
         rules: TokenRules::default(),
         format: None,
         grammar: None,
+        embed: None,
     };
     let sampled = |temperature, top_p, top_k, seed| SamplingParams {
         temperature,

@@ -136,6 +136,40 @@ pub struct Step {
     /// tokens each may bring: `vocab.div_ceil(64)` words a sequence, a bit per token id.
     pub allowed_seqs: Vec<usize>,
     pub allowed: Vec<u64>,
+    /// Prompt chunks pooled into their prompt's embedding, in span order.
+    pub pooled: Vec<Pooled>,
+}
+
+/// How a prompt's last hidden states (after the final norm, as HF's base models give them) make
+/// its embedding ([`Request::embed`]; sentence-transformers' pooling modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Pooling {
+    /// Its last position's (Qwen3-Embedding, e5-mistral and other decoder embedders).
+    Last,
+    /// The mean over its positions.
+    Mean,
+    /// Its first position's.
+    Cls,
+}
+
+/// `e` scaled to length 1 (a vector of zeros as it is), as embeddings are given to be compared
+/// by their dot products; the length summed in f64.
+pub fn normalized(e: &[f32]) -> Vec<f32> {
+    let norm = e.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
+    let scale = if norm > 0.0 { (1.0 / norm) as f32 } else { 1.0 };
+    e.iter().map(|v| v * scale).collect()
+}
+
+/// A prompt chunk of a request for its prompt's embedding: the last stage pools the chunk's
+/// positions into its sequence's pool (from the prompt's first position on: a pooled prompt
+/// runs whole, none of it from the prefix cache) and, where the chunk `ends` the prompt,
+/// returns the embedding ([`StepResult::embeddings`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pooled {
+    /// Its span: an index into the step's spans.
+    pub span: usize,
+    pub how: Pooling,
+    pub ends: bool,
 }
 
 /// An emitting span whose last `k` tokens are drafts (speculative decoding): guesses of the
@@ -213,6 +247,9 @@ pub struct StepResult {
     /// The scored spans' positions' log-probabilities ([`Step::scored`]), one span's after
     /// another: a span's length of them, one fewer where it ends the prompt.
     pub prompt_logprobs: Vec<TokenLogprobs>,
+    /// The embedding of each pooled span that ends its prompt ([`Step::pooled`]), one after
+    /// another, `hidden_size` values each.
+    pub embeddings: Vec<f32>,
 }
 
 /// Settings of one greedy or sampled generation ([`Engine::generate`]).
@@ -279,6 +316,9 @@ struct SlotState {
     bias: Vec<(u32, f32)>,
     enders: Vec<u32>,
     min_tokens: u64,
+    /// Where its prompt is pooled into an embedding ([`Step::pooled`]): the sum of its
+    /// positions' last hidden states so far (mean), or the first position's (cls).
+    pooled: Vec<f32>,
 }
 
 impl SlotState {
@@ -400,6 +440,8 @@ pub struct Engine {
     hidden: Vec<f32>,
     /// Hidden states of each emitting span's last token, for the output head.
     last: Vec<f32>,
+    /// Pooled positions' last hidden states ([`Engine::pool`]).
+    pool_x: Vec<f32>,
     logits: Vec<f32>,
     candidates: Vec<f32>,
     sampling: sampling::Buffers,
@@ -719,6 +761,7 @@ impl Engine {
             slots: Vec::new(),
             hidden: Vec::new(),
             last: Vec::new(),
+            pool_x: Vec::new(),
             logits: Vec::new(),
             candidates: Vec::new(),
             sampling: sampling::Buffers::default(),
@@ -1201,6 +1244,10 @@ impl Engine {
         if !step.scored.is_empty() {
             self.score(step, comm, &mut result)?;
         }
+        // The stage's ranks hold the same hidden states: the one that reports the step pools.
+        if !step.pooled.is_empty() && g.tp_rank() == 0 {
+            self.pool(step, &mut result)?;
+        }
         if g.rank == 0 {
             return Ok(Some(result));
         }
@@ -1210,6 +1257,51 @@ impl Engine {
         }
         self.recycle(result);
         Ok(None)
+    }
+
+    /// Last stage, after the step's layers: the step's pooled spans' last hidden states (the
+    /// final norm of `self.hidden`'s rows) into their sequences' pools, and the embedding of
+    /// each span that ends its prompt into `result` ([`Step::pooled`]).
+    fn pool(&mut self, step: &Step, result: &mut StepResult) -> Result<()> {
+        let h = self.shard.cfg.hidden_size;
+        let Engine { shard, hidden, slots, pool_x, .. } = self;
+        for p in &step.pooled {
+            let Some(sp) = step.spans.get(p.span) else {
+                return Err(Error::Comm(format!("a step pools span {} of {}", p.span, step.spans.len())));
+            };
+            let at: usize = step.spans[..p.span].iter().map(|s| s.len).sum();
+            let pool = &mut slots[sp.seq].pooled;
+            if sp.pos0 == 0 {
+                pool.clear();
+                pool.resize(h, 0.0);
+            } else if pool.len() != h {
+                return Err(Error::Comm("a step pools a prompt from its middle".into()));
+            }
+            let rows = match p.how {
+                Pooling::Last => p.ends.then(|| at + sp.len - 1..at + sp.len),
+                Pooling::Mean => Some(at..at + sp.len),
+                Pooling::Cls => (sp.pos0 == 0).then(|| at..at + 1),
+            };
+            if let Some(rows) = rows {
+                let n = rows.len();
+                crate::grow(pool_x, n * h);
+                shard.final_normed(&hidden[rows.start * h..rows.end * h], &mut pool_x[..n * h]);
+                match p.how {
+                    Pooling::Mean => pool_x[..n * h].chunks_exact(h).for_each(|r| {
+                        pool.iter_mut().zip(r).for_each(|(a, &v)| *a += v);
+                    }),
+                    Pooling::Last | Pooling::Cls => pool.copy_from_slice(&pool_x[..h]),
+                }
+            }
+            if p.ends {
+                let scale = match p.how {
+                    Pooling::Mean => 1.0 / (sp.pos0 + sp.len) as f32,
+                    Pooling::Last | Pooling::Cls => 1.0,
+                };
+                result.embeddings.extend(pool.iter().map(|v| v * scale));
+            }
+        }
+        Ok(())
     }
 
     /// Last stage, after the step's layers: the log-probabilities of the prompt's next token at
@@ -1522,6 +1614,7 @@ impl Engine {
             rules: sampling::TokenRules::default(),
             format: None,
             grammar: None,
+            embed: None,
         };
         let run = RunOptions { eos_ids: opts.eos_ids.clone(), ..RunOptions::default() };
         let mut done = self.run(&[req], &run, comm, link, |_, t| on_token(t).map(|()| true))?;

@@ -19,7 +19,7 @@ use super::prefix::{PrefixCache, ROOT};
 use super::{
     check_prompt,
     sampling::{SamplingParams, TokenRules},
-    Admit, Drafted, Engine, Finish, Plan, Scored, Step, StepResult, TokenLogprobs,
+    Admit, Drafted, Engine, Finish, Plan, Pooled, Pooling, Scored, Step, StepResult, TokenLogprobs,
 };
 use crate::comm::{Comm, Link};
 use crate::error::{Error, Result};
@@ -53,6 +53,9 @@ pub struct Request {
     /// scheduler compiles it at admission where this is `None`, and the running sequences'
     /// steps wait for that (serve compiles each request's format in its own thread).
     pub grammar: Option<Constrained>,
+    /// The request is for its prompt's embedding, pooled so ([`Completion::embedding`]): it
+    /// brings no tokens (`max_tokens` 0) nor log-probabilities, and its prompt runs whole.
+    pub embed: Option<Pooling>,
 }
 
 /// How the scheduler runs a set of requests.
@@ -133,6 +136,9 @@ pub struct Completion {
     /// Draft tokens its steps checked ([`RunOptions::speculate`]), and those kept.
     pub drafted: usize,
     pub accepted: usize,
+    /// The prompt's embedding, where the request asked for it ([`Request::embed`]): its last
+    /// hidden states pooled, `hidden_size` values (not normalized).
+    pub embedding: Option<Vec<f32>>,
 }
 
 impl Completion {
@@ -185,15 +191,22 @@ struct Seq {
 }
 
 /// A launched step: the requests of its emitting spans, in order (each brings a token for its
-/// span and one for each of its drafts: `rows` in all), and of its scored spans (with the
-/// log-probabilities each brings and whether it ends its prompt).
+/// span and one for each of its drafts: `rows` in all), of its scored spans (with the
+/// log-probabilities each brings and whether it ends its prompt) and of its pooled spans
+/// (whether each ends its prompt, and so brings its embedding).
 struct InFlight {
     group: usize,
     emitting: Vec<usize>,
     rows: usize,
-    scoring: Vec<(usize, usize, bool)>,
+    scoring: Scoring,
+    pooling: PooledChunks,
     want_logits: bool,
 }
+
+/// A step's scored chunks: (request, the scores it brings, whether it ends the prompt).
+type Scoring = Vec<(usize, usize, bool)>;
+/// A step's pooled chunks: (request, whether it ends the prompt).
+type PooledChunks = Vec<(usize, bool)>;
 
 /// The driver's side of a run: where its requests come from and where their tokens go.
 pub trait Traffic {
@@ -431,6 +444,9 @@ impl Engine {
                         "log-probabilities list at most {} alternatives a token, {alternatives} asked",
                         super::MAX_LOGPROBS
                     )),
+                    Ok(()) if req.embed.is_some() && (req.max_tokens > 0 || req.prompt_logprobs.is_some()) => {
+                        Some("a request for an embedding brings no tokens nor log-probabilities".into())
+                    }
                     Ok(()) => req.params.check().err().or_else(|| req.rules.check(vocab, req.max_tokens).err()),
                 };
                 let mut grammar = req.grammar.take();
@@ -452,8 +468,10 @@ impl Engine {
                     cached_tokens: 0,
                     drafted: 0,
                     accepted: 0,
+                    embedding: None,
                 };
-                if problem.is_some() || (req.max_tokens == 0 && req.prompt_logprobs.is_none()) {
+                let brings = req.max_tokens > 0 || req.prompt_logprobs.is_some() || req.embed.is_some();
+                if problem.is_some() || !brings {
                     if problem.is_some() {
                         out.finish = Finish::Error;
                         out.error = problem;
@@ -504,9 +522,10 @@ impl Engine {
                         break;
                     }
                     // The cached whole pages its prompt begins with, its last token left to run
-                    // (none for a prompt to score: all of it runs).
+                    // (none for a prompt to score or pool: all of it runs).
                     hit.clear();
-                    if caching && l.req.prompt_logprobs.is_none() && !long_rope(&l.req.prompt) {
+                    let whole = l.req.prompt_logprobs.is_some() || l.req.embed.is_some();
+                    if caching && !whole && !long_rope(&l.req.prompt) {
                         cache.lookup(&l.req.prompt, (l.req.prompt.len() - 1) / PAGE, &mut hit);
                         // A prompt whose pages a running sequence is writing waits for them
                         // (and the queue behind it, first come first served).
@@ -562,11 +581,10 @@ impl Engine {
                 }
                 stats.kv_pages_peak = stats.kv_pages_peak.max(pages - free_pages.len() - cache.idle());
                 let mut emitting = spare.pop().unwrap_or_default();
-                let mut scoring = Vec::new();
+                let (mut scoring, mut pooling) = (Vec::new(), Vec::new());
                 let limits = Limits { step_tokens: opts.step_tokens, speculate: opts.speculate, ctx };
-                let Some(rows) =
-                    build_step(&members[g], &mut live, limits, step, &mut emitting, &mut scoring)
-                else {
+                let into = (&mut emitting, &mut scoring, &mut pooling);
+                let Some(rows) = build_step(&members[g], &mut live, limits, step, into) else {
                     spare.push(emitting);
                     continue;
                 };
@@ -579,7 +597,7 @@ impl Engine {
                 let want_logits = step.want_logits;
                 busy[g] = true;
                 self.launch(&plan, comm, link)?;
-                flight.push_back(InFlight { group: g, emitting, rows, scoring, want_logits });
+                flight.push_back(InFlight { group: g, emitting, rows, scoring, pooling, want_logits });
                 tried = 0;
             }
             let Some(f) = flight.pop_front() else {
@@ -629,6 +647,21 @@ impl Engine {
                 }
             }
             drop(scores);
+            // Pooled prompts that ended bring their embeddings, and are over.
+            let h = self.shard.cfg.hidden_size;
+            let ends = f.pooling.iter().filter(|p| p.1).count();
+            if r.embeddings.len() != ends * h {
+                return Err(Error::Comm(format!(
+                    "a step ending {ends} pooled prompts brought {} values",
+                    r.embeddings.len()
+                )));
+            }
+            let mut embeddings = r.embeddings.chunks_exact(h);
+            for &(at, _) in f.pooling.iter().filter(|p| p.1) {
+                let l = live[at].as_mut().expect("a pooled request is held");
+                l.out.embedding = embeddings.next().map(<[f32]>::to_vec);
+                ended.push((at, Finish::Length));
+            }
             let mut row = 0;
             for &at in &f.emitting {
                 let l = live[at].as_mut().expect("an emitting request is held");
@@ -842,25 +875,28 @@ struct Limits {
 /// The next step of a group, into `step` (its admissions already there): a decode token of
 /// each running member (after it, drafts where it may draft and its text offers some), then
 /// prompt chunks while the step has room (at least one chunk, so prefill always advances);
-/// into `emitting` the requests of the emitting spans, in order, and into `scoring` those of
+/// into `emitting` the requests of the emitting spans, in order, into `scoring` those of
 /// the scored chunks (prompts asking for their log-probabilities: the request, the scores the
-/// chunk brings, whether it ends the prompt). The rows the step brings (a token for each
-/// emitting span and for each draft), or `None` when the group has nothing to run.
+/// chunk brings, whether it ends the prompt) and into `pooling` those of pooled chunks (prompts
+/// asking for their embedding: the request, whether the chunk ends the prompt). The rows the
+/// step brings (a token for each emitting span and for each draft), or `None` when the group
+/// has nothing to run.
 fn build_step(
     members: &[usize],
     live: &mut [Option<Live>],
     limits: Limits,
     step: &mut Step,
-    emitting: &mut Vec<usize>,
-    scoring: &mut Vec<(usize, usize, bool)>,
+    (emitting, scoring, pooling): (&mut Vec<usize>, &mut Scoring, &mut PooledChunks),
 ) -> Option<usize> {
-    let Step { spans, tokens, want_logits, scored, drafted, .. } = step;
+    let Step { spans, tokens, want_logits, scored, drafted, pooled, .. } = step;
     spans.clear();
     tokens.clear();
     emitting.clear();
     scored.clear();
     scoring.clear();
     drafted.clear();
+    pooled.clear();
+    pooling.clear();
     *want_logits = false;
     for &i in members {
         let l = live[i].as_mut().expect("members are held");
@@ -914,6 +950,10 @@ fn build_step(
             let next = p.get(s.fed + n).copied();
             scored.push(Scored { span: spans.len(), next, k });
             scoring.push((i, if ends { n - 1 } else { n }, ends));
+        }
+        if let Some(how) = l.req.embed {
+            pooled.push(Pooled { span: spans.len(), how, ends });
+            pooling.push((i, ends));
         }
         spans.push(Span { seq: s.slot, pos0: s.fed, len: n, emit });
         tokens.extend_from_slice(&p[s.fed..s.fed + n]);

@@ -8,13 +8,15 @@
 //!         spans × (seq u64, pos0 u64, len u64, emit u8), tokens,
 //!         scored u64, scored × (span u64, next u64 (u64::MAX: none), k u64),
 //!         drafted u64, drafted × (span u64, k u64),
-//!         allowed u64, allowed × seq u64, words u64, words × u64, admit (bincode)
+//!         allowed u64, allowed × seq u64, words u64, words × u64,
+//!         pooled u64, pooled × (span u64, how u8, ends u8), admit (bincode)
 //! other:  1u8, the plan (bincode)
-//! result: tokens, 0u8 | 1u8 and (logits, log-probabilities, prompt log-probabilities) (bincode)
+//! result: tokens, 0u8 | 1u8 and (logits, log-probabilities, prompt log-probabilities,
+//!         embeddings) (bincode)
 //! tokens: count u64, then the tokens × u32
 //! ```
 
-use super::{Drafted, Plan, Scored, Step, StepResult};
+use super::{Drafted, Plan, Pooled, Pooling, Scored, Step, StepResult};
 use crate::error::{Error, Result};
 use crate::model::Span;
 
@@ -26,6 +28,10 @@ const SPAN_BYTES: usize = 3 * 8 + 1;
 const SCORED_BYTES: usize = 3 * 8;
 /// Bytes of one drafted span on the wire.
 const DRAFTED_BYTES: usize = 2 * 8;
+/// Bytes of one pooled span on the wire.
+const POOLED_BYTES: usize = 8 + 2;
+/// How a pooled span pools, as a byte.
+const POOLINGS: [Pooling; 3] = [Pooling::Last, Pooling::Mean, Pooling::Cls];
 
 fn word(out: &mut Vec<u8>, v: usize) {
     out.extend_from_slice(&(v as u64).to_le_bytes());
@@ -72,6 +78,12 @@ pub fn encode_plan(plan: &Plan, out: &mut Vec<u8>) -> Result<()> {
     step.allowed_seqs.iter().for_each(|&s| word(out, s));
     word(out, step.allowed.len());
     step.allowed.iter().for_each(|w| out.extend_from_slice(&w.to_le_bytes()));
+    word(out, step.pooled.len());
+    for p in &step.pooled {
+        word(out, p.span);
+        let how = POOLINGS.iter().position(|&h| h == p.how).unwrap_or_default();
+        out.extend([how as u8, u8::from(p.ends)]);
+    }
     if !step.admit.is_empty() {
         let start = out.len();
         bincode::serialize_into(&mut *out, &step.admit)
@@ -138,6 +150,15 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
     for _ in 0..n_words {
         step.allowed.push(u64::from_le_bytes(r.array()?));
     }
+    let n_pooled = r.len(POOLED_BYTES)?;
+    step.pooled.clear();
+    for _ in 0..n_pooled {
+        let span = r.usize()?;
+        let how = r.u8()?;
+        let how =
+            *POOLINGS.get(how as usize).ok_or_else(|| Error::Comm(format!("a plan pools by way {how}")))?;
+        step.pooled.push(Pooled { span, how, ends: r.u8()? != 0 });
+    }
     let admit = r.take(admit_bytes)?;
     if admit.is_empty() {
         step.admit.clear();
@@ -152,11 +173,12 @@ pub fn decode_plan(bytes: &[u8], into: &mut Plan) -> Result<()> {
 pub fn encode_result(r: &StepResult, out: &mut Vec<u8>) -> Result<()> {
     out.clear();
     tokens(out, &r.tokens);
-    if r.logits.is_none() && r.logprobs.is_empty() && r.prompt_logprobs.is_empty() {
+    if r.logits.is_none() && r.logprobs.is_empty() && r.prompt_logprobs.is_empty() && r.embeddings.is_empty()
+    {
         out.push(0);
     } else {
         out.push(1);
-        bincode::serialize_into(&mut *out, &(&r.logits, &r.logprobs, &r.prompt_logprobs))
+        bincode::serialize_into(&mut *out, &(&r.logits, &r.logprobs, &r.prompt_logprobs, &r.embeddings))
             .map_err(|e| Error::Comm(format!("cannot encode a step's logits: {e}")))?;
     }
     Ok(())
@@ -170,9 +192,10 @@ pub fn decode_result(bytes: &[u8], into: &mut StepResult) -> Result<()> {
         into.logits = None;
         into.logprobs.clear();
         into.prompt_logprobs.clear();
+        into.embeddings.clear();
         return r.end();
     }
-    (into.logits, into.logprobs, into.prompt_logprobs) = bincode::deserialize(r.rest())
+    (into.logits, into.logprobs, into.prompt_logprobs, into.embeddings) = bincode::deserialize(r.rest())
         .map_err(|e| Error::Comm(format!("cannot decode a step's logits: {e}")))?;
     Ok(())
 }
@@ -281,6 +304,11 @@ mod tests {
             drafted: vec![Drafted { span: 1, k: 3 }, Drafted { span: 4, k: 1 << 33 }],
             allowed_seqs: vec![0, 2],
             allowed: vec![u64::MAX, 1, 0, 1 << 63],
+            pooled: vec![
+                Pooled { span: 0, how: Pooling::Mean, ends: false },
+                Pooled { span: 1 << 36, how: Pooling::Cls, ends: true },
+                Pooled { span: 1, how: Pooling::Last, ends: true },
+            ],
         }
     }
 
@@ -342,13 +370,19 @@ mod tests {
                 logits: None,
                 logprobs: vec![lp(-1.5), None, lp(-3.0)],
                 prompt_logprobs: vec![lp(-0.5).unwrap(), lp(-4.0).unwrap()],
+                embeddings: vec![],
+            },
+            StepResult {
+                tokens: Vec::new(),
+                embeddings: vec![0.25, -1.0, f32::MAX],
+                ..StepResult::default()
             },
             StepResult { tokens: Vec::new(), ..StepResult::default() },
         ] {
             encode_result(&r, &mut bytes).unwrap();
             decode_result(&bytes, &mut into).unwrap();
-            let got = (&into.tokens, &into.logits, &into.logprobs, &into.prompt_logprobs);
-            assert_eq!(got, (&r.tokens, &r.logits, &r.logprobs, &r.prompt_logprobs));
+            let got = (&into.tokens, &into.logits, &into.logprobs, &into.prompt_logprobs, &into.embeddings);
+            assert_eq!(got, (&r.tokens, &r.logits, &r.logprobs, &r.prompt_logprobs, &r.embeddings));
         }
     }
 

@@ -1965,6 +1965,13 @@ impl Shard {
 
     /// Final norm and this rank's vocabulary shard of the logits for `m` hidden states `x`
     /// (`[m, hidden]`) into `out` (`[m, vocab shard]`), reading the output head once.
+    /// The final norm of the rows of `x` into `out`: the model's last hidden states, as HF's
+    /// base models give them (the output head reads these). Last stage only.
+    pub fn final_normed(&self, x: &[f32], out: &mut [f32]) {
+        let norm = self.final_norm.as_ref().expect("final_normed called outside the last stage");
+        norm.apply(x, self.cfg.rms_norm_eps, &mut out[..x.len()]);
+    }
+
     pub fn logits(&self, x: &[f32], m: usize, s: &mut Scratch, out: &mut [f32], team: &Team) {
         let h = self.cfg.hidden_size;
         let norm = self.final_norm.as_ref().expect("logits called outside the last stage");

@@ -72,6 +72,7 @@ pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize, keep_logits: bool) ->
         rules: Default::default(),
         format: None,
         grammar: None,
+        embed: None,
     }
 }
 

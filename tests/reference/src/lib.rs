@@ -59,7 +59,8 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("id array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
-/// Runs `gridlm generate --json --ignore-eos --logits-out … <args>` on one rank.
+/// Runs `gridlm generate --json --ignore-eos --logits-out … <args>` on one rank (no
+/// `--logits-out` with `--embed`: the run's logits are then empty).
 pub fn generate(model: &Path, args: &[&str]) -> Run {
     generate_on(&[], model, args)
 }
@@ -70,12 +71,13 @@ pub fn generate_on(launcher: &[&str], model: &Path, args: &[&str]) -> Run {
     let dir = tempfile::tempdir().expect("tempdir");
     let logits_path = dir.path().join("logits.f32");
     let mut cmd = launch_command(launcher);
-    cmd.arg("generate")
-        .arg("--model")
-        .arg(model)
-        .args(["--json", "--ignore-eos", "--logits-out"])
-        .arg(&logits_path)
-        .args(args);
+    cmd.arg("generate").arg("--model").arg(model).args(["--json", "--ignore-eos"]);
+    // A run for embeddings brings no token, so no logits.
+    let embeds = args.contains(&"--embed");
+    if !embeds {
+        cmd.arg("--logits-out").arg(&logits_path);
+    }
+    cmd.args(args);
     let out = run_with_timeout(cmd, 600);
     assert!(
         out.status.success(),
@@ -87,7 +89,7 @@ pub fn generate_on(launcher: &[&str], model: &Path, args: &[&str]) -> Run {
         .lines()
         .find_map(|l| serde_json::from_str(l).ok())
         .unwrap_or_else(|| panic!("gridlm printed no JSON line:\n{stdout}"));
-    let bytes = std::fs::read(&logits_path).expect("logits file");
+    let bytes = if embeds { Vec::new() } else { std::fs::read(&logits_path).expect("logits file") };
     let logits = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     Run { prompt_ids: ids(&json["prompt_token_ids"]), token_ids: ids(&json["token_ids"]), json, logits }
 }

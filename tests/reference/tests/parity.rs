@@ -94,6 +94,69 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&l| l as f64 - lse).collect()
 }
 
+/// `generate --embed` (a prompt's last hidden states, after the final norm, pooled) against
+/// candle's Llama on one rank, two tensor-parallel ranks and two stages, the prompt run in one
+/// chunk and in two (16 and 4 positions). SmolLM2 ties its output head to its embedding matrix E,
+/// so candle's logits at a position are E times the normed hidden state there, and the head is
+/// linear: E times the last position's embedding is candle's last logits, E times the mean
+/// embedding the mean of candle's logits over the positions, E times the first position's candle's
+/// first logits.
+#[test]
+fn smollm2_embeddings_match_candle() {
+    let dir = smollm2("f32");
+    let cfg = folder_config(&dir);
+    let (vocab, hidden) =
+        (cfg["vocab_size"].as_u64().unwrap() as usize, cfg["hidden_size"].as_u64().unwrap() as usize);
+    let e = candle_weights(&dir).get((vocab, hidden), "model.embed_tokens.weight").unwrap();
+    let head = |v: &[f32]| -> Vec<f32> {
+        let v = Tensor::from_slice(v, (hidden, 1), &Device::Cpu).unwrap();
+        e.matmul(&v).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let prompt = "The history of the Roman Empire began when Romulus founded the city on the Palatine Hill.";
+    let mut theirs: Option<Vec<Vec<f32>>> = None;
+    for grid in [&[][..], &["--tp", "2"][..], &["--pp", "2"][..]] {
+        for (pooling, chunk) in [("last", "512"), ("mean", "512"), ("cls", "512"), ("mean", "8")] {
+            let mut args =
+                vec!["--prompt", prompt, "--embed", pooling, "--step-tokens", chunk, "--threads", "1"];
+            args.extend(KV_F32);
+            args.extend(grid);
+            let run = if grid.is_empty() {
+                generate(&dir, &args)
+            } else {
+                generate_on(&["local", "2"], &dir, &args)
+            };
+            let ids = &run.prompt_ids;
+            // candle's logits at each position: after the first token, then after each next one.
+            let along = theirs.get_or_insert_with(|| {
+                let forced: Vec<u32> = ids[1..].iter().copied().chain([0]).collect();
+                candle_llama_along(&dir, &ids[..1], &forced)
+            });
+            assert_eq!(along.len(), ids.len());
+            let want: Vec<f32> = match pooling {
+                "last" => along[ids.len() - 1].clone(),
+                "cls" => along[0].clone(),
+                _ => (0..vocab).map(|t| along.iter().map(|l| l[t]).sum::<f32>() / ids.len() as f32).collect(),
+            };
+            let embedding: Vec<f32> = run.json["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            assert_eq!((embedding.len(), &run.json["token_ids"]), (hidden, &serde_json::json!([])));
+            let d = max_abs_diff(&head(&embedding), &want);
+            eprintln!(
+                "{pooling} in chunks of {chunk} on {grid:?}: {} positions, max |Δ logits| = {d:.2e}",
+                ids.len()
+            );
+            assert!(
+                d <= LOGIT_TOL,
+                "{pooling} on {grid:?}: E · embedding differs from candle's logits by {d}"
+            );
+        }
+    }
+}
+
 /// `generate --logprobs 5` reports each token's log-probability and the five most likely
 /// tokens' as candle's logits give them (within 1e-3; an alternative may differ only where
 /// candle's own values nearly tie), on one rank, two tensor-parallel ranks (the vocabulary
