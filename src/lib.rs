@@ -5,6 +5,7 @@ pub mod allocs;
 pub mod bench;
 pub mod comm;
 pub mod config;
+pub mod embeddings;
 pub mod engine;
 pub mod error;
 pub mod grammar;

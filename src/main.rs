@@ -95,6 +95,11 @@ struct ServeArgs {
     /// refused; `required` and a tool by name need none.
     #[arg(long, value_name = "PARSER")]
     tool_call_parser: Option<gridlm::tools::Parser>,
+    /// How /v1/embeddings pools a prompt's last hidden states (after the final norm): from its
+    /// last position, the mean of its positions, or its first (default: as the model folder's
+    /// sentence-transformers modules.json says, else last)
+    #[arg(long, value_name = "POOLING")]
+    pooling: Option<Pooling>,
     /// Sampling settings of a request that does not give them; request i's seed is seed + i.
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -1824,6 +1829,10 @@ fn run_serve(
             template_vars: a.chat_template_kwargs.clone().unwrap_or_default(),
             params: params.clone(),
             tool_parser: a.tool_call_parser,
+            pooling: match a.pooling {
+                Some(p) => Ok(p),
+                None => gridlm::embeddings::folder_pooling(&a.model).map(|p| p.unwrap_or(Pooling::Last)),
+            },
         },
         tx,
         count: Default::default(),

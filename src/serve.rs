@@ -8,8 +8,11 @@
 //! channel, so a streamed answer shows each piece as its step ends. While no request runs or
 //! waits, the other ranks sleep ([`crate::comm::Link::sleep_until_woken`]).
 
+use crate::embeddings;
 use crate::engine::sampling::{SamplingParams, TokenRules};
-use crate::engine::{check_prompt, Completion, Finish, Request, TokenLogprobs, Traffic, MAX_LOGPROBS};
+use crate::engine::{
+    check_prompt, Completion, Finish, Pooling, Request, TokenLogprobs, Traffic, MAX_LOGPROBS,
+};
 use crate::error::Result;
 use crate::grammar::{Format, Grammars};
 use crate::http;
@@ -90,6 +93,9 @@ pub struct Defaults {
     pub params: SamplingParams,
     /// How calls are read from an answer that may call tools or not (`--tool-call-parser`).
     pub tool_parser: Option<tools::Parser>,
+    /// How embeddings are pooled (`--pooling`, or as the model folder says), or why the
+    /// folder's way is not one gridlm has.
+    pub pooling: std::result::Result<Pooling, String>,
 }
 
 /// Keys a request may have.
@@ -489,8 +495,8 @@ pub enum Event {
     Text(String, Logprobs),
     /// The request is over: the rest of its text (what the last tokens completed) and its
     /// tokens' log-probabilities not sent yet, why it ended (and the stop string or token that
-    /// ended it), its error if it could not run, and how many tokens it brought, cached and
-    /// drafted.
+    /// ended it), its error if it could not run, how many tokens it brought, cached and
+    /// drafted, and its prompt's embedding where it asked for that.
     Done {
         rest: String,
         logprobs: Logprobs,
@@ -499,6 +505,7 @@ pub enum Event {
         error: Option<String>,
         tokens: usize,
         counts: Counts,
+        embedding: Option<Vec<f32>>,
     },
 }
 
@@ -621,7 +628,9 @@ impl Traffic for Served {
             accepted: completion.accepted,
         };
         let stop_by = c.tracker.stopped_by().cloned();
-        let done = Event::Done { rest, logprobs: c.pending, finish, stop_by, error, tokens, counts };
+        let embedding = completion.embedding;
+        let done =
+            Event::Done { rest, logprobs: c.pending, finish, stop_by, error, tokens, counts, embedding };
         let _ = c.reply.send((c.choice, done));
         Ok(())
     }
@@ -840,7 +849,31 @@ struct Events<'a> {
     listening: Arc<()>,
 }
 
-impl Events<'_> {
+impl<'a> Events<'a> {
+    /// The events of a request of `k` completions, and the sender its completions' events go
+    /// by, the request counted among those in flight; or why it may not be answered now
+    /// (`--max-in-flight` requests are).
+    fn counted(front: &'a Front, k: usize) -> std::result::Result<(Self, Sender<(usize, Event)>), String> {
+        let counted = InFlight(&front.in_flight);
+        if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
+            let most = front.max_in_flight;
+            return Err(format!(
+                "{most} requests are being answered, the most --max-in-flight allows: try again later"
+            ));
+        }
+        let (reply, rx) = channel();
+        let events = Events {
+            rx,
+            open: k,
+            counted: Some(counted),
+            sent: Instant::now(),
+            first: None,
+            asked: Instant::now(),
+            listening: Arc::new(()),
+        };
+        Ok((events, reply))
+    }
+
     /// The next event, `None` once every completion is done (or the driver is gone).
     fn recv(&mut self) -> Option<(usize, Event)> {
         self.recv_unless(&|| false)
@@ -1068,9 +1101,12 @@ fn takes(url: &str) -> Option<&'static str> {
     match url {
         "/health" | "/metrics" | "/v1/models" => Some("GET, HEAD, OPTIONS"),
         u if u.starts_with("/v1/models/") => Some("GET, HEAD, OPTIONS"),
-        "/v1/completions" | "/v1/chat/completions" | "/v1/responses" | "/tokenize" | "/detokenize" => {
-            Some("POST, OPTIONS")
-        }
+        "/v1/completions"
+        | "/v1/chat/completions"
+        | "/v1/responses"
+        | "/v1/embeddings"
+        | "/tokenize"
+        | "/detokenize" => Some("POST, OPTIONS"),
         _ => None,
     }
 }
@@ -1161,10 +1197,12 @@ fn answer(mut req: http::Request, front: &Front) {
         ("POST", "/v1/completions") => Kind::Completion,
         ("POST", "/v1/chat/completions") => Kind::Chat,
         ("POST", "/v1/responses") => Kind::Response,
+        ("POST", "/v1/embeddings") => return embed(req, front, &url, t0),
         (_, u) => {
             let Some(methods) = takes(u) else {
-                let known = "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, \
-                             /metrics and /health";
+                let known =
+                    "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, \
+                             /tokenize, /detokenize, /metrics and /health";
                 return refuse(front, req, &url, 404, &format!("no endpoint {url} (there are {known})"));
             };
             let msg = format!("{url} does not take {}", req.method());
@@ -1202,28 +1240,15 @@ fn answer(mut req: http::Request, front: &Front) {
         }
         None => None,
     };
-    let counted = InFlight(&front.in_flight);
-    if front.in_flight.fetch_add(1, Ordering::Relaxed) >= front.max_in_flight {
-        let most = front.max_in_flight;
-        let msg =
-            format!("{most} requests are being answered, the most --max-in-flight allows: try again later");
-        return refuse(front, req, &url, 429, &msg);
-    }
+    // Each prompt's `n` completions, in that order; the `j`-th of a prompt samples with seed + j.
+    let k = prompts.len() * ask.n;
+    let (mut events, reply) = match Events::counted(front, k) {
+        Ok(e) => e,
+        Err(msg) => return refuse(front, req, &url, 429, &msg),
+    };
     // The text keeps the tags its tool calls are read by, where they are special tokens.
     let reader = ask.tools.as_ref().and_then(|t| Reader::new(t, front.defaults.tool_parser));
     let tags = reader.map(|r| front.tok.special_ids(r.tags())).unwrap_or_default();
-    // Each prompt's `n` completions, in that order; the `j`-th of a prompt samples with seed + j.
-    let k = prompts.len() * ask.n;
-    let (reply, rx) = channel();
-    let mut events = Events {
-        rx,
-        open: k,
-        counted: Some(counted),
-        sent: Instant::now(),
-        first: None,
-        asked: Instant::now(),
-        listening: Arc::new(()),
-    };
     for (i, ids) in prompts.iter().enumerate() {
         for j in 0..ask.n {
             let params =
@@ -1310,6 +1335,101 @@ fn answer(mut req: http::Request, front: &Front) {
         None => format!("{prompt_tokens} prompt tokens, the client went away{streamed}"),
     };
     let line = format!("serve: {id} {url} {status}: {how}, {:.2} s\n", t0.elapsed().as_secs_f64());
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+/// Answers an embeddings request (`POST /v1/embeddings`, [`embeddings`]): each input's
+/// embedding, its prompt pooled as the server pools (`--pooling`, or as the model folder says),
+/// the inputs run as one batch.
+fn embed(mut req: http::Request, front: &Front, url: &str, t0: Instant) {
+    let n = front.count.fetch_add(1, Ordering::Relaxed);
+    let body = match req.take_body() {
+        Ok(body) => body,
+        Err((status, why)) => return refuse(front, req, url, status, &why),
+    };
+    let ask = match embeddings::parse(&body) {
+        Ok(a) => a,
+        Err(e) => return refuse(front, req, url, 400, &e),
+    };
+    let pooling = match &front.defaults.pooling {
+        Ok(p) => *p,
+        Err(e) => return refuse(front, req, url, 400, &format!("embeddings are not available: {e}")),
+    };
+    let many = ask.input.len() > 1;
+    let at = |i: usize, e: String| if many { format!("`input[{i}]`: {e}") } else { format!("`input`: {e}") };
+    let ids: std::result::Result<Vec<Vec<u32>>, String> = match &ask.input {
+        embeddings::Input::Texts(t) => {
+            t.iter().map(|t| front.tok.encode(t, true).map_err(|e| e.to_string())).collect()
+        }
+        embeddings::Input::Ids(ids) => Ok(ids.clone()),
+    };
+    let checked = ids.and_then(|ids| {
+        for (i, p) in ids.iter().enumerate() {
+            if let Some(t) = p.iter().find(|&&t| t as usize >= front.vocab) {
+                return Err(at(
+                    i,
+                    format!("token id {t} is outside the vocabulary ({} tokens)", front.vocab),
+                ));
+            }
+            check_prompt(p.len(), front.context).map_err(|e| at(i, e.to_string()))?;
+        }
+        Ok(ids)
+    });
+    let prompts = match checked {
+        Ok(p) => p,
+        Err(e) => return refuse(front, req, url, 400, &e),
+    };
+    let k = prompts.len();
+    let (mut events, reply) = match Events::counted(front, k) {
+        Ok(e) => e,
+        Err(msg) => return refuse(front, req, url, 429, &msg),
+    };
+    for (i, prompt) in prompts.iter().enumerate() {
+        let request = Request { prompt: prompt.clone(), embed: Some(pooling), ..Request::default() };
+        let inc = Incoming {
+            request,
+            stop: Vec::new(),
+            keep_stop: false,
+            keep_special: Vec::new(),
+            choice: i,
+            reply: reply.clone(),
+            listener: Arc::downgrade(&events.listening),
+        };
+        if front.tx.send(inc).is_err() {
+            return refuse(front, req, url, 503, "the server is shutting down");
+        }
+    }
+    drop(reply);
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let mut vectors: Vec<Option<Vec<f32>>> = vec![None; k];
+    let mut failed = None;
+    while let Some((i, event)) = events.recv_unless(&|| req.client_gone()) {
+        if let Event::Done { error, embedding, .. } = event {
+            failed = failed.or(error);
+            vectors[i] = embedding;
+        }
+    }
+    let vectors: Option<Vec<Vec<f32>>> = vectors.into_iter().collect();
+    let status = match (failed, vectors) {
+        (Some(e), _) => {
+            reply_error(req, 400, &e);
+            400
+        }
+        (None, Some(v)) => {
+            reply_json(req, 200, &embeddings::body(&front.model, &ask, &v, prompt_tokens));
+            front.metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+            200
+        }
+        (None, None) => cut_short(req).0,
+    };
+    front.metrics.status(status);
+    front.metrics.duration.observe(t0.elapsed());
+    let line = format!(
+        "serve: embd-{n} {url} {status}: {} of {prompt_tokens} prompt tokens ({} pooling), {:.2} s\n",
+        crate::count(k, "input"),
+        pooling.name(),
+        t0.elapsed().as_secs_f64()
+    );
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
@@ -1662,7 +1782,7 @@ fn whole(req: http::Request, head: &Head, k: usize, events: &mut Events) -> (u16
                 texts[i].push_str(&piece);
                 lps[i].extend(lp);
             }
-            Event::Done { rest, logprobs, finish: f, stop_by: by, error, tokens: t, counts: c } => {
+            Event::Done { rest, logprobs, finish: f, stop_by: by, error, tokens: t, counts: c, .. } => {
                 stop_by[i] = by;
                 tokens += t;
                 head.add(&mut counts, i, c);
@@ -1754,7 +1874,7 @@ fn stream(
             (Event::Prompt(_), _) => Ok(()),
             (Event::Text(t, lp), None) => sse.piece(head, i, (&t, &entries(&lp)), None),
             (Event::Text(t, lp), Some(r)) => sse.calls(head, i, r, &t, &entries(&lp), None),
-            (Event::Done { rest, logprobs, finish: f, stop_by, error, tokens: t, counts: c }, r) => {
+            (Event::Done { rest, logprobs, finish: f, stop_by, error, tokens: t, counts: c, .. }, r) => {
                 (finish[i], done, tokens) = (f, done + 1, tokens + t);
                 head.add(&mut counts, i, c);
                 let ended = Some((f, stop_by.as_ref()));
@@ -2090,7 +2210,7 @@ mod tests {
     fn defaults() -> Defaults {
         let template_vars = serde_json::from_value(json!({"enable_thinking": true, "x": 1})).unwrap();
         let params = SamplingParams { seed: 100, ..Default::default() };
-        Defaults { max_tokens: 32, template_vars, params, tool_parser: None }
+        Defaults { max_tokens: 32, template_vars, params, tool_parser: None, pooling: Ok(Pooling::Last) }
     }
 
     fn ask(kind: Kind, body: &str) -> std::result::Result<Ask, String> {

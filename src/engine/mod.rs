@@ -152,6 +152,17 @@ pub enum Pooling {
     Cls,
 }
 
+impl Pooling {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::Last => "last",
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+        }
+    }
+}
+
 /// `e` scaled to length 1 (a vector of zeros as it is), as embeddings are given to be compared
 /// by their dot products; the length summed in f64.
 pub fn normalized(e: &[f32]) -> Vec<f32> {

@@ -379,7 +379,8 @@ fn serve_answers_as_the_engine_alone_on_two_stages() {
         ("/v1/completions", "{\"prompt\":\"a\",\"n\":65}".into(), 400, "`n`"),
         ("/v1/chat/completions", "{\"prompt\":\"a\"}".into(), 400, "`messages`"),
         ("/v1/completions", json!({"prompt": long}).to_string(), 400, "context"),
-        ("/v1/embeddings", "{}".into(), 404, "no endpoint /v1/embeddings"),
+        ("/v1/embeddings", "{}".into(), 400, "no `input`"),
+        ("/v1/audio/speech", "{}".into(), 404, "no endpoint /v1/audio/speech"),
     ] {
         let (got, text) = server.http("POST", path, &body);
         assert_eq!(got, status, "{path} {body:.40}: {text}");
@@ -1132,18 +1133,101 @@ fn gathered(events: &[Value]) -> (String, Vec<(String, String, String)>, String)
     (text, calls, finish)
 }
 
+/// A folder of links to the files of model folder `dir`, but those named in `except`.
+fn linked_copy(dir: &Path, except: &[&str]) -> tempfile::TempDir {
+    let copy = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if !except.iter().any(|x| e.file_name() == *x) {
+            std::os::unix::fs::symlink(e.path(), copy.path().join(e.file_name())).unwrap();
+        }
+    }
+    copy
+}
+
+/// `/v1/embeddings`: each input's embedding is the engine's own (the same prompt pooled the
+/// same way, alone on one rank, scaled to length 1), on two tensor-parallel ranks (pooled from
+/// the last position, the default) and on two stages (the mean, as the model folder's
+/// sentence-transformers modules say), while a completion runs beside them; token ids give the
+/// texts' embeddings, base64 the same values; bad requests are refused by name.
+#[test]
+fn serve_embeds_inputs_as_the_engine_pools_them() {
+    use gridlm::engine::{normalized, Pooling, Request, RunOptions};
+    let dir = smollm2("bf16");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let texts = ["The cat sat on the mat.", "Stock prices fell sharply today, as traders sold their shares."];
+    let mut engine = local_engine(&dir, None);
+    let mut alone = |how: Pooling| -> Vec<Vec<f32>> {
+        let requests: Vec<Request> = texts
+            .iter()
+            .map(|t| Request { prompt: tok.encode(t, true).unwrap(), embed: Some(how), ..Request::default() })
+            .collect();
+        let done = engine.run(&requests, &RunOptions::default(), &Single, &Single, |_, _| Ok(true)).unwrap();
+        done.iter().map(|c| normalized(c.embedding.as_ref().unwrap())).collect()
+    };
+    let (last, mean) = (alone(Pooling::Last), alone(Pooling::Mean));
+    let near = |got: &Value, want: &[f32]| {
+        let got: Vec<f32> = got.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        assert_eq!(got.len(), want.len());
+        let d = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(d < 2e-3, "embedding differs from the engine's by {d}");
+    };
+    let folder = linked_copy(&dir, &[]);
+    let modules = json!([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]);
+    std::fs::write(folder.path().join("modules.json"), modules.to_string()).unwrap();
+    std::fs::create_dir(folder.path().join("1_Pooling")).unwrap();
+    let pooling = json!({"word_embedding_dimension": 576, "pooling_mode_mean_tokens": true, "pooling_mode_lasttoken": false});
+    std::fs::write(folder.path().join("1_Pooling/config.json"), pooling.to_string()).unwrap();
+    for (grid, model, want) in [("--tp", dir.as_path(), &last), ("--pp", folder.path(), &mean)] {
+        let server = Server::start(2, model, &[grid, "2"]);
+        let long = json!({"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": true});
+        let completion = std::thread::scope(|s| {
+            let running = s.spawn(|| server.post("/v1/completions", &long));
+            let (status, v) = server.post("/v1/embeddings", &json!({"model": "m", "input": texts}));
+            assert_eq!(status, 200, "{v}");
+            assert_eq!((&v["object"], v["data"].as_array().map(Vec::len)), (&json!("list"), Some(2)), "{v}");
+            for (i, d) in v["data"].as_array().unwrap().iter().enumerate() {
+                assert_eq!((&d["object"], &d["index"]), (&json!("embedding"), &json!(i)));
+                near(&d["embedding"], &want[i]);
+            }
+            let tokens: usize = texts.iter().map(|t| tok.encode(t, true).unwrap().len()).sum();
+            assert_eq!(v["usage"], json!({"prompt_tokens": tokens, "total_tokens": tokens}));
+            running.join().unwrap()
+        });
+        assert_eq!(completion.1["usage"]["completion_tokens"], 64, "{}", completion.1);
+        // Token ids, and base64.
+        let ids = tok.encode(texts[1], true).unwrap();
+        let (_, v) = server.post("/v1/embeddings", &json!({"input": [ids], "encoding_format": "base64"}));
+        use base64::Engine as _;
+        let b = base64::engine::general_purpose::STANDARD
+            .decode(v["data"][0]["embedding"].as_str().unwrap())
+            .unwrap();
+        let floats: Vec<Value> =
+            b.chunks_exact(4).map(|c| json!(f32::from_le_bytes(c.try_into().unwrap()))).collect();
+        near(&Value::Array(floats), &want[1]);
+        let (_, raw) = server.post("/v1/embeddings", &json!({"input": texts[0], "normalize": false}));
+        let raw = raw["data"][0]["embedding"].as_array().unwrap();
+        let length = raw.iter().map(|v| v.as_f64().unwrap().powi(2)).sum::<f64>().sqrt();
+        assert!(length > 2.0, "an embedding as pooled has its own length, got {length}");
+        for (body, msg) in [
+            (json!({"input": ""}), "`input` is empty"),
+            (json!({"input": "a", "dimensions": 8}), "`dimensions` 8"),
+            (json!({"input": [[1], [70000]]}), "`input[1]`: token id 70000 is outside the vocabulary"),
+        ] {
+            let (status, e) = server.post("/v1/embeddings", &body);
+            let got = e["error"]["message"].as_str().unwrap_or_default();
+            assert!(status == 400 && got.starts_with(msg), "{body}: {status} {e}");
+        }
+    }
+}
+
 /// A copy of model folder `dir` (its other files linked) whose tokenizer has special tokens 3,
 /// 4 and 5 (SmolLM2's `<repo_name>`, `<reponame>`, `<file_sep>`) as the tool-call tags some
 /// models have as special tokens: `<tool_call>`, `</tool_call>` (Hermes 3), `<|python_tag|>`
 /// (Llama 3).
 fn with_special_tags(dir: &Path) -> tempfile::TempDir {
-    let copy = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let e = e.unwrap();
-        if e.file_name() != "tokenizer.json" {
-            std::os::unix::fs::symlink(e.path(), copy.path().join(e.file_name())).unwrap();
-        }
-    }
+    let copy = linked_copy(dir, &["tokenizer.json"]);
     let mut t: Value = serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
     for (id, tag) in [(3, "<tool_call>"), (4, "</tool_call>"), (5, "<|python_tag|>")] {
         let added = &mut t["added_tokens"][id];
