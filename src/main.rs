@@ -21,6 +21,7 @@ use gridlm::kernels::{dot, Fetch, ManyFetch, Quant, Streams};
 use gridlm::model::Shard;
 use gridlm::prompts::{read_prompts, Defaults, PromptSpec, StopBy, TextTracker};
 use gridlm::tokenizer::{check_template_vars, TemplateVars, Tokenizer};
+use gridlm::tools::Reader;
 use gridlm::weights::checkpoint::Checkpoint;
 use gridlm::weights::{as_loaded, convert, synthetic, DType, Source};
 use gridlm::{count, host};
@@ -281,10 +282,14 @@ struct GenerateArgs {
     /// `top_k`, `top_p`, `min_p`, `repetition_penalty`, `presence_penalty`,
     /// `frequency_penalty`, `seed`, `min_tokens`, `stop_token_ids`, `logit_bias`,
     /// `response_format` (or vLLM's `structured_outputs`, `guided_json`, `guided_regex`,
-    /// `guided_choice`, `guided_grammar`); or lines of OpenAI's batch input. `-` reads standard
-    /// input.
+    /// `guided_choice`, `guided_grammar`), a conversation's `tools`, `tool_choice` and
+    /// `parallel_tool_calls`; or lines of OpenAI's batch input. `-` reads standard input.
     #[arg(long)]
     prompts_file: Option<PathBuf>,
+    /// How calls are read from the answers of prompts-file conversations with tools whose tool
+    /// choice is `auto` (as serve's --tool-call-parser)
+    #[arg(long, value_name = "PARSER", requires = "prompts_file")]
+    tool_call_parser: Option<gridlm::tools::Parser>,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -1401,6 +1406,7 @@ fn prepare_prompts(
             logit_bias: a.logit_bias.as_ref().map_or_else(Vec::new, |b| b.0.clone()),
         },
         format: a.response_format.as_ref().and_then(|f| f.0.clone()),
+        tool_parser: a.tool_call_parser,
     };
     let specs = match (&a.prompt, &a.prompts_file) {
         (Some(p), _) => vec![d.spec(0, 0, p.clone())],
@@ -1564,9 +1570,17 @@ fn run_generate(
         .collect();
     let mut opts = a.batching.options(grid.pp, eos_ids);
     opts.grammars = grammars;
+    // Each answer's tool calls, where its prompt gives tools (its text keeps the tags they are
+    // read by, where those are special tokens).
+    let readers =
+        || prompts.iter().map(|p| p.spec.tools.as_ref().and_then(|t| Reader::new(t, a.tool_call_parser)));
     let mut trackers: Vec<TextTracker> = prompts
         .iter()
-        .map(|p| TextTracker::new(p.spec.stop.clone(), p.spec.keep_stop, &p.spec.rules))
+        .zip(readers())
+        .map(|(p, r)| {
+            let tags = r.map(|r| tok.special_ids(r.tags())).unwrap_or_default();
+            TextTracker::new(p.spec.stop.clone(), p.spec.keep_stop, &p.spec.rules).keeping(tags)
+        })
         .collect();
     // Locked per write, never across a step: a kernel thread that panics must not find it held.
     let mut stdout = std::io::stdout();
@@ -1659,6 +1673,18 @@ fn run_generate(
     }
     let file = a.prompts_file.as_ref().map(|f| f.display().to_string()).unwrap_or_default();
     let generated: usize = done.iter().map(|c| c.token_ids.len()).sum();
+    // The calls each answer made, as serve gives them: its content (`None` where all calls) and
+    // OpenAI's `tool_calls`.
+    let calls: Vec<Option<(Option<String>, serde_json::Value)>> = readers()
+        .zip(&texts)
+        .map(|(r, text)| {
+            let (content, calls) = gridlm::tools::read_whole(&mut r?, text);
+            let calls = calls.into_iter().map(|(id, name, arguments)| {
+                serde_json::json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            });
+            Some((content, calls.collect()))
+        })
+        .collect();
     let rate = generated as f64 / (stats.elapsed_ms / 1e3).max(1e-9);
     if a.json {
         let results: Vec<_> = done
@@ -1678,6 +1704,8 @@ fn run_generate(
                     "accepted_drafts": c.accepted,
                     "token_ids": c.token_ids,
                     "text": text,
+                    "content": calls[i].as_ref().map_or(Some(text.as_str()), |c| c.0.as_deref()),
+                    "tool_calls": calls[i].as_ref().map(|c| &c.1),
                     "finish_reason": c.finish,
                     "stop_reason": t.stopped_by().map(StopBy::json),
                     "logprobs": logprobs_json(&tok, &c.token_ids, &c.logprobs),

@@ -6,6 +6,7 @@ use crate::engine::sampling::{SamplingParams, TokenRules, MAX_LOGIT_BIAS};
 use crate::error::{Error, Result};
 use crate::grammar::{Format, VLLM_FORMATS};
 use crate::tokenizer::{check_template_vars, Message, StreamDecoder, TemplateVars, Tokenizer};
+use crate::tools::{Parser, Tools};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -27,6 +28,8 @@ pub struct Defaults {
     pub rules: TokenRules,
     /// What the answer must be (structured output).
     pub format: Option<Format>,
+    /// How calls are read from an answer whose tool choice is `auto` (`--tool-call-parser`).
+    pub tool_parser: Option<Parser>,
 }
 
 /// One prompt of a prompts file, with its settings resolved.
@@ -52,10 +55,16 @@ pub struct PromptSpec {
     pub params: SamplingParams,
     pub rules: TokenRules,
     pub format: Option<Format>,
+    /// A conversation's tools and how the answer may call them (`tools`, `tool_choice`,
+    /// `parallel_tool_calls`, as in serve's chat requests).
+    pub tools: Option<Tools>,
 }
 
 /// Keys a JSONL line may have (and [`ANSWER_KEYS`]).
-const KEYS: [&str; 17] = [
+const KEYS: [&str; 20] = [
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "prompt",
     "messages",
     "id",
@@ -342,6 +351,7 @@ impl Defaults {
             params,
             rules: self.rules.clone(),
             format: self.format.clone(),
+            tools: None,
         }
     }
 }
@@ -431,6 +441,18 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
                 s.stop = stop;
             }
             answer_fields(&obj, &mut s.keep_stop, &mut s.rules, &mut s.format)?;
+            s.tools = Tools::read(&obj, d.tool_parser)?;
+            if let Some(calls) = s.tools.as_ref().and_then(Tools::format) {
+                if s.format.is_some() {
+                    return Err(
+                        "`tool_choice` holds the answer to a tool call, so it takes no other format \
+                                (`response_format`, `structured_outputs`, --response-format)"
+                            .into(),
+                    );
+                }
+                s.format = Some(calls);
+            }
+            crate::tools::for_template(&mut s.template_vars, s.tools.as_ref().map_or(&[], |t| &t.list));
             sampling_fields(&obj, &mut s.params)
         };
         get(&mut s).map_err(at)?;
@@ -460,6 +482,11 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         }
         if obj.contains_key("chat_template_kwargs") && !s.chat {
             return Err(at("`chat_template_kwargs` needs `chat` (they go into the chat template)".into()));
+        }
+        if s.tools.is_some() && !s.chat {
+            return Err(at(
+                "`tools` need a chat (`messages`, or `chat`: they go into the chat template)".into()
+            ));
         }
         out.push(s);
     }
@@ -499,8 +526,8 @@ fn batch_request(
     if let Some(max) = body.remove("max_completion_tokens") {
         body.entry("max_tokens").or_insert(max);
     }
-    if let Some(k) = ["messages", "chat_template_kwargs"].into_iter().find(|k| !chat && body.contains_key(*k))
-    {
+    let chats = ["messages", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"];
+    if let Some(k) = chats.into_iter().find(|k| !chat && body.contains_key(*k)) {
         return Err(format!("`body.{k}` belongs to /v1/chat/completions"));
     }
     if chat && body.contains_key("prompt") {
@@ -726,6 +753,7 @@ mod tests {
             params: SamplingParams { seed: 100, ..Default::default() },
             rules: TokenRules::default(),
             format: None,
+            tool_parser: None,
         }
     }
 
@@ -840,6 +868,60 @@ mod tests {
         std::fs::write(&jl, "{\"prompt\":\"a\",\"system\":\"be kind\",\"chat\":false}\n").unwrap();
         let e = read_prompts(&jl, &chat).unwrap_err().to_string();
         assert!(e.contains("p.jsonl:1:") && e.contains("a system message needs `chat`"), "{e}");
+    }
+
+    /// A conversation's tools: to the template, the answer held to calls where the choice asks;
+    /// what a line cannot do with them refused by name.
+    #[test]
+    fn lines_give_tools_to_conversations() {
+        let dir = tempfile::tempdir().unwrap();
+        let jl = dir.path().join("t.jsonl");
+        let f = r#"{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}"#;
+        let line =
+            |more: &str| format!(r#"{{"messages":[{{"role":"user","content":"a"}}],"tools":[{f}]{more}}}"#);
+        std::fs::write(
+            &jl,
+            format!("{}\n{}\n", line(r#","tool_choice":"required""#), line(r#","tool_choice":"none""#)),
+        )
+        .unwrap();
+        let p = read_prompts(&jl, &defaults()).unwrap();
+        let t = p[0].tools.as_ref().unwrap();
+        assert_eq!((&t.choice, p[0].format == t.format()), (&crate::tools::ToolChoice::Required, true));
+        assert_eq!(
+            p[0].template_vars["tools"],
+            serde_json::json!([serde_json::from_str::<serde_json::Value>(f).unwrap()])
+        );
+        assert_eq!(
+            (p[1].tools.as_ref().map(|t| &t.choice), &p[1].format),
+            (Some(&crate::tools::ToolChoice::None), &None)
+        );
+        for (bad, want) in [
+            (line(""), "t.jsonl:1: `tool_choice` auto (the default where `tools` are given)"),
+            (
+                line(r#","tool_choice":"required","response_format":{"type":"json_object"}"#),
+                "t.jsonl:1: `tool_choice` holds the answer",
+            ),
+            (
+                format!(r#"{{"prompt":"a","tools":[{f}],"tool_choice":"required"}}"#),
+                "t.jsonl:1: `tools` need a chat",
+            ),
+            (
+                format!(
+                    r#"{{"custom_id":"c","method":"POST","url":"/v1/completions","body":{{"prompt":"a","tools":[{f}]}}}}"#
+                ),
+                "t.jsonl:1: `body.tools` belongs to /v1/chat/completions",
+            ),
+        ] {
+            std::fs::write(&jl, bad).unwrap();
+            let e = read_prompts(&jl, &defaults()).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let hermes = Defaults { tool_parser: Some(crate::tools::Parser::Hermes), ..defaults() };
+        std::fs::write(&jl, line("")).unwrap();
+        assert_eq!(
+            read_prompts(&jl, &hermes).unwrap()[0].tools.as_ref().map(|t| &t.choice),
+            Some(&crate::tools::ToolChoice::Auto)
+        );
     }
 
     /// OpenAI's batch input lines: the request's body as a line, its `custom_id` as the id, a

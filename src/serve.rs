@@ -238,7 +238,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
             // A Responses API request's tools, in the chat's form here, are named in its own.
             let named = |e: String| if kind == Kind::Response { e.replace(".function.", ".") } else { e };
             ask.tools = Tools::read(&obj, d.tool_parser).map_err(named)?;
-            tools_for_template(&mut ask.template_vars, ask.tools.as_ref().map_or(&[], |t| &t.list));
+            tools::for_template(&mut ask.template_vars, ask.tools.as_ref().map_or(&[], |t| &t.list));
         }
     }
     let max: Option<usize> = field(&obj, "max_tokens")?;
@@ -1027,14 +1027,6 @@ fn tokens(mut req: http::Request, front: &Front, url: &str) {
     }
 }
 
-/// The chat template's `tools` (as HF's `apply_chat_template` passes them) where a request gives
-/// any, over the server's.
-fn tools_for_template(vars: &mut TemplateVars, tools: &[Value]) {
-    if !tools.is_empty() {
-        vars.insert("tools".into(), Value::Array(tools.to_vec()));
-    }
-}
-
 /// How a chat request's rendered conversation ends, as its `add_generation_prompt` and
 /// `continue_final_message` ask.
 fn chat_end_field(obj: &Map<String, Value>) -> std::result::Result<ChatEnd, String> {
@@ -1074,7 +1066,7 @@ fn tokenize(body: &[u8], front: &Front) -> std::result::Result<Value, String> {
             let end = chat_end_field(&obj)?;
             let mut vars = front.defaults.template_vars.clone();
             template_vars_over(&mut vars, &obj)?;
-            tools_for_template(&mut vars, &Tools::list(&obj)?);
+            tools::for_template(&mut vars, &Tools::list(&obj)?);
             (front.tok.render_chat_to(&messages, &vars, end).map_err(|e| e.to_string())?, false)
         }
     };

@@ -36,7 +36,7 @@ pub struct Tools {
     pub parallel: bool,
 }
 
-/// How the server reads calls from an answer whose tool choice is `auto` (`--tool-call-parser`).
+/// How calls are read from an answer whose tool choice is `auto` (`--tool-call-parser`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Parser {
     /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one a call (Qwen2.5, Qwen3,
@@ -145,10 +145,11 @@ impl Tools {
                 return Err(format!("`tool_choice` names `{n}`, which is not among `tools`"))
             }
             ToolChoice::Auto if parser.is_none() => {
-                return Err("`tool_choice` auto (the default where `tools` are given): the server reads \
-                            calls from a model's text only when started with --tool-call-parser; ask for \
-                            `required` or a tool by name, or `none`"
-                    .into())
+                let how = "calls are read from a model's text only with --tool-call-parser";
+                return Err(format!(
+                    "`tool_choice` auto (the default where `tools` are given): {how}; ask for `required` \
+                     or a tool by name, or `none`"
+                ));
             }
             _ => {}
         }
@@ -191,6 +192,14 @@ impl Tools {
             ToolChoice::Named(_) => "stop",
             _ => "tool_calls",
         }
+    }
+}
+
+/// The chat template's `tools` (as HF's `apply_chat_template` passes them) where a request gives
+/// any, over those of the variables `vars` had.
+pub fn for_template(vars: &mut crate::tokenizer::TemplateVars, tools: &[Value]) {
+    if !tools.is_empty() {
+        vars.insert("tools".into(), Value::Array(tools.to_vec()));
     }
 }
 
@@ -757,7 +766,7 @@ mod tests {
             (json!({"tools": [weather()], "tool_choice": {"type": "function"}}), "`tool_choice` must be none, auto"),
             (json!({"tool_choice": "required"}), "`tool_choice` calls a tool, but `tools` gives none"),
             (json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "x"}}}), "`tool_choice` names `x`, which is not among `tools`"),
-            (json!({"tools": [weather()]}), "`tool_choice` auto (the default where `tools` are given): the server reads calls from a model's text only when started with --tool-call-parser"),
+            (json!({"tools": [weather()]}), "`tool_choice` auto (the default where `tools` are given): calls are read from a model's text only with --tool-call-parser"),
             (json!({"tools": [weather()], "parallel_tool_calls": 1}), "`parallel_tool_calls` must be true or false"),
         ] {
             let e = read(v.clone(), None).unwrap_err();

@@ -254,6 +254,7 @@ fn batched_prompts_equal_each_alone_and_sampling_agrees_up_to_near_ties() {
         params: SamplingParams::default(),
         rules: Default::default(),
         format: None,
+        tool_parser: None,
     };
     let specs = read_prompts(&file, &defaults).unwrap().split_off(TEXTS.len());
     let mut sampled_first: Option<Vec<Vec<u32>>> = None;
@@ -913,4 +914,64 @@ fn structured_output_holds_answers_to_their_schema_on_every_layout() {
             assert_eq!(c["drafted_tokens"], 0, "{layout:?}: a constrained sequence drafted: {c}");
         }
     }
+}
+
+/// Conversations with tools in a prompts file, on two tensor-parallel ranks, as serve gives
+/// them: `required` and a tool by name answer with calls whose arguments the tool's schema
+/// takes (`content` null, `tool_calls` OpenAI's), `auto` read by `--tool-call-parser hermes`
+/// gives the text before a call (held to one here) as its content, and a line without tools
+/// its text as content and no calls; the same through OpenAI's batch lines.
+#[test]
+fn prompts_file_conversations_call_tools() {
+    let dir = smollm2("bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("tools.jsonl");
+    let weather = serde_json::json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": false}}});
+    let chat = serde_json::json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let line = |more: Value| {
+        let mut l = serde_json::json!({"messages": chat, "tools": [weather], "max_tokens": 60});
+        l.as_object_mut().unwrap().extend(more.as_object().unwrap().clone());
+        l
+    };
+    let forced = "Sure\\.\n<tool_call>\n\\{\"name\": \"get_weather\", \"arguments\": \\{\"city\": \"[A-Z][a-z]+\"\\}\\}\n</tool_call>";
+    let lines = [
+        line(serde_json::json!({"tool_choice": "required"})),
+        line(serde_json::json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}})),
+        line(serde_json::json!({"structured_outputs": {"regex": forced}, "max_tokens": 80})),
+        serde_json::json!({"messages": chat, "max_tokens": 8}),
+        serde_json::json!({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+            "body": line(serde_json::json!({"tool_choice": "required"}))}),
+    ];
+    std::fs::write(&file, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let args = ["--prompts-file", path_str(&file), "--json", "--tool-call-parser", "hermes"];
+    let out = run_on(&dir, (1, 2), &args);
+    let r = out["results"].as_array().unwrap();
+    let city = |call: &Value| {
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            (&call["type"], &call["function"]["name"]),
+            (&serde_json::json!("function"), &serde_json::json!("get_weather"))
+        );
+        assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+        args["city"].as_str().unwrap().to_string()
+    };
+    for i in [0, 1, 4] {
+        assert!(r[i]["content"].is_null(), "{}", r[i]);
+        let calls = r[i]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty() && calls.iter().all(|c| !city(c).is_empty()), "{}", r[i]);
+    }
+    assert_eq!(r[1]["tool_calls"].as_array().map(Vec::len), Some(1));
+    // The same calls (their ids drawn anew).
+    let named = |v: &Value| -> Vec<Value> {
+        v["tool_calls"].as_array().unwrap().iter().map(|c| c["function"].clone()).collect()
+    };
+    assert_eq!((&r[4]["id"], named(&r[4])), (&serde_json::json!("b"), named(&r[0])));
+    assert_eq!(r[2]["content"], "Sure.\n", "{}", r[2]);
+    assert_eq!(r[2]["tool_calls"].as_array().map(Vec::len), Some(1), "{}", r[2]);
+    assert!((r[3]["tool_calls"].is_null() && r[3]["content"] == r[3]["text"]), "{}", r[3]);
+    // Without the parser, `auto` is refused naming it.
+    let out = gridlm(&["generate", "--model", path_str(&dir), "--prompts-file", path_str(&file), "--json"]);
+    assert_one_line_error(&out, &["tools.jsonl:3:", "--tool-call-parser"]);
 }
