@@ -1619,7 +1619,11 @@ fn run_generate(
     let texts: Vec<String> = done
         .iter()
         .zip(&trackers)
-        .map(|(c, t)| if t.stopped() { Ok(t.text().to_string()) } else { tok.decode(&c.token_ids) })
+        .map(|(c, t)| match t.kept_text(&tok)? {
+            Some(kept) => Ok(kept),
+            None if t.stopped() => Ok(t.text().to_string()),
+            None => tok.decode(&c.token_ids),
+        })
         .collect::<gridlm::Result<_>>()?;
     let layout = serde_json::json!({
         "pp": grid.pp,

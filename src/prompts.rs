@@ -725,6 +725,17 @@ impl TextTracker {
     pub fn text(&self) -> &str {
         &self.text
     }
+
+    /// The whole text of the tokens pushed, where it keeps special tokens' (which decoding
+    /// the tokens again would leave out): the text so far and, unless a stop ended it, what
+    /// its last tokens began; `None` where decoding the tokens gives it.
+    pub fn kept_text(&self, tok: &Tokenizer) -> Result<Option<String>> {
+        if !self.stream.keeps_special() {
+            return Ok(None);
+        }
+        let rest = if self.stopped() { String::new() } else { self.stream.rest(tok)? };
+        Ok(Some(format!("{}{rest}", self.text)))
+    }
 }
 
 #[cfg(test)]

@@ -614,7 +614,11 @@ impl Traffic for Served {
         let rest = if c.tracker.stopped() || c.error.is_some() {
             held.to_string()
         } else {
-            match self.tok.decode(&completion.token_ids) {
+            let all = match c.tracker.kept_text(&self.tok) {
+                Ok(Some(kept)) => Ok(kept),
+                _ => self.tok.decode(&completion.token_ids),
+            };
+            match all {
                 Ok(all) => all.strip_prefix(shown).unwrap_or(held).to_string(),
                 Err(_) => held.to_string(),
             }

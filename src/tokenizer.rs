@@ -528,6 +528,19 @@ impl StreamDecoder {
         StreamDecoder { keep, ..Default::default() }
     }
 
+    /// Whether it keeps the text of some special tokens.
+    pub fn keeps_special(&self) -> bool {
+        !self.keep.is_empty()
+    }
+
+    /// The text of the tokens pushed whose text has not come yet (the start of a character
+    /// the next token would complete), as decoding them all gives it.
+    pub fn rest(&self, tok: &Tokenizer) -> Result<String> {
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        Ok(now.strip_prefix(&before).unwrap_or_default().to_string())
+    }
+
     /// Adds a token; returns the new text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
@@ -664,6 +677,10 @@ mod tests {
         assert_eq!(stream(&t, tags, &ids).concat(), "Sure.<tool_call> call\u{FFFD}</tool_call> callé");
         assert_eq!(stream(&t, vec![], &ids).concat(), t.decode(&ids).unwrap());
         assert_eq!(t.decode(&ids).unwrap(), "Sure. call\u{FFFD} callé");
+        // What the last tokens began, as decoding them all gives it.
+        let mut d = StreamDecoder::keeping(vec![3, 4]);
+        let shown: String = [0, 3, 6].iter().filter_map(|&id| d.push(&t, id).unwrap()).collect();
+        assert_eq!((shown.as_str(), d.rest(&t).unwrap().as_str()), ("Sure<tool_call>", "\u{FFFD}"));
         // Tags that are plain added tokens are text already.
         let t = write(false);
         assert_eq!(t.special_ids(&["<tool_call>", "</tool_call>"]), Vec::<u32>::new());

@@ -974,4 +974,23 @@ fn prompts_file_conversations_call_tools() {
     // Without the parser, `auto` is refused naming it.
     let out = gridlm(&["generate", "--model", path_str(&dir), "--prompts-file", path_str(&file), "--json"]);
     assert_one_line_error(&out, &["tools.jsonl:3:", "--tool-call-parser"]);
+    // Hermes' tags as special tokens (3 and 4 of this copy's tokenizer), which decoded text
+    // leaves out: the text keeps them, so the call is read.
+    let tagged = with_special_tags(&dir);
+    let call = r#""\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n""#;
+    let grammar = format!(r#"start: "Sure." <[3]> {call} <[4]>"#);
+    let l = line(serde_json::json!({"structured_outputs": {"grammar": grammar}, "max_tokens": 80}));
+    std::fs::write(&file, format!("{l}\n")).unwrap();
+    let out = local(
+        1,
+        tagged.path(),
+        &["--prompts-file", path_str(&file), "--json", "--tool-call-parser", "hermes"],
+    );
+    let r = &json_of(&out)["results"][0];
+    assert_eq!(
+        (&r["content"], city(&r["tool_calls"][0])),
+        (&serde_json::json!("Sure."), "Paris".to_string()),
+        "{r}"
+    );
+    assert!(r["text"].as_str().unwrap().contains("<tool_call>"), "{r}");
 }

@@ -94,3 +94,36 @@ pub fn local_engine_on(
     let shard = Shard::load(dir, cfg, plan, quant).unwrap();
     gridlm::engine::Engine::new(shard, grid, threads, gridlm::weights::DType::F16).unwrap()
 }
+
+/// A folder of links to the files of model folder `dir`, but those named in `except`.
+pub fn linked_copy(dir: &Path, except: &[&str]) -> tempfile::TempDir {
+    let copy = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if !except.iter().any(|x| e.file_name() == *x) {
+            std::os::unix::fs::symlink(e.path(), copy.path().join(e.file_name())).unwrap();
+        }
+    }
+    copy
+}
+
+/// A copy of model folder `dir` (its other files linked) whose tokenizer has special tokens 3,
+/// 4 and 5 (SmolLM2's `<repo_name>`, `<reponame>`, `<file_sep>`) as the tool-call tags some
+/// models have as special tokens: `<tool_call>`, `</tool_call>` (Hermes 3), `<|python_tag|>`
+/// (Llama 3).
+pub fn with_special_tags(dir: &Path) -> tempfile::TempDir {
+    let copy = linked_copy(dir, &["tokenizer.json"]);
+    let mut t: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+    for (id, tag) in [(3, "<tool_call>"), (4, "</tool_call>"), (5, "<|python_tag|>")] {
+        let added = &mut t["added_tokens"][id];
+        assert_eq!((added["id"].as_u64(), added["special"].as_bool()), (Some(id as u64), Some(true)));
+        let was = added["content"].as_str().unwrap().to_string();
+        added["content"] = serde_json::json!(tag);
+        let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+        assert_eq!(vocab.remove(&was), Some(serde_json::json!(id)));
+        vocab.insert(tag.to_string(), serde_json::json!(id));
+    }
+    std::fs::write(copy.path().join("tokenizer.json"), t.to_string()).unwrap();
+    copy
+}

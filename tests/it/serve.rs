@@ -1133,18 +1133,6 @@ fn gathered(events: &[Value]) -> (String, Vec<(String, String, String)>, String)
     (text, calls, finish)
 }
 
-/// A folder of links to the files of model folder `dir`, but those named in `except`.
-fn linked_copy(dir: &Path, except: &[&str]) -> tempfile::TempDir {
-    let copy = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let e = e.unwrap();
-        if !except.iter().any(|x| e.file_name() == *x) {
-            std::os::unix::fs::symlink(e.path(), copy.path().join(e.file_name())).unwrap();
-        }
-    }
-    copy
-}
-
 /// `/v1/embeddings`: each input's embedding is the engine's own (the same prompt pooled the
 /// same way, alone on one rank, scaled to length 1), on two tensor-parallel ranks (pooled from
 /// the last position, the default) and on two stages (the mean, as the model folder's
@@ -1220,26 +1208,6 @@ fn serve_embeds_inputs_as_the_engine_pools_them() {
             assert!(status == 400 && got.starts_with(msg), "{body}: {status} {e}");
         }
     }
-}
-
-/// A copy of model folder `dir` (its other files linked) whose tokenizer has special tokens 3,
-/// 4 and 5 (SmolLM2's `<repo_name>`, `<reponame>`, `<file_sep>`) as the tool-call tags some
-/// models have as special tokens: `<tool_call>`, `</tool_call>` (Hermes 3), `<|python_tag|>`
-/// (Llama 3).
-fn with_special_tags(dir: &Path) -> tempfile::TempDir {
-    let copy = linked_copy(dir, &["tokenizer.json"]);
-    let mut t: Value = serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
-    for (id, tag) in [(3, "<tool_call>"), (4, "</tool_call>"), (5, "<|python_tag|>")] {
-        let added = &mut t["added_tokens"][id];
-        assert_eq!((added["id"].as_u64(), added["special"].as_bool()), (Some(id as u64), Some(true)));
-        let was = added["content"].as_str().unwrap().to_string();
-        added["content"] = json!(tag);
-        let vocab = t["model"]["vocab"].as_object_mut().unwrap();
-        assert_eq!(vocab.remove(&was), Some(json!(id)));
-        vocab.insert(tag.to_string(), json!(id));
-    }
-    std::fs::write(copy.path().join("tokenizer.json"), t.to_string()).unwrap();
-    copy
 }
 
 /// Tool calling in chat requests on two tensor-parallel ranks (server started with the hermes
