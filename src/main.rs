@@ -1579,7 +1579,8 @@ fn run_generate(
         .zip(readers())
         .map(|(p, r)| {
             let tags = r.map(|r| tok.special_ids(r.tags())).unwrap_or_default();
-            TextTracker::new(p.spec.stop.clone(), p.spec.keep_stop, &p.spec.rules).keeping(tags)
+            TextTracker::new(p.spec.stop.clone(), p.spec.keep_stop, &p.spec.rules)
+                .keeping(tags, !p.spec.skip_special)
         })
         .collect();
     // Locked per write, never across a step: a kernel thread that panics must not find it held.

@@ -52,6 +52,8 @@ pub struct PromptSpec {
     pub template_vars: TemplateVars,
     pub stop: Vec<String>,
     pub keep_stop: bool,
+    /// The text leaves out special tokens (vLLM's `skip_special_tokens`, true unless false).
+    pub skip_special: bool,
     pub params: SamplingParams,
     pub rules: TokenRules,
     pub format: Option<Format>,
@@ -86,7 +88,8 @@ const KEYS: [&str; 20] = [
 
 /// Keys of an answer's settings beyond sampling, which prompts-file lines and serve's requests
 /// both take and read alike ([`answer_fields`]).
-pub(crate) const ANSWER_KEYS: [&str; 10] = [
+pub(crate) const ANSWER_KEYS: [&str; 11] = [
+    "skip_special_tokens",
     "min_tokens",
     "stop_token_ids",
     "logit_bias",
@@ -208,15 +211,16 @@ pub(crate) fn template_vars_over(
 }
 
 /// The answer settings a JSON object gives ([`ANSWER_KEYS`]) over those given: whether the text
-/// keeps the stop string or token that ends it (`include_stop_str_in_output`), the token rules
-/// and the format.
+/// keeps the stop string or token that ends it (`include_stop_str_in_output`) and whether it
+/// leaves out special tokens (`skip_special_tokens`), the token rules and the format.
 pub(crate) fn answer_fields(
     obj: &serde_json::Map<String, serde_json::Value>,
-    keep_stop: &mut bool,
+    (keep_stop, skip_special): (&mut bool, &mut bool),
     rules: &mut TokenRules,
     format: &mut Option<Format>,
 ) -> std::result::Result<(), String> {
     *keep_stop = field(obj, "include_stop_str_in_output")?.unwrap_or(*keep_stop);
+    *skip_special = field(obj, "skip_special_tokens")?.unwrap_or(*skip_special);
     rules_fields(obj, rules)?;
     if let Some(f) = format_field(obj)? {
         *format = f;
@@ -348,6 +352,7 @@ impl Defaults {
             template_vars: self.template_vars.clone(),
             stop: self.stop.clone(),
             keep_stop: self.keep_stop,
+            skip_special: true,
             params,
             rules: self.rules.clone(),
             format: self.format.clone(),
@@ -440,7 +445,7 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             if let Some(stop) = stop_field(&obj)? {
                 s.stop = stop;
             }
-            answer_fields(&obj, &mut s.keep_stop, &mut s.rules, &mut s.format)?;
+            answer_fields(&obj, (&mut s.keep_stop, &mut s.skip_special), &mut s.rules, &mut s.format)?;
             s.tools = Tools::read(&obj, d.tool_parser)?;
             if let Some(calls) = s.tools.as_ref().and_then(Tools::format) {
                 if s.format.is_some() {
@@ -641,9 +646,10 @@ impl TextTracker {
         }
     }
 
-    /// The same, its text keeping the special tokens `ids` (a tool-call parser's tags).
-    pub fn keeping(mut self, ids: Vec<u32>) -> Self {
-        self.stream = StreamDecoder::keeping(ids);
+    /// The same, its text keeping the special tokens `ids` (a tool-call parser's tags), or
+    /// with `all` every special token's.
+    pub fn keeping(mut self, ids: Vec<u32>, all: bool) -> Self {
+        self.stream = StreamDecoder::keeping(ids, all);
         self
     }
 

@@ -67,6 +67,8 @@ pub struct Ask {
     pub stop: Vec<String>,
     /// The text keeps the stop string or token that ends it (`include_stop_str_in_output`).
     pub keep_stop: bool,
+    /// The text leaves out special tokens (`skip_special_tokens`, true unless false).
+    pub skip_special: bool,
     pub params: SamplingParams,
     /// Logit biases, stop tokens and least number of tokens.
     pub rules: TokenRules,
@@ -190,6 +192,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         ignore_eos: false,
         stop: Vec::new(),
         keep_stop: false,
+        skip_special: true,
         params: SamplingParams { seed: d.params.seed.wrapping_add(n), ..d.params.clone() },
         rules: TokenRules::default(),
         format: None,
@@ -262,7 +265,7 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
         return Err("`stop`: a stop string is empty".into());
     }
     sampling_fields(&obj, &mut ask.params)?;
-    answer_fields(&obj, &mut ask.keep_stop, &mut ask.rules, &mut ask.format)?;
+    answer_fields(&obj, (&mut ask.keep_stop, &mut ask.skip_special), &mut ask.rules, &mut ask.format)?;
     if let Some(calls) = ask.tools.as_ref().and_then(Tools::format) {
         if ask.format.is_some() {
             return Err("`tool_choice` holds the answer to a tool call, so it takes no other format \
@@ -472,8 +475,9 @@ pub struct Incoming {
     pub stop: Vec<String>,
     /// The text keeps the stop string or token that ends it.
     pub keep_stop: bool,
-    /// Special tokens the text keeps: the tags of the tool-call parser that reads it.
-    pub keep_special: Vec<u32>,
+    /// Special tokens the text keeps: the tags of the tool-call parser that reads it; or all
+    /// of them (`skip_special_tokens` false).
+    pub keep_special: (Vec<u32>, bool),
     /// Which of its HTTP request's completions it is (its events carry it).
     pub choice: usize,
     pub reply: Sender<(usize, Event)>,
@@ -543,7 +547,8 @@ impl Served {
 
     fn take(&mut self, inc: Incoming, into: &mut Vec<Request>) {
         let client = Client {
-            tracker: TextTracker::new(inc.stop, inc.keep_stop, &inc.request.rules).keeping(inc.keep_special),
+            tracker: TextTracker::new(inc.stop, inc.keep_stop, &inc.request.rules)
+                .keeping(inc.keep_special.0, inc.keep_special.1),
             choice: inc.choice,
             reply: inc.reply,
             listener: inc.listener,
@@ -1266,7 +1271,7 @@ fn answer(mut req: http::Request, front: &Front) {
                 request,
                 stop: ask.stop.clone(),
                 keep_stop: ask.keep_stop,
-                keep_special: tags.clone(),
+                keep_special: (tags.clone(), !ask.skip_special),
                 choice: i * ask.n + j,
                 reply: reply.clone(),
                 listener: Arc::downgrade(&events.listening),
@@ -1386,7 +1391,7 @@ fn embed(mut req: http::Request, front: &Front, url: &str, t0: Instant) {
             request,
             stop: Vec::new(),
             keep_stop: false,
-            keep_special: Vec::new(),
+            keep_special: (Vec::new(), false),
             choice: i,
             reply: reply.clone(),
             listener: Arc::downgrade(&events.listening),

@@ -520,35 +520,43 @@ pub struct StreamDecoder {
     read: usize,
     /// Special tokens whose text the text keeps (others are left out).
     keep: Vec<u32>,
+    /// The text keeps every special token's.
+    all: bool,
 }
 
 impl StreamDecoder {
-    /// A decoder keeping the text of special tokens `keep` (see [`Tokenizer::special_ids`]).
-    pub fn keeping(keep: Vec<u32>) -> Self {
-        StreamDecoder { keep, ..Default::default() }
+    /// A decoder keeping the text of special tokens `keep` (see [`Tokenizer::special_ids`]),
+    /// or with `all` of every special token (vLLM's `skip_special_tokens` false).
+    pub fn keeping(keep: Vec<u32>, all: bool) -> Self {
+        StreamDecoder { keep, all, ..Default::default() }
     }
 
     /// Whether it keeps the text of some special tokens.
     pub fn keeps_special(&self) -> bool {
-        !self.keep.is_empty()
+        self.all || !self.keep.is_empty()
+    }
+
+    /// The text of `ids` as this decoder decodes (special tokens left out unless all kept).
+    fn decode(&self, tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+        tok.decode_as(ids, !self.all)
     }
 
     /// The text of the tokens pushed whose text has not come yet (the start of a character
     /// the next token would complete), as decoding them all gives it.
     pub fn rest(&self, tok: &Tokenizer) -> Result<String> {
-        let before = tok.decode(&self.ids[self.prefix..self.read])?;
-        let now = tok.decode(&self.ids[self.prefix..])?;
+        let before = self.decode(tok, &self.ids[self.prefix..self.read])?;
+        let now = self.decode(tok, &self.ids[self.prefix..])?;
         Ok(now.strip_prefix(&before).unwrap_or_default().to_string())
     }
 
     /// Adds a token; returns the new text it completes, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let before = tok.decode(&self.ids[self.prefix..self.read])?;
-        let now = tok.decode(&self.ids[self.prefix..])?;
+        let before = self.decode(tok, &self.ids[self.prefix..self.read])?;
+        let now = self.decode(tok, &self.ids[self.prefix..])?;
         let piece =
             |now: &str| if now.starts_with(&before) { now[before.len()..].to_string() } else { now.into() };
-        if self.keep.contains(&id) {
+        if !self.all && self.keep.contains(&id) {
             // A kept special token: the text before it (all of it, a character cut short
             // there as decoding the whole gives it), then its own. The window still begins
             // before it, so the next token's text is what it is after those before it (a
@@ -661,7 +669,7 @@ mod tests {
             Tokenizer::from_dir(dir.path()).unwrap()
         };
         let stream = |t: &Tokenizer, keep: Vec<u32>, ids: &[u32]| {
-            let mut d = StreamDecoder::keeping(keep);
+            let mut d = StreamDecoder::keeping(keep, false);
             let pieces: Vec<String> = ids.iter().filter_map(|&id| d.push(t, id).unwrap()).collect();
             pieces
         };
@@ -678,7 +686,7 @@ mod tests {
         assert_eq!(stream(&t, vec![], &ids).concat(), t.decode(&ids).unwrap());
         assert_eq!(t.decode(&ids).unwrap(), "Sure. call\u{FFFD} callé");
         // What the last tokens began, as decoding them all gives it.
-        let mut d = StreamDecoder::keeping(vec![3, 4]);
+        let mut d = StreamDecoder::keeping(vec![3, 4], false);
         let shown: String = [0, 3, 6].iter().filter_map(|&id| d.push(&t, id).unwrap()).collect();
         assert_eq!((shown.as_str(), d.rest(&t).unwrap().as_str()), ("Sure<tool_call>", "\u{FFFD}"));
         // Tags that are plain added tokens are text already.

@@ -880,10 +880,10 @@ fn a_request_whose_client_left_while_it_waited_never_runs() {
     assert!(log.contains(" 499: ") && log.contains("the client went away, streamed"), "{log}");
 }
 
-/// Token rules (`logit_bias`, `min_tokens`, `stop_token_ids`) in chat requests, whole and
-/// streamed, on two tensor-parallel ranks: the answers and finish reasons `generate` gives the
-/// same requests as prompts-file lines; rules that do not fit the vocabulary or `max_tokens`
-/// are refused by name.
+/// Token rules (`logit_bias`, `min_tokens`, `stop_token_ids`) and `skip_special_tokens` in chat
+/// requests, whole and streamed, on two tensor-parallel ranks: the answers and finish reasons
+/// `generate` gives the same requests as prompts-file lines; rules that do not fit the vocabulary
+/// or `max_tokens` are refused by name.
 #[test]
 fn serve_takes_token_rules_as_generate() {
     let dir = smollm2("bf16");
@@ -893,8 +893,15 @@ fn serve_takes_token_rules_as_generate() {
         json!({"messages": chat, "max_tokens": 34, "min_tokens": 30}),
         json!({"messages": chat, "max_tokens": 48, "stop_token_ids": [282]}),
         json!({"messages": chat, "max_tokens": 48, "stop": ["!", "?"], "include_stop_str_in_output": true}),
+        // A special token (SmolLM2's 3, `<repo_name>`, held to by a grammar) left out of the
+        // text, and kept (vLLM's `skip_special_tokens`).
+        json!({"messages": chat, "max_tokens": 9, "structured_outputs": {"grammar": "start: \"Hi\" <[3]> \" there\""}}),
+        json!({"messages": chat, "max_tokens": 9, "structured_outputs": {"grammar": "start: \"Hi\" <[3]> \" there\""},
+            "skip_special_tokens": false}),
     ];
     let g = generate_lines_on_two_tp_ranks(&dir, &requests);
+    let texts: Vec<&Value> = g["results"].as_array().unwrap()[4..].iter().map(|r| &r["text"]).collect();
+    assert_eq!(texts, [&json!("Hi there"), &json!("Hi<repo_name> there")]);
     let server = Server::start(2, &dir, &["--tp", "2"]);
     for (request, r) in requests.iter().zip(g["results"].as_array().unwrap()) {
         let (status, v) = server.post("/v1/chat/completions", request);
