@@ -1428,6 +1428,9 @@ fn prepare_prompts(
                 Some(f) => gridlm::Error::Input(format!("{}:{}: {e}", f.display(), spec.line)),
                 None => gridlm::Error::Input(e),
             };
+            if spec.embedding && a.embed.is_none() {
+                return Err(at("an embeddings request (`url` /v1/embeddings) needs --embed POOLING".into()));
+            }
             spec.rules.check(vocab, spec.max_tokens).map_err(|e| match file {
                 Some(_) => at(format!("`{}", e.replacen(' ', "` ", 1))),
                 None => {

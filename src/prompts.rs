@@ -60,6 +60,8 @@ pub struct PromptSpec {
     /// A conversation's tools and how the answer may call them (`tools`, `tool_choice`,
     /// `parallel_tool_calls`, as in serve's chat requests).
     pub tools: Option<Tools>,
+    /// The line is an embeddings request (OpenAI's batch input to `/v1/embeddings`).
+    pub embedding: bool,
 }
 
 /// Keys a JSONL line may have (and [`ANSWER_KEYS`]).
@@ -357,6 +359,7 @@ impl Defaults {
             rules: self.rules.clone(),
             format: self.format.clone(),
             tools: None,
+            embedding: false,
         }
     }
 }
@@ -418,8 +421,8 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
         let obj: serde_json::Map<String, serde_json::Value> =
             serde_json::from_str(l).map_err(|e| at(format!("not a prompt object: {e}")))?;
         // OpenAI's batch input: the request's body, and whether it is a chat.
-        let (obj, batch_chat) = if obj.contains_key("body") {
-            batch_request(obj).map(|(o, chat)| (o, Some(chat))).map_err(at)?
+        let (obj, batch) = if obj.contains_key("body") {
+            batch_request(obj).map(|(o, url)| (o, Some(url))).map_err(at)?
         } else {
             (obj, None)
         };
@@ -461,10 +464,12 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             sampling_fields(&obj, &mut s.params)
         };
         get(&mut s).map_err(at)?;
-        if batch_chat == Some(false) {
-            // A completion request's prompt goes to the model as it is.
+        if matches!(batch, Some(Endpoint::Completion | Endpoint::Embedding)) {
+            // A completion request's prompt (an embeddings request's input) goes to the model as
+            // it is.
             (s.chat, s.system) = (false, None);
         }
+        s.embedding = batch == Some(Endpoint::Embedding);
         if s.stop.iter().any(String::is_empty) {
             return Err(at("a stop string is empty".into()));
         }
@@ -498,13 +503,22 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
     Ok(out)
 }
 
-/// A line of OpenAI's batch input (`custom_id`, `method` POST, `url` `/v1/chat/completions`
-/// or `/v1/completions`, `body` the request) as the prompt line it asks for: `custom_id` as
-/// `id`, the body's keys as a line's (`max_completion_tokens` as `max_tokens`; `model` and an
-/// `n` of 1 asking nothing), and whether it is a chat (the chat endpoint's).
+/// The endpoint a line of OpenAI's batch input asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completion,
+    Embedding,
+}
+
+/// A line of OpenAI's batch input (`custom_id`, `method` POST, `url` `/v1/chat/completions`,
+/// `/v1/completions` or `/v1/embeddings`, `body` the request) as the prompt line it asks for:
+/// `custom_id` as `id`, the body's keys as a line's (`max_completion_tokens` as `max_tokens`;
+/// an embeddings request's one text `input` as `prompt`; `model` and an `n` of 1 asking
+/// nothing), and its endpoint.
 fn batch_request(
     mut obj: serde_json::Map<String, serde_json::Value>,
-) -> std::result::Result<(serde_json::Map<String, serde_json::Value>, bool), String> {
+) -> std::result::Result<(serde_json::Map<String, serde_json::Value>, Endpoint), String> {
     use serde_json::Value;
     const BATCH: [&str; 4] = ["custom_id", "method", "url", "body"];
     if let Some(k) = obj.keys().find(|k| !BATCH.contains(&k.as_str())) {
@@ -513,18 +527,37 @@ fn batch_request(
     if let Some(m) = obj.get("method").filter(|m| m.as_str() != Some("POST")) {
         return Err(format!("`method` {m}: a batch request is a POST"));
     }
-    let chat = match obj.get("url").and_then(Value::as_str) {
-        Some("/v1/chat/completions") => true,
-        Some("/v1/completions") => false,
+    let endpoint = match obj.get("url").and_then(Value::as_str) {
+        Some("/v1/chat/completions") => Endpoint::Chat,
+        Some("/v1/completions") => Endpoint::Completion,
+        Some("/v1/embeddings") => Endpoint::Embedding,
         url => {
             let got = url.map_or_else(|| "is missing".to_string(), |u| format!("is {u}"));
-            return Err(format!("`url` {got}: a prompts file takes /v1/chat/completions or /v1/completions"));
+            return Err(format!(
+                "`url` {got}: a prompts file takes /v1/chat/completions, /v1/completions or /v1/embeddings"
+            ));
         }
     };
+    let chat = endpoint == Endpoint::Chat;
     let Some(Value::Object(mut body)) = obj.remove("body") else {
         return Err("`body` must be a request object".into());
     };
     body.remove("model");
+    if endpoint == Endpoint::Embedding {
+        // One text, its embedding in floats (generate --embed says how it is pooled and scaled).
+        body.remove("user");
+        if let Some(f) = body.remove("encoding_format").filter(|f| f != "float") {
+            return Err(format!("`body.encoding_format` {f}: a prompts file's results give floats"));
+        }
+        match body.remove("input") {
+            Some(Value::String(t)) => _ = body.insert("prompt".into(), Value::String(t)),
+            Some(_) => return Err("`body.input`: a line's input is one text".into()),
+            None => return Err("`body.input` is missing".into()),
+        }
+        if let Some(k) = body.keys().find(|k| *k != "prompt") {
+            return Err(format!("`body.{k}`: an embeddings request's setting a prompts file does not take"));
+        }
+    }
     if let Some(n) = body.remove("n").filter(|n| n.as_u64() != Some(1)) {
         return Err(format!("`body.n` {n}: a line gives one completion"));
     }
@@ -548,7 +581,7 @@ fn batch_request(
     if let Some(id) = obj.remove("custom_id") {
         body.insert("id".into(), id);
     }
-    Ok((body, chat))
+    Ok((body, endpoint))
 }
 
 /// The prompts file's `bytes` as text; else an error naming the line and byte that are not
@@ -963,12 +996,29 @@ mod tests {
             (Some(serde_json::json!("r2")), false, None)
         );
         assert_eq!((p[1].text.as_str(), p[1].max_tokens, p[1].stop.clone()), ("b", 4, vec!["x".to_string()]));
+        // An embeddings request: its input as the prompt, as it is.
+        let embed_line = r#"{"custom_id":"e","method":"POST","url":"/v1/embeddings","body":{"model":"m","input":"c d","encoding_format":"float","user":"u"}}"#;
+        std::fs::write(&jl, format!("{embed_line}\n")).unwrap();
+        let p = read_prompts(&jl, &chat).unwrap();
+        assert_eq!(
+            (p[0].text.as_str(), p[0].chat, p[0].embedding, &p[0].id),
+            ("c d", false, true, &Some(serde_json::json!("e")))
+        );
         let line = |url: &str, body: &str| {
             format!(r#"{{"custom_id":"c","method":"POST","url":"{url}","body":{body}}}"#)
         };
         let (c, t) = ("/v1/chat/completions", "/v1/completions");
         for (line, want) in [
-            (line("/v1/embeddings", r#"{"input":"x"}"#), "`url` is /v1/embeddings"),
+            (line("/v1/audio/speech", r#"{"input":"x"}"#), "`url` is /v1/audio/speech"),
+            (line("/v1/embeddings", r#"{"input":["x","y"]}"#), "`body.input`: a line's input is one text"),
+            (
+                line("/v1/embeddings", r#"{"input":"x","dimensions":8}"#),
+                "`body.dimensions`: an embeddings request's",
+            ),
+            (
+                line("/v1/embeddings", r#"{"input":"x","encoding_format":"base64"}"#),
+                "`body.encoding_format` \"base64\"",
+            ),
             (line(t, r#"{"prompt":"x","n":2}"#), "`body.n` 2: a line gives one completion"),
             (line(t, r#"{"prompt":["x","y"]}"#), "`body.prompt`: a line's prompt is one string"),
             (line(t, r#"{"messages":[]}"#), "`body.messages` belongs to /v1/chat/completions"),

@@ -994,3 +994,36 @@ fn prompts_file_conversations_call_tools() {
     );
     assert!(r["text"].as_str().unwrap().contains("<tool_call>"), "{r}");
 }
+
+/// OpenAI's batch input to `/v1/embeddings` in a prompts file: with `--embed` each line's
+/// input gets its embedding (the same as the same text on a plain line, of length 1 with
+/// `--normalize`); without `--embed` the line is one error line naming it.
+#[test]
+fn batch_lines_of_embeddings_requests() {
+    let dir = smollm2("bf16");
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("embed.jsonl");
+    let text = "The cat sat on the mat.";
+    let lines = [
+        serde_json::json!({"custom_id": "e1", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "m", "input": text, "encoding_format": "float"}}),
+        serde_json::json!({"prompt": text}),
+    ];
+    std::fs::write(&file, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let args = ["--prompts-file", path_str(&file), "--json", "--embed", "mean", "--normalize"];
+    let out = run_on(&dir, (1, 2), &args);
+    let r = out["results"].as_array().unwrap();
+    let e: Vec<Vec<f64>> = r
+        .iter()
+        .map(|r| r["embedding"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect())
+        .collect();
+    assert_eq!(
+        (&r[0]["id"], e[0].len(), &r[0]["token_ids"]),
+        (&serde_json::json!("e1"), 576, &serde_json::json!([]))
+    );
+    assert_eq!(e[0], e[1]);
+    let length = e[0].iter().map(|v| v * v).sum::<f64>().sqrt();
+    assert!((length - 1.0).abs() < 1e-5, "{length}");
+    let out = gridlm(&["generate", "--model", path_str(&dir), "--prompts-file", path_str(&file), "--json"]);
+    assert_one_line_error(&out, &["embed.jsonl:1:", "needs --embed POOLING"]);
+}
