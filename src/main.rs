@@ -1687,9 +1687,8 @@ fn run_generate(
         .zip(&texts)
         .map(|(r, text)| {
             let (content, calls) = gridlm::tools::read_whole(&mut r?, text);
-            let calls = calls.into_iter().map(|(id, name, arguments)| {
-                serde_json::json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
-            });
+            let calls =
+                calls.iter().map(|(id, name, arguments)| gridlm::tools::call_json(id, name, arguments));
             Some((content, calls.collect()))
         })
         .collect();

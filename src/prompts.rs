@@ -450,15 +450,8 @@ pub fn read_prompts(path: &Path, d: &Defaults) -> Result<Vec<PromptSpec>> {
             }
             answer_fields(&obj, (&mut s.keep_stop, &mut s.skip_special), &mut s.rules, &mut s.format)?;
             s.tools = Tools::read(&obj, d.tool_parser)?;
-            if let Some(calls) = s.tools.as_ref().and_then(Tools::format) {
-                if s.format.is_some() {
-                    return Err(
-                        "`tool_choice` holds the answer to a tool call, so it takes no other format \
-                                (`response_format`, `structured_outputs`, --response-format)"
-                            .into(),
-                    );
-                }
-                s.format = Some(calls);
+            if let Some(t) = &s.tools {
+                t.held_format(&mut s.format, "`response_format`, `structured_outputs`, --response-format")?;
             }
             crate::tools::for_template(&mut s.template_vars, s.tools.as_ref().map_or(&[], |t| &t.list));
             sampling_fields(&obj, &mut s.params)

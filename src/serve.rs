@@ -266,13 +266,8 @@ pub fn parse(kind: Kind, body: &[u8], d: &Defaults, n: u64) -> std::result::Resu
     }
     sampling_fields(&obj, &mut ask.params)?;
     answer_fields(&obj, (&mut ask.keep_stop, &mut ask.skip_special), &mut ask.rules, &mut ask.format)?;
-    if let Some(calls) = ask.tools.as_ref().and_then(Tools::format) {
-        if ask.format.is_some() {
-            return Err("`tool_choice` holds the answer to a tool call, so it takes no other format \
-                        (`response_format`, `text.format`, `structured_outputs`)"
-                .into());
-        }
-        ask.format = Some(calls);
+    if let Some(t) = &ask.tools {
+        t.held_format(&mut ask.format, "`response_format`, `text.format`, `structured_outputs`")?;
     }
     // Settings gridlm does not carry out are refused unless they ask for nothing.
     ask.n = field::<usize>(&obj, "n")?.unwrap_or(1);
@@ -1356,27 +1351,13 @@ fn embed(mut req: http::Request, front: &Front, url: &str, t0: Instant) {
         Ok(p) => *p,
         Err(e) => return refuse(front, req, url, 400, &format!("embeddings are not available: {e}")),
     };
-    let many = ask.input.len() > 1;
-    let at = |i: usize, e: String| if many { format!("`input[{i}]`: {e}") } else { format!("`input`: {e}") };
     let ids: std::result::Result<Vec<Vec<u32>>, String> = match &ask.input {
         embeddings::Input::Texts(t) => {
             t.iter().map(|t| front.tok.encode(t, true).map_err(|e| e.to_string())).collect()
         }
         embeddings::Input::Ids(ids) => Ok(ids.clone()),
     };
-    let checked = ids.and_then(|ids| {
-        for (i, p) in ids.iter().enumerate() {
-            if let Some(t) = p.iter().find(|&&t| t as usize >= front.vocab) {
-                return Err(at(
-                    i,
-                    format!("token id {t} is outside the vocabulary ({} tokens)", front.vocab),
-                ));
-            }
-            check_prompt(p.len(), front.context).map_err(|e| at(i, e.to_string()))?;
-        }
-        Ok(ids)
-    });
-    let prompts = match checked {
+    let prompts = match ids.and_then(|ids| checked_ids("input", ids, front)) {
         Ok(p) => p,
         Err(e) => return refuse(front, req, url, 400, &e),
     };
@@ -1436,17 +1417,8 @@ fn embed(mut req: http::Request, front: &Front, url: &str, t0: Instant) {
 
 /// Each prompt's token ids, checked against the context.
 fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, String> {
-    let many = ask.token_prompts.len() > 1;
     if !ask.token_prompts.is_empty() {
-        let checked = ask.token_prompts.iter().enumerate().map(|(i, ids)| {
-            let at = |e: String| if many { format!("`prompt[{i}]`: {e}") } else { format!("`prompt`: {e}") };
-            if let Some(t) = ids.iter().find(|&&t| t as usize >= front.vocab) {
-                return Err(at(format!("token id {t} is outside the vocabulary ({} tokens)", front.vocab)));
-            }
-            check_prompt(ids.len(), front.context).map_err(|e| at(e.to_string()))?;
-            Ok(ids.clone())
-        });
-        return checked.collect();
+        return checked_ids("prompt", ask.token_prompts.clone(), front);
     }
     let texts: Vec<(String, bool)> = match ask.kind {
         Kind::Completion => ask.prompts.iter().map(|p| (p.clone(), true)).collect(),
@@ -1469,6 +1441,24 @@ fn prompt_ids(ask: &Ask, front: &Front) -> std::result::Result<Vec<Vec<u32>>, St
             Ok(ids)
         })
         .collect()
+}
+
+/// Prompts of token ids, each checked against the vocabulary and the context; the error names
+/// the prompt by the request's `key` (`key[i]` where there are several).
+fn checked_ids(
+    key: &str,
+    prompts: Vec<Vec<u32>>,
+    front: &Front,
+) -> std::result::Result<Vec<Vec<u32>>, String> {
+    let many = prompts.len() > 1;
+    for (i, ids) in prompts.iter().enumerate() {
+        let at = |e: String| if many { format!("`{key}[{i}]`: {e}") } else { format!("`{key}`: {e}") };
+        if let Some(t) = ids.iter().find(|&&t| t as usize >= front.vocab) {
+            return Err(at(format!("token id {t} is outside the vocabulary ({} tokens)", front.vocab)));
+        }
+        check_prompt(ids.len(), front.context).map_err(|e| at(e.to_string()))?;
+    }
+    Ok(prompts)
 }
 
 /// How a request's completions ended, and the tokens they brought together.
@@ -1718,12 +1708,8 @@ impl Head<'_> {
         }
         let m = &mut choice["message"];
         m["content"] = json!(content);
-        m["tool_calls"] = calls
-            .into_iter()
-            .map(|(id, name, arguments)| {
-                json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
-            })
-            .collect();
+        m["tool_calls"] =
+            calls.iter().map(|(id, name, arguments)| tools::call_json(id, name, arguments)).collect();
         self.ended_for_calls(choice);
     }
 
@@ -2176,9 +2162,9 @@ impl Sse {
         for p in pieces {
             match p {
                 Piece::Text(t) => content.push_str(&t),
-                Piece::Call { index: at, id, name, arguments } => calls.push(
-                    json!({"index": at, "id": id, "type": "function", "function": {"name": name, "arguments": arguments}}),
-                ),
+                Piece::Call { index: at, id, name, arguments } => {
+                    calls.push(with(json!({"index": at}), tools::call_json(&id, &name, &arguments)))
+                }
                 Piece::Arguments { index: at, text } => {
                     calls.push(json!({"index": at, "function": {"arguments": text}}))
                 }

@@ -185,6 +185,21 @@ impl Tools {
         }
     }
 
+    /// The answer's format (`format`, none where the request gives none) with these tools:
+    /// where the choice holds the answer to calls ([`Tools::format`]), theirs, and then a
+    /// format given beside them (by one of `keys`) is refused.
+    pub fn held_format(&self, format: &mut Option<Format>, keys: &str) -> Result<(), String> {
+        if let Some(calls) = self.format() {
+            if format.is_some() {
+                return Err(format!(
+                    "`tool_choice` holds the answer to a tool call, so it takes no other format ({keys})"
+                ));
+            }
+            *format = Some(calls);
+        }
+        Ok(())
+    }
+
     /// The `finish_reason` of an answer that made calls: `tool_calls`, but `stop` for a tool
     /// called by name (as OpenAI and vLLM give it).
     pub fn finish_reason(&self) -> &'static str {
@@ -201,6 +216,12 @@ pub fn for_template(vars: &mut crate::tokenizer::TemplateVars, tools: &[Value]) 
     if !tools.is_empty() {
         vars.insert("tools".into(), Value::Array(tools.to_vec()));
     }
+}
+
+/// A call as OpenAI's `tool_calls` give it: its id, `type` function, and the tool's name and
+/// the arguments' JSON text.
+pub fn call_json(id: &str, name: &str, arguments: &str) -> Value {
+    json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
 }
 
 /// The keys of a function tool in the Responses API, beside its `type`.

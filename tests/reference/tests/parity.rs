@@ -94,6 +94,16 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&l| l as f64 - lse).collect()
 }
 
+/// [`generate`] with `args` on one rank where `grid` (among `args`) is empty, else on two local
+/// ranks.
+fn generate_on_grid(dir: &Path, grid: &[&str], args: &[&str]) -> Run {
+    if grid.is_empty() {
+        generate(dir, args)
+    } else {
+        generate_on(&["local", "2"], dir, args)
+    }
+}
+
 /// `generate --embed` (a prompt's last hidden states, after the final norm, pooled) against
 /// candle's Llama on one rank, two tensor-parallel ranks and two stages, the prompt run in one
 /// chunk and in two (16 and 4 positions). SmolLM2 ties its output head to its embedding matrix E,
@@ -120,11 +130,7 @@ fn smollm2_embeddings_match_candle() {
                 vec!["--prompt", prompt, "--embed", pooling, "--step-tokens", chunk, "--threads", "1"];
             args.extend(KV_F32);
             args.extend(grid);
-            let run = if grid.is_empty() {
-                generate(&dir, &args)
-            } else {
-                generate_on(&["local", "2"], &dir, &args)
-            };
+            let run = generate_on_grid(&dir, grid, &args);
             let ids = &run.prompt_ids;
             // candle's logits at each position: after the first token, then after each next one.
             let along = theirs.get_or_insert_with(|| {
@@ -175,11 +181,7 @@ fn smollm2_logprobs_match_candle() {
             args.extend(KV_F32);
             args.extend(extra);
             args.extend(grid);
-            let run = if grid.is_empty() {
-                generate(&dir, &args)
-            } else {
-                generate_on(&["local", "2"], &dir, &args)
-            };
+            let run = generate_on_grid(&dir, grid, &args);
             let lps = run.json["logprobs"].as_array().expect("a logprobs list");
             assert_eq!(lps.len(), run.token_ids.len(), "{how} {grid:?}: one entry a token");
             // candle along these tokens (the same for every grid of one way).
